@@ -1,0 +1,1 @@
+"""The node agent: torch's LocalElasticAgent plus failure classification, policy and events."""

@@ -1,0 +1,305 @@
+"""The node agent: torch's ``LocalElasticAgent`` with a failure policy, an event log and
+collaborators.
+
+It overrides only torch's hooks. The run loop (``_invoke_run``) is torch's loop with the
+restart branch replaced: every failure is classified (:mod:`elasticft.agent.classify`), the
+pure policy (:mod:`elasticft.agent.policy`) decides, and the decision and its reason go to the
+log and the event log. It also fixes what torch 2.13 gets wrong on restart: restarts honour
+``--shutdown-timeout`` and a group that ends unhealthy is reported as failed, never as success.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
+
+from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
+from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
+from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
+from elasticft.config import ElasticftConfig
+from elasticft.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+# Worker variables elasticft adds to torch's (documented in the README).
+WORKER_ENV_NAMES = frozenset(
+    {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND", "ELASTICFT_ATTEMPT"}
+)
+_STEADY_AFTER_S = 2.0
+
+
+class ElasticftAgent(LocalElasticAgent):
+    """A ``LocalElasticAgent`` whose failure handling is decided by :func:`policy.decide`."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        *,
+        options: ElasticftConfig,
+        events: EventLog,
+        node_id: str,
+        run_dir: Path,
+        collaborators: Sequence[AgentCollaborator] = (),
+        start_method: str = "spawn",
+        exit_barrier_timeout: float = 300,
+        log_line_prefix_template: str | None = None,
+        shutdown_timeout: int = 30,
+    ) -> None:
+        super().__init__(
+            spec,
+            logs_specs,
+            start_method=start_method,
+            exit_barrier_timeout=exit_barrier_timeout,
+            log_line_prefix_template=log_line_prefix_template,
+            shutdown_timeout=shutdown_timeout,
+        )
+        self.options = options
+        self.events = events
+        self.node_id = node_id
+        self.run_dir = run_dir
+        self.collaborators = tuple(collaborators)
+        self.final_action: Action | None = None
+        """The decision that ended the run (None when it succeeded)."""
+        self.failures: list[FailureRecord] = []
+        """Every classified failure of this run, oldest first."""
+        self.restarts = 0
+        self._user_error_restarts = 0
+        self._attempt = 0
+        self._round = -1
+        self._started_at = 0.0
+        self._steady_reported = False
+        self._detection: Detection | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # What the collaborators see.
+
+    def group_info(self) -> GroupInfo:
+        wg = self._worker_group
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        return GroupInfo(
+            run_id=wg.spec.rdzv_handler.get_run_id(),
+            node_id=self.node_id,
+            run_dir=self.run_dir,
+            round=self._round,
+            group_rank=wg.group_rank if wg.group_rank is not None else -1,
+            group_world_size=wg.group_world_size if wg.group_world_size is not None else 0,
+            restart_count=self._attempt,
+            workers=tuple(
+                WorkerInfo(w.local_rank, w.global_rank, w.world_size, pids.get(w.local_rank))
+                for w in wg.workers
+            ),
+            master_addr=wg.master_addr or "",
+            master_port=wg.master_port or 0,
+        )
+
+    def _each_collaborator(self, hook: str, *args: Any) -> list[Any]:
+        results = []
+        for collaborator in self.collaborators:
+            try:
+                results.append(getattr(collaborator, hook)(*args))
+            except Exception:
+                # A collaborator is an add-on: its failure must never cost the training run.
+                logger.exception("collaborator %s failed in %s", type(collaborator).__name__, hook)
+        return results
+
+    # ------------------------------------------------------------------------------------------
+    # torch's hooks.
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        state_holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
+        state = getattr(state_holder, "state", None)
+        self._round = getattr(state, "round", self._round + 1)
+        self.events.emit(
+            "rendezvous",
+            round=self._round,
+            group_rank=worker_group.group_rank,
+            group_world_size=worker_group.group_world_size,
+            master_addr=worker_group.master_addr,
+            master_port=worker_group.master_port,
+        )
+
+    def _set_local_rank_env(
+        self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
+    ) -> None:
+        super()._set_local_rank_env(worker_env, local_rank, spec)
+        worker_env["ELASTICFT_RUN_DIR"] = str(self.run_dir)
+        worker_env["ELASTICFT_NODE_ID"] = self.node_id
+        worker_env["ELASTICFT_ROUND"] = str(self._round)
+        worker_env["ELASTICFT_ATTEMPT"] = str(self._attempt)
+        group = self.group_info()
+        worker = next(w for w in group.workers if w.local_rank == local_rank)
+        for extra in self._each_collaborator("worker_env", group, worker):
+            worker_env.update(extra or {})
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        self._started_at = time.monotonic()
+        self._steady_reported = False
+        group = self.group_info()
+        self.events.emit(
+            "workers_started",
+            attempt=self._attempt,
+            round=self._round,
+            pids={str(w.global_rank): w.pid for w in group.workers},
+            local_ranks={str(w.global_rank): w.local_rank for w in group.workers},
+            world_size=group.workers[0].world_size if group.workers else 0,
+        )
+        self._each_collaborator("on_workers_started", group)
+        return pids
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
+        self._shutdown(timeout=self._shutdown_timeout)
+        self._each_collaborator("on_workers_stopped", self.group_info())
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state != WorkerState.HEALTHY:
+            return result
+        group = self.group_info()
+        if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
+            self._steady_reported = True
+            self.events.emit("steady", attempt=self._attempt, round=self._round)
+        for detection in self._each_collaborator("check", group):
+            if detection is not None:
+                self._detection = detection
+                return RunResult(state=WorkerState.UNHEALTHY)
+        return result
+
+    # ------------------------------------------------------------------------------------------
+    # The run loop, with torch's restart branch replaced by the policy.
+
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        spec = self._worker_group.spec
+        self._initialize_workers(self._worker_group)
+        while True:
+            time.sleep(spec.monitor_interval)
+            run_result = self._monitor_workers(self._worker_group)
+            state = run_result.state
+            self._worker_group.state = state
+            if state == WorkerState.SUCCEEDED:
+                self.events.emit("workers_succeeded", attempt=self._attempt)
+                self._each_collaborator("on_workers_stopped", self.group_info())
+                self._exit_barrier()
+                return run_result
+            if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+                action = self._handle_failure(run_result)
+                if action.kind is ActionKind.RESTART_IN_PLACE:
+                    self._restart(cause=action.reason)
+                    continue
+                self._stop_workers(self._worker_group)
+                self._worker_group.state = WorkerState.FAILED
+                self.final_action = action
+                return self._failed_result(run_result)
+            if state == WorkerState.HEALTHY:
+                waiting = spec.rdzv_handler.num_nodes_waiting()
+                if waiting > 0:
+                    # Membership changes are not failures and do not use up restarts.
+                    logger.info("%d node(s) waiting to join; restarting the worker group", waiting)
+                    self._restart(cause=f"membership change: {waiting} node(s) waiting", counted=False)
+                continue
+            raise RuntimeError(f"[{role}] worker group in unexpected state {state.name}")
+
+    def _handle_failure(self, run_result: RunResult) -> Action:
+        group = self.group_info()
+        if self._detection is not None:
+            failures = self._detection.as_failures(group)
+            suspect = self._detection.node_suspect
+            self._detection = None
+        else:
+            failures = self._classify(run_result)
+            suspect = False
+        for failure in failures:
+            logger.error("worker failure: %s", failure.summary())
+            self.events.emit("failure", attempt=self._attempt, **failure.to_json())
+        self.failures.extend(failures)
+        self._each_collaborator("on_failure", group, failures)
+        spec = self._worker_group.spec
+        action = decide(
+            FailureFacts(
+                failures=failures,
+                restarts_used=spec.max_restarts - self._remaining_restarts,
+                max_restarts=spec.max_restarts,
+                user_error_restarts_used=self._user_error_restarts,
+                restart_on_user_error=self.options.agent.restart_on_user_error,
+                node_suspect=suspect,
+                can_evict=False,
+            )
+        )
+        log = logger.warning if action.kind is ActionKind.RESTART_IN_PLACE else logger.error
+        log("decision: %s (%s)", action.kind.value, action.reason)
+        self.events.emit("decision", action=action.kind.value, reason=action.reason,
+                         attempt=self._attempt)
+        self._each_collaborator("on_decision", group, action)
+        if action.kind is ActionKind.RESTART_IN_PLACE:
+            if action.consumes_user_error_restart:
+                self._user_error_restarts += 1
+            else:
+                self._remaining_restarts -= 1
+        return action
+
+    def _classify(self, run_result: RunResult) -> tuple[FailureRecord, ...]:
+        stderrs = dict(self._pcontext.stderrs) if self._pcontext is not None else {}
+        by_rank = {w.global_rank: w for w in self._worker_group.workers}
+        records = []
+        for rank, failure in sorted(run_result.failures.items()):
+            local_rank = failure.local_rank if rank not in by_rank else by_rank[rank].local_rank
+            records.append(
+                classify_exit(
+                    rank,
+                    local_rank,
+                    failure.pid,
+                    failure.exitcode,
+                    error_file=failure.error_file,
+                    stderr_file=stderrs.get(local_rank),
+                )
+            )
+        return _without_collateral(tuple(records))
+
+    def _restart(self, cause: str, counted: bool = True) -> None:
+        self._attempt += 1
+        if counted:
+            self.restarts += 1
+        self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
+        self._restart_workers(self._worker_group)
+
+    def _failed_result(self, run_result: RunResult) -> RunResult:
+        """A FAILED result with at least one ProcessFailure, so callers never see success.
+
+        torch's own agent returns UNHEALTHY with no failures when a health check fails with no
+        restarts left, and its launcher then exits 0.
+        """
+        failures = dict(run_result.failures)
+        if not failures:
+            for record in self.failures[-len(self._worker_group.workers):] or ():
+                failures[record.rank] = ProcessFailure(
+                    local_rank=max(record.local_rank, 0),
+                    pid=record.pid,
+                    exitcode=record.exitcode or 1,
+                    error_file="",
+                )
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
+def _without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecord, ...]:
+    """Drops workers the agent itself stopped (SIGTERM) after another worker failed first.
+
+    torch closes the surviving workers as soon as one fails and reports them as failed too; they
+    are consequences, not causes. When every worker was stopped by a signal, they all stay.
+    """
+    causes = tuple(r for r in records if r.failure_class is not FailureClass.STOP_REQUESTED)
+    return causes or records

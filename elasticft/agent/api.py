@@ -1,0 +1,96 @@
+"""The node agent's extension points: collaborators and the facts passed to them.
+
+The agent (:mod:`elasticft.agent.agent`) runs torch's worker lifecycle and delegates everything
+else to collaborators passed into its constructor: the checkpoint service, the diagnostics
+monitor, the Slurm handler. Each overrides only the hooks it needs; every hook has a no-op
+default, and a collaborator that raises is logged and never takes the agent down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from elasticft.agent.classify import FailureClass, FailureRecord
+from elasticft.agent.policy import Action
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    local_rank: int
+    global_rank: int
+    world_size: int
+    pid: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    """This node's worker group as of the latest rendezvous round."""
+
+    run_id: str
+    node_id: str
+    run_dir: Path
+    round: int
+    """Rendezvous round (job-global), unlike torch's per-agent restart count."""
+    group_rank: int
+    group_world_size: int
+    restart_count: int
+    workers: tuple[WorkerInfo, ...]
+    master_addr: str = ""
+    master_port: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Detection:
+    """A problem found while every worker process is still alive (a hang, a sick node...)."""
+
+    failure_class: FailureClass
+    ranks: tuple[int, ...]
+    detector: str
+    message: str
+    node_suspect: bool = False
+    evidence: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def as_failures(self, group: GroupInfo) -> tuple[FailureRecord, ...]:
+        by_rank = {w.global_rank: w for w in group.workers}
+        return tuple(
+            FailureRecord(
+                rank=rank,
+                local_rank=by_rank[rank].local_rank if rank in by_rank else -1,
+                pid=(by_rank[rank].pid or -1) if rank in by_rank else -1,
+                exitcode=0,
+                failure_class=self.failure_class,
+                message=self.message,
+                source=self.detector,
+            )
+            for rank in (self.ranks or tuple(by_rank))
+        )
+
+
+class AgentCollaborator:
+    """A part of the agent; override the hooks you need."""
+
+    def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
+        """Extra environment for one worker (added to torch's, never replacing it)."""
+        return {}
+
+    def on_workers_started(self, group: GroupInfo) -> None:
+        """Workers of a new attempt are running; ``group.workers`` carry their pids."""
+
+    def check(self, group: GroupInfo) -> Detection | None:
+        """Called every monitor interval while all workers are alive."""
+        return None
+
+    def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
+        """A failure was found; runs before the workers are stopped (e.g. to flush state)."""
+
+    def on_decision(self, group: GroupInfo, action: Action) -> None:
+        """The policy decided; runs before the action is carried out."""
+
+    def on_workers_stopped(self, group: GroupInfo) -> None:
+        """This attempt's workers are gone (restart, stop or success)."""
+
+    def close(self) -> None:
+        """The agent is exiting; release what this collaborator holds."""

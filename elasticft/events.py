@@ -1,0 +1,95 @@
+"""The run's timeline: an append-only JSONL event log, one file per agent process.
+
+Every agent appends one JSON object per line to ``<event_dir>/events-<node>-<pid>.jsonl``; one
+file per agent means agents of several nodes sharing a directory never interleave writes. Each
+event carries ``time`` (wall clock, seconds since the epoch), ``mono`` (this process's monotonic
+clock, for durations), ``node`` and ``kind``; the rest is the kind's own payload.
+
+Kinds written by the agent (later subsystems add theirs; readers ignore what they do not know):
+
+=================  ============================================================================
+``run_start``      the agent started: run id, entrypoint, nnodes, nproc_per_node, max_restarts
+``rendezvous``     a round completed: round, group_rank, group_world_size, master addr/port
+``workers_started``  pids by local rank and global rank, restart count
+``steady``         the workers have been running for ``steady_after`` seconds without failure
+``failure``        one failed worker: rank, class, exit code, signal, exception, evidence
+``decision``       the policy's action and its reason
+``restart``        a worker group restart begins: attempt number, cause
+``checkpoint``     a checkpoint became complete (written by the checkpoint subsystem)
+``stop``           the agent stops: reason, exit code
+``run_end``        last event of the agent: state, exit code, restarts, wall time
+=================  ============================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+EVENT_FILE_GLOB = "events-*.jsonl"
+
+
+class EventLog:
+    """Appends events for one agent; thread-safe, each line flushed when written."""
+
+    def __init__(
+        self,
+        directory: Path,
+        node: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory = Path(directory)
+        self.node = node
+        self._clock = clock
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        safe_node = "".join(c if c.isalnum() or c in "-_." else "_" for c in node)
+        self.path = self.directory / f"events-{safe_node}-{os.getpid()}.jsonl"
+        # Owner-only: events name hosts, pids and failure messages.
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._file = os.fdopen(fd, "a", buffering=1)
+
+    def emit(self, kind: str, **payload: Any) -> dict[str, Any]:
+        event = {"time": self._clock(), "mono": self._monotonic(), "node": self.node, "kind": kind}
+        event.update(payload)
+        line = json.dumps(event, default=str, separators=(",", ":"))
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line + "\n")
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+
+
+def iter_event_files(directory: Path) -> Iterator[Path]:
+    yield from sorted(Path(directory).rglob(EVENT_FILE_GLOB))
+
+
+def read_events(directory: Path) -> list[dict[str, Any]]:
+    """All events under ``directory`` (recursively), merged and sorted by wall time.
+
+    A torn last line (an agent killed mid-write) is skipped, never fatal.
+    """
+    events: list[dict[str, Any]] = []
+    for path in iter_event_files(directory):
+        with open(path) as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    events.sort(key=lambda e: e.get("time", 0.0))
+    return events

@@ -1,0 +1,235 @@
+"""Launching one node's agent: elasticft's counterpart of torch's ``elastic_launch``.
+
+:func:`launch` takes torch's own :class:`LaunchConfig` (so anything that builds one for
+``elastic_launch`` works here) plus elasticft's options and collaborators, runs an
+:class:`ElasticftAgent`, and returns a :class:`LaunchResult` instead of raising: the caller
+decides how to report it. It differs from torch's ``launch_agent`` where torch 2.13 falls short:
+
+* workers get a fresh store every attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), so
+  restarts never meet a previous attempt's gloo addresses (pytorch#135712);
+* a failed or unhealthy group ends with a non-zero exit code and the reason, never with 0;
+* the rendezvous is closed for everyone only when the job is done (success, or a job-wide stop);
+  a node that leaves or is signalled does not take the other nodes down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic import events as torch_events
+from torch.distributed.elastic import metrics
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.launcher.api import LaunchConfig
+
+from elasticft.agent.agent import ElasticftAgent
+from elasticft.agent.api import AgentCollaborator
+from elasticft.agent.classify import FailureRecord
+from elasticft.agent.policy import ActionKind
+from elasticft.config import ElasticftConfig
+from elasticft.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    """How one node's run ended."""
+
+    exit_code: int
+    state: str
+    """succeeded | failed | stopped (signal) | left (this node left the job)."""
+    reason: str
+    run_id: str
+    run_dir: Path
+    event_log: Path
+    restarts: int
+    failures: tuple[FailureRecord, ...]
+    wall_time_s: float
+    return_values: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def summary(self) -> str:
+        lines = [
+            f"elasticft: run {self.run_id} {self.state} (exit code {self.exit_code}) after "
+            f"{self.wall_time_s:.1f} s with {self.restarts} restart(s)",
+        ]
+        if self.reason:
+            lines.append(f"  reason: {self.reason}")
+        for failure in self.failures:
+            lines.append(f"  failure: {failure.summary()}")
+        lines.append(f"  events: {self.event_log}")
+        return "\n".join(lines)
+
+
+def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
+    if options.agent.run_dir is not None:
+        return options.agent.run_dir
+    log_dir = getattr(config.logs_specs, "root_log_dir", None) if config.logs_specs else None
+    base = Path(log_dir) if log_dir and not str(log_dir).startswith("/tmp/torchelastic_") else None
+    return (base or Path("elasticft-runs")) / str(config.run_id)
+
+
+def _master_addr_and_port(params: RendezvousParameters) -> tuple[str | None, int | None]:
+    if params.backend != "static":
+        return None, None
+    endpoint = params.endpoint.strip()
+    if not endpoint:
+        raise ValueError("the static rendezvous needs --master-addr and --master-port")
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
+    if port == -1:
+        raise ValueError(f"port is missing in endpoint {endpoint}; give --master-port")
+    return host, port
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: Sequence[Any],
+    options: ElasticftConfig | None = None,
+    *,
+    collaborators: Sequence[AgentCollaborator] = (),
+    agent_class: type[ElasticftAgent] = ElasticftAgent,
+) -> LaunchResult:
+    """Runs this node's agent until the job ends for it; never raises for worker failures."""
+    options = options or ElasticftConfig()
+    started = time.monotonic()
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+    node_id = options.agent.node_id or socket.gethostname()
+    run_dir = default_run_dir(options, config)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    event_log = EventLog(options.agent.event_dir or run_dir, node_id)
+    if not options.agent.share_rdzv_store:
+        os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+
+    entry_name = entrypoint if isinstance(entrypoint, str) else entrypoint.__name__
+    event_log.emit(
+        "run_start",
+        run_id=config.run_id,
+        entrypoint=entry_name,
+        args=[str(a) for a in args],
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        nproc_per_node=config.nproc_per_node,
+        max_restarts=config.max_restarts,
+        rdzv_backend=config.rdzv_backend,
+        pid=os.getpid(),
+    )
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _master_addr_and_port(params)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = agent_class(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]
+        options=options,
+        events=event_log,
+        node_id=node_id,
+        run_dir=run_dir,
+        collaborators=collaborators,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=int(config.shutdown_timeout or 30),
+    )
+
+    close_rendezvous = False
+    state, reason, exit_code, return_values = "failed", "", 1, {}
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result is None:
+            state, reason, exit_code = "left", "the rendezvous let this standby node go", 0
+        elif result.is_failed():
+            action = agent.final_action
+            reason = action.reason if action else "worker group failed"
+            exit_code = action.exit_code if action and action.exit_code else 1
+            state = "left" if action and action.kind is ActionKind.EVICT_NODE else "failed"
+            close_rendezvous = state == "failed"
+        else:
+            state, exit_code, return_values = "succeeded", 0, dict(result.return_values)
+            close_rendezvous = True
+    except SignalException as e:
+        # The launcher itself was signalled (scancel, Ctrl-C, kill): its workers are already
+        # stopped by the agent; do not close the rendezvous for the other nodes.
+        sig = signal.Signals(e.sigval)
+        state, reason, exit_code = "stopped", f"received {sig.name}", 128 + int(sig)
+    except RendezvousError as e:
+        reason = f"rendezvous failed: {type(e).__name__}: {e}"
+    finally:
+        if close_rendezvous:
+            spec.rdzv_handler.shutdown()
+        else:
+            _stop_heartbeats(spec.rdzv_handler)
+        for collaborator in collaborators:
+            try:
+                collaborator.close()
+            except Exception:
+                logger.exception("collaborator %s failed to close", type(collaborator).__name__)
+    wall = time.monotonic() - started
+    event_log.emit(
+        "run_end", state=state, exit_code=exit_code, reason=reason, restarts=agent.restarts,
+        wall_time_s=wall,
+    )
+    event_log.close()
+    return LaunchResult(
+        exit_code=exit_code,
+        state=state,
+        reason=reason,
+        run_id=str(config.run_id),
+        run_dir=run_dir,
+        event_log=event_log.path,
+        restarts=agent.restarts,
+        failures=tuple(agent.failures),
+        wall_time_s=wall,
+        return_values=return_values,
+    )
+
+
+def _stop_heartbeats(handler: Any) -> None:
+    # Leaving without closing: stop this node's keep-alives so the others drop it quickly.
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        try:
+            stop()
+        except Exception:
+            logger.debug("could not stop rendezvous heartbeats", exc_info=True)

@@ -1,0 +1,142 @@
+"""``elasticft-run``: torchrun's command line, elasticft's agent.
+
+The parser is torch's own (``torch.distributed.run.get_args_parser``), so every torchrun flag and
+``PET_*`` variable keeps its meaning; elasticft adds its options to it (:mod:`elasticft.config`).
+``main(argv) -> parser -> options -> torch's config_from_args -> launch``. A mistake in the
+command line, the environment or the YAML file is reported in one line with exit code 2, before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import NoReturn
+
+from elasticft import config as elasticft_config
+from elasticft.agent.agent import WORKER_ENV_NAMES
+from elasticft.config import ConfigError, ElasticftConfig
+
+PROG = "elasticft-run"
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user gave us; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = PROG
+    parser.description = (
+        "Fault-tolerant drop-in for torchrun: same flags and PET_* variables, plus elasticft's "
+        "options below (flags, ELASTICFT_* variables or --config FILE.yaml)."
+    )
+    elasticft_config.add_options(parser)
+
+    def one_line_error(message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {PROG} --help)")
+
+    parser.error = one_line_error  # type: ignore[method-assign]
+    return parser
+
+
+def _check_entrypoint(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.no_python:
+        if shutil.which(script) is None and not os.path.isfile(script):
+            raise UsageError(f"program {script!r} not found; give an executable on PATH or a path")
+        return
+    if args.module:
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"module {script!r} not found; check the name and PYTHONPATH")
+        return
+    if not os.path.isfile(script):
+        raise UsageError(
+            f"training script {script!r} not found; give the path of a Python file "
+            "(or -m for a module)"
+        )
+
+
+def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
+    """torchrun's own fix-ups: --standalone and single-node static become local c10d."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _capture_stderr(args: argparse.Namespace) -> None:
+    """Tee workers' stderr to files (still shown on the console) so failures can be classified.
+
+    Only when the user asked for no redirect or tee of their own; theirs always wins.
+    """
+    if str(args.redirects) == "0" and str(args.tee) == "0":
+        args.tee = "2"
+
+
+def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = elasticft_config.from_namespace(args, os.environ)
+        elasticft_config.check_unknown_env(os.environ, set(WORKER_ENV_NAMES))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if not args.training_script:
+        raise UsageError("no training script given; usage: elasticft-run [options] script.py ...")
+    _check_entrypoint(args)
+    return args, options
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        args, options = parse(argv)
+        _apply_torchrun_defaults(args)
+        if options.agent.capture_stderr:
+            _capture_stderr(args)
+        from torch.distributed.run import config_from_args
+
+        try:
+            launch_config, cmd, cmd_args = config_from_args(args)
+        except (ValueError, RuntimeError) as e:
+            raise UsageError(str(e).splitlines()[0]) from None
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+
+    from elasticft.launcher import launch
+
+    result = launch(launch_config, cmd, cmd_args, options)
+    print(result.summary(), file=sys.stderr)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
