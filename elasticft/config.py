@@ -325,7 +325,8 @@ def resolve(
         elif spec.env in env:
             value = convert(spec, env[spec.env], spec.env)
         elif spec.name in from_yaml.get(spec.section, {}):
-            value = convert(spec, from_yaml[spec.section][spec.name], f"{yaml_path}:{spec.yaml_key}")
+            raw = from_yaml[spec.section][spec.name]
+            value = convert(spec, raw, f"{yaml_path}:{spec.yaml_key}")
         else:
             continue
         values[spec.section][spec.name] = value

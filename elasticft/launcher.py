@@ -84,6 +84,17 @@ def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
     return (base or Path("elasticft-runs")) / str(config.run_id)
 
 
+def default_collaborators(
+    options: ElasticftConfig, config: LaunchConfig
+) -> list[AgentCollaborator]:
+    """The collaborators ``elasticft-run`` gives its agent, built from the options.
+
+    Each subsystem adds its own here (checkpoint service, diagnostics monitor, Slurm handler).
+    """
+    collaborators: list[AgentCollaborator] = []
+    return collaborators
+
+
 def _master_addr_and_port(params: RendezvousParameters) -> tuple[str | None, int | None]:
     if params.backend != "static":
         return None, None

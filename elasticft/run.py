@@ -131,9 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
 
-    from elasticft.launcher import launch
+    from elasticft.launcher import default_collaborators, launch
 
-    result = launch(launch_config, cmd, cmd_args, options)
+    collaborators = default_collaborators(options, launch_config)
+    result = launch(launch_config, cmd, cmd_args, options, collaborators=collaborators)
     print(result.summary(), file=sys.stderr)
     return result.exit_code
 

@@ -210,7 +210,8 @@ class ElasticftAgent(LocalElasticAgent):
                 if waiting > 0:
                     # Membership changes are not failures and do not use up restarts.
                     logger.info("%d node(s) waiting to join; restarting the worker group", waiting)
-                    self._restart(cause=f"membership change: {waiting} node(s) waiting", counted=False)
+                    cause = f"membership change: {waiting} node(s) waiting"
+                    self._restart(cause=cause, counted=False)
                 continue
             raise RuntimeError(f"[{role}] worker group in unexpected state {state.name}")
 

@@ -107,7 +107,8 @@ class FailureRecord:
     """Where the evidence came from: error_file, stderr, exitcode or a detector's name."""
 
     def summary(self) -> str:
-        what = self.exception or (f"signal {self.signal}" if self.signal else f"exit {self.exitcode}")
+        exit_text = f"signal {self.signal}" if self.signal else f"exit {self.exitcode}"
+        what = self.exception or exit_text
         if self.message:
             what += f": {self.message}"
         where = f" at {self.location}" if self.location else ""
