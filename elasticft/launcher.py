@@ -78,7 +78,7 @@ class LaunchResult:
 
 def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
     if options.agent.run_dir is not None:
-        return options.agent.run_dir
+        return Path(options.agent.run_dir)
     log_dir = getattr(config.logs_specs, "root_log_dir", None) if config.logs_specs else None
     base = Path(log_dir) if log_dir and not str(log_dir).startswith("/tmp/torchelastic_") else None
     return (base or Path("elasticft-runs")) / str(config.run_id)

@@ -121,8 +121,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _apply_torchrun_defaults(args)
         if options.agent.capture_stderr:
             _capture_stderr(args)
-        from torch.distributed.run import config_from_args
+        from torch.distributed.run import config_from_args, determine_local_world_size
 
+        torch_run_logger = logging.getLogger("torch.distributed.run")
+        level = torch_run_logger.level
+        torch_run_logger.setLevel(logging.WARNING)  # its INFO line would precede our one-liner
+        try:
+            determine_local_world_size(args.nproc_per_node)
+        except ValueError as e:
+            raise UsageError(f"--nproc-per-node: {e}; use a number, cpu, gpu or auto") from None
+        finally:
+            torch_run_logger.setLevel(level)
         try:
             launch_config, cmd, cmd_args = config_from_args(args)
         except (ValueError, RuntimeError) as e:

@@ -1,0 +1,108 @@
+"""Failure classification from exit codes, torch error files and captured stderr."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elasticft.agent.classify import FailureClass, classify_exit, parse_traceback
+
+USER_TRACEBACK = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/job/train.py", line 115, in main
+[rank1]:     _ = step / steps_per_epoch
+[rank1]:         ~~~~~^~~~~~~~~~~~~~~~~
+[rank1]: ZeroDivisionError: division by zero
+"""
+
+GLOO_TRACEBACK = """\
+Traceback (most recent call last):
+  File "/job/train.py", line 90, in <module>
+    loss.backward()
+  File "/torch/autograd/__init__.py", line 10, in backward
+    run()
+RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:3235
+"""
+
+
+def stderr_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "stderr.log"
+    path.write_text("some output\n" + text)
+    return path
+
+
+def test_user_error_from_stderr_names_exception_and_line(tmp_path: Path) -> None:
+    record = classify_exit(1, 1, 42, 1, stderr_file=stderr_file(tmp_path, USER_TRACEBACK))
+    assert record.failure_class is FailureClass.USER_CODE
+    assert record.exception == "ZeroDivisionError"
+    assert record.message == "division by zero"
+    assert record.location == "/job/train.py:115 in main"
+    assert record.source == "stderr"
+    assert "rank 1" in record.summary() and "ZeroDivisionError" in record.summary()
+
+
+def test_gloo_runtime_error_is_infrastructure(tmp_path: Path) -> None:
+    record = classify_exit(0, 0, 1, 1, stderr_file=stderr_file(tmp_path, GLOO_TRACEBACK))
+    assert record.failure_class is FailureClass.INFRASTRUCTURE
+    assert record.exception == "RuntimeError"
+
+
+def test_teed_lines_with_double_prefix_parse() -> None:
+    teed = "\n".join(f"[default1]:{line}" for line in USER_TRACEBACK.splitlines())
+    info = parse_traceback(teed)
+    assert info is not None and info.type_name == "ZeroDivisionError"
+
+
+def test_last_traceback_wins() -> None:
+    info = parse_traceback(GLOO_TRACEBACK + "\n" + USER_TRACEBACK)
+    assert info is not None and info.type_name == "ZeroDivisionError"
+
+
+def test_error_file_preferred_over_stderr(tmp_path: Path) -> None:
+    error_file = tmp_path / "error.json"
+    error_file.write_text(
+        json.dumps(
+            {"message": {"message": "NameError: name 'x' is not defined",
+                         "extraInfo": {"py_callstack": "", "timestamp": "0"}}}
+        )
+    )
+    record = classify_exit(
+        3, 1, 7, 1, error_file=error_file, stderr_file=stderr_file(tmp_path, GLOO_TRACEBACK)
+    )
+    assert record.failure_class is FailureClass.USER_CODE
+    assert record.exception == "NameError"
+    assert record.source == "error_file"
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "expected", "signal_name"),
+    [
+        (-9, FailureClass.SIGNAL_CRASH, "SIGKILL"),
+        (-11, FailureClass.SIGNAL_CRASH, "SIGSEGV"),
+        (137, FailureClass.SIGNAL_CRASH, "SIGKILL"),
+        (-15, FailureClass.STOP_REQUESTED, "SIGTERM"),
+        (-2, FailureClass.STOP_REQUESTED, "SIGINT"),
+    ],
+)
+def test_signals(exitcode: int, expected: FailureClass, signal_name: str) -> None:
+    record = classify_exit(0, 0, 1, exitcode)
+    assert record.failure_class is expected
+    assert record.signal == signal_name
+
+
+def test_nothing_known_is_unknown(tmp_path: Path) -> None:
+    record = classify_exit(0, 0, 1, 3, stderr_file=stderr_file(tmp_path, "no traceback here\n"))
+    assert record.failure_class is FailureClass.UNKNOWN
+
+
+def test_cuda_oom_is_infrastructure() -> None:
+    info = parse_traceback(
+        "Traceback (most recent call last):\n  File \"t.py\", line 1, in <module>\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    )
+    assert info is not None
+    from elasticft.agent.classify import classify_exception
+
+    assert classify_exception(info) is FailureClass.INFRASTRUCTURE

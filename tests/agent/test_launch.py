@@ -1,0 +1,194 @@
+"""elasticft-run end to end on real gloo workers: environment parity with torchrun, recovery
+from a SIGKILLed worker, no restart of a user bug, SIGTERM to the launcher, unhealthy groups."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elasticft.chaos import current_worker_pids, signal_rank
+from elasticft.events import read_events
+from tests.conftest import BIN, EXAMPLES
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+TRAIN = str(EXAMPLES / "train_plain.py")
+
+
+def launcher(args: list[str], env: dict[str, str], cwd: Path, tool: str = "elasticft-run"):
+    return subprocess.Popen(
+        [str(BIN / tool), *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def losses(path: Path) -> dict[int, float]:
+    """Step -> loss; a step recomputed after a restart keeps its last value."""
+    table: dict[int, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            step, value = line.split()
+            table[int(step)] = float(value)
+    return table
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(180)
+def test_worker_environment_matches_torchrun(tmp_path: Path, job_env: dict[str, str]) -> None:
+    envs = {}
+    for tool in ("torchrun", "elasticft-run"):
+        out = tmp_path / tool
+        proc = launcher(
+            ["--standalone", "--nproc-per-node", "2", str(HERE / "workers" / "dump_env.py"),
+             str(out)], job_env, tmp_path, tool,
+        )
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        envs[tool] = [json.loads((out / f"env-{r}.json").read_text()) for r in (0, 1)]
+
+    run_specific = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+    for rank in (0, 1):
+        plain, ours = envs["torchrun"][rank], envs["elasticft-run"][rank]
+        added = set(ours) - set(plain)
+        assert set(plain) - set(ours) == set(), "elasticft-run must not drop a variable"
+        ours_only = added - {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+        assert all(k.startswith("ELASTICFT_") for k in ours_only), ours_only
+        assert {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND"} <= added
+        differing = {k for k in plain if plain[k] != ours[k]} - run_specific
+        # By design: each attempt's rank 0 hosts a fresh store instead of the agent's shared
+        # one, which keeps stale gloo addresses across restarts (pytorch#135712).
+        assert differing == {"TORCHELASTIC_USE_AGENT_STORE"}, differing
+        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "ROLE_RANK", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"):
+            assert plain[key] == ours[key], key
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_worker_recovers_and_matches_uninterrupted_losses(
+    tmp_path: Path, job_env: dict[str, str]
+) -> None:
+    steps = 24
+    reference = tmp_path / "reference.txt"
+    ref = launcher(["--standalone", "--nproc-per-node", "2", TRAIN, "--steps", str(steps),
+                    "--ckpt-dir", str(tmp_path / "ref-ckpt"), "--loss-log", str(reference)],
+                   job_env, tmp_path)
+    assert ref.wait(timeout=150) == 0
+
+    run_dir, loss_log = tmp_path / "run", tmp_path / "losses.txt"
+    proc = launcher(
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "5", "--run-dir",
+         str(run_dir), TRAIN, "--steps", str(steps), "--ckpt-every", "3", "--step-time",
+         "0.15", "--ckpt-dir", str(tmp_path / "ckpt"), "--loss-log", str(loss_log)],
+        job_env, tmp_path,
+    )
+    killed = []
+    for cycle, at_step in enumerate((5, 11, 17)):
+        wait_until(lambda s=at_step: max(losses(loss_log), default=0) >= s, 120,
+                   f"step {at_step}")
+        killed.append(signal_rank(run_dir, cycle % 2, signal.SIGKILL))
+        wait_until(lambda: set(current_worker_pids(run_dir).values()).isdisjoint(killed), 60,
+                   "restarted workers")
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr
+    assert "succeeded (exit code 0)" in stderr and "3 restart(s)" in stderr
+
+    events = read_events(run_dir)
+    failures = [e for e in events if e["kind"] == "failure"]
+    assert [f["failure_class"] for f in failures] == ["signal_crash"] * 3
+    assert [e["action"] for e in events if e["kind"] == "decision"] == ["restart_in_place"] * 3
+    assert [e["kind"] for e in events][-1] == "run_end"
+    got, want = losses(loss_log), losses(reference)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-4), step
+
+
+@pytest.mark.timeout(180)
+def test_user_code_error_stops_without_restart(tmp_path: Path, job_env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    proc = launcher(
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--run-dir",
+         str(run_dir), TRAIN, "--steps", "10", "--ckpt-dir", str(tmp_path / "ckpt"),
+         "--user-error-at-step", "3", "--fault-rank", "1"], job_env, tmp_path,
+    )
+    _, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 1
+    summary = stderr[stderr.index("elasticft: run"):]
+    assert "0 restart(s)" in summary
+    assert "rank 1 (user_code) ZeroDivisionError: division by zero" in summary
+    assert "train_plain.py:" in summary
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert kinds.count("workers_started") == 1 and "restart" not in kinds
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_launcher_stops_workers_within_shutdown_timeout(
+    tmp_path: Path, job_env: dict[str, str]
+) -> None:
+    pid_dir, run_dir = tmp_path / "pids", tmp_path / "run"
+    proc = launcher(
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout",
+         "2", "--run-dir", str(run_dir), str(HERE / "workers" / "ignore_sigterm.py"),
+         str(pid_dir)], job_env, tmp_path,
+    )
+    wait_until(lambda: len(list(pid_dir.glob("pid-*"))) == 2, 90, "workers to start")
+    workers = [int(p.read_text()) for p in pid_dir.glob("pid-*")]
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "received SIGTERM" in stderr
+    # The workers ignore SIGTERM: only the SIGKILL after --shutdown-timeout stops them, long
+    # before torch's fixed 30 s.
+    assert elapsed < 25
+    for pid in workers:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert "restart" not in kinds and kinds[-1] == "run_end"
+
+
+@pytest.mark.timeout(120)
+def test_unhealthy_group_with_no_restarts_left_exits_non_zero(tmp_path: Path) -> None:
+    """torch's launcher exits 0 here (its RunResult is UNHEALTHY, not FAILED)."""
+    code = f"""
+import sys
+from torch.distributed.launcher.api import LaunchConfig
+from elasticft.agent.api import AgentCollaborator, Detection
+from elasticft.agent.classify import FailureClass
+from elasticft.config import AgentConfig, ElasticftConfig
+from elasticft.launcher import launch
+
+class DeclaresHang(AgentCollaborator):
+    def check(self, group):
+        return Detection(FailureClass.HANG, (1,), "scripted", "rank 1 made no progress")
+
+config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="unhealthy",
+                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                      monitor_interval=0.2)
+options = ElasticftConfig(agent=AgentConfig(run_dir={str(tmp_path / 'run')!r}))
+result = launch(config, sys.executable, ["-u", {str(HERE / 'workers' / 'sleep_forever.py')!r}],
+                options, collaborators=[DeclaresHang()])
+print(result.summary(), file=sys.stderr)
+sys.exit(result.exit_code)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 1, proc.stderr
+    assert "no restarts left" in proc.stderr and "rank 1 (hang)" in proc.stderr

@@ -1,0 +1,36 @@
+"""Shared test fixtures: paths, a clean environment for launched jobs, free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.servers import EtcdServer, etcd_server  # noqa: F401  (real etcd for tests)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def job_env() -> dict[str, str]:
+    """The environment a launched job gets: this one, minus variables that would steer it."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_", "SLURM_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LOGLEVEL"] = "INFO"
+    return env
