@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 # Worker variables elasticft adds to torch's (documented in the README).
 WORKER_ENV_NAMES = frozenset(
     {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND", "ELASTICFT_ATTEMPT"}
+    # The 3D-parallel layout chosen for the round (elasticft.plan).
+    | {"ELASTICFT_TP", "ELASTICFT_PP", "ELASTICFT_DP", "ELASTICFT_GRAD_ACCUM"}
 )
 _STEADY_AFTER_S = 2.0
 
@@ -131,6 +133,7 @@ class ElasticftAgent(LocalElasticAgent):
             master_addr=worker_group.master_addr,
             master_port=worker_group.master_port,
         )
+        self._each_collaborator("on_rendezvous", self.group_info(), self._store)
 
     def _set_local_rank_env(
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec

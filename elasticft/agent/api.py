@@ -76,6 +76,10 @@ class AgentCollaborator:
         """Extra environment for one worker (added to torch's, never replacing it)."""
         return {}
 
+    def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
+        """A rendezvous round completed; ``store`` is that round's (prefixed) store, shared by
+        every agent of the round (e.g. for the leader to publish job-wide decisions)."""
+
     def on_workers_started(self, group: GroupInfo) -> None:
         """Workers of a new attempt are running; ``group.workers`` carry their pids."""
 
