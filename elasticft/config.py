@@ -84,10 +84,45 @@ class AgentConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """The 3D-parallel layout chosen after every rendezvous round (elasticft.plan)."""
+
+    plan_model: str | None = option(
+        None,
+        "Model description for the layout planner: a JSON/YAML file (layers, hidden, heads, "
+        "seq_len, global_batch, micro_batch, ...) or a preset name (`elasticft plan --help`). "
+        "Unset: no layout is planned unless a dimension is pinned.",
+    )
+    plan_hardware: str = option(
+        "a100-80g",
+        "GPU speeds and memory for the planner: a preset (a100-80g, a100-40g, h100-80g, cpu) "
+        "or a JSON file of its fields.",
+    )
+    plan_gpu_memory_gib: float | None = option(
+        None, "Memory per GPU in GiB for the planner (overrides the hardware's).", minimum=0.001
+    )
+    plan_probe: bool = option(
+        False,
+        "Measure this machine's matrix-multiply speed at start-up (a ~1 s probe) and plan with "
+        "it instead of the hardware's nominal compute speed.",
+    )
+    layout_tp: int | None = option(
+        None, "Pin tensor parallelism to this size (must divide the GPUs per node).", minimum=1
+    )
+    layout_pp: int | None = option(
+        None, "Pin pipeline parallelism to this size (must divide the layers).", minimum=1
+    )
+    layout_dp: int | None = option(
+        None, "Pin data parallelism to this size (must divide global/micro batch).", minimum=1
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ElasticftConfig:
     """All of elasticft's options; one attribute per subsystem section."""
 
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
 
 
 # ----------------------------------------------------------------------------------------------
