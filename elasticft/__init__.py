@@ -17,14 +17,16 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from elasticft.config import ElasticftConfig
     from elasticft.launcher import LaunchResult, launch
+    from elasticft.plan.worker import layout
 
 _LAZY = {
     "launch": ("elasticft.launcher", "launch"),
     "LaunchResult": ("elasticft.launcher", "LaunchResult"),
     "ElasticftConfig": ("elasticft.config", "ElasticftConfig"),
+    "layout": ("elasticft.plan.worker", "layout"),
 }
 
-__all__ = ["ElasticftConfig", "LaunchResult", "__version__", "launch"]
+__all__ = ["ElasticftConfig", "LaunchResult", "__version__", "launch", "layout"]
 
 
 def __getattr__(name: str) -> Any:

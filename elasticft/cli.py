@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules exposing ``register(subparsers: argparse._SubParsersAction) -> None``.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("elasticft.chaos",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("elasticft.chaos", "elasticft.plan.cli")
 
 
 class CliError(Exception):

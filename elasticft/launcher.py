@@ -92,6 +92,11 @@ def default_collaborators(
     Each subsystem adds its own here (checkpoint service, diagnostics monitor, Slurm handler).
     """
     collaborators: list[AgentCollaborator] = []
+    from elasticft.plan.collaborator import from_options as layout_collaborator
+
+    layout = layout_collaborator(options.plan)
+    if layout is not None:
+        collaborators.append(layout)
     return collaborators
 
 

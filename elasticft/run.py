@@ -142,7 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from elasticft.launcher import default_collaborators, launch
 
-    collaborators = default_collaborators(options, launch_config)
+    try:
+        collaborators = default_collaborators(options, launch_config)
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
     result = launch(launch_config, cmd, cmd_args, options, collaborators=collaborators)
     print(result.summary(), file=sys.stderr)
     return result.exit_code
