@@ -1,0 +1,274 @@
+"""Connecting to an etcd v3 cluster, and the key layout elasticft keeps in it.
+
+Everything job-critical of a multi-node run lives in etcd, so no training node is a single point
+of failure (torch's c10d rendezvous keeps it in one agent's TCPStore). The connection settings
+come from ``--rdzv-endpoint`` and ``--rdzv-conf`` (see :class:`EtcdSettings`); the client is the
+maintained ``etcd-sdk-python`` (module ``pyetcd``), over gRPC.
+
+Keys, under a root prefix (``/elasticft`` unless ``prefix=`` says otherwise)::
+
+    <root>/blacklist/<node_id>           JSON verdict; cluster-wide, survives every restart
+    <root>/jobs/<run_id>/rdzv/state      torch's rendezvous state (the fencing token is its
+                                         mod_revision)
+    <root>/jobs/<run_id>/store/<key>     the agents' c10d store (rank assignment, MASTER_ADDR)
+    <root>/jobs/<run_id>/members/<node>  JSON, bound to the node's lease (gone when it dies)
+    <root>/jobs/<run_id>/leader          JSON, bound to the leader's lease
+    <root>/jobs/<run_id>/round           JSON, the latest completed round (written by its leader)
+
+Connection failures surface as torch's :class:`RendezvousConnectionError` with one line naming
+the endpoints, so the agent and the CLI can report them without a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+DEFAULT_ROOT = "/elasticft"
+# A failed endpoint is retried this soon: pyetcd's default (300 s) would keep a restarted etcd
+# out of use for five minutes.
+ENDPOINT_RETRY_S = 0.5
+
+
+class EtcdConfigError(ValueError):
+    """A connection setting is unusable; the message names the value and the fix."""
+
+
+def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
+    """``"h1:2379,h2:2379"`` (or ``;``-separated, as ``--rdzv-conf`` needs) -> host/port pairs."""
+    endpoints = []
+    for item in text.replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        for scheme in ("http://", "https://"):
+            item = item.removeprefix(scheme)
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, str(DEFAULT_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise EtcdConfigError(
+                f"etcd endpoint {item!r} is not HOST:PORT; give e.g. --rdzv-endpoint "
+                f"10.0.0.5:{DEFAULT_PORT}"
+            )
+        endpoints.append((host.strip("[]"), int(port)))
+    if not endpoints:
+        raise EtcdConfigError(
+            f"no etcd endpoint given; pass --rdzv-endpoint HOST:PORT (e.g. 10.0.0.5:{DEFAULT_PORT})"
+        )
+    return tuple(endpoints)
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdSettings:
+    """How to reach etcd: endpoints, TLS, user/password, RPC timeout and the key root."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    root: str = DEFAULT_ROOT
+    ca_cert: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str | None = None
+    password: str | None = None
+    rpc_timeout_s: float = 5.0
+
+    @property
+    def endpoint_text(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    @classmethod
+    def from_conf(cls, endpoint: str, conf: Mapping[str, Any]) -> EtcdSettings:
+        """Reads ``--rdzv-endpoint`` plus ``--rdzv-conf`` keys (values are strings).
+
+        Keys: ``endpoints`` (more endpoints, ``;``-separated), ``prefix``, ``protocol``
+        (http|https), ``ca_cert``, ``cert``, ``key``, ``user``, ``password``, ``password_file``,
+        ``rpc_timeout`` (seconds).
+        """
+        text = ",".join(t for t in (endpoint, str(conf.get("endpoints") or "")) if t)
+        endpoints = parse_endpoints(text)
+        root = "/" + str(conf.get("prefix") or DEFAULT_ROOT).strip("/")
+        protocol = str(conf.get("protocol") or "http").lower()
+        if protocol not in ("http", "https"):
+            raise EtcdConfigError(
+                f"--rdzv-conf protocol={protocol!r} is not valid; use http or https"
+            )
+        paths = {}
+        for name in ("ca_cert", "cert", "key", "password_file"):
+            value = conf.get(name)
+            if value:
+                path = Path(str(value)).expanduser()
+                if not path.is_file():
+                    raise EtcdConfigError(
+                        f"--rdzv-conf {name}={value} is not a readable file; give the path "
+                        "of an existing file"
+                    )
+                paths[name] = path
+            else:
+                paths[name] = None
+        if protocol == "https" and paths["ca_cert"] is None:
+            raise EtcdConfigError(
+                "--rdzv-conf protocol=https needs ca_cert=PATH (the CA that signed etcd's cert)"
+            )
+        if (paths["cert"] is None) != (paths["key"] is None):
+            raise EtcdConfigError(
+                "--rdzv-conf cert= and key= go together (client TLS certificate and its key)"
+            )
+        password = conf.get("password")
+        if paths["password_file"] is not None:
+            password = paths["password_file"].read_text().strip()
+        user = conf.get("user")
+        if (user is None) != (password is None):
+            raise EtcdConfigError(
+                "--rdzv-conf user= and password= (or password_file=) go together"
+            )
+        try:
+            rpc_timeout = float(conf.get("rpc_timeout", 5.0))
+        except ValueError:
+            raise EtcdConfigError(
+                f"--rdzv-conf rpc_timeout={conf.get('rpc_timeout')!r} is not a number of seconds"
+            ) from None
+        if rpc_timeout <= 0:
+            raise EtcdConfigError(f"--rdzv-conf rpc_timeout={rpc_timeout} must be above 0")
+        return cls(
+            endpoints=endpoints,
+            root=root,
+            ca_cert=paths["ca_cert"],
+            cert=paths["cert"],
+            key=paths["key"],
+            user=str(user) if user is not None else None,
+            password=str(password) if password is not None else None,
+            rpc_timeout_s=rpc_timeout,
+        )
+
+    def connect(self) -> Any:
+        """A pyetcd client over all endpoints (failing over between them); authenticates now."""
+        import grpc
+        from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+
+        creds = None
+        if self.ca_cert is not None:
+            creds = grpc.ssl_channel_credentials(
+                self.ca_cert.read_bytes(),
+                self.key.read_bytes() if self.key else None,
+                self.cert.read_bytes() if self.cert else None,
+            )
+        endpoints = [
+            Endpoint(host, port, secure=creds is not None, creds=creds,
+                     time_retry=ENDPOINT_RETRY_S)
+            for host, port in self.endpoints
+        ]
+        with etcd_errors(self):
+            client = MultiEndpointEtcd3Client(
+                endpoints=endpoints,
+                timeout=self.rpc_timeout_s,
+                user=self.user,
+                password=self.password,
+                failover=True,
+            )
+        return client
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """The key layout of one job (see the module docstring)."""
+
+    root: str
+    run_id: str
+
+    @property
+    def job(self) -> str:
+        return f"{self.root}/jobs/{self.run_id}"
+
+    @property
+    def state(self) -> str:
+        return f"{self.job}/rdzv/state"
+
+    @property
+    def store(self) -> str:
+        return f"{self.job}/store/"
+
+    @property
+    def members(self) -> str:
+        return f"{self.job}/members/"
+
+    def member(self, node_id: str) -> str:
+        return f"{self.members}{node_id}"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.job}/leader"
+
+    @property
+    def round(self) -> str:
+        return f"{self.job}/round"
+
+    @property
+    def blacklist(self) -> str:
+        return blacklist_prefix(self.root)
+
+
+def blacklist_prefix(root: str) -> str:
+    return f"{root}/blacklist/"
+
+
+def describe_error(error: BaseException) -> str:
+    """A short reason for an etcd/gRPC failure (gRPC's own text is a multi-line dump)."""
+    import grpc
+
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        details = error.details() if hasattr(error, "details") else ""
+        return f"{error.code().name}: {(details or '').splitlines()[0] if details else ''}"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[None]:
+    """Turns any client failure into a one-line :class:`RendezvousConnectionError`."""
+    import grpc
+    import pyetcd.exceptions
+
+    try:
+        yield
+    except (pyetcd.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as e:
+        # pyetcd raises ValueError("Trying to use a failed node") while an endpoint cools down.
+        raise RendezvousConnectionError(
+            f"etcd at {settings.endpoint_text} failed while {doing} it ({describe_error(e)}); "
+            "check that etcd is running and --rdzv-endpoint/--rdzv-conf are right"
+        ) from e
+
+
+class LazyClient:
+    """Connects on first use, so building a handler never talks to etcd (torch builds handlers
+    before its error handling starts); an unreachable etcd then fails inside the rendezvous,
+    where it is reported in one line."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        self._settings = settings
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connected(), name)
+
+    def _connected(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._settings.connect()
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

@@ -1,0 +1,154 @@
+"""A torch ``Store`` kept in etcd, for the agents of a job that rendezvous through etcd.
+
+With torch's c10d rendezvous the agents' store (rank assignment, the round's ``MASTER_ADDR``,
+the exit barrier) is a TCPStore inside one agent, so losing that node loses the job. This store
+keeps the same keys in etcd under ``<root>/jobs/<run_id>/store/``: any node can die and the
+others still find everything. Workers keep torch's own per-attempt TCPStore (hosted by worker
+rank 0 and recreated every attempt), which is not job-critical: the next round makes a new one.
+
+Blocking reads (``get``, ``wait``) use etcd watches started at the revision of the read that
+found the key missing, so no write between the read and the watch can be missed and nothing
+polls. Values are bytes; counters (``add``) are decimal text as in TCPStore.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors
+
+logger = logging.getLogger(__name__)
+
+
+def _as_bytes(value: str | bytes | bytearray) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """torch Store over etcd keys ``prefix + key``."""
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        settings: EtcdSettings,
+        timeout: timedelta = timedelta(seconds=300),
+    ) -> None:
+        super().__init__()
+        self._client = client
+        self._prefix = prefix
+        self._settings = settings
+        self.set_timeout(timeout)
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with etcd_errors(self._settings, f"setting store key {key!r} in"):
+            self._client.put(self._key(key), _as_bytes(value))
+
+    def add(self, key: str, amount: int) -> int:
+        full = self._key(key)
+        txn = self._client.transactions
+        while True:
+            with etcd_errors(self._settings, f"adding to store key {key!r} in"):
+                value, meta = self._client.get(full)
+                current = int(value) if value else 0
+                new = current + int(amount)
+                condition = (
+                    txn.create(full) == 0 if meta is None else txn.mod(full) == meta.mod_revision
+                )
+                ok, _ = self._client.transaction(
+                    compare=[condition], success=[txn.put(full, str(new).encode())], failure=[]
+                )
+            if ok:
+                return new
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """TCPStore semantics: set when the value equals ``expected`` (or, with an empty
+        ``expected``, when the key is absent); return the value the key holds afterwards."""
+        full = self._key(key)
+        expected_b, desired_b = _as_bytes(expected), _as_bytes(desired)
+        txn = self._client.transactions
+        condition = txn.create(full) == 0 if not expected_b else txn.value(full) == expected_b
+        with etcd_errors(self._settings, f"compare-and-set of store key {key!r} in"):
+            ok, responses = self._client.transaction(
+                compare=[condition], success=[txn.put(full, desired_b)], failure=[txn.get(full)]
+            )
+        if ok:
+            return desired_b
+        current = responses[0]
+        return current[0][0] if current else expected_b
+
+    def delete_key(self, key: str) -> bool:
+        with etcd_errors(self._settings, f"deleting store key {key!r} in"):
+            return bool(self._client.delete(self._key(key)))
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def check(self, keys: Sequence[str]) -> bool:
+        with etcd_errors(self._settings, "checking store keys in"):
+            return all(self._client.get(self._key(k))[0] is not None for k in keys)
+
+    def get(self, key: str) -> bytes:
+        self._wait_for(key, self._deadline(None))
+        with etcd_errors(self._settings, f"reading store key {key!r} from"):
+            value, _ = self._client.get(self._key(key))
+        if value is None:  # deleted between the wait and the read
+            return self.get(key)
+        return value
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        deadline = self._deadline(timeout)
+        for key in keys:
+            self._wait_for(key, deadline)
+
+    def num_keys(self) -> int:
+        with etcd_errors(self._settings, "counting store keys in"):
+            return sum(1 for _ in self._client.get_prefix(self._prefix, keys_only=True))
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _deadline(self, timeout: timedelta | None) -> float:
+        span = timeout if timeout is not None else self.timeout
+        return time.monotonic() + span.total_seconds()
+
+    def _wait_for(self, key: str, deadline: float) -> None:
+        """Returns once ``key`` exists; raises torch's DistStoreError at ``deadline``."""
+        full = self._key(key)
+        while True:
+            with etcd_errors(self._settings, f"waiting for store key {key!r} in"):
+                response = self._client.get_response(full)
+            if response.count > 0:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise dist.DistStoreError(
+                    f"timed out waiting for store key {key!r} in etcd "
+                    f"({self._settings.endpoint_text})"
+                )
+            events: queue.Queue[Any] = queue.Queue()
+            with etcd_errors(self._settings, f"watching store key {key!r} in"):
+                watch_id = self._client.add_watch_callback(
+                    full, events.put, start_revision=response.header.revision + 1
+                )
+            try:
+                # Wake at least every few seconds: a watch can die silently with its stream
+                # (etcd restart), and the re-read above then finds the key.
+                events.get(timeout=min(remaining, 5.0))
+            except queue.Empty:
+                pass
+            finally:
+                try:
+                    self._client.cancel_watch(watch_id)
+                except Exception:
+                    logger.debug("cancelling watch on %s failed", full, exc_info=True)

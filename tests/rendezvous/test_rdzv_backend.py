@@ -1,0 +1,126 @@
+"""The etcd-v3 backend's compare-and-set contract, the etcd store and the membership records,
+against a real etcd server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from elasticft.rendezvous.backend import EtcdRendezvousBackend
+from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
+from elasticft.rendezvous.handler import create_handler
+from elasticft.rendezvous.membership import Blacklist, MemberRecord, MembershipPublisher
+from elasticft.rendezvous.store import EtcdStore
+from tests.servers import EtcdServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+
+
+def connect(server: EtcdServer) -> tuple[LazyClient, EtcdSettings]:
+    settings = EtcdSettings.from_conf(server.endpoint, {"rpc_timeout": "3"})
+    return LazyClient(settings), settings
+
+
+def test_cas_create_update_and_stale_token_is_fenced(etcd_server: EtcdServer) -> None:
+    client, settings = connect(etcd_server)
+    backend = EtcdRendezvousBackend(client, "/t/state", settings)
+    assert backend.name == "etcd-v3"
+    assert backend.get_state() is None
+
+    value, t1, ok = backend.set_state(b"A", None)
+    assert (value, ok) == (b"A", True)
+    # A second create loses and reads the winner's state and token.
+    assert backend.set_state(b"B", None) == (b"A", t1, False)
+    assert backend.get_state() == (b"A", t1)
+
+    value, t2, ok = backend.set_state(b"C", t1)
+    assert (value, ok) == (b"C", True) and t2 > t1
+    # A writer holding the old token (a zombie node) cannot overwrite newer state.
+    assert backend.set_state(b"D", t1) == (b"C", t2, False)
+    # Tokens this backend never handed out lose too.
+    assert backend.set_state(b"E", "not-a-revision") == (b"C", t2, False)
+    assert backend.get_state() == (b"C", t2)
+
+
+def test_concurrent_writers_exactly_one_wins_per_token(etcd_server: EtcdServer) -> None:
+    client, settings = connect(etcd_server)
+    backend = EtcdRendezvousBackend(client, "/t/race", settings)
+    _, token, _ = backend.set_state(b"0", None)
+    results: list[bool] = []
+
+    def write(i: int) -> None:
+        results.append(backend.set_state(str(i).encode(), token)[2])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] * 7 + [True]
+
+
+def test_unreachable_etcd_is_a_connection_error(etcd_server: EtcdServer) -> None:
+    settings = EtcdSettings.from_conf("127.0.0.1:1", {"rpc_timeout": "1"})
+    backend = EtcdRendezvousBackend(LazyClient(settings), "/t/x", settings)
+    with pytest.raises(RendezvousConnectionError, match=r"etcd at 127\.0\.0\.1:1 failed"):
+        backend.get_state()
+
+
+def test_store_set_get_add_compare_set_and_watch_wait(etcd_server: EtcdServer) -> None:
+    client, settings = connect(etcd_server)
+    store = EtcdStore(client, "/t/store/", settings, timeout=timedelta(seconds=5))
+    prefixed = dist.PrefixStore("round.1", store)  # how torch's handler hands it out
+    prefixed.set("MASTER_ADDR", "127.0.0.1")
+    assert prefixed.get("MASTER_ADDR") == b"127.0.0.1"
+    assert prefixed.add("n", 1) == 1 and prefixed.add("n", 2) == 3
+    assert prefixed.compare_set("k", "", "v1") == b"v1"
+    assert prefixed.compare_set("k", "wrong", "v2") == b"v1"
+    assert prefixed.compare_set("k", "v1", "v2") == b"v2"
+    assert prefixed.check(["k", "n"]) and not prefixed.check(["missing"])
+    assert prefixed.multi_get(["k", "n"]) == [b"v2", b"3"]
+
+    # A blocked get wakes when another writer sets the key (watch, not polling).
+    threading.Timer(0.5, lambda: store.set("round.1/late", b"x")).start()
+    started = time.monotonic()
+    assert prefixed.get("late") == b"x"
+    assert time.monotonic() - started < 4.5
+
+    with pytest.raises(dist.DistStoreError, match="timed out"):
+        prefixed.wait(["never"], timedelta(seconds=0.5))
+
+
+def test_blacklist_round_trip_and_members_expire_with_lease(etcd_server: EtcdServer) -> None:
+    client, settings = connect(etcd_server)
+    blacklist = Blacklist(client, "/t", settings)
+    blacklist.add("node-b", "ECC errors on GPU 3", added_by="diag")
+    assert blacklist.get("node-b").reason == "ECC errors on GPU 3"
+    assert [e.node_id for e in blacklist.entries()] == ["node-b"]
+    assert blacklist.remove("node-b") and blacklist.get("node-b") is None
+
+    keys = Keys("/t", "job1")
+    publisher = MembershipPublisher(client, keys, settings, ttl_s=2)
+    publisher.publish(keys.member("a"), MemberRecord("a", "waiting", "127.0.0.1", 1))
+    time.sleep(3)  # refreshed past its TTL
+    assert client.get(keys.member("a"))[0] is not None
+    publisher.close()  # revoked: gone at once
+    assert client.get(keys.member("a"))[0] is None
+
+
+def test_handler_config_errors_are_one_line() -> None:
+    def params(**conf: str) -> RendezvousParameters:
+        return RendezvousParameters("etcd-v3", "127.0.0.1:2379", "job", 1, 2, **conf)
+
+    with pytest.raises(EtcdConfigError, match="protocol=https needs ca_cert"):
+        create_handler(params(protocol="https"))
+    with pytest.raises(EtcdConfigError, match="keep_alive_interval='x'"):
+        create_handler(params(keep_alive_interval="x"))
+    with pytest.raises(EtcdConfigError, match="not HOST:PORT"):
+        create_handler(RendezvousParameters("etcd-v3", "host:notaport", "job", 1, 2))
+    handler = create_handler(params(node_id="n1"))  # builds without contacting etcd
+    assert handler.get_backend() == "etcd-v3" and handler.node_id == "n1"
