@@ -118,11 +118,48 @@ class PlanConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlurmConfig:
+    """What the launcher does under Slurm: time-limit signal, requeue, cancel (elasticft.slurm)."""
+
+    slurm_mode: Literal["auto", "on", "off"] = option(
+        "auto",
+        "Slurm integration: auto (when SLURM_JOB_ID is set), on (fail if it is not), off.",
+    )
+    slurm_signal: str = option(
+        "SIGUSR1",
+        "The signal Slurm sends before the time limit (sbatch --signal=B:USR1@120). The agent "
+        "checkpoints, requeues and exits on it; plain scripts get it forwarded.",
+    )
+    slurm_signal_lead_time: timedelta = option(
+        timedelta(seconds=120),
+        "Seconds between that signal and the time limit (the @120 of --signal). The save may "
+        "take 80% of it; the rest is left for the requeue and a clean exit.",
+        minimum=1,
+    )
+    slurm_requeue: Literal["scontrol", "sbatch", "off"] = option(
+        "scontrol",
+        "How the job continues after a time-limit checkpoint: `scontrol requeue $SLURM_JOB_ID` "
+        "(same job id; needs requeue allowed), a new `sbatch` of the job's script, or off.",
+    )
+    slurm_resubmit_script: Path | None = option(
+        None,
+        "Batch script that --slurm-requeue sbatch submits. Default: the job's own script "
+        "(Command of `scontrol show job`).",
+    )
+    slurm_save_on_cancel: bool = option(
+        False,
+        "On scancel (SIGTERM), ask the workers to checkpoint before stopping. Off: log it and "
+        "exit at once. A cancelled job is never resubmitted.",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ElasticftConfig:
     """All of elasticft's options; one attribute per subsystem section."""
 
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
+    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 
 from elasticft.agent.agent import ElasticftAgent
-from elasticft.agent.api import AgentCollaborator
+from elasticft.agent.api import AgentCollaborator, StopRun
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
 from elasticft.config import ElasticftConfig
@@ -97,6 +97,15 @@ def default_collaborators(
     layout = layout_collaborator(options.plan)
     if layout is not None:
         collaborators.append(layout)
+    from elasticft.report.steps import StepLogEnv
+
+    collaborators.append(StepLogEnv())
+    # Last: the Slurm handler uses the checkpoint service built above, when there is one.
+    from elasticft.slurm import handler_from_options as slurm_handler
+
+    slurm = slurm_handler(options, os.environ, collaborators)
+    if slurm is not None:
+        collaborators.append(slurm)
     return collaborators
 
 
@@ -156,6 +165,8 @@ def launch(
         local_addr=config.local_addr,
         **config.rdzv_configs,
     )
+    # The rendezvous (blacklist, membership) knows this node by the same name as the events.
+    params.config.setdefault("node_id", node_id)
     master_addr, master_port = _master_addr_and_port(params)
     spec = WorkerSpec(
         role=config.role,
@@ -204,6 +215,10 @@ def launch(
         else:
             state, exit_code, return_values = "succeeded", 0, dict(result.return_values)
             close_rendezvous = True
+    except StopRun as e:
+        # A collaborator ended the run on purpose (a Slurm time-limit checkpoint and requeue);
+        # the agent has stopped the workers. Other nodes handle their own signal.
+        state, reason, exit_code = e.state, e.reason, e.exit_code
     except SignalException as e:
         # The launcher itself was signalled (scancel, Ctrl-C, kill): its workers are already
         # stopped by the agent; do not close the rendezvous for the other nodes.

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from elasticft import config as elasticft_config
+from elasticft import slurm
 from elasticft.agent.agent import WORKER_ENV_NAMES
 from elasticft.config import ConfigError, ElasticftConfig
 
@@ -97,6 +98,17 @@ def _capture_stderr(args: argparse.Namespace) -> None:
         args.tee = "2"
 
 
+def _slurm_allocation(options: ElasticftConfig) -> slurm.SlurmEnv | None:
+    """The Slurm allocation whose nodes fill the flags the user left out (see elasticft.slurm)."""
+    try:
+        allocation = slurm.detect(options.slurm, os.environ)
+        if allocation is not None:
+            slurm.parse_signal(options.slurm.slurm_signal)
+        return allocation
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
 def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConfig]:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -118,7 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         args, options = parse(argv)
+        raw_argv = list(sys.argv[1:] if argv is None else argv)
+        allocation = _slurm_allocation(options)
+        if allocation is not None:
+            slurm.node_defaults(args, raw_argv, os.environ, allocation)
         _apply_torchrun_defaults(args)
+        if allocation is not None:
+            slurm.run_id_default(args, raw_argv, os.environ, allocation)
         if options.agent.capture_stderr:
             _capture_stderr(args)
         from torch.distributed.run import config_from_args, determine_local_world_size

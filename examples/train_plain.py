@@ -9,14 +9,23 @@ and every rank resumes from the newest one at start. Run it with torchrun or ela
     elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 examples/train_plain.py
 
 --user-error-at-step injects a bug (a ZeroDivisionError in user code) on --fault-rank, for tests
-and demos of the failure policy.
+and demos of the failure policy; rank 0 saves the last finished step before the error propagates.
+
+Slurm's pre-time-limit signal (--save-signal, USR1 by default), forwarded by the launcher, makes
+every rank stop at the next step boundary; rank 0 saves and all exit 0. A sigwait thread receives
+it (a Python signal handler would wait until a blocking gloo collective returns); the ranks agree
+on the stop step with a one-element all_reduce per step. When ELASTICFT_STEP_LOG is set (by
+elasticft-run), each rank appends one JSON line per step for `elasticft report`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -79,6 +88,49 @@ def save_checkpoint(path: Path, step: int, model: nn.Module, optim: torch.optim.
     os.replace(tmp, path)
 
 
+class SaveRequest:
+    """Becomes set when the save signal arrives; a sigwait thread receives it.
+
+    The signal is blocked in the main thread before any other thread (gloo's included) exists,
+    so every thread inherits the block and only the sigwait thread takes the signal.
+    """
+
+    def __init__(self, sig: signal.Signals | None) -> None:
+        self.sig = sig
+        self.event = threading.Event()
+        if sig is not None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
+            threading.Thread(target=self._wait, name="save-signal", daemon=True).start()
+
+    def _wait(self) -> None:
+        assert self.sig is not None
+        signal.sigwait({self.sig})
+        self.event.set()
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank got the signal (a collective: call on all ranks)."""
+        if self.sig is None:
+            return False
+        flag = torch.tensor([1 if self.event.is_set() else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def record_step(step: int, ckpt_s: float | None) -> None:
+    """Appends this rank's step record for `elasticft report` (no-op outside elasticft-run)."""
+    path = os.environ.get("ELASTICFT_STEP_LOG")
+    if not path:
+        return
+    record = {"time": time.time(), "step": step}
+    if ckpt_s is not None:
+        record["ckpt_s"] = round(ckpt_s, 6)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -90,8 +142,13 @@ def main() -> None:
     parser.add_argument("--loss-log", type=Path, help="rank 0 appends 'step loss' lines here")
     parser.add_argument("--user-error-at-step", type=int, default=-1)
     parser.add_argument("--fault-rank", type=int, default=0)
+    parser.add_argument("--save-signal", default="USR1",
+                        help="signal that means: save now and exit 0 (none: disabled)")
     args = parser.parse_args()
 
+    save_signal = (None if args.save_signal.lower() == "none"
+                   else signal.Signals["SIG" + args.save_signal.upper().removeprefix("SIG")])
+    save_request = SaveRequest(save_signal)  # before init_process_group starts gloo's threads
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -109,10 +166,18 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
 
+    done = start
     for step in range(start, args.steps):
-        if step == args.user_error_at_step and rank == args.fault_rank:
-            steps_per_epoch = 0
-            _ = step / steps_per_epoch  # the injected bug
+        try:
+            if step == args.user_error_at_step and rank == args.fault_rank:
+                steps_per_epoch = 0
+                _ = step / steps_per_epoch  # the injected bug
+        except ArithmeticError:
+            # A bug in user code: keep the last finished step so a fixed script resumes there.
+            if rank == 0 and done > start:
+                save_checkpoint(ckpt, done, model.module, optim)
+                print(f"user-code error: saved step {done} before exiting", flush=True)
+            raise
         x, y = batch(step, rank, args.batch_size)
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         optim.zero_grad(set_to_none=True)
@@ -121,6 +186,7 @@ def main() -> None:
         done = step + 1
         if args.step_time:
             time.sleep(args.step_time)
+        ckpt_s = None
         if rank == 0:
             value = loss.item()
             print(f"step {done} loss {value:.4f}", flush=True)
@@ -128,9 +194,19 @@ def main() -> None:
                 with open(args.loss_log, "a") as f:
                     f.write(f"{done} {value:.6f}\n")
             if done % args.ckpt_every == 0 or done == args.steps:
+                began = time.monotonic()
                 save_checkpoint(ckpt, done, model.module, optim)
+                ckpt_s = time.monotonic() - began
+        record_step(done, ckpt_s)
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"loss is {loss.item()} at step {done}")
+        if done < args.steps and save_request.agreed():
+            if rank == 0:
+                save_checkpoint(ckpt, done, model.module, optim)
+                print(f"{save_signal.name}: saved step {done}, exiting to be resumed", flush=True)
+            dist.barrier()  # nobody exits before rank 0's checkpoint is durable
+            dist.destroy_process_group()
+            return
     dist.barrier()
     if rank == 0:
         print(f"finished {args.steps} steps on {world} workers", flush=True)

@@ -25,7 +25,13 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
 
-from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
+from elasticft.agent.api import (
+    AgentCollaborator,
+    Detection,
+    GroupInfo,
+    StopRun,
+    WorkerInfo,
+)
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
 from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
 from elasticft.config import ElasticftConfig
@@ -38,6 +44,8 @@ WORKER_ENV_NAMES = frozenset(
     {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND", "ELASTICFT_ATTEMPT"}
     # The 3D-parallel layout chosen for the round (elasticft.plan).
     | {"ELASTICFT_TP", "ELASTICFT_PP", "ELASTICFT_DP", "ELASTICFT_GRAD_ACCUM"}
+    # Where a worker appends its step records for `elasticft report` (elasticft.report.steps).
+    | {"ELASTICFT_STEP_LOG"}
 )
 _STEADY_AFTER_S = 2.0
 
@@ -112,6 +120,8 @@ class ElasticftAgent(LocalElasticAgent):
         for collaborator in self.collaborators:
             try:
                 results.append(getattr(collaborator, hook)(*args))
+            except StopRun:
+                raise  # a collaborator ends the run on purpose (e.g. a Slurm requeue)
             except Exception:
                 # A collaborator is an add-on: its failure must never cost the training run.
                 logger.exception("collaborator %s failed in %s", type(collaborator).__name__, hook)

@@ -69,6 +69,21 @@ class Detection:
         )
 
 
+class StopRun(Exception):
+    """Raised by a collaborator's hook to end the run for a reason that is not a failure.
+
+    The Slurm handler raises it after a time-limit checkpoint and requeue. The agent lets it
+    through (other exceptions of collaborators are logged and swallowed); the launcher stops the
+    workers and reports ``state``, ``reason`` and ``exit_code``.
+    """
+
+    def __init__(self, state: str, reason: str, exit_code: int = 0) -> None:
+        super().__init__(reason)
+        self.state = state
+        self.reason = reason
+        self.exit_code = exit_code
+
+
 class AgentCollaborator:
     """A part of the agent; override the hooks you need."""
 

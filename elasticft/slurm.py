@@ -1,0 +1,556 @@
+"""Slurm: node order from the allocation, and the three ways a Slurm job ends early.
+
+A job on a Slurm cluster meets its time limit, a ``scancel``, or a bug in the user's code. Each
+gets one answer here, inside the launcher, so the training script does not have to know Slurm:
+
+* **The time limit.** Submitted with ``#SBATCH --signal=B:USR1@120``, the job's batch shell (the
+  ``exec``'d ``elasticft-run``) gets SIGUSR1 120 s before the limit. The agent's handler only
+  records it; the next monitor tick (:meth:`SlurmHandler.check`) asks the workers to checkpoint
+  now: through the checkpoint service's "checkpoint now and wait for the ack" when the job uses
+  the worker API, otherwise by forwarding the signal to every worker (a plain script saves on it
+  and exits; see ``examples/train_plain.py``). It waits until the checkpoint is durable (the ack,
+  or every worker has exited), requeues the job (``scontrol requeue $SLURM_JOB_ID`` or a new
+  ``sbatch`` of the job's script) and ends the run with state ``requeued`` and exit code 0. The
+  next allocation starts the same command, which resumes from that checkpoint.
+* **scancel** (SIGTERM to every process of the job). torch's handler stops the workers and the
+  launcher exits with 143. This module only logs it as a cancel and records it; it saves first
+  only with ``--slurm-save-on-cancel``, and never resubmits.
+* **A user-code error.** The policy stops the run (exit 1); the checkpoint service flushes what
+  it holds; nothing is resubmitted: the same code would fail the same way.
+
+The handler for the time-limit signal never does work itself: a Python handler runs between
+bytecodes of the agent's main thread, which here is the monitor loop, so the work happens in
+``check()`` where the agent is in a known state.
+
+Node rank and order come from the allocation (:func:`torchrun_defaults`): ``SLURM_PROCID`` (one
+``srun`` task per node) or ``SLURM_NODEID`` gives ``--node-rank``, the first host of
+``SLURM_JOB_NODELIST`` gives ``--master-addr`` and the c10d endpoint, ``SLURM_JOB_NUM_NODES``
+gives ``--nnodes`` and ``SLURM_JOB_ID`` the rendezvous id. Flags the user gives always win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from elasticft.agent.api import AgentCollaborator, GroupInfo, StopRun
+from elasticft.agent.classify import FailureClass
+from elasticft.agent.policy import Action, ActionKind
+from elasticft.config import ConfigError, SlurmConfig
+from elasticft.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+# Fraction of the signal's lead time the checkpoint may take; the rest is for the requeue.
+SAVE_SHARE_OF_LEAD_TIME = 0.8
+DEFAULT_C10D_PORT = 29400
+
+
+# ----------------------------------------------------------------------------------------------
+# The allocation.
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmEnv:
+    """What Slurm tells a job about itself, read once from the environment."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    """Hosts of the allocation in Slurm's order (SLURM_JOB_NODELIST expanded)."""
+    node_name: str | None
+    procid: int | None
+    nodeid: int | None
+    restart_count: int
+    """SLURM_RESTART_COUNT: how many times this job id has been requeued."""
+
+    @property
+    def node_rank(self) -> int:
+        # SLURM_PROCID is the node's index when srun starts one task per node; in a batch
+        # script (no srun) only SLURM_NODEID is meaningful, and it is 0 on the batch host.
+        if self.procid is not None and self.procid < len(self.nodes):
+            return self.procid
+        return self.nodeid or 0
+
+    @property
+    def master_addr(self) -> str:
+        return self.nodes[0] if self.nodes else "127.0.0.1"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SlurmEnv | None:
+        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not job_id:
+            return None
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        return cls(
+            job_id=job_id,
+            nodes=expand_nodelist(nodelist),
+            node_name=env.get("SLURMD_NODENAME"),
+            procid=_int_or_none(env.get("SLURM_PROCID")),
+            nodeid=_int_or_none(env.get("SLURM_NODEID")),
+            restart_count=_int_or_none(env.get("SLURM_RESTART_COUNT")) or 0,
+        )
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return int(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current))
+    return [p for p in (s.strip() for s in parts) if p]
+
+
+def _expand_range_set(spec: str) -> list[str]:
+    values = []
+    for item in spec.split(","):
+        lo, sep, hi = item.partition("-")
+        if not sep:
+            values.append(lo)
+            continue
+        width = len(lo)
+        values.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+    return values
+
+
+def expand_nodelist(nodelist: str) -> tuple[str, ...]:
+    """``"gpu[01-03,7],login"`` -> ``("gpu01", "gpu02", "gpu03", "gpu7", "login")``.
+
+    Slurm's host-list syntax (what ``scontrol show hostnames`` prints), including zero padding
+    and several bracket groups in one name; order is kept.
+    """
+    hosts: list[str] = []
+    for expression in _split_top_level(nodelist):
+        expanded = [""]
+        for literal, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", expression):
+            if not literal and not ranges:
+                continue
+            options = _expand_range_set(ranges) if ranges else [""]
+            expanded = [prefix + literal + o for prefix in expanded for o in options]
+        hosts.extend(expanded)
+    return tuple(hosts)
+
+
+def _given(argv: Sequence[str], env: Mapping[str, str], flags: Sequence[str], pet: str) -> bool:
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if name in flags:
+            return True
+    return pet in env
+
+
+def _launcher_argv(args: Any, argv: Sequence[str]) -> list[str]:
+    script = getattr(args, "training_script", None)
+    return list(argv[: argv.index(script)] if script in argv else argv)
+
+
+def node_defaults(
+    args: Any, argv: Sequence[str], env: Mapping[str, str], slurm: SlurmEnv
+) -> dict[str, Any]:
+    """Fills torchrun's node flags the user left out from the allocation; returns what it set.
+
+    Call before torchrun's own defaults (which turn a single-node static run into a local c10d
+    one). ``args`` is torchrun's parsed namespace; a flag counts as given when it is on the
+    command line before the training script or in its ``PET_*`` variable.
+    """
+    given_argv = _launcher_argv(args, argv)
+    changed: dict[str, Any] = {}
+
+    def fill(attr: str, flags: Sequence[str], pet: str, value: Any) -> None:
+        if not _given(given_argv, env, flags, pet):
+            setattr(args, attr, value)
+            changed[attr] = value
+
+    nnodes = len(slurm.nodes) or 1
+    fill("nnodes", ("--nnodes",), "PET_NNODES", str(nnodes))
+    if nnodes > 1:
+        fill("node_rank", ("--node-rank", "--node_rank"), "PET_NODE_RANK", slurm.node_rank)
+        fill("master_addr", ("--master-addr", "--master_addr"), "PET_MASTER_ADDR",
+             slurm.master_addr)
+        if getattr(args, "rdzv_backend", "static") != "static":
+            fill("rdzv_endpoint", ("--rdzv-endpoint", "--rdzv_endpoint"), "PET_RDZV_ENDPOINT",
+                 f"{slurm.master_addr}:{DEFAULT_C10D_PORT}")
+    return changed
+
+
+def run_id_default(
+    args: Any, argv: Sequence[str], env: Mapping[str, str], slurm: SlurmEnv
+) -> str | None:
+    """One run id per Slurm job, so the run directory (and the report) spans its requeues.
+
+    Call after torchrun's defaults, which give a single-node run a random id; the user's
+    ``--rdzv-id`` wins.
+    """
+    if _given(_launcher_argv(args, argv), env, ("--rdzv-id", "--rdzv_id"), "PET_RDZV_ID"):
+        return None
+    args.rdzv_id = f"slurm-{slurm.job_id}"
+    return args.rdzv_id
+
+
+def parse_signal(name: str) -> signal.Signals:
+    text = name.strip().upper()
+    if text.isdigit():
+        try:
+            return signal.Signals(int(text))
+        except ValueError:
+            pass
+    else:
+        try:
+            return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+        except KeyError:
+            pass
+    raise ConfigError(
+        f"--slurm-signal={name!r} is not a signal; give the one of sbatch --signal, e.g. USR1",
+        reason="bad_option",
+    )
+
+
+def detect(config: SlurmConfig, env: Mapping[str, str]) -> SlurmEnv | None:
+    """The allocation when the Slurm integration applies, else None."""
+    if config.slurm_mode == "off":
+        return None
+    slurm = SlurmEnv.from_env(env)
+    if slurm is None and config.slurm_mode == "on":
+        raise ConfigError(
+            "--slurm-mode=on but SLURM_JOB_ID is not set; run inside a Slurm job or use auto",
+            reason="not_in_slurm",
+        )
+    return slurm
+
+
+# ----------------------------------------------------------------------------------------------
+# Talking to Slurm.
+
+
+class CommandRunner(Protocol):
+    def __call__(self, cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess: ...
+
+
+def run_command(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def job_fields(text: str) -> dict[str, str]:
+    """Parses one ``scontrol -o show job`` line into its Key=Value fields."""
+    fields: dict[str, str] = {}
+    key = None
+    for token in text.strip().split(" "):
+        name, sep, value = token.partition("=")
+        if sep and re.fullmatch(r"[A-Za-z][\w/:]*", name):
+            key = name
+            fields[key] = value
+        elif key is not None:
+            # A value with spaces (Command with arguments, a path) continues the last field.
+            fields[key] += " " + token
+    return fields
+
+
+def requeue_command(
+    how: str, slurm: SlurmEnv, script: Path | None, runner: CommandRunner
+) -> list[str]:
+    """The command that hands the job back to Slurm."""
+    if how == "scontrol":
+        return ["scontrol", "requeue", slurm.job_id]
+    shown = runner(["scontrol", "-o", "show", "job", slurm.job_id], 30)
+    fields = job_fields(shown.stdout) if shown.returncode == 0 else {}
+    workdir = fields.get("WorkDir")
+    command = str(script) if script else fields.get("Command")
+    if not command:
+        raise RuntimeError(
+            f"cannot find job {slurm.job_id}'s script to resubmit; set --slurm-resubmit-script"
+        )
+    cmd = ["sbatch", "--parsable"]
+    if workdir:
+        cmd.append(f"--chdir={workdir}")
+    return cmd + shlex.split(command)
+
+
+# ----------------------------------------------------------------------------------------------
+# The agent's side.
+
+
+class CheckpointNow(Protocol):
+    """The checkpoint service's "save now and wait until durable" (worker-API jobs)."""
+
+    def checkpoint_now(self, reason: str, timeout: float) -> bool: ...
+
+
+def find_checkpoint_now(collaborators: Sequence[object]) -> CheckpointNow | None:
+    for collaborator in collaborators:
+        if callable(getattr(collaborator, "checkpoint_now", None)):
+            return collaborator  # type: ignore[return-value]
+    return None
+
+
+def exit_status(pid: int) -> int | None:
+    """The wait status of an exited child not yet reaped (a zombie), from /proc; else None.
+
+    The agent reaps its workers only in its monitor loop, which is blocked while this module
+    waits, so a finished worker is a zombie whose status the kernel still holds.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0  # gone (reaped): it exited; its status is no longer known
+    if fields[0] != "Z":
+        return None
+    try:
+        return int(fields[-1])
+    except (ValueError, IndexError):
+        return 0
+
+
+def describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+class SlurmHandler(AgentCollaborator):
+    """The agent's answer to Slurm's time-limit signal and cancel (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SlurmConfig,
+        slurm: SlurmEnv,
+        *,
+        event_dir: Path | None = None,
+        node_id: str = "",
+        checkpointer: CheckpointNow | None = None,
+        runner: CommandRunner = run_command,
+        clock: Callable[[], float] = time.monotonic,
+        poll_interval: float = 0.1,
+    ) -> None:
+        self.config = config
+        self.slurm = slurm
+        self.signal = parse_signal(config.slurm_signal)
+        self.checkpointer = checkpointer
+        self._runner = runner
+        self._clock = clock
+        self._poll = poll_interval
+        self._event_dir = event_dir
+        self._node_id = node_id
+        self._events: EventLog | None = None
+        self._signalled_at: float | None = None
+        self._signal_seen = threading.Event()
+        self._handled = False
+        self._torch_term_handler: Any = None
+        self.outcome: str | None = None
+        """What ended the run from Slurm's side: requeued, cancelled (None while running)."""
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Installs the time-limit signal handler; call from the launcher's main thread."""
+        signal.signal(self.signal, self._on_signal)
+        logger.info(
+            "Slurm job %s (restart %d, nodes %s): %s means the time limit is %gs away",
+            self.slurm.job_id, self.slurm.restart_count, ",".join(self.slurm.nodes),
+            self.signal.name, self.config.slurm_signal_lead_time.total_seconds(),
+        )
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Runs between bytecodes of the agent's main thread: record only, act in check().
+        if self._signalled_at is None:
+            self._signalled_at = self._clock()
+        self._signal_seen.set()
+
+    def _emit(self, kind: str, **payload: Any) -> None:
+        if self._events is None and self._event_dir is not None:
+            # A file of its own (a subdirectory of the event dir): never interleaves with the
+            # agent's writes; read_events merges them.
+            self._events = EventLog(self._event_dir / "slurm", self._node_id or "node")
+        if self._events is not None:
+            self._events.emit(kind, job_id=self.slurm.job_id, **payload)
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def on_workers_started(self, group: GroupInfo) -> None:
+        if self._event_dir is None:
+            self._event_dir = group.run_dir
+            self._node_id = self._node_id or group.node_id
+        if not self._handled:
+            self._emit("slurm_allocation", restart_count=self.slurm.restart_count,
+                       nodes=list(self.slurm.nodes), node_rank=self.slurm.node_rank)
+            self._handled = True
+        # torch's process context (re)installs its SIGTERM handler at every start; wrap it so
+        # a cancel is logged as one (and checkpointed when asked) before torch stops the run.
+        current = signal.getsignal(signal.SIGTERM)
+        if current is not self._on_term:
+            self._torch_term_handler = current
+            signal.signal(signal.SIGTERM, self._on_term)
+        self._group = group
+
+    def check(self, group: GroupInfo) -> None:
+        if self._signal_seen.is_set() and self.outcome is None:
+            self._time_limit(group)
+        return None
+
+    def on_decision(self, group: GroupInfo, action: Action) -> None:
+        if action.kind is ActionKind.STOP and "user-code" in action.reason:
+            logger.error("Slurm job %s stops on a user-code error; it is not resubmitted "
+                         "(the same code would fail again)", self.slurm.job_id)
+            self._emit("slurm_no_resubmit", reason=action.reason,
+                       failure_class=FailureClass.USER_CODE.value)
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+
+    # -- the time limit -------------------------------------------------------------------------
+
+    def _time_limit(self, group: GroupInfo) -> None:
+        lead = self.config.slurm_signal_lead_time.total_seconds()
+        signalled = self._signalled_at if self._signalled_at is not None else self._clock()
+        deadline = signalled + SAVE_SHARE_OF_LEAD_TIME * lead
+        logger.warning(
+            "Slurm time limit in about %gs (%s): checkpointing, then requeue (%s)",
+            lead, self.signal.name, self.config.slurm_requeue,
+        )
+        self._emit("slurm_time_limit", signal=self.signal.name, lead_time_s=lead)
+        started = self._clock()
+        durable, how = self._checkpoint(group, deadline)
+        save_s = self._clock() - started
+        self._emit("slurm_checkpoint", durable=durable, how=how, duration_s=save_s)
+        if not durable:
+            logger.error("the time-limit checkpoint was not confirmed (%s); the next allocation "
+                         "resumes from the last periodic checkpoint", how)
+        # From here on Slurm's SIGTERM (sent to the whole job by the requeue) is expected.
+        signal.signal(signal.SIGTERM, self._after_requeue_term)
+        reason = f"Slurm time limit: checkpoint {'durable' if durable else 'NOT confirmed'} " \
+                 f"({how}, {save_s:.1f}s)"
+        if self.config.slurm_requeue == "off":
+            self.outcome = "stopped"
+            self._emit("slurm_requeue", how="off", ok=False)
+            raise StopRun("time_limit", reason + "; requeue is off", exit_code=0)
+        ok, detail = self._requeue()
+        self.outcome = "requeued" if ok else "requeue_failed"
+        self._emit("slurm_requeue", how=self.config.slurm_requeue, ok=ok, detail=detail)
+        if not ok:
+            raise StopRun("failed", f"{reason}; requeue failed: {detail}", exit_code=1)
+        raise StopRun("requeued", f"{reason}; requeued ({detail})", exit_code=0)
+
+    def _checkpoint(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:
+        timeout = max(deadline - self._clock(), 1.0)
+        if self.checkpointer is not None:
+            try:
+                if self.checkpointer.checkpoint_now("slurm time limit", timeout):
+                    return True, "checkpoint service acknowledged"
+                return False, "checkpoint service did not acknowledge in time"
+            except Exception as e:
+                logger.exception("checkpoint service failed; forwarding the signal instead")
+                if not group.workers:
+                    return False, f"checkpoint service failed: {e}"
+        return self._forward_and_wait(group, deadline)
+
+    def _forward_and_wait(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:
+        pids = [w.pid for w in group.workers if w.pid]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, self.signal)
+        logger.info("forwarded %s to workers %s; waiting for them to save and exit",
+                    self.signal.name, pids)
+        statuses: dict[int, int] = {}
+        while self._clock() < deadline:
+            for pid in pids:
+                if pid not in statuses:
+                    status = exit_status(pid)
+                    if status is not None:
+                        statuses[pid] = status
+            if len(statuses) == len(pids):
+                break
+            time.sleep(self._poll)
+        if len(statuses) < len(pids):
+            left = sorted(set(pids) - set(statuses))
+            return False, f"workers {left} still running at the deadline"
+        bad = {pid: describe_status(s) for pid, s in statuses.items() if s != 0}
+        if bad:
+            return False, "workers did not exit cleanly after the signal: " + ", ".join(
+                f"{pid} {what}" for pid, what in sorted(bad.items()))
+        return True, f"{len(pids)} worker(s) saved and exited"
+
+    def _requeue(self) -> tuple[bool, str]:
+        try:
+            cmd = requeue_command(self.config.slurm_requeue, self.slurm,
+                                  self.config.slurm_resubmit_script, self._runner)
+            done = self._runner(cmd, 60)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            return False, str(e)
+        text = " ".join(cmd)
+        if done.returncode != 0:
+            return False, f"`{text}` exited {done.returncode}: {done.stderr.strip()}"
+        logger.warning("requeued: `%s` %s", text, done.stdout.strip())
+        return True, f"`{text}`" + (f" -> job {done.stdout.strip()}" if done.stdout.strip() else "")
+
+    # -- cancel ---------------------------------------------------------------------------------
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        if self.outcome is None:
+            self.outcome = "cancelled"
+            logger.warning("Slurm job %s got SIGTERM (scancel or the hard time limit): stopping "
+                           "%s; not resubmitting", self.slurm.job_id,
+                           "after a checkpoint" if self.config.slurm_save_on_cancel
+                           else "without a checkpoint")
+            self._emit("slurm_cancel", save=self.config.slurm_save_on_cancel)
+            if self.config.slurm_save_on_cancel and self.checkpointer is not None:
+                # Slurm's SIGKILL follows after KillWait (30 s by default).
+                try:
+                    self.checkpointer.checkpoint_now("slurm cancel", 20.0)
+                except Exception:
+                    logger.exception("checkpoint on cancel failed")
+        handler = self._torch_term_handler
+        if callable(handler):
+            handler(signum, frame)  # torch's: raises SignalException, the launcher stops
+        else:
+            signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _after_requeue_term(self, signum: int, frame: Any) -> None:
+        logger.info("SIGTERM after the requeue (Slurm ends this allocation); exiting")
+
+
+def handler_from_options(
+    options: Any, env: Mapping[str, str], collaborators: Sequence[object]
+) -> SlurmHandler | None:
+    """The launcher's Slurm handler, with its signal handler installed; None outside Slurm.
+
+    Call from the main thread (signal handlers can only be installed there). ``collaborators``
+    are those built so far: the checkpoint service among them, when present, takes the
+    time-limit checkpoint.
+    """
+    slurm = detect(options.slurm, env)
+    if slurm is None:
+        return None
+    handler = SlurmHandler(
+        options.slurm,
+        slurm,
+        event_dir=options.agent.event_dir,
+        node_id=options.agent.node_id or "",
+        checkpointer=find_checkpoint_now(collaborators),
+    )
+    handler.install()
+    return handler
