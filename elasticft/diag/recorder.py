@@ -1,0 +1,337 @@
+"""The worker-side recorder for gloo and CPU training: collectives, DDP buckets, steps, losses.
+
+It writes the same ring records as the NCCL shim (:mod:`elasticft.diag.ring`), from Python:
+
+* **collectives**: the public ``torch.distributed`` collective functions are replaced by thin
+  wrappers that record enqueue and completion (the ``Work`` future's callback for
+  ``async_op=True``) and call the original unchanged;
+* **DDP buckets**: a communication hook doing exactly what DDP's default all-reduce hook does
+  (divide, all-reduce, same future), timed per bucket. DDP's reducer calls collectives from C++,
+  so this is the only way to see them. Gradients are bit-identical to the default hook;
+* **steps**: a global optimizer step post-hook (``register_optimizer_step_post_hook``) marks each
+  optimizer step;
+* **losses**: :meth:`Recorder.report_loss`, called through :func:`elasticft.init`'s handle;
+* **heartbeat**: a daemon thread stamps the ring header every 100 ms. gloo releases the GIL while
+  it waits, so a worker blocked in a collective keeps beating; a stopped or wedged process does not.
+
+Completion callbacks run on gloo's threads, so every write takes the recorder's lock. Nothing here
+may raise into the training script: recording errors are logged once and dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elasticft.diag.ring import FLAG_HOST_COMPLETION, FLAG_TIMED, Op, RingWriter, ring_path
+
+logger = logging.getLogger(__name__)
+
+RING_DIR_ENV = "ELASTICFT_DIAG_RING_DIR"
+OWNER_PID_ENV = "ELASTICFT_DIAG_OWNER_PID"
+
+# Public torch.distributed collectives and the op each is recorded as.
+WRAPPED_COLLECTIVES: dict[str, Op] = {
+    "all_reduce": Op.ALL_REDUCE,
+    "broadcast": Op.BROADCAST,
+    "reduce": Op.REDUCE,
+    "all_gather": Op.ALL_GATHER,
+    "all_gather_into_tensor": Op.ALL_GATHER,
+    "reduce_scatter": Op.REDUCE_SCATTER,
+    "reduce_scatter_tensor": Op.REDUCE_SCATTER,
+    "all_to_all": Op.ALL_TO_ALL,
+    "all_to_all_single": Op.ALL_TO_ALL,
+    "barrier": Op.BARRIER,
+    "gather": Op.GATHER,
+    "scatter": Op.SCATTER,
+    "send": Op.SEND,
+    "recv": Op.RECV,
+}
+
+
+def _nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    tensor = kwargs.get("tensor", args[0] if args else None)
+    if isinstance(tensor, list | tuple):
+        tensor = tensor[0] if tensor else None
+    try:
+        return int(tensor.numel() * tensor.element_size())  # type: ignore[union-attr]
+    except Exception:
+        return 0
+
+
+class Recorder:
+    """Writes one worker's progress ring; create with :meth:`open` or inject a writer."""
+
+    def __init__(
+        self,
+        writer: RingWriter,
+        rank: int,
+        *,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        heartbeat_interval_s: float = 0.1,
+    ) -> None:
+        self.writer = writer
+        self.rank = rank
+        self._clock_ns = clock_ns
+        self._lock = threading.Lock()
+        self._comm_keys: dict[int, int] = {}
+        self._comm_seqs: dict[int, int] = {}
+        self._steps = 0
+        self._last_step_ns = clock_ns()
+        self._stop = threading.Event()
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat: threading.Thread | None = None
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._hook_handles: list[Any] = []
+        self._ddp_seen: set[int] = set()
+        self._failed_once = False
+
+    @classmethod
+    def open(cls, directory: Path, rank: int) -> Recorder:
+        return cls(RingWriter(ring_path(directory, rank, "py"), rank, "py"), rank)
+
+    # -- low level ----------------------------------------------------------------------------
+
+    def start_heartbeat(self) -> None:
+        if self._heartbeat is None:
+            self.writer.heartbeat(self._clock_ns())
+            self._heartbeat = threading.Thread(
+                target=self._beat, name="elasticft-diag-heartbeat", daemon=True
+            )
+            self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._heartbeat_interval_s):
+            with self._lock:
+                self.writer.heartbeat(self._clock_ns())
+
+    def _dropped(self) -> None:
+        if not self._failed_once:
+            self._failed_once = True
+            logger.warning("elasticft diagnostics: a record was dropped", exc_info=True)
+
+    def comm_key(self, group: Any) -> int:
+        """A number identical on every member of ``group`` (its name and ranks, hashed)."""
+        cached = self._comm_keys.get(id(group))
+        if cached is not None:
+            return cached
+        try:
+            import torch.distributed as dist
+
+            pg = group if group is not None else dist.group.WORLD
+            name = getattr(pg, "group_name", "")
+            ranks = dist.get_process_group_ranks(pg)
+            digest = hashlib.blake2b(f"{name}|{ranks}".encode(), digest_size=8).digest()
+            key = int.from_bytes(digest, "little") or 1
+        except Exception:
+            key = 0
+        self._comm_keys[id(group)] = key
+        return key
+
+    def begin(self, op: Op, comm: int = 0, nbytes: int = 0, peer: int = -1) -> int:
+        try:
+            with self._lock:
+                comm_seq = self._comm_seqs.get(comm, 0) + 1
+                self._comm_seqs[comm] = comm_seq
+                return self.writer.append(op, comm=comm, nbytes=nbytes,
+                                          enqueue_ns=self._clock_ns(), peer=peer,
+                                          flags=FLAG_TIMED, comm_seq=comm_seq)
+        except Exception:
+            self._dropped()
+            return 0
+
+    def end(self, seq: int) -> None:
+        if seq:
+            try:
+                with self._lock:
+                    self.writer.complete(seq, self._clock_ns())
+            except Exception:
+                self._dropped()
+
+    def mark_step(self) -> None:
+        try:
+            with self._lock:
+                now = self._clock_ns()
+                self._steps += 1
+                self.writer.append(Op.STEP, enqueue_ns=self._last_step_ns, complete_ns=now,
+                                   value=float(self._steps), flags=FLAG_HOST_COMPLETION)
+                self.writer.mark_step(self._steps, now)
+                self._last_step_ns = now
+        except Exception:
+            self._dropped()
+
+    def report_loss(self, loss: Any, step: int | None = None) -> None:
+        """Records a loss value (a float or a one-element tensor) for the NaN/spike detectors."""
+        try:
+            value = float(loss.detach().item() if hasattr(loss, "detach") else loss)
+            with self._lock:
+                now = self._clock_ns()
+                self.writer.append(Op.LOSS, enqueue_ns=now, complete_ns=now, value=value,
+                                   peer=self._steps if step is None else step)
+        except Exception:
+            self._dropped()
+
+    # -- torch integration --------------------------------------------------------------------
+
+    def wrap_collectives(self, dist_module: Any) -> None:
+        """Replaces the public collectives of ``torch.distributed`` by recording wrappers."""
+        for name, op in WRAPPED_COLLECTIVES.items():
+            original = getattr(dist_module, name, None)
+            if original is None or name in self._originals:
+                continue
+            self._originals[name] = original
+            setattr(dist_module, name, self._wrapper(original, op))
+
+    def unwrap_collectives(self, dist_module: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist_module, name, original)
+        self._originals.clear()
+
+    def _wrapper(self, original: Callable[..., Any], op: Op) -> Callable[..., Any]:
+        recorder = self
+
+        @functools.wraps(original)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            peer = kwargs.get("dst", kwargs.get("src", -1))
+            seq = recorder.begin(op, recorder.comm_key(group), _nbytes(args, kwargs),
+                                 peer if isinstance(peer, int) else -1)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                recorder.end(seq)
+                raise
+            recorder._complete_when_done(seq, result)
+            return result
+
+        collective.__elasticft_original__ = original  # type: ignore[attr-defined]
+        return collective
+
+    def _complete_when_done(self, seq: int, result: Any) -> None:
+        if result is None or not hasattr(result, "get_future"):
+            self.end(seq)
+            return
+        try:
+            result.get_future().then(lambda _f: self.end(seq))
+        except Exception:
+            self.end(seq)
+
+    def ddp_comm_hook(self, process_group: Any) -> Callable[[Any, Any], Any]:
+        """A DDP comm hook equal to DDP's default all-reduce hook, timed per bucket."""
+        import torch.distributed as dist
+
+        all_reduce = self._originals.get("all_reduce", dist.all_reduce)
+        group = process_group if process_group is not None else dist.group.WORLD
+        key = self.comm_key(group)
+        recorder = self
+
+        def timed_allreduce_hook(state: Any, bucket: Any) -> Any:
+            tensor = bucket.buffer()
+            seq = recorder.begin(Op.DDP_BUCKET, key, tensor.numel() * tensor.element_size(),
+                                 bucket.index())
+            tensor.div_(group.size())
+            fut = all_reduce(tensor, group=group, async_op=True).get_future()
+
+            def done(f: Any) -> Any:
+                recorder.end(seq)
+                return f.value()[0]
+
+            return fut.then(done)
+
+        return timed_allreduce_hook
+
+    def attach_ddp(self, model: Any) -> bool:
+        """Registers the timed hook on a DDP model unless it already has a comm hook."""
+        if id(model) in self._ddp_seen:
+            return False
+        self._ddp_seen.add(id(model))
+        if getattr(model, "_comm_hooks", None):
+            logger.info("DDP model already has a comm hook; its buckets are not timed")
+            return False
+        model.register_comm_hook(None, self.ddp_comm_hook(getattr(model, "process_group", None)))
+        return True
+
+    def install_step_hook(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._hook_handles.append(register_optimizer_step_post_hook(self._on_step))
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.mark_step()
+
+    def install_ddp_autoattach(self) -> None:
+        """Attaches the bucket hook to every DDP model at its first forward (unmodified scripts).
+
+        The global forward pre-hook is removed at the first optimizer step: every DDP model has
+        normally run forward by then, and the hook must not tax every module call afterwards.
+        """
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def on_forward(module: Any, args: Any) -> None:
+            if isinstance(module, DistributedDataParallel) and id(module) not in self._ddp_seen:
+                try:
+                    self.attach_ddp(module)
+                except Exception:
+                    logger.warning("could not time DDP buckets", exc_info=True)
+
+        forward_handle = register_module_forward_pre_hook(on_forward)
+        step_handle: list[Any] = []
+
+        def remove_after_first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            forward_handle.remove()
+            if step_handle:
+                step_handle.pop().remove()
+
+        step_handle.append(register_optimizer_step_post_hook(remove_after_first_step))
+        self._hook_handles.extend([forward_handle])
+
+    def close(self) -> None:
+        self._stop.set()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+
+# One recorder per worker process: torch's optimizer and module hooks it registers are themselves
+# process-global, so a second recorder would double every record.
+_installed: Recorder | None = None
+
+
+def installed() -> Recorder | None:
+    return _installed
+
+
+def install(
+    directory: Path,
+    rank: int,
+    *,
+    wrap_collectives: bool = True,
+    step_hook: bool = True,
+    ddp_autoattach: bool = True,
+) -> Recorder:
+    """Installs the recorder in this process (idempotent); ``torch`` must be importable."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    import torch.distributed as dist
+
+    recorder = Recorder.open(directory, rank)
+    if wrap_collectives and dist.is_available():
+        recorder.wrap_collectives(dist)
+    if step_hook:
+        recorder.install_step_hook()
+    if ddp_autoattach and dist.is_available():
+        recorder.install_ddp_autoattach()
+    recorder.start_heartbeat()
+    os.environ[OWNER_PID_ENV] = str(os.getpid())
+    _installed = recorder
+    return recorder

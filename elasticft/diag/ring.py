@@ -1,0 +1,259 @@
+"""The per-rank progress ring: one fixed-layout record stream in shared memory per producer.
+
+Every worker has up to two producers: the NCCL shim (C, :file:`shim/nccl_shim.c`) and the Python
+recorder (:mod:`elasticft.diag.recorder`, gloo collectives, DDP buckets, step marks, losses).
+Each writes its own file ``rank-<global rank>.<source>.ring`` under the ring directory (on
+``/dev/shm``), so the two never need a lock between languages. The agent maps the files
+read-only and polls them (:class:`RingReader`); a ring costs a few hundred kilobytes.
+
+Layout (little-endian, the C shim declares the same structs)::
+
+    header (128 bytes)
+      0  u32 magic 'EFTR'     4 u32 version     8 u32 capacity     12 u32 record size
+     16  i32 pid             20 i32 rank       24 u64 head (seq of the newest published record)
+     32  u64 heartbeat_ns (producer's background thread, CLOCK_MONOTONIC)
+     40  u64 flags (bit 0: completions are timed)
+     48  u64 last step number 56 u64 monotonic time of the last step mark
+     64  char source[16]
+    record (64 bytes), slot = (seq - 1) % capacity
+      0  u64 seq   8 u64 comm key   16 u64 bytes   24 u64 enqueue_ns
+     32  u64 complete_ns (0: in flight)
+     40  f64 value (loss, step number, or GPU milliseconds)   48 u32 op   52 i32 peer/root
+     56  u32 flags (bit 0 timed, bit 1 host-side completion, bits 8-15 NCCL result)
+     60  u32 comm_seq (the call's number within its communicator)
+
+A writer publishes a record by zeroing ``seq``, writing the fields, then storing ``seq``; a reader
+accepts a slot only when ``seq`` reads the same expected value before and after copying it.
+The *comm key* is the same number on every member of a communicator (a hash of the NCCL unique
+id, or of the process group's name), so ranks can be compared by ``(comm key, comm_seq)``.
+Times are CLOCK_MONOTONIC nanoseconds, comparable between processes of one node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import mmap
+import os
+import struct
+from pathlib import Path
+
+MAGIC = 0x52544645  # b"EFTR" little-endian
+VERSION = 1
+HEADER_SIZE = 128
+RECORD_SIZE = 64
+DEFAULT_CAPACITY = 4096
+
+_HEADER = struct.Struct("<IIIIiiQQQQQ16s")
+_RECORD = struct.Struct("<QQQQQdIiII")
+_HEAD_OFFSET = 24
+_HEARTBEAT_OFFSET = 32
+_STEP_OFFSET = 48
+assert _HEADER.size == 80 and _RECORD.size == RECORD_SIZE
+
+FLAG_TIMED = 1
+FLAG_HOST_COMPLETION = 2
+RING_FLAG_TIMED = 1
+
+
+class Op(enum.IntEnum):
+    """What a record is; NCCL and Python producers share the collective numbers."""
+
+    ALL_REDUCE = 1
+    BROADCAST = 2
+    REDUCE = 3
+    ALL_GATHER = 4
+    REDUCE_SCATTER = 5
+    ALL_TO_ALL = 6
+    SEND = 7
+    RECV = 8
+    COMM_INIT = 10
+    COMM_ABORT = 11
+    COMM_DESTROY = 12
+    BARRIER = 13
+    GATHER = 14
+    SCATTER = 15
+    DDP_BUCKET = 16
+    STEP = 20
+    LOSS = 21
+
+    @property
+    def is_collective(self) -> bool:
+        return self.value < Op.STEP.value and self not in (Op.COMM_ABORT, Op.COMM_DESTROY)
+
+
+def ring_size(capacity: int) -> int:
+    return HEADER_SIZE + capacity * RECORD_SIZE
+
+
+def ring_path(directory: Path, rank: int, source: str) -> Path:
+    return Path(directory) / f"rank-{rank}.{source}.ring"
+
+
+def create_ring(path: Path, rank: int, source: str, capacity: int = DEFAULT_CAPACITY) -> None:
+    """Creates (or resets) an owner-only ring file with an empty header, pre-faulted."""
+    size = ring_size(capacity)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as m:
+            _HEADER.pack_into(m, 0, MAGIC, VERSION, capacity, RECORD_SIZE, 0, rank, 0, 0, 0, 0, 0,
+                              source.encode()[:16])
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    seq: int
+    comm: int
+    nbytes: int
+    enqueue_ns: int
+    complete_ns: int
+    value: float
+    op: int
+    peer: int
+    flags: int
+    comm_seq: int
+
+    @property
+    def in_flight(self) -> bool:
+        return self.complete_ns == 0
+
+    @property
+    def op_name(self) -> str:
+        try:
+            return Op(self.op).name.lower()
+        except ValueError:
+            return f"op{self.op}"
+
+    def duration_s(self, now_ns: int) -> float:
+        return ((self.complete_ns or now_ns) - self.enqueue_ns) / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class RingHeader:
+    capacity: int
+    pid: int
+    rank: int
+    head: int
+    heartbeat_ns: int
+    flags: int
+    step: int
+    step_ns: int
+    source: str
+
+
+class RingWriter:
+    """Appends records to one ring (the Python producer; not thread-safe, callers lock)."""
+
+    def __init__(self, path: Path, rank: int, source: str = "py",
+                 capacity: int = DEFAULT_CAPACITY) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE:
+                os.ftruncate(fd, ring_size(capacity))
+                size = ring_size(capacity)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, _, cap, rsize, *_ = _HEADER.unpack_from(self._map, 0)
+        if magic != MAGIC or rsize != RECORD_SIZE or ring_size(cap) > size:
+            cap = (size - HEADER_SIZE) // RECORD_SIZE
+        self.capacity = cap
+        self._seq = 0
+        _HEADER.pack_into(self._map, 0, MAGIC, VERSION, cap, RECORD_SIZE, os.getpid(), rank, 0,
+                          0, 0, 0, 0, source.encode()[:16])
+
+    def append(self, op: int, *, comm: int = 0, nbytes: int = 0, enqueue_ns: int,
+               complete_ns: int = 0, value: float = 0.0, peer: int = -1, flags: int = 0,
+               comm_seq: int = 0) -> int:
+        """Publishes a record and returns its seq (the handle for :meth:`complete`)."""
+        self._seq += 1
+        seq = self._seq
+        offset = HEADER_SIZE + ((seq - 1) % self.capacity) * RECORD_SIZE
+        m = self._map
+        struct.pack_into("<Q", m, offset, 0)
+        _RECORD.pack_into(m, offset, 0, comm, nbytes, enqueue_ns, complete_ns, value, op, peer,
+                          flags, comm_seq)
+        struct.pack_into("<Q", m, offset, seq)
+        struct.pack_into("<Q", m, _HEAD_OFFSET, seq)
+        return seq
+
+    def complete(self, seq: int, complete_ns: int) -> None:
+        offset = HEADER_SIZE + ((seq - 1) % self.capacity) * RECORD_SIZE
+        # The slot may have been reused by a newer record once the ring wrapped.
+        if struct.unpack_from("<Q", self._map, offset)[0] == seq:
+            struct.pack_into("<Q", self._map, offset + 32, complete_ns)
+
+    def heartbeat(self, now_ns: int, timed: bool = True) -> None:
+        struct.pack_into("<QQ", self._map, _HEARTBEAT_OFFSET, now_ns,
+                         RING_FLAG_TIMED if timed else 0)
+
+    def mark_step(self, step: int, now_ns: int) -> None:
+        struct.pack_into("<QQ", self._map, _STEP_OFFSET, step, now_ns)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class RingReader:
+    """Reads one ring incrementally; tolerates a ring that is not written yet."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._map: mmap.mmap | None = None
+        self._next_seq = 1
+
+    def _mapped(self) -> mmap.mmap | None:
+        if self._map is None:
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                size = os.fstat(fd).st_size
+                if size < HEADER_SIZE:
+                    return None
+                self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        return self._map
+
+    def header(self) -> RingHeader | None:
+        m = self._mapped()
+        if m is None:
+            return None
+        (magic, _v, cap, rsize, pid, rank, head, hb, flags, step, step_ns,
+         source) = _HEADER.unpack_from(m, 0)
+        if magic != MAGIC or rsize != RECORD_SIZE or ring_size(cap) > len(m):
+            return None
+        return RingHeader(cap, pid, rank, head, hb, flags, step, step_ns,
+                          source.rstrip(b"\0").decode(errors="replace"))
+
+    def read_slot(self, seq: int, capacity: int) -> Record | None:
+        m = self._map
+        if m is None:
+            return None
+        offset = HEADER_SIZE + ((seq - 1) % capacity) * RECORD_SIZE
+        fields = _RECORD.unpack_from(m, offset)
+        if fields[0] != seq or struct.unpack_from("<Q", m, offset)[0] != seq:
+            return None
+        return Record(*fields)
+
+    def poll(self) -> tuple[RingHeader | None, list[Record]]:
+        """The header and every record published since the previous poll (oldest first)."""
+        header = self.header()
+        if header is None or header.head < self._next_seq:
+            return header, []
+        first = max(self._next_seq, header.head - header.capacity + 1, 1)
+        records = [r for seq in range(first, header.head + 1)
+                   if (r := self.read_slot(seq, header.capacity)) is not None]
+        self._next_seq = header.head + 1
+        return header, records
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
