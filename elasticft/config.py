@@ -154,12 +154,93 @@ class SlurmConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiagConfig:
+    """Diagnostics: hang, slow-rank, loss, log and node-health detection (elasticft.diag)."""
+
+    diag_enabled: bool = option(
+        True, "Watch workers for hangs, slow ranks, bad losses, error bursts and node health.")
+    diag_ring_dir: Path | None = option(
+        None, "Directory for the per-rank progress rings (shared memory). Default: /dev/shm.")
+    diag_ring_capacity: int = option(
+        4096, "Records kept per rank and producer in the progress ring.", minimum=64)
+    diag_auto_install: bool = option(
+        True,
+        "Record gloo collectives, DDP buckets and optimizer steps in scripts that do not call "
+        "elasticft.init(), through a sitecustomize bootstrap put first on the worker's "
+        "PYTHONPATH (it runs the site's own sitecustomize too).")
+    diag_nccl_shim: Literal["auto", "on", "off"] = option(
+        "auto",
+        "Time NCCL calls with the LD_PRELOAD shim. auto: when this node has an NVIDIA GPU.")
+    diag_check_interval_s: float = option(
+        0.2, "Seconds between two evaluations of the detectors (at most).", minimum=0.05)
+    hang_floor_s: float = option(
+        30.0, "A collective or step is never called hung before this many seconds.", minimum=0.1)
+    hang_multiple: float = option(
+        5.0, "Hang timeout = max(floor, multiple x the percentile of recent durations).",
+        minimum=1.0)
+    hang_percentile: float = option(
+        99.0, "Percentile of recent collective/step durations the hang timeout scales.",
+        minimum=1.0)
+    hang_history: int = option(
+        500, "Recent durations (per kind) the hang timeout is learned from.", minimum=10)
+    hang_min_samples: int = option(
+        10, "Durations needed before the adaptive timeout replaces the initial one.", minimum=1)
+    hang_initial_timeout_s: float = option(
+        600.0, "Hang timeout before enough history exists (start-up, first steps).", minimum=1.0)
+    hang_heartbeat_stale_s: float = option(
+        2.0, "A worker whose recorder thread has not beaten for this long is called frozen.",
+        minimum=0.2)
+    hang_stacks: bool = option(
+        True, "On a hang, collect every local rank's stack with py-spy and report outliers.")
+    slow_ratio: float = option(
+        2.0, "A rank is slow when its busy time per step exceeds this multiple of its peers' "
+        "median.", minimum=1.0)
+    slow_min_excess_s: float = option(
+        0.02, "A slow rank must also exceed its peers' median by this many seconds.",
+        minimum=0.0)
+    slow_window: int = option(
+        10, "Recent steps whose median busy time is compared.", minimum=3)
+    slow_confirm_s: float = option(
+        5.0, "A rank must stay slow this long before it is reported.", minimum=0.0)
+    slow_action: Literal["report", "restart"] = option(
+        "report", "What a slow rank causes: a detection event only, or a restart.")
+    diag_loss_spike_factor: float = option(
+        5.0, "A loss this many times the recent median is a spike.", minimum=1.0)
+    diag_loss_action: Literal["report", "restart"] = option(
+        "restart", "What a NaN/inf loss or a loss spike causes.")
+    diag_log_pattern: str = option(
+        r"Traceback|Error|ERROR|NCCL WARN|CUDA error|Segmentation fault",
+        "Regular expression of an error line in the workers' captured logs.")
+    diag_log_window_s: float = option(
+        30.0, "Sliding window of the log error-rate detector.", minimum=1.0)
+    diag_log_threshold: int = option(
+        50, "Error lines within the window that raise a detection event.", minimum=1)
+    health_interval_s: float = option(
+        5.0, "Seconds between node health checks (GPU, memory, disk, peers).", minimum=0.5)
+    health_dirs: tuple[str, ...] = option(
+        (), "Directories whose free space is checked besides the run directory (checkpoints).")
+    health_min_free_gb: float = option(
+        1.0, "Less free space than this in a checked directory makes the node unhealthy.",
+        minimum=0.0)
+    health_max_memory_percent: float = option(
+        98.0, "Host memory use above this percentage makes the node unhealthy.", minimum=1.0)
+    health_max_gpu_temp_c: float = option(
+        92.0, "GPU temperature above this is reported.", minimum=1.0)
+    diag_preflight: bool = option(
+        True, "Check directories, disk, memory and GPUs before the first workers start.")
+    diag_preflight_allreduce: bool = option(
+        False, "Also run a short all-reduce sanity and bandwidth test among this node's "
+        "worker slots before the first start (a few seconds).")
+
+
+@dataclasses.dataclass(frozen=True)
 class ElasticftConfig:
     """All of elasticft's options; one attribute per subsystem section."""
 
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    diag: DiagConfig = dataclasses.field(default_factory=DiagConfig)
 
 
 # ----------------------------------------------------------------------------------------------
