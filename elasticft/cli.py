@@ -14,7 +14,11 @@ import sys
 from collections.abc import Sequence
 
 # Modules exposing ``register(subparsers: argparse._SubParsersAction) -> None``.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("elasticft.chaos", "elasticft.plan.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "elasticft.chaos",
+    "elasticft.plan.cli",
+    "elasticft.rendezvous.cli",
+)
 
 
 class CliError(Exception):

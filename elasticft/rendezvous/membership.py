@@ -85,7 +85,7 @@ class Blacklist:
         entry = BlacklistEntry(node_id, reason, added_by, time.time())
         with etcd_errors(self._settings, "writing the blacklist to"):
             self._client.put(self._prefix + node_id, _dump(entry))
-        logger.warning("node %s blacklisted: %s", node_id, reason)
+        logger.info("node %s blacklisted: %s", node_id, reason)
         return entry
 
     def remove(self, node_id: str) -> bool:
