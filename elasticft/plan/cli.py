@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         }, indent=2))
         return 0
     print(
-        f"{model.name} ({model.total_params / 1e9:.2f} B params, global batch "
+        f"{model.name} ({model.total_params:.3g} params, global batch "
         f"{model.global_batch}, micro-batch {model.micro_batch}) on {cluster.nodes} x "
         f"{cluster.gpus_per_node} {hardware.name} ({hardware.memory_gib:g} GiB): "
         f"{result.considered} layouts, {result.pruned_for_memory} do not fit, "
@@ -87,6 +87,6 @@ def run(args: argparse.Namespace) -> int:
     for i, c in enumerate(shown, 1):
         lay, est = c.layout, c.estimate
         print(f"{i:>3} {lay.tp:>3} {lay.pp:>4} {lay.dp:>5} {lay.grad_accum:>6} "
-              f"{lay.gpus_used:>5} {est.time_s:>9.3f} {est.memory_gib:>8.1f} {est.mfu:>5.2f} "
-              f"{est.bubble_s:>7.3f} {est.tp_comm_s:>8.3f} {est.dp_comm_s:>8.3f}")
+              f"{lay.gpus_used:>5} {est.time_s:>9.4g} {est.memory_gib:>8.3g} {est.mfu:>5.2f} "
+              f"{est.bubble_s:>7.3g} {est.tp_comm_s:>8.3g} {est.dp_comm_s:>8.3g}")
     return 0
