@@ -100,6 +100,11 @@ def default_collaborators(
     from elasticft.report.steps import StepLogEnv
 
     collaborators.append(StepLogEnv())
+    from elasticft.diag.monitor import monitor_from_options
+
+    diag = monitor_from_options(options, config, os.environ)
+    if diag is not None:
+        collaborators.append(diag)
     # Last: the Slurm handler uses the checkpoint service built above, when there is one.
     from elasticft.slurm import handler_from_options as slurm_handler
 

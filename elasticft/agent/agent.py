@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 # Worker variables elasticft adds to torch's (documented in the README).
 WORKER_ENV_NAMES = frozenset(
     {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND", "ELASTICFT_ATTEMPT"}
+    # Diagnostics rings, NCCL shim switch and library override (elasticft.diag.monitor).
+    | {"ELASTICFT_DIAG_RING_DIR", "ELASTICFT_DIAG_SHIM", "ELASTICFT_DIAG_OWNER_PID",
+       "ELASTICFT_DIAG_CUDART"}
     # The 3D-parallel layout chosen for the round (elasticft.plan).
     | {"ELASTICFT_TP", "ELASTICFT_PP", "ELASTICFT_DP", "ELASTICFT_GRAD_ACCUM"}
     # Where a worker appends its step records for `elasticft report` (elasticft.report.steps).

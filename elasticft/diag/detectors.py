@@ -94,9 +94,17 @@ class HangFinding:
 def find_hang(
     views: Iterable[RankView], collective_timeout_s: float, step_timeout_s: float
 ) -> HangFinding | None:
-    """The longest wait past its timeout among all ranks' in-flight collectives and steps."""
+    """The longest wait past its timeout among all ranks' in-flight collectives and steps.
+
+    A long step alone is not a hang (evaluation, a checkpoint, the end of training): it counts
+    only while some rank is inside a collective or some rank is frozen (stopped, or its recorder
+    silent for longer than a step timeout).
+    """
+    views = list(views)
     worst: tuple[float, str, float, int] | None = None  # (excess, what, waited, rank)
     waiting: list[int] = []
+    blocked = any(v.in_flight or v.process_state in STOPPED_STATES or
+                  (v.heartbeat_age_s or 0.0) > step_timeout_s for v in views)
     for view in views:
         for call in view.in_flight:
             if call.age_s > collective_timeout_s:
@@ -105,7 +113,7 @@ def find_hang(
                         f"{call.age_s:.1f} s (timeout {collective_timeout_s:.1f} s)")
                 candidate = (call.age_s - collective_timeout_s, what, call.age_s, view.rank)
                 worst = candidate if worst is None or candidate[0] > worst[0] else worst
-        if view.steps > 0 and view.step_age_s > step_timeout_s:
+        if blocked and view.steps > 0 and view.step_age_s > step_timeout_s:
             waiting.append(view.rank)
             what = (f"step {view.steps + 1} in flight {view.step_age_s:.1f} s "
                     f"(timeout {step_timeout_s:.1f} s)")

@@ -245,6 +245,12 @@ class Recorder:
 
             return fut.then(done)
 
+        # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
+        import torch
+
+        timed_allreduce_hook.__annotations__ = {
+            "state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]
+        }
         return timed_allreduce_hook
 
     def attach_ddp(self, model: Any) -> bool:

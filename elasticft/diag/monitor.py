@@ -1,0 +1,567 @@
+"""The diagnostics monitor: the agent collaborator that watches this node's workers.
+
+Before workers start it prepares their progress rings (owner-only files on ``/dev/shm``) and
+computes their environment (:func:`diag_worker_env`: the ring directory, the bootstrap on
+``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU nodes). On the first
+start it runs the pre-flight check. Then, every monitor interval, :meth:`DiagMonitor.check` polls
+the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
+
+* a hang returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks, with the
+  evidence (every rank's position per communicator, process states, py-spy stack groups);
+* a NaN/inf loss or a loss spike returns one too (``diag_loss_action=restart``, the default);
+* a slow rank, an error-line burst in the logs and non-critical node issues are reported;
+* a critical node issue (vanished GPU, ECC errors, full disk, memory exhausted) returns a
+  Detection with ``node_suspect`` so the policy may evict the node.
+
+Every finding is written to the event log as a ``detection`` event with its evidence. Node health
+runs on its own thread so that ``check`` stays a few hundred microseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
+from elasticft.agent.classify import FailureClass
+from elasticft.config import DiagConfig
+from elasticft.diag import detectors, health, stacks
+from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
+from elasticft.diag.ring import Op, Record, RingReader, create_ring, ring_path
+from elasticft.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+SHIM_ENV = "ELASTICFT_DIAG_SHIM"
+CUDART_ENV = "ELASTICFT_DIAG_CUDART"
+WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV})
+"""Variables diagnostics adds to (or reads in) workers."""
+
+_NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def shim_library() -> Path | None:
+    """The built NCCL shim shipped in the package, if the build produced it."""
+    return next(iter(sorted(_PACKAGE_DIR.glob("_nccl_shim*.so"))), None)
+
+
+def bootstrap_dir() -> Path:
+    return _PACKAGE_DIR / "bootstrap"
+
+
+def _prepend(value: str, existing: str | None, sep: str) -> str:
+    parts = [p for p in (existing or "").split(sep) if p]
+    if value in parts:
+        return sep.join(parts)
+    return sep.join([value, *parts])
+
+
+def diag_worker_env(
+    ring_dir: Path,
+    *,
+    auto_install: bool,
+    shim: Path | None,
+    base_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The variables a worker needs for diagnostics (pure: no I/O).
+
+    ``LD_PRELOAD`` and ``PYTHONPATH`` are extended, never replaced, and not duplicated.
+    """
+    env = {RING_DIR_ENV: str(ring_dir)}
+    if auto_install:
+        env["PYTHONPATH"] = _prepend(str(bootstrap_dir()), base_env.get("PYTHONPATH"), os.pathsep)
+    if shim is not None:
+        env[SHIM_ENV] = "1"
+        # The dynamic linker accepts spaces or colons; keep the user's entries after ours.
+        existing = " ".join((base_env.get("LD_PRELOAD") or "").replace(":", " ").split())
+        env["LD_PRELOAD"] = _prepend(str(shim), existing.replace(" ", ":"), ":")
+    return env
+
+
+def default_ring_base() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def process_state(pid: int | None) -> str | None:
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class _RankTrack:
+    """What has been read so far from one rank's rings."""
+
+    def __init__(self, rank: int, ring_dir: Path, window: int) -> None:
+        self.rank = rank
+        self.readers = {src: RingReader(ring_path(ring_dir, rank, src)) for src in ("py", "nccl")}
+        self.in_flight: dict[tuple[str, int], Record] = {}
+        self.comm_seqs: dict[int, int] = {}
+        self.spans: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
+        self.busy: collections.deque[float] = collections.deque(maxlen=window)
+        self.losses: collections.deque[float] = collections.deque(maxlen=64)
+        self.new_losses = 0
+        self.steps = 0
+        self.step_ns = 0
+        self.heartbeat_ns = 0
+        self.started_ns = 0
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+
+
+class DiagMonitor(AgentCollaborator):
+    """Hang, slow-rank, loss, log and node-health detection for one node's workers."""
+
+    def __init__(
+        self,
+        config: DiagConfig,
+        *,
+        base_env: Mapping[str, str],
+        event_dir: Path | None = None,
+        log_root: Path | None = None,
+        nccl_shim: Path | None = None,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        stack_dumper: Callable[[Mapping[int, int]], dict[int, str]] = stacks.dump_stacks,
+    ) -> None:
+        self.config = config
+        self._base_env = dict(base_env)
+        self._event_dir = event_dir
+        self._log_root = log_root
+        self._shim = nccl_shim
+        self._clock_ns = clock_ns
+        self._dump_stacks = stack_dumper
+        self._limits = health.HealthLimits(config.health_min_free_gb,
+                                           config.health_max_memory_percent,
+                                           config.health_max_gpu_temp_c)
+        self._events: EventLog | None = None
+        self._ring_dir: Path | None = None
+        self._tracks: dict[int, _RankTrack] = {}
+        self._coll_history: collections.deque[float] = collections.deque(
+            maxlen=config.hang_history)
+        self._step_history: collections.deque[float] = collections.deque(
+            maxlen=config.hang_history)
+        self._last_eval_ns = 0
+        self._pending: Detection | None = None
+        self._pending_lock = threading.Lock()
+        self._reported: set[str] = set()
+        self._slow_since: dict[int, int] = {}
+        self._preflight_done = False
+        self._gpus: health.GpuHealth | None = None
+        self._health_stop = threading.Event()
+        self._health_thread: threading.Thread | None = None
+        self._group: GroupInfo | None = None
+        self._log_scanner = _LogScanner(re.compile(config.diag_log_pattern),
+                                        config.diag_log_window_s)
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _open(self, group: GroupInfo) -> None:
+        if self._events is None:
+            self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
+        if self._ring_dir is None:
+            base = self.config.diag_ring_dir or default_ring_base()
+            tag = hashlib.blake2b(f"{group.run_dir.resolve()}|{group.node_id}|{os.getpid()}"
+                                  .encode(), digest_size=6).hexdigest()
+            self._ring_dir = Path(base) / f"elasticft-{os.getuid()}-{tag}"
+            self._ring_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self._ring_dir, 0o700)
+
+    def emit(self, detector: str, message: str, **evidence: Any) -> None:
+        logger.warning("detection (%s): %s", detector, message)
+        if self._events is not None:
+            self._events.emit("detection", detector=detector, message=message, **evidence)
+
+    def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
+        self._open(group)
+        assert self._ring_dir is not None
+        if not self._preflight_done:
+            self._preflight_done = True
+            if self.config.diag_preflight:
+                self._run_preflight(group)
+        for source in ("py", "nccl"):
+            create_ring(ring_path(self._ring_dir, worker.global_rank, source),
+                        worker.global_rank, source, self.config.diag_ring_capacity)
+        return diag_worker_env(self._ring_dir, auto_install=self.config.diag_auto_install,
+                               shim=self._shim, base_env=self._base_env)
+
+    def _run_preflight(self, group: GroupInfo) -> None:
+        started = time.monotonic()
+        self._gpus = health.GpuHealth()
+        issues = health.preflight(self._dirs(group), self._limits, self._gpus)
+        if self.config.diag_preflight_allreduce and group.workers:
+            from elasticft.diag import allreduce_probe
+
+            issues += allreduce_probe.run(len(group.workers))
+        if self._events is not None:
+            self._events.emit("preflight", ok=not any(i.critical for i in issues),
+                              issues=[i.to_json() for i in issues],
+                              gpus=self._gpus.available, seconds=time.monotonic() - started)
+        self._health_findings(issues, "preflight")
+
+    def _dirs(self, group: GroupInfo) -> list[Path]:
+        return [group.run_dir, *(Path(d) for d in self.config.health_dirs)]
+
+    def on_workers_started(self, group: GroupInfo) -> None:
+        self._open(group)
+        assert self._ring_dir is not None
+        self._group = group
+        for track in self._tracks.values():
+            track.close()
+        now = self._clock_ns()
+        self._tracks = {}
+        for w in group.workers:
+            track = _RankTrack(w.global_rank, self._ring_dir, self.config.slow_window)
+            track.started_ns = now
+            self._tracks[w.global_rank] = track
+        self._slow_since.clear()
+        self._reported = {k for k in self._reported if k.startswith("health:")}
+        self._log_scanner.reset(self._log_root)
+        if self._health_thread is None:
+            self._health_thread = threading.Thread(target=self._health_loop, daemon=True,
+                                                   name="elasticft-diag-health")
+            self._health_thread.start()
+
+    def on_failure(self, group: GroupInfo, failures: tuple[Any, ...]) -> None:
+        # A stopped (SIGSTOP) worker ignores the agent's SIGTERM until it is continued, which
+        # would make every restart wait for the whole shutdown timeout.
+        for worker in group.workers:
+            if worker.pid and process_state(worker.pid) in ("T", "t"):
+                with contextlib.suppress(OSError):
+                    os.kill(worker.pid, signal.SIGCONT)
+
+    def on_workers_stopped(self, group: GroupInfo) -> None:
+        for track in self._tracks.values():
+            track.close()
+        self._tracks = {}
+        with self._pending_lock:
+            if self._pending is not None and not self._pending.node_suspect:
+                self._pending = None
+
+    def close(self) -> None:
+        self._health_stop.set()
+        for track in self._tracks.values():
+            track.close()
+        self._tracks = {}
+        if self._ring_dir is not None:
+            shutil.rmtree(self._ring_dir, ignore_errors=True)
+        if self._events is not None:
+            self._events.close()
+
+    # -- node health ----------------------------------------------------------------------------
+
+    def _health_loop(self) -> None:
+        while not self._health_stop.wait(self.config.health_interval_s):
+            group = self._group
+            if group is None:
+                continue
+            try:
+                issues = health.node_health(self._dirs(group), self._limits, self._gpus)
+            except Exception:
+                logger.exception("node health check failed")
+                continue
+            self._health_findings(issues, "node_health")
+
+    def _health_findings(self, issues: list[health.HealthIssue], detector: str) -> None:
+        for issue in issues:
+            key = f"health:{issue.check}:{issue.message}"
+            if key not in self._reported:
+                self._reported.add(key)
+                self.emit(detector, issue.message, check=issue.check, critical=issue.critical)
+        critical = [i for i in issues if i.critical]
+        if critical:
+            with self._pending_lock:
+                self._pending = Detection(
+                    FailureClass.INFRASTRUCTURE, (), detector,
+                    "; ".join(i.message for i in critical), node_suspect=True,
+                    evidence={"issues": [i.to_json() for i in critical]})
+
+    # -- the periodic check -----------------------------------------------------------------------
+
+    def check(self, group: GroupInfo) -> Detection | None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            return pending
+        now = self._clock_ns()
+        if now - self._last_eval_ns < self.config.diag_check_interval_s * 1e9:
+            return None
+        self._last_eval_ns = now
+        self._group = group
+        for track in self._tracks.values():
+            self._poll(track, now)
+        return (self._check_hang(group, now) or self._check_loss() or
+                self._check_slow(now) or self._check_logs(group, now))
+
+    def _poll(self, track: _RankTrack, now: int) -> None:
+        for source, reader in track.readers.items():
+            header, records = reader.poll()
+            if header is None:
+                continue
+            if source == "py":
+                track.heartbeat_ns = header.heartbeat_ns
+            # Calls seen in flight earlier: have they completed since?
+            for key in [k for k in track.in_flight if k[0] == source]:
+                fresh = reader.read_slot(key[1], header.capacity)
+                if fresh is None:
+                    del track.in_flight[key]
+                elif not fresh.in_flight:
+                    del track.in_flight[key]
+                    self._completed(track, fresh)
+            for record in records:
+                self._new_record(track, source, record)
+
+    def _new_record(self, track: _RankTrack, source: str, record: Record) -> None:
+        op = record.op
+        if op == Op.STEP:
+            track.steps = int(record.value)
+            track.step_ns = record.complete_ns
+            if track.steps > 1:
+                duration = (record.complete_ns - record.enqueue_ns) / 1e9
+                self._step_history.append(duration)
+                track.busy.append(detectors.busy_time(record.enqueue_ns, record.complete_ns,
+                                                      track.spans))
+            return
+        if op == Op.LOSS:
+            track.losses.append(record.value)
+            track.new_losses += 1
+            return
+        if record.comm and record.comm_seq:
+            track.comm_seqs[record.comm] = max(track.comm_seqs.get(record.comm, 0),
+                                               record.comm_seq)
+        if record.in_flight:
+            track.in_flight[(source, record.seq)] = record
+        else:
+            self._completed(track, record)
+
+    def _completed(self, track: _RankTrack, record: Record) -> None:
+        if record.op in _NOT_HANG_OPS:
+            return
+        self._coll_history.append((record.complete_ns - record.enqueue_ns) / 1e9)
+        track.spans.append((record.enqueue_ns, record.complete_ns))
+
+    def _timeouts(self) -> tuple[float, float]:
+        c = self.config
+        rule = detectors.AdaptiveTimeout(c.hang_floor_s, c.hang_multiple, c.hang_percentile,
+                                         c.hang_min_samples, c.hang_initial_timeout_s)
+        return rule.timeout(self._coll_history), rule.timeout(self._step_history)
+
+    def views(self, group: GroupInfo, now: int) -> list[detectors.RankView]:
+        pids = {w.global_rank: w.pid for w in group.workers}
+        views = []
+        for rank, track in sorted(self._tracks.items()):
+            oldest: dict[int, Record] = {}
+            for record in track.in_flight.values():
+                if record.op in _NOT_HANG_OPS:
+                    continue
+                best = oldest.get(record.comm)
+                if best is None or record.enqueue_ns < best.enqueue_ns:
+                    oldest[record.comm] = record
+            in_flight = tuple(
+                detectors.InFlight(r.op_name, r.comm, r.comm_seq, (now - r.enqueue_ns) / 1e9,
+                                   "ring") for r in oldest.values())
+            since = track.step_ns if track.steps else track.started_ns
+            views.append(detectors.RankView(
+                rank=rank, node=group.node_id, pid=pids.get(rank),
+                process_state=process_state(pids.get(rank)),
+                heartbeat_age_s=(now - track.heartbeat_ns) / 1e9 if track.heartbeat_ns else None,
+                in_flight=in_flight, comm_seqs=dict(track.comm_seqs), steps=track.steps,
+                step_age_s=(now - since) / 1e9))
+        return views
+
+    def _check_hang(self, group: GroupInfo, now: int) -> Detection | None:
+        coll_timeout, step_timeout = self._timeouts()
+        views = self.views(group, now)
+        finding = detectors.find_hang(views, coll_timeout, step_timeout)
+        if finding is None:
+            return None
+        culprits = detectors.localise(views, self.config.hang_heartbeat_stale_s)
+        stack_groups = None
+        if self.config.hang_stacks:
+            pids = {v.rank: v.pid for v in views if v.pid}
+            dumps = self._dump_stacks(pids)
+            signatures = {rank: detectors.stack_signature(text) for rank, text in dumps.items()}
+            stack_groups = detectors.group_stacks(signatures, views)
+            if not culprits:
+                culprits = [detectors.Culprit(rank, group.node_id, f"stack differs from the "
+                                              f"majority: {frame}")
+                            for rank, frame in sorted(stack_groups.outliers.items())]
+        names = ", ".join(f"rank {c.rank} on {c.node}" for c in culprits) or "not localised"
+        message = f"hang: {finding.what}; culprit: {names}"
+        evidence: dict[str, Any] = {
+            "what": finding.what,
+            "waited_s": round(finding.waited_s, 3),
+            "timeout_s": round(finding.timeout_s, 3),
+            "collective_timeout_s": round(coll_timeout, 3),
+            "step_timeout_s": round(step_timeout, 3),
+            "ranks_waiting": list(finding.ranks_waiting),
+            "culprits": [{"rank": c.rank, "node": c.node, "reason": c.reason} for c in culprits],
+            "ranks": [_view_json(v) for v in views],
+        }
+        if stack_groups is not None:
+            evidence["stacks"] = {
+                "healthy": list(stack_groups.healthy),
+                "outliers": {str(r): f for r, f in stack_groups.outliers.items()},
+                "shared_comm": (f"{stack_groups.shared_comm:x}"
+                                if stack_groups.shared_comm else None),
+            }
+        self.emit("hang", message, **evidence)
+        ranks = tuple(c.rank for c in culprits) or finding.ranks_waiting
+        return Detection(FailureClass.HANG, ranks, "hang", message, evidence=evidence)
+
+    def _check_loss(self) -> Detection | None:
+        for rank, track in self._tracks.items():
+            if not track.new_losses:
+                continue
+            track.new_losses = 0
+            finding = detectors.check_loss(list(track.losses), self.config.diag_loss_spike_factor)
+            if finding is None:
+                continue
+            message = f"{finding.kind} loss on rank {rank} at step {track.steps}: " \
+                      f"{finding.message}"
+            self.emit(f"loss_{finding.kind}", message, rank=rank, step=track.steps,
+                      value=str(finding.value), baseline=finding.baseline)
+            track.losses.clear()
+            if self.config.diag_loss_action == "restart":
+                return Detection(FailureClass.UNKNOWN, (rank,), f"loss_{finding.kind}", message,
+                                 evidence={"value": str(finding.value)})
+        return None
+
+    def _check_slow(self, now: int) -> Detection | None:
+        busy = {rank: statistics.median(t.busy) for rank, t in self._tracks.items()
+                if len(t.busy) >= max(3, self.config.slow_window // 2)}
+        if len(busy) < 2:
+            return None
+        slow = detectors.find_slow(busy, self.config.slow_ratio, self.config.slow_min_excess_s)
+        slow_ranks = {s.rank for s in slow}
+        for rank in list(self._slow_since):
+            if rank not in slow_ranks:
+                del self._slow_since[rank]
+        for finding in slow:
+            since = self._slow_since.setdefault(finding.rank, now)
+            key = f"slow:{finding.rank}"
+            if (now - since) / 1e9 < self.config.slow_confirm_s or key in self._reported:
+                continue
+            self._reported.add(key)
+            node = self._group.node_id if self._group else ""
+            message = (f"slow rank {finding.rank} on {node}: busy {finding.busy_s * 1e3:.0f} ms "
+                       f"per step vs peers' median {finding.peers_median_s * 1e3:.0f} ms "
+                       f"(x{finding.ratio:.1f})")
+            self.emit("slow_rank", message, rank=finding.rank, node=node,
+                      busy_s=finding.busy_s, peers_median_s=finding.peers_median_s,
+                      ratio=finding.ratio, busy_by_rank={str(r): v for r, v in busy.items()})
+            if self.config.slow_action == "restart":
+                return Detection(FailureClass.HANG, (finding.rank,), "slow_rank", message)
+        return None
+
+    def _check_logs(self, group: GroupInfo, now: int) -> Detection | None:
+        burst = self._log_scanner.scan(now / 1e9, group.node_id)
+        if burst is not None and burst.errors_in_window >= self.config.diag_log_threshold \
+                and "log" not in self._reported:
+            self._reported.add("log")
+            self.emit("log_errors", f"{burst.errors_in_window} error lines in "
+                      f"{burst.window_s:g} s; first on {burst.first_node}: {burst.first_line}",
+                      errors=burst.errors_in_window, first_node=burst.first_node,
+                      first_line=burst.first_line)
+        return None
+
+
+def _view_json(view: detectors.RankView) -> dict[str, Any]:
+    return {
+        "rank": view.rank,
+        "node": view.node,
+        "pid": view.pid,
+        "state": view.process_state,
+        "heartbeat_age_s": None if view.heartbeat_age_s is None else round(view.heartbeat_age_s, 3),
+        "steps": view.steps,
+        "step_age_s": round(view.step_age_s, 3),
+        "in_flight": [{"op": c.op, "comm": f"{c.comm:x}", "comm_seq": c.comm_seq,
+                       "age_s": round(c.age_s, 3)} for c in view.in_flight],
+        "comm_seqs": {f"{k:x}": v for k, v in view.comm_seqs.items()},
+    }
+
+
+class _LogScanner:
+    """Tails the workers' captured logs and counts error lines in a sliding window (TRANSOM)."""
+
+    def __init__(self, pattern: re.Pattern[str], window_s: float) -> None:
+        self.pattern = pattern
+        self.window_s = window_s
+        self._root: Path | None = None
+        self._offsets: dict[Path, int] = {}
+        self._errors: collections.deque[tuple[float, str]] = collections.deque(maxlen=10000)
+        self._first: tuple[float, str] | None = None
+        self._last_scan = 0.0
+        self._started = 0.0
+
+    def reset(self, root: Path | None) -> None:
+        self._root = root
+        self._errors.clear()
+        self._first = None
+        self._started = time.time()
+
+    def _files(self) -> list[Path]:
+        if self._root is None or not self._root.is_dir():
+            return []
+        return [p for p in self._root.rglob("std*.log")
+                if p.stat().st_mtime >= self._started - 1]
+
+    def scan(self, now_s: float, node: str) -> detectors.LogBurst | None:
+        if now_s - self._last_scan < 1.0:
+            return None
+        self._last_scan = now_s
+        for path in self._files():
+            offset = self._offsets.get(path, 0)
+            with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                f.seek(offset)
+                chunk = f.read(1 << 20)
+                self._offsets[path] = f.tell()
+                for line in chunk.splitlines():
+                    if self.pattern.search(line):
+                        self._errors.append((now_s, line.strip()[:300]))
+                        if self._first is None:
+                            self._first = (now_s, line.strip()[:300])
+        while self._errors and self._errors[0][0] < now_s - self.window_s:
+            self._errors.popleft()
+        if not self._errors or self._first is None:
+            return None
+        return detectors.LogBurst(len(self._errors), self.window_s, node, self._first[1])
+
+
+def monitor_from_options(options: Any, launch_config: Any, env: Mapping[str, str]
+                         ) -> DiagMonitor | None:
+    """The monitor ``elasticft-run`` uses, or None when diagnostics are off."""
+    config: DiagConfig = options.diag
+    if not config.diag_enabled:
+        return None
+    shim = None
+    if config.diag_nccl_shim != "off":
+        library = shim_library()
+        if config.diag_nccl_shim == "on" and library is None:
+            logger.warning("--diag-nccl-shim on, but the shim library was not built; "
+                           "reinstall elasticft with a C compiler available")
+        if library is not None and (config.diag_nccl_shim == "on" or health.gpu_present()):
+            shim = library
+    logs_specs = getattr(launch_config, "logs_specs", None)
+    log_root = getattr(logs_specs, "root_log_dir", None)
+    return DiagMonitor(config, base_env=env, event_dir=options.agent.event_dir,
+                       log_root=Path(log_root) if log_root else None, nccl_shim=shim)
