@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "elasticft.chaos",
     "elasticft.plan.cli",
     "elasticft.rendezvous.cli",
+    "elasticft.report.cli",
 )
 
 

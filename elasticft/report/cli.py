@@ -1,0 +1,120 @@
+"""``elasticft report``: the reliability report of a run, and the what-if model.
+
+    elasticft report RUN_DIR [--json] [--plot timeline.png]
+    elasticft report --what-if --mtbf 3600 --ckpt-cost 30 --recovery 120 [--interval 600]
+                     [--lost-work S] [--slow-recovery S --slow-ratio R] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from elasticft.events import read_events
+from elasticft.report import whatif
+from elasticft.report.steps import read_steps
+from elasticft.report.tor import ReportError, analyze, format_report
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from elasticft.cli import CliError
+
+    if args.what_if:
+        return _what_if(args)
+    if args.run_dir is None:
+        raise CliError("give a RUN_DIR (the run's event directory) or --what-if")
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise CliError(f"run directory {run_dir} does not exist; give the --run-dir of the run")
+    try:
+        analysis = analyze(read_events(run_dir), read_steps(run_dir))
+    except ReportError as e:
+        raise CliError(f"{run_dir}: {e}") from None
+    if args.plot:
+        from elasticft.report.plot import plot_timeline
+
+        plot_timeline(analysis, args.plot)
+    if args.json:
+        print(json.dumps(analysis.to_json(), indent=2))
+    else:
+        print(format_report(analysis))
+        if args.plot:
+            print(f"\n  timeline: {args.plot}")
+    return 0
+
+
+def _what_if(args: argparse.Namespace) -> int:
+    from elasticft.cli import CliError
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("mtbf", "ckpt_cost", "recovery")
+               if getattr(args, n) is None]
+    if missing:
+        raise CliError(f"--what-if needs {', '.join(missing)} (seconds)")
+    try:
+        scenario = whatif.Scenario(args.mtbf, args.ckpt_cost, args.recovery,
+                                   args.slow_recovery, args.slow_ratio)
+        best = whatif.optimal_interval(scenario)
+        interval = args.interval or best
+        tor = whatif.predicted_tor(scenario, interval, args.lost_work)
+        best_tor = whatif.predicted_tor(scenario, best)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    result: dict[str, Any] = {
+        "mtbf_s": args.mtbf,
+        "ckpt_cost_s": args.ckpt_cost,
+        "recovery_s": args.recovery,
+        "slow_recovery_s": args.slow_recovery,
+        "slow_recovery_ratio": args.slow_ratio,
+        "interval_s": interval,
+        "lost_work_s": (args.lost_work if args.lost_work is not None
+                        else whatif.lost_work(interval, args.ckpt_cost)),
+        "predicted_tor": tor,
+        "optimal_interval_s": best,
+        "optimal_tor": best_tor,
+        "young_interval_s": whatif.young_interval(scenario),
+        "daly_interval_s": whatif.daly_interval(scenario),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"what-if: MTBF {args.mtbf:g} s, checkpoint {args.ckpt_cost:g} s, recovery "
+          f"{args.recovery:g} s" + (f", slow recovery {args.slow_recovery:g} s at "
+                                   f"{args.slow_ratio:g}x" if args.slow_recovery else ""))
+    print(f"  at interval {interval:.1f} s (lost work {result['lost_work_s']:.1f} s): "
+          f"predicted TOR {tor:.4f}")
+    print(f"  best interval {best:.1f} s of training between checkpoints: TOR {best_tor:.4f}")
+    print(f"  (Young sqrt(2*C*MTBF) {result['young_interval_s']:.1f} s; Daly "
+          f"{result['daly_interval_s']:.1f} s)")
+    print("  interval (s)   TOR")
+    for factor in (0.25, 0.5, 1.0, 2.0, 4.0):
+        t = best * factor
+        print(f"  {t:12.1f}   {whatif.predicted_tor(scenario, t):.4f}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="TOR, ETTR, MTBF and the per-failure cost of a run; --what-if for the model",
+        description="Reliability report of a run directory (its event log and step records), "
+        "or with --what-if the TOR model's prediction and best checkpoint interval.",
+    )
+    p.add_argument("run_dir", nargs="?", type=Path, help="the run's directory (--run-dir)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--plot", type=Path, metavar="OUT.png", help="draw the timeline to a PNG")
+    w = p.add_argument_group("what-if (seconds)")
+    w.add_argument("--what-if", action="store_true", help="predict TOR instead of reporting")
+    w.add_argument("--mtbf", type=float, help="mean running time between failures")
+    w.add_argument("--ckpt-cost", type=float, help="training stall of one checkpoint")
+    w.add_argument("--recovery", type=float, help="repair: detect, restart, reload")
+    w.add_argument("--interval", type=float,
+                   help="training time between checkpoints (default: the best one)")
+    w.add_argument("--lost-work", type=float,
+                   help="work lost per failure (default: half a checkpoint period)")
+    w.add_argument("--slow-recovery", type=float, default=0.0,
+                   help="time running slowly after a restart")
+    w.add_argument("--slow-ratio", type=float, default=1.0,
+                   help="relative speed while recovering (0-1)")
+    p.set_defaults(handler=_cmd_report)

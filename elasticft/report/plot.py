@@ -1,0 +1,82 @@
+"""The run's timeline as a PNG: progress and step rate over time, phases shaded, failures marked.
+
+Top: the reference rank's step number against time (a rollback shows as the line dropping back);
+bottom: steps per second of each step against the healthy rate. Both share the time axis,
+seconds since the run started, with the TOR phases shaded behind them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elasticft.report.tor import Analysis
+
+COLORS = {
+    "healthy": "#d9f2d9",
+    "slow_steps": "#fff2b3",
+    "slow_recovery": "#ffd480",
+    "checkpoint_stall": "#b3d9ff",
+    "detection": "#ff9999",
+    "repair": "#ff6666",
+    "rollback": "#d9b3ff",
+    "startup": "#e0e0e0",
+    "shutdown": "#f0f0f0",
+}
+# Phases worth shading; healthy and slow steps are the background.
+SHADED = ("checkpoint_stall", "detection", "repair", "rollback", "startup", "slow_recovery")
+
+
+def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    t0 = a.start
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    used = set()
+    for span in a.spans:
+        if span.phase not in SHADED:
+            continue
+        used.add(span.phase)
+        for axis in (top, bottom):
+            axis.axvspan(span.start - t0, span.end - t0, color=COLORS[span.phase], lw=0,
+                         zorder=0)
+    times = [r.time - t0 for r in a.steps]
+    top.plot(times, [r.step for r in a.steps], ".-", color="#1f4e79", ms=3, lw=1,
+             label=f"step (rank {a.reference_rank})")
+    rates_t, rates = [], []
+    for prev, cur in zip(a.steps, a.steps[1:], strict=False):
+        dt = cur.time - prev.time
+        if cur.step == prev.step + 1 and dt > 0:
+            rates_t.append(cur.time - t0)
+            rates.append(1.0 / dt)
+    bottom.plot(rates_t, rates, ".", color="#1f4e79", ms=3, label="steps/s")
+    if a.healthy_step_s > 0:
+        bottom.axhline(1.0 / a.healthy_step_s, color="#2e7d32", ls="--", lw=1,
+                       label=f"healthy {1.0 / a.healthy_step_s:.2f} steps/s")
+    for i, fault in enumerate(a.faults, 1):
+        for axis in (top, bottom):
+            axis.axvline(fault.time - t0, color="#c62828", lw=1.2)
+        top.annotate(f"failure {i}: {fault.failure_class}", (fault.time - t0, a.last_step),
+                     rotation=90, va="top", ha="right", fontsize=8, color="#c62828")
+    top.set_ylabel("step")
+    bottom.set_ylabel("steps / s")
+    bottom.set_xlabel("seconds since the run started")
+    top.set_title(title or (
+        f"run {a.run_id}: TOR {a.tor:.3f}, ETTR {a.ettr:.3f}, {len(a.faults)} failure(s), "
+        f"healthy step {a.healthy_step_s * 1000:.0f} ms"))
+    handles = [Patch(color=COLORS[p], label=p.replace("_", " ")) for p in SHADED if p in used]
+    top.legend(handles=top.get_legend_handles_labels()[0] + handles, loc="upper left",
+               fontsize=8)
+    bottom.legend(loc="lower right", fontsize=8)
+    for axis in (top, bottom):
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

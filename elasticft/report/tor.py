@@ -1,0 +1,416 @@
+"""A run's wall time split into the phases of the Training Overhead Ratio model.
+
+TOR (seeds/003) is optimal time over observed time. The optimal time is what the run's useful
+work would take at the healthy step time: ``T_opt = N * t_healthy``, with ``N`` the steps that
+moved training forward and ``t_healthy`` the median duration of an uninterrupted step (checkpoint
+time excluded). The observed time is the wall time of the run's allocations (time queued between
+two Slurm allocations is shown but not counted).
+
+Every second of observed time gets exactly one label, so the phases add up to the wall time:
+
+=================  =============================================================================
+healthy            ``t_healthy`` of every step that moved training forward
+slow steps         what those steps took beyond ``t_healthy`` (fail-slow, and noise around it)
+slow recovery      that excess in the first steps after a restart, until a step is healthy again
+checkpoint stall   time steps spent saving (``ckpt_s`` of the step records), and a Slurm
+                   time-limit checkpoint
+detection          from the last finished step to the agent's failure event (includes the work
+                   of the step in flight, which is lost)
+repair             from the failure to the restarted workers' first step (stop, rendezvous,
+                   start, load the checkpoint), less that step's own ``t_healthy``
+rollback           steps computed again after a restart (their number was reached before)
+startup            launch to the first step of an allocation, less that step's ``t_healthy``
+shutdown           last step to the end of the run
+=================  =============================================================================
+
+ETTR is the time in steps that moved training forward (healthy + slow + slow recovery) over the
+wall time; MTBF is wall time over the number of failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from elasticft.report.steps import StepRecord
+
+PHASES = (
+    "healthy",
+    "slow_steps",
+    "slow_recovery",
+    "checkpoint_stall",
+    "detection",
+    "repair",
+    "rollback",
+    "startup",
+    "shutdown",
+)
+# A step no slower than this times t_healthy ends a slow recovery.
+HEALTHY_TOLERANCE = 1.2
+
+
+@dataclasses.dataclass
+class Fault:
+    """One failure and what it cost."""
+
+    time: float
+    attempt: int
+    failure_class: str
+    ranks: tuple[int, ...]
+    action: str
+    reason: str
+    detection_s: float = 0.0
+    repair_s: float = 0.0
+    rollback_s: float = 0.0
+    rollback_steps: int = 0
+    slow_recovery_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.detection_s + self.repair_s + self.rollback_s + self.slow_recovery_s
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["ranks"] = list(self.ranks)
+        data["total_s"] = self.total_s
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """A labelled interval of the timeline (for the plot)."""
+
+    start: float
+    end: float
+    phase: str
+
+
+@dataclasses.dataclass
+class Analysis:
+    run_id: str
+    start: float
+    end: float
+    observed_s: float
+    queued_s: float
+    healthy_step_s: float
+    steps_done: int
+    first_step: int
+    last_step: int
+    phases: dict[str, float]
+    faults: list[Fault]
+    allocations: int
+    reference_rank: int
+    spans: list[Span]
+    steps: list[StepRecord]
+    step_labels: list[str]
+    end_state: str
+
+    @property
+    def optimal_s(self) -> float:
+        return self.steps_done * self.healthy_step_s
+
+    @property
+    def tor(self) -> float:
+        return self.optimal_s / self.observed_s if self.observed_s > 0 else 0.0
+
+    @property
+    def ettr(self) -> float:
+        productive = sum(self.phases[p] for p in ("healthy", "slow_steps", "slow_recovery"))
+        return productive / self.observed_s if self.observed_s > 0 else 0.0
+
+    @property
+    def mtbf_s(self) -> float | None:
+        return self.observed_s / len(self.faults) if self.faults else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "end_state": self.end_state,
+            "observed_s": self.observed_s,
+            "optimal_s": self.optimal_s,
+            "queued_s": self.queued_s,
+            "tor": self.tor,
+            "ettr": self.ettr,
+            "mtbf_s": self.mtbf_s,
+            "failures": len(self.faults),
+            "healthy_step_s": self.healthy_step_s,
+            "steps_done": self.steps_done,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "allocations": self.allocations,
+            "reference_rank": self.reference_rank,
+            "phases_s": dict(self.phases),
+            "faults": [f.to_json() for f in self.faults],
+        }
+
+
+class ReportError(ValueError):
+    """The run directory has too little to report on; the message says what is missing."""
+
+
+@dataclasses.dataclass
+class _Segment:
+    """One agent lifetime (one allocation of the job) on the reference node."""
+
+    start: float
+    end: float
+    node: str
+    events: list[dict[str, Any]]
+
+
+def _segments(events: Sequence[dict[str, Any]], node: str) -> list[_Segment]:
+    segments: list[_Segment] = []
+    for event in events:
+        if event.get("node") != node:
+            continue
+        if event["kind"] == "run_start" or not segments:
+            segments.append(_Segment(event["time"], event["time"], node, []))
+        segment = segments[-1]
+        segment.events.append(event)
+        segment.end = max(segment.end, event["time"])
+    return segments
+
+
+def _reference(steps: dict[int, list[StepRecord]]) -> int:
+    ranks = [r for r, records in steps.items() if records]
+    if not ranks:
+        raise ReportError(
+            "no step records under <run_dir>/steps; the workers must append them to "
+            "$ELASTICFT_STEP_LOG (see elasticft.report.steps)"
+        )
+    return min(ranks)
+
+
+def _reference_node(events: Sequence[dict[str, Any]], rank: int) -> str:
+    for event in events:
+        if event["kind"] == "workers_started" and str(rank) in event.get("pids", {}):
+            return event["node"]
+    nodes = [e["node"] for e in events if e["kind"] == "run_start"]
+    if not nodes:
+        raise ReportError("no run_start event in the event log; is this a run directory?")
+    return nodes[0]
+
+
+def healthy_step_time(records: Sequence[StepRecord], attempt_of: Sequence[int]) -> float:
+    """Median duration of consecutive steps of one attempt, checkpoint time excluded."""
+    durations = [
+        b.time - a.time - b.ckpt_s
+        for i, (a, b) in enumerate(itertools.pairwise(records))
+        if attempt_of[i] == attempt_of[i + 1] and b.step == a.step + 1
+    ]
+    if not durations:
+        raise ReportError("fewer than two consecutive steps recorded; cannot tell the healthy "
+                          "step time")
+    return statistics.median(durations)
+
+
+def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]) -> Analysis:
+    """Splits the run into TOR phases; see the module docstring for the definitions."""
+    rank = _reference(steps)
+    node = _reference_node(events, rank)
+    segments = _segments(events, node)
+    if not segments:
+        raise ReportError("no events of the reference node; is this a run directory?")
+    run_id = next((e.get("run_id", "") for e in events if e["kind"] == "run_start"), "")
+    # Step records that fall inside an allocation (a killed agent's segment ends at its last
+    # event; extend it to the last record before the next allocation starts).
+    records = sorted(steps[rank], key=lambda r: r.time)
+    for i, segment in enumerate(segments):
+        nxt = segments[i + 1].start if i + 1 < len(segments) else float("inf")
+        inside = [r.time for r in records if segment.start <= r.time < nxt]
+        if inside:
+            segment.end = max(segment.end, max(inside))
+    records = [r for r in records if any(s.start <= r.time <= s.end for s in segments)]
+
+    # Marks: the events that change what the time between two marks means.
+    marks: list[tuple[float, str, Any]] = []
+    attempt_counter = 0
+    time_limited: set[int] = set()  # allocations that ended on Slurm's time-limit signal
+    for si, segment in enumerate(segments):
+        marks.append((segment.start, "segment_start", si))
+        seen_failure_attempts: set[int] = set()
+        pending_fault: Fault | None = None
+        for event in segment.events:
+            kind = event["kind"]
+            if kind == "workers_started":
+                attempt_counter += 1
+                marks.append((event["time"], "workers_started", attempt_counter))
+            elif kind == "failure" and event.get("attempt") not in seen_failure_attempts:
+                seen_failure_attempts.add(event.get("attempt"))
+                pending_fault = Fault(
+                    time=event["time"], attempt=int(event.get("attempt", 0)),
+                    failure_class=str(event.get("failure_class", "unknown")),
+                    ranks=(int(event.get("rank", -1)),), action="", reason="",
+                )
+                marks.append((event["time"], "failure", pending_fault))
+            elif kind == "failure" and pending_fault is not None:
+                pending_fault.ranks = (*pending_fault.ranks, int(event.get("rank", -1)))
+            elif kind == "decision" and pending_fault is not None and not pending_fault.action:
+                pending_fault.action = str(event.get("action", ""))
+                pending_fault.reason = str(event.get("reason", ""))
+            elif kind == "slurm_time_limit":
+                time_limited.add(si)
+        marks.append((segment.end, "segment_end", si))
+    for record in records:
+        marks.append((record.time, "step", record))
+    order = {"segment_start": 0, "workers_started": 1, "step": 2, "failure": 3,
+             "segment_end": 4}
+    marks.sort(key=lambda m: (m[0], order[m[1]]))
+
+    # Attempt of each step record, for the healthy step time.
+    attempt_of, current = [], 0
+    for _, kind, payload in marks:
+        if kind == "workers_started":
+            current = payload
+        elif kind == "step":
+            attempt_of.append(current)
+    t_h = healthy_step_time(records, attempt_of)
+
+    phases = dict.fromkeys(PHASES, 0.0)
+    spans: list[Span] = []
+    faults: list[Fault] = []
+    labels: list[str] = []
+
+    def add(phase: str, start: float, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        phases[phase] += seconds
+        spans.append(Span(start, start + seconds, phase))
+
+    first_step = records[0].step - 1 if records else 0
+    best = first_step  # highest step reached so far
+    prev_time, prev_kind = marks[0][0], marks[0][1]
+    in_segment = False
+    last_fault: Fault | None = None
+    recovering = False  # after a restart, until a healthy step
+    observed = queued = 0.0
+    for time, kind, payload in marks:
+        gap = time - prev_time
+        if kind == "segment_start":
+            if prev_kind == "segment_end":
+                queued += gap
+            in_segment = True
+            prev_time, prev_kind = time, kind
+            continue
+        if not in_segment:
+            prev_time, prev_kind = time, kind
+            continue
+        observed += gap
+        if kind == "workers_started":
+            add("repair" if recovering else "startup", prev_time, gap)
+            if last_fault is not None and recovering:
+                last_fault.repair_s += gap
+        elif kind == "step":
+            record: StepRecord = payload
+            first_of_attempt = prev_kind in ("workers_started", "segment_start", "failure")
+            work = min(gap, t_h + record.ckpt_s) if first_of_attempt else gap
+            overhead = gap - work
+            if overhead > 0:
+                phase = "repair" if recovering else "startup"
+                add(phase, prev_time, overhead)
+                if recovering and last_fault is not None:
+                    last_fault.repair_s += overhead
+            start = prev_time + overhead
+            if record.step <= best:
+                add("rollback", start, work)
+                labels.append("rollback")
+                if last_fault is not None:
+                    last_fault.rollback_s += work
+                    last_fault.rollback_steps += 1
+            else:
+                ckpt = min(record.ckpt_s, work)
+                add("checkpoint_stall", start + work - ckpt, ckpt)
+                compute = work - ckpt
+                healthy = min(compute, t_h)
+                add("healthy", start, healthy)
+                excess = compute - healthy
+                if recovering and compute <= HEALTHY_TOLERANCE * t_h:
+                    recovering = False
+                if recovering:
+                    add("slow_recovery", start + healthy, excess)
+                    if last_fault is not None:
+                        last_fault.slow_recovery_s += excess
+                    labels.append("slow_recovery")
+                else:
+                    add("slow_steps", start + healthy, excess)
+                    labels.append("healthy" if excess <= (HEALTHY_TOLERANCE - 1) * t_h
+                                  else "slow")
+                # Work beyond t_h that is faster than median shows as a negative excess.
+                if compute < t_h:
+                    phases["slow_steps"] -= t_h - compute
+                    phases["healthy"] += t_h - compute
+                best = record.step
+        elif kind == "failure":
+            fault: Fault = payload
+            add("detection", prev_time, gap)
+            fault.detection_s = gap
+            faults.append(fault)
+            last_fault, recovering = fault, True
+        elif kind == "segment_end":
+            # The tail of an allocation that ended on the time-limit signal is its checkpoint.
+            tail = "checkpoint_stall" if payload in time_limited else "shutdown"
+            add("repair" if prev_kind == "failure" else tail, prev_time, gap)
+            if prev_kind == "failure" and last_fault is not None:
+                last_fault.repair_s += gap
+            in_segment = False
+        prev_time, prev_kind = time, kind
+
+    end_event = next((e for e in reversed(events) if e["kind"] == "run_end"), None)
+    return Analysis(
+        run_id=str(run_id),
+        start=segments[0].start,
+        end=segments[-1].end,
+        observed_s=observed,
+        queued_s=queued,
+        healthy_step_s=t_h,
+        steps_done=best - first_step,
+        first_step=first_step,
+        last_step=best,
+        phases=phases,
+        faults=faults,
+        allocations=len(segments),
+        reference_rank=rank,
+        spans=spans,
+        steps=records,
+        step_labels=labels,
+        end_state=str(end_event.get("state")) if end_event else "running or killed",
+    )
+
+
+def format_report(a: Analysis) -> str:
+    lines = [
+        f"elasticft report: run {a.run_id} ({a.end_state}), {a.allocations} allocation(s), "
+        f"reference rank {a.reference_rank}",
+        f"  steps {a.first_step} -> {a.last_step} ({a.steps_done} that counted), healthy step "
+        f"{a.healthy_step_s * 1000:.1f} ms",
+        f"  observed {a.observed_s:.1f} s, optimal {a.optimal_s:.1f} s"
+        + (f", queued between allocations {a.queued_s:.1f} s (not counted)" if a.queued_s else ""),
+        "",
+        f"  TOR   {a.tor:.3f}   (optimal / observed time)",
+        f"  ETTR  {a.ettr:.3f}   (time in steps that counted / wall time)",
+        "  MTBF  " + (f"{a.mtbf_s:.1f} s over {len(a.faults)} failure(s)" if a.mtbf_s
+                      else f"no failures in {a.observed_s:.1f} s"),
+        "",
+        "  where the time went:",
+    ]
+    for phase in PHASES:
+        seconds = a.phases[phase]
+        share = seconds / a.observed_s if a.observed_s else 0.0
+        lines.append(f"    {phase.replace('_', ' '):<17}{seconds:9.2f} s  {share:7.1%}")
+    lines.append(f"    {'total':<17}{sum(a.phases.values()):9.2f} s")
+    if a.faults:
+        lines += ["", "  failures:",
+                  "    #  at (s)  class            ranks   action            detect  repair  "
+                  "rollback (steps)  slow rec.  total"]
+        for i, f in enumerate(a.faults, 1):
+            ranks = ",".join(map(str, sorted(set(f.ranks))))
+            lines.append(
+                f"    {i:<2}{f.time - a.start:7.1f}  {f.failure_class:<16} {ranks:<7} "
+                f"{f.action:<17}{f.detection_s:6.2f}s {f.repair_s:6.2f}s "
+                f"{f.rollback_s:6.2f}s ({f.rollback_steps:>3}) {f.slow_recovery_s:8.2f}s "
+                f"{f.total_s:6.2f}s"
+            )
+    return "\n".join(lines)

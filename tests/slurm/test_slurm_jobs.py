@@ -1,0 +1,178 @@
+"""elasticft-run inside real Slurm batch jobs: time limit -> checkpoint -> requeue -> resume,
+scancel -> prompt exit without a checkpoint, a user-code error -> non-zero exit, no resubmit.
+
+The cluster is the real single-node Slurm of ``conftest.py``. Jobs use the smallest time limit
+Slurm has (one minute) with ``--signal=B:USR1@50``; Slurm checks time limits every 30 s, so the
+signal comes 10-40 s into the job.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticft.events import read_events
+from tests.conftest import BIN, EXAMPLES
+
+pytestmark = pytest.mark.slow
+
+STEPS = 160
+
+
+def write_job(root: Path, name: str, sbatch: list[str], run_args: list[str],
+              script_args: list[str], first_run_env: str = "", *,
+              ckpt: Path, loss: Path, run_dir: Path) -> Path:
+    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch)]
+    lines += [
+        f"#SBATCH --output={root / (name + '-%j.out')}",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        "echo \"allocation: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}\"",
+        # The first allocation trains slowly so that the time limit comes first; a requeued
+        # one runs at full speed (as on a machine that is not shared).
+        f'if [ -z "$SLURM_RESTART_COUNT" ]; then {first_run_env or ":"}; fi',
+        f"exec {BIN / 'elasticft-run'} --nproc-per-node 2 --monitor-interval 0.2 "
+        f"--run-dir {run_dir} {' '.join(run_args)} {EXAMPLES / 'train_plain.py'} "
+        f"--ckpt-dir {ckpt.parent} --loss-log {loss} --ckpt-every 100000 "
+        f"{' '.join(script_args)} --steps {STEPS} --step-time ${{STEP_TIME:-0}}",
+        "",
+    ]
+    script = root / f"{name}.sh"
+    script.write_text("\n".join(lines))
+    script.chmod(0o755)
+    return script
+
+
+def submit(cluster, script: Path, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={script.parent}", str(script)],
+        env=cluster.env(env), capture_output=True, text=True, timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def loss_steps(loss: Path) -> list[int]:
+    if not loss.exists():
+        return []
+    return [int(line.split()[0]) for line in loss.read_text().splitlines() if line.strip()]
+
+
+def kinds(run_dir: Path) -> list[str]:
+    return [e["kind"] for e in read_events(run_dir)]
+
+
+def job_output(root: Path, name: str, job_id: str) -> str:
+    path = root / f"{name}-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else "(no output)"
+
+
+@pytest.mark.timeout(420)
+def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp_path):
+    root = slurm_cluster.root / "timelimit"
+    root.mkdir()
+    ckpt, loss, run_dir = root / "ckpt" / "latest.pt", root / "loss.txt", root / "run"
+    script = write_job(
+        root, "tl", ["--time=1", "--signal=B:USR1@50"], ["--slurm-signal-lead-time", "50"], [],
+        first_run_env="export STEP_TIME=0.4", ckpt=ckpt, loss=loss, run_dir=run_dir,
+    )
+    job = submit(slurm_cluster, script, job_env)
+
+    restarted = lambda: int(slurm_cluster.job_field(job, "Restarts") or 0) >= 1  # noqa: E731
+    slurm_cluster.wait_job(job, restarted, 150, "a requeue")
+    # The next allocation gets room to finish (its own time limit would signal it again).
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+    slurm_cluster.wait_job(
+        job, lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED", 200, "completion"
+    )
+    out = job_output(root, "tl", job)
+    assert slurm_cluster.job_field(job, "Restarts") == "1", out
+
+    # First allocation: signalled, saved step K, requeued, exited 0 as "requeued".
+    events = read_events(run_dir)
+    ends = [e for e in events if e["kind"] == "run_end"]
+    assert [e["state"] for e in ends] == ["requeued", "succeeded"], out
+    assert ends[0]["exit_code"] == 0
+    checkpoint = next(e for e in events if e["kind"] == "slurm_checkpoint")
+    assert checkpoint["durable"] is True, checkpoint
+    requeue = next(e for e in events if e["kind"] == "slurm_requeue")
+    assert requeue["ok"] is True and requeue["how"] == "scontrol", requeue
+    saved = [line for line in out.splitlines() if "SIGUSR1: saved step" in line]
+    assert len(saved) == 1, out
+    saved_step = int(saved[0].split("saved step ")[1].split(",")[0])
+    assert 0 < saved_step < STEPS
+
+    # Second allocation resumed exactly there: every step once, in order, none lost or redone.
+    assert f"resumed from step {saved_step}" in out, out
+    assert loss_steps(loss) == list(range(1, STEPS + 1)), out
+    allocations = [e for e in events if e["kind"] == "slurm_allocation"]
+    assert [e["restart_count"] for e in allocations] == [0, 1]
+    assert torch_step(ckpt) == STEPS
+
+
+def torch_step(path: Path) -> int:
+    import torch
+
+    return int(torch.load(path, weights_only=True)["step"])
+
+
+@pytest.mark.timeout(240)
+def test_scancel_exits_without_checkpoint_or_resubmission(slurm_cluster, job_env):
+    root = slurm_cluster.root / "cancel"
+    root.mkdir()
+    ckpt, loss, run_dir = root / "ckpt" / "latest.pt", root / "loss.txt", root / "run"
+    script = write_job(
+        root, "cancel", ["--time=5", "--signal=B:USR1@50"], [], [],
+        first_run_env="export STEP_TIME=0.4", ckpt=ckpt, loss=loss, run_dir=run_dir,
+    )
+    job = submit(slurm_cluster, script, job_env)
+    slurm_cluster.wait_job(job, lambda: len(loss_steps(loss)) >= 3, 120, "three training steps")
+    cancelled_at = time.monotonic()
+    slurm_cluster.run("scancel", job)
+    slurm_cluster.wait_job(
+        job, lambda: "run_end" in kinds(run_dir), 60, "the launcher's run_end event"
+    )
+    exit_s = time.monotonic() - cancelled_at
+    out = job_output(root, "cancel", job)
+
+    end = next(e for e in read_events(run_dir) if e["kind"] == "run_end")
+    assert end["state"] == "stopped" and end["exit_code"] == 143, (end, out)
+    assert "slurm_cancel" in kinds(run_dir)
+    assert "slurm_requeue" not in kinds(run_dir) and "slurm_checkpoint" not in kinds(run_dir)
+    assert not ckpt.exists(), "a cancelled job saved a checkpoint"
+    assert exit_s < 30, f"the launcher took {exit_s:.1f}s to exit after scancel"
+    time.sleep(2)
+    assert slurm_cluster.job_field(job, "JobState") == "CANCELLED"
+    assert slurm_cluster.job_field(job, "Restarts") == "0"
+    queue = slurm_cluster.run("squeue", "-h", "-o", "%i %T")
+    assert queue.strip() == "", f"something was resubmitted: {queue}"
+
+
+@pytest.mark.timeout(240)
+def test_user_code_error_saves_and_exits_nonzero_without_resubmission(slurm_cluster, job_env):
+    root = slurm_cluster.root / "usererror"
+    root.mkdir()
+    ckpt, loss, run_dir = root / "ckpt" / "latest.pt", root / "loss.txt", root / "run"
+    script = write_job(
+        root, "bug", ["--time=5", "--signal=B:USR1@50"], [], ["--user-error-at-step", "5"],
+        ckpt=ckpt, loss=loss, run_dir=run_dir,
+    )
+    job = submit(slurm_cluster, script, job_env)
+    slurm_cluster.wait_job(
+        job, lambda: slurm_cluster.job_field(job, "JobState") in ("FAILED", "COMPLETED"), 150,
+        "the job to end",
+    )
+    out = job_output(root, "bug", job)
+    assert slurm_cluster.job_field(job, "JobState") == "FAILED", out
+    assert slurm_cluster.job_field(job, "ExitCode") == "1:0", out
+    assert slurm_cluster.job_field(job, "Restarts") == "0"
+    events = read_events(run_dir)
+    end = next(e for e in events if e["kind"] == "run_end")
+    assert end["state"] == "failed" and end["exit_code"] == 1
+    assert "slurm_no_resubmit" in kinds(run_dir)
+    assert "slurm_requeue" not in kinds(run_dir)
+    assert torch_step(ckpt) == 5, "the last finished step was not saved"
+    assert slurm_cluster.run("squeue", "-h").strip() == "", "something was resubmitted"
