@@ -1,0 +1,45 @@
+"""elasticft's multi-tier asynchronous checkpoint engine.
+
+Worker API::
+
+    from elasticft.ckpt import Checkpointer, capture, restore
+
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    if (loaded := ckpt.load()) is not None:
+        start, state = loaded
+        extra = restore(state, model, optim)
+    ...
+    ckpt.save(step, capture(model, optim, extra={"step": step}))   # returns at once
+
+Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier),
+``durable`` (disk/remote tiers, DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint
+now"), ``checkpointer`` (worker side), ``service`` (agent side), ``commands`` (CLI).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elasticft.ckpt.checkpointer import Checkpointer, SaveRequest
+    from elasticft.ckpt.settings import WorkerSettings
+    from elasticft.ckpt.state import capture, restore
+
+_LAZY = {
+    "Checkpointer": ("elasticft.ckpt.checkpointer", "Checkpointer"),
+    "SaveRequest": ("elasticft.ckpt.checkpointer", "SaveRequest"),
+    "WorkerSettings": ("elasticft.ckpt.settings", "WorkerSettings"),
+    "capture": ("elasticft.ckpt.state", "capture"),
+    "restore": ("elasticft.ckpt.state", "restore"),
+}
+
+__all__ = ["Checkpointer", "SaveRequest", "WorkerSettings", "capture", "restore"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'elasticft.ckpt' has no attribute {name!r}")

@@ -1,0 +1,94 @@
+"""The checkpoint engine's shared vocabulary: the tier abstraction and the errors.
+
+A *snapshot* is one rank's state at one step: a JSON manifest (what every item is, where its
+bytes are) plus a payload of raw tensor bytes. Snapshots live in *tiers*, fastest first:
+
+1. ``memory``: shared-memory slots on this host (:mod:`elasticft.ckpt.shm`);
+2. ``local``:  a directory on local disk (:mod:`elasticft.ckpt.durable`);
+3. ``peer``:   the agent of another node that holds a backup (:mod:`elasticft.ckpt.peer`);
+4. ``remote``: a directory on shared storage (:mod:`elasticft.ckpt.durable`).
+
+Every tier answers the same two questions: which steps do you hold for this rank, and give me
+the snapshot of that step (verified). A tier that cannot answer raises a
+:class:`CheckpointError` whose ``reason`` says why, and the loader moves on to the next tier.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+
+class CheckpointError(Exception):
+    """A checkpoint problem; ``reason`` is machine-readable (``corrupt``, ``missing``...)."""
+
+    reason = "checkpoint_error"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class SnapshotMissing(CheckpointError):
+    reason = "missing"
+
+
+class SnapshotCorrupt(CheckpointError):
+    """Bytes do not match their checksum, or a snapshot was torn by a crash mid-write."""
+
+    reason = "corrupt"
+
+
+class StorageFull(CheckpointError):
+    """The disk ran out of space; training goes on with the tiers that still work."""
+
+    reason = "storage_full"
+
+
+class UnsupportedState(CheckpointError):
+    """The state holds a value a checkpoint cannot carry (tensors and JSON values only)."""
+
+    reason = "unsupported_state"
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One rank's state at one step, as stored: manifest plus raw tensor bytes.
+
+    ``payload`` is any buffer (a shared-memory slice, a bytearray read from disk or a peer);
+    tensors decoded from it alias it until they are cloned.
+    """
+
+    manifest: dict[str, Any]
+    payload: Any
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def rank(self) -> int:
+        return int(self.manifest["rank"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+
+class Tier(abc.ABC):
+    """A place snapshots are kept: list the steps held for a rank, read one back verified."""
+
+    name: str
+
+    @abc.abstractmethod
+    def steps(self, rank: int, world_size: int) -> list[int]:
+        """Steps this tier can serve for ``rank`` of a job of ``world_size``, newest first."""
+
+    @abc.abstractmethod
+    def read(self, step: int, rank: int, world_size: int) -> Snapshot:
+        """The verified snapshot; raises :class:`SnapshotMissing` or :class:`SnapshotCorrupt`."""
+
+    def close(self) -> None:  # noqa: B027 - most tiers hold nothing open
+        """Releases what the tier holds open."""

@@ -1,0 +1,481 @@
+"""The worker API: ``Checkpointer.save(step, state)`` and ``Checkpointer.load()``.
+
+Saving never waits for storage. ``save`` lays the state out (DCP's names, see
+:mod:`elasticft.ckpt.snapshot`), picks the oldest free shared-memory slot, copies right away
+only what training could change before the next optimizer step (buffers, RNG, anything the
+registered optimizers do not own) and hands the rest (parameters and optimizer state) to a copy
+thread. That copy overlaps the next forward and backward; an optimizer *pre-step hook* makes the
+next ``optimizer.step()`` wait for whatever part of it is still running, so the snapshot is
+exactly the state after the saved step. ``save`` returns a :class:`SaveRequest` (``wait()``,
+``done()``, ``await``) that is complete once the snapshot is whole in shared memory. Under
+``elasticft-run`` the agent then persists, replicates and, after a crash, flushes it; without an
+agent the checkpointer persists every ``persist_every``-th step itself, on a background thread.
+
+Loading takes the newest step that *every* rank can restore (ranks agree over the default
+process group), each rank from its fastest verified source: its own shared memory, local disk,
+the backup peer, the remote directory. A torn, uncommitted or corrupt source falls through to
+the next; if some rank cannot restore a step after all, every rank moves to an older one.
+
+``load()`` returns ``(step, state)`` with the state in the nested form it was saved in;
+:func:`elasticft.ckpt.state.restore` applies it to a model and optimizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Generator, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticft.ckpt import durable
+from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull, Tier
+from elasticft.ckpt.control import ControlWatcher
+from elasticft.ckpt.peer import PeerClient, PeerTier
+from elasticft.ckpt.settings import WorkerSettings
+from elasticft.ckpt.shm import (
+    COMPLETE,
+    CRC_NONE,
+    HEADER_BYTES,
+    WRITING,
+    MemoryTier,
+    SlotHeader,
+    SlotSet,
+    read_slot,
+)
+from elasticft.ckpt.snapshot import Flattener, Layout, align_up, manifest_bytes, unflatten
+
+logger = logging.getLogger(__name__)
+
+_AGREE_STEPS = 32
+
+
+class SaveRequest:
+    """One ``save``: complete when the snapshot is whole in shared memory (or was skipped)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.status = "pending"
+        """pending | memory (complete in shared memory) | skipped | failed."""
+        self.error: BaseException | None = None
+        self.guarded_done = threading.Event()
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveRequest:
+        """Blocks until complete; raises the save's error, if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {self.step} not complete after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __await__(self) -> Generator[Any, None, SaveRequest]:
+        return asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
+
+    def _finish(self, status: str, error: BaseException | None = None) -> None:
+        self.status, self.error = status, error
+        self.guarded_done.set()
+        self._done.set()
+
+
+class Checkpointer:
+    """Snapshots training state into the memory tier and restores it from the fastest tier."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.settings = settings
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        self.world_size = (
+            world_size if world_size is not None
+            else (dist.get_world_size() if initialized else 1)
+        )
+        self.optimizers = tuple(optimizers)
+        self.stall_s = 0.0
+        """Total time the training thread waited inside save() and the pre-step hook."""
+        self.last_source: str | None = None
+        """Tier the last successful load() came from."""
+        self._slots = (
+            SlotSet(settings.shm_prefix, max(2, settings.slots)) if settings.shm_prefix else None
+        )
+        self._slot_count = max(2, settings.slots)
+        self._reader_slots = SlotSet(settings.shm_prefix, self._slot_count) \
+            if settings.shm_prefix else None
+        self._generation = max((h.generation for h in self._slots.headers().values()),
+                               default=0) if self._slots else 0
+        self._manifest_room = 0
+        self._flatten = Flattener()
+        self._inflight: SaveRequest | None = None
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._copier = threading.Thread(target=self._copy_loop, name="elasticft-ckpt-copy",
+                                        daemon=True)
+        self._copier.start()
+        self._persist_jobs: queue.Queue[Any] = queue.Queue()
+        self._persister: threading.Thread | None = None
+        if (self._slots is not None and not settings.agent_owned and settings.persist_every > 0
+                and settings.local_dir):
+            self._persister = threading.Thread(target=self._persist_loop,
+                                               name="elasticft-ckpt-persist", daemon=True)
+            self._persister.start()
+        self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step)
+                       for opt in self.optimizers]
+        self._watcher = (
+            ControlWatcher(settings.control_dir, settings.local_rank, self._answer_request)
+            if settings.control_dir else None
+        )
+        self._closed = False
+        owns_memory = not settings.agent_owned and settings.owner_pid == os.getpid()
+        if self._slots is not None and owns_memory:
+            atexit.register(self._remove_own_segments)
+
+    @classmethod
+    def from_env(
+        cls, *, optimizers: Iterable[torch.optim.Optimizer] = (), **defaults: Any
+    ) -> Checkpointer:
+        """Agent-owned memory under elasticft-run, else process-owned; see WorkerSettings."""
+        return cls(WorkerSettings.from_env(**defaults), optimizers=optimizers)
+
+    # ------------------------------------------------------------------------------------------
+    # Saving.
+
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveRequest:
+        """Snapshots ``state`` as of ``step``; returns at once with the copy under way."""
+        started = time.perf_counter()
+        request = SaveRequest(step)
+        try:
+            self._wait_inflight()
+            layout = self._flatten(state)
+            if self._slots is None:
+                request._finish("skipped")
+                return request
+            self._start_copy(request, layout, step)
+        except BaseException as e:
+            request._finish("failed", e)
+            if not isinstance(e, CheckpointError):
+                raise
+            logger.error("checkpoint of step %d failed: %s", step, e)
+        finally:
+            self.stall_s += time.perf_counter() - started
+        return request
+
+    def _start_copy(self, request: SaveRequest, layout: Layout, step: int) -> None:
+        assert self._slots is not None
+        manifest = manifest_bytes(layout.manifest(step, self.rank, self.world_size))
+        if len(manifest) > self._manifest_room:
+            # Room for the manifest to grow (values such as lr change size) without a move.
+            self._manifest_room = align_up(2 * len(manifest) + 4096, 4096)
+        payload_at = HEADER_BYTES + self._manifest_room
+        size = payload_at + layout.payload_bytes
+        usable = self._slot_count
+        if self.settings.memory_cap_bytes:
+            usable = min(usable, self.settings.memory_cap_bytes // size)
+            if usable < 2:
+                raise StorageFull(
+                    f"two memory slots of {size} bytes exceed the memory cap of "
+                    f"{self.settings.memory_cap_bytes} bytes; raise the cap or save less state"
+                )
+        slot = self._claim_slot(size, usable)
+        if slot is None:
+            logger.info("memory snapshot of step %d skipped: every free slot is being read", step)
+            request._finish("skipped")
+            return
+        self._generation += 1
+        header = SlotHeader(WRITING, self._generation, step, self.rank, self.world_size,
+                            len(manifest), payload_at, layout.payload_bytes, CRC_NONE, 0, 0.0)
+        slot.write_header(header)
+        slot.map[HEADER_BYTES : HEADER_BYTES + len(manifest)] = manifest
+        payload = memoryview(slot.map)[payload_at:size]
+        guarded = self._guarded_storages()
+        later = []
+        for entry in layout.tensors:
+            dst = torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
+                                   offset=entry.offset).view(entry.tensor.shape) \
+                if entry.tensor.numel() else None
+            if dst is None:
+                continue
+            if _storage_key(entry.tensor) in guarded:
+                later.append((dst, entry.tensor))
+            else:
+                dst.copy_(entry.tensor)  # may change before the next optimizer step
+        self._inflight = request
+        self._jobs.put((request, slot, header, later))
+
+    def _claim_slot(self, size: int, usable: int) -> Any:
+        """Oldest slot that is not the newest complete snapshot and that no reader holds
+        (oldest-first eviction within the ``usable`` slots the memory cap allows)."""
+        assert self._slots is not None
+        headers = {i: h for i, h in self._slots.headers().items() if i < usable}
+        newest = max((i for i, h in headers.items() if h.state == COMPLETE),
+                     key=lambda i: headers[i].generation, default=None)
+        order = sorted(range(usable),
+                       key=lambda i: headers[i].generation if i in headers else -1)
+        for index in order:
+            if index == newest:
+                continue
+            slot = self._slots.ensure(index, size)
+            if slot.try_lock(exclusive=True):
+                return slot
+        return None
+
+    def _guarded_storages(self) -> set[int]:
+        """Storages only ``optimizer.step()`` changes: copied in the background."""
+        keys: set[int] = set()
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    keys.add(_storage_key(p))
+            for per_param in opt.state.values():
+                for value in per_param.values():
+                    if isinstance(value, torch.Tensor):
+                        keys.add(_storage_key(value))
+        return keys
+
+    def _copy_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            request, slot, header, later = job
+            try:
+                for dst, src in later:
+                    dst.copy_(src)
+                request.guarded_done.set()
+                slot.write_header(
+                    SlotHeader(COMPLETE, header.generation, header.step, header.rank,
+                               header.world_size, header.manifest_len, header.payload_offset,
+                               header.payload_len, CRC_NONE, 0, time.time())
+                )
+                slot.unlock()
+                request._finish("memory")
+                self._maybe_persist(header.step)
+            except BaseException as e:
+                slot.unlock()
+                logger.exception("memory snapshot of step %d failed", header.step)
+                request._finish("failed", e)
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        request = self._inflight
+        if request is not None and not request.guarded_done.is_set():
+            started = time.perf_counter()
+            request.guarded_done.wait()
+            self.stall_s += time.perf_counter() - started
+
+    def _wait_inflight(self) -> None:
+        request = self._inflight
+        if request is not None and not request.done():
+            started = time.perf_counter()
+            request._done.wait()
+            self.stall_s += time.perf_counter() - started
+
+    def newest_step(self) -> int | None:
+        """Step of the newest complete memory snapshot of this rank."""
+        if self._slots is None:
+            return None
+        newest = self._slots.newest()
+        return newest[1].step if newest else None
+
+    def _answer_request(self, reason: str) -> int | None:
+        logger.info("checkpoint requested by the agent (%s)", reason)
+        self._wait_inflight()  # the copy thread finishes it even if the main thread is stuck
+        return self.newest_step()
+
+    # ------------------------------------------------------------------------------------------
+    # Process-owned persistence (no agent).
+
+    def _maybe_persist(self, step: int) -> None:
+        every = self.settings.persist_every
+        if self._persister is None or every <= 0 or step % every:
+            return
+        if self._persist_jobs.empty():  # one waiting at most: a busy writer skips a step
+            self._persist_jobs.put(step)
+
+    def _persist_loop(self) -> None:
+        assert self._slots is not None and self.settings.local_dir is not None
+        while True:
+            step = self._persist_jobs.get()
+            if step is None:
+                return
+            try:
+                self._persist(step)
+            except StorageFull as e:
+                logger.error("%s", e)
+            except Exception:
+                logger.exception("persisting step %d failed", step)
+
+    def _persist(self, step: int) -> None:
+        assert self.settings.shm_prefix is not None and self.settings.local_dir is not None
+        # Its own file descriptors: flock is per open file, so sharing the writer's would let
+        # the writer's exclusive lock silently convert this reader's shared one.
+        slots = self._reader_slots
+        for index, header in slots.complete().items():
+            if header.step != step:
+                continue
+            slot = slots.get(index)
+            if slot is None:
+                continue
+            with slot.shared() as locked:
+                if not locked:
+                    continue
+                snapshot = read_slot(slot, verify=False)
+                if snapshot.step != step:
+                    continue
+                for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
+                    durable.write_rank_shard(root, snapshot)
+            break
+        else:
+            return
+        if self.rank != 0:
+            return
+        for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
+            deadline = time.monotonic() + 120
+            ranks = range(self.world_size)
+            while not durable.try_commit(root, step, self.world_size, ranks):
+                if time.monotonic() > deadline:
+                    logger.warning("step %d not committed in %s: some ranks never wrote", step,
+                                   root)
+                    break
+                time.sleep(0.05)
+            durable.retain(root, self.settings.keep)
+
+    # ------------------------------------------------------------------------------------------
+    # Loading.
+
+    def tiers(self) -> list[Tier]:
+        """Sources in load order: own memory, local disk, backup peer, remote directory."""
+        s = self.settings
+        tiers: list[Tier] = []
+        if self.settings.shm_prefix:
+            tiers.append(MemoryTier(SlotSet(self.settings.shm_prefix, self._slot_count)))
+        if s.local_dir is not None:
+            tiers.append(durable.DurableTier(s.local_dir, "local"))
+        if s.peer_addr and s.secret:
+            tiers.append(PeerTier(PeerClient(s.peer_addr, s.secret)))
+        if s.remote_dir is not None:
+            tiers.append(durable.DurableTier(s.remote_dir, "remote"))
+        return tiers
+
+    def load(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest step every rank can restore, and this rank's state of it; None if none.
+
+        Collective when a process group is initialized: call it on every rank.
+        """
+        self._wait_inflight()
+        tiers = self.tiers()
+        held: dict[str, list[int]] = {}
+        for tier in tiers:
+            try:
+                held[tier.name] = tier.steps(self.rank, self.world_size)
+            except (OSError, CheckpointError) as e:
+                logger.warning("checkpoint tier %s unavailable: %s", tier.name, e)
+                held[tier.name] = []
+        candidates = sorted({s for steps in held.values() for s in steps}, reverse=True)
+        excluded: set[int] = set()
+        while True:
+            step = self._agree([s for s in candidates if s not in excluded])
+            if step is None:
+                logger.info("no checkpoint that every rank can load")
+                return None
+            snapshot, source = self._read_step(step, tiers, held)
+            if self._all_ranks_ok(snapshot is not None):
+                assert snapshot is not None
+                self.last_source = source
+                logger.info("restored step %d from %s", step, source)
+                return step, unflatten(snapshot.manifest, snapshot.payload, copy=False)
+            excluded.add(step)
+
+    def _read_step(
+        self, step: int, tiers: list[Tier], held: Mapping[str, list[int]]
+    ) -> tuple[Snapshot | None, str | None]:
+        for tier in tiers:
+            if step not in held.get(tier.name, ()):
+                continue
+            try:
+                return tier.read(step, self.rank, self.world_size), tier.name
+            except (OSError, CheckpointError) as e:
+                logger.warning("step %d from %s unusable, trying the next source: %s", step,
+                               tier.name, e)
+        return None, None
+
+    def _collective(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def _device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _agree(self, steps: list[int]) -> int | None:
+        mine = steps[:_AGREE_STEPS]
+        if not self._collective():
+            return mine[0] if mine else None
+        local = torch.full((_AGREE_STEPS,), -1, dtype=torch.int64)
+        local[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        gathered = [torch.empty_like(local, device=self._device())
+                    for _ in range(self.world_size)]
+        dist.all_gather(gathered, local.to(self._device()))
+        common = set(mine)
+        for other in gathered:
+            common &= {int(s) for s in other.cpu().tolist() if s >= 0}
+        return max(common) if common else None
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        if not self._collective():
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self._device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finishes the save in flight and stops the threads (the agent keeps the memory)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wait_inflight()
+        for hook in self._hooks:
+            hook.remove()
+        if self._watcher is not None:
+            self._watcher.close()
+        self._jobs.put(None)
+        self._copier.join(timeout=10)
+        if self._persister is not None:
+            self._persist_jobs.put(None)
+            self._persister.join(timeout=300)
+        if self._slots is not None:
+            self._slots.close()
+        if self._reader_slots is not None:
+            self._reader_slots.close()
+
+    def _remove_own_segments(self) -> None:
+        self.close()
+        if self._slots is not None:
+            self._slots.unlink()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+

@@ -1,0 +1,125 @@
+"""The "checkpoint now" channel from the agent to its workers.
+
+A worker's main thread may be stuck inside a collective when the agent needs a checkpoint (a
+hang, a Slurm time limit, a preemption). Python signal handlers do not run until the collective
+returns (torch 2.13 notes, G7), so the request goes to a daemon thread instead: the agent writes
+``request.json`` (an id and a reason) into the run's control directory, each worker's watcher
+thread sees it within a poll interval, makes sure its newest snapshot is complete in shared
+memory (waiting for the copy in flight, which runs on its own thread), and answers with
+``ack-l<local_rank>.json`` naming the step it holds. The agent then persists that step.
+Files rather than a socket: nothing to bind, owner-only permissions, and it works while the
+worker's main thread holds the GIL-free C++ wait of a gloo collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REQUEST = "request.json"
+
+
+def ack_path(control_dir: Path, local_rank: int) -> Path:
+    return control_dir / f"ack-l{local_rank}.json"
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    local_rank: int
+    step: int | None
+    """Newest complete snapshot step (None: the worker holds none yet)."""
+    error: str = ""
+
+
+def request_checkpoint(
+    control_dir: Path, local_ranks: Iterable[int], reason: str, timeout_s: float
+) -> dict[int, Ack]:
+    """Agent side: asks every local worker for its newest snapshot; returns the acks received
+    within ``timeout_s`` (ranks that did not answer are missing from the result)."""
+    control_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    request_id = uuid.uuid4().hex
+    pending = set(local_ranks)
+    for rank in pending:
+        with contextlib.suppress(FileNotFoundError):
+            ack_path(control_dir, rank).unlink()
+    _write_json(control_dir / REQUEST, {"id": request_id, "reason": reason, "time": time.time()})
+    acks: dict[int, Ack] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for rank in sorted(pending):
+            answer = _read_json(ack_path(control_dir, rank))
+            if answer and answer.get("id") == request_id:
+                acks[rank] = Ack(rank, answer.get("step"), answer.get("error", ""))
+                pending.discard(rank)
+        if pending:
+            time.sleep(0.02)
+    if pending:
+        logger.warning("no checkpoint ack from local rank(s) %s within %.1f s", sorted(pending),
+                       timeout_s)
+    return acks
+
+
+class ControlWatcher:
+    """Worker side: a daemon thread answering checkpoint requests with ``respond()``."""
+
+    def __init__(
+        self,
+        control_dir: Path,
+        local_rank: int,
+        respond: Callable[[str], int | None],
+        poll_s: float = 0.05,
+    ) -> None:
+        self.control_dir = control_dir
+        self.local_rank = local_rank
+        self._respond = respond
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        request = _read_json(control_dir / REQUEST)
+        self._answered = request.get("id") if request else None  # a request from before us
+        self._thread = threading.Thread(
+            target=self._run, name=f"elasticft-ckpt-control-{local_rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            request = _read_json(self.control_dir / REQUEST)
+            if not request or request.get("id") == self._answered:
+                continue
+            self._answered = request["id"]
+            answer: dict = {"id": request["id"], "time": time.time()}
+            try:
+                answer["step"] = self._respond(str(request.get("reason", "")))
+            except Exception as e:  # the agent must hear back either way
+                logger.exception("checkpoint request failed")
+                answer.update(step=None, error=f"{type(e).__name__}: {e}")
+            _write_json(ack_path(self.control_dir, self.local_rank), answer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)

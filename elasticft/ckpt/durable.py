@@ -1,0 +1,342 @@
+"""Tiers 2 and 3: checkpoints on disk (local) or shared storage (remote), readable by DCP.
+
+A checkpoint of step ``s`` is a directory ``step-<s>/`` holding, per rank ``r``:
+
+* ``__r<r>.distcp``: the rank's items, each a ``torch.save`` blob at a recorded offset: the
+  file format ``torch.distributed.checkpoint.FileSystemReader`` reads;
+* ``r<r>.json``: the rank's manifest (what each item is) plus each blob's offset, length and
+  CRC-32, written only after the shard file is durable;
+
+and, once every rank this directory expects is durable, written by one committer:
+
+* ``.metadata``: DCP's metadata (global sizes and chunk offsets of every item, one copy of
+  every replicated item), so ``dcp.load`` reads the checkpoint and reshards it to another world
+  size; written only when the directory holds every rank of the job;
+* ``COMMITTED``: the commit marker (JSON: step, world size, ranks), written last.
+
+Every file is written under a temporary name, fsynced, renamed, and the directory fsynced, so a
+crash at any point leaves either nothing or a complete file; a step without ``COMMITTED`` is
+never loaded. Retention keeps the newest ``keep`` committed steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
+from elasticft.ckpt.snapshot import decode_json, dtype_from_name, tensor_view
+
+logger = logging.getLogger(__name__)
+
+COMMIT_MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:010d}"
+
+
+def shard_name(rank: int) -> str:
+    return f"__r{rank}.distcp"
+
+
+def manifest_name(rank: int) -> str:
+    return f"r{rank}.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _disk_error(e: OSError, path: Path) -> Exception:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(
+            f"no space left writing {path}; free space there or point the checkpoint "
+            "directory elsewhere (training continues on the memory tier)"
+        )
+    return e
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise _disk_error(e, path) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing.
+
+
+def write_rank_shard(root: Path, snapshot: Snapshot) -> Path:
+    """Writes one rank's shard and manifest durably; returns the step directory."""
+    manifest = snapshot.manifest
+    rank, step = snapshot.rank, snapshot.step
+    directory = step_dir(root, step)
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise _disk_error(e, directory) from None
+    final = directory / shard_name(rank)
+    tmp = directory / f".{final.name}.tmp"
+    storage: dict[str, dict[str, int]] = {}
+    try:
+        with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
+            for item in manifest["items"]:
+                if item["kind"] == "tensor":
+                    obj: Any = tensor_view(snapshot.payload, item)
+                else:
+                    obj = decode_json(item["value"])
+                blob = io.BytesIO()
+                torch.save(obj, blob)
+                data = blob.getbuffer()
+                storage[item["fqn"]] = {
+                    "offset": f.tell(),
+                    "length": len(data),
+                    "crc32": zlib.crc32(data),
+                }
+                f.write(data)
+                del data
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise _disk_error(e, final) from None
+    record = dict(manifest, file=final.name, storage=storage, written_at=time.time())
+    atomic_write(directory / manifest_name(rank), json.dumps(record).encode())
+    _fsync_dir(directory)
+    return directory
+
+
+def read_rank_manifest(directory: Path, rank: int) -> dict[str, Any]:
+    path = directory / manifest_name(rank)
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise SnapshotMissing(f"{path} does not exist") from None
+    except ValueError as e:
+        raise SnapshotCorrupt(f"{path}: unreadable manifest ({e})") from None
+
+
+def dcp_metadata(manifests: Iterable[Mapping[str, Any]]) -> tuple[Metadata, list[WriteResult]]:
+    """DCP metadata for a set of rank manifests: the first rank holding a chunk provides it."""
+    state_md: dict[str, Any] = {}
+    planner_data: dict[str, tuple[Any, ...]] = {}
+    results: list[WriteResult] = []
+    seen: set[MetadataIndex] = set()
+    for manifest in sorted(manifests, key=lambda m: m["rank"]):
+        for item in manifest["items"]:
+            fqn = item["fqn"]
+            planner_data[fqn] = tuple(item["path"])
+            where = manifest["storage"][fqn]
+            if item["kind"] == "tensor":
+                index = MetadataIndex(fqn, tuple(item["chunk_offsets"]))
+                md = state_md.setdefault(
+                    fqn,
+                    TensorStorageMetadata(
+                        properties=TensorProperties(dtype=dtype_from_name(item["dtype"])),
+                        size=torch.Size(item["global_size"]),
+                        chunks=[],
+                    ),
+                )
+                if index in seen:
+                    continue
+                md.chunks.append(
+                    ChunkStorageMetadata(
+                        offsets=torch.Size(item["chunk_offsets"]), sizes=torch.Size(item["shape"])
+                    )
+                )
+            else:
+                index = MetadataIndex(fqn)
+                state_md.setdefault(fqn, BytesStorageMetadata())
+                if index in seen:
+                    continue
+            seen.add(index)
+            results.append(
+                WriteResult(
+                    index=index,
+                    size_in_bytes=where["length"],
+                    storage_data=_StorageInfo(manifest["file"], where["offset"], where["length"]),
+                )
+            )
+    return Metadata(state_dict_metadata=state_md, planner_data=planner_data), results
+
+
+def try_commit(root: Path, step: int, world_size: int, ranks: Iterable[int]) -> bool:
+    """Commits ``step`` if every rank in ``ranks`` is durable there; True once committed.
+
+    ``ranks`` are the ranks this directory holds (all of them for a shared or single-node
+    directory, this node's for a node-local one). DCP's ``.metadata`` is written only when they
+    cover the whole job.
+    """
+    directory = step_dir(root, step)
+    if (directory / COMMIT_MARKER).exists():
+        return True
+    expected = sorted(set(ranks))
+    if not all((directory / manifest_name(r)).exists() for r in expected):
+        return False
+    complete = expected == list(range(world_size))
+    if complete:
+        manifests = [read_rank_manifest(directory, r) for r in expected]
+        metadata, results = dcp_metadata(manifests)
+        writer = FileSystemWriter(str(directory), sync_files=True)
+        writer.set_up_storage_writer(is_coordinator=True)
+        try:
+            writer.finish(metadata, [results])
+        except OSError as e:
+            raise _disk_error(e, directory / ".metadata") from None
+    marker = {
+        "step": step,
+        "world_size": world_size,
+        "ranks": expected,
+        "dcp": complete,
+        "committed_at": time.time(),
+    }
+    atomic_write(directory / COMMIT_MARKER, json.dumps(marker).encode())
+    _fsync_dir(directory)
+    logger.info("committed checkpoint step %d in %s (%d rank(s))", step, root, len(expected))
+    return True
+
+
+def list_steps(root: Path) -> dict[int, Path]:
+    found = {}
+    if root.is_dir():
+        for path in root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir():
+                found[int(match.group(1))] = path
+    return found
+
+
+def commit_info(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / COMMIT_MARKER).read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def committed_steps(root: Path) -> dict[int, dict[str, Any]]:
+    out = {}
+    for step, directory in list_steps(root).items():
+        info = commit_info(directory)
+        if info is not None:
+            out[step] = info
+    return out
+
+
+def retain(root: Path, keep: int) -> list[int]:
+    """Keeps the newest ``keep`` committed steps; removes older steps (committed or torn)."""
+    committed = sorted(committed_steps(root))
+    if keep <= 0 or len(committed) <= keep:
+        return []
+    oldest_kept = committed[-keep]
+    removed = []
+    for step, directory in sorted(list_steps(root).items()):
+        if step < oldest_kept:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(step)
+    return removed
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading.
+
+
+def read_rank_shard(directory: Path, rank: int) -> Snapshot:
+    """One rank's snapshot from a step directory, every blob checked against its CRC-32."""
+    manifest = read_rank_manifest(directory, rank)
+    path = directory / manifest["file"]
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise SnapshotMissing(f"{path} does not exist") from None
+    return decode_shard(manifest, data, str(path))
+
+
+def decode_shard(manifest: Mapping[str, Any], data: bytes | memoryview, where: str) -> Snapshot:
+    payload = bytearray(int(manifest["payload_bytes"]))
+    view = memoryview(data)
+    for item in manifest["items"]:
+        place = manifest["storage"].get(item["fqn"])
+        if place is None:
+            raise SnapshotCorrupt(f"{where}: no storage entry for {item['fqn']!r}")
+        blob = view[place["offset"] : place["offset"] + place["length"]]
+        if len(blob) != place["length"] or zlib.crc32(blob) != place["crc32"]:
+            raise SnapshotCorrupt(f"{where}: checksum mismatch in item {item['fqn']!r}")
+        if item["kind"] != "tensor":
+            continue
+        try:
+            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise SnapshotCorrupt(f"{where}: item {item['fqn']!r} unreadable ({e})") from None
+        target = tensor_view(payload, item)
+        if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
+            raise SnapshotCorrupt(f"{where}: item {item['fqn']!r} has the wrong shape or dtype")
+        target.copy_(tensor)
+    return Snapshot(dict(manifest), payload)
+
+
+class DurableTier(Tier):
+    """A local or remote checkpoint directory, as a source to load from."""
+
+    def __init__(self, root: Path, name: str = "local") -> None:
+        self.root = root
+        self.name = name
+
+    def steps(self, rank: int, world_size: int) -> list[int]:
+        return sorted(
+            (
+                step
+                for step, info in committed_steps(self.root).items()
+                if info.get("world_size") == world_size and rank in info.get("ranks", ())
+            ),
+            reverse=True,
+        )
+
+    def read(self, step: int, rank: int, world_size: int) -> Snapshot:
+        directory = step_dir(self.root, step)
+        info = commit_info(directory)
+        if info is None:
+            raise SnapshotMissing(f"{directory} is not committed")
+        snapshot = read_rank_shard(directory, rank)
+        if snapshot.world_size != world_size or snapshot.step != step:
+            raise SnapshotCorrupt(f"{directory}: rank {rank} manifest is for another job layout")
+        return snapshot

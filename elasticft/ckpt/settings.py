@@ -1,0 +1,103 @@
+"""What a worker's checkpointer needs to know, read from the environment in one place.
+
+Under ``elasticft-run`` the agent's checkpoint service hands every worker its shared-memory
+names, directories, backup peer and control directory through ``ELASTICFT_CKPT_*`` variables
+(:data:`WORKER_ENV`). Without an agent (plain ``torchrun`` or one process) the worker owns its
+memory tier and persists it itself; the same settings are then given to
+:meth:`WorkerSettings.from_env` as arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from elasticft.ckpt import shm
+
+ENV_SHM = "ELASTICFT_CKPT_SHM"
+ENV_SLOTS = "ELASTICFT_CKPT_SLOTS"
+ENV_MEMORY_CAP = "ELASTICFT_CKPT_MEMORY_CAP"
+ENV_LOCAL = "ELASTICFT_CKPT_LOCAL"
+ENV_REMOTE = "ELASTICFT_CKPT_REMOTE"
+ENV_PEER = "ELASTICFT_CKPT_PEER"
+ENV_SECRET = "ELASTICFT_CKPT_SECRET"
+ENV_CONTROL = "ELASTICFT_CKPT_CONTROL"
+
+WORKER_ENV = frozenset(
+    {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_SECRET, ENV_CONTROL}
+)
+"""Worker variables the checkpoint service sets (listed in the agent's WORKER_ENV_NAMES)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """One worker's view of the checkpoint tiers."""
+
+    local_rank: int = 0
+    shm_prefix: str | None = None
+    """Shared-memory slot name prefix; None disables the memory tier."""
+    slots: int = 2
+    memory_cap_bytes: int = 0
+    """Most bytes this rank's slots may take together (0: no cap)."""
+    local_dir: Path | None = None
+    remote_dir: Path | None = None
+    peer_addr: str | None = None
+    """host:port of the agent holding this node's backup."""
+    secret: str | None = None
+    control_dir: Path | None = None
+    agent_owned: bool = False
+    """True under elasticft-run: the agent persists, replicates and removes the memory tier."""
+    persist_every: int = 0
+    """Process-owned mode: persist every N saves' steps to the durable tiers (0: never)."""
+    keep: int = 3
+    owner_pid: int = 0
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        ckpt_dir: Path | None = None,
+        remote_dir: Path | None = None,
+        persist_every: int = 0,
+        keep: int = 3,
+        slots: int = 2,
+        memory: bool = True,
+    ) -> WorkerSettings:
+        """Agent-owned settings when the agent set them, else a process-owned memory tier.
+
+        The keyword arguments are the process-owned defaults; the agent's values win.
+        """
+        env = os.environ if env is None else env
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        if ENV_SHM in env:
+            return cls(
+                local_rank=local_rank,
+                shm_prefix=env[ENV_SHM] or None,
+                slots=int(env.get(ENV_SLOTS, "2")),
+                memory_cap_bytes=int(env.get(ENV_MEMORY_CAP, "0")),
+                local_dir=Path(env[ENV_LOCAL]) if env.get(ENV_LOCAL) else None,
+                remote_dir=Path(env[ENV_REMOTE]) if env.get(ENV_REMOTE) else None,
+                peer_addr=env.get(ENV_PEER) or None,
+                secret=env.get(ENV_SECRET) or None,
+                control_dir=Path(env[ENV_CONTROL]) if env.get(ENV_CONTROL) else None,
+                agent_owned=True,
+                keep=keep,
+            )
+        # Under torchrun the parent is torch's agent: segments named after it survive a worker
+        # restart and are swept once that agent is gone. Alone, the process owns them.
+        run_id = env.get("TORCHELASTIC_RUN_ID")
+        owner = os.getppid() if run_id else os.getpid()
+        prefix = shm.segment_prefix(owner, run_id or "solo", local_rank) if memory else None
+        return cls(
+            local_rank=local_rank,
+            shm_prefix=prefix,
+            slots=slots,
+            local_dir=ckpt_dir,
+            remote_dir=remote_dir,
+            persist_every=persist_every,
+            keep=keep,
+            owner_pid=owner,
+        )

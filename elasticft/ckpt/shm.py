@@ -1,0 +1,359 @@
+"""Tier 1: snapshots in shared memory that outlive the worker that wrote them.
+
+Design (who owns what)
+----------------------
+The *agent* owns the names; the *worker* sizes the segments. At start the agent gives every
+worker a name prefix (``ELASTICFT_CKPT_SHM``) that embeds the agent's pid and the local rank,
+and the number of slots. At its first save the worker, the only process that knows how large
+its state is, creates the slot files ``/dev/shm/<prefix>-s<k>`` (``O_EXCL``, mode 0600),
+allocates their pages once with ``posix_fallocate`` (so later saves never take first-touch
+page faults) and maps them. Because the agent knows the names, it *adopts* the segments
+without any channel: it opens them when it wants to persist, flush or serve them, survives the
+worker's death with the bytes intact (tmpfs pages belong to the file, not the process), lets the
+restarted worker map the same segments again, and unlinks them when the job ends. A segment whose
+owner pid is dead (an agent killed with SIGKILL) is swept by the next agent on the host. This
+avoids a size-negotiation protocol and any stall of the first save on an agent round trip.
+
+Slots and consistency
+---------------------
+Each local rank has ``slots`` (>= 2) files: double buffering, so the save in progress never
+touches the newest complete snapshot. A slot file is a 4 KiB header, the manifest (JSON), then
+the payload. The writer holds an exclusive ``flock`` on the slot for the whole write and marks
+the header ``WRITING`` first and ``COMPLETE`` (with a new generation) last; a reader (the agent
+persisting, the worker loading) holds a shared ``flock``. A crash mid-write releases the lock
+and leaves ``WRITING`` behind, so a torn slot is never mistaken for a snapshot. The writer
+never waits for a reader: if the slot it wants is being read, it takes the next oldest, and if
+all are busy it skips that memory snapshot (the request says so). The oldest snapshot is
+always overwritten first (oldest-first eviction under the memory cap, which bounds ``slots``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
+from elasticft.ckpt.snapshot import align_up
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "elasticft-ckpt"
+HEADER_BYTES = 4096
+_MAGIC = b"EFTSNAP1"
+# magic, version, state, generation, step, rank, world, manifest_len, payload_off, payload_len,
+# crc_state, crc, completed_at
+_HEADER = struct.Struct("<8sIIQqiiQQQII d")
+EMPTY, WRITING, COMPLETE = 0, 1, 2
+CRC_NONE, CRC_VALID = 0, 1
+
+
+def segment_prefix(owner_pid: int, token: str, local_rank: int) -> str:
+    """Segment names embed their owner's pid, so a dead owner's leftovers can be swept."""
+    clean = re.sub(r"[^A-Za-z0-9]", "", token)[:16] or "job"
+    return f"{NAME_PREFIX}-{owner_pid}-{clean}-l{local_rank}"
+
+
+def slot_path(prefix: str, slot: int, shm_dir: Path = SHM_DIR) -> Path:
+    return shm_dir / f"{prefix}-s{slot}"
+
+
+def owned_segments(owner_pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    return sorted(shm_dir.glob(f"{NAME_PREFIX}-{owner_pid}-*"))
+
+
+def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Removes this user's segments whose owner process is gone (e.g. an agent killed -9)."""
+    removed = []
+    pattern = re.compile(rf"^{NAME_PREFIX}-(\d+)-")
+    for path in shm_dir.glob(f"{NAME_PREFIX}-*"):
+        match = pattern.match(path.name)
+        if not match:
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        except (PermissionError, FileNotFoundError):
+            continue
+    if removed:
+        logger.info("removed %d shared-memory segment(s) of dead owners", len(removed))
+    return removed
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotHeader:
+    state: int
+    generation: int
+    step: int
+    rank: int
+    world_size: int
+    manifest_len: int
+    payload_offset: int
+    payload_len: int
+    crc_state: int
+    crc: int
+    completed_at: float
+
+    @classmethod
+    def parse(cls, raw: bytes) -> SlotHeader | None:
+        if len(raw) < _HEADER.size:
+            return None
+        fields = _HEADER.unpack_from(raw)
+        if fields[0] != _MAGIC:
+            return None
+        return cls(*fields[2:])
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            _MAGIC, 1, self.state, self.generation, self.step, self.rank, self.world_size,
+            self.manifest_len, self.payload_offset, self.payload_len, self.crc_state, self.crc,
+            self.completed_at,
+        )
+
+
+class Slot:
+    """One slot file, mapped; locking and header access. Not thread-safe on its own."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self.path = path
+        self._fd = fd
+        self.size = size
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def open_existing(cls, path: Path) -> Slot | None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
+            os.close(fd)
+            return None
+        return cls(path, fd, size)
+
+    @classmethod
+    def create_or_grow(cls, path: Path, size: int) -> Slot:
+        """Opens (creating 0600 if needed) and makes the file at least ``size`` bytes, with
+        every page allocated now rather than on first touch."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                        raise StorageFull(
+                            f"shared memory {path} cannot grow to {size} bytes ({e.strerror}); "
+                            "free /dev/shm or lower the memory tier's slots/cap"
+                        ) from None
+                    raise
+            return cls(path, fd, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    # -- locking ---------------------------------------------------------------------------
+
+    def try_lock(self, exclusive: bool) -> bool:
+        op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        try:
+            fcntl.flock(self._fd, op)
+            return True
+        except BlockingIOError:
+            return False
+
+    def lock_shared(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.try_lock(exclusive=False):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def shared(self, timeout_s: float = 10.0) -> Iterator[bool]:
+        locked = self.lock_shared(timeout_s)
+        try:
+            yield locked
+        finally:
+            if locked:
+                self.unlock()
+
+    # -- header ----------------------------------------------------------------------------
+
+    def header(self) -> SlotHeader | None:
+        return SlotHeader.parse(self.map[: _HEADER.size])
+
+    def write_header(self, header: SlotHeader) -> None:
+        self.map[: _HEADER.size] = header.pack()
+
+    def manifest(self, header: SlotHeader) -> dict[str, Any]:
+        raw = self.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise SnapshotCorrupt(f"{self.path}: unreadable manifest ({e})") from None
+
+    def payload(self, header: SlotHeader) -> memoryview:
+        end = header.payload_offset + header.payload_len
+        if end > self.size:
+            raise SnapshotCorrupt(f"{self.path}: payload ends past the segment ({end})")
+        return memoryview(self.map)[header.payload_offset : end]
+
+
+def payload_offset(manifest_len: int) -> int:
+    return align_up(HEADER_BYTES + manifest_len, 4096)
+
+
+class SlotSet:
+    """The slots of one local rank, as seen by a reader (agent) or the writer (worker)."""
+
+    def __init__(self, prefix: str, slots: int, shm_dir: Path = SHM_DIR) -> None:
+        self.prefix = prefix
+        self.count = slots
+        self.shm_dir = shm_dir
+        self._open: dict[int, Slot] = {}
+
+    def path(self, index: int) -> Path:
+        return slot_path(self.prefix, index, self.shm_dir)
+
+    def get(self, index: int) -> Slot | None:
+        slot = self._open.get(index)
+        if slot is not None and slot.path.exists() and os.stat(slot.path).st_size == slot.size:
+            return slot
+        if slot is not None:
+            slot.close()
+            del self._open[index]
+        slot = Slot.open_existing(self.path(index))
+        if slot is not None:
+            self._open[index] = slot
+        return slot
+
+    def ensure(self, index: int, size: int) -> Slot:
+        slot = self.get(index)
+        if slot is not None and slot.size >= size:
+            return slot
+        if slot is not None:
+            slot.close()
+            del self._open[index]
+        slot = Slot.create_or_grow(self.path(index), size)
+        self._open[index] = slot
+        return slot
+
+    def headers(self) -> dict[int, SlotHeader]:
+        """Header of every existing slot (unlocked peek; confirm under a lock before use)."""
+        found = {}
+        for index in range(self.count):
+            slot = self.get(index)
+            header = slot.header() if slot is not None else None
+            if header is not None:
+                found[index] = header
+        return found
+
+    def complete(self) -> dict[int, SlotHeader]:
+        return {i: h for i, h in self.headers().items() if h.state == COMPLETE}
+
+    def newest(self) -> tuple[int, SlotHeader] | None:
+        done = self.complete()
+        if not done:
+            return None
+        index = max(done, key=lambda i: done[i].generation)
+        return index, done[index]
+
+    def close(self) -> None:
+        for slot in self._open.values():
+            slot.close()
+        self._open.clear()
+
+    def unlink(self) -> None:
+        self.close()
+        for index in range(max(self.count, 8)):
+            with contextlib.suppress(FileNotFoundError):
+                self.path(index).unlink()
+
+
+def read_slot(slot: Slot, *, verify: bool = True) -> Snapshot:
+    """The snapshot of a slot; call with the slot's shared lock held."""
+    header = slot.header()
+    if header is None or header.state != COMPLETE:
+        state = "torn (a writer died mid-write)" if header and header.state == WRITING else "empty"
+        raise SnapshotMissing(f"{slot.path} is {state}")
+    manifest = slot.manifest(header)
+    payload = slot.payload(header)
+    if verify and header.crc_state == CRC_VALID and zlib.crc32(payload) != header.crc:
+        raise SnapshotCorrupt(f"{slot.path}: payload checksum mismatch at step {header.step}")
+    return Snapshot(manifest, payload)
+
+
+class MemoryTier(Tier):
+    """Reads the snapshots of one local rank's slots (the worker's own, or the agent's view)."""
+
+    name = "memory"
+
+    def __init__(self, slots: SlotSet, lock_timeout_s: float = 10.0) -> None:
+        self.slots = slots
+        self.lock_timeout_s = lock_timeout_s
+
+    def steps(self, rank: int, world_size: int) -> list[int]:
+        return sorted(
+            {
+                h.step
+                for h in self.slots.complete().values()
+                if h.rank == rank and h.world_size == world_size
+            },
+            reverse=True,
+        )
+
+    def read(self, step: int, rank: int, world_size: int) -> Snapshot:
+        candidates = sorted(
+            ((i, h) for i, h in self.slots.complete().items() if h.step == step),
+            key=lambda ih: -ih[1].generation,
+        )
+        for index, header in candidates:
+            if header.rank != rank or header.world_size != world_size:
+                continue
+            slot = self.slots.get(index)
+            if slot is None:
+                continue
+            with slot.shared(self.lock_timeout_s) as locked:
+                if not locked:
+                    continue
+                snapshot = read_slot(slot)
+                if snapshot.step != step:
+                    continue  # overwritten between the peek and the lock
+                # One private copy, so the slot can be reused as soon as the lock is released.
+                return Snapshot(snapshot.manifest, bytearray(snapshot.payload))
+        raise SnapshotMissing(f"no complete memory snapshot of step {step} for rank {rank}")
+
+    def close(self) -> None:
+        self.slots.close()

@@ -1,0 +1,325 @@
+"""Turning a training state into a snapshot layout and back.
+
+A state is a nested mapping (model and optimizer state dicts from
+``torch.distributed.checkpoint.state_dict``, RNG states, JSON-able extras). It is flattened
+with DCP's own ``DefaultSavePlanner`` so every item gets exactly the fully-qualified name,
+global size and chunk offsets DCP would give it: a DTensor (FSDP2) contributes its local shard
+with its place in the global tensor, a plain or DDP tensor the whole tensor. That is what lets
+the durable tiers write a ``.metadata`` that ``dcp.load`` understands and reshards.
+
+Tensors become byte ranges of the payload (64-byte aligned). Other leaves must be JSON values
+(None, bool, int, float, str, lists, tuples and str-keyed dicts of those); tuples are tagged so
+they come back as tuples. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from elasticft.ckpt.api import SnapshotCorrupt, UnsupportedState
+
+FORMAT_VERSION = 1
+ALIGN = 64
+_TUPLE_TAG = "__tuple__"
+_FLOAT_TAG = "__float__"
+
+
+def align_up(n: int, alignment: int = ALIGN) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SnapshotCorrupt(f"unknown dtype {name!r} in a snapshot manifest")
+    return dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON leaves.
+
+
+def encode_json(value: Any, where: str) -> Any:
+    """A JSON-safe form of a non-tensor leaf, or :class:`UnsupportedState` naming it."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {_FLOAT_TAG: repr(value)}
+    if isinstance(value, tuple):
+        return {_TUPLE_TAG: [encode_json(v, where) for v in value]}
+    if isinstance(value, list):
+        return [encode_json(v, where) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        if _TUPLE_TAG in value or _FLOAT_TAG in value:
+            raise UnsupportedState(f"state key {where!r} uses a reserved key; rename it")
+        return {k: encode_json(v, f"{where}.{k}") for k, v in value.items()}
+    raise UnsupportedState(
+        f"state item {where!r} is a {type(value).__name__}; a checkpoint holds tensors and "
+        "JSON values only: convert it (e.g. to a tensor, list or dict of str keys)"
+    )
+
+
+def decode_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_json(v) for v in value]
+    if isinstance(value, dict):
+        if _TUPLE_TAG in value:
+            return tuple(decode_json(v) for v in value[_TUPLE_TAG])
+        if _FLOAT_TAG in value:
+            return float(value[_FLOAT_TAG])
+        return {k: decode_json(v) for k, v in value.items()}
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout.
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor item: where it goes in the payload and where it sits in the global tensor."""
+
+    fqn: str
+    path: tuple[str | int, ...]
+    tensor: torch.Tensor
+    """The live local tensor (contiguous view of what is saved)."""
+    global_size: tuple[int, ...]
+    chunk_offsets: tuple[int, ...]
+    offset: int = 0
+    """Byte offset in the payload."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "path": list(self.path),
+            "kind": "tensor",
+            "dtype": dtype_name(self.tensor.dtype),
+            "shape": list(self.tensor.shape),
+            "global_size": list(self.global_size),
+            "chunk_offsets": list(self.chunk_offsets),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A flattened state: tensor entries placed in a payload, and JSON leaves."""
+
+    tensors: tuple[TensorEntry, ...]
+    values: tuple[dict[str, Any], ...]
+    payload_bytes: int
+
+    def manifest(self, step: int, rank: int, world_size: int) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "rank": rank,
+            "world_size": world_size,
+            "payload_bytes": self.payload_bytes,
+            "items": [t.to_json() for t in self.tensors] + list(self.values),
+        }
+
+    def signature(self) -> tuple[Any, ...]:
+        """Equal for two layouts whose tensors fit the same payload places."""
+        return tuple((t.fqn, t.tensor.dtype, tuple(t.tensor.shape)) for t in self.tensors)
+
+
+def flatten(state: Mapping[str, Any]) -> Layout:
+    """Lays ``state`` out as DCP would name it; tensors keep aliasing the live state."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedState(f"state must be a dict, got {type(state).__name__}")
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(dict(state), storage_meta=None, is_coordinator=False)
+    plan = planner.create_local_plan()
+    mappings: Mapping[str, tuple[str | int, ...]] = getattr(planner, "mappings", {}) or {}
+    tensors: list[TensorEntry] = []
+    values: list[dict[str, Any]] = []
+    offset = 0
+    seen: set[str] = set()
+    for item in plan.items:
+        fqn = item.index.fqn
+        if fqn in seen:
+            raise UnsupportedState(f"state item {fqn!r} has more than one local shard; unsupported")
+        seen.add(fqn)
+        path = tuple(mappings.get(fqn, (fqn,)))
+        obj = planner.lookup_object(item.index)
+        if item.type == WriteItemType.BYTE_IO:
+            values.append(
+                {"fqn": fqn, "path": list(path), "kind": "json", "value": encode_json(obj, fqn)}
+            )
+            continue
+        tensor = obj.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()  # an accelerator copy: the snapshot is host memory
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        assert item.tensor_data is not None
+        entry = TensorEntry(
+            fqn=fqn,
+            path=path,
+            tensor=tensor,
+            global_size=tuple(item.tensor_data.size),
+            chunk_offsets=tuple(item.tensor_data.chunk.offsets),
+            offset=offset,
+        )
+        tensors.append(entry)
+        offset = align_up(offset + entry.nbytes)
+    return Layout(tuple(tensors), tuple(values), offset)
+
+
+def _walk(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], Any]]:
+    """Leaves in DCP's traversal order and granularity (``traverse_state_dict``'s rules)."""
+    leaves: list[tuple[tuple[str | int, ...], Any]] = []
+
+    def terminal(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if not isinstance(value, list):
+            return True
+        for entry in value:
+            if isinstance(entry, Mapping | list) and not terminal(entry):
+                return False
+            if isinstance(entry, torch.Tensor):
+                return False
+        return True
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, str(k)), v)
+        elif terminal(value):
+            leaves.append((path, value))
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                visit((*path, i), v)
+
+    for key, value in state.items():
+        visit((str(key),), value)
+    return leaves
+
+
+class Flattener:
+    """:func:`flatten` with the layout reused while the state keeps its structure.
+
+    DCP's planner costs tens of milliseconds per call on a large state; the training thread pays
+    it on every save. The first call runs the planner and checks that a plain walk finds the same
+    items; later calls walk the state (well under a millisecond) and reuse the placement when
+    names, shapes and dtypes are unchanged. States with DTensors always go through the planner.
+    """
+
+    def __init__(self) -> None:
+        self._layout: Layout | None = None
+        self._signature: tuple[Any, ...] | None = None
+
+    def __call__(self, state: Mapping[str, Any]) -> Layout:
+        leaves = _walk(state)
+        signature = tuple(
+            (path, v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else (path, None, None)
+            for path, v in leaves
+        )
+        cached = self._layout
+        if cached is not None and signature == self._signature:
+            return self._reuse(cached, leaves)
+        layout = flatten(state)
+        plain = all(
+            type(v) is torch.Tensor or not isinstance(v, torch.Tensor) for _, v in leaves
+        )
+        fqns = [".".join(map(str, path)) for path, _ in leaves]
+        if plain and sorted(fqns) == sorted(
+            [t.fqn for t in layout.tensors] + [v["fqn"] for v in layout.values]
+        ):
+            self._layout, self._signature = layout, signature
+        else:
+            self._layout, self._signature = None, None
+        return layout
+
+    @staticmethod
+    def _reuse(cached: Layout, leaves: list[tuple[tuple[str | int, ...], Any]]) -> Layout:
+        by_path = dict(leaves)
+        tensors = []
+        for entry in cached.tensors:
+            tensor = by_path[entry.path].detach()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            tensors.append(dataclasses.replace(entry, tensor=tensor))
+        values = tuple(
+            dict(v, value=encode_json(by_path[tuple(v["path"])], v["fqn"])) for v in cached.values
+        )
+        return Layout(tuple(tensors), values, cached.payload_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading back.
+
+
+def tensor_view(payload: Any, item: Mapping[str, Any]) -> torch.Tensor:
+    """The tensor of a manifest item, aliasing ``payload`` (no copy)."""
+    dtype = dtype_from_name(item["dtype"])
+    shape = tuple(item["shape"])
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        flat = torch.frombuffer(payload, dtype=dtype, count=numel, offset=int(item["offset"]))
+    except (ValueError, RuntimeError) as e:
+        raise SnapshotCorrupt(f"item {item['fqn']!r} lies outside the payload: {e}") from None
+    return flat.view(shape)
+
+
+def set_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Puts ``value`` at ``path``, creating dicts (str keys) and lists (int keys) on the way."""
+    node: Any = root
+    for key, nxt in itertools.pairwise(path):
+        empty: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            assert isinstance(key, int)
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = empty
+            node = node[key]
+        else:
+            node = node.setdefault(key, empty)
+    last = path[-1]
+    if isinstance(node, list):
+        assert isinstance(last, int)
+        while len(node) <= last:
+            node.append(None)
+        node[last] = value
+    else:
+        node[last] = value
+
+
+def unflatten(snapshot_manifest: Mapping[str, Any], payload: Any, *, copy: bool) -> dict[str, Any]:
+    """The nested state of a snapshot; with ``copy`` the tensors own their memory."""
+    state: dict[str, Any] = {}
+    for item in snapshot_manifest["items"]:
+        path = tuple(item["path"])
+        if item["kind"] == "tensor":
+            tensor = tensor_view(payload, item)
+            set_path(state, path, tensor.clone() if copy else tensor)
+        else:
+            set_path(state, path, decode_json(item["value"]))
+    return state
+
+
+def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
