@@ -234,6 +234,43 @@ class DiagConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The agent's checkpoint service: shared-memory tier, local/remote disk, peer backup."""
+
+    ckpt_enabled: bool = option(
+        True, "Run the checkpoint service: workers using elasticft.ckpt.Checkpointer snapshot "
+        "into agent-owned shared memory that survives their crash.")
+    ckpt_dir: Path | None = option(
+        None, "Local checkpoint directory (tier 2). Default: <run-dir>/ckpt.")
+    ckpt_remote_dir: Path | None = option(
+        None, "Shared-storage checkpoint directory (tier 3), written after the local one; "
+        "every node of the job must see the same path.")
+    ckpt_persist_every: int = option(
+        10, "Persist the memory snapshot of every N-th step to disk in the background "
+        "(0: only on failure, on request and at the end).", minimum=0)
+    ckpt_keep: int = option(
+        3, "Committed checkpoints kept per directory (older ones are deleted).", minimum=1)
+    ckpt_memory_slots: int = option(
+        2, "Shared-memory snapshots kept per worker (2: double buffering).", minimum=2)
+    ckpt_memory_cap_mb: int = option(
+        0, "Most shared memory per worker for snapshots, in MiB (0: no cap); the oldest "
+        "snapshot is evicted first.", minimum=0)
+    ckpt_peer_backup: bool = option(
+        True, "Copy each node's checkpoint shards to a backup node over TCP (multi-node jobs).")
+    ckpt_peer_addr: str | None = option(
+        None, "Address the peer-backup server binds. Default: --local-addr, else this host's "
+        "address.")
+    ckpt_peer_secret: str | None = option(
+        None, "Shared secret peer-backup connections must prove. Default: generated per job "
+        "and handed out through the rendezvous store.")
+    ckpt_layout: str | None = option(
+        None, "Parallel layout 'tp,pp,dp' for placing backups outside a node's own parallel "
+        "groups. Default: the next node in a ring.")
+    ckpt_flush_on_failure: bool = option(
+        True, "When a worker fails, persist the newest complete snapshot before restarting.")
+
+
+@dataclasses.dataclass(frozen=True)
 class ElasticftConfig:
     """All of elasticft's options; one attribute per subsystem section."""
 
@@ -241,6 +278,7 @@ class ElasticftConfig:
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
     diag: DiagConfig = dataclasses.field(default_factory=DiagConfig)
+    ckpt: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 # ----------------------------------------------------------------------------------------------
