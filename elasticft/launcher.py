@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics
 from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -105,6 +106,11 @@ def default_collaborators(
     diag = monitor_from_options(options, config, os.environ)
     if diag is not None:
         collaborators.append(diag)
+    from elasticft.ckpt.service import CheckpointService
+
+    checkpoints = CheckpointService.from_options(options, local_addr=config.local_addr)
+    if checkpoints is not None:
+        collaborators.append(checkpoints)
     # Last: the Slurm handler uses the checkpoint service built above, when there is one.
     from elasticft.slurm import handler_from_options as slurm_handler
 
@@ -160,6 +166,8 @@ def launch(
         max_restarts=config.max_restarts,
         rdzv_backend=config.rdzv_backend,
         pid=os.getpid(),
+        # When the launcher process began: its own start-up counts in the report's wall time.
+        process_started=psutil.Process().create_time(),
     )
     params = RendezvousParameters(
         backend=config.rdzv_backend,

@@ -21,9 +21,11 @@ COLORS = {
     "rollback": "#d9b3ff",
     "startup": "#e0e0e0",
     "shutdown": "#f0f0f0",
+    "queued": "#ffffff",
 }
 # Phases worth shading; healthy and slow steps are the background.
-SHADED = ("checkpoint_stall", "detection", "repair", "rollback", "startup", "slow_recovery")
+SHADED = ("checkpoint_stall", "detection", "repair", "rollback", "startup", "slow_recovery",
+          "queued")
 
 
 def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
@@ -42,8 +44,9 @@ def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
             continue
         used.add(span.phase)
         for axis in (top, bottom):
-            axis.axvspan(span.start - t0, span.end - t0, color=COLORS[span.phase], lw=0,
-                         zorder=0)
+            axis.axvspan(span.start - t0, span.end - t0, facecolor=COLORS[span.phase], lw=0,
+                         zorder=0, hatch="//" if span.phase == "queued" else None,
+                         edgecolor="#bbbbbb")
     times = [r.time - t0 for r in a.steps]
     top.plot(times, [r.step for r in a.steps], ".-", color="#1f4e79", ms=3, lw=1,
              label=f"step (rank {a.reference_rank})")
@@ -68,7 +71,10 @@ def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
     top.set_title(title or (
         f"run {a.run_id}: TOR {a.tor:.3f}, ETTR {a.ettr:.3f}, {len(a.faults)} failure(s), "
         f"healthy step {a.healthy_step_s * 1000:.0f} ms"))
-    handles = [Patch(color=COLORS[p], label=p.replace("_", " ")) for p in SHADED if p in used]
+    handles = [Patch(facecolor=COLORS[p], edgecolor="#bbbbbb", hatch="//" if p == "queued"
+                     else None, label=p.replace("_", " ") + (" (not counted)" if p == "queued"
+                                                              else ""))
+               for p in SHADED if p in used]
     top.legend(handles=top.get_legend_handles_labels()[0] + handles, loc="upper left",
                fontsize=8)
     bottom.legend(loc="lower right", fontsize=8)

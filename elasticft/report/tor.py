@@ -147,6 +147,15 @@ class Analysis:
         }
 
 
+# When ranks fail together, the most specific class names the fault (a crash makes its peers
+# fail with connection errors, not the other way round); the agent's policy orders them alike.
+_CAUSE_ORDER = ("user_code", "signal_crash", "hang", "infrastructure", "stop_requested")
+
+
+def _cause_rank(failure_class: str) -> int:
+    return _CAUSE_ORDER.index(failure_class) if failure_class in _CAUSE_ORDER else len(_CAUSE_ORDER)
+
+
 class ReportError(ValueError):
     """The run directory has too little to report on; the message says what is missing."""
 
@@ -167,7 +176,9 @@ def _segments(events: Sequence[dict[str, Any]], node: str) -> list[_Segment]:
         if event.get("node") != node:
             continue
         if event["kind"] == "run_start" or not segments:
-            segments.append(_Segment(event["time"], event["time"], node, []))
+            # The launcher's own start-up (Python, torch import) is part of the wall time.
+            began = min(event["time"], float(event.get("process_started") or event["time"]))
+            segments.append(_Segment(began, event["time"], node, []))
         segment = segments[-1]
         segment.events.append(event)
         segment.end = max(segment.end, event["time"])
@@ -248,6 +259,9 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
                 marks.append((event["time"], "failure", pending_fault))
             elif kind == "failure" and pending_fault is not None:
                 pending_fault.ranks = (*pending_fault.ranks, int(event.get("rank", -1)))
+                cls = str(event.get("failure_class", "unknown"))
+                if _cause_rank(cls) < _cause_rank(pending_fault.failure_class):
+                    pending_fault.failure_class = cls
             elif kind == "decision" and pending_fault is not None and not pending_fault.action:
                 pending_fault.action = str(event.get("action", ""))
                 pending_fault.reason = str(event.get("reason", ""))
@@ -292,6 +306,7 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
         if kind == "segment_start":
             if prev_kind == "segment_end":
                 queued += gap
+                spans.append(Span(prev_time, time, "queued"))
             in_segment = True
             prev_time, prev_kind = time, kind
             continue
@@ -327,7 +342,8 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
                 healthy = min(compute, t_h)
                 add("healthy", start, healthy)
                 excess = compute - healthy
-                if recovering and compute <= HEALTHY_TOLERANCE * t_h:
+                # (The first step of an attempt is assumed healthy, so it cannot end it.)
+                if recovering and not first_of_attempt and compute <= HEALTHY_TOLERANCE * t_h:
                     recovering = False
                 if recovering:
                     add("slow_recovery", start + healthy, excess)
