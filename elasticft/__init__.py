@@ -18,15 +18,17 @@ if TYPE_CHECKING:
     from elasticft.config import ElasticftConfig
     from elasticft.launcher import LaunchResult, launch
     from elasticft.plan.worker import layout
+    from elasticft.worker import init
 
 _LAZY = {
     "launch": ("elasticft.launcher", "launch"),
     "LaunchResult": ("elasticft.launcher", "LaunchResult"),
     "ElasticftConfig": ("elasticft.config", "ElasticftConfig"),
     "layout": ("elasticft.plan.worker", "layout"),
+    "init": ("elasticft.worker", "init"),
 }
 
-__all__ = ["ElasticftConfig", "LaunchResult", "__version__", "launch", "layout"]
+__all__ = ["ElasticftConfig", "LaunchResult", "__version__", "init", "launch", "layout"]
 
 
 def __getattr__(name: str) -> Any:
