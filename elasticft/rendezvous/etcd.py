@@ -228,6 +228,10 @@ def describe_error(error: BaseException) -> str:
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
         details = error.details() if hasattr(error, "details") else ""
         return f"{error.code().name}: {(details or '').splitlines()[0] if details else ''}"
+    if type(error).__name__ in ("NoServerAvailableError", "ConnectionFailedError"):
+        return "no endpoint answered"
+    if type(error).__name__ == "ConnectionTimeoutError":
+        return "timed out"
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 

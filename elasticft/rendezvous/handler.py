@@ -20,7 +20,7 @@ can join through an unreachable store) instead of failing the agent's monitor lo
 resume when etcd is back, and a rendezvous that meets the outage retries until its deadline.
 
 Registered for ``torchrun --rdzv-backend etcd-v3`` through the ``torchrun.handlers`` entry
-point (:func:`handler_factory`); ``elasticft-run`` uses the same entry point.
+point (:mod:`elasticft.rendezvous.registration`); ``elasticft-run`` uses the same one.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -360,7 +359,4 @@ def create_handler(
     return handler
 
 
-def handler_factory() -> Callable[[RendezvousParameters], EtcdRendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: a zero-argument factory returning the creator."""
-    return create_handler
 
