@@ -193,12 +193,16 @@ static void resolve_cuda(void) {
     const char *override = getenv("ELASTICFT_DIAG_CUDART");
     static const char *names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0",
                                   "libcudart.so"};
-    if (override && *override) lib = dlopen(override, RTLD_NOW | RTLD_LOCAL);
-    /* Prefer the runtime the process already uses, then load one. */
-    for (size_t i = 0; !lib && i < sizeof names / sizeof *names; i++)
-        lib = dlopen(names[i], RTLD_NOW | RTLD_NOLOAD);
-    for (size_t i = 0; !lib && i < sizeof names / sizeof *names; i++)
-        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (override && *override) {
+        /* An explicit choice is final: no search behind the user's back. */
+        lib = dlopen(override, RTLD_NOW | RTLD_LOCAL);
+    } else {
+        /* Prefer the runtime the process already uses, then load one. */
+        for (size_t i = 0; !lib && i < sizeof names / sizeof *names; i++)
+            lib = dlopen(names[i], RTLD_NOW | RTLD_NOLOAD);
+        for (size_t i = 0; !lib && i < sizeof names / sizeof *names; i++)
+            lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    }
     if (lib) {
         g_cuda.create = (event_create_fn)dlsym(lib, "cudaEventCreateWithFlags");
         g_cuda.record = (event_record_fn)dlsym(lib, "cudaEventRecord");

@@ -1,0 +1,128 @@
+"""The NCCL shim on CPU: a fake libnccl and libcudart built here, a real process with LD_PRELOAD."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elasticft.diag.monitor import shim_library
+from elasticft.diag.ring import (
+    FLAG_HOST_COMPLETION,
+    FLAG_TIMED,
+    Op,
+    RingReader,
+    create_ring,
+    ring_path,
+)
+
+FAKE = Path(__file__).parent / "fake"
+RANK = 3
+UNIQUE_ID = b"elasticft-test-id".ljust(128, b"\0")
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler")
+
+
+def fnv1a(data: bytes) -> int:
+    h = 1469598103934665603
+    for byte in data:
+        h = ((h ^ byte) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h or 1
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("fake-libs")
+    nccl_dir = out / "nccl"
+    nccl_dir.mkdir()
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", nccl_dir / "libnccl.so",
+                    FAKE / "fake_nccl.c"], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", out / "libcudart.so",
+                    FAKE / "fake_cudart.c"], check=True)
+    subprocess.run(["gcc", "-o", out / "app", FAKE / "app.c", f"-L{nccl_dir}", "-lnccl",
+                    f"-Wl,-rpath,{nccl_dir}"], check=True)
+    shim = shim_library()
+    assert shim is not None, "the shim was not built; run pip install -e ."
+    return {"app": out / "app", "cudart": out / "libcudart.so", "shim": shim}
+
+
+def run_app(built: dict[str, Path], ring_dir: Path, *, enabled: bool = True,
+            cudart: str | None = None, calls: int = 3) -> str:
+    env = {"PATH": "/usr/bin:/bin", "RANK": str(RANK), "LD_PRELOAD": str(built["shim"]),
+           "ELASTICFT_DIAG_RING_DIR": str(ring_dir), "FAKE_GPU_MS": "20",
+           "ELASTICFT_DIAG_CUDART": cudart or str(built["cudart"])}
+    if enabled:
+        env["ELASTICFT_DIAG_SHIM"] = "1"
+    done = subprocess.run([built["app"], str(calls)], env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    return done.stdout.strip()
+
+
+def records(ring_dir: Path):
+    reader = RingReader(ring_path(ring_dir, RANK, "nccl"))
+    header, recs = reader.poll()
+    return header, recs
+
+
+@pytest.mark.timeout(120)
+def test_every_call_is_recorded_with_its_fields(built, tmp_path):
+    output = run_app(built, tmp_path)
+    assert output == ("init=0 allreduce=0 allreduce=0 allreduce=0 bad=5 bcast=0 gstart=0 "
+                      "send=0 recv=0 gend=0 destroy=0")
+    header, recs = records(tmp_path)
+    assert header is not None and header.source == "nccl" and header.rank == RANK
+    assert header.flags & 1, "CUDA timing should be available through the fake runtime"
+    assert [r.seq for r in recs] == list(range(1, 10))
+    ops = [Op(r.op) for r in recs]
+    assert ops == [Op.COMM_INIT, Op.ALL_REDUCE, Op.ALL_REDUCE, Op.ALL_REDUCE, Op.ALL_REDUCE,
+                   Op.BROADCAST, Op.SEND, Op.RECV, Op.COMM_DESTROY]
+    key = fnv1a(UNIQUE_ID)
+    assert all(r.comm == key for r in recs), "every record names the communicator by its id"
+    init, *calls, _destroy = recs
+    assert init.nbytes == 4 and init.peer == RANK  # nranks, rank
+    assert [r.comm_seq for r in calls] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r.nbytes for r in calls[:3]] == [4000, 4004, 4008]
+    assert calls[4].nbytes == 512 and calls[4].peer == 2  # bf16 broadcast from root 2
+    assert calls[5].nbytes == 80 and calls[5].peer == 1  # int64 send to peer 1
+    for r in recs:
+        assert r.enqueue_ns > 0 and r.complete_ns >= r.enqueue_ns
+    timed = [r for r in calls if r.flags & FLAG_TIMED]
+    assert len(timed) == 6  # all but the failed call
+    for r in timed:
+        assert r.value == pytest.approx(20.0, abs=5.0)  # GPU ms from the events
+        assert r.complete_ns - r.enqueue_ns >= 15e6
+    bad = calls[3]
+    assert (bad.flags >> 8) & 0xFF == 5 and bad.flags & FLAG_HOST_COMPLETION
+    assert not bad.flags & FLAG_TIMED
+
+
+@pytest.mark.timeout(120)
+def test_ring_wraps_around_keeping_the_newest_records(built, tmp_path):
+    create_ring(ring_path(tmp_path, RANK, "nccl"), RANK, "nccl", capacity=64)
+    run_app(built, tmp_path, calls=200)
+    header, recs = records(tmp_path)
+    assert header is not None and header.capacity == 64
+    total = 200 + 6
+    assert header.head == total
+    assert [r.seq for r in recs] == list(range(total - 63, total + 1))
+    assert Op(recs[-1].op) is Op.COMM_DESTROY
+
+
+@pytest.mark.timeout(120)
+def test_disabled_shim_records_nothing_and_passes_results_through(built, tmp_path):
+    output = run_app(built, tmp_path, enabled=False)
+    assert "bad=5" in output and "allreduce=0" in output
+    assert not ring_path(tmp_path, RANK, "nccl").exists()
+
+
+@pytest.mark.timeout(120)
+def test_without_a_cuda_runtime_completion_is_the_host_return(built, tmp_path):
+    run_app(built, tmp_path, cudart="/nonexistent/libcudart.so")
+    header, recs = records(tmp_path)
+    assert header is not None and not header.flags & 1
+    calls = [r for r in recs if Op(r.op) is Op.ALL_REDUCE]
+    assert calls and all(r.flags & FLAG_HOST_COMPLETION and not r.flags & FLAG_TIMED
+                         for r in calls)
+    assert all(r.complete_ns >= r.enqueue_ns for r in recs)
