@@ -497,8 +497,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
             dest=f"elasticft_{spec.name}",
             default=argparse.SUPPRESS,
             metavar=spec.name.upper(),
+            # argparse %-formats help text: a literal % in an option's help must be doubled.
             help=f"{spec.help} [{_describe(_strip_optional(spec.type)[0])}; "
-            f"env {spec.env}; YAML {spec.yaml_key}; default {default}]",
+            f"env {spec.env}; YAML {spec.yaml_key}; default {default}]".replace("%", "%%"),
         )
 
 
