@@ -16,6 +16,7 @@ from collections.abc import Sequence
 # Modules exposing ``register(subparsers: argparse._SubParsersAction) -> None``.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "elasticft.chaos",
+    "elasticft.ckpt.commands",
     "elasticft.plan.cli",
     "elasticft.rendezvous.cli",
     "elasticft.report.cli",

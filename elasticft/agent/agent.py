@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 # Worker variables elasticft adds to torch's (documented in the README).
 WORKER_ENV_NAMES = frozenset(
     {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND", "ELASTICFT_ATTEMPT"}
+    # Checkpoint tiers handed to workers (elasticft.ckpt.settings.WORKER_ENV).
+    | {"ELASTICFT_CKPT_SHM", "ELASTICFT_CKPT_SLOTS", "ELASTICFT_CKPT_MEMORY_CAP",
+       "ELASTICFT_CKPT_LOCAL", "ELASTICFT_CKPT_REMOTE", "ELASTICFT_CKPT_PEER",
+       "ELASTICFT_CKPT_SECRET", "ELASTICFT_CKPT_CONTROL"}
     # Diagnostics rings, NCCL shim switch and library override (elasticft.diag.monitor).
     | {"ELASTICFT_DIAG_RING_DIR", "ELASTICFT_DIAG_SHIM", "ELASTICFT_DIAG_OWNER_PID",
        "ELASTICFT_DIAG_CUDART"}

@@ -140,6 +140,9 @@ class Checkpointer:
             if settings.control_dir else None
         )
         self._closed = False
+        # A process that ends (or raises) right after save() still completes the copy in
+        # flight, so the snapshot it returned for is not left torn.
+        atexit.register(self._wait_inflight)
         owns_memory = not settings.agent_owned and settings.owner_pid == os.getpid()
         if self._slots is not None and owns_memory:
             atexit.register(self._remove_own_segments)
@@ -335,8 +338,10 @@ class Checkpointer:
                 snapshot = read_slot(slot, verify=False)
                 if snapshot.step != step:
                     continue
-                for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
-                    durable.write_rank_shard(root, snapshot)
+                # Hold the lock for one memory copy, not for the disk write.
+                snapshot = Snapshot(snapshot.manifest, bytearray(snapshot.payload))
+            for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
+                durable.write_rank_shard(root, snapshot)
             break
         else:
             return
@@ -449,6 +454,7 @@ class Checkpointer:
             return
         self._closed = True
         self._wait_inflight()
+        atexit.unregister(self._wait_inflight)
         for hook in self._hooks:
             hook.remove()
         if self._watcher is not None:

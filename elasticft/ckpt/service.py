@@ -1,0 +1,365 @@
+"""The agent's checkpoint service: owns the memory tier, persists and replicates it.
+
+One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollaborator``):
+
+* **Memory it owns.** It names every local worker's shared-memory slots (see
+  :mod:`elasticft.ckpt.shm` for why the worker sizes them and the agent adopts them), passes the
+  names to the workers (``ELASTICFT_CKPT_*``), and removes them when the job ends; segments of
+  an agent that died are swept by the next one. A worker that crashes loses nothing: the
+  segments are files of the tmpfs, not of the process.
+* **Persistence in the background.** Every monitor tick it peeks at the slot headers; when all
+  local workers hold a complete snapshot of a step due for persistence (``ckpt_persist_every``),
+  a background thread writes it to the local directory and the remote one, DCP-readable, with
+  checksums and a commit marker once every rank is durable (:mod:`elasticft.ckpt.durable`), then
+  keeps the newest ``ckpt_keep``.
+* **Peer backup.** In a multi-node job it runs a :class:`~elasticft.ckpt.peer.PeerServer` on the
+  job's address, publishes its address and (leader only) a per-job secret in the rendezvous
+  store, and pushes each persisted shard to its backup node.
+* **Flush on failure.** When a worker fails it persists the newest snapshot every local worker
+  completed, before the restart, so a node that does not come back still left it on disk.
+* **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
+  workers' control threads for their newest snapshot, waits for the acks and persists it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.agent.classify import FailureRecord
+from elasticft.ckpt import durable, settings, shm
+from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
+from elasticft.ckpt.control import request_checkpoint
+from elasticft.ckpt.peer import PeerClient, PeerServer, backup_node, bind_host, new_secret
+from elasticft.config import CheckpointConfig, ConfigError, ElasticftConfig
+
+logger = logging.getLogger(__name__)
+
+_SECRET_KEY = "elasticft/ckpt/secret"
+_PEER_KEY = "elasticft/ckpt/peer/{}"
+_COMMIT_WAIT_S = 120.0
+
+
+def parse_layout(text: str | None) -> tuple[int, int, int] | None:
+    if not text:
+        return None
+    try:
+        tp, pp, dp = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--ckpt-layout={text!r} is not valid; give 'tp,pp,dp' as three whole numbers",
+        ) from None
+    return tp, pp, dp
+
+
+class CheckpointService(AgentCollaborator):
+    """Owns this node's memory tier; persists, replicates and flushes it."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        local_addr: str | None = None,
+        shm_dir: Path = shm.SHM_DIR,
+    ) -> None:
+        self.config = config
+        self.layout = parse_layout(config.ckpt_layout)
+        self._local_addr = local_addr
+        self._shm_dir = shm_dir
+        self._owner = os.getpid()
+        self._group: GroupInfo | None = None
+        self._slots: dict[int, shm.SlotSet] = {}
+        self._persist_lock = threading.Lock()
+        self._persisted = -1
+        self._jobs: queue.Queue[int | None] = queue.Queue()
+        self._busy = threading.Event()
+        self._storage_full_reported = False
+        self._secret = config.ckpt_peer_secret
+        self._peer_server: PeerServer | None = None
+        self._backup_addr: str | None = None
+        self._holder_addr: str | None = None
+        shm.sweep_orphans(shm_dir)
+        self._thread = threading.Thread(target=self._persist_loop, name="elasticft-ckpt-persist",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_options(cls, options: ElasticftConfig, local_addr: str | None = None
+                     ) -> CheckpointService | None:
+        if not options.ckpt.ckpt_enabled:
+            return None
+        return cls(options.ckpt, local_addr=local_addr)
+
+    # ------------------------------------------------------------------------------------------
+    # Where things are.
+
+    def local_dir(self, group: GroupInfo) -> Path:
+        root = self.config.ckpt_dir or group.run_dir / "ckpt"
+        # Each node keeps its own shards on its own disk; a single node's directory is a
+        # complete DCP checkpoint.
+        return root if group.group_world_size <= 1 else root / f"node-{group.node_id}"
+
+    def control_dir(self, group: GroupInfo) -> Path:
+        return group.run_dir / "ckpt-control" / str(self._owner)
+
+    def slot_set(self, group: GroupInfo, local_rank: int) -> shm.SlotSet:
+        slots = self._slots.get(local_rank)
+        if slots is None:
+            prefix = shm.segment_prefix(self._owner, group.run_id, local_rank)
+            slots = shm.SlotSet(prefix, self.config.ckpt_memory_slots, self._shm_dir)
+            self._slots[local_rank] = slots
+        return slots
+
+    # ------------------------------------------------------------------------------------------
+    # Agent hooks.
+
+    def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
+        self._group = group
+        if not self.config.ckpt_peer_backup or group.group_world_size < 2 or store is None:
+            return
+        try:
+            self._setup_peers(group, store)
+        except Exception:
+            logger.exception("peer backup unavailable this round")
+            self._backup_addr = self._holder_addr = None
+
+    def _setup_peers(self, group: GroupInfo, store: Any) -> None:
+        if self._secret is None:
+            if group.group_rank == 0:
+                store.set(_SECRET_KEY, new_secret())
+            self._secret = store.get(_SECRET_KEY).decode()
+        if self._peer_server is None:
+            host = bind_host(self.config.ckpt_peer_addr, [self._local_addr or "", _host_ip()])
+            peer_root = (self.config.ckpt_dir or group.run_dir / "ckpt") / "peer-backups" / \
+                f"node-{group.node_id}"
+            self._peer_server = PeerServer(peer_root, self._secret, host,
+                                           keep=self.config.ckpt_keep)
+        store.set(_PEER_KEY.format(group.group_rank), self._peer_server.address)
+        nproc = len(group.workers)
+        target = backup_node(group.group_rank, group.group_world_size, nproc, self.layout)
+        self._backup_addr = store.get(_PEER_KEY.format(target)).decode() \
+            if target is not None else None
+        # Workers fetch this node's backup from the node that holds it.
+        self._holder_addr = self._backup_addr
+        logger.info("checkpoint backups of node %s go to node rank %s (%s)", group.node_id,
+                    target, self._backup_addr)
+
+    def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
+        slots = self.slot_set(group, worker.local_rank)
+        control = self.control_dir(group)
+        control.mkdir(parents=True, exist_ok=True, mode=0o700)
+        cap = self.config.ckpt_memory_cap_mb * (1 << 20)
+        env = {
+            settings.ENV_SHM: slots.prefix,
+            settings.ENV_SLOTS: str(self.config.ckpt_memory_slots),
+            settings.ENV_MEMORY_CAP: str(cap),
+            settings.ENV_LOCAL: str(self.local_dir(group)),
+            settings.ENV_CONTROL: str(control),
+        }
+        if self.config.ckpt_remote_dir is not None:
+            env[settings.ENV_REMOTE] = str(self.config.ckpt_remote_dir)
+        if self._holder_addr and self._secret:
+            env[settings.ENV_PEER] = self._holder_addr
+            env[settings.ENV_SECRET] = self._secret
+        return env
+
+    def on_workers_started(self, group: GroupInfo) -> None:
+        self._group = group
+
+    def check(self, group: GroupInfo) -> None:
+        self._group = group
+        every = self.config.ckpt_persist_every
+        if every <= 0 or self._busy.is_set():
+            return None
+        step = self.newest_common_step(group)
+        if step is not None and step > self._persisted and step % every == 0:
+            self._busy.set()
+            self._jobs.put(step)
+        return None
+
+    def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
+        if not self.config.ckpt_flush_on_failure:
+            return
+        step = self.newest_common_step(group)
+        if step is None:
+            return
+        started = time.monotonic()
+        if self.persist(step, group):
+            logger.info("flushed the step %d snapshot to disk before the restart (%.2f s)",
+                        step, time.monotonic() - started)
+
+    def checkpoint_now(self, reason: str, timeout: float) -> bool:
+        """Asks the workers for their newest snapshot and persists it; True once durable."""
+        group = self._group
+        if group is None:
+            return False
+        deadline = time.monotonic() + timeout
+        local_ranks = [w.local_rank for w in group.workers]
+        acks = request_checkpoint(self.control_dir(group), local_ranks, reason, timeout / 2)
+        if len(acks) < len(local_ranks):
+            logger.warning("checkpoint now (%s): %d of %d workers answered; persisting the "
+                           "newest complete snapshot anyway", reason, len(acks), len(local_ranks))
+        step = self.newest_common_step(group)
+        if step is None:
+            return False
+        while self._busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.persist(step, group)
+
+    def close(self) -> None:
+        group = self._group
+        self._jobs.put(None)
+        self._thread.join(timeout=600)
+        if group is not None:
+            step = self.newest_common_step(group)
+            if step is not None and step > self._persisted:
+                self.persist(step, group)  # the final state, before its memory goes away
+        for slots in self._slots.values():
+            slots.close()
+        for path in shm.owned_segments(self._owner, self._shm_dir):
+            path.unlink(missing_ok=True)
+        if self._peer_server is not None:
+            self._peer_server.close()
+
+    # ------------------------------------------------------------------------------------------
+    # Persisting.
+
+    def newest_common_step(self, group: GroupInfo) -> int | None:
+        """Newest step every local worker holds complete in shared memory (for its rank)."""
+        common: set[int] | None = None
+        for worker in group.workers:
+            slots = self.slot_set(group, worker.local_rank)
+            steps = {h.step for h in slots.complete().values()
+                     if h.rank == worker.global_rank and h.world_size == worker.world_size}
+            common = steps if common is None else common & steps
+            if not common:
+                return None
+        return max(common) if common else None
+
+    def _persist_loop(self) -> None:
+        while True:
+            step = self._jobs.get()
+            if step is None:
+                return
+            try:
+                group = self._group
+                if group is not None:
+                    self.persist(step, group)
+            finally:
+                self._busy.clear()
+
+    def persist(self, step: int, group: GroupInfo) -> bool:
+        """Writes the local workers' snapshots of ``step`` to disk, commits, replicates."""
+        with self._persist_lock:
+            if step <= self._persisted:
+                return True
+            started = time.monotonic()
+            try:
+                nbytes = self._write_shards(step, group)
+                self._commit(step, group)
+            except StorageFull as e:
+                if not self._storage_full_reported:
+                    logger.error("checkpoint step %d not persisted: %s", step, e)
+                    self._storage_full_reported = True
+                return False
+            except (CheckpointError, OSError) as e:
+                logger.error("checkpoint step %d not persisted: %s", step, e)
+                return False
+            self._persisted = step
+            logger.info("persisted checkpoint step %d (%.1f MB) in %.2f s", step, nbytes / 1e6,
+                        time.monotonic() - started)
+            self._replicate(step, group)
+            return True
+
+    def _write_shards(self, step: int, group: GroupInfo) -> int:
+        roots = [self.local_dir(group)]
+        if self.config.ckpt_remote_dir is not None:
+            roots.append(self.config.ckpt_remote_dir)
+        total = 0
+        for worker in group.workers:
+            slots = self.slot_set(group, worker.local_rank)
+            for index, header in slots.complete().items():
+                if header.step != step or header.rank != worker.global_rank:
+                    continue
+                slot = slots.get(index)
+                if slot is None:
+                    continue
+                snapshot = _copy_out(slot, step)
+                if snapshot is None:
+                    continue
+                for root in roots:
+                    durable.write_rank_shard(root, snapshot)
+                total += len(snapshot.payload)
+                break
+            else:
+                raise CheckpointError(
+                    f"local rank {worker.local_rank} no longer holds step {step}", "missing")
+        return total
+
+    def _commit(self, step: int, group: GroupInfo) -> None:
+        world = group.workers[0].world_size if group.workers else 0
+        local_ranks = [w.global_rank for w in group.workers]
+        local = self.local_dir(group)
+        single = group.group_world_size <= 1
+        durable.try_commit(local, step, world, range(world) if single else local_ranks)
+        durable.retain(local, self.config.ckpt_keep)
+        remote = self.config.ckpt_remote_dir
+        if remote is None or group.group_rank != 0:
+            return
+        deadline = time.monotonic() + _COMMIT_WAIT_S
+        while not durable.try_commit(remote, step, world, range(world)):
+            if time.monotonic() > deadline:
+                logger.warning("remote step %d not committed: not every rank became durable",
+                               step)
+                return
+            time.sleep(0.1)
+        durable.retain(remote, self.config.ckpt_keep)
+
+    def _replicate(self, step: int, group: GroupInfo) -> None:
+        if not self._backup_addr or not self._secret:
+            return
+        client = PeerClient(self._backup_addr, self._secret)
+        directory = durable.step_dir(self.local_dir(group), step)
+        try:
+            for worker in group.workers:
+                client.put_from_dir(directory, worker.global_rank)
+        except (OSError, CheckpointError) as e:
+            logger.warning("peer backup of step %d to %s failed: %s", step, self._backup_addr, e)
+
+
+def _copy_out(slot: shm.Slot, step: int) -> Snapshot | None:
+    """A private copy of the slot's snapshot of ``step``, taken under the slot's shared lock.
+
+    The lock is held for one memory copy only, not for the disk write: the worker never waits
+    for a reader, it skips a slot that is being read, so a long hold would cost snapshots.
+    """
+    with slot.shared(timeout_s=30) as locked:
+        if not locked:
+            return None
+        snapshot = shm.read_slot(slot, verify=False)
+        if snapshot.step != step:
+            return None  # overwritten between the peek and the lock
+        payload = bytearray(snapshot.payload)
+        current = slot.header()
+        if current is not None and current.crc_state == shm.CRC_NONE:
+            # Lets a restarted worker verify what it restores from memory.
+            crc = zlib.crc32(payload)
+            slot.write_header(dataclasses.replace(current, crc_state=shm.CRC_VALID, crc=crc))
+        return Snapshot(snapshot.manifest, payload)
+
+
+def _host_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

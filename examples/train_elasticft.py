@@ -1,0 +1,105 @@
+"""The training of train_plain.py, checkpointed with elasticft's Checkpointer every step.
+
+Same model, data and optimizer (imported from train_plain.py); the difference is the checkpoint:
+a snapshot of every step goes to shared memory without stalling the step, and a restart
+resumes from the newest step every rank holds, from the fastest source (memory, local disk,
+backup peer, remote directory). Under elasticft-run the agent owns the memory and persists it;
+under plain torchrun or python the script's own process does (--ckpt-dir, --persist-every).
+
+    elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 examples/train_elasticft.py
+    torchrun --standalone --nproc-per-node 2 examples/train_elasticft.py --persist-every 10
+
+--crash-at-step N makes --fault-rank SIGKILL itself at step N of the first attempt, right after
+the save returns (mid-save: the copy is still running) or once it is complete (--crash-mode
+after-save), for tests and demos of recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_plain import VOCAB, TinyGPT, batch  # noqa: E402
+
+from elasticft.ckpt import Checkpointer, capture, restore  # noqa: E402
+
+
+def first_attempt() -> bool:
+    attempt = os.environ.get("ELASTICFT_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    return attempt in (None, "0")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints-elasticft"),
+                        help="without elasticft-run: where this process persists")
+    parser.add_argument("--persist-every", type=int, default=10,
+                        help="without elasticft-run: persist every N steps (0: memory only)")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument("--loss-log", type=Path, help="rank 0 appends 'step loss' lines here")
+    parser.add_argument("--crash-at-step", type=int, default=-1)
+    parser.add_argument("--crash-mode", choices=("mid-save", "after-save"), default="mid-save")
+    parser.add_argument("--fault-rank", type=int, default=0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(TinyGPT(dim=args.dim, layers=args.layers))
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ckpt = Checkpointer.from_env(optimizers=[optim], ckpt_dir=args.ckpt_dir,
+                                 persist_every=args.persist_every)
+
+    start = 0
+    loaded = ckpt.load()
+    if loaded is not None:
+        start, state = loaded
+        restore(state, model, optim)
+        if rank == 0:
+            print(f"resumed from step {start} (source={ckpt.last_source})", flush=True)
+
+    for step in range(start, args.steps):
+        x, y = batch(step, rank, args.batch_size)
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()  # waits for the part of the previous snapshot still being copied
+        done = step + 1
+        request = ckpt.save(done, capture(model, optim, extra={"step": done}))
+        if done == args.crash_at_step and rank == args.fault_rank and first_attempt():
+            if args.crash_mode == "after-save":
+                request.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.step_time:
+            time.sleep(args.step_time)
+        if rank == 0:
+            value = loss.item()
+            print(f"step {done} loss {value:.6f}", flush=True)
+            if args.loss_log:
+                with open(args.loss_log, "a") as f:
+                    f.write(f"{done} {value:.6f}\n")
+    ckpt.close()
+    dist.barrier()
+    if rank == 0:
+        print(f"finished {args.steps} steps on {world} workers; checkpoint stall "
+              f"{ckpt.stall_s:.3f} s in total", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
