@@ -1,0 +1,77 @@
+"""Pure detector rules, with made-up facts."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from elasticft.diag import detectors as d
+from elasticft.diag.monitor import SHIM_ENV, bootstrap_dir, diag_worker_env
+
+
+def test_adaptive_timeout_uses_initial_until_history_then_floor_or_multiple():
+    rule = d.AdaptiveTimeout(floor_s=2, multiple=5, percentile=99, min_samples=3, initial_s=600)
+    assert rule.timeout([0.1, 0.1]) == 600
+    assert rule.timeout([0.1, 0.1, 0.1]) == 2  # 5 x 0.1 < floor
+    assert rule.timeout([1.0, 0.5, 0.2, 0.9]) == 5.0
+
+
+def test_hang_needs_a_collective_in_flight_past_the_timeout():
+    waiting = d.RankView(0, "n", in_flight=(d.InFlight("all_reduce", 7, 42, 6.0, "ring"),),
+                         comm_seqs={7: 42}, steps=10, step_age_s=6.0)
+    behind = d.RankView(1, "n", comm_seqs={7: 41}, steps=10, step_age_s=6.0)
+    assert d.find_hang([waiting, behind], collective_timeout_s=10, step_timeout_s=100) is None
+    found = d.find_hang([waiting, behind], collective_timeout_s=5, step_timeout_s=100)
+    assert found is not None and found.ranks_waiting == (0,) and "all_reduce" in found.what
+    culprits = d.localise([waiting, behind], heartbeat_stale_s=2)
+    assert [c.rank for c in culprits] == [1] and "never reached" in culprits[0].reason
+
+
+def test_a_long_step_alone_is_not_a_hang_but_a_stopped_peer_makes_it_one():
+    a = d.RankView(0, "n", steps=5, step_age_s=50, heartbeat_age_s=0.1)
+    b = d.RankView(1, "n", steps=5, step_age_s=50, heartbeat_age_s=0.1)
+    assert d.find_hang([a, b], 5, 10) is None
+    stopped = d.RankView(1, "n", pid=9, process_state="T", steps=5, step_age_s=50)
+    assert d.find_hang([a, stopped], 5, 10) is not None
+    assert [c.rank for c in d.localise([a, stopped], 2)] == [1]
+
+
+def test_stack_grouping_names_the_minority_and_unreadable_stacks():
+    main = 'Thread 1 (idle): "MainThread"\n    wait (x.py:3)\n    step (t.py:9)\n'
+    other = 'Thread 2 (active): "MainThread"\n    compute (m.py:77)\n'
+    assert d.stack_signature(main) == "wait (x.py)\nstep (t.py)"
+    sigs = {0: d.stack_signature(main), 1: d.stack_signature(main.replace(":3", ":4")),
+            2: d.stack_signature(other), 3: ""}
+    views = [d.RankView(r, "n", comm_seqs={1: 5, 10 + r // 2: 1}) for r in range(4)]
+    groups = d.group_stacks(sigs, views)
+    assert groups.healthy == (0, 1)
+    assert set(groups.outliers) == {2, 3} and groups.outliers[2] == "compute (m.py)"
+    assert groups.shared_comm == 11  # the smaller group ranks 2 and 3 share
+
+
+def test_busy_time_and_slow_rank():
+    assert d.busy_time(0, 10**9, [(2 * 10**8, 5 * 10**8), (4 * 10**8, 6 * 10**8)]) == 0.6
+    slow = d.find_slow({0: 0.1, 1: 0.1, 2: 0.35, 3: 0.11}, ratio=2, min_excess_s=0.02)
+    assert [s.rank for s in slow] == [2]
+    assert d.find_slow({0: 0.1, 1: 0.12}, ratio=2, min_excess_s=0.02) == []
+
+
+def test_loss_nan_and_spike():
+    assert d.check_loss([1.0, math.nan], 5).kind == "nan"
+    assert d.check_loss([1.0, math.inf], 5).kind == "nan"
+    assert d.check_loss([1.0] * 6 + [6.0], 5).kind == "spike"
+    assert d.check_loss([1.0] * 6 + [4.0], 5) is None
+    assert d.check_loss([1.0, 9.0], 5) is None  # too little history
+
+
+def test_worker_env_extends_paths_without_duplicates():
+    shim = Path("/x/_nccl_shim.so")
+    env = diag_worker_env(Path("/dev/shm/r"), auto_install=True, shim=shim,
+                          base_env={"PYTHONPATH": "/a:/b", "LD_PRELOAD": "/lib/x.so /lib/y.so"})
+    assert env["PYTHONPATH"] == f"{bootstrap_dir()}:/a:/b"
+    assert env["LD_PRELOAD"] == f"{shim}:/lib/x.so:/lib/y.so"
+    assert env[SHIM_ENV] == "1"
+    again = diag_worker_env(Path("/r"), auto_install=True, shim=shim, base_env=env)
+    assert again["LD_PRELOAD"] == env["LD_PRELOAD"]
+    plain = diag_worker_env(Path("/r"), auto_install=False, shim=None, base_env={})
+    assert set(plain) == {"ELASTICFT_DIAG_RING_DIR"}

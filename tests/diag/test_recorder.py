@@ -1,0 +1,69 @@
+"""The Python recorder and the bootstrap in real interpreters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elasticft.diag.monitor import bootstrap_dir
+from elasticft.diag.ring import Op, RingReader, ring_path
+
+
+@pytest.mark.timeout(120)
+def test_bootstrap_records_gloo_collectives_and_steps_and_chains_site_customize(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['SITE_RAN'] = 'yes'\n")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        assert os.environ.get("SITE_RAN") == "yes", "the shadowed sitecustomize did not run"
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        dist.all_reduce(torch.ones(10))
+        dist.barrier()
+    """))
+    env = {"PATH": "/usr/bin:/bin", "RANK": "0", "ELASTICFT_DIAG_RING_DIR": str(tmp_path),
+           "PYTHONPATH": f"{bootstrap_dir()}:{site}"}
+    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=100)
+    header, records = RingReader(ring_path(tmp_path, 0, "py")).poll()
+    assert header is not None and header.heartbeat_ns > 0 and header.step == 3
+    ops = [Op(r.op) for r in records]
+    assert ops.count(Op.STEP) == 3
+    assert ops.count(Op.DDP_BUCKET) >= 3  # one bucket per step at least
+    assert Op.ALL_REDUCE in ops and Op.BARRIER in ops
+    reduce = next(r for r in records if r.op == Op.ALL_REDUCE)
+    assert reduce.nbytes == 40 and reduce.complete_ns >= reduce.enqueue_ns > 0
+    assert all(not r.in_flight for r in records)
+
+
+@pytest.mark.timeout(120)
+def test_timed_ddp_hook_gives_the_same_gradients(tmp_path):
+    script = textwrap.dedent("""
+        import sys, torch, torch.distributed as dist
+        from pathlib import Path
+        from elasticft.diag.recorder import Recorder
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        torch.manual_seed(0)
+        base = torch.nn.Linear(16, 4)
+        grads = []
+        for hooked in (False, True):
+            m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+            m.module.load_state_dict(base.state_dict())
+            if hooked:
+                Recorder.open(Path(sys.argv[1]), 0).attach_ddp(m)
+            torch.manual_seed(1)
+            m(torch.randn(8, 16)).pow(2).sum().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    """)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=100,
+                   cwd=Path(__file__).resolve().parents[2])
