@@ -7,6 +7,7 @@ seconds since the run started, with the TOR phases shaded behind them.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from elasticft.report.tor import Analysis
@@ -47,13 +48,22 @@ def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
             axis.axvspan(span.start - t0, span.end - t0, facecolor=COLORS[span.phase], lw=0,
                          zorder=0, hatch="//" if span.phase == "queued" else None,
                          edgecolor="#bbbbbb")
-    times = [r.time - t0 for r in a.steps]
-    top.plot(times, [r.step for r in a.steps], ".-", color="#1f4e79", ms=3, lw=1,
+    # Break the line where the run stopped (a restart, a requeue): no work happened there.
+    gap = 10 * a.healthy_step_s
+    times: list[float] = []
+    step_numbers: list[float] = []
+    for i, r in enumerate(a.steps):
+        if i and (r.time - a.steps[i - 1].time > gap or r.step <= a.steps[i - 1].step):
+            times.append(float("nan"))
+            step_numbers.append(float("nan"))
+        times.append(r.time - t0)
+        step_numbers.append(r.step)
+    top.plot(times, step_numbers, ".-", color="#1f4e79", ms=3, lw=1,
              label=f"step (rank {a.reference_rank})")
     rates_t, rates = [], []
-    for prev, cur in zip(a.steps, a.steps[1:], strict=False):
+    for prev, cur in itertools.pairwise(a.steps):
         dt = cur.time - prev.time
-        if cur.step == prev.step + 1 and dt > 0:
+        if cur.step == prev.step + 1 and 0 < dt <= gap:
             rates_t.append(cur.time - t0)
             rates.append(1.0 / dt)
     bottom.plot(rates_t, rates, ".", color="#1f4e79", ms=3, label="steps/s")
@@ -65,6 +75,7 @@ def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
             axis.axvline(fault.time - t0, color="#c62828", lw=1.2)
         top.annotate(f"failure {i}: {fault.failure_class}", (fault.time - t0, a.last_step),
                      rotation=90, va="top", ha="right", fontsize=8, color="#c62828")
+    bottom.set_ylim(bottom=0)
     top.set_ylabel("step")
     bottom.set_ylabel("steps / s")
     bottom.set_xlabel("seconds since the run started")

@@ -114,6 +114,9 @@ def test_report_tor_matches_independent_tor_with_two_crashes(tmp_path, job_env):
     assert report.returncode == 0, report.stderr
     data = json.loads(report.stdout)
     expected = independent_tor(wall, watcher.steps(), STEPS)
+    print(f"\nTOR report {data['tor']:.4f} vs independent {expected:.4f} "
+          f"(wall {wall:.1f} s, report observed {data['observed_s']:.1f} s, healthy step "
+          f"{data['healthy_step_s'] * 1000:.1f} ms)")
     assert data["failures"] == 2
     assert data["steps_done"] == STEPS
     assert abs(data["tor"] - expected) / expected < 0.05, (data["tor"], expected, data)
