@@ -11,8 +11,7 @@ as suspect (the policy may evict it), the rest are reported. Checks:
 * reachability of peer addresses (a TCP connect with a short timeout).
 
 :func:`preflight` runs before the first workers start: the directories must be writable, then the
-same checks, and optionally a short all-reduce among this node's worker slots
-(:mod:`elasticft.diag.allreduce_probe`).
+same checks.
 """
 
 from __future__ import annotations

@@ -208,10 +208,9 @@ class DiagMonitor(AgentCollaborator):
         started = time.monotonic()
         self._gpus = health.GpuHealth()
         issues = health.preflight(self._dirs(group), self._limits, self._gpus)
-        if self.config.diag_preflight_allreduce and group.workers:
-            from elasticft.diag import allreduce_probe
-
-            issues += allreduce_probe.run(len(group.workers))
+        if self.config.diag_preflight_allreduce:
+            logger.warning("--diag-preflight-allreduce: the all-reduce probe is not available "
+                           "in this version; only the node checks ran")
         if self._events is not None:
             self._events.emit("preflight", ok=not any(i.critical for i in issues),
                               issues=[i.to_json() for i in issues],
