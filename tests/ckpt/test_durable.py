@@ -1,0 +1,167 @@
+"""Tiers 2/3: atomic DCP-readable writes, commit marker, checksums, fallback, retention, CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from elasticft.ckpt import Checkpointer, WorkerSettings, capture, durable
+from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, StorageFull
+from elasticft.ckpt.snapshot import flatten
+from elasticft.cli import main as cli_main
+from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def prefix():
+    name = unique_prefix()
+    yield name
+    remove_segments(name)
+
+
+def _persisting(prefix: str, local: Path, remote: Path | None = None, keep: int = 3,
+                every: int = 1) -> WorkerSettings:
+    return WorkerSettings(shm_prefix=prefix, local_dir=local, remote_dir=remote,
+                          persist_every=every, keep=keep)
+
+
+def _save_steps(ckpt: Checkpointer, model, optim, steps) -> None:
+    for step in steps:
+        ckpt.save(step, capture(model, optim, {"step": step})).wait(30)
+        _wait_committed(ckpt.settings.local_dir, step)
+
+
+def _wait_committed(root: Path, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while step not in durable.committed_steps(root):
+        assert time.monotonic() < deadline, f"step {step} never committed in {root}"
+        time.sleep(0.05)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(120)
+def test_flipped_byte_is_detected_and_load_falls_back(tmp_path: Path, prefix: str) -> None:
+    model, optim = trained_model()
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with Checkpointer(_persisting(prefix, local, remote), optimizers=[optim]) as ckpt:
+        _save_steps(ckpt, model, optim, [1, 2])
+        _wait_committed(remote, 2)
+    remove_segments(prefix)  # memory gone: the disk tiers must serve
+    shard = durable.step_dir(local, 2) / durable.shard_name(0)
+    manifest = durable.read_rank_manifest(durable.step_dir(local, 2), 0)
+    place = manifest["storage"]["model.0.weight"]
+    _flip_byte(shard, place["offset"] + place["length"] - 8)
+    with pytest.raises(SnapshotCorrupt, match=r"checksum mismatch in item 'model\.0\.weight'"):
+        durable.read_rank_shard(durable.step_dir(local, 2), 0)
+    assert cli_main(["ckpt", "verify", str(local), "--step", "2"]) == 1
+    with Checkpointer(_persisting(unique_prefix(), local, remote)) as ckpt:
+        step, state = ckpt.load()
+    assert (step, ckpt.last_source) == (2, "remote")  # same step, next source
+    assert torch.equal(state["model"]["0.weight"], model.state_dict()["0.weight"])
+    # With the remote copy corrupt too, the newest intact step is loaded instead.
+    _flip_byte(durable.step_dir(remote, 2) / durable.shard_name(0), place["offset"] + 100)
+    with Checkpointer(_persisting(unique_prefix(), local, remote)) as ckpt:
+        step, _ = ckpt.load()
+    assert (step, ckpt.last_source) == (1, "local")
+
+
+@pytest.mark.timeout(60)
+def test_uncommitted_step_is_never_loaded(tmp_path: Path, prefix: str) -> None:
+    model, optim = trained_model()
+    local = tmp_path / "local"
+    with Checkpointer(_persisting(prefix, local), optimizers=[optim]) as ckpt:
+        _save_steps(ckpt, model, optim, [1, 2])
+    remove_segments(prefix)
+    (durable.step_dir(local, 2) / durable.COMMIT_MARKER).unlink()
+    with Checkpointer(_persisting(unique_prefix(), local)) as ckpt:
+        step, _ = ckpt.load()
+    assert step == 1
+
+
+_HALF_PERSIST = textwrap.dedent("""
+    import os, signal, sys, torch
+    from pathlib import Path
+    from elasticft.ckpt import durable
+    from elasticft.ckpt.api import Snapshot
+    from elasticft.ckpt.snapshot import flatten, tensor_view
+    layout = flatten({"w": torch.arange(1000.0)})
+    payload = bytearray(layout.payload_bytes)
+    for entry in layout.tensors:
+        tensor_view(payload, entry.to_json()).copy_(entry.tensor)
+    durable.write_rank_shard(Path(sys.argv[1]), Snapshot(layout.manifest(5, 0, 2), payload))
+    os.kill(os.getpid(), signal.SIGKILL)   # dies before rank 1's shard and the commit
+""")
+
+
+@pytest.mark.timeout(60)
+def test_persister_killed_midway_leaves_no_committed_checkpoint(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", _HALF_PERSIST, str(tmp_path)], cwd=ROOT,
+                          timeout=50)
+    assert proc.returncode == -signal.SIGKILL
+    assert durable.list_steps(tmp_path) and not durable.committed_steps(tmp_path)
+    assert not durable.try_commit(tmp_path, 5, 2, [0, 1])  # rank 1 never became durable
+    assert durable.DurableTier(tmp_path).steps(0, 2) == []
+
+
+@pytest.mark.timeout(120)
+def test_full_disk_is_a_clear_error_and_memory_saves_go_on(tmp_path: Path, prefix: str,
+                                                           caplog) -> None:
+    model, optim = trained_model()
+    local = tmp_path / "local"
+    step_dir = durable.step_dir(local, 1)
+    step_dir.mkdir(parents=True)
+    # The kernel answers ENOSPC for every write to /dev/full.
+    os.symlink("/dev/full", step_dir / f".{durable.shard_name(0)}.tmp")
+    with pytest.raises(StorageFull, match="no space left"):
+        layout = flatten({"w": torch.ones(10)})
+        durable.write_rank_shard(local, Snapshot(layout.manifest(1, 0, 1),
+                                                 bytearray(layout.payload_bytes)))
+    os.symlink("/dev/full", step_dir / f".{durable.shard_name(0)}.tmp")
+    with Checkpointer(_persisting(prefix, local), optimizers=[optim]) as ckpt:
+        assert ckpt.save(1, capture(model, optim)).wait(30).status == "memory"
+        deadline = time.monotonic() + 60
+        while "no space left" not in caplog.text:  # the background persist of step 1 failed
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ckpt.save(2, capture(model, optim)).wait(30).status == "memory"
+        _wait_committed(local, 2)
+        assert ckpt.newest_step() == 2
+    assert 1 not in durable.committed_steps(local)
+    assert "no space left" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_retention_keeps_the_newest_k(tmp_path: Path, prefix: str, capsys) -> None:
+    model, optim = trained_model()
+    local = tmp_path / "local"
+    with Checkpointer(_persisting(prefix, local, keep=2), optimizers=[optim]) as ckpt:
+        _save_steps(ckpt, model, optim, [1, 2, 3, 4])
+    assert sorted(durable.list_steps(local)) == [3, 4]
+    assert cli_main(["ckpt", "ls", str(local)]) == 0
+    assert "committed+dcp" in capsys.readouterr().out
+    out = tmp_path / "export.pt"
+    assert cli_main(["ckpt", "export", str(local), "--out", str(out), "--format", "torch"]) == 0
+    exported = torch.load(out, weights_only=True)
+    assert torch.equal(exported["model"]["2.bias"], model.state_dict()["2.bias"])
+    plain = tmp_path / "plain"
+    assert cli_main(["ckpt", "export", str(local), "--out", str(plain)]) == 0
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(target, checkpoint_id=str(plain), no_dist=True)
+    assert torch.equal(target["model"]["0.weight"], model.state_dict()["0.weight"])
+    assert cli_main(["ckpt", "export", str(local), "--out", str(plain)]) == 2  # exists

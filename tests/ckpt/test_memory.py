@@ -1,0 +1,136 @@
+"""Tier 1: shared-memory slots, double buffering, torn writes, readers, the memory cap."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticft.ckpt import Checkpointer, WorkerSettings, capture, restore
+from elasticft.ckpt.api import StorageFull
+from elasticft.ckpt.shm import COMPLETE, WRITING, MemoryTier, SlotSet
+from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def prefix():
+    name = unique_prefix()
+    yield name
+    remove_segments(name)
+
+
+def _settings(prefix: str, **kw) -> WorkerSettings:
+    return WorkerSettings(shm_prefix=prefix, agent_owned=True, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_save_is_exact_state_after_the_step_and_double_buffered(prefix: str) -> None:
+    model, optim = trained_model()
+    with Checkpointer(_settings(prefix), optimizers=[optim]) as ckpt:
+        expected = {}
+        for step in range(1, 4):
+            request = ckpt.save(step, capture(model, optim, {"step": step}))
+            expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            # The next step changes parameters in place; the pre-step hook keeps the snapshot
+            # at the state after `step`.
+            model(torch.ones(2, 8)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            assert request.wait(30).status == "memory"
+        slots = SlotSet(prefix, 2)
+        assert sorted(h.step for h in slots.complete().values()) == [2, 3]
+        step, state = ckpt.load()
+        slots.close()
+    assert step == 3 and ckpt.last_source == "memory"
+    fresh, fresh_optim = trained_model(seed=1)
+    assert restore(state, fresh, fresh_optim) == {"step": 3}
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[3][name]), name
+
+
+_WRITER = textwrap.dedent("""
+    import os, signal, sys, torch
+    from elasticft.ckpt import Checkpointer, WorkerSettings
+    prefix = sys.argv[1]
+    big = torch.nn.Parameter(torch.full((32 << 20,), 1.0))   # 128 MB: the copy takes a while
+    optim = torch.optim.SGD([big], lr=0.1)
+    ckpt = Checkpointer(WorkerSettings(shm_prefix=prefix, agent_owned=True), optimizers=[optim])
+    ckpt.save(1, {"w": big.detach(), "extra": {"step": 1}}).wait()
+    with torch.no_grad():
+        big.fill_(2.0)
+    ckpt.save(2, {"w": big.detach(), "extra": {"step": 2}})
+    os.kill(os.getpid(), signal.SIGKILL)   # while step 2 is still being copied
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_writer_killed_mid_save_leaves_previous_snapshot_intact(prefix: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", _WRITER, prefix], cwd=ROOT, timeout=100)
+    assert proc.returncode == -signal.SIGKILL
+    slots = SlotSet(prefix, 2)
+    states = {h.step: h.state for h in slots.headers().values()}
+    assert states == {1: COMPLETE, 2: WRITING}, "step 2 must be torn, step 1 untouched"
+    tier = MemoryTier(slots)
+    assert tier.steps(0, 1) == [1]  # the torn step is never offered
+    snapshot = tier.read(1, 0, 1)
+    with Checkpointer(_settings(prefix)) as ckpt:
+        step, state = ckpt.load()
+    assert step == 1 and bool((state["w"] == 1.0).all()) and state["extra"] == {"step": 1}
+    assert snapshot.step == 1
+    slots.close()
+
+
+@pytest.mark.timeout(60)
+def test_writer_skips_a_slot_a_reader_holds_and_never_waits(prefix: str) -> None:
+    model, optim = trained_model()
+    with Checkpointer(_settings(prefix), optimizers=[optim]) as ckpt:
+        ckpt.save(1, capture(model, optim)).wait(30)
+        ckpt.save(2, capture(model, optim)).wait(30)
+        reader = SlotSet(prefix, 2)
+        oldest = min(reader.complete().items(), key=lambda ih: ih[1].generation)[0]
+        slot = reader.get(oldest)
+        assert slot is not None and slot.try_lock(exclusive=False)  # the agent persisting step 1
+        try:
+            assert ckpt.save(3, capture(model, optim)).wait(30).status == "skipped"
+        finally:
+            slot.unlock()
+        assert ckpt.save(4, capture(model, optim)).wait(30).status == "memory"
+        assert sorted(h.step for h in reader.complete().values()) == [2, 4]
+        reader.close()
+
+
+@pytest.mark.timeout(60)
+def test_memory_cap_too_small_fails_the_request_with_a_clear_error(prefix: str) -> None:
+    model, optim = trained_model()
+    with Checkpointer(_settings(prefix, memory_cap_bytes=4096), optimizers=[optim]) as ckpt:
+        request = ckpt.save(1, capture(model, optim))
+        with pytest.raises(StorageFull, match="memory cap of 4096 bytes"):
+            request.wait(30)
+        assert request.status == "failed"
+
+
+@pytest.mark.timeout(60)
+def test_process_owned_memory_is_removed_at_exit() -> None:
+    code = textwrap.dedent("""
+        import torch
+        from elasticft.ckpt import Checkpointer
+        ckpt = Checkpointer.from_env(env={})
+        ckpt.save(1, {"w": torch.ones(10)}).wait()
+        print(ckpt.settings.shm_prefix)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=50, env={k: v for k, v in os.environ.items()
+                                          if not k.startswith(("ELASTICFT_", "TORCHELASTIC_"))})
+    assert out.returncode == 0, out.stderr
+    prefix = out.stdout.strip().splitlines()[-1]
+    assert prefix.startswith("elasticft-ckpt-")
+    assert not list(Path("/dev/shm").glob(f"{prefix}-*"))

@@ -1,0 +1,56 @@
+"""State layout: DCP names, JSON leaves without pickle, exact round trips."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from elasticft.ckpt.api import UnsupportedState
+from elasticft.ckpt.snapshot import Flattener, flatten, tensor_view, unflatten
+from tests.ckpt.helpers import trained_model
+
+
+def _materialize(layout) -> bytearray:
+    payload = bytearray(layout.payload_bytes)
+    for entry in layout.tensors:
+        tensor_view(payload, entry.to_json()).copy_(entry.tensor)
+    return payload
+
+
+@pytest.mark.timeout(60)
+def test_round_trip_keeps_tensors_tuples_and_special_floats() -> None:
+    model, optim = trained_model()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd,
+             "extra": {"pos": (3, [1, 2]), "best": math.inf, "name": "x", "none": None}}
+    layout = flatten(state)
+    fqns = {t.fqn for t in layout.tensors}
+    assert "model.0.weight" in fqns and "optim.state.0.weight.exp_avg" in fqns
+    back = unflatten(layout.manifest(7, 0, 1), _materialize(layout), copy=True)
+    assert torch.equal(back["model"]["2.bias"], model_sd["2.bias"])
+    assert torch.equal(back["optim"]["state"]["0.weight"]["exp_avg_sq"],
+                       optim_sd["state"]["0.weight"]["exp_avg_sq"])
+    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert back["extra"] == {"pos": (3, [1, 2]), "best": math.inf, "name": "x", "none": None}
+
+
+@pytest.mark.timeout(30)
+def test_unsupported_value_is_named() -> None:
+    with pytest.raises(UnsupportedState, match=r"extra\.fn.*JSON"):
+        flatten({"extra": {"fn": object()}})
+
+
+@pytest.mark.timeout(30)
+def test_flattener_reuses_placement_only_while_structure_holds() -> None:
+    model, _optim = trained_model()
+    flattener = Flattener()
+    first = flattener({"model": model.state_dict()})
+    again = flattener({"model": model.state_dict()})
+    assert [(t.fqn, t.offset) for t in again.tensors] == [(t.fqn, t.offset) for t in first.tensors]
+    assert again.tensors[0].tensor.data_ptr() == model.state_dict()["0.weight"].data_ptr()
+    grown = flattener({"model": model.state_dict(), "more": torch.zeros(1000)})
+    assert grown.payload_bytes > first.payload_bytes
+    assert "more" in {t.fqn for t in grown.tensors}
