@@ -460,11 +460,11 @@ class SlurmHandler(AgentCollaborator):
             try:
                 if self.checkpointer.checkpoint_now("slurm time limit", timeout):
                     return True, "checkpoint service acknowledged"
-                return False, "checkpoint service did not acknowledge in time"
-            except Exception as e:
+                # No snapshot to persist: a plain script (no worker API); it saves on the signal.
+                logger.info("the checkpoint service holds no snapshot; forwarding %s instead",
+                            self.signal.name)
+            except Exception:
                 logger.exception("checkpoint service failed; forwarding the signal instead")
-                if not group.workers:
-                    return False, f"checkpoint service failed: {e}"
         return self._forward_and_wait(group, deadline)
 
     def _forward_and_wait(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:

@@ -231,3 +231,21 @@ def test_failed_requeue_is_a_failure_and_checkpoint_service_is_preferred(workers
     assert service.asked and service.asked[0][0] == "slurm time limit"
     assert procs[0].poll() is None  # the service saved; no signal was forwarded
     handler.close()
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_service_without_snapshot_falls_back_to_forwarding(workers, tmp_path):
+    class EmptyService:
+        def checkpoint_now(self, reason, timeout):
+            return False  # a plain script: the service holds nothing
+
+    procs = workers("saves")
+    handler = SlurmHandler(SlurmConfig(), SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
+                           checkpointer=EmptyService(), runner=Recorder())
+    group = group_of(procs, tmp_path)
+    handler.on_workers_started(group)
+    handler._on_signal(signal.SIGUSR1, None)
+    with pytest.raises(StopRun) as stop:
+        handler.check(group)
+    assert stop.value.state == "requeued" and "saved and exited" in stop.value.reason
+    handler.close()
