@@ -165,7 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
-    result = launch(launch_config, cmd, cmd_args, options, collaborators=collaborators)
+    try:
+        result = launch(launch_config, cmd, cmd_args, options, collaborators=collaborators)
+    except ConfigError as e:  # e.g. a bad --rdzv-conf value, found when the handler is built
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
     print(result.summary(), file=sys.stderr)
     return result.exit_code
 

@@ -31,6 +31,8 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elasticft.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 2379
@@ -40,8 +42,11 @@ DEFAULT_ROOT = "/elasticft"
 ENDPOINT_RETRY_S = 0.5
 
 
-class EtcdConfigError(ValueError):
+class EtcdConfigError(ConfigError):
     """A connection setting is unusable; the message names the value and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="bad_rdzv_conf")
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:

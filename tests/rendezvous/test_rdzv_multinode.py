@@ -260,3 +260,12 @@ def test_plain_torchrun_trains_with_etcd_v3(
     assert node.wait(120) == 0, node.output()[-3000:]
     status = job_status(etcd_server.endpoint, "torchrun-job", job_env)
     assert status["round"]["world_size"] == 1 and status["round"]["leader"] == "t"
+
+
+@pytest.mark.timeout(90)
+def test_bad_rdzv_conf_is_a_usage_error(job_env: dict[str, str], tmp_path: Path) -> None:
+    node = start_node("conf", tmp_path, job_env, "127.0.0.1:2379", "1", "conf-job",
+                      ["--steps", "1"], rdzv_conf="protocol=https")
+    assert node.wait(60) == 2
+    out = node.output()
+    assert "--rdzv-conf protocol=https needs ca_cert=PATH" in out and "Traceback" not in out
