@@ -92,7 +92,7 @@ def main() -> None:
             print(f"step {done} loss {value:.6f}", flush=True)
             if args.loss_log:
                 with open(args.loss_log, "a") as f:
-                    f.write(f"{done} {value:.6f}\n")
+                    f.write(f"{done} {value!r}\n")  # exact, for bitwise comparisons
     ckpt.close()
     dist.barrier()
     if rank == 0:

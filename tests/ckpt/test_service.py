@@ -1,0 +1,79 @@
+"""The agent's checkpoint service with real worker processes: checkpoint-now while a worker is
+stuck in a gloo collective, persisting, and removal of the memory at the end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.ckpt import durable, shm
+from elasticft.ckpt.service import CheckpointService
+from elasticft.config import CheckpointConfig
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_WORKER = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist
+    from elasticft.ckpt import Checkpointer, capture
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    for step in (1, 2, 3):
+        model(torch.ones(2, 4)).sum().backward()
+        optim.step()
+        ckpt.save(step, capture(model, optim, {"step": step})).wait()
+    open(os.environ["READY"] + str(rank), "w").close()
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))   # rank 1 never joins: the main thread is stuck here
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_checkpoint_now_reaches_workers_stuck_in_a_collective(tmp_path: Path, job_env) -> None:
+    service = CheckpointService(CheckpointConfig(ckpt_persist_every=0))
+    workers = tuple(WorkerInfo(local_rank=r, global_rank=r, world_size=2) for r in range(2))
+    group = GroupInfo(run_id="svc-test", node_id="n0", run_dir=tmp_path, round=0, group_rank=0,
+                      group_world_size=1, restart_count=0, workers=workers)
+    procs = []
+    port = free_port()
+    try:
+        service.on_workers_started(group)
+        for worker in workers:
+            env = dict(job_env, **service.worker_env(group, worker), RANK=str(worker.global_rank),
+                       LOCAL_RANK=str(worker.local_rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       READY=str(tmp_path / "ready"), PYTHONPATH=str(ROOT))
+            procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, cwd=ROOT))
+        deadline = time.monotonic() + 100
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        time.sleep(0.5)  # rank 0 is now blocked inside all_reduce
+        assert service.newest_common_step(group) == 3
+        started = time.monotonic()
+        assert service.checkpoint_now("test", timeout=30)
+        assert time.monotonic() - started < 20
+        local = service.local_dir(group)
+        info = durable.commit_info(durable.step_dir(local, 3))
+        assert info is not None and info["ranks"] == [0, 1] and info["dcp"]
+        acks = sorted((tmp_path / "ckpt-control").rglob("ack-l*.json"))
+        assert len(acks) == 2 and all('"step": 3' in a.read_text() for a in acks)
+        assert shm.owned_segments(os.getpid())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        service.close()
+    assert not shm.owned_segments(os.getpid()), "the service removes its memory at the end"
