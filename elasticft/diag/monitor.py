@@ -118,7 +118,7 @@ class _RankTrack:
         self.spans: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
         self.busy: collections.deque[float] = collections.deque(maxlen=window)
         self.losses: collections.deque[float] = collections.deque(maxlen=64)
-        self.new_losses = 0
+        self.loss_finding: tuple[detectors.LossFinding, int] | None = None
         self.steps = 0
         self.step_ns = 0
         self.heartbeat_ns = 0
@@ -341,8 +341,14 @@ class DiagMonitor(AgentCollaborator):
                                                       track.spans))
             return
         if op == Op.LOSS:
+            # Judge every loss as it arrives: several may come between two checks.
             track.losses.append(record.value)
-            track.new_losses += 1
+            if track.loss_finding is None:
+                finding = detectors.check_loss(list(track.losses),
+                                               self.config.diag_loss_spike_factor)
+                if finding is not None:
+                    track.loss_finding = (finding, int(record.peer))
+                    track.losses.clear()
             return
         if record.comm and record.comm_seq:
             track.comm_seqs[record.comm] = max(track.comm_seqs.get(record.comm, 0),
@@ -429,17 +435,13 @@ class DiagMonitor(AgentCollaborator):
 
     def _check_loss(self) -> Detection | None:
         for rank, track in self._tracks.items():
-            if not track.new_losses:
+            if track.loss_finding is None:
                 continue
-            track.new_losses = 0
-            finding = detectors.check_loss(list(track.losses), self.config.diag_loss_spike_factor)
-            if finding is None:
-                continue
-            message = f"{finding.kind} loss on rank {rank} at step {track.steps}: " \
-                      f"{finding.message}"
-            self.emit(f"loss_{finding.kind}", message, rank=rank, step=track.steps,
+            finding, step = track.loss_finding
+            track.loss_finding = None
+            message = f"{finding.kind} loss on rank {rank} at step {step}: {finding.message}"
+            self.emit(f"loss_{finding.kind}", message, rank=rank, step=step,
                       value=str(finding.value), baseline=finding.baseline)
-            track.losses.clear()
             if self.config.diag_loss_action == "restart":
                 return Detection(FailureClass.UNKNOWN, (rank,), f"loss_{finding.kind}", message,
                                  evidence={"value": str(finding.value)})
