@@ -456,7 +456,7 @@ class SlurmHandler(AgentCollaborator):
 
     def _checkpoint(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:
         timeout = max(deadline - self._clock(), 1.0)
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and self._service_has_snapshot(group):
             try:
                 if self.checkpointer.checkpoint_now("slurm time limit", timeout):
                     return True, "checkpoint service acknowledged"
@@ -466,6 +466,18 @@ class SlurmHandler(AgentCollaborator):
             except Exception:
                 logger.exception("checkpoint service failed; forwarding the signal instead")
         return self._forward_and_wait(group, deadline)
+
+    def _service_has_snapshot(self, group: GroupInfo) -> bool:
+        # Workers that never used the worker API leave the service empty; asking them would
+        # only spend the lead time waiting for acks that cannot come.
+        newest = getattr(self.checkpointer, "newest_common_step", None)
+        if not callable(newest):
+            return True
+        try:
+            return newest(group) is not None
+        except Exception:
+            logger.debug("checkpoint service could not tell its newest snapshot", exc_info=True)
+            return True
 
     def _forward_and_wait(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:
         pids = [w.pid for w in group.workers if w.pid]

@@ -91,14 +91,16 @@ def save_checkpoint(path: Path, step: int, model: nn.Module, optim: torch.optim.
 class SaveRequest:
     """Becomes set when the save signal arrives; a sigwait thread receives it.
 
-    The signal is blocked in the main thread before any other thread (gloo's included) exists,
-    so every thread inherits the block and only the sigwait thread takes the signal.
+    The signal is blocked in the main thread before gloo's threads exist, so they inherit the
+    block and the sigwait thread takes it. A thread started earlier (by an import) may still
+    get it: the Python handler makes that harmless (it only sets the flag, late but never lost).
     """
 
     def __init__(self, sig: signal.Signals | None) -> None:
         self.sig = sig
         self.event = threading.Event()
         if sig is not None:
+            signal.signal(sig, lambda signum, frame: self.event.set())
             signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
             threading.Thread(target=self._wait, name="save-signal", daemon=True).start()
 
