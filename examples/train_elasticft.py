@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_plain import VOCAB, TinyGPT, batch  # noqa: E402
+from train_plain import VOCAB, TinyGPT, batch
 
-from elasticft.ckpt import Checkpointer, capture, restore  # noqa: E402
+from elasticft.ckpt import Checkpointer, StateCapture
 
 
 def first_attempt() -> bool:
@@ -65,11 +65,12 @@ def main() -> None:
     ckpt = Checkpointer.from_env(optimizers=[optim], ckpt_dir=args.ckpt_dir,
                                  persist_every=args.persist_every)
 
+    snapshot = StateCapture(model, optim)  # model, optimizer, RNG states, extras
+
     start = 0
-    loaded = ckpt.load()
-    if loaded is not None:
-        start, state = loaded
-        restore(state, model, optim)
+    restored = ckpt.restore(model, optim)  # newest step every rank holds, fastest source
+    if restored is not None:
+        start, _extra = restored
         if rank == 0:
             print(f"resumed from step {start} (source={ckpt.last_source})", flush=True)
 
@@ -80,7 +81,7 @@ def main() -> None:
         loss.backward()
         optim.step()  # waits for the part of the previous snapshot still being copied
         done = step + 1
-        request = ckpt.save(done, capture(model, optim, extra={"step": done}))
+        request = ckpt.save(done, snapshot(extra={"step": done}))
         if done == args.crash_at_step and rank == args.fault_rank and first_attempt():
             if args.crash_mode == "after-save":
                 request.wait()

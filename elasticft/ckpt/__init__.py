@@ -9,7 +9,8 @@ Worker API::
         start, state = loaded
         extra = restore(state, model, optim)
     ...
-    ckpt.save(step, capture(model, optim, extra={"step": step}))   # returns at once
+    snapshot = StateCapture(model, optim)       # capture() made cheap for every step
+    ckpt.save(step, snapshot(extra={"step": step}))   # returns at once
 
 Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier),
 ``durable`` (disk/remote tiers, DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint
@@ -23,17 +24,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from elasticft.ckpt.checkpointer import Checkpointer, SaveRequest
     from elasticft.ckpt.settings import WorkerSettings
-    from elasticft.ckpt.state import capture, restore
+    from elasticft.ckpt.state import StateCapture, capture, restore
 
 _LAZY = {
     "Checkpointer": ("elasticft.ckpt.checkpointer", "Checkpointer"),
     "SaveRequest": ("elasticft.ckpt.checkpointer", "SaveRequest"),
     "WorkerSettings": ("elasticft.ckpt.settings", "WorkerSettings"),
     "capture": ("elasticft.ckpt.state", "capture"),
+    "StateCapture": ("elasticft.ckpt.state", "StateCapture"),
     "restore": ("elasticft.ckpt.state", "restore"),
 }
 
-__all__ = ["Checkpointer", "SaveRequest", "WorkerSettings", "capture", "restore"]
+__all__ = ["Checkpointer", "SaveRequest", "StateCapture", "WorkerSettings", "capture", "restore"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -50,7 +51,7 @@ from elasticft.ckpt.shm import (
     SlotSet,
     read_slot,
 )
-from elasticft.ckpt.snapshot import Flattener, Layout, align_up, manifest_bytes, unflatten
+from elasticft.ckpt.snapshot import Flattener, Layout, align_up, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class Checkpointer:
                                default=0) if self._slots else 0
         self._manifest_room = 0
         self._flatten = Flattener()
+        self._view_cache: dict[tuple[Any, ...], tuple[Any, list[torch.Tensor | None]]] = {}
         self._inflight: SaveRequest | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name="elasticft-ckpt-copy",
@@ -179,7 +181,7 @@ class Checkpointer:
 
     def _start_copy(self, request: SaveRequest, layout: Layout, step: int) -> None:
         assert self._slots is not None
-        manifest = manifest_bytes(layout.manifest(step, self.rank, self.world_size))
+        manifest = layout.manifest_bytes(step, self.rank, self.world_size)
         if len(manifest) > self._manifest_room:
             # Room for the manifest to grow (values such as lr change size) without a move.
             self._manifest_room = align_up(2 * len(manifest) + 4096, 4096)
@@ -203,13 +205,9 @@ class Checkpointer:
                             len(manifest), payload_at, layout.payload_bytes, CRC_NONE, 0, 0.0)
         slot.write_header(header)
         slot.map[HEADER_BYTES : HEADER_BYTES + len(manifest)] = manifest
-        payload = memoryview(slot.map)[payload_at:size]
         guarded = self._guarded_storages()
         later = []
-        for entry in layout.tensors:
-            dst = torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                                   offset=entry.offset).view(entry.tensor.shape) \
-                if entry.tensor.numel() else None
+        for entry, dst in zip(layout.tensors, self._views(slot, payload_at, layout), strict=True):
             if dst is None:
                 continue
             if _storage_key(entry.tensor) in guarded:
@@ -218,6 +216,23 @@ class Checkpointer:
                 dst.copy_(entry.tensor)  # may change before the next optimizer step
         self._inflight = request
         self._jobs.put((request, slot, header, later))
+
+    def _views(self, slot: Any, payload_at: int, layout: Layout) -> list[torch.Tensor | None]:
+        """Destination tensors in a slot for a layout, built once per (mapping, placement)."""
+        key = (slot.path, payload_at, layout.payload_bytes, layout.tensors_json)
+        cached = self._view_cache.get(key)
+        if cached is not None and cached[0] is slot.map:
+            return cached[1]
+        payload = memoryview(slot.map)[payload_at : payload_at + layout.payload_bytes]
+        views = [
+            torch.frombuffer(payload, dtype=e.tensor.dtype, count=e.tensor.numel(),
+                             offset=e.offset).view(e.tensor.shape) if e.tensor.numel() else None
+            for e in layout.tensors
+        ]
+        for stale in [k for k in self._view_cache if k[0] == slot.path]:
+            del self._view_cache[stale]  # drops views of a mapping that was replaced
+        self._view_cache[key] = (slot.map, views)
+        return views
 
     def _claim_slot(self, size: int, usable: int) -> Any:
         """Oldest slot that is not the newest complete snapshot and that no reader holds
@@ -380,6 +395,21 @@ class Checkpointer:
 
         Collective when a process group is initialized: call it on every rank.
         """
+        return self._load(lambda step, state: (step, state), in_place=False)
+
+    def restore(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[int, dict[str, Any]] | None:
+        """:meth:`load` applied to ``model`` and ``optimizer``; returns (step, extras).
+
+        From shared memory the state is applied in place, with no intermediate copy.
+        """
+        from elasticft.ckpt.state import restore as apply_state
+
+        return self._load(lambda step, state: (step, apply_state(state, model, optimizer)),
+                          in_place=True)
+
+    def _load(self, consume: Any, *, in_place: bool) -> Any:
         self._wait_inflight()
         tiers = self.tiers()
         held: dict[str, list[int]] = {}
@@ -396,21 +426,27 @@ class Checkpointer:
             if step is None:
                 logger.info("no checkpoint that every rank can load")
                 return None
-            snapshot, source = self._read_step(step, tiers, held)
-            if self._all_ranks_ok(snapshot is not None):
-                assert snapshot is not None
-                self.last_source = source
-                logger.info("restored step %d from %s", step, source)
-                return step, unflatten(snapshot.manifest, snapshot.payload, copy=False)
+            with contextlib.ExitStack() as stack:
+                snapshot, source = self._read_step(step, tiers, held, stack, in_place)
+                if self._all_ranks_ok(snapshot is not None):
+                    assert snapshot is not None
+                    self.last_source = source
+                    logger.info("restored step %d from %s", step, source)
+                    return consume(step, unflatten(snapshot.manifest, snapshot.payload,
+                                                   copy=False))
             excluded.add(step)
 
     def _read_step(
-        self, step: int, tiers: list[Tier], held: Mapping[str, list[int]]
+        self, step: int, tiers: list[Tier], held: Mapping[str, list[int]],
+        stack: contextlib.ExitStack, in_place: bool,
     ) -> tuple[Snapshot | None, str | None]:
         for tier in tiers:
             if step not in held.get(tier.name, ()):
                 continue
             try:
+                if in_place and isinstance(tier, MemoryTier):
+                    return stack.enter_context(tier.open(step, self.rank, self.world_size)), \
+                        tier.name
                 return tier.read(step, self.rank, self.world_size), tier.name
             except (OSError, CheckpointError) as e:
                 logger.warning("step %d from %s unusable, trying the next source: %s", step,

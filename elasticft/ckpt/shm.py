@@ -335,6 +335,13 @@ class MemoryTier(Tier):
         )
 
     def read(self, step: int, rank: int, world_size: int) -> Snapshot:
+        with self.open(step, rank, world_size) as snapshot:
+            # One private copy, so the slot can be reused as soon as the lock is released.
+            return Snapshot(snapshot.manifest, bytearray(snapshot.payload))
+
+    @contextlib.contextmanager
+    def open(self, step: int, rank: int, world_size: int) -> Iterator[Snapshot]:
+        """The snapshot in place (no copy), verified; the slot stays locked while open."""
         candidates = sorted(
             ((i, h) for i, h in self.slots.complete().items() if h.step == step),
             key=lambda ih: -ih[1].generation,
@@ -345,14 +352,16 @@ class MemoryTier(Tier):
             slot = self.slots.get(index)
             if slot is None:
                 continue
-            with slot.shared(self.lock_timeout_s) as locked:
-                if not locked:
-                    continue
+            if not slot.lock_shared(self.lock_timeout_s):
+                continue
+            try:
                 snapshot = read_slot(slot)
                 if snapshot.step != step:
                     continue  # overwritten between the peek and the lock
-                # One private copy, so the slot can be reused as soon as the lock is released.
-                return Snapshot(snapshot.manifest, bytearray(snapshot.payload))
+                yield snapshot
+                return
+            finally:
+                slot.unlock()
         raise SnapshotMissing(f"no complete memory snapshot of step {step} for rank {rank}")
 
     def close(self) -> None:

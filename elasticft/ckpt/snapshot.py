@@ -126,6 +126,19 @@ class Layout:
     tensors: tuple[TensorEntry, ...]
     values: tuple[dict[str, Any], ...]
     payload_bytes: int
+    tensors_json: str = ""
+    """The tensor items' JSON, computed once per placement (the manifest is rebuilt per save)."""
+
+    def manifest_bytes(self, step: int, rank: int, world_size: int) -> bytes:
+        """``manifest_bytes(self.manifest(...))`` without re-encoding the tensor items."""
+        tensors = self.tensors_json or _items_json([t.to_json() for t in self.tensors])
+        values = _items_json(list(self.values))
+        items = ",".join(part for part in (tensors, values) if part)
+        return (
+            f'{{"format":{FORMAT_VERSION},"step":{int(step)},"rank":{int(rank)},'
+            f'"world_size":{int(world_size)},"payload_bytes":{self.payload_bytes},'
+            f'"items":[{items}]}}'
+        ).encode()
 
     def manifest(self, step: int, rank: int, world_size: int) -> dict[str, Any]:
         return {
@@ -182,7 +195,12 @@ def flatten(state: Mapping[str, Any]) -> Layout:
         )
         tensors.append(entry)
         offset = align_up(offset + entry.nbytes)
-    return Layout(tuple(tensors), tuple(values), offset)
+    return Layout(tuple(tensors), tuple(values), offset,
+                  _items_json([t.to_json() for t in tensors]))
+
+
+def _items_json(items: list[dict[str, Any]]) -> str:
+    return json.dumps(items, separators=(",", ":"), allow_nan=False)[1:-1]
 
 
 def _walk(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], Any]]:
@@ -263,7 +281,7 @@ class Flattener:
         values = tuple(
             dict(v, value=encode_json(by_path[tuple(v["path"])], v["fqn"])) for v in cached.values
         )
-        return Layout(tuple(tensors), values, cached.payload_bytes)
+        return Layout(tuple(tensors), values, cached.payload_bytes, cached.tensors_json)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -54,6 +54,15 @@ def test_save_is_exact_state_after_the_step_and_double_buffered(prefix: str) -> 
     assert restore(state, fresh, fresh_optim) == {"step": 3}
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, expected[3][name]), name
+    # In place from shared memory (no intermediate copy), as a restarted worker does it.
+    again, again_optim = trained_model(seed=2)
+    with Checkpointer(_settings(prefix)) as reader:
+        assert reader.restore(again, again_optim) == (3, {"step": 3})
+    assert reader.last_source == "memory"
+    for name, value in again.state_dict().items():
+        assert torch.equal(value, expected[3][name]), name
+    assert torch.equal(again_optim.state_dict()["state"][0]["exp_avg"],
+                       fresh_optim.state_dict()["state"][0]["exp_avg"])
 
 
 _WRITER = textwrap.dedent("""
