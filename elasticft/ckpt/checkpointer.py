@@ -325,6 +325,7 @@ class Checkpointer:
 
     def _persist_loop(self) -> None:
         assert self._slots is not None and self.settings.local_dir is not None
+        durable.background_priority()
         while True:
             step = self._persist_jobs.get()
             if step is None:

@@ -247,6 +247,7 @@ class CheckpointService(AgentCollaborator):
         return max(common) if common else None
 
     def _persist_loop(self) -> None:
+        durable.background_priority()
         while True:
             step = self._jobs.get()
             if step is None:
