@@ -49,6 +49,7 @@ from elasticft.ckpt.shm import (
     MemoryTier,
     SlotHeader,
     SlotSet,
+    StagingBuffer,
     read_slot,
 )
 from elasticft.ckpt.snapshot import Flattener, Layout, align_up, unflatten
@@ -122,6 +123,7 @@ class Checkpointer:
                                default=0) if self._slots else 0
         self._manifest_room = 0
         self._flatten = Flattener()
+        self._staging = StagingBuffer()
         self._view_cache: dict[tuple[Any, ...], tuple[Any, list[torch.Tensor | None]]] = {}
         self._inflight: SaveRequest | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()
@@ -355,7 +357,7 @@ class Checkpointer:
                 if snapshot.step != step:
                     continue
                 # Hold the lock for one memory copy, not for the disk write.
-                snapshot = Snapshot(snapshot.manifest, bytearray(snapshot.payload))
+                snapshot = Snapshot(snapshot.manifest, self._staging.copy_of(snapshot.payload))
             for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
                 durable.write_rank_shard(root, snapshot)
             break

@@ -84,6 +84,7 @@ class CheckpointService(AgentCollaborator):
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._busy = threading.Event()
         self._storage_full_reported = False
+        self._staging = shm.StagingBuffer()
         self._secret = config.ckpt_peer_secret
         self._peer_server: PeerServer | None = None
         self._backup_addr: str | None = None
@@ -295,7 +296,7 @@ class CheckpointService(AgentCollaborator):
                 slot = slots.get(index)
                 if slot is None:
                     continue
-                snapshot = _copy_out(slot, step)
+                snapshot = _copy_out(slot, step, self._staging)
                 if snapshot is None:
                     continue
                 for root in roots:
@@ -338,7 +339,7 @@ class CheckpointService(AgentCollaborator):
             logger.warning("peer backup of step %d to %s failed: %s", step, self._backup_addr, e)
 
 
-def _copy_out(slot: shm.Slot, step: int) -> Snapshot | None:
+def _copy_out(slot: shm.Slot, step: int, staging: shm.StagingBuffer) -> Snapshot | None:
     """A private copy of the slot's snapshot of ``step``, taken under the slot's shared lock.
 
     The lock is held for one memory copy only, not for the disk write: the worker never waits
@@ -350,7 +351,7 @@ def _copy_out(slot: shm.Slot, step: int) -> Snapshot | None:
         snapshot = shm.read_slot(slot, verify=False)
         if snapshot.step != step:
             return None  # overwritten between the peek and the lock
-        payload = bytearray(snapshot.payload)
+        payload = staging.copy_of(snapshot.payload)
         current = slot.header()
         if current is not None and current.crc_state == shm.CRC_NONE:
             # Lets a restarted worker verify what it restores from memory.
