@@ -183,7 +183,10 @@ class CheckpointService(AgentCollaborator):
         if every <= 0 or self._busy.is_set():
             return None
         step = self.newest_common_step(group)
-        if step is not None and step > self._persisted and step % every == 0:
+        # Persist the newest step once a multiple of `every` was passed: steps can be faster
+        # than the monitor interval, so the multiple itself may never be seen.
+        if step is not None and step > self._persisted and \
+                step // every > max(self._persisted, 0) // every:
             self._busy.set()
             self._jobs.put(step)
         return None
