@@ -100,7 +100,7 @@ def main() -> None:
     print(f"# restart cycles, {datetime.date.today()}, {platform.node()}, {os.cpu_count()} CPUs, "
           f"python {platform.python_version()}")
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         for tool in ("torchrun", "elasticft-run"):
             results[tool] = run_cycles(tool, args.cycles, Path(tmp), args.progress_timeout)
             r = results[tool]
