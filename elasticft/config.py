@@ -271,6 +271,27 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RecoveryConfig:
+    """Hierarchical recovery: just-in-time checkpoints, eviction and blacklisting of nodes."""
+
+    recovery_enabled: bool = option(
+        True, "Orchestrate recovery: just-in-time checkpoints from healthy replicas, eviction "
+        "of suspect nodes, blacklisting of nodes that vanished.")
+    recovery_jit_timeout_s: float = option(
+        10.0, "Longest wait for healthy workers to confirm a just-in-time checkpoint.",
+        minimum=0)
+    recovery_repeat_offender: int = option(
+        3, "Failures caused by one node's ranks after which it counts as suspect hardware and "
+        "is evicted when the job can go on without it (0: never).", minimum=0)
+    recovery_blacklist: bool = option(
+        True, "Blacklist evicted nodes and nodes that vanished from a round (etcd-v3 "
+        "rendezvous), with the evidence as the reason.")
+    recovery_departed_grace_s: float = option(
+        6.0, "How long the leader waits for a node missing from a new round to show a live "
+        "membership record before it counts as vanished.", minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class ElasticftConfig:
     """All of elasticft's options; one attribute per subsystem section."""
 
@@ -279,6 +300,7 @@ class ElasticftConfig:
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
     diag: DiagConfig = dataclasses.field(default_factory=DiagConfig)
     ckpt: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
 
 
 # ----------------------------------------------------------------------------------------------

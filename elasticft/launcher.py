@@ -109,6 +109,12 @@ def default_collaborators(
     from elasticft.ckpt.service import CheckpointService
 
     checkpoints = CheckpointService.from_options(options, local_addr=config.local_addr)
+    from elasticft.recovery.orchestrator import RecoveryOrchestrator
+
+    # Before the checkpoint service: its just-in-time checkpoint is what the service flushes.
+    recovery = RecoveryOrchestrator.from_options(options, config, checkpoints)
+    if recovery is not None:
+        collaborators.append(recovery)
     if checkpoints is not None:
         collaborators.append(checkpoints)
     # Last: the Slurm handler uses the checkpoint service built above, when there is one.

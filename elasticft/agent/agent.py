@@ -10,6 +10,7 @@ log and the event log. It also fixes what torch 2.13 gets wrong on restart: rest
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -250,21 +251,22 @@ class ElasticftAgent(LocalElasticAgent):
         self.failures.extend(failures)
         self._each_collaborator("on_failure", group, failures)
         spec = self._worker_group.spec
-        action = decide(
-            FailureFacts(
-                failures=failures,
-                restarts_used=spec.max_restarts - self._remaining_restarts,
-                max_restarts=spec.max_restarts,
-                user_error_restarts_used=self._user_error_restarts,
-                restart_on_user_error=self.options.agent.restart_on_user_error,
-                node_suspect=suspect,
-                can_evict=False,
-            )
+        facts = FailureFacts(
+            failures=failures,
+            restarts_used=spec.max_restarts - self._remaining_restarts,
+            max_restarts=spec.max_restarts,
+            user_error_restarts_used=self._user_error_restarts,
+            restart_on_user_error=self.options.agent.restart_on_user_error,
+            node_suspect=suspect,
+            can_evict=False,
         )
+        for extra in self._each_collaborator("failure_facts", group, failures):
+            facts = dataclasses.replace(facts, **(extra or {}))
+        action = decide(facts)
         log = logger.warning if action.kind is ActionKind.RESTART_IN_PLACE else logger.error
         log("decision: %s (%s)", action.kind.value, action.reason)
         self.events.emit("decision", action=action.kind.value, reason=action.reason,
-                         attempt=self._attempt)
+                         attempt=self._attempt, checkpoint=action.checkpoint.value)
         self._each_collaborator("on_decision", group, action)
         if action.kind is ActionKind.RESTART_IN_PLACE:
             if action.consumes_user_error_restart:

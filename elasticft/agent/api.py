@@ -105,6 +105,13 @@ class AgentCollaborator:
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
         """A failure was found; runs before the workers are stopped (e.g. to flush state)."""
 
+    def failure_facts(
+        self, group: GroupInfo, failures: tuple[FailureRecord, ...]
+    ) -> Mapping[str, Any]:
+        """Facts this collaborator knows about a failure, as ``FailureFacts`` field values
+        (e.g. ``can_evict``, ``replicas_intact``); runs after ``on_failure``, before the policy."""
+        return {}
+
     def on_decision(self, group: GroupInfo, action: Action) -> None:
         """The policy decided; runs before the action is carried out."""
 

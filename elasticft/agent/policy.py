@@ -3,14 +3,32 @@
 Nothing here does I/O or reads a clock, so every branch is unit-tested and every decision comes
 with a reason that the agent logs and writes to the event log. Later subsystems add facts
 (suspect hardware, a blacklisted node, a Slurm time limit) and the actions that answer them.
+
+Recovery (:mod:`elasticft.recovery`) adds the facts of hierarchical recovery: how often this
+node was the culprit (a repeat offender is suspect hardware), whether every data-parallel shard
+still has a healthy replica (then the healthy replicas take a just-in-time checkpoint of the
+state after the last completed step instead of falling back to the newest snapshot), and which
+nodes left a round without a word (they are evicted and blacklisted).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
+from collections.abc import Iterable
 
 from elasticft.agent.classify import FailureClass, FailureRecord
+
+
+class CheckpointSource(str, enum.Enum):
+    """What the next attempt resumes from."""
+
+    JIT = "jit"
+    """Healthy replicas save the state after the last completed step now (at most the step in
+    flight is lost)."""
+    SNAPSHOT = "snapshot"
+    """The newest complete snapshot (memory, peer or disk), whatever step it holds."""
 
 
 class ActionKind(str, enum.Enum):
@@ -32,6 +50,8 @@ class Action:
     """The launcher's exit code when the action ends the run."""
     consumes_user_error_restart: bool = False
     """A restart granted by --restart-on-user-error (not by --max-restarts)."""
+    checkpoint: CheckpointSource = CheckpointSource.SNAPSHOT
+    """Where the next attempt resumes from (see :func:`checkpoint_source`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +67,15 @@ class FailureFacts:
     """Diagnostics found this node's hardware or host unhealthy."""
     can_evict: bool = False
     """Other nodes can carry on without this one (elastic min nodes allows it)."""
+    node_offences: int = 0
+    """Failures this node's own ranks caused in this run, this one included."""
+    repeat_offender_limit: int = 0
+    """That many offences make the node suspect hardware (0: never)."""
+    replicas_intact: bool = False
+    """Every data-parallel shard still has a healthy replica."""
+    jit_available: bool = False
+    """A healthy replica can be asked for a just-in-time checkpoint (a checkpoint control
+    channel exists)."""
 
 
 # When several ranks fail together, the root cause is the most specific class: a user bug in one
@@ -68,7 +97,78 @@ def root_cause(failures: tuple[FailureRecord, ...]) -> FailureRecord:
     return min(failures, key=lambda f: (_ROOT_CAUSE_ORDER.index(f.failure_class), f.rank))
 
 
+# Messages of device and host faults: evidence against the node itself, unlike a connection
+# error, which usually only reports a peer's death.
+_DEVICE_FAULT = re.compile(
+    r"cuda|nccl|cudnn|cublas|ecc|xid|device-side|uncorrectable|illegal memory|bus error|"
+    r"nvlink|hardware",
+    re.IGNORECASE,
+)
+
+
+def is_node_offence(failure: FailureRecord) -> bool:
+    """Whether ``failure`` counts against the node its rank ran on.
+
+    A crash by signal (SIGKILL from the OOM killer, SIGSEGV, SIGBUS), a hang whose culprit this
+    node's monitor named, and a device error do; a user bug, a stop request, and a connection
+    error (the usual echo of another rank's death) do not.
+    """
+    cls = failure.failure_class
+    if cls is FailureClass.SIGNAL_CRASH:
+        return True
+    if cls is FailureClass.HANG:
+        return "culprit: rank" in (failure.message or "")
+    if cls is FailureClass.INFRASTRUCTURE:
+        return bool(_DEVICE_FAULT.search(f"{failure.exception or ''} {failure.message or ''}"))
+    return False
+
+
+def replicas_intact(
+    world_size: int, lost_ranks: Iterable[int], layout: tuple[int, int, int] | None = None
+) -> bool:
+    """Whether every data-parallel shard still has a rank outside ``lost_ranks`` holding it.
+
+    ``layout`` is (tp, pp, dp) with tensor parallel fastest, then data, then pipeline (the rank
+    order :mod:`elasticft.ckpt.peer` uses); None is pure data parallelism (every rank holds the
+    whole model). A layout that does not match ``world_size`` is treated as having no replicas.
+    """
+    lost = {r for r in lost_ranks if 0 <= r < world_size}
+    if world_size <= 0:
+        return False
+    tp, pp, dp = layout if layout is not None else (1, 1, world_size)
+    if tp * pp * dp != world_size:
+        return False
+    for pp_index in range(pp):
+        for tp_index in range(tp):
+            holders = {pp_index * tp * dp + dp_index * tp + tp_index for dp_index in range(dp)}
+            if holders <= lost:
+                return False
+    return True
+
+
+def checkpoint_source(facts: FailureFacts) -> CheckpointSource:
+    """Just in time when a healthy replica of every shard can be asked, else the snapshot."""
+    if facts.replicas_intact and facts.jit_available:
+        return CheckpointSource.JIT
+    return CheckpointSource.SNAPSHOT
+
+
+def suspect_reason(facts: FailureFacts) -> str | None:
+    """Why this node is suspect hardware, or None when it is not."""
+    if facts.node_suspect:
+        return "failed health check"
+    if 0 < facts.repeat_offender_limit <= facts.node_offences:
+        return (f"repeat offender ({facts.node_offences} failures caused by its ranks, limit "
+                f"{facts.repeat_offender_limit})")
+    return None
+
+
 def decide(facts: FailureFacts) -> Action:
+    action = _decide(facts)
+    return dataclasses.replace(action, checkpoint=checkpoint_source(facts))
+
+
+def _decide(facts: FailureFacts) -> Action:
     cause = root_cause(facts.failures)
     what = cause.summary()
     if cause.failure_class is FailureClass.USER_CODE:
@@ -85,8 +185,10 @@ def decide(facts: FailureFacts) -> Action:
             f"--restart-on-user-error allows it): {what}",
             exit_code=1,
         )
-    if facts.node_suspect and facts.can_evict:
-        return Action(ActionKind.EVICT_NODE, f"this node is suspect, evicting it: {what}",
+    suspect = suspect_reason(facts)
+    if suspect is not None and facts.can_evict:
+        return Action(ActionKind.EVICT_NODE,
+                      f"this node is suspect hardware ({suspect}), evicting it: {what}",
                       exit_code=1)
     if facts.restarts_used >= facts.max_restarts:
         return Action(
@@ -99,4 +201,34 @@ def decide(facts: FailureFacts) -> Action:
         ActionKind.RESTART_IN_PLACE,
         f"{cause.failure_class.value}, restart {facts.restarts_used + 1} of "
         f"--max-restarts {facts.max_restarts}: {what}",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DepartedNode:
+    """A node of the previous round that is not in the new one."""
+
+    node_id: str
+    alive: bool
+    """Its agent still holds its membership record (it is alive and only late)."""
+    blacklisted: bool
+    """Already on the blacklist (it evicted itself, or an operator put it there)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+    node_id: str
+    reason: str
+
+
+def judge_departed(departed: Iterable[DepartedNode], previous_round: int) -> tuple[Eviction, ...]:
+    """The leader's verdict on nodes that left: one that vanished (its agent's membership lease
+    expired: dead, or cut off from the job) is suspect hardware and gets blacklisted; one that
+    is alive and only late, or already blacklisted, does not."""
+    return tuple(
+        Eviction(node.node_id,
+                 f"node disappeared: in round {previous_round}, then no keep-alive and no "
+                 "membership record (agent dead or unreachable)")
+        for node in sorted(departed, key=lambda n: n.node_id)
+        if not node.alive and not node.blacklisted
     )

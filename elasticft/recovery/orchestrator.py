@@ -1,0 +1,305 @@
+"""The recovery orchestrator: one agent collaborator that ties detection, checkpoints and
+membership into hierarchical recovery.
+
+When a worker fails or diagnostics report a hang, the agent calls, in order, every
+collaborator's ``on_failure``, then ``failure_facts``, then the pure policy
+(:func:`elasticft.agent.policy.decide`), then ``on_decision``. The orchestrator sits before the
+checkpoint service, so on a failure it
+
+1. **counts the offence** against this node when its own rank caused it
+   (:func:`~elasticft.agent.policy.is_node_offence`: a crash by signal, a hang this node's
+   monitor localised, a device error);
+2. **asks for a just-in-time checkpoint** when every data-parallel shard still has a healthy
+   replica (:func:`~elasticft.agent.policy.replicas_intact`) and a healthy local worker can be
+   asked: through the checkpoint control channel (:mod:`elasticft.ckpt.control`), whose watcher
+   thread answers while the worker's main thread waits in the broken collective, it completes
+   the snapshot of the last completed step in shared memory; the checkpoint service's flush,
+   which runs next, persists it. Otherwise the next attempt resumes from the newest complete
+   snapshot (memory, peer, disk: the worker's loader picks the fastest);
+3. hands the policy its facts: offences, the repeat-offender limit, whether the job can go on
+   without this node (``can_evict``: more nodes than ``--nnodes`` minimum, or a standby waits),
+   whether replicas are intact and JIT is possible;
+4. on an eviction (suspect hardware: failed health check, repeat offender), **blacklists this
+   node with the evidence** before the launcher lets it leave without closing the rendezvous;
+   the remaining nodes and a standby re-rendezvous.
+
+Job-wide, the **leader** of each round (group rank 0) compares the round's nodes with the
+previous round's: a node that is gone and whose membership lease expired (dead, or cut off
+from the network) is evicted for good, blacklisted with the evidence
+(:func:`~elasticft.agent.policy.judge_departed`). Every choice is logged with its reason and
+written to the event log (``jit_checkpoint``, ``eviction``, ``recovery``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from elasticft.agent.api import AgentCollaborator, GroupInfo
+from elasticft.agent.classify import FailureRecord
+from elasticft.agent.policy import (
+    Action,
+    ActionKind,
+    CheckpointSource,
+    DepartedNode,
+    FailureFacts,
+    checkpoint_source,
+    is_node_offence,
+    judge_departed,
+    replicas_intact,
+)
+from elasticft.ckpt.control import request_checkpoint
+from elasticft.config import ElasticftConfig, RecoveryConfig
+from elasticft.events import EventLog
+from elasticft.recovery.membership import EtcdMembership, Membership
+
+logger = logging.getLogger(__name__)
+
+_NODE_KEY = "elasticft/recovery/node/{}"
+
+
+def _alive(pid: int | None) -> bool:
+    """A worker that can answer: it exists and is neither stopped nor a zombie."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("T", "t", "Z", "X")
+
+
+class RecoveryOrchestrator(AgentCollaborator):
+    """Just-in-time checkpoints, offence counting, eviction and blacklisting for one node."""
+
+    def __init__(
+        self,
+        config: RecoveryConfig,
+        *,
+        node_id: str,
+        min_nodes: int,
+        checkpoints: Any = None,
+        membership: Membership | None = None,
+        layout: tuple[int, int, int] | None = None,
+        event_dir: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.min_nodes = min_nodes
+        self.checkpoints = checkpoints
+        """The node's CheckpointService (its control directory and memory), if it runs."""
+        self.membership = membership
+        self.layout = layout
+        self.offences = 0
+        self._event_dir = event_dir
+        self._events: EventLog | None = None
+        self._group: GroupInfo | None = None
+        self._round_nodes: dict[int, tuple[str, ...]] = {}
+        self._facts: dict[str, Any] = {}
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def from_options(
+        cls, options: ElasticftConfig, launch_config: Any, checkpoints: Any = None
+    ) -> RecoveryOrchestrator | None:
+        if not options.recovery.recovery_enabled:
+            return None
+        import socket
+
+        from elasticft.ckpt.service import parse_layout
+
+        layout = parse_layout(options.ckpt.ckpt_layout)
+        plan = options.plan
+        if layout is None and plan.layout_tp and plan.layout_pp and plan.layout_dp:
+            layout = (plan.layout_tp, plan.layout_pp, plan.layout_dp)
+        return cls(
+            options.recovery,
+            node_id=options.agent.node_id or socket.gethostname(),
+            min_nodes=int(getattr(launch_config, "min_nodes", 1) or 1),
+            checkpoints=checkpoints,
+            membership=EtcdMembership.from_launch_config(launch_config),
+            layout=layout,
+            event_dir=options.agent.event_dir,
+        )
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _emit(self, kind: str, **payload: Any) -> None:
+        if self._events is not None:
+            self._events.emit(kind, **payload)
+
+    # -- rounds and the leader's verdict on departed nodes -------------------------------------
+
+    def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
+        self._group = group
+        if self._events is None:
+            self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
+        if store is None:
+            return
+        try:
+            store.set(_NODE_KEY.format(group.group_rank), group.node_id)
+        except Exception as e:
+            logger.warning("could not record this node in round %d: %s", group.round, e)
+            return
+        thread = threading.Thread(target=self._learn_round, args=(group, store), daemon=True,
+                                  name="elasticft-recovery-round")
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _learn_round(self, group: GroupInfo, store: Any) -> None:
+        """Reads every node of the round; the leader then judges who left since the last."""
+        try:
+            nodes = tuple(store.get(_NODE_KEY.format(r)).decode()
+                          for r in range(group.group_world_size))
+        except Exception as e:
+            logger.warning("could not read the nodes of round %d: %s", group.round, e)
+            return
+        previous = max((r for r in self._round_nodes if r < group.round), default=None)
+        self._round_nodes[group.round] = nodes
+        if group.group_rank != 0 or previous is None:
+            return
+        gone = sorted(set(self._round_nodes[previous]) - set(nodes))
+        if gone:
+            self._judge_departed(gone, previous, group)
+
+    def _judge_departed(self, gone: list[str], previous: int, group: GroupInfo) -> None:
+        membership = self.membership
+        if membership is None or not self.config.recovery_blacklist:
+            logger.warning("node(s) %s left after round %d (no blacklist with this "
+                           "rendezvous backend)", ", ".join(gone), previous)
+            return
+        deadline = time.monotonic() + self.config.recovery_departed_grace_s
+        departed: list[DepartedNode] = []
+        for node in gone:
+            # A lease outlives its agent by up to its TTL: wait that long before calling it gone.
+            alive = True
+            while True:
+                try:
+                    alive = membership.alive(node)
+                    blacklisted = membership.is_blacklisted(node)
+                except Exception as e:
+                    logger.warning("membership of %s unknown: %s", node, e)
+                    alive, blacklisted = True, False
+                if not alive or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.5)
+            departed.append(DepartedNode(node, alive, blacklisted))
+        for eviction in judge_departed(departed, previous):
+            logger.error("leader %s evicts node %s: %s", self.node_id, eviction.node_id,
+                         eviction.reason)
+            try:
+                membership.blacklist(eviction.node_id, eviction.reason,
+                                     f"leader {self.node_id}, round {group.round}")
+            except Exception as e:
+                logger.error("could not blacklist node %s: %s", eviction.node_id, e)
+                continue
+            self._emit("eviction", evicted=eviction.node_id, reason=eviction.reason,
+                       by="leader", round=group.round, blacklisted=True)
+        for node in departed:
+            if node.alive or node.blacklisted:
+                logger.info("node %s left after round %d but is %s; not blacklisted", node.node_id,
+                            previous, "alive" if node.alive else "already blacklisted")
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
+        local = {w.global_rank for w in group.workers}
+        offending = {f.rank for f in failures if f.rank in local and is_node_offence(f)}
+        if offending:
+            self.offences += 1
+        world = group.workers[0].world_size if group.workers else 0
+        intact = replicas_intact(world, offending, self.layout)
+        healthy = [w for w in group.workers
+                   if w.global_rank not in offending and _alive(w.pid)]
+        control = self._control_dir(group)
+        facts: dict[str, Any] = {
+            "node_offences": self.offences,
+            "repeat_offender_limit": self.config.recovery_repeat_offender,
+            "replicas_intact": intact,
+            "jit_available": control is not None and bool(healthy),
+            "can_evict": self._can_evict(group),
+        }
+        self._facts = facts
+        probe = FailureFacts(failures, 0, 0, replicas_intact=intact,
+                             jit_available=facts["jit_available"])
+        source = checkpoint_source(probe)
+        if source is CheckpointSource.JIT and control is not None:
+            self._jit_checkpoint(group, control, healthy, failures)
+        else:
+            why = ("a shard lost every replica" if not intact else
+                   "no healthy worker on this node to ask" if not healthy else
+                   "no checkpoint service")
+            logger.info("resuming from the newest complete snapshot: %s", why)
+            self._emit("recovery_checkpoint", source=source.value, reason=why,
+                       offending_ranks=sorted(offending))
+
+    def _control_dir(self, group: GroupInfo) -> Path | None:
+        service = self.checkpoints
+        if service is None or not hasattr(service, "control_dir"):
+            return None
+        return service.control_dir(group)
+
+    def _can_evict(self, group: GroupInfo) -> bool:
+        if group.group_world_size > self.min_nodes:
+            return True
+        if self.membership is None:
+            return False
+        try:
+            return self.membership.standbys() > 0
+        except Exception as e:
+            logger.warning("standbys unknown: %s", e)
+            return False
+
+    def _jit_checkpoint(self, group: GroupInfo, control: Path, healthy: list[Any],
+                        failures: tuple[FailureRecord, ...]) -> None:
+        started = time.monotonic()
+        reason = "just-in-time checkpoint: " + "; ".join(f.summary() for f in failures[:3])
+        acks = request_checkpoint(control, [w.local_rank for w in healthy], reason,
+                                  self.config.recovery_jit_timeout_s)
+        steps = {w.global_rank: acks[w.local_rank].step for w in healthy
+                 if w.local_rank in acks}
+        seconds = time.monotonic() - started
+        held = [s for s in steps.values() if s is not None]
+        logger.warning("just-in-time checkpoint from healthy rank(s) %s: step %s in %.2f s",
+                       sorted(steps) or "none", max(held) if held else "none", seconds)
+        self._emit("jit_checkpoint", ranks={str(r): s for r, s in steps.items()},
+                   asked=[w.global_rank for w in healthy], step=max(held) if held else None,
+                   seconds=round(seconds, 3))
+
+    def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
+                      ) -> Mapping[str, Any]:
+        return self._facts
+
+    def on_decision(self, group: GroupInfo, action: Action) -> None:
+        self._emit("recovery", action=action.kind.value, checkpoint=action.checkpoint.value,
+                   reason=action.reason, offences=self.offences)
+        if action.kind is not ActionKind.EVICT_NODE:
+            return
+        logger.error("node %s evicts itself: %s", self.node_id, action.reason)
+        blacklisted = False
+        if self.membership is not None and self.config.recovery_blacklist:
+            try:
+                self.membership.blacklist(self.node_id, action.reason,
+                                          f"node {self.node_id} itself (pid {os.getpid()})")
+                blacklisted = True
+            except Exception as e:
+                logger.error("could not blacklist node %s: %s", self.node_id, e)
+        self._emit("eviction", evicted=self.node_id, reason=action.reason, by="self",
+                   round=group.round, blacklisted=blacklisted)
+
+    def close(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=1)
+        close = getattr(self.membership, "close", None)
+        if callable(close):
+            with contextlib.suppress(Exception):
+                close()
+        if self._events is not None:
+            self._events.close()
