@@ -81,6 +81,12 @@ class AgentConfig:
         "Let workers use the agent-hosted shared TCPStore (torch's default). Off by default: the "
         "shared store keeps a previous attempt's keys and breaks restarts (pytorch#135712).",
     )
+    warm_start: bool = option(
+        True,
+        "Restart workers in pre-started interpreters that have already imported torch "
+        "(one per local rank, refilled after each start). Python workers only; off: every "
+        "start is a fresh interpreter, as with torchrun.",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ from elasticft.agent.agent import ElasticftAgent
 from elasticft.agent.api import AgentCollaborator, StopRun
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
+from elasticft.agent.warmpool import WarmPool
 from elasticft.config import ElasticftConfig
 from elasticft.events import EventLog
 
@@ -204,6 +205,7 @@ def launch(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
+    warm_pool = WarmPool() if options.agent.warm_start else None
     agent = agent_class(
         spec,
         config.logs_specs,  # type: ignore[arg-type]
@@ -215,6 +217,7 @@ def launch(
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(config.shutdown_timeout or 30),
+        warm_pool=warm_pool,
     )
 
     close_rendezvous = False
@@ -250,6 +253,8 @@ def launch(
             spec.rdzv_handler.shutdown()
         else:
             _stop_heartbeats(spec.rdzv_handler)
+        if warm_pool is not None:
+            warm_pool.close()
         for collaborator in collaborators:
             try:
                 collaborator.close()

@@ -35,6 +35,7 @@ from elasticft.agent.api import (
 )
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
 from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
+from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.config import ElasticftConfig
 from elasticft.events import EventLog
 
@@ -58,7 +59,7 @@ WORKER_ENV_NAMES = frozenset(
 _STEADY_AFTER_S = 2.0
 
 
-class ElasticftAgent(LocalElasticAgent):
+class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     """A ``LocalElasticAgent`` whose failure handling is decided by :func:`policy.decide`."""
 
     def __init__(
@@ -75,6 +76,7 @@ class ElasticftAgent(LocalElasticAgent):
         exit_barrier_timeout: float = 300,
         log_line_prefix_template: str | None = None,
         shutdown_timeout: int = 30,
+        warm_pool: WarmPool | None = None,
     ) -> None:
         super().__init__(
             spec,
@@ -100,6 +102,8 @@ class ElasticftAgent(LocalElasticAgent):
         self._started_at = 0.0
         self._steady_reported = False
         self._detection: Detection | None = None
+        self.warm_pool = warm_pool
+        """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
 
     # ------------------------------------------------------------------------------------------
     # What the collaborators see.
@@ -178,6 +182,7 @@ class ElasticftAgent(LocalElasticAgent):
             pids={str(w.global_rank): w.pid for w in group.workers},
             local_ranks={str(w.global_rank): w.local_rank for w in group.workers},
             world_size=group.workers[0].world_size if group.workers else 0,
+            warm_local_ranks=list(self.warm_ranks),
         )
         self._each_collaborator("on_workers_started", group)
         return pids

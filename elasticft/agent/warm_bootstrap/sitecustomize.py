@@ -1,0 +1,156 @@
+"""Pre-started worker interpreter: import the heavy modules now, become the worker later.
+
+The agent starts ``python -u script.py args...`` (exactly the worker's command line) with this
+directory first on PYTHONPATH and a socket in ``ELASTICFT_WARM_FD``. Python runs this file at
+start-up, before the script: it imports the modules named in ``ELASTICFT_WARM_PRELOAD`` (torch),
+tells the agent it is ready and waits. The start request carries the worker's environment, its
+working directory and its stdout/stderr descriptors. This file then makes the process what a
+freshly started worker would be at this point of start-up (environment, sys.path, output
+streams, the ``sitecustomize`` it shadowed, e.g. elasticft's diagnostics bootstrap) and returns;
+the interpreter goes on to run the script as ``__main__`` itself. The process the agent watches
+is therefore the worker, with its real exit code, signals and traceback.
+
+If anything is off (a preload failed, a different directory was asked for, an error here), it
+``exec``s the worker's command with the requested environment instead: a normal cold start in
+the same process. With no request (the agent went away) it exits without running user code.
+
+Standard library only: this runs before anything else and must not import elasticft.
+"""
+
+import os
+import sys
+
+_FD_ENV = "ELASTICFT_WARM_FD"
+_PRELOAD_ENV = "ELASTICFT_WARM_PRELOAD"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _without_here(path_list):
+    return [p for p in path_list if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def _run_shadowed_sitecustomize():
+    """Runs the ``sitecustomize`` this file shadows, as site.py would have at start-up."""
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _without_here(sys.path))
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # site.py's own report for a broken sitecustomize
+        sys.stderr.write(
+            "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+            f"{type(err).__name__}: {err}\n"
+        )
+
+
+def _receive(sock):
+    """One start request: (header dict, [stdout fd, stderr fd]) or None when the agent left."""
+    import json
+    import socket
+    import struct
+
+    head, fds, _, _ = socket.recv_fds(sock, 8, 2)
+    while head and len(head) < 8:
+        more = sock.recv(8 - len(head))
+        if not more:
+            break
+        head += more
+    if len(head) < 8:
+        return None
+    (size,) = struct.unpack("!Q", head)
+    chunks, got = [], 0
+    while got < size:
+        chunk = sock.recv(min(size - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return json.loads(b"".join(chunks)), fds
+
+
+def _captured(fd):
+    """What the warm-up phase wrote to ``fd`` (a private temporary file), as bytes."""
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, size, 0) if size else b""
+    except OSError:
+        return b""
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _exec_cold(request):
+    os.execvpe(request["argv"][0], request["argv"], request["env"])
+
+
+def _become_worker(request, fds, startup_env, preload_error):
+    out_fd, err_fd = fds
+    warm_output = (_captured(1), _captured(2))
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
+    if preload_error is not None or os.getcwd() != request["cwd"]:
+        _exec_cold(request)
+    env = dict(request["env"])
+    # Variables the preloaded imports set for themselves: a cold worker has them after its own
+    # imports too.
+    for key, value in os.environ.items():
+        if startup_env.get(key) != value:
+            env.setdefault(key, value)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = _without_here(sys.path)
+    sys.path_importer_cache.pop(_HERE, None)
+    _write_all(1, warm_output[0])
+    _write_all(2, warm_output[1])
+    _run_shadowed_sitecustomize()
+
+
+def _main():
+    fd = os.environ.pop(_FD_ENV, None)
+    preload = [m for m in os.environ.pop(_PRELOAD_ENV, "").split(",") if m]
+    if fd is None:  # not a pre-started interpreter: stay out of the way
+        sys.path[:] = _without_here(sys.path)
+        _run_shadowed_sitecustomize()
+        return
+    import importlib
+    import socket
+
+    sock = socket.socket(fileno=int(fd))
+    startup_env = dict(os.environ)
+    preload_error = None
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except BaseException as err:  # the script will meet it again, in a cold start
+            preload_error = err
+            break
+    try:
+        sock.sendall(b"R")
+        received = _receive(sock)
+    except OSError:
+        received = None
+    sock.close()
+    if received is None:
+        os._exit(0)  # the agent is gone or discarded us; no user code has run
+    request, fds = received
+    try:
+        _become_worker(request, fds, startup_env, preload_error)
+    except BaseException:
+        # Never half a worker: start over as a cold one in this same process.
+        try:
+            _exec_cold(request)
+        finally:
+            os._exit(127)  # exec failed, as it would have for the cold start
+
+
+_main()
