@@ -12,13 +12,14 @@ How a pre-started interpreter is started and taken over:
   started, plus a bootstrap directory first on ``PYTHONPATH``. Python runs the bootstrap's
   ``sitecustomize`` at start-up (:mod:`elasticft.agent.warm_bootstrap`): it imports the preload
   modules and waits on a socket, before the script has run.
-* At the next start, torch's ``SubprocessHandler`` asks for a process (:class:`WarmSubprocessHandler`
-  overrides its ``_popen``); the pool sends the worker's full environment, working directory and
-  stdout/stderr descriptors (torch's log files, or the agent's own streams) over the socket and
-  returns the interpreter's ``Popen``. The bootstrap applies them and returns, and the
-  interpreter runs the script as ``__main__``: ``sys.argv``, ``sys.path``, the traceback of an
-  exception and the exit code are Python's own, and the process torch watches, signals with
-  ``killpg`` and reaps *is* the worker. No proxy, so nothing can be orphaned by killing it.
+* At the next start, torch's ``SubprocessHandler`` asks for a process
+  (:class:`WarmSubprocessHandler` overrides its ``_popen``); the pool sends the worker's full
+  environment, working directory and stdout/stderr descriptors (torch's log files, or the
+  agent's own streams) over the socket and returns the interpreter's ``Popen``. The bootstrap
+  applies them and returns, and the interpreter runs the script as ``__main__``: ``sys.argv``,
+  ``sys.path``, the traceback of an exception and the exit code are Python's own, and the
+  process torch watches, signals with ``killpg`` and reaps *is* the worker. There is no proxy
+  process, so nothing can be orphaned by killing it.
 * An interpreter is used only when nothing that start-up has already consumed differs: the same
   command, working directory and environment except the variables that are bound per attempt
   (ranks, world sizes, master address and port, ``TORCHELASTIC_*``, ``ELASTICFT_*``). Otherwise,
@@ -32,6 +33,7 @@ pre-started interpreter touches CUDA: importing torch does not initialise it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -85,10 +87,8 @@ def not_warm_startable(argv: Sequence[str], python: str = sys.executable) -> str
         return f"command {list(argv)} is not '<python> -u script ...'"
     executable = argv[0]
     same = False
-    try:
+    with contextlib.suppress(OSError):
         same = os.path.samefile(executable, python)
-    except OSError:
-        pass
     if not same and not _PYTHON_NAME.match(os.path.basename(executable)):
         return f"{executable} is not a Python interpreter"
     if argv[1] != "-u":
@@ -190,10 +190,8 @@ class WarmProcess:
         """Ends an interpreter that was never started (it has run no user code)."""
         self._channel.close()
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -232,7 +230,9 @@ class WarmPool:
         with self._lock:
             return dict(self._idle)
 
-    def refill(self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> None:
+    def refill(
+        self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
+    ) -> None:
         """Starts (in the background) the next interpreter for ``local_rank``."""
         timer = threading.Timer(
             self.refill_delay_s, self._spawn, (local_rank, tuple(argv), dict(env), cwd)
