@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,12 +114,11 @@ class Checkpointer:
         """Total time the training thread waited inside save() and the pre-step hook."""
         self.last_source: str | None = None
         """Tier the last successful load() came from."""
-        self._slots = (
-            SlotSet(settings.shm_prefix, max(2, settings.slots)) if settings.shm_prefix else None
-        )
         self._slot_count = max(2, settings.slots)
-        self._reader_slots = SlotSet(settings.shm_prefix, self._slot_count) \
-            if settings.shm_prefix else None
+        prefix = settings.shm_prefix
+        self._slots = SlotSet(prefix, self._slot_count) if prefix else None
+        # The persister reads through its own descriptors: flock is per open file.
+        self._reader_slots = SlotSet(prefix, self._slot_count) if prefix else None
         self._generation = max((h.generation for h in self._slots.headers().values()),
                                default=0) if self._slots else 0
         self._manifest_room = 0
@@ -131,6 +131,8 @@ class Checkpointer:
                                         daemon=True)
         self._copier.start()
         self._persist_jobs: queue.Queue[Any] = queue.Queue()
+        self._uncommitted: set[int] = set()
+        self._uncommitted_in: dict[Path, set[int]] = {}
         self._persister: threading.Thread | None = None
         if (self._slots is not None and not settings.agent_owned and settings.persist_every > 0
                 and settings.local_dir):
@@ -363,18 +365,17 @@ class Checkpointer:
             break
         else:
             return
-        if self.rank != 0:
-            return
+        if self.rank == 0:  # the committer
+            self._uncommitted.add(step)
+            self._commit_pending()
+
+    def _commit_pending(self) -> None:
         for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
-            deadline = time.monotonic() + 120
-            ranks = range(self.world_size)
-            while not durable.try_commit(root, step, self.world_size, ranks):
-                if time.monotonic() > deadline:
-                    logger.warning("step %d not committed in %s: some ranks never wrote", step,
-                                   root)
-                    break
-                time.sleep(0.05)
-            durable.retain(root, self.settings.keep)
+            pending = self._uncommitted_in.setdefault(root, set())
+            pending.update(self._uncommitted)
+            durable.commit_pending(root, pending, self.world_size, range(self.world_size),
+                                   self.settings.keep)
+        self._uncommitted.clear()
 
     # ------------------------------------------------------------------------------------------
     # Loading.
@@ -503,10 +504,20 @@ class Checkpointer:
         if self._persister is not None:
             self._persist_jobs.put(None)
             self._persister.join(timeout=300)
+            if self.rank == 0:
+                self._final_commits(timeout_s=10.0)
         if self._slots is not None:
             self._slots.close()
         if self._reader_slots is not None:
             self._reader_slots.close()
+
+    def _final_commits(self, timeout_s: float) -> None:
+        """Gives the other ranks' last shards a bounded time to land, then commits them."""
+        deadline = time.monotonic() + timeout_s
+        while any(self._uncommitted_in.values()) and time.monotonic() < deadline:
+            self._commit_pending()
+            if any(self._uncommitted_in.values()):
+                time.sleep(0.1)
 
     def _remove_own_segments(self) -> None:
         self.close()

@@ -261,6 +261,22 @@ def try_commit(root: Path, step: int, world_size: int, ranks: Iterable[int]) -> 
     return True
 
 
+def commit_pending(root: Path, pending: set[int], world_size: int, ranks: Iterable[int],
+                   keep: int) -> list[int]:
+    """Commits every pending step whose ranks are all durable now; never waits.
+
+    Writers on other ranks or nodes may skip a step (a busy writer, a missed interval), so a
+    step can stay incomplete forever: once a newer step is committed, older pending ones are
+    dropped and retention removes their leftovers.
+    """
+    ranks = list(ranks)
+    committed = [s for s in sorted(pending) if try_commit(root, s, world_size, ranks)]
+    if committed:
+        pending.difference_update(s for s in list(pending) if s <= committed[-1])
+        retain(root, keep)
+    return committed
+
+
 def list_steps(root: Path) -> dict[int, Path]:
     found = {}
     if root.is_dir():

@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 _SECRET_KEY = "elasticft/ckpt/secret"
 _PEER_KEY = "elasticft/ckpt/peer/{}"
-_COMMIT_WAIT_S = 120.0
 
 
 def parse_layout(text: str | None) -> tuple[int, int, int] | None:
@@ -85,6 +84,8 @@ class CheckpointService(AgentCollaborator):
         self._busy = threading.Event()
         self._storage_full_reported = False
         self._staging = shm.StagingBuffer()
+        self._remote_pending: set[int] = set()
+        self._last_remote_try = 0.0
         self._secret = config.ckpt_peer_secret
         self._peer_server: PeerServer | None = None
         self._backup_addr: str | None = None
@@ -182,14 +183,29 @@ class CheckpointService(AgentCollaborator):
         every = self.config.ckpt_persist_every
         if every <= 0 or self._busy.is_set():
             return None
-        step = self.newest_common_step(group)
-        # Persist the newest step once a multiple of `every` was passed: steps can be faster
-        # than the monitor interval, so the multiple itself may never be seen.
-        if step is not None and step > self._persisted and \
-                step // every > max(self._persisted, 0) // every:
+        if self._remote_pending and time.monotonic() - self._last_remote_try > 1.0:
+            self._last_remote_try = time.monotonic()
+            self._busy.set()
+            self._jobs.put(-1)  # a commit attempt, on the persister thread
+            return None
+        step = self.step_to_persist(group, every)
+        if step is not None:
             self._busy.set()
             self._jobs.put(step)
         return None
+
+    def step_to_persist(self, group: GroupInfo, every: int) -> int | None:
+        """The step due for persistence: a multiple of ``every`` every local worker holds
+        (every node picks the same one, so the shared directory's commit completes); else the
+        newest step once a multiple was passed unseen (steps faster than the monitor tick)."""
+        steps = self.common_steps(group)
+        if not steps:
+            return None
+        newest = max(steps)
+        if newest <= self._persisted or newest // every <= max(self._persisted, 0) // every:
+            return None
+        multiples = [s for s in steps if s % every == 0 and s > self._persisted]
+        return max(multiples) if multiples else newest
 
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
         if not self.config.ckpt_flush_on_failure:
@@ -228,6 +244,12 @@ class CheckpointService(AgentCollaborator):
             step = self.newest_common_step(group)
             if step is not None and step > self._persisted:
                 self.persist(step, group)  # the final state, before its memory goes away
+            world = group.workers[0].world_size if group.workers else 0
+            deadline = time.monotonic() + 30.0  # other nodes' final shards may still land
+            while self._remote_pending and time.monotonic() < deadline:
+                self._commit_remote(world)
+                if self._remote_pending:
+                    time.sleep(0.2)
         for slots in self._slots.values():
             slots.close()
         for path in shm.owned_segments(self._owner, self._shm_dir):
@@ -238,8 +260,8 @@ class CheckpointService(AgentCollaborator):
     # ------------------------------------------------------------------------------------------
     # Persisting.
 
-    def newest_common_step(self, group: GroupInfo) -> int | None:
-        """Newest step every local worker holds complete in shared memory (for its rank)."""
+    def common_steps(self, group: GroupInfo) -> set[int]:
+        """Steps every local worker holds complete in shared memory (each for its rank)."""
         common: set[int] | None = None
         for worker in group.workers:
             slots = self.slot_set(group, worker.local_rank)
@@ -247,8 +269,12 @@ class CheckpointService(AgentCollaborator):
                      if h.rank == worker.global_rank and h.world_size == worker.world_size}
             common = steps if common is None else common & steps
             if not common:
-                return None
-        return max(common) if common else None
+                return set()
+        return common or set()
+
+    def newest_common_step(self, group: GroupInfo) -> int | None:
+        """Newest step every local worker holds complete in shared memory (for its rank)."""
+        return max(self.common_steps(group), default=None)
 
     def _persist_loop(self) -> None:
         durable.background_priority()
@@ -258,7 +284,10 @@ class CheckpointService(AgentCollaborator):
                 return
             try:
                 group = self._group
-                if group is not None:
+                if group is not None and step < 0:
+                    with self._persist_lock:
+                        self._commit_remote(group.workers[0].world_size if group.workers else 0)
+                elif group is not None:
                     self.persist(step, group)
             finally:
                 self._busy.clear()
@@ -318,17 +347,21 @@ class CheckpointService(AgentCollaborator):
         single = group.group_world_size <= 1
         durable.try_commit(local, step, world, range(world) if single else local_ranks)
         durable.retain(local, self.config.ckpt_keep)
+        if self.config.ckpt_remote_dir is not None and group.group_rank == 0:
+            # The leader commits the shared directory once every node's shards landed; other
+            # nodes may still be writing, so this is retried every tick instead of waited for.
+            self._remote_pending.add(step)
+            self._commit_remote(world)
+
+    def _commit_remote(self, world: int) -> None:
         remote = self.config.ckpt_remote_dir
-        if remote is None or group.group_rank != 0:
+        if remote is None or not self._remote_pending:
             return
-        deadline = time.monotonic() + _COMMIT_WAIT_S
-        while not durable.try_commit(remote, step, world, range(world)):
-            if time.monotonic() > deadline:
-                logger.warning("remote step %d not committed: not every rank became durable",
-                               step)
-                return
-            time.sleep(0.1)
-        durable.retain(remote, self.config.ckpt_keep)
+        try:
+            durable.commit_pending(remote, self._remote_pending, world, range(world),
+                                   self.config.ckpt_keep)
+        except (CheckpointError, OSError) as e:
+            logger.error("committing in %s failed: %s", remote, e)
 
     def _replicate(self, step: int, group: GroupInfo) -> None:
         if not self._backup_addr or not self._secret:
