@@ -11,7 +11,8 @@ under plain torchrun or python the script's own process does (--ckpt-dir, --pers
 
 --crash-at-step N makes --fault-rank SIGKILL itself at step N of the first attempt, right after
 the save returns (mid-save: the copy is still running) or once it is complete (--crash-mode
-after-save), for tests and demos of recovery.
+after-save), for tests and demos of recovery; --infra-error-at-step N makes it raise a
+connection error before step N instead.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-mode", choices=("mid-save", "after-save"), default="mid-save")
     parser.add_argument("--fault-rank", type=int, default=0)
+    parser.add_argument("--infra-error-at-step", type=int, default=-1,
+                        help="--fault-rank raises a connection error before this step "
+                        "(first attempt): an infrastructure fault, not a bug")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -75,6 +79,8 @@ def main() -> None:
             print(f"resumed from step {start} (source={ckpt.last_source})", flush=True)
 
     for step in range(start, args.steps):
+        if step + 1 == args.infra_error_at_step and rank == args.fault_rank and first_attempt():
+            raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
         x, y = batch(step, rank, args.batch_size)
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         optim.zero_grad(set_to_none=True)

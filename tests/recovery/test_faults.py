@@ -1,0 +1,302 @@
+"""One test per fault type, on elasticft-run agents as separate nodes (etcd-v3, gloo): each
+fault is detected, recovered, and training finishes with the loss sequence of an uninterrupted
+run. With the worker API (examples/train_elasticft.py) a healthy replica makes the restart lose
+at most one step; the unmodified torchrun script (examples/train_plain.py) resumes from its own
+torch.save checkpoint (every 3 steps), so it may redo up to 3."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticft import chaos
+from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
+from elasticft.rendezvous.membership import Blacklist, read_status
+from tests.recovery.cluster import (
+    API,
+    PLAIN,
+    Job,
+    Losses,
+    NetNamespace,
+    VethEtcd,
+    losses_of,
+    reference_losses,
+)
+from tests.servers import EtcdServer
+
+pytestmark = pytest.mark.slow
+STEPS = 14
+FAULT_AFTER = 5
+PLAIN_CKPT_EVERY = 3
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Losses]:
+    """Uninterrupted runs, one per example script, each made once for the whole module."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_", "SLURM_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+
+    class Lazy(dict):
+        def __missing__(self, script: Path) -> Losses:
+            self[script] = reference_losses(tmp_path_factory.mktemp(script.stem), env, script,
+                                            STEPS)
+            return self[script]
+
+    return Lazy()
+
+
+@pytest.fixture
+def make_job(tmp_path: Path, job_env: dict[str, str]) -> Iterator:
+    jobs: list[Job] = []
+
+    def make(endpoint: str, script: Path, **kwargs) -> Job:
+        job = Job(tmp_path, job_env, endpoint, f"job-{len(jobs)}", script, STEPS, **kwargs)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def finish(job: Job, reference: Losses, *names: str, timeout: float = 150) -> Losses:
+    for name in names:
+        code = job.nodes[name].wait(timeout)
+        assert code == 0, f"node {name} exited {code}\n{job.outputs()}"
+    losses = losses_of(job.loss_log)
+    assert sorted(losses.values) == list(range(1, STEPS + 1)), job.outputs()
+    assert losses.values == reference.values  # the loss sequence of an uninterrupted run
+    return losses
+
+
+def decisions(job: Job) -> list[dict]:
+    return job.events("decision")
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker faults on a healthy node: restart in place, resume from the healthy replica's memory.
+
+
+@pytest.mark.timeout(200)
+def test_worker_exception_from_infrastructure(etcd_server: EtcdServer, make_job, reference):
+    job = make_job(etcd_server.endpoint, API,
+                   extra_train=["--infra-error-at-step", str(FAULT_AFTER + 1), "--fault-rank",
+                                "1"])
+    job.start("a")
+    job.start("b")
+    losses = finish(job, reference[API], "a", "b")
+    failures = [e for e in job.events("failure") if e["rank"] == 1]
+    assert failures[0]["failure_class"] == "infrastructure", failures
+    assert failures[0]["exception"] == "ConnectionResetError"
+    assert {d["action"] for d in decisions(job)} == {"restart_in_place"}
+    assert losses.recomputed <= 1
+    assert job.logged("source=memory")
+
+
+@pytest.mark.timeout(200)
+def test_worker_sigkill(etcd_server: EtcdServer, make_job, reference):
+    job = make_job(etcd_server.endpoint, API)
+    job.start("a")
+    job.start("b")
+    job.wait_step(FAULT_AFTER)
+    chaos.signal_rank(job.tmp, 1, signal.SIGKILL)
+    losses = finish(job, reference[API], "a", "b")
+    killed = [e for e in job.events("failure") if e.get("signal") == "SIGKILL"]
+    assert killed and killed[0]["rank"] == 1
+    assert {d["action"] for d in decisions(job)} == {"restart_in_place"}
+    assert losses.recomputed <= 1
+    assert job.logged("source=memory")
+
+
+@pytest.mark.timeout(200)
+def test_worker_sigterm_by_mistake(etcd_server: EtcdServer, make_job, reference):
+    job = make_job(etcd_server.endpoint, API)
+    job.start("a")
+    job.start("b")
+    job.wait_step(FAULT_AFTER)
+    chaos.signal_rank(job.tmp, 0, signal.SIGTERM)
+    losses = finish(job, reference[API], "a", "b")
+    termed = [e for e in job.events("failure") if e.get("signal") == "SIGTERM"]
+    assert termed and termed[0]["failure_class"] == "stop_requested"
+    assert {d["action"] for d in decisions(job)} == {"restart_in_place"}
+    assert losses.recomputed <= 1
+
+
+@pytest.mark.timeout(200)
+def test_worker_hang_sigstop_just_in_time_checkpoint(etcd_server: EtcdServer, make_job,
+                                                     reference):
+    job = make_job(etcd_server.endpoint, API)
+    job.start("a")
+    job.start("b")
+    job.wait_step(FAULT_AFTER)
+    pid = chaos.signal_rank(job.tmp, 1, signal.SIGSTOP)
+    try:
+        hang = job.wait_for("a hang detection", lambda: [
+            e for e in job.events("detection") if e["detector"] == "hang"
+            and e.get("culprits")], timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert [(c["rank"], c["node"]) for c in hang["culprits"]] == [(1, "b")]
+    losses = finish(job, reference[API], "a", "b")
+    # The healthy replica (rank 0, stuck in the collective) answered the JIT request.
+    jit = [e for e in job.events("jit_checkpoint") if e["node"] == "a"]
+    assert jit and jit[0]["ranks"].get("0") is not None, job.events("jit_checkpoint")
+    assert any(d["checkpoint"] == "jit" for d in decisions(job) if d["node"] == "a")
+    assert losses.recomputed <= 1
+
+
+@pytest.mark.timeout(200)
+def test_unmodified_script_hang_is_named_restarted_and_resumed(etcd_server: EtcdServer,
+                                                               make_job, reference):
+    job = make_job(etcd_server.endpoint, PLAIN)
+    job.start("a")
+    job.start("b")
+    job.wait_step(FAULT_AFTER)
+    pid = chaos.signal_rank(job.tmp, 0, signal.SIGSTOP)
+    try:
+        hang = job.wait_for("a hang detection", lambda: [
+            e for e in job.events("detection") if e["detector"] == "hang"
+            and e.get("culprits")], timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert [(c["rank"], c["node"]) for c in hang["culprits"]] == [(0, "a")]
+    losses = finish(job, reference[PLAIN], "a", "b")
+    assert job.logged("resumed from step")
+    assert losses.recomputed <= PLAIN_CKPT_EVERY
+
+
+@pytest.mark.timeout(200)
+def test_slow_worker_is_named_and_restarted(etcd_server: EtcdServer, make_job, reference):
+    job = make_job(etcd_server.endpoint, PLAIN, step_time=0.05,
+                   extra_agent=["--slow-action", "restart", "--slow-confirm-s", "1",
+                                "--slow-window", "4"])
+    job.start("a")
+    job.start("b")
+    job.wait_step(3)
+    slowing = threading.Thread(target=chaos.slow_rank, args=(job.tmp, 1, 0.8, 0.25, 40),
+                               daemon=True)
+    slowing.start()
+    slow = job.wait_for("a slow-rank detection", lambda: [
+        e for e in job.events("detection") if e["detector"] == "slow_rank"], timeout=90)[0]
+    assert slow["rank"] == 1 and slow["node"] == "b"
+    losses = finish(job, reference[PLAIN], "a", "b")
+    assert any(d["action"] == "restart_in_place" for d in decisions(job))
+    assert losses.recomputed <= PLAIN_CKPT_EVERY
+    slowing.join(timeout=60)
+
+
+@pytest.mark.timeout(200)
+def test_etcd_restarted_mid_run(etcd_server: EtcdServer, make_job, reference):
+    job = make_job(etcd_server.endpoint, API, step_time=0.3)
+    job.start("a")
+    job.start("b")
+    job.wait_step(FAULT_AFTER)
+    etcd_server.restart(down_s=1.0)
+    losses = finish(job, reference[API], "a", "b")
+    assert not job.events("failure")  # training went on across the outage
+    assert losses.recomputed == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Node faults: the node is gone; the leader blacklists it, the standby takes its place.
+
+
+def blacklist_of(endpoint: str) -> dict[str, str]:
+    settings = EtcdSettings.from_conf(endpoint, {})
+    client = LazyClient(settings)
+    try:
+        return {e.node_id: e.reason for e in Blacklist(client, settings.root,
+                                                         settings).entries()}
+    finally:
+        client.close()
+
+
+def standbys(endpoint: str, job_id: str) -> int:
+    settings = EtcdSettings.from_conf(endpoint, {})
+    client = LazyClient(settings)
+    try:
+        return len(read_status(client, Keys(settings.root, job_id), settings).standbys)
+    finally:
+        client.close()
+
+
+def with_standby(job: Job, **kwargs) -> None:
+    job.start("a", **kwargs)
+    job.start("b", **kwargs)
+    job.wait_step(1)
+    job.start("c", **kwargs)  # started last: the warm standby
+    job.wait_for("c waiting as a standby", lambda: standbys(job.endpoint, job.job_id) == 1,
+                 timeout=60)
+
+
+def check_replaced(job: Job, endpoint: str, lost: str, reference: Losses) -> Losses:
+    survivors = [n for n in job.nodes if n != lost]
+    losses = finish(job, reference, *survivors, timeout=180)
+    started = job.nodes["c"].events("workers_started")
+    assert started and started[-1]["world_size"] == 2  # the standby took the lost place
+    evictions = [e for e in job.events("eviction") if e["evicted"] == lost]
+    assert evictions and evictions[0]["by"] == "leader", job.events("eviction")
+    reason = blacklist_of(endpoint).get(lost, "")
+    assert reason.startswith("node disappeared"), reason
+    assert losses.recomputed <= PLAIN_CKPT_EVERY
+    return losses
+
+
+@pytest.mark.timeout(240)
+def test_node_down(etcd_server: EtcdServer, make_job, reference):
+    job = make_job(etcd_server.endpoint, PLAIN, step_time=0.25)
+    with_standby(job)
+    job.wait_step(FAULT_AFTER)
+    chaos.kill_node(job.tmp, "b")
+    check_replaced(job, etcd_server.endpoint, "b", reference[PLAIN])
+
+
+@pytest.mark.timeout(240)
+def test_leader_agent_killed(etcd_server: EtcdServer, make_job, reference):
+    job = make_job(etcd_server.endpoint, PLAIN, step_time=0.25)
+    with_standby(job)
+    job.wait_step(FAULT_AFTER)
+    leader, pid = chaos.leader_agent(etcd_server.endpoint, job.job_id)
+    chaos.kill_process_tree(pid)
+    check_replaced(job, etcd_server.endpoint, leader, reference[PLAIN])
+    rounds = [e for e in job.events("rendezvous") if e["node"] != leader]
+    assert any(e["group_rank"] == 0 for e in rounds[-2:])  # a new leader was elected
+
+
+@pytest.mark.timeout(240)
+def test_node_network_cut(tmp_path_factory: pytest.TempPathFactory, make_job, reference):
+    if os.geteuid() != 0:
+        pytest.fail("the network-cut test needs root (network namespaces)", pytrace=False)
+    ns = NetNamespace("eftrec")
+    base = tmp_path_factory.mktemp("etcd-veth")
+    (base / "data").mkdir(mode=0o700)
+    server = VethEtcd(base / "data", base / "etcd.log", ns.host_addr)
+    job: Job | None = None
+    try:
+        server.start()
+        job = make_job(server.endpoint, PLAIN, step_time=0.25)
+        host = {"local_addr": ns.host_addr, "env": {"GLOO_SOCKET_IFNAME": ns.host_link}}
+        job.start("a", **host)
+        job.start("b", local_addr=ns.node_addr, prefix=ns.prefix,
+                  env={"GLOO_SOCKET_IFNAME": ns.node_link})
+        job.wait_step(1)
+        job.start("c", **host)
+        job.wait_for("c waiting as a standby", lambda: standbys(job.endpoint, job.job_id) == 1,
+                     timeout=60)
+        job.wait_step(FAULT_AFTER)
+        chaos.netcut(ns.node_link, ns.name)
+        check_replaced(job, server.endpoint, "b", reference[PLAIN])
+    finally:
+        if job is not None:
+            job.close()  # the cut-off node never finishes by itself
+        server.stop()
+        ns.close()
