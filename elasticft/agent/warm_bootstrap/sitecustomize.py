@@ -136,6 +136,9 @@ def _main():
             break
     try:
         sock.sendall(b"R")
+    except OSError:
+        pass  # the agent already sent its request and closed its end; the request is buffered
+    try:
         received = _receive(sock)
     except OSError:
         received = None

@@ -1,0 +1,295 @@
+"""Warm start: a worker begun in a pre-started interpreter must be indistinguishable from one
+started cold, for the script and for the agent watching it (real processes, real signals)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elasticft.agent.warmpool import (
+    WarmPool,
+    WarmProcess,
+    bootstrap_dir,
+    not_warm_startable,
+    startup_mismatch,
+)
+from elasticft.events import read_events
+from tests.conftest import BIN
+
+HERE = Path(__file__).parent
+SHOW = str(HERE / "workers" / "show_start.py")
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def base_env(tmp_path: Path) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("ELASTICFT_", "TORCHELASTIC_", "PET_", "SHOW_START"))
+    }
+    env.update(RANK="0", MASTER_PORT="1111", ELASTICFT_ATTEMPT="0", PYTHONUNBUFFERED="1")
+    return env
+
+
+def attempt_env(tmp_path: Path, tag: str) -> dict[str, str]:
+    """The environment of a later attempt: per-attempt variables changed."""
+    env = base_env(tmp_path)
+    env.update(RANK="1", MASTER_PORT="2222", ELASTICFT_ATTEMPT="1", TORCHELASTIC_RESTART_COUNT="1",
+               SHOW_START_TAG=tag)
+    return env
+
+
+def start_both(
+    tmp_path: Path, mode: str, preload: tuple[str, ...] = ("json",),
+    spawn_env: dict[str, str] | None = None,
+) -> dict[str, dict]:
+    """Runs show_start.py cold and warm with the same command and environment."""
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), mode]
+    results = {}
+    for how in ("cold", "warm"):
+        env = attempt_env(tmp_path, how)
+        out, err = tmp_path / f"{how}.out", tmp_path / f"{how}.err"
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            if how == "cold":
+                proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=stdout,
+                                        stderr=stderr, start_new_session=True)
+            else:
+                warm = WarmProcess.spawn(argv, spawn_env or base_env(tmp_path), str(tmp_path),
+                                         preload)
+                wait_until(warm.ready, 60, "the pre-started interpreter")
+                proc = warm.start(argv, env, str(tmp_path), stdout.fileno(), stderr.fileno())
+        code = proc.wait(timeout=60)
+        results[how] = {
+            "code": code,
+            "stdout": out.read_text(),
+            "stderr": err.read_text(),
+            "state": json.loads((tmp_path / "out" / f"{how}.json").read_text()),
+        }
+    return results
+
+
+def comparable(state: dict) -> dict:
+    """A start's state without what names the process itself."""
+    state = json.loads(json.dumps(state))
+    state["env"].pop("SHOW_START_TAG")
+    state.pop("pid")
+    if state["sitecustomize"] == str(bootstrap_dir() / "sitecustomize.py"):
+        # Known difference: with no sitecustomize of its own to hand over to, the warm
+        # bootstrap stays in sys.modules (a cold interpreter has none there).
+        state["sitecustomize"] = None
+    return state
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure decisions.
+
+
+def test_only_torchrun_style_python_commands_are_warm_startable(tmp_path: Path) -> None:
+    python = sys.executable
+    assert not_warm_startable([python, "-u", "train.py", "--x"]) is None
+    assert not_warm_startable([python, "-u", "-m", "pkg.train"]) is None
+    assert "not a Python interpreter" in not_warm_startable(["/bin/sh", "-u", "train.py"])
+    assert "'-u'" in not_warm_startable([python, "-I", "train.py"])
+    assert "not supported" in not_warm_startable([python, "-u", "-E", "train.py"])
+    assert not_warm_startable([python, "-u"]) is not None
+
+
+def test_only_per_attempt_variables_may_change_after_start_up() -> None:
+    started = {"RANK": "0", "MASTER_PORT": "1", "TORCHELASTIC_RESTART_COUNT": "0",
+               "ELASTICFT_ROUND": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/a"}
+    later = {**started, "RANK": "1", "MASTER_PORT": "2", "TORCHELASTIC_RESTART_COUNT": "1",
+             "ELASTICFT_ROUND": "3", "LOCAL_RANK": "1"}
+    assert startup_mismatch(started, later) == []
+    changed = {**later, "OMP_NUM_THREADS": "2", "LD_PRELOAD": "/x.so"}
+    del changed["PYTHONPATH"]
+    assert startup_mismatch(started, changed) == ["LD_PRELOAD", "OMP_NUM_THREADS", "PYTHONPATH"]
+
+
+# ----------------------------------------------------------------------------------------------
+# One interpreter against a cold start.
+
+
+@pytest.mark.timeout(120)
+def test_script_sees_the_same_start_as_cold(tmp_path: Path) -> None:
+    results = start_both(tmp_path, "ok")
+    cold, warm = results["cold"], results["warm"]
+    assert cold["code"] == warm["code"] == 0
+    assert comparable(warm["state"]) == comparable(cold["state"])
+    assert warm["state"]["env"]["RANK"] == "1"  # the start request's, not the pre-start's
+    assert warm["state"]["argv"] == [SHOW, str(tmp_path / "out"), "ok"]
+    assert warm["state"]["group_leader"] and warm["state"]["session_leader"]
+    assert (cold["stdout"], warm["stdout"]) == ("started cold\n", "started warm\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["exit3", "raise", "sysexit-msg"])
+def test_exit_codes_and_tracebacks_are_the_scripts_own(tmp_path: Path, mode: str) -> None:
+    results = start_both(tmp_path, mode)
+    cold, warm = results["cold"], results["warm"]
+    assert warm["code"] == cold["code"] != 0
+    assert warm["stderr"] == cold["stderr"]
+    if mode == "raise":
+        assert "Traceback (most recent call last)" in warm["stderr"]
+        assert "sitecustomize" not in warm["stderr"]
+        assert warm["stderr"].rstrip().endswith("ValueError: bad value from the script")
+
+
+@pytest.mark.timeout(120)
+def test_output_of_the_preload_imports_reaches_the_workers_streams(tmp_path: Path) -> None:
+    noisy = tmp_path / "mods"
+    noisy.mkdir()
+    (noisy / "noisy_import.py").write_text(
+        "import sys\nprint('imported noisily')\nprint('warning from import', file=sys.stderr)\n"
+    )
+    env = base_env(tmp_path)
+    env["PYTHONPATH"] = str(noisy)
+    env["SHOW_START_IMPORT"] = "noisy_import"
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out")]
+    started_env = {**attempt_env(tmp_path, "warm"), "PYTHONPATH": str(noisy),
+                   "SHOW_START_IMPORT": "noisy_import"}
+    warm = WarmProcess.spawn(argv, env | {"SHOW_START_TAG": "warm"}, str(tmp_path),
+                             ("noisy_import",))
+    wait_until(warm.ready, 60, "the pre-started interpreter")
+    with open(tmp_path / "o", "w") as out, open(tmp_path / "e", "w") as err:
+        proc = warm.start(argv, started_env, str(tmp_path), out.fileno(), err.fileno())
+        assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "o").read_text() == "imported noisily\nstarted warm\n"
+    assert (tmp_path / "e").read_text() == "warning from import\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_preload_falls_back_to_a_cold_start_in_the_same_process(tmp_path: Path) -> None:
+    results = start_both(tmp_path, "ok", preload=("no_such_module_anywhere",))
+    cold, warm = results["cold"], results["warm"]
+    assert warm["code"] == 0
+    assert comparable(warm["state"]) == comparable(cold["state"])
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_process_group_stops_a_warm_worker(tmp_path: Path) -> None:
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "sleep"]
+    warm = WarmProcess.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
+    proc = warm.start(argv, attempt_env(tmp_path, "w"), str(tmp_path), 1, 2)
+    wait_until((tmp_path / "out" / "w.json").exists, 60, "the worker to start")
+    os.killpg(proc.pid, signal.SIGTERM)  # how torch stops a worker
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_a_warm_worker_leaves_nothing_running(tmp_path: Path) -> None:
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "sleep"]
+    pool = WarmPool(preload=("json",))
+    pool.refill(0, argv, {**base_env(tmp_path), "SHOW_START_TAG": "w"}, str(tmp_path))
+    wait_until(lambda: 0 in pool.idle() and pool.idle()[0].ready(), 60, "the pool")
+    warm = pool.take(0, argv, attempt_env(tmp_path, "w"), str(tmp_path))
+    assert warm is not None
+    proc = warm.start(argv, attempt_env(tmp_path, "w"), str(tmp_path), 1, 2)
+    wait_until((tmp_path / "out" / "w.json").exists, 60, "the worker to start")
+    session = os.getsid(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the watched process itself, as `elasticft chaos kill`
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    left = [p for p in psutil.process_iter() if _session(p) == session]
+    assert left == []
+    pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_interpreters_never_started_exit_without_running_the_script(tmp_path: Path) -> None:
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "ok"]
+    pool = WarmPool(preload=("json",))
+    for rank in (0, 1):
+        pool.refill(rank, argv, base_env(tmp_path), str(tmp_path))
+    wait_until(lambda: len(pool.idle()) == 2, 60, "the pool")
+    procs = [w.proc for w in pool.idle().values()]
+    pool.close()
+    assert [p.wait(timeout=30) for p in procs] in ([0, 0], [-9, -9], [0, -9], [-9, 0])
+    # The agent disappearing (its end of the socket closed) also ends them.
+    orphan = WarmProcess.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
+    orphan._channel.close()
+    assert orphan.proc.wait(timeout=60) == 0
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_changed_start_up_environment_starts_cold(tmp_path: Path) -> None:
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "ok"]
+    pool = WarmPool(preload=("json",))
+    pool.refill(0, argv, base_env(tmp_path), str(tmp_path))
+    wait_until(lambda: 0 in pool.idle(), 60, "the pool")
+    idle = pool.idle()[0]
+    changed = {**attempt_env(tmp_path, "w"), "OMP_NUM_THREADS": "7"}
+    assert pool.take(0, argv, changed, str(tmp_path)) is None
+    assert idle.proc.wait(timeout=30) in (0, -signal.SIGKILL)
+    pool.close()
+
+
+def _session(process: psutil.Process) -> int | None:
+    try:
+        return os.getsid(process.pid)
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Under elasticft-run, with torch preloaded.
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restarted_workers_start_warm_and_see_what_cold_ones_saw(
+    tmp_path: Path, job_env: dict[str, str]
+) -> None:
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    env = {**job_env, "SHOW_START_IMPORT": "torch", "LOGLEVEL": "WARNING"}
+    proc = subprocess.run(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "2", "--run-dir", str(run_dir), SHOW, str(out), "kill-first"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr
+    started = [e for e in read_events(run_dir) if e["kind"] == "workers_started"]
+    assert [e["warm_local_ranks"] for e in started] == [[], [0, 1]]
+    per_attempt = {"ELASTICFT_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT",
+                   "TORCHELASTIC_ERROR_FILE", "ELASTICFT_DIAG_OWNER_PID", "ELASTICFT_ROUND"}
+    for rank in (0, 1):
+        cold = json.loads((out / f"attempt0-rank{rank}.json").read_text())
+        warm = json.loads((out / f"attempt1-rank{rank}.json").read_text())
+        for state in (cold, warm):
+            # Diagnostics installed their recorder for this very process, warm or cold.
+            owner = state["env"].get("ELASTICFT_DIAG_OWNER_PID")
+            assert owner in (None, str(state.pop("pid")))
+            for key in per_attempt:
+                state["env"].pop(key, None)
+        assert warm == cold
+        # Diagnostics' bootstrap (first on PYTHONPATH) still ran and installed the recorder.
+        if cold["sitecustomize"]:
+            assert "diag" in cold["sitecustomize"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_warm_start_can_be_turned_off(tmp_path: Path, job_env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "1", "--max-restarts",
+         "1", "--warm-start", "false", "--run-dir", str(run_dir), SHOW, str(tmp_path / "out"),
+         "kill-first"],
+        env=job_env, cwd=tmp_path, capture_output=True, text=True, timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr
+    started = [e for e in read_events(run_dir) if e["kind"] == "workers_started"]
+    assert [e["warm_local_ranks"] for e in started] == [[], []]
