@@ -91,7 +91,7 @@ def _exec_cold(request):
     os.execvpe(request["argv"][0], request["argv"], request["env"])
 
 
-def _become_worker(request, fds, startup_env, preload_error):
+def _become_worker(request, fds, preload_error):
     out_fd, err_fd = fds
     warm_output = (_captured(1), _captured(2))
     os.dup2(out_fd, 1)
@@ -100,14 +100,11 @@ def _become_worker(request, fds, startup_env, preload_error):
     os.close(err_fd)
     if preload_error is not None or os.getcwd() != request["cwd"]:
         _exec_cold(request)
-    env = dict(request["env"])
-    # Variables the preloaded imports set for themselves: a cold worker has them after its own
-    # imports too.
-    for key, value in os.environ.items():
-        if startup_env.get(key) != value:
-            env.setdefault(key, value)
+    # Exactly the worker's environment. A variable a preloaded import set for itself is dropped:
+    # the script may never import that module (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR), and
+    # torch sets such variables again where it uses them.
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(request["env"])
     sys.path[:] = _without_here(sys.path)
     sys.path_importer_cache.pop(_HERE, None)
     _write_all(1, warm_output[0])
@@ -126,7 +123,6 @@ def _main():
     import socket
 
     sock = socket.socket(fileno=int(fd))
-    startup_env = dict(os.environ)
     preload_error = None
     for name in preload:
         try:
@@ -147,7 +143,7 @@ def _main():
         os._exit(0)  # the agent is gone or discarded us; no user code has run
     request, fds = received
     try:
-        _become_worker(request, fds, startup_env, preload_error)
+        _become_worker(request, fds, preload_error)
     except BaseException:
         # Never half a worker: start over as a cold one in this same process.
         try:

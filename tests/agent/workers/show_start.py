@@ -6,7 +6,8 @@ Writes OUT_DIR/<tag>.json (tag: $SHOW_START_TAG, else attempt<ELASTICFT_ATTEMPT>
 with argv, sys.path, cwd, environment, __main__'s attributes, the sitecustomize that ran,
 interpreter flags, process group and signal state. MODE: ``ok`` (exit 0, the default),
 ``exit3``, ``raise`` (ValueError), ``sysexit-msg``, ``sleep`` (wait for a signal),
-``kill-first`` (SIGKILL itself on attempt 0, exit 0 later). With $SHOW_START_IMPORT it first
+``kill-first`` (SIGKILL itself on attempt 0 once every local rank has written, exit 0
+later). With $SHOW_START_IMPORT it first
 imports that module (e.g. torch, so diagnostics install as in a training script).
 """
 
@@ -66,4 +67,10 @@ elif mode == "sleep":
     while True:
         time.sleep(1)
 elif mode == "kill-first" and os.environ.get("ELASTICFT_ATTEMPT", "0") == "0":
+    # Once every local rank has written its record, so that none is stopped before it has.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(out.glob("attempt0-*.json"))) < int(
+        os.environ.get("LOCAL_WORLD_SIZE", "1")
+    ):
+        time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
