@@ -240,14 +240,19 @@ class PeerServer:
 
 
 class PeerClient:
-    def __init__(self, address: str, secret: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, secret: str, timeout_s: float = 60.0,
+                 connect_timeout_s: float = 5.0) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host, int(port)
         self._secret = secret
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        """A peer that is gone must not hold up a restart for long."""
 
     def _call(self, header: Mapping[str, Any], body: Any = None) -> tuple[dict, bytearray | None]:
-        with socket.create_connection((self.host, self.port), timeout=self.timeout_s) as sock:
+        address = (self.host, self.port)
+        with socket.create_connection(address, timeout=self.connect_timeout_s) as sock:
+            sock.settimeout(self.timeout_s)
             hello, _ = recv_message(sock)
             send_message(sock, dict(header, auth=_proof(self._secret, hello["nonce"])), body)
             reply, payload = recv_message(sock)
