@@ -87,6 +87,13 @@ def main() -> None:
         loss.backward()
         optim.step()  # waits for the part of the previous snapshot still being copied
         done = step + 1
+        if rank == 0:
+            # Logged before the snapshot: a step that can be resumed from was also reported.
+            value = loss.item()
+            print(f"step {done} loss {value:.6f}", flush=True)
+            if args.loss_log:
+                with open(args.loss_log, "a") as f:
+                    f.write(f"{done} {value!r}\n")  # exact, for bitwise comparisons
         request = ckpt.save(done, snapshot(extra={"step": done}))
         if done == args.crash_at_step and rank == args.fault_rank and first_attempt():
             if args.crash_mode == "after-save":
@@ -94,12 +101,6 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.step_time:
             time.sleep(args.step_time)
-        if rank == 0:
-            value = loss.item()
-            print(f"step {done} loss {value:.6f}", flush=True)
-            if args.loss_log:
-                with open(args.loss_log, "a") as f:
-                    f.write(f"{done} {value!r}\n")  # exact, for bitwise comparisons
     ckpt.close()
     dist.barrier()
     if rank == 0:

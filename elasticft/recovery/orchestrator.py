@@ -223,7 +223,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             "node_offences": self.offences,
             "repeat_offender_limit": self.config.recovery_repeat_offender,
             "replicas_intact": intact,
-            "jit_available": control is not None and bool(healthy),
+            "jit_available": control is not None and bool(healthy) and self._uses_api(group),
             "can_evict": self._can_evict(group),
         }
         self._facts = facts
@@ -235,10 +235,19 @@ class RecoveryOrchestrator(AgentCollaborator):
         else:
             why = ("a shard lost every replica" if not intact else
                    "no healthy worker on this node to ask" if not healthy else
+                   "the workers keep no elasticft snapshot" if control is not None else
                    "no checkpoint service")
             logger.info("resuming from the newest complete snapshot: %s", why)
             self._emit("recovery_checkpoint", source=source.value, reason=why,
                        offending_ranks=sorted(offending))
+
+    def _uses_api(self, group: GroupInfo) -> bool:
+        """Whether the workers snapshot through the Checkpointer (and so run the control thread
+        that answers a JIT request); a plain script never does, and asking it would only wait."""
+        try:
+            return self.checkpoints.newest_common_step(group) is not None
+        except Exception:
+            return False
 
     def _control_dir(self, group: GroupInfo) -> Path | None:
         service = self.checkpoints
