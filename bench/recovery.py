@@ -1,0 +1,233 @@
+"""What a fault costs under torchrun and under elasticft-run, measured in the same session.
+
+For each launcher and fault it trains 2 gloo workers on this machine, injects the fault once
+training is past ``--fault-step``, and follows the loss log (polled every 20 ms) to print:
+
+* **first step**: seconds from the fault to the first step logged after it;
+* **recomputed**: steps logged before the fault and again after it (work lost);
+* **past fault**: seconds from the fault until training logs a step beyond the last one
+  logged before it (the whole cost of the fault).
+
+Runs: the plain torchrun script (``examples/train_plain.py``, torch.save every
+``--ckpt-every`` steps) under ``torchrun`` and under ``elasticft-run``, and the worker-API example
+(``examples/train_elasticft.py``, a memory snapshot every step) under ``elasticft-run``. Faults:
+``kill`` (SIGKILL of rank 1) and ``hang`` (SIGSTOP of rank 1; torchrun waits for gloo's
+30-minute timeout, so it is given up after ``--hang-cap`` seconds).
+
+Then the TOR of a run with periodic faults: the plain script under elasticft-run for
+``--tor-seconds`` with a SIGKILL every ``--tor-every`` seconds, analysed by ``elasticft report``'s
+machinery (:mod:`elasticft.report.tor`).
+
+    .venv/bin/python bench/recovery.py            # about 4 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from elasticft import chaos  # noqa: E402
+from elasticft.events import read_events  # noqa: E402
+from elasticft.report.steps import read_steps  # noqa: E402
+from elasticft.report.tor import analyze  # noqa: E402
+
+BIN = Path(sys.executable).parent
+PLAIN = ROOT / "examples" / "train_plain.py"
+API = ROOT / "examples" / "train_elasticft.py"
+
+
+def read_log(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            steps.append(int(parts[0]))
+    return steps
+
+
+def torchrun_pids(proc: subprocess.Popen[bytes]) -> dict[int, int]:
+    """Rank -> pid of torchrun's workers (its grandchildren run the script; RANK in environ)."""
+    import psutil
+
+    pids = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "train_" in " ".join(child.cmdline()):
+            pids[int(rank)] = child.pid
+    return pids
+
+
+def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
+              work: Path, env: dict[str, str]) -> dict[str, object]:
+    tag = f"{launcher}-{script.stem}-{fault}"
+    run_dir = work / tag
+    loss_log = work / f"{tag}.loss"
+    train = [str(script), "--steps", str(args.steps), "--batch-size", "4", "--step-time",
+             str(args.step_time), "--loss-log", str(loss_log)]
+    if script == PLAIN:
+        train += ["--ckpt-dir", str(work / f"{tag}-ckpt"), "--ckpt-every", str(args.ckpt_every)]
+    if launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "3", *train]
+    else:
+        cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "3", "--run-dir", str(run_dir), "--monitor-interval", "0.1",
+               "--shutdown-timeout", "5", "--hang-floor-s", str(args.hang_floor),
+               "--hang-min-samples", "5", *train]
+    log = (work / f"{tag}.out").open("wb")
+    proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    result: dict[str, object] = {"run": f"{launcher} {script.name}", "fault": fault}
+    try:
+        deadline = time.monotonic() + 300
+        while max(read_log(loss_log), default=0) < args.fault_step:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{tag}: never reached step {args.fault_step}; see "
+                                   f"{work / f'{tag}.out'}")
+            time.sleep(0.02)
+        pids = torchrun_pids(proc) if launcher == "torchrun" else chaos.current_worker_pids(
+            run_dir)
+        before = read_log(loss_log)
+        fault_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        last_before = max(before)
+        seen = len(before)
+        first = past = None
+        cap = fault_at + (args.hang_cap if fault == "hang" else 240)
+        while time.monotonic() < cap and past is None and proc.poll() is None:
+            now_steps = read_log(loss_log)
+            if len(now_steps) > seen:
+                now = time.monotonic()
+                first = first if first is not None else now - fault_at
+                if any(s > last_before for s in now_steps[seen:]):
+                    past = now - fault_at
+            time.sleep(0.02)
+        steps = read_log(loss_log)
+        after = steps[len(before):]
+        recomputed = len([s for s in after if s <= last_before])
+        result.update(first_step_s=first, recomputed=recomputed if first is not None else None,
+                      past_fault_s=past)
+    finally:
+        import psutil
+
+        try:
+            root = psutil.Process(proc.pid)
+            victims = [*root.children(recursive=True), root]
+        except psutil.Error:
+            victims = []
+        for p in victims:
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        proc.wait(timeout=60)
+        log.close()
+    return result
+
+
+def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, object]:
+    run_dir = work / "tor"
+    loss_log = work / "tor.loss"
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1000", "--run-dir", str(run_dir), "--monitor-interval", "0.1",
+           "--shutdown-timeout", "5", str(PLAIN), "--steps", "1000000", "--batch-size", "4",
+           "--step-time", str(args.step_time), "--loss-log", str(loss_log), "--ckpt-dir",
+           str(work / "tor-ckpt"), "--ckpt-every", str(args.ckpt_every)]
+    log = (work / "tor.out").open("wb")
+    proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    started = time.monotonic()
+    faults = 0
+    next_fault = started + args.tor_every
+    try:
+        while time.monotonic() - started < args.tor_seconds:
+            if time.monotonic() >= next_fault:
+                try:
+                    chaos.signal_rank(run_dir, 1, signal.SIGKILL)
+                    faults += 1
+                except (chaos.ChaosError, ProcessLookupError):
+                    pass
+                next_fault += args.tor_every
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher stops its workers and ends its log
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    analysis = analyze(read_events(run_dir), read_steps(run_dir))
+    return {"tor": analysis.tor, "ettr": analysis.ettr, "faults": faults,
+            "observed_s": analysis.observed_s, "steps": analysis.steps_done,
+            "healthy_step_s": analysis.healthy_step_s}
+
+
+def fmt(value: object, unit: str = "") -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:.1f}{unit}"
+    return str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--fault-step", type=int, default=70)
+    parser.add_argument("--ckpt-every", type=int, default=50, help="plain script's torch.save")
+    parser.add_argument("--step-time", type=float, default=0.05)
+    parser.add_argument("--hang-floor", type=float, default=5.0, help="elasticft's --hang-floor-s")
+    parser.add_argument("--hang-cap", type=float, default=60.0)
+    parser.add_argument("--tor-seconds", type=float, default=120.0)
+    parser.add_argument("--tor-every", type=float, default=20.0)
+    parser.add_argument("--skip-tor", action="store_true")
+    args = parser.parse_args()
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_"))}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    work = Path(tempfile.mkdtemp(prefix="elasticft-recovery-bench-"))
+    print(f"# recovery benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  "
+          f"{os.cpu_count()} cores  {platform.processor() or platform.machine()}  "
+          f"python {platform.python_version()}")
+    print(f"# 2 gloo workers, {args.steps} steps of ~{args.step_time} s extra, fault after step "
+          f"{args.fault_step}; plain script saves every {args.ckpt_every} steps; elasticft "
+          f"--hang-floor-s {args.hang_floor}")
+    print(f"{'run':34} {'fault':6} {'first step':>11} {'recomputed':>10} {'past fault':>11}")
+    runs = [("torchrun", PLAIN), ("elasticft-run", PLAIN), ("elasticft-run", API)]
+    try:
+        for fault in ("kill", "hang"):
+            for launcher, script in runs:
+                r = one_fault(launcher, script, fault, args, work, env)
+                print(f"{r['run']:34} {fault:6} {fmt(r['first_step_s'], ' s'):>11} "
+                      f"{fmt(r['recomputed']):>10} {fmt(r['past_fault_s'], ' s'):>11}",
+                      flush=True)
+        if not args.skip_tor:
+            t = tor_run(args, work, env)
+            print(f"TOR of elasticft-run train_plain.py, {t['observed_s']:.0f} s with a SIGKILL "
+                  f"every {args.tor_every:g} s ({t['faults']} faults, {t['steps']} steps, healthy "
+                  f"step {t['healthy_step_s'] * 1e3:.0f} ms): TOR {t['tor']:.3f}, "
+                  f"ETTR {t['ettr']:.3f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
