@@ -201,6 +201,8 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=8.0,
                         help="seconds of training before each kill (lets the pool refill)")
     parser.add_argument("--timeout", type=float, default=90.0)
+    parser.add_argument("--launchers", nargs="+", choices=list(LAUNCHERS), default=list(LAUNCHERS))
+    parser.add_argument("--per-kill", action="store_true", help="also print every kill's phases")
     args = parser.parse_args()
     print(f"# restart breakdown, {datetime.date.today()}, {platform.node()}, {os.cpu_count()} "
           f"CPUs, python {platform.python_version()}, load {os.getloadavg()[0]:.2f}")
@@ -208,10 +210,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         (Path(tmp) / "probe").mkdir()
         (Path(tmp) / "probe" / "sitecustomize.py").write_text(PROBE)
-        for name in LAUNCHERS:
+        for name in args.launchers:
             results[name] = run_launcher(name, args.cycles, Path(tmp), args.settle, args.timeout)
+            if args.per_kill:
+                print(name, json.dumps(results[name]["phases"]["table"]))
     labels = [label for _, label in AGENT_PHASES + WORKER_PHASES] + ["first step after the kill"]
-    names = list(LAUNCHERS)
+    names = list(args.launchers)
     print(f"\nmedian seconds after the SIGKILL ({args.cycles} kills each)")
     print(f"{'phase':28s}" + "".join(f"{n:>20s}" for n in names))
     for label in labels:
