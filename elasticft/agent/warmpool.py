@@ -250,7 +250,7 @@ class WarmPool:
     ) -> None:
         try:
             warm = WarmProcess.spawn(argv, env, cwd, self.preload)
-        except OSError:
+        except Exception:  # the pool is an optimisation: never let it cost the run
             logger.warning("could not pre-start an interpreter for local rank %d", local_rank,
                            exc_info=True)
             return
