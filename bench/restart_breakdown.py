@@ -108,6 +108,15 @@ def workers_of(launcher: psutil.Process) -> list[psutil.Process]:
     return sorted(workers, key=lambda p: p.pid)
 
 
+def new_groups_ready(probe_dir: Path, old_pids: set[int]) -> int:
+    """How many workers started after the kill have returned from init_process_group."""
+    count = 0
+    for path in probe_dir.glob("*.jsonl"):
+        if int(path.stem) not in old_pids and '"process_group_ready"' in path.read_text():
+            count += 1
+    return count
+
+
 def _has_run_script(process: psutil.Process) -> bool:
     probe_dir = Path(process.environ().get("RESTART_PROBE_DIR", "/nonexistent"))
     return (probe_dir / f"{process.pid}.jsonl").exists()
@@ -145,15 +154,20 @@ def run_launcher(name: str, cycles: int, workdir: Path, settle: float, timeout: 
             if len(workers) < 2 or proc.poll() is not None:
                 failed += cycles - cycle
                 break
-            before = step_lines(loss_log)
+            old = {w.pid for w in workers}
             killed_at, killed_wall = time.monotonic(), time.time()
             workers[cycle % 2].send_signal(signal.SIGKILL)
             deadline = killed_at + timeout
-            while step_lines(loss_log) <= before and time.monotonic() < deadline:
-                if proc.poll() is not None:
+            # The survivor may still log the step it was in; count only steps logged after
+            # both new workers have their process group.
+            lines_when_ready = None
+            while time.monotonic() < deadline and proc.poll() is None:
+                if lines_when_ready is None and new_groups_ready(probe_dir, old) >= 2:
+                    lines_when_ready = step_lines(loss_log)
+                if lines_when_ready is not None and step_lines(loss_log) > lines_when_ready:
                     break
                 time.sleep(0.02)
-            if step_lines(loss_log) > before:
+            if lines_when_ready is not None and step_lines(loss_log) > lines_when_ready:
                 latencies.append(time.monotonic() - killed_at)
                 kills.append(killed_wall)
             else:
