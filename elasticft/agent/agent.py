@@ -303,6 +303,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         if counted:
             self.restarts += 1
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
+        self._each_collaborator("before_restart", self.group_info(), cause, counted)
         self._restart_workers(self._worker_group)
 
     def _failed_result(self, run_result: RunResult) -> RunResult:

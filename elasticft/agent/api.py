@@ -115,6 +115,10 @@ class AgentCollaborator:
     def on_decision(self, group: GroupInfo, action: Action) -> None:
         """The policy decided; runs before the action is carried out."""
 
+    def before_restart(self, group: GroupInfo, cause: str, counted: bool) -> None:
+        """The live worker group is about to be stopped for a restart; ``counted`` is False for
+        a membership change (another node failed or joins), where no failure hook ran here."""
+
     def on_workers_stopped(self, group: GroupInfo) -> None:
         """This attempt's workers are gone (restart, stop or success)."""
 

@@ -267,9 +267,10 @@ class RecoveryOrchestrator(AgentCollaborator):
             return False
 
     def _jit_checkpoint(self, group: GroupInfo, control: Path, healthy: list[Any],
-                        failures: tuple[FailureRecord, ...]) -> None:
+                        cause: tuple[FailureRecord, ...] | str) -> None:
         started = time.monotonic()
-        reason = "just-in-time checkpoint: " + "; ".join(f.summary() for f in failures[:3])
+        what = cause if isinstance(cause, str) else "; ".join(f.summary() for f in cause[:3])
+        reason = f"just-in-time checkpoint: {what}"
         acks = request_checkpoint(control, [w.local_rank for w in healthy], reason,
                                   self.config.recovery_jit_timeout_s)
         steps = {w.global_rank: acks[w.local_rank].step for w in healthy
@@ -280,7 +281,18 @@ class RecoveryOrchestrator(AgentCollaborator):
                        sorted(steps) or "none", max(held) if held else "none", seconds)
         self._emit("jit_checkpoint", ranks={str(r): s for r, s in steps.items()},
                    asked=[w.global_rank for w in healthy], step=max(held) if held else None,
-                   seconds=round(seconds, 3))
+                   seconds=round(seconds, 3), cause=what[:300])
+
+    def before_restart(self, group: GroupInfo, cause: str, counted: bool) -> None:
+        """A membership change stops healthy workers (another node failed or left): they are
+        the healthy replicas, so they take the just-in-time checkpoint before they go."""
+        if counted:
+            return  # a failure of this node: on_failure already chose the checkpoint
+        control = self._control_dir(group)
+        healthy = [w for w in group.workers if _alive(w.pid)]
+        if control is None or not healthy or not self._uses_api(group):
+            return
+        self._jit_checkpoint(group, control, healthy, cause)
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
                       ) -> Mapping[str, Any]:

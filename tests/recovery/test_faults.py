@@ -32,6 +32,8 @@ from tests.servers import EtcdServer
 
 pytestmark = pytest.mark.slow
 STEPS = 14
+LONG = 40
+"""Steps of the runs whose fault needs set-up first (a standby) or time to show (slowness)."""
 FAULT_AFTER = 5
 PLAIN_CKPT_EVERY = 3
 
@@ -44,10 +46,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Losses]:
     env["PYTHONUNBUFFERED"] = "1"
 
     class Lazy(dict):
-        def __missing__(self, script: Path) -> Losses:
-            self[script] = reference_losses(tmp_path_factory.mktemp(script.stem), env, script,
-                                            STEPS)
-            return self[script]
+        def __missing__(self, key: tuple[Path, int]) -> Losses:
+            script, steps = key
+            self[key] = reference_losses(tmp_path_factory.mktemp(script.stem), env, script,
+                                         steps)
+            return self[key]
 
     return Lazy()
 
@@ -56,8 +59,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Losses]:
 def make_job(tmp_path: Path, job_env: dict[str, str]) -> Iterator:
     jobs: list[Job] = []
 
-    def make(endpoint: str, script: Path, **kwargs) -> Job:
-        job = Job(tmp_path, job_env, endpoint, f"job-{len(jobs)}", script, STEPS, **kwargs)
+    def make(endpoint: str, script: Path, steps: int = STEPS, **kwargs) -> Job:
+        job = Job(tmp_path, job_env, endpoint, f"job-{len(jobs)}", script, steps, **kwargs)
         jobs.append(job)
         return job
 
@@ -71,7 +74,7 @@ def finish(job: Job, reference: Losses, *names: str, timeout: float = 150) -> Lo
         code = job.nodes[name].wait(timeout)
         assert code == 0, f"node {name} exited {code}\n{job.outputs()}"
     losses = losses_of(job.loss_log)
-    assert sorted(losses.values) == list(range(1, STEPS + 1)), job.outputs()
+    assert sorted(losses.values) == list(range(1, job.steps + 1)), job.outputs()
     assert losses.values == reference.values  # the loss sequence of an uninterrupted run
     return losses
 
@@ -91,7 +94,7 @@ def test_worker_exception_from_infrastructure(etcd_server: EtcdServer, make_job,
                                 "1"])
     job.start("a")
     job.start("b")
-    losses = finish(job, reference[API], "a", "b")
+    losses = finish(job, reference[API, STEPS], "a", "b")
     failures = [e for e in job.events("failure") if e["rank"] == 1]
     assert failures[0]["failure_class"] == "infrastructure", failures
     assert failures[0]["exception"] == "ConnectionResetError"
@@ -107,7 +110,7 @@ def test_worker_sigkill(etcd_server: EtcdServer, make_job, reference):
     job.start("b")
     job.wait_step(FAULT_AFTER)
     chaos.signal_rank(job.tmp, 1, signal.SIGKILL)
-    losses = finish(job, reference[API], "a", "b")
+    losses = finish(job, reference[API, STEPS], "a", "b")
     killed = [e for e in job.events("failure") if e.get("signal") == "SIGKILL"]
     assert killed and killed[0]["rank"] == 1
     assert {d["action"] for d in decisions(job)} == {"restart_in_place"}
@@ -122,7 +125,7 @@ def test_worker_sigterm_by_mistake(etcd_server: EtcdServer, make_job, reference)
     job.start("b")
     job.wait_step(FAULT_AFTER)
     chaos.signal_rank(job.tmp, 0, signal.SIGTERM)
-    losses = finish(job, reference[API], "a", "b")
+    losses = finish(job, reference[API, STEPS], "a", "b")
     termed = [e for e in job.events("failure") if e.get("signal") == "SIGTERM"]
     assert termed and termed[0]["failure_class"] == "stop_requested"
     assert {d["action"] for d in decisions(job)} == {"restart_in_place"}
@@ -145,7 +148,7 @@ def test_worker_hang_sigstop_just_in_time_checkpoint(etcd_server: EtcdServer, ma
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     assert [(c["rank"], c["node"]) for c in hang["culprits"]] == [(1, "b")]
-    losses = finish(job, reference[API], "a", "b")
+    losses = finish(job, reference[API, STEPS], "a", "b")
     # The healthy replica (rank 0, stuck in the collective) answered the JIT request.
     jit = [e for e in job.events("jit_checkpoint") if e["node"] == "a"]
     assert jit and jit[0]["ranks"].get("0") is not None, job.events("jit_checkpoint")
@@ -169,14 +172,14 @@ def test_unmodified_script_hang_is_named_restarted_and_resumed(etcd_server: Etcd
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     assert [(c["rank"], c["node"]) for c in hang["culprits"]] == [(0, "a")]
-    losses = finish(job, reference[PLAIN], "a", "b")
+    losses = finish(job, reference[PLAIN, STEPS], "a", "b")
     assert job.logged("resumed from step")
     assert losses.recomputed <= PLAIN_CKPT_EVERY
 
 
 @pytest.mark.timeout(200)
 def test_slow_worker_is_named_and_restarted(etcd_server: EtcdServer, make_job, reference):
-    job = make_job(etcd_server.endpoint, PLAIN, step_time=0.05,
+    job = make_job(etcd_server.endpoint, PLAIN, steps=LONG, step_time=0.1,
                    extra_agent=["--slow-action", "restart", "--slow-confirm-s", "1",
                                 "--slow-window", "4"])
     job.start("a")
@@ -188,7 +191,7 @@ def test_slow_worker_is_named_and_restarted(etcd_server: EtcdServer, make_job, r
     slow = job.wait_for("a slow-rank detection", lambda: [
         e for e in job.events("detection") if e["detector"] == "slow_rank"], timeout=90)[0]
     assert slow["rank"] == 1 and slow["node"] == "b"
-    losses = finish(job, reference[PLAIN], "a", "b")
+    losses = finish(job, reference[PLAIN, LONG], "a", "b")
     assert any(d["action"] == "restart_in_place" for d in decisions(job))
     assert losses.recomputed <= PLAIN_CKPT_EVERY
     slowing.join(timeout=60)
@@ -201,7 +204,7 @@ def test_etcd_restarted_mid_run(etcd_server: EtcdServer, make_job, reference):
     job.start("b")
     job.wait_step(FAULT_AFTER)
     etcd_server.restart(down_s=1.0)
-    losses = finish(job, reference[API], "a", "b")
+    losses = finish(job, reference[API, STEPS], "a", "b")
     assert not job.events("failure")  # training went on across the outage
     assert losses.recomputed == 0
 
@@ -236,6 +239,13 @@ def with_standby(job: Job, **kwargs) -> None:
     job.start("c", **kwargs)  # started last: the warm standby
     job.wait_for("c waiting as a standby", lambda: standbys(job.endpoint, job.job_id) == 1,
                  timeout=60)
+    before_fault(job)
+
+
+def before_fault(job: Job) -> None:
+    """Waits for two more steps, and makes sure the fault still falls well inside the run."""
+    job.wait_step(job.last_step() + 2)
+    assert job.last_step() < job.steps - 10, "the run is too short to see the fault's recovery"
 
 
 def check_replaced(job: Job, endpoint: str, lost: str, reference: Losses) -> Losses:
@@ -253,21 +263,19 @@ def check_replaced(job: Job, endpoint: str, lost: str, reference: Losses) -> Los
 
 @pytest.mark.timeout(240)
 def test_node_down(etcd_server: EtcdServer, make_job, reference):
-    job = make_job(etcd_server.endpoint, PLAIN, step_time=0.25)
+    job = make_job(etcd_server.endpoint, PLAIN, steps=LONG, step_time=0.25)
     with_standby(job)
-    job.wait_step(FAULT_AFTER)
     chaos.kill_node(job.tmp, "b")
-    check_replaced(job, etcd_server.endpoint, "b", reference[PLAIN])
+    check_replaced(job, etcd_server.endpoint, "b", reference[PLAIN, LONG])
 
 
 @pytest.mark.timeout(240)
 def test_leader_agent_killed(etcd_server: EtcdServer, make_job, reference):
-    job = make_job(etcd_server.endpoint, PLAIN, step_time=0.25)
+    job = make_job(etcd_server.endpoint, PLAIN, steps=LONG, step_time=0.25)
     with_standby(job)
-    job.wait_step(FAULT_AFTER)
     leader, pid = chaos.leader_agent(etcd_server.endpoint, job.job_id)
     chaos.kill_process_tree(pid)
-    check_replaced(job, etcd_server.endpoint, leader, reference[PLAIN])
+    check_replaced(job, etcd_server.endpoint, leader, reference[PLAIN, LONG])
     rounds = [e for e in job.events("rendezvous") if e["node"] != leader]
     assert any(e["group_rank"] == 0 for e in rounds[-2:])  # a new leader was elected
 
@@ -283,7 +291,7 @@ def test_node_network_cut(tmp_path_factory: pytest.TempPathFactory, make_job, re
     job: Job | None = None
     try:
         server.start()
-        job = make_job(server.endpoint, PLAIN, step_time=0.25)
+        job = make_job(server.endpoint, PLAIN, steps=LONG, step_time=0.25)
         host = {"local_addr": ns.host_addr, "env": {"GLOO_SOCKET_IFNAME": ns.host_link}}
         job.start("a", **host)
         job.start("b", local_addr=ns.node_addr, prefix=ns.prefix,
@@ -292,9 +300,9 @@ def test_node_network_cut(tmp_path_factory: pytest.TempPathFactory, make_job, re
         job.start("c", **host)
         job.wait_for("c waiting as a standby", lambda: standbys(job.endpoint, job.job_id) == 1,
                      timeout=60)
-        job.wait_step(FAULT_AFTER)
+        before_fault(job)
         chaos.netcut(ns.node_link, ns.name)
-        check_replaced(job, server.endpoint, "b", reference[PLAIN])
+        check_replaced(job, server.endpoint, "b", reference[PLAIN, LONG])
     finally:
         if job is not None:
             job.close()  # the cut-off node never finishes by itself
