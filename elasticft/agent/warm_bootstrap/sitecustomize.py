@@ -119,6 +119,7 @@ def _main():
         sys.path[:] = _without_here(sys.path)
         _run_shadowed_sitecustomize()
         return
+    import contextlib
     import importlib
     import socket
 
@@ -130,10 +131,9 @@ def _main():
         except BaseException as err:  # the script will meet it again, in a cold start
             preload_error = err
             break
-    try:
+    # The agent may already have sent its request and closed its end (it is buffered).
+    with contextlib.suppress(OSError):
         sock.sendall(b"R")
-    except OSError:
-        pass  # the agent already sent its request and closed its end; the request is buffered
     try:
         received = _receive(sock)
     except OSError:
