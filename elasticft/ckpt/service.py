@@ -136,9 +136,13 @@ class CheckpointService(AgentCollaborator):
             self._backup_addr = self._holder_addr = None
 
     def _setup_peers(self, group: GroupInfo, store: Any) -> None:
-        if self._secret is None:
-            if group.group_rank == 0:
-                store.set(_SECRET_KEY, new_secret())
+        if group.group_rank == 0:
+            # Every round, not only the first: a standby that joins later reads it from the
+            # round's store (otherwise it waits for it, and the peers for its address, forever).
+            if self._secret is None:
+                self._secret = new_secret()
+            store.set(_SECRET_KEY, self._secret)
+        elif self._secret is None:
             self._secret = store.get(_SECRET_KEY).decode()
         if self._peer_server is None:
             host = bind_host(self.config.ckpt_peer_addr, [self._local_addr or "", _host_ip()])

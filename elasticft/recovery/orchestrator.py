@@ -62,6 +62,7 @@ from elasticft.recovery.membership import EtcdMembership, Membership
 logger = logging.getLogger(__name__)
 
 _NODE_KEY = "elasticft/recovery/node/{}"
+_MEMBERSHIP_JIT_TIMEOUT_S = 2.0
 
 
 def _alive(pid: int | None) -> bool:
@@ -267,12 +268,14 @@ class RecoveryOrchestrator(AgentCollaborator):
             return False
 
     def _jit_checkpoint(self, group: GroupInfo, control: Path, healthy: list[Any],
-                        cause: tuple[FailureRecord, ...] | str) -> None:
+                        cause: tuple[FailureRecord, ...] | str,
+                        timeout_s: float | None = None) -> None:
         started = time.monotonic()
         what = cause if isinstance(cause, str) else "; ".join(f.summary() for f in cause[:3])
         reason = f"just-in-time checkpoint: {what}"
         acks = request_checkpoint(control, [w.local_rank for w in healthy], reason,
-                                  self.config.recovery_jit_timeout_s)
+                                  timeout_s if timeout_s is not None
+                                  else self.config.recovery_jit_timeout_s)
         steps = {w.global_rank: acks[w.local_rank].step for w in healthy
                  if w.local_rank in acks}
         seconds = time.monotonic() - started
@@ -292,7 +295,11 @@ class RecoveryOrchestrator(AgentCollaborator):
         healthy = [w for w in group.workers if _alive(w.pid)]
         if control is None or not healthy or not self._uses_api(group):
             return
-        self._jit_checkpoint(group, control, healthy, cause)
+        # A live worker answers within a poll interval; one that is already exiting (its
+        # collective failed when the other node went) never does, and must not delay recovery.
+        self._jit_checkpoint(group, control, healthy, cause,
+                             timeout_s=min(_MEMBERSHIP_JIT_TIMEOUT_S,
+                                           self.config.recovery_jit_timeout_s))
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
                       ) -> Mapping[str, Any]:
