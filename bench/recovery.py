@@ -45,6 +45,8 @@ from elasticft.report.tor import analyze  # noqa: E402
 BIN = Path(sys.executable).parent
 PLAIN = ROOT / "examples" / "train_plain.py"
 API = ROOT / "examples" / "train_elasticft.py"
+_IN_FLIGHT_S = 0.5
+"""A step logged this soon after the fault, right after the last one, was already in flight."""
 
 
 def read_log(path: Path) -> list[int]:
@@ -112,6 +114,12 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
         cap = fault_at + (args.hang_cap if fault == "hang" else 240)
         while time.monotonic() < cap and past is None and proc.poll() is None:
             now_steps = read_log(loss_log)
+            if len(now_steps) > seen and now_steps[seen] == last_before + 1 and \
+                    time.monotonic() - fault_at < _IN_FLIGHT_S and first is None:
+                # The step in flight at the fault finished on rank 0 anyway: not a recovery.
+                seen += 1
+                last_before += 1
+                continue
             if len(now_steps) > seen:
                 now = time.monotonic()
                 first = first if first is not None else now - fault_at
@@ -119,7 +127,8 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
                     past = now - fault_at
             time.sleep(0.02)
         steps = read_log(loss_log)
-        after = steps[len(before):]
+        in_flight = last_before - max(before)  # lines of the step in flight, skipped above
+        after = steps[len(before) + in_flight:]
         recomputed = len([s for s in after if s <= last_before])
         result.update(first_step_s=first, recomputed=recomputed if first is not None else None,
                       past_fault_s=past)
