@@ -334,12 +334,12 @@ def test_node_network_cut(tmp_path_factory: pytest.TempPathFactory, make_job, re
     job: Job | None = None
     try:
         server.start()
-        job = make_job(server.endpoint, PLAIN, steps=LONG, step_time=0.25)
+        job = make_job(server.endpoint, PLAIN, steps=LONG, step_time=0.4)
         host = {"local_addr": ns.host_addr, "env": {"GLOO_SOCKET_IFNAME": ns.host_link}}
         job.start("a", **host)
         job.start("b", local_addr=ns.node_addr, prefix=ns.prefix,
                   env={"GLOO_SOCKET_IFNAME": ns.node_link})
-        job.wait_step(1)
+        job.wait_for("a and b in a round", lambda: len(job.events("workers_started")) >= 2)
         job.start("c", **host)
         job.wait_for("c waiting as a standby", lambda: standbys(job.endpoint, job.job_id) == 1,
                      timeout=60)
