@@ -68,10 +68,11 @@ class Node:
 def start_node(
     name: str, tmp: Path, env: dict[str, str], endpoint: str, nnodes: str, job: str,
     train_args: list[str], rdzv_conf: str = FAST_RDZV, tool: str = "elasticft-run",
+    nproc: int = 2,
 ) -> Node:
     log = tmp / f"{name}.log"
     args = [
-        "--nnodes", nnodes, "--nproc-per-node", "1",
+        "--nnodes", nnodes, "--nproc-per-node", str(nproc),
         "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
         "--rdzv-conf", rdzv_conf, "--local-addr", "127.0.0.1", "--max-restarts", "3",
     ]
@@ -162,7 +163,7 @@ def test_standby_replaces_killed_leader_and_a_new_leader_is_elected(
     assert standby.wait(60) == 0, standby.output()[-3000:]
 
     started = standby.events("workers_started")
-    assert started and started[0]["world_size"] == 2  # the world size stayed 2 nodes
+    assert started and started[0]["world_size"] == 4  # still 2 nodes x 2 workers
     assert second["leader"]["node_id"] in {survivor.name, standby.name}
     print(f"\nMEASURED standby failover: SIGKILL of leader {victim.name} -> standby "
           f"{standby.name}'s workers "
@@ -208,8 +209,9 @@ def test_etcd_restart_mid_run_then_survivor_re_rendezvouses_alone(
     endpoint, job = etcd_server.endpoint, "restart-job"
     args = train_args(tmp_path, steps=60, step_time=0.25)
     conf = FAST_RDZV.replace("keep_alive_max_attempt=3", "keep_alive_max_attempt=5")
-    a = start_node("a", tmp_path, job_env, endpoint, "1:2", job, args, rdzv_conf=conf)
-    b = start_node("b", tmp_path, job_env, endpoint, "1:2", job, args, rdzv_conf=conf)
+    # One worker per node: 60 steps on 4 workers would not fit 2 cores within the timeout.
+    a = start_node("a", tmp_path, job_env, endpoint, "1:2", job, args, rdzv_conf=conf, nproc=1)
+    b = start_node("b", tmp_path, job_env, endpoint, "1:2", job, args, rdzv_conf=conf, nproc=1)
 
     def both_training() -> bool:
         return all(n.events("steady") for n in (a, b)) and all(
