@@ -3,7 +3,8 @@
 Each launcher trains examples/train_plain.py with 2 gloo workers; every time a step completes
 after the previous recovery, one worker is SIGKILLed (alternating ranks). A cycle succeeds when
 training makes progress again; the restart latency is the time from the kill to the first step
-completed after it. Prints per-launcher success counts, the median latency and the ratio.
+completed after it. elasticft-run runs with cold restarts here (bench/restart_breakdown.py
+compares cold and warm). Prints per-launcher success counts, the median latency and the ratio.
 
     python bench/restart_cycles.py --cycles 10
 """
@@ -56,7 +57,10 @@ def run_cycles(tool: str, cycles: int, workdir: Path, progress_timeout: float) -
         "--ckpt-dir", str(workdir / f"{tool}-ckpt"), "--loss-log", str(loss_log),
     ]
     if tool == "elasticft-run":
-        command[1:1] = ["--run-dir", str(workdir / "run")]
+        # Cold restarts, as torchrun does them: idle warm-pool interpreters share the worker's
+        # command line, and workers_of() would pick them. bench/restart_breakdown.py measures
+        # warm starts.
+        command[1:1] = ["--run-dir", str(workdir / "run"), "--warm-start", "false"]
     env = {**os.environ, "LOGLEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
