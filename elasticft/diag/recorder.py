@@ -34,6 +34,11 @@ from elasticft.diag.ring import FLAG_HOST_COMPLETION, FLAG_TIMED, Op, RingWriter
 
 logger = logging.getLogger(__name__)
 
+# Plain ints: IntEnum members cost an attribute lookup and a conversion per record.
+_STEP = int(Op.STEP)
+_LOSS = int(Op.LOSS)
+_SEQUENCES = (list, tuple)
+
 RING_DIR_ENV = "ELASTICFT_DIAG_RING_DIR"
 OWNER_PID_ENV = "ELASTICFT_DIAG_OWNER_PID"
 
@@ -57,11 +62,11 @@ WRAPPED_COLLECTIVES: dict[str, Op] = {
 
 
 def _nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    tensor = kwargs.get("tensor", args[0] if args else None)
-    if isinstance(tensor, list | tuple):
+    tensor = args[0] if args else kwargs.get("tensor")
+    if isinstance(tensor, _SEQUENCES):
         tensor = tensor[0] if tensor else None
     try:
-        return int(tensor.numel() * tensor.element_size())  # type: ignore[union-attr]
+        return int(tensor.nbytes)  # type: ignore[union-attr]
     except Exception:
         return 0
 
@@ -107,8 +112,17 @@ class Recorder:
             )
             self._heartbeat.start()
 
+    def stop_heartbeat(self) -> None:
+        """Stops the heartbeat thread (the monitor then sees this worker as frozen)."""
+        thread, self._heartbeat = self._heartbeat, None
+        if thread is not None:
+            self._stop.set()
+            thread.join()
+            self._stop = threading.Event()
+
     def _beat(self) -> None:
-        while not self._stop.wait(self._heartbeat_interval_s):
+        stop = self._stop
+        while not stop.wait(self._heartbeat_interval_s):
             with self._lock:
                 self.writer.heartbeat(self._clock_ns())
 
@@ -135,14 +149,13 @@ class Recorder:
         self._comm_keys[id(group)] = key
         return key
 
-    def begin(self, op: Op, comm: int = 0, nbytes: int = 0, peer: int = -1) -> int:
+    def begin(self, op: int, comm: int = 0, nbytes: int = 0, peer: int = -1) -> int:
         try:
             with self._lock:
-                comm_seq = self._comm_seqs.get(comm, 0) + 1
-                self._comm_seqs[comm] = comm_seq
-                return self.writer.append(op, comm=comm, nbytes=nbytes,
-                                          enqueue_ns=self._clock_ns(), peer=peer,
-                                          flags=FLAG_TIMED, comm_seq=comm_seq)
+                seqs = self._comm_seqs
+                seqs[comm] = comm_seq = seqs.get(comm, 0) + 1
+                return self.writer.publish(op, comm, nbytes, self._clock_ns(), 0, 0.0, peer,
+                                           FLAG_TIMED, comm_seq)
         except Exception:
             self._dropped()
             return 0
@@ -160,8 +173,8 @@ class Recorder:
             with self._lock:
                 now = self._clock_ns()
                 self._steps += 1
-                self.writer.append(Op.STEP, enqueue_ns=self._last_step_ns, complete_ns=now,
-                                   value=float(self._steps), flags=FLAG_HOST_COMPLETION)
+                self.writer.publish(_STEP, 0, 0, self._last_step_ns, now, float(self._steps),
+                                    -1, FLAG_HOST_COMPLETION, 0)
                 self.writer.mark_step(self._steps, now)
                 self._last_step_ns = now
         except Exception:
@@ -173,8 +186,8 @@ class Recorder:
             value = float(loss.detach().item() if hasattr(loss, "detach") else loss)
             with self._lock:
                 now = self._clock_ns()
-                self.writer.append(Op.LOSS, enqueue_ns=now, complete_ns=now, value=value,
-                                   peer=self._steps if step is None else step)
+                self.writer.publish(_LOSS, 0, 0, now, now, value,
+                                    self._steps if step is None else step, 0, 0)
         except Exception:
             self._dropped()
 
@@ -196,12 +209,13 @@ class Recorder:
 
     def _wrapper(self, original: Callable[..., Any], op: Op) -> Callable[..., Any]:
         recorder = self
+        op_number = int(op)
 
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
             peer = kwargs.get("dst", kwargs.get("src", -1))
-            seq = recorder.begin(op, recorder.comm_key(group), _nbytes(args, kwargs),
+            seq = recorder.begin(op_number, recorder.comm_key(group), _nbytes(args, kwargs),
                                  peer if isinstance(peer, int) else -1)
             try:
                 result = original(*args, **kwargs)
@@ -231,12 +245,13 @@ class Recorder:
         group = process_group if process_group is not None else dist.group.WORLD
         key = self.comm_key(group)
         recorder = self
+        bucket_op = int(Op.DDP_BUCKET)
+        world = group.size()
 
         def timed_allreduce_hook(state: Any, bucket: Any) -> Any:
             tensor = bucket.buffer()
-            seq = recorder.begin(Op.DDP_BUCKET, key, tensor.numel() * tensor.element_size(),
-                                 bucket.index())
-            tensor.div_(group.size())
+            seq = recorder.begin(bucket_op, key, tensor.nbytes, bucket.index())
+            tensor.div_(world)
             fut = all_reduce(tensor, group=group, async_op=True).get_future()
 
             def done(f: Any) -> Any:
@@ -264,10 +279,13 @@ class Recorder:
         model.register_comm_hook(None, self.ddp_comm_hook(getattr(model, "process_group", None)))
         return True
 
-    def install_step_hook(self) -> None:
+    def install_step_hook(self) -> Any:
+        """Marks every optimizer step; returns the hook's handle (``.remove()`` undoes it)."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._hook_handles.append(register_optimizer_step_post_hook(self._on_step))
+        handle = register_optimizer_step_post_hook(self._on_step)
+        self._hook_handles.append(handle)
+        return handle
 
     def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.mark_step()

@@ -46,6 +46,8 @@ DEFAULT_CAPACITY = 4096
 
 _HEADER = struct.Struct("<IIIIiiQQQQQ16s")
 _RECORD = struct.Struct("<QQQQQdIiII")
+_U64 = struct.Struct("<Q")
+_U64X2 = struct.Struct("<QQ")
 _HEAD_OFFSET = 24
 _HEARTBEAT_OFFSET = 32
 _STEP_OFFSET = 48
@@ -170,29 +172,33 @@ class RingWriter:
                complete_ns: int = 0, value: float = 0.0, peer: int = -1, flags: int = 0,
                comm_seq: int = 0) -> int:
         """Publishes a record and returns its seq (the handle for :meth:`complete`)."""
-        self._seq += 1
-        seq = self._seq
+        return self.publish(op, comm, nbytes, enqueue_ns, complete_ns, value, peer, flags,
+                            comm_seq)
+
+    def publish(self, op: int, comm: int, nbytes: int, enqueue_ns: int, complete_ns: int,
+                value: float, peer: int, flags: int, comm_seq: int) -> int:
+        """:meth:`append` with positional arguments (the recorder's hot path)."""
+        self._seq = seq = self._seq + 1
         offset = HEADER_SIZE + ((seq - 1) % self.capacity) * RECORD_SIZE
         m = self._map
-        struct.pack_into("<Q", m, offset, 0)
+        # pack_into writes the fields in order, so seq reads 0 until the final store below.
         _RECORD.pack_into(m, offset, 0, comm, nbytes, enqueue_ns, complete_ns, value, op, peer,
                           flags, comm_seq)
-        struct.pack_into("<Q", m, offset, seq)
-        struct.pack_into("<Q", m, _HEAD_OFFSET, seq)
+        _U64.pack_into(m, offset, seq)
+        _U64.pack_into(m, _HEAD_OFFSET, seq)
         return seq
 
     def complete(self, seq: int, complete_ns: int) -> None:
         offset = HEADER_SIZE + ((seq - 1) % self.capacity) * RECORD_SIZE
         # The slot may have been reused by a newer record once the ring wrapped.
-        if struct.unpack_from("<Q", self._map, offset)[0] == seq:
-            struct.pack_into("<Q", self._map, offset + 32, complete_ns)
+        if _U64.unpack_from(self._map, offset)[0] == seq:
+            _U64.pack_into(self._map, offset + 32, complete_ns)
 
     def heartbeat(self, now_ns: int, timed: bool = True) -> None:
-        struct.pack_into("<QQ", self._map, _HEARTBEAT_OFFSET, now_ns,
-                         RING_FLAG_TIMED if timed else 0)
+        _U64X2.pack_into(self._map, _HEARTBEAT_OFFSET, now_ns, RING_FLAG_TIMED if timed else 0)
 
     def mark_step(self, step: int, now_ns: int) -> None:
-        struct.pack_into("<QQ", self._map, _STEP_OFFSET, step, now_ns)
+        _U64X2.pack_into(self._map, _STEP_OFFSET, step, now_ns)
 
     def close(self) -> None:
         self._map.close()
@@ -238,7 +244,7 @@ class RingReader:
             return None
         offset = HEADER_SIZE + ((seq - 1) % capacity) * RECORD_SIZE
         fields = _RECORD.unpack_from(m, offset)
-        if fields[0] != seq or struct.unpack_from("<Q", m, offset)[0] != seq:
+        if fields[0] != seq or _U64.unpack_from(m, offset)[0] != seq:
             return None
         return Record(*fields)
 

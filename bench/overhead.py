@@ -1,0 +1,222 @@
+"""Diagnostics overhead: step time of the example GPT with and without the monitoring, same run.
+
+    .venv/bin/python bench/overhead.py [--steps 240] [--block 10] [--dim 256] [--layers 4]
+
+Two gloo worker processes train ``examples/train_plain.py``'s TinyGPT (DDP, AdamW, one
+one-element all-reduce per step as the example's stop-flag check, ``loss.item()``) on one thread
+each. Steps alternate in blocks of ``--block`` between two configurations of the same run:
+
+* **off**: a DDP model with DDP's built-in all-reduce hook, plain ``torch.distributed``, no
+  recorder thread, and the agent-side monitor idle;
+* **on**: an identical DDP model (same initial weights) with the recorder's timed bucket hook, the
+  wrapped collectives, the optimizer step hook, the loss report and the heartbeat thread, while
+  this process runs the agent's :class:`~elasticft.diag.monitor.DiagMonitor` exactly as
+  ``elasticft-run`` does (``check`` every 0.1 s, node health on its thread).
+
+Rank 0 tells this process which configuration runs through a one-byte file. The first two blocks
+are warm-up. Step time is measured on each rank from the batch to the end of the step; the
+reported figure is the median over steps of the slower rank's time. Detections raised during the
+run are printed (a healthy run should raise none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_plain.py"
+
+
+def _load_example():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("train_plain", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elasticft.diag.recorder import Recorder
+
+    example = _load_example()
+    torch.set_num_threads(1)
+    rank = args.rank
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=2)
+
+    def make() -> DistributedDataParallel:
+        torch.manual_seed(0)
+        return DistributedDataParallel(example.TinyGPT(args.dim, args.layers, args.heads))
+
+    plain, watched = make(), make()
+    recorder = Recorder.open(Path(args.ring_dir), rank)
+    recorder.attach_ddp(watched)
+    optims = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain, watched)}
+    phase_fd = os.open(args.phase_file, os.O_WRONLY) if rank == 0 else -1
+    step_hook = None
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for step in range(args.steps):
+        on = (step // args.block) % 2 == 1
+        if step % args.block == 0:
+            # Switch configuration at a block boundary (both ranks: same schedule).
+            if on:
+                recorder.wrap_collectives(dist)
+                step_hook = recorder.install_step_hook()
+                recorder.start_heartbeat()
+            else:
+                recorder.unwrap_collectives(dist)
+                if step_hook is not None:
+                    step_hook.remove()
+                recorder.stop_heartbeat()
+            if rank == 0:
+                os.pwrite(phase_fd, b"1" if on else b"0", 0)
+        model = watched if on else plain
+        optim = optims[id(model)]
+        x, y = example.batch(step, rank, args.batch_size)
+        began = time.perf_counter()
+        loss = F.cross_entropy(model(x).reshape(-1, example.VOCAB), y.reshape(-1))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        if on:
+            recorder.report_loss(loss, step)
+        flag = torch.zeros(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the example's per-step stop-flag check
+        loss.item()
+        elapsed = time.perf_counter() - began
+        if step >= 2 * args.block:
+            times["on" if on else "off"].append(elapsed)
+    if rank == 0:
+        os.pwrite(phase_fd, b"x", 0)
+    # Each rank's per-step times, for the parent to take the slower rank of each step.
+    with open(args.out, "w") as f:
+        for phase in ("off", "on"):
+            f.write(phase + " " + " ".join(f"{t:.6f}" for t in times[phase]) + "\n")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(args: argparse.Namespace) -> int:
+    from elasticft.agent.api import GroupInfo, WorkerInfo
+    from elasticft.config import DiagConfig
+    from elasticft.diag.monitor import DiagMonitor
+    from elasticft.events import read_events
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        run_dir = t / "run"
+        run_dir.mkdir()
+        phase_file = t / "phase"
+        phase_file.write_bytes(b"0")
+        monitor = DiagMonitor(DiagConfig(), base_env=dict(os.environ), event_dir=run_dir)
+        workers = tuple(WorkerInfo(r, r, 2) for r in range(2))
+        group = GroupInfo("overhead", "node0", run_dir, 0, 0, 1, 0, workers)
+        envs = [monitor.worker_env(group, w) for w in workers]
+        ring_dir = envs[0]["ELASTICFT_DIAG_RING_DIR"]
+        port = free_port()
+        procs = [subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--rank", str(r), "--port", str(port),
+             "--ring-dir", ring_dir, "--phase-file", str(phase_file), "--out", str(t / f"{r}.txt"),
+             "--steps", str(args.steps), "--block", str(args.block), "--dim", str(args.dim),
+             "--layers", str(args.layers), "--heads", str(args.heads),
+             "--batch-size", str(args.batch_size)], cwd=ROOT) for r in range(2)]
+        group = GroupInfo("overhead", "node0", run_dir, 0, 0, 1, 0, tuple(
+            WorkerInfo(r, r, 2, p.pid) for r, p in enumerate(procs)))
+        monitor.on_workers_started(group)
+        checks = 0
+        check_s = 0.0
+        detections = []
+        try:
+            while any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+                phase = phase_file.read_bytes()[:1]
+                if phase == b"1":
+                    began = time.perf_counter()
+                    found = monitor.check(group)
+                    check_s += time.perf_counter() - began
+                    checks += 1
+                    if found is not None:
+                        detections.append(found.message)
+        finally:
+            for p in procs:
+                p.wait(timeout=600)
+            monitor.on_workers_stopped(group)
+            monitor.close()
+        if any(p.returncode for p in procs):
+            print("a worker failed", file=sys.stderr)
+            return 1
+        per_rank = []
+        for r in range(2):
+            lines = dict(line.split(" ", 1) for line in (t / f"{r}.txt").read_text().splitlines())
+            per_rank.append({k: [float(x) for x in v.split()] for k, v in lines.items()})
+        slower = {k: [max(a, b) for a, b in zip(per_rank[0][k], per_rank[1][k], strict=True)]
+                  for k in ("off", "on")}
+        events = [e for e in read_events(run_dir) if e["kind"] == "detection"]
+
+    import torch
+
+    model = _load_example().TinyGPT(args.dim, args.layers, args.heads)
+    parameters = sum(p.numel() for p in model.parameters())
+    off, on = statistics.median(slower["off"]), statistics.median(slower["on"])
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, "
+          f"Python {platform.python_version()}, torch {torch.__version__}; "
+          f"date {datetime.date.today()}")
+    print(f"model: examples/train_plain.py TinyGPT dim {args.dim}, {args.layers} layers, "
+          f"{args.heads} heads, {parameters:,} parameters; batch {args.batch_size} x "
+          f"32 tokens; 2 gloo ranks x 1 thread; blocks of {args.block} steps alternating")
+    print(f"steps measured: {len(slower['off'])} off, {len(slower['on'])} on "
+          f"(median of the slower rank per step)")
+    print(f"  monitoring off  {off * 1e3:8.2f} ms/step")
+    print(f"  monitoring on   {on * 1e3:8.2f} ms/step")
+    print(f"  overhead        {(on / off - 1) * 100:+8.2f} %   (on/off = {on / off:.4f})")
+    print(f"agent monitor: {checks} checks, mean {check_s / max(checks, 1) * 1e6:.0f} us each")
+    print(f"detections: {len(events) + len(detections)}"
+          + "".join(f"\n  {e['detector']}: {e['message']}" for e in events))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--ring-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--phase-file", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
