@@ -12,9 +12,9 @@ with each checkpoint method every k steps, plus once without checkpoints. Printe
   last step is done), which counts background writers competing with training for the CPU;
 * the floor: the state's bytes over the memcpy bandwidth measured in this run.
 
-    .venv/bin/python bench/ckpt_bench.py [--steps 8 --every 2 --dim 512 --layers 8]
+    .venv/bin/python bench/ckpt.py [--steps 8 --every 2 --dim 512 --layers 8]
 
-Not a test: numbers depend on the machine; see docs/readme/ckpt.md for recorded runs.
+Not a test: numbers depend on the machine; see the checkpoint section of README.md for recorded runs.
 """
 
 from __future__ import annotations
