@@ -73,6 +73,10 @@ class RankView:
     steps: int = 0
     step_age_s: float = 0.0
     """Seconds since the last step mark (or since the recorder started, before the first)."""
+    view_age_s: float = 0.0
+    """How old these facts are: 0 for this node's ranks, the age of the summary another node
+    published for its ranks (:mod:`elasticft.diag.exchange`). The ages above are as measured
+    then."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +156,8 @@ def localise(views: Sequence[RankView], heartbeat_stale_s: float) -> list[Culpri
             for peer in members.get(call.comm, ()):
                 if peer.rank in culprits or peer.rank == view.rank:
                     continue
+                if peer.view_age_s >= call.age_s:
+                    continue  # facts from before this wait began say nothing about it
                 reached = peer.comm_seqs.get(call.comm, 0)
                 if reached < call.comm_seq:
                     culprits[peer.rank] = Culprit(

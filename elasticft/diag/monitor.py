@@ -38,7 +38,8 @@ from typing import Any
 from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureClass
 from elasticft.config import DiagConfig
-from elasticft.diag import detectors, health, stacks
+from elasticft.diag import detectors, exchange, health, stacks
+from elasticft.diag.metrics import DiagMetrics
 from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
 from elasticft.diag.ring import Op, Record, RingReader, create_ring, ring_path
 from elasticft.events import EventLog
@@ -142,8 +143,11 @@ class DiagMonitor(AgentCollaborator):
         nccl_shim: Path | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         stack_dumper: Callable[[Mapping[int, int]], dict[int, str]] = stacks.dump_stacks,
+        views_exchange: exchange.ViewExchange | None = None,
+        metrics: DiagMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self._base_env = dict(base_env)
         self._event_dir = event_dir
         self._log_root = log_root
@@ -172,6 +176,8 @@ class DiagMonitor(AgentCollaborator):
         self._group: GroupInfo | None = None
         self._log_scanner = _LogScanner(re.compile(config.diag_log_pattern),
                                         config.diag_log_window_s)
+        # Other nodes' ranks, read from the round's store (multi-node jobs only).
+        self._exchange = views_exchange or exchange.ViewExchange()
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -188,6 +194,8 @@ class DiagMonitor(AgentCollaborator):
 
     def emit(self, detector: str, message: str, **evidence: Any) -> None:
         logger.warning("detection (%s): %s", detector, message)
+        if self.metrics is not None:
+            self.metrics.detection(detector)
         if self._events is not None:
             self._events.emit("detection", detector=detector, message=message, **evidence)
 
@@ -220,10 +228,15 @@ class DiagMonitor(AgentCollaborator):
     def _dirs(self, group: GroupInfo) -> list[Path]:
         return [group.run_dir, *(Path(d) for d in self.config.health_dirs)]
 
+    def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
+        self._exchange.attach(store, group.node_id, group.group_rank, group.group_world_size)
+
     def on_workers_started(self, group: GroupInfo) -> None:
         self._open(group)
         assert self._ring_dir is not None
         self._group = group
+        if self.metrics is not None:
+            self.metrics.group(group.restart_count, group.round, len(group.workers))
         for track in self._tracks.values():
             track.close()
         now = self._clock_ns()
@@ -258,6 +271,9 @@ class DiagMonitor(AgentCollaborator):
 
     def close(self) -> None:
         self._health_stop.set()
+        if self.metrics is not None:
+            self.metrics.close()
+        self._exchange.close()
         for track in self._tracks.values():
             track.close()
         self._tracks = {}
@@ -308,8 +324,13 @@ class DiagMonitor(AgentCollaborator):
         self._group = group
         for track in self._tracks.values():
             self._poll(track, now)
-        return (self._check_hang(group, now) or self._check_loss() or
-                self._check_slow(now) or self._check_logs(group, now))
+        views = self.views(group, now)
+        busy = self._busy_medians()
+        if self._exchange.active:
+            self._exchange.offer(views, busy)
+        job = self._exchange.job_view()
+        return (self._check_hang(group, now, views, job) or self._check_loss() or
+                self._check_slow(now, busy, job) or self._check_logs(group, now))
 
     def _poll(self, track: _RankTrack, now: int) -> None:
         for source, reader in track.readers.items():
@@ -339,6 +360,9 @@ class DiagMonitor(AgentCollaborator):
                 self._step_history.append(duration)
                 track.busy.append(detectors.busy_time(record.enqueue_ns, record.complete_ns,
                                                       track.spans))
+            if self.metrics is not None:
+                self.metrics.step(track.rank, track.steps, (record.complete_ns - record.enqueue_ns)
+                                  / 1e9 if track.steps > 1 else None)
             return
         if op == Op.LOSS:
             # Judge every loss as it arrives: several may come between two checks.
@@ -363,6 +387,8 @@ class DiagMonitor(AgentCollaborator):
             return
         self._coll_history.append((record.complete_ns - record.enqueue_ns) / 1e9)
         track.spans.append((record.enqueue_ns, record.complete_ns))
+        if self.metrics is not None:
+            self.metrics.collective(self._coll_history[-1])
 
     def _timeouts(self) -> tuple[float, float]:
         c = self.config
@@ -393,13 +419,20 @@ class DiagMonitor(AgentCollaborator):
                 step_age_s=(now - since) / 1e9))
         return views
 
-    def _check_hang(self, group: GroupInfo, now: int) -> Detection | None:
+    def _check_hang(self, group: GroupInfo, now: int, views: list[detectors.RankView],
+                    job: exchange.JobView) -> Detection | None:
         coll_timeout, step_timeout = self._timeouts()
-        views = self.views(group, now)
+        # This node's own ranks decide whether it hangs; every fresh rank of the job is
+        # evidence for who causes it.
         finding = detectors.find_hang(views, coll_timeout, step_timeout)
         if finding is None:
             return None
-        culprits = detectors.localise(views, self.config.hang_heartbeat_stale_s)
+        job_views = [*views, *job.views]
+        culprits = detectors.localise(job_views, self.config.hang_heartbeat_stale_s)
+        if (not culprits and self._exchange.active and
+                finding.waited_s < finding.timeout_s + self._exchange.stale_after_s):
+            # Another node's summary may not show the culprit yet: give it a few publications.
+            return None
         stack_groups = None
         if self.config.hang_stacks:
             pids = {v.rank: v.pid for v in views if v.pid}
@@ -411,6 +444,9 @@ class DiagMonitor(AgentCollaborator):
                                               f"majority: {frame}")
                             for rank, frame in sorted(stack_groups.outliers.items())]
         names = ", ".join(f"rank {c.rank} on {c.node}" for c in culprits) or "not localised"
+        if not culprits and job.silent:
+            names += " (silent: " + ", ".join(
+                f"{n.node} for {n.age_s:.0f} s" for n in job.silent) + ")"
         message = f"hang: {finding.what}; culprit: {names}"
         evidence: dict[str, Any] = {
             "what": finding.what,
@@ -420,8 +456,10 @@ class DiagMonitor(AgentCollaborator):
             "step_timeout_s": round(step_timeout, 3),
             "ranks_waiting": list(finding.ranks_waiting),
             "culprits": [{"rank": c.rank, "node": c.node, "reason": c.reason} for c in culprits],
-            "ranks": [_view_json(v) for v in views],
+            "ranks": [_view_json(v) for v in job_views],
         }
+        if job.silent:
+            evidence["silent_nodes"] = job.silent_json()
         if stack_groups is not None:
             evidence["stacks"] = {
                 "healthy": list(stack_groups.healthy),
@@ -447,11 +485,20 @@ class DiagMonitor(AgentCollaborator):
                                  evidence={"value": str(finding.value)})
         return None
 
-    def _check_slow(self, now: int) -> Detection | None:
-        busy = {rank: statistics.median(t.busy) for rank, t in self._tracks.items()
+    def _busy_medians(self) -> dict[int, float]:
+        """Median busy time per step of this node's ranks that have enough recent steps."""
+        return {rank: statistics.median(t.busy) for rank, t in self._tracks.items()
                 if len(t.busy) >= max(3, self.config.slow_window // 2)}
+
+    def _check_slow(self, now: int, local_busy: dict[int, float], job: exchange.JobView
+                    ) -> Detection | None:
+        # Every rank of the job is compared with every other, whatever its node.
+        busy = {**job.busy, **local_busy}
         if len(busy) < 2:
             return None
+        here = self._group.node_id if self._group else ""
+        node_of = {**job.node_of, **dict.fromkeys(local_busy, here)}
+        leader = self._group is None or self._group.group_rank == 0
         slow = detectors.find_slow(busy, self.config.slow_ratio, self.config.slow_min_excess_s)
         slow_ranks = {s.rank for s in slow}
         for rank in list(self._slow_since):
@@ -462,15 +509,20 @@ class DiagMonitor(AgentCollaborator):
             key = f"slow:{finding.rank}"
             if (now - since) / 1e9 < self.config.slow_confirm_s or key in self._reported:
                 continue
+            local = finding.rank in local_busy
+            if not local and not leader:
+                continue  # reported by the rank's own node and by the leader
             self._reported.add(key)
-            node = self._group.node_id if self._group else ""
+            node = node_of.get(finding.rank, "")
             message = (f"slow rank {finding.rank} on {node}: busy {finding.busy_s * 1e3:.0f} ms "
                        f"per step vs peers' median {finding.peers_median_s * 1e3:.0f} ms "
                        f"(x{finding.ratio:.1f})")
             self.emit("slow_rank", message, rank=finding.rank, node=node,
                       busy_s=finding.busy_s, peers_median_s=finding.peers_median_s,
-                      ratio=finding.ratio, busy_by_rank={str(r): v for r, v in busy.items()})
-            if self.config.slow_action == "restart":
+                      ratio=finding.ratio, busy_by_rank={str(r): v for r, v in busy.items()},
+                      node_by_rank={str(r): n for r, n in node_of.items()})
+            # Only the rank's own node acts on it: its restart restarts the whole job anyway.
+            if self.config.slow_action == "restart" and local:
                 return Detection(FailureClass.HANG, (finding.rank,), "slow_rank", message)
         return None
 
@@ -498,6 +550,7 @@ def _view_json(view: detectors.RankView) -> dict[str, Any]:
         "in_flight": [{"op": c.op, "comm": f"{c.comm:x}", "comm_seq": c.comm_seq,
                        "age_s": round(c.age_s, 3)} for c in view.in_flight],
         "comm_seqs": {f"{k:x}": v for k, v in view.comm_seqs.items()},
+        "view_age_s": round(view.view_age_s, 3),
     }
 
 
@@ -564,5 +617,13 @@ def monitor_from_options(options: Any, launch_config: Any, env: Mapping[str, str
             shim = library
     logs_specs = getattr(launch_config, "logs_specs", None)
     log_root = getattr(logs_specs, "root_log_dir", None)
-    return DiagMonitor(config, base_env=env, event_dir=options.agent.event_dir,
-                       log_root=Path(log_root) if log_root else None, nccl_shim=shim)
+    metrics = None
+    if config.diag_metrics_port:
+        metrics = DiagMetrics()
+        metrics.serve(config.diag_metrics_host, config.diag_metrics_port, config.diag_metrics_token)
+    monitor = DiagMonitor(config, base_env=env, event_dir=options.agent.event_dir,
+                          log_root=Path(log_root) if log_root else None, nccl_shim=shim,
+                          metrics=metrics)
+    if metrics is not None:
+        metrics.recent_collectives = lambda: tuple(monitor._coll_history)
+    return monitor

@@ -1,0 +1,270 @@
+"""Cross-node diagnostics: summaries exchanged through a real store, and culprits judged job-wide.
+
+The fast tests run two :class:`ViewExchange` objects as two nodes over a real TCPStore (the store
+torch's c10d rendezvous hands the agents). The slow tests run a real job of two elasticft-run
+agents as two nodes with two gloo workers each (etcd-v3 rendezvous): a SIGSTOPped worker is named
+with its node by the other node, whose workers only wait; a rank slowed 3x is named with its node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from elasticft.diag import detectors as d
+from elasticft.diag.exchange import ViewExchange, decode_summary, encode_summary
+from elasticft.events import read_events
+from tests.conftest import BIN
+from tests.servers import EtcdServer
+
+WORKER = Path(__file__).parent / "workers" / "diag_train.py"
+
+
+def _view(rank: int, node: str, **kwargs: Any) -> d.RankView:
+    return d.RankView(rank, node, **kwargs)
+
+
+def test_summary_round_trip_keeps_every_field():
+    view = _view(3, "b", pid=41, process_state="T", heartbeat_age_s=0.25, steps=7,
+                 step_age_s=1.5, in_flight=(d.InFlight("all_reduce", 0xFFEE00112233, 12, 4.5,
+                                                       "ring"),),
+                 comm_seqs={0xFFEE00112233: 12, 5: 2})
+    summary = decode_summary(encode_summary("b", 1, 9, [view], {3: 0.125}))
+    assert (summary.node, summary.group_rank, summary.seq) == ("b", 1, 9)
+    assert summary.views == (view,)
+    assert summary.busy == {3: 0.125}
+    with pytest.raises(ValueError, match="malformed"):
+        decode_summary(b'{"v": 1, "node": "x"}')
+
+
+def test_a_peer_known_only_from_old_facts_is_not_called_behind():
+    waiting = _view(0, "a", in_flight=(d.InFlight("all_reduce", 7, 42, 5.0, "ring"),),
+                    comm_seqs={7: 42})
+    old = _view(3, "b", comm_seqs={7: 41}, view_age_s=6.0)
+    recent = dataclasses.replace(old, view_age_s=1.0)
+    assert d.localise([waiting, old], heartbeat_stale_s=2) == []
+    culprits = d.localise([waiting, recent], heartbeat_stale_s=2)
+    assert [(c.rank, c.node) for c in culprits] == [(3, "b")]
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    yield dist.PrefixStore("torch.rendezvous.job.1", server)
+
+
+def _wait(predicate, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_see_each_others_ranks_and_a_silent_node(store):
+    a = ViewExchange(interval_s=0.2, poll_s=0.1, stale_after_s=1.0)
+    b = ViewExchange(interval_s=0.2, poll_s=0.1, stale_after_s=1.0)
+    try:
+        a.attach(store, "a", 0, 2)
+        b.attach(store, "b", 1, 2)
+        assert [n.node for n in a.job_view().silent] == ["group rank 1"]  # nothing yet
+        a.offer([_view(0, "a", steps=3), _view(1, "a", steps=3)], {0: 0.1, 1: 0.1})
+        b.offer([_view(2, "b", steps=3), _view(3, "b", steps=3, comm_seqs={7: 4})],
+                {2: 0.1, 3: 0.3})
+        seen = _wait(lambda: a.job_view().views)
+        assert [(v.rank, v.node) for v in seen] == [(2, "b"), (3, "b")]
+        assert seen[1].comm_seqs == {7: 4}
+        assert a.job_view().busy == {2: 0.1, 3: 0.3}
+        assert a.job_view().node_of == {2: "b", 3: "b"}
+        assert _wait(lambda: [(v.rank, v.node) for v in b.job_view().views]) == [(0, "a"),
+                                                                                  (1, "a")]
+        # b stops offering (its monitor is gone): a calls it silent, and judges none of its ranks.
+        silent = _wait(lambda: a.job_view().silent, timeout_s=5)
+        assert silent[0].node == "b" and silent[0].age_s > 1.0
+        assert a.job_view().views == ()
+        # A new round forgets the old round's views.
+        a.attach(store, "a", 0, 1)
+        assert a.job_view().views == () and not a.active
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_newly_stopped_rank_is_published_at_once(store):
+    a = ViewExchange(interval_s=30.0, poll_s=0.05)
+    b = ViewExchange(interval_s=30.0, poll_s=0.05)
+    try:
+        a.attach(store, "a", 0, 2)
+        b.attach(store, "b", 1, 2)
+        b.offer([_view(2, "b", process_state="S")], {})
+        _wait(lambda: a.job_view().views)
+        # The regular interval (30 s) is far off; a stopped rank goes out at the next poll.
+        b.offer([_view(2, "b", process_state="T")], {})
+        states = _wait(lambda: [v.process_state for v in a.job_view().views
+                                if v.process_state == "T"], timeout_s=3)
+        assert states == ["T"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_single_node_or_no_store_exchanges_nothing():
+    exchange = ViewExchange()
+    assert exchange.job_view().views == ()
+    exchange.attach(None, "a", 0, 2)
+    assert not exchange.job_view().views
+    exchange.attach(object(), "a", 0, 1)
+    assert not exchange.active and exchange.job_view().silent == ()
+    exchange.close()
+
+
+# -- two real nodes -----------------------------------------------------------------------------
+
+RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+class TwoNodeJob:
+    """Two elasticft-run agents ("a" and "b"), 2 gloo workers each, on one etcd."""
+
+    def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, agent_flags: list[str],
+                 worker_flags: list[str]) -> None:
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        for name in "ab":
+            cmd = [str(BIN / "elasticft-run"), "--nnodes", "2", "--nproc-per-node", "2",
+                   "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", f"diag-{tmp.name}", "--rdzv-conf", RDZV_CONF,
+                   "--local-addr", "127.0.0.1", "--node-id", name,
+                   "--run-dir", str(tmp / f"run-{name}"), "--max-restarts", "0",
+                   "--monitor-interval", "0.1", "--shutdown-timeout", "5", *agent_flags,
+                   str(WORKER), "--state", str(tmp / "state"), *worker_flags]
+            with open(tmp / f"{name}.log", "wb") as out:
+                self.procs[name] = subprocess.Popen(
+                    cmd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    def events(self, node: str, kind: str) -> list[dict[str, Any]]:
+        run_dir = self.tmp / f"run-{node}"
+        return [e for e in read_events(run_dir) if e["kind"] == kind] if run_dir.exists() else []
+
+    def detections(self, node: str, detector: str) -> list[dict[str, Any]]:
+        return [e for e in self.events(node, "detection") if e["detector"] == detector]
+
+    def pids(self, node: str) -> dict[int, int]:
+        started = self.events(node, "workers_started")
+        return {int(r): p for r, p in started[-1]["pids"].items()} if started else {}
+
+    def output(self) -> str:
+        logs = {n: (self.tmp / f"{n}.log").read_text(errors="replace") for n in self.procs}
+        return "\n".join(f"--- {n} ---\n{text[-3000:]}" for n, text in logs.items())
+
+    def wait_for(self, what: str, predicate, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.1)
+        pytest.fail(f"{what} not seen within {timeout_s} s\n{self.output()}")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                agent = psutil.Process(proc.pid)
+                for p in [*agent.children(recursive=True), agent]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.send_signal(signal.SIGCONT)
+                        p.send_signal(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, job_env: dict[str, str], etcd_server: EtcdServer):
+    jobs: list[TwoNodeJob] = []
+
+    def start(agent_flags: list[str], worker_flags: list[str]) -> TwoNodeJob:
+        job = TwoNodeJob(tmp_path, job_env, etcd_server.endpoint, agent_flags, worker_flags)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_stopped_worker_is_named_with_its_node_by_the_node_that_only_waits(two_nodes):
+    job = two_nodes(["--hang-floor-s", "3", "--hang-min-samples", "3", "--hang-stacks", "false"],
+                    ["--steps", "400", "--step-sleep", "0.05"])
+    job.wait_for("steady training on both nodes",
+                 lambda: all(len(job.pids(n)) == 2 for n in "ab") and
+                 (job.tmp / "state").exists() and int((job.tmp / "state").read_text()) >= 15,
+                 timeout_s=75)
+    victim_rank, victim = max(job.pids("b").items())
+    stopped_at = time.time()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        hang = job.wait_for("node a naming the stopped rank", lambda: job.detections("a", "hang"),
+                            timeout_s=30)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+    latency = hang["time"] - stopped_at
+    print(f"node a named the stopped rank {latency:.2f} s after SIGSTOP")
+    assert [(c["rank"], c["node"]) for c in hang["culprits"]] == [(victim_rank, "b")], hang
+    assert f"rank {victim_rank} on b" in hang["message"]
+    assert "state T" in hang["culprits"][0]["reason"]
+    # Node a's own ranks only wait; the evidence has every rank's position, with its node.
+    assert set(hang["ranks_waiting"]) <= set(job.pids("a"))
+    nodes = {r["rank"]: r["node"] for r in hang["ranks"]}
+    assert nodes == {**dict.fromkeys(job.pids("a"), "a"), **dict.fromkeys(job.pids("b"), "b")}
+    stopped = next(r for r in hang["ranks"] if r["rank"] == victim_rank)
+    assert stopped["state"] == "T" and stopped["view_age_s"] >= 0
+    # The communicator ids agree across nodes (one process group: one key everywhere).
+    assert len({comm for r in hang["ranks"] for comm in r["comm_seqs"]}) == 1
+    assert latency < 10, latency
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_rank_slowed_3x_is_named_with_its_node(two_nodes):
+    # Rank 3 sleeps 0.1 s more per step than the others' 0.05 s: about 3x their busy time.
+    job = two_nodes(["--slow-confirm-s", "2", "--slow-window", "5"],
+                    ["--steps", "400", "--step-sleep", "0.05", "--slow-rank", "3",
+                     "--slow-sleep", "0.1"])
+    owner = job.wait_for("rank 3 started", lambda: next(
+        (n for n in "ab" if 3 in job.pids(n)), None), timeout_s=75)
+    started = job.events(owner, "workers_started")[0]["time"]
+    slow = job.wait_for("a slow-rank detection", lambda: job.detections(owner, "slow_rank"),
+                        timeout_s=75)[0]
+    latency = slow["time"] - started
+    print(f"rank 3 named slow on {owner} {latency:.1f} s after its workers started")
+    assert (slow["rank"], slow["node"]) == (3, owner), slow
+    assert f"slow rank 3 on {owner}" in slow["message"]
+    # Compared across the job: the busy times of all four ranks, each with its node.
+    assert set(slow["busy_by_rank"]) == {"0", "1", "2", "3"}
+    assert set(slow["node_by_rank"].values()) == {"a", "b"}
+    assert 2 < slow["ratio"] < 6, slow
+    other = "b" if owner == "a" else "a"
+    # The leader names it too when the rank is not its own; the other node never acts on it.
+    assert not [e for e in job.detections(other, "slow_rank") if e["rank"] != 3]
+    assert not job.events(owner, "failure") and not job.events(other, "failure")
+    assert latency < 60, latency
