@@ -237,6 +237,15 @@ class DiagConfig:
     diag_preflight_allreduce: bool = option(
         False, "Also run a short all-reduce sanity and bandwidth test among this node's "
         "worker slots before the first start (a few seconds).")
+    diag_metrics_port: int = option(
+        0, "Serve Prometheus metrics (step time, collective latency, detections, restarts) on "
+        "this port of --diag-metrics-host. 0: off.", minimum=0)
+    diag_metrics_host: str = option(
+        "127.0.0.1", "Address the Prometheus metrics endpoint binds (this node's address to let "
+        "a Prometheus server on another machine scrape it).")
+    diag_metrics_token: str | None = option(
+        None, "When set, the metrics endpoint answers only requests with the header "
+        "'Authorization: Bearer <token>'.")
 
 
 @dataclasses.dataclass(frozen=True)
