@@ -2,7 +2,9 @@
 
 Both take the same connection flags as ``elasticft-run`` (``--rdzv-endpoint``, ``--rdzv-conf``
 for TLS/user/password/prefix; ``PET_RDZV_ENDPOINT`` / ``PET_RDZV_CONF`` / ``PET_RDZV_ID`` when
-the flags are left out), so a job's own settings can be reused verbatim.
+the flags are left out), so a job's own settings can be reused verbatim. ``elasticft status
+--run-dir DIR`` adds the newest diagnostics detections from the run's event log (alone, for a
+``--standalone`` run without etcd, it shows only those).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticft.cli import CliError
+from elasticft.events import read_events
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist, JobStatus, MemberRecord, read_status
 
@@ -77,12 +81,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         sub.set_defaults(handler=_blacklist)
 
     status = subparsers.add_parser(
-        "status", help="a job's round, leader, participants, standbys and the blacklist (etcd)"
+        "status",
+        help="a job's round, leader, participants, standbys and the blacklist (etcd); with "
+        "--run-dir, its newest diagnostics detections",
     )
     status.add_argument(
         "--rdzv-id", default=os.environ.get("PET_RDZV_ID", ""), help="the job id (env PET_RDZV_ID)"
     )
     status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--run-dir", type=Path, help="also show the newest diagnostics detections of this run "
+        "(its --run-dir or --event-dir); alone, without --rdzv-id, only those"
+    )
+    status.add_argument(
+        "--detections", type=int, default=10, metavar="N", help="how many detections (default 10)"
+    )
     _add_connection_flags(status)
     status.set_defaults(handler=_status)
 
@@ -152,15 +165,44 @@ def format_status(status: JobStatus) -> str:
     return "\n".join(lines)
 
 
+def recent_detections(run_dir: Path, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` diagnostics detections in a run's event log, oldest first."""
+    found = [e for e in read_events(run_dir) if e.get("kind") == "detection"]
+    return found[-limit:] if limit > 0 else []
+
+
+def format_detections(detections: list[dict[str, Any]], run_dir: Path) -> str:
+    lines = [f"detections in {run_dir}: {len(detections) or 'none'}"]
+    for event in detections:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.get("time", 0.0)))
+        lines.append(f"  {when}  {event.get('node', '?')}  {event.get('detector', '?')}: "
+                     f"{event.get('message', '')}")
+    return "\n".join(lines)
+
+
 def _status(args: argparse.Namespace) -> int:
-    if not args.rdzv_id:
-        raise CliError("no job id; give --rdzv-id (the job's --rdzv-id) or set PET_RDZV_ID")
-    client, settings = _connect(args)
-    try:
-        status = read_status(client, Keys(settings.root, args.rdzv_id), settings)
-    except RendezvousConnectionError as e:
-        raise _one_line(e) from None
-    finally:
-        client.close()
-    print(json.dumps(status.to_json(), indent=2) if args.json else format_status(status))
+    if not args.rdzv_id and args.run_dir is None:
+        raise CliError("no job id; give --rdzv-id (the job's --rdzv-id) or set PET_RDZV_ID, "
+                       "or --run-dir DIR for a run's detections")
+    if args.run_dir is not None and not args.run_dir.is_dir():
+        raise CliError(f"--run-dir {args.run_dir} is not a directory; give the run's --run-dir")
+    output: dict[str, Any] = {}
+    text = []
+    if args.rdzv_id:
+        client, settings = _connect(args)
+        try:
+            status = read_status(client, Keys(settings.root, args.rdzv_id), settings)
+        except RendezvousConnectionError as e:
+            raise _one_line(e) from None
+        finally:
+            client.close()
+        output.update(status.to_json())
+        text.append(format_status(status))
+    if args.run_dir is not None:
+        detections = recent_detections(args.run_dir, args.detections)
+        output["detections"] = [
+            {k: e.get(k) for k in ("time", "node", "detector", "message")} for e in detections
+        ]
+        text.append(format_detections(detections, args.run_dir))
+    print(json.dumps(output, indent=2) if args.json else "\n".join(text))
     return 0
