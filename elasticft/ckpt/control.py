@@ -57,10 +57,14 @@ class Ack:
 
 
 def request_checkpoint(
-    control_dir: Path, local_ranks: Iterable[int], reason: str, timeout_s: float
+    control_dir: Path, local_ranks: Iterable[int], reason: str, timeout_s: float,
+    alive: Callable[[int], bool] | None = None,
 ) -> dict[int, Ack]:
     """Agent side: asks every local worker for its newest snapshot; returns the acks received
-    within ``timeout_s`` (ranks that did not answer are missing from the result)."""
+    within ``timeout_s`` (ranks that did not answer are missing from the result).
+
+    ``alive(local_rank)``, when given, stops the wait for a worker that exited meanwhile (one
+    whose collective failed never answers, and must not hold up the restart)."""
     control_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     request_id = uuid.uuid4().hex
     pending = set(local_ranks)
@@ -69,6 +73,7 @@ def request_checkpoint(
             ack_path(control_dir, rank).unlink()
     _write_json(control_dir / REQUEST, {"id": request_id, "reason": reason, "time": time.time()})
     acks: dict[int, Ack] = {}
+    gone: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
         for rank in sorted(pending):
@@ -76,11 +81,17 @@ def request_checkpoint(
             if answer and answer.get("id") == request_id:
                 acks[rank] = Ack(rank, answer.get("step"), answer.get("error", ""))
                 pending.discard(rank)
+            elif alive is not None and not alive(rank):
+                pending.discard(rank)
+                gone.add(rank)
         if pending:
             time.sleep(0.02)
     if pending:
         logger.warning("no checkpoint ack from local rank(s) %s within %.1f s", sorted(pending),
                        timeout_s)
+    if gone:
+        logger.info("local rank(s) %s exited before answering the checkpoint request",
+                    sorted(gone))
     return acks
 
 

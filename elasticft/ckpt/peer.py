@@ -14,6 +14,12 @@ and dropped. A received shard is checked blob by blob against its CRC-32 before 
 stored like the durable tier does (temporary name, fsync, rename, manifest last).
 
 Operations: ``put`` (a rank's shard of a step), ``list`` (steps held for a rank), ``get``.
+A server may also answer ``list`` and ``get`` for a rank from a data-parallel *replica* its own
+node holds (a :class:`ReplicaSource`): a replacement node then restores the newest step from a
+healthy replica's memory, not only the older backup of the node it replaces.
+
+The secret is the round's: the leader of each rendezvous round publishes it, every node of the
+round adopts it (:meth:`PeerServer.set_secret`), so a node that left the job no longer gets in.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import threading
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from elasticft.ckpt import durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
@@ -134,13 +140,26 @@ def verify_shard(manifest: Mapping[str, Any], data: bytes | bytearray) -> None:
 # Server.
 
 
+class ReplicaSource(Protocol):
+    """Shards of ranks this node holds as data-parallel replicas of another rank."""
+
+    def replica_steps(self, rank: int, world_size: int) -> list[int]: ...
+
+    def replica_shard(self, step: int, rank: int, world_size: int
+                      ) -> tuple[dict[str, Any], bytes] | None:
+        """(manifest relabelled for ``rank``, shard bytes in the durable format), or None."""
+        ...
+
+
 class PeerServer:
     """Stores other nodes' shards under ``root`` and serves them back; one thread per client."""
 
-    def __init__(self, root: Path, secret: str, host: str, port: int = 0, keep: int = 2) -> None:
+    def __init__(self, root: Path, secret: str, host: str, port: int = 0, keep: int = 2,
+                 replicas: ReplicaSource | None = None) -> None:
         self.root = root
         self.keep = keep
         self._secret = secret
+        self._replicas = replicas
         self._lock = threading.Lock()
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         outer = self
@@ -160,6 +179,10 @@ class PeerServer:
         )
         self._thread.start()
         logger.info("checkpoint peer server listening on %s", self.address)
+
+    def set_secret(self, secret: str) -> None:
+        """Adopts the round's secret; connections authenticated with any other are refused."""
+        self._secret = secret
 
     def _serve(self, sock: socket.socket, client: Any) -> None:
         sock.settimeout(60)
@@ -190,12 +213,24 @@ class PeerServer:
             self._store(manifest, body)
             return {"ok": True}, None
         if op == "list":
-            return {"ok": True, "steps": self.steps(int(header["rank"]),
-                                                   int(header["world_size"]))}, None
+            rank, world = int(header["rank"]), int(header["world_size"])
+            steps = set(self.steps(rank, world))
+            if self._replicas is not None:
+                steps.update(self._replicas.replica_steps(rank, world))
+            return {"ok": True, "steps": sorted(steps, reverse=True)}, None
         if op == "get":
-            directory = durable.step_dir(self.root, int(header["step"]))
-            manifest = durable.read_rank_manifest(directory, int(header["rank"]))
-            data = (directory / manifest["file"]).read_bytes()
+            step, rank = int(header["step"]), int(header["rank"])
+            directory = durable.step_dir(self.root, step)
+            try:
+                manifest = durable.read_rank_manifest(directory, rank)
+                data = (directory / manifest["file"]).read_bytes()
+            except (SnapshotMissing, FileNotFoundError):
+                replica = None
+                if self._replicas is not None and "world_size" in header:
+                    replica = self._replicas.replica_shard(step, rank, int(header["world_size"]))
+                if replica is None:
+                    raise
+                manifest, data = replica
             return {"ok": True, "manifest": manifest}, data
         raise CheckpointError(f"unknown operation {op!r}", reason="bad_request")
 
@@ -272,8 +307,11 @@ class PeerClient:
         reply, _ = self._call({"op": "list", "rank": rank, "world_size": world_size})
         return [int(s) for s in reply["steps"]]
 
-    def get(self, step: int, rank: int) -> Snapshot:
-        reply, data = self._call({"op": "get", "step": step, "rank": rank})
+    def get(self, step: int, rank: int, world_size: int | None = None) -> Snapshot:
+        header: dict[str, Any] = {"op": "get", "step": step, "rank": rank}
+        if world_size is not None:
+            header["world_size"] = world_size  # lets the peer answer from a replica
+        reply, data = self._call(header)
         if data is None:
             raise SnapshotMissing(f"peer sent no shard for rank {rank} step {step}")
         return durable.decode_shard(reply["manifest"], data, f"peer {self.host}:{self.port}")
@@ -297,7 +335,7 @@ class PeerTier(Tier):
 
     def read(self, step: int, rank: int, world_size: int) -> Snapshot:
         try:
-            snapshot = self.client.get(step, rank)
+            snapshot = self.client.get(step, rank, world_size)
         except OSError as e:
             raise SnapshotMissing(f"peer unavailable: {e}") from None
         if snapshot.world_size != world_size:

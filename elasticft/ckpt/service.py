@@ -13,8 +13,12 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   checksums and a commit marker once every rank is durable (:mod:`elasticft.ckpt.durable`), then
   keeps the newest ``ckpt_keep``.
 * **Peer backup.** In a multi-node job it runs a :class:`~elasticft.ckpt.peer.PeerServer` on the
-  job's address, publishes its address and (leader only) a per-job secret in the rendezvous
-  store, and pushes each persisted shard to its backup node.
+  job's address, publishes its address in the rendezvous store, and pushes each persisted shard
+  to its backup node. The leader of every round publishes the round's secret (the user's
+  ``--ckpt-peer-secret``, else a fresh random one per round) and every node adopts it, so all
+  nodes of a round agree even when a new node becomes the leader, and a node that left cannot
+  fetch shards any more. The server also answers for ranks this node holds a data-parallel
+  replica of (:meth:`replica_shard`), so a replacement node restores the newest step.
 * **Flush on failure.** When a worker fails it persists the newest snapshot every local worker
   completed, before the restart, so a node that does not come back still left it on disk.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
@@ -27,6 +31,7 @@ import dataclasses
 import logging
 import os
 import queue
+import shutil
 import socket
 import threading
 import time
@@ -137,19 +142,21 @@ class CheckpointService(AgentCollaborator):
 
     def _setup_peers(self, group: GroupInfo, store: Any) -> None:
         if group.group_rank == 0:
-            # Every round, not only the first: a standby that joins later reads it from the
-            # round's store (otherwise it waits for it, and the peers for its address, forever).
-            if self._secret is None:
-                self._secret = new_secret()
+            # A fresh secret every round (the store is the round's): a new leader never keeps
+            # a secret of its own that the others do not know, and a node that left the job
+            # (evicted, cut off) cannot authenticate any more.
+            self._secret = self.config.ckpt_peer_secret or new_secret()
             store.set(_SECRET_KEY, self._secret)
-        elif self._secret is None:
+        else:
             self._secret = store.get(_SECRET_KEY).decode()
-        if self._peer_server is None:
+        if self._peer_server is not None:
+            self._peer_server.set_secret(self._secret)
+        else:
             host = bind_host(self.config.ckpt_peer_addr, [self._local_addr or "", _host_ip()])
             peer_root = (self.config.ckpt_dir or group.run_dir / "ckpt") / "peer-backups" / \
                 f"node-{group.node_id}"
             self._peer_server = PeerServer(peer_root, self._secret, host,
-                                           keep=self.config.ckpt_keep)
+                                           keep=self.config.ckpt_keep, replicas=self)
         store.set(_PEER_KEY.format(group.group_rank), self._peer_server.address)
         nproc = len(group.workers)
         target = backup_node(group.group_rank, group.group_world_size, nproc, self.layout)
@@ -280,6 +287,55 @@ class CheckpointService(AgentCollaborator):
         """Newest step every local worker holds complete in shared memory (for its rank)."""
         return max(self.common_steps(group), default=None)
 
+    # ------------------------------------------------------------------------------------------
+    # Replicas, for the peer server (a replacement node restores from a healthy replica).
+
+    def _replica_of(self, held_rank: int, rank: int, world: int) -> bool:
+        """Whether ``held_rank`` holds the same shard as ``rank`` (same tp and pp coordinates;
+        pure data parallelism without a layout)."""
+        tp, pp, dp = self.layout or (1, 1, world)
+        if tp * pp * dp != world:
+            return False
+        return (held_rank % tp, held_rank // (tp * dp)) == (rank % tp, rank // (tp * dp))
+
+    def _replica_headers(self, rank: int, world: int) -> list[tuple[shm.SlotSet, int, Any]]:
+        # Headers carry the rank a snapshot was taken as: this node's ranks may have changed
+        # since (a new round), so every slot set is looked at, not the current ranks'.
+        found = []
+        for slots in list(self._slots.values()):
+            for index, header in slots.complete().items():
+                if header.world_size == world and self._replica_of(header.rank, rank, world):
+                    found.append((slots, index, header))
+        return found
+
+    def replica_steps(self, rank: int, world_size: int) -> list[int]:
+        return sorted({h.step for _, _, h in self._replica_headers(rank, world_size)},
+                      reverse=True)
+
+    def replica_shard(self, step: int, rank: int, world_size: int
+                      ) -> tuple[dict[str, Any], bytes] | None:
+        group = self._group
+        if group is None:
+            return None
+        for slots, index, header in self._replica_headers(rank, world_size):
+            if header.step != step:
+                continue
+            slot = slots.get(index)
+            snapshot = _copy_out(slot, step, shm.StagingBuffer()) if slot is not None else None
+            if snapshot is None or not _whole_tensors(snapshot.manifest):
+                continue
+            # Encoded exactly as the durable tier writes a shard (checksummed blobs).
+            scratch = (self.config.ckpt_dir or group.run_dir / "ckpt") / "replica-cache" / \
+                f"node-{group.node_id}"
+            directory = durable.write_rank_shard(scratch, snapshot)
+            manifest = durable.read_rank_manifest(directory, snapshot.rank)
+            data = (directory / manifest["file"]).read_bytes()
+            shutil.rmtree(directory, ignore_errors=True)
+            logger.info("serving step %d of rank %d from the replica rank %d in memory", step,
+                        rank, snapshot.rank)
+            return dict(manifest, rank=rank, replica_of=snapshot.rank), data
+        return None
+
     def _persist_loop(self) -> None:
         durable.background_priority()
         while True:
@@ -398,6 +454,13 @@ def _copy_out(slot: shm.Slot, step: int, staging: shm.StagingBuffer) -> Snapshot
             crc = zlib.crc32(payload)
             slot.write_header(dataclasses.replace(current, crc_state=shm.CRC_VALID, crc=crc))
         return Snapshot(snapshot.manifest, payload)
+
+
+def _whole_tensors(manifest: Mapping[str, Any]) -> bool:
+    """Whether every tensor is whole (no DTensor/FSDP shard), so another rank can load it."""
+    return all(not any(item.get("chunk_offsets", ())) and
+               item.get("shape") == item.get("global_size", item.get("shape"))
+               for item in manifest["items"] if item["kind"] == "tensor")
 
 
 def _host_ip() -> str:

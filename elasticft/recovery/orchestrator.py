@@ -23,6 +23,16 @@ checkpoint service, so on a failure it
    node with the evidence** before the launcher lets it leave without closing the rendezvous;
    the remaining nodes and a standby re-rendezvous.
 
+**Across nodes**, the healthy replicas are mostly on other nodes. The agent that meets the
+failure broadcasts a JIT request for its round through the round's store (one key, written
+once: ``compare_set``); every agent of the round watches that key in a background thread (a
+blocking store wait, watch-based on etcd) and answers it by asking its own workers over the
+control channel, then reports the step each node holds (``.../jit/done/<group rank>``). An
+agent never stops its workers while its round's JIT checkpoint is still being taken, so the
+next round restores the newest step held on every shard. One JIT checkpoint per node and
+round: whichever of the failure, the broadcast or the membership change asks first takes it;
+the others reuse its result.
+
 Job-wide, the **leader** of each round (group rank 0) compares the round's nodes with the
 previous round's: a node that is gone and whose membership lease expired (dead, or cut off
 from the network) is evicted for good, blacklisted with the evidence
@@ -33,11 +43,14 @@ written to the event log (``jit_checkpoint``, ``eviction``, ``recovery``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +75,32 @@ from elasticft.recovery.membership import EtcdMembership, Membership
 logger = logging.getLogger(__name__)
 
 _NODE_KEY = "elasticft/recovery/node/{}"
-_MEMBERSHIP_JIT_TIMEOUT_S = 2.0
+_JIT_REQUEST_KEY = "elasticft/recovery/jit/request"
+_JIT_DONE_KEY = "elasticft/recovery/jit/done/{}"
+_WATCH_WAKE_S = 5.0
+"""A watcher's blocking wait wakes this often to see whether its round is over."""
+
+
+@dataclasses.dataclass
+class _RoundJit:
+    """The JIT checkpoint of one node in one round, taken at most once."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    step: int | None = None
+    ranks: dict[int, int | None] = dataclasses.field(default_factory=dict)
+
+
+def _exists(pid: int | None) -> bool:
+    """A worker process that still exists (it may be stopped): it holds its collectives."""
+    return bool(pid) and os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X")
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 def _alive(pid: int | None) -> bool:
@@ -105,6 +143,10 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._round_nodes: dict[int, tuple[str, ...]] = {}
         self._facts: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
+        self._jit_lock = threading.Lock()
+        self._round_jit: dict[int, _RoundJit] = {}
+        self._round_store: Any = None
+        self._watch_stop = threading.Event()
 
     @classmethod
     def from_options(
@@ -142,8 +184,17 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._group = group
         if self._events is None:
             self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
+        self._watch_stop.set()  # the previous round's JIT watcher
+        self._round_store = store
         if store is None:
             return
+        if group.group_world_size > 1:
+            self._watch_stop = threading.Event()
+            watcher = threading.Thread(target=self._watch_jit,
+                                       args=(group, _own_connection(store), self._watch_stop),
+                                       daemon=True, name="elasticft-recovery-jit-watch")
+            watcher.start()
+            self._threads.append(watcher)
         try:
             store.set(_NODE_KEY.format(group.group_rank), group.node_id)
         except Exception as e:
@@ -220,19 +271,38 @@ class RecoveryOrchestrator(AgentCollaborator):
         healthy = [w for w in group.workers
                    if w.global_rank not in offending and _alive(w.pid)]
         control = self._control_dir(group)
+        uses_api = self._uses_api(group)
+        # The other nodes' replicas can be asked through the round's store.
+        remote = intact and uses_api and group.group_world_size > 1 and \
+            self._round_store is not None
         facts: dict[str, Any] = {
             "node_offences": self.offences,
             "repeat_offender_limit": self.config.recovery_repeat_offender,
             "replicas_intact": intact,
-            "jit_available": control is not None and bool(healthy) and self._uses_api(group),
+            "jit_available": control is not None and uses_api and (bool(healthy) or remote),
             "can_evict": self._can_evict(group),
         }
         self._facts = facts
         probe = FailureFacts(failures, 0, 0, replicas_intact=intact,
                              jit_available=facts["jit_available"])
         source = checkpoint_source(probe)
+        what = "; ".join(f.summary() for f in failures[:3])
         if source is CheckpointSource.JIT and control is not None:
-            self._jit_checkpoint(group, control, healthy, failures)
+            asked = remote and self._broadcast_jit(group, what)
+            if healthy:
+                self._shared_jit(group, control, healthy, f"on node {self.node_id}: {what}")
+            if asked:
+                # While a local worker still exists (a hang: stopped or stuck), the replicas
+                # elsewhere wait in the collective with it; stopping it would end that wait,
+                # so the reports come first. After a crash they are collected on the side.
+                if any(_exists(w.pid) for w in group.workers):
+                    self._collect_jit_reports(group, self._round_store)
+                else:
+                    thread = threading.Thread(target=self._collect_jit_reports,
+                                              args=(group, self._round_store), daemon=True,
+                                              name="elasticft-recovery-jit-reports")
+                    thread.start()
+                    self._threads.append(thread)
         else:
             why = ("a shard lost every replica" if not intact else
                    "no healthy worker on this node to ask" if not healthy else
@@ -267,39 +337,134 @@ class RecoveryOrchestrator(AgentCollaborator):
             logger.warning("standbys unknown: %s", e)
             return False
 
-    def _jit_checkpoint(self, group: GroupInfo, control: Path, healthy: list[Any],
-                        cause: tuple[FailureRecord, ...] | str,
-                        timeout_s: float | None = None) -> None:
+    def _shared_jit(self, group: GroupInfo, control: Path, healthy: list[Any], cause: str
+                    ) -> _RoundJit:
+        """This node's JIT checkpoint of ``group.round``: taken by the first caller, waited for
+        and reused by the others (a failure, a peer's broadcast and a membership change can all
+        ask in the same round)."""
+        with self._jit_lock:
+            record = self._round_jit.get(group.round)
+            first = record is None
+            if record is None:
+                record = self._round_jit[group.round] = _RoundJit()
+                for old in [r for r in self._round_jit if r < group.round - 1]:
+                    del self._round_jit[old]
+        if not first:
+            record.done.wait(self.config.recovery_jit_timeout_s + 1.0)
+            return record
+        try:
+            self._jit_checkpoint(group, control, healthy, cause, record)
+        finally:
+            record.done.set()
+        return record
+
+    def _jit_checkpoint(self, group: GroupInfo, control: Path, healthy: list[Any], cause: str,
+                        record: _RoundJit) -> None:
         started = time.monotonic()
-        what = cause if isinstance(cause, str) else "; ".join(f.summary() for f in cause[:3])
-        reason = f"just-in-time checkpoint: {what}"
-        acks = request_checkpoint(control, [w.local_rank for w in healthy], reason,
-                                  timeout_s if timeout_s is not None
-                                  else self.config.recovery_jit_timeout_s)
+        reason = f"just-in-time checkpoint: {cause}"
+        pids = {w.local_rank: w.pid for w in healthy}
+        # A live worker answers within a poll interval; one that is already exiting (its
+        # collective failed when another rank went) never does, and must not delay recovery.
+        acks = request_checkpoint(control, list(pids), reason,
+                                  self.config.recovery_jit_timeout_s,
+                                  alive=lambda local_rank: _alive(pids.get(local_rank)))
         steps = {w.global_rank: acks[w.local_rank].step for w in healthy
                  if w.local_rank in acks}
         seconds = time.monotonic() - started
         held = [s for s in steps.values() if s is not None]
+        record.ranks = steps
+        record.step = min(held) if held and len(held) == len(steps) else None
         logger.warning("just-in-time checkpoint from healthy rank(s) %s: step %s in %.2f s",
                        sorted(steps) or "none", max(held) if held else "none", seconds)
         self._emit("jit_checkpoint", ranks={str(r): s for r, s in steps.items()},
                    asked=[w.global_rank for w in healthy], step=max(held) if held else None,
-                   seconds=round(seconds, 3), cause=what[:300])
+                   seconds=round(seconds, 3), cause=cause[:300], round=group.round)
 
-    def before_restart(self, group: GroupInfo, cause: str, counted: bool) -> None:
-        """A membership change stops healthy workers (another node failed or left): they are
-        the healthy replicas, so they take the just-in-time checkpoint before they go."""
-        if counted:
-            return  # a failure of this node: on_failure already chose the checkpoint
+    def _node_jit(self, group: GroupInfo, cause: str) -> _RoundJit | None:
+        """The JIT checkpoint of every live local worker (none: nobody to ask)."""
         control = self._control_dir(group)
         healthy = [w for w in group.workers if _alive(w.pid)]
         if control is None or not healthy or not self._uses_api(group):
+            return None
+        return self._shared_jit(group, control, healthy, cause)
+
+    # -- the JIT request across nodes ---------------------------------------------------------
+
+    def _broadcast_jit(self, group: GroupInfo, cause: str) -> bool:
+        """Asks every node of the round for its JIT checkpoint; True when this request is the
+        round's (the first one wins), and so its reports are this node's to collect."""
+        store = self._round_store
+        request = json.dumps({"by": self.node_id, "group_rank": group.group_rank,
+                              "cause": cause[:300], "round": group.round, "time": time.time()})
+        try:
+            held = store.compare_set(_JIT_REQUEST_KEY, "", request)
+        except Exception as e:
+            logger.warning("could not ask the other nodes for a JIT checkpoint: %s", e)
+            return False
+        if _text(held) != request:
+            logger.info("the other nodes were already asked for a JIT checkpoint this round")
+            return False
+        logger.warning("asked every node of round %d for a just-in-time checkpoint",
+                       group.round)
+        return True
+
+    def _collect_jit_reports(self, group: GroupInfo, store: Any) -> None:
+        started = time.monotonic()
+        deadline = started + self.config.recovery_jit_timeout_s + 2.0
+        reports: dict[str, Any] = {}
+        for rank in range(group.group_world_size):
+            if rank == group.group_rank:
+                continue
+            left = deadline - time.monotonic()
+            try:
+                store.wait([_JIT_DONE_KEY.format(rank)], timedelta(seconds=max(left, 0.01)))
+                reports[str(rank)] = json.loads(_text(store.get(_JIT_DONE_KEY.format(rank))))
+            except Exception:
+                reports[str(rank)] = None  # gone with the failure, or too slow
+        steps = [r["step"] for r in reports.values() if r and r.get("step") is not None]
+        logger.warning("JIT checkpoint reports of round %d: %s", group.round,
+                       {k: (v or {}).get("step") for k, v in reports.items()})
+        self._emit("jit_request", round=group.round, reports=reports,
+                   newest_common_step=min(steps) if steps and len(steps) == len(reports)
+                   else None, seconds=round(time.monotonic() - started, 3))
+
+    def _watch_jit(self, group: GroupInfo, store: Any, stop: threading.Event) -> None:
+        """Waits (blocking on the store) for a JIT request of this round from another node;
+        answers it with this node's JIT checkpoint and reports the step."""
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                store.wait([_JIT_REQUEST_KEY], timedelta(seconds=_WATCH_WAKE_S))
+                request = json.loads(_text(store.get(_JIT_REQUEST_KEY)))
+            except Exception:
+                if time.monotonic() - started < 1.0:
+                    stop.wait(1.0)  # the store is unreachable: do not spin
+                continue
+            if stop.is_set():
+                return
+            if request.get("by") == self.node_id:
+                return  # ours: on_failure takes this node's checkpoint
+            record = self._node_jit(group, f"requested by node {request.get('by')}: "
+                                    f"{request.get('cause', '')}")
+            report = {"node": self.node_id, "step": record.step if record else None,
+                      "ranks": {str(r): s for r, s in (record.ranks if record else {}).items()}}
+            try:
+                store.set(_JIT_DONE_KEY.format(group.group_rank), json.dumps(report))
+            except Exception as e:
+                logger.warning("could not report this node's JIT checkpoint: %s", e)
             return
-        # A live worker answers within a poll interval; one that is already exiting (its
-        # collective failed when the other node went) never does, and must not delay recovery.
-        self._jit_checkpoint(group, control, healthy, cause,
-                             timeout_s=min(_MEMBERSHIP_JIT_TIMEOUT_S,
-                                           self.config.recovery_jit_timeout_s))
+
+    def before_restart(self, group: GroupInfo, cause: str, counted: bool) -> None:
+        """The workers are about to be stopped. A membership change stops healthy workers
+        (another node failed or left): they are the healthy replicas, so they take the
+        just-in-time checkpoint before they go; and a JIT checkpoint still being taken for a
+        peer's request is finished first."""
+        if counted:
+            record = self._round_jit.get(group.round)
+            if record is not None:
+                record.done.wait(self.config.recovery_jit_timeout_s + 1.0)
+            return  # a failure of this node: on_failure already chose the checkpoint
+        self._node_jit(group, cause)
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
                       ) -> Mapping[str, Any]:
@@ -323,6 +488,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                    round=group.round, blacklisted=blacklisted)
 
     def close(self) -> None:
+        self._watch_stop.set()
         for thread in self._threads:
             thread.join(timeout=1)
         close = getattr(self.membership, "close", None)
@@ -331,3 +497,17 @@ class RecoveryOrchestrator(AgentCollaborator):
                 close()
         if self._events is not None:
             self._events.close()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _own_connection(store: Any) -> Any:
+    """A connection of its own for a thread that blocks on the store: a TCPStore client holds
+    one lock per connection for a whole wait, which would stall the agent's own store calls.
+    A store that cannot be cloned (the etcd store, whose client is thread-safe) is shared."""
+    try:
+        return store.clone()
+    except Exception:
+        return store
