@@ -25,9 +25,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
+import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Generator, Iterable, Mapping
@@ -53,11 +56,24 @@ from elasticft.ckpt.shm import (
     StagingBuffer,
     read_slot,
 )
-from elasticft.ckpt.snapshot import Flattener, Layout, align_up, unflatten
+from elasticft.ckpt.snapshot import (
+    Flattener,
+    Layout,
+    ReplicaPlacement,
+    align_up,
+    copy_bytes,
+    deduplicated,
+    dtype_from_name,
+    place_replicas,
+    stored_here,
+    tensor_view,
+    unflatten,
+)
 
 logger = logging.getLogger(__name__)
 
 _AGREE_STEPS = 32
+_PEER_INFO_BYTES = 512
 
 
 class SaveRequest:
@@ -101,6 +117,7 @@ class Checkpointer:
         optimizers: Iterable[torch.optim.Optimizer] = (),
         rank: int | None = None,
         world_size: int | None = None,
+        dedup_replicas: bool = False,
     ) -> None:
         self.settings = settings
         initialized = dist.is_available() and dist.is_initialized()
@@ -110,6 +127,10 @@ class Checkpointer:
             else (dist.get_world_size() if initialized else 1)
         )
         self.optimizers = tuple(optimizers)
+        self.dedup_replicas = dedup_replicas and self.world_size > 1
+        """Each rank stores only its share of the replicated state (see :meth:`save`)."""
+        self._placements: dict[tuple[Any, ...], ReplicaPlacement] = {}
+        self._peers: list[dict[str, Any]] | None = None
         self.stall_s = 0.0
         """Total time the training thread waited inside save() and the pre-step hook."""
         self.last_source: str | None = None
@@ -157,14 +178,26 @@ class Checkpointer:
     def from_env(
         cls, *, optimizers: Iterable[torch.optim.Optimizer] = (), **defaults: Any
     ) -> Checkpointer:
-        """Agent-owned memory under elasticft-run, else process-owned; see WorkerSettings."""
-        return cls(WorkerSettings.from_env(**defaults), optimizers=optimizers)
+        """Agent-owned memory under elasticft-run, else process-owned; see WorkerSettings.
+
+        ``dedup_replicas=True`` (data parallel: the registered optimizers' parameters and
+        state are identical on every rank) makes each rank store only its share of them.
+        """
+        dedup = bool(defaults.pop("dedup_replicas", False))
+        return cls(WorkerSettings.from_env(**defaults), optimizers=optimizers,
+                   dedup_replicas=dedup)
 
     # ------------------------------------------------------------------------------------------
     # Saving.
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveRequest:
-        """Snapshots ``state`` as of ``step``; returns at once with the copy under way."""
+        """Snapshots ``state`` as of ``step``; returns at once with the copy under way.
+
+        With ``dedup_replicas`` the plain (not DTensor) tensors the registered optimizers own,
+        replicated on every data-parallel rank, are split into ``world_size`` shares by bytes
+        and each rank copies and stores only its own share; a load reassembles them
+        (collectively) from the other ranks' snapshots of the same step.
+        """
         started = time.perf_counter()
         request = SaveRequest(step)
         try:
@@ -185,6 +218,9 @@ class Checkpointer:
 
     def _start_copy(self, request: SaveRequest, layout: Layout, step: int) -> None:
         assert self._slots is not None
+        guarded = self._guarded_storages()
+        if self.dedup_replicas:
+            layout = self._deduplicate(layout, guarded)
         manifest = layout.manifest_bytes(step, self.rank, self.world_size)
         if len(manifest) > self._manifest_room:
             # Room for the manifest to grow (values such as lr change size) without a move.
@@ -209,7 +245,6 @@ class Checkpointer:
                             len(manifest), payload_at, layout.payload_bytes, CRC_NONE, 0, 0.0)
         slot.write_header(header)
         slot.map[HEADER_BYTES : HEADER_BYTES + len(manifest)] = manifest
-        guarded = self._guarded_storages()
         later = []
         for entry, dst in zip(layout.tensors, self._views(slot, payload_at, layout), strict=True):
             if dst is None:
@@ -217,9 +252,23 @@ class Checkpointer:
             if _storage_key(entry.tensor) in guarded:
                 later.append((dst, entry.tensor))
             else:
-                dst.copy_(entry.tensor)  # may change before the next optimizer step
+                copy_bytes(dst, entry.tensor)  # may change before the next optimizer step
         self._inflight = request
         self._jobs.put((request, slot, header, later))
+
+    def _deduplicate(self, layout: Layout, guarded: set[int]) -> Layout:
+        """``layout`` with each replicated tensor stored by one rank only (placement cached)."""
+        replicated = tuple(
+            _storage_key(e.tensor) in guarded and e.global_size == tuple(e.tensor.shape)
+            and not any(e.chunk_offsets)
+            for e in layout.tensors
+        )
+        key = (layout.tensors_json, replicated)
+        placement = self._placements.get(key)
+        if placement is None:
+            placement = place_replicas(layout, replicated, self.rank, self.world_size)
+            self._placements = {key: placement}
+        return deduplicated(layout, placement, self.rank)
 
     def _views(self, slot: Any, payload_at: int, layout: Layout) -> list[torch.Tensor | None]:
         """Destination tensors in a slot for a layout, built once per (mapping, placement)."""
@@ -230,7 +279,8 @@ class Checkpointer:
         payload = memoryview(slot.map)[payload_at : payload_at + layout.payload_bytes]
         views = [
             torch.frombuffer(payload, dtype=e.tensor.dtype, count=e.tensor.numel(),
-                             offset=e.offset).view(e.tensor.shape) if e.tensor.numel() else None
+                             offset=e.offset).view(e.tensor.shape)
+            if e.tensor.numel() and e.replica_of is None else None
             for e in layout.tensors
         ]
         for stale in [k for k in self._view_cache if k[0] == slot.path]:
@@ -276,7 +326,7 @@ class Checkpointer:
             request, slot, header, later = job
             try:
                 for dst, src in later:
-                    dst.copy_(src)
+                    copy_bytes(dst, src)
                 request.guarded_done.set()
                 slot.write_header(
                     SlotHeader(COMPLETE, header.generation, header.step, header.rank,
@@ -399,21 +449,21 @@ class Checkpointer:
 
         Collective when a process group is initialized: call it on every rank.
         """
-        return self._load(lambda step, state: (step, state), in_place=False)
+        return self._load(None)
 
     def restore(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[int, dict[str, Any]] | None:
         """:meth:`load` applied to ``model`` and ``optimizer``; returns (step, extras).
 
-        From shared memory the state is applied in place, with no intermediate copy.
+        From shared memory the state is copied straight into the live tensors, with no
+        intermediate copy (see :class:`~elasticft.ckpt.state.LiveState`).
         """
-        from elasticft.ckpt.state import restore as apply_state
+        from elasticft.ckpt.state import LiveState
 
-        return self._load(lambda step, state: (step, apply_state(state, model, optimizer)),
-                          in_place=True)
+        return self._load(LiveState(model, optimizer))
 
-    def _load(self, consume: Any, *, in_place: bool) -> Any:
+    def _load(self, live: Any) -> Any:
         self._wait_inflight()
         tiers = self.tiers()
         held: dict[str, list[int]] = {}
@@ -431,14 +481,132 @@ class Checkpointer:
                 logger.info("no checkpoint that every rank can load")
                 return None
             with contextlib.ExitStack() as stack:
-                snapshot, source = self._read_step(step, tiers, held, stack, in_place)
+                snapshot, source = self._read_step(step, tiers, held, stack,
+                                                   in_place=live is not None)
                 if self._all_ranks_ok(snapshot is not None):
                     assert snapshot is not None
-                    self.last_source = source
-                    logger.info("restored step %d from %s", step, source)
-                    return consume(step, unflatten(snapshot.manifest, snapshot.payload,
-                                                   copy=False))
+                    replicas = self._reassemble(step, snapshot, live)
+                    if self._all_ranks_ok(replicas is not None):
+                        assert replicas is not None
+                        self.last_source = source
+                        logger.info("restored step %d from %s", step, source)
+                        if live is None:
+                            return step, unflatten(snapshot.manifest, snapshot.payload,
+                                                   copy=False, replicas=replicas)
+                        return step, live.apply(snapshot.manifest, snapshot.payload, replicas)
             excluded.add(step)
+
+    # ------------------------------------------------------------------------------------------
+    # Reassembling deduplicated replicas.
+
+    def _reassemble(self, step: int, snapshot: Snapshot,
+                    live: Any) -> dict[str, torch.Tensor] | None:
+        """The items of ``snapshot`` that other ranks store, by name; None if that failed.
+
+        Collective when any rank's snapshot is deduplicated. A replica is copied from its
+        owner's shared memory when the owner is on this host (one memcpy, no network);
+        otherwise the owner broadcasts its replica region (whatever tier it loaded from).
+        Into the live tensors when restoring in place, else into new tensors.
+        """
+        manifest = snapshot.manifest
+        wanted: dict[int, list[dict[str, Any]]] = {}
+        for item in manifest["items"]:
+            if item["kind"] == "tensor" and not stored_here(item):
+                wanted.setdefault(int(item["replica_of"]), []).append(item)
+        regions = list(manifest.get("replica_regions", ()))
+        if not self._collective():
+            return {} if not wanted else None
+        world = self.world_size
+        # One all-reduce: whether anyone needs a broadcast from rank k, and k's region size.
+        flags = torch.zeros(2 * world, dtype=torch.int64)
+        if len(regions) == world:
+            flags[world:] = torch.tensor(regions, dtype=torch.int64)
+        dedup = torch.tensor([1 if regions else 0], dtype=torch.int64, device=self._device())
+        dist.all_reduce(dedup, op=dist.ReduceOp.MAX)
+        if not int(dedup.item()):
+            return {}  # nobody's snapshot is deduplicated
+        targets: dict[str, torch.Tensor] = {}
+        for items in wanted.values():
+            for item in items:
+                target = live.target(item) if live is not None else None
+                if target is None:
+                    target = torch.empty(tuple(item["shape"]), dtype=dtype_from_name(item["dtype"]))
+                targets[item["fqn"]] = target
+        ok = True
+        peers = self._peer_memory()
+        missing = set()
+        for owner, items in wanted.items():
+            if not self._copy_from_peer_memory(step, owner, items, targets, peers):
+                missing.add(owner)
+                flags[owner] = 1
+        flags_dev = flags.to(self._device())
+        dist.all_reduce(flags_dev, op=dist.ReduceOp.MAX)
+        flags = flags_dev.cpu()
+        for owner in range(world):
+            length = int(flags[world + owner])
+            if not int(flags[owner]) or length <= 0:
+                continue
+            if owner == self.rank:
+                if len(snapshot.payload) < length:
+                    raise CheckpointError(f"rank {self.rank}'s snapshot of step {step} is "
+                                          "shorter than its replica region", "corrupt")
+                region = torch.frombuffer(snapshot.payload, dtype=torch.uint8, count=length)
+                dist.broadcast(region.to(self._device()), src=owner)
+                continue
+            buffer = torch.empty(length, dtype=torch.uint8, device=self._device())
+            dist.broadcast(buffer, src=owner)
+            if owner in missing:
+                payload = buffer.cpu().numpy()
+                for item in wanted[owner]:
+                    place = dict(item, offset=item["replica_offset"])
+                    try:
+                        copy_bytes(targets[item["fqn"]], tensor_view(payload, place))
+                    except CheckpointError:
+                        logger.warning("replica %r from rank %d does not fit", item["fqn"], owner)
+                        ok = False
+        return targets if ok else None
+
+    def _peer_memory(self) -> list[dict[str, Any]]:
+        """Every rank's host and shared-memory names (exchanged once; JSON, no pickle)."""
+        if self._peers is None:
+            mine = json.dumps({"host": _host_key(), "prefix": self.settings.shm_prefix,
+                               "slots": self._slot_count}).encode()
+            if len(mine) > _PEER_INFO_BYTES:
+                mine = json.dumps({"host": _host_key(), "prefix": None, "slots": 0}).encode()
+            local = torch.zeros(_PEER_INFO_BYTES, dtype=torch.uint8)
+            local[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            gathered = [torch.empty_like(local, device=self._device())
+                        for _ in range(self.world_size)]
+            dist.all_gather(gathered, local.to(self._device()))
+            self._peers = [json.loads(bytes(t.cpu().numpy()).rstrip(b"\0")) for t in gathered]
+        return self._peers
+
+    def _copy_from_peer_memory(self, step: int, owner: int, items: list[dict[str, Any]],
+                               targets: Mapping[str, torch.Tensor],
+                               peers: list[dict[str, Any]]) -> bool:
+        """Copies ``owner``'s replicas of ``step`` from its shared memory on this host."""
+        peer = peers[owner]
+        if peer.get("host") != _host_key() or not peer.get("prefix"):
+            return False
+        tier = MemoryTier(SlotSet(peer["prefix"], max(2, int(peer.get("slots") or 2))),
+                          lock_timeout_s=2.0)
+        try:
+            with tier.open(step, owner, self.world_size) as theirs:
+                stored = {i["fqn"]: i for i in theirs.manifest["items"]
+                          if i["kind"] == "tensor" and stored_here(i)}
+                for item in items:
+                    source = stored.get(item["fqn"])
+                    if (source is None or source["dtype"] != item["dtype"]
+                            or source["shape"] != item["shape"]):
+                        return False
+                    copy_bytes(targets[item["fqn"]], tensor_view(theirs.payload, source))
+            return True
+        except (OSError, CheckpointError) as e:
+            logger.info("replicas of rank %d not in shared memory here (%s); the owner sends "
+                        "them", owner, e)
+            return False
+        finally:
+            tier.close()
 
     def _read_step(
         self, step: int, tiers: list[Tier], held: Mapping[str, list[int]],
@@ -535,3 +703,13 @@ def _storage_key(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.untyped_storage().data_ptr()
 
+
+
+@functools.cache
+def _host_key() -> str:
+    """This host, for telling which ranks share its /dev/shm (host name and boot id)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

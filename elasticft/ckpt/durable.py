@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
-from elasticft.ckpt.snapshot import decode_json, dtype_from_name, tensor_view
+from elasticft.ckpt.snapshot import decode_json, dtype_from_name, stored_here, tensor_view
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,8 @@ def write_rank_shard(root: Path, snapshot: Snapshot) -> Path:
     try:
         with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
             for item in manifest["items"]:
+                if not stored_here(item):
+                    continue  # another rank's shard holds this replicated item
                 if item["kind"] == "tensor":
                     obj: Any = tensor_view(snapshot.payload, item)
                 else:
@@ -191,6 +193,8 @@ def dcp_metadata(manifests: Iterable[Mapping[str, Any]]) -> tuple[Metadata, list
         for item in manifest["items"]:
             fqn = item["fqn"]
             planner_data[fqn] = tuple(item["path"])
+            if not stored_here(item):
+                continue  # deduplicated: the owner rank's manifest provides it
             where = manifest["storage"][fqn]
             if item["kind"] == "tensor":
                 index = MetadataIndex(fqn, tuple(item["chunk_offsets"]))
@@ -336,6 +340,8 @@ def decode_shard(manifest: Mapping[str, Any], data: bytes | memoryview, where: s
     payload = bytearray(int(manifest["payload_bytes"]))
     view = memoryview(data)
     for item in manifest["items"]:
+        if not stored_here(item):
+            continue  # reassembled from the owner rank on load
         place = manifest["storage"].get(item["fqn"])
         if place is None:
             raise SnapshotCorrupt(f"{where}: no storage entry for {item['fqn']!r}")

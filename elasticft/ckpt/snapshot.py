@@ -14,6 +14,7 @@ they come back as tuples. Nothing is pickled.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -99,14 +100,16 @@ class TensorEntry:
     global_size: tuple[int, ...]
     chunk_offsets: tuple[int, ...]
     offset: int = 0
-    """Byte offset in the payload."""
+    """Byte offset in the payload (in the owner's payload for an item another rank stores)."""
+    replica_of: int | None = None
+    """For replicated state: the rank whose snapshot stores this item (None: stored here)."""
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        item: dict[str, Any] = {
             "fqn": self.fqn,
             "path": list(self.path),
             "kind": "tensor",
@@ -114,9 +117,15 @@ class TensorEntry:
             "shape": list(self.tensor.shape),
             "global_size": list(self.global_size),
             "chunk_offsets": list(self.chunk_offsets),
-            "offset": self.offset,
             "nbytes": self.nbytes,
         }
+        if self.replica_of is None:
+            item["offset"] = self.offset
+        else:
+            # A distinct key: code that reads "offset" from this rank's payload must not find one.
+            item["replica_of"] = self.replica_of
+            item["replica_offset"] = self.offset
+        return item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,20 +137,25 @@ class Layout:
     payload_bytes: int
     tensors_json: str = ""
     """The tensor items' JSON, computed once per placement (the manifest is rebuilt per save)."""
+    replica_regions: tuple[int, ...] = ()
+    """Deduplicated layouts: bytes at the start of each rank's payload that hold its share of
+    the replicated items (empty: nothing deduplicated)."""
 
     def manifest_bytes(self, step: int, rank: int, world_size: int) -> bytes:
         """``manifest_bytes(self.manifest(...))`` without re-encoding the tensor items."""
         tensors = self.tensors_json or _items_json([t.to_json() for t in self.tensors])
         values = _items_json(list(self.values))
         items = ",".join(part for part in (tensors, values) if part)
+        regions = (f'"replica_regions":{list(self.replica_regions)},'
+                   if self.replica_regions else "")
         return (
             f'{{"format":{FORMAT_VERSION},"step":{int(step)},"rank":{int(rank)},'
             f'"world_size":{int(world_size)},"payload_bytes":{self.payload_bytes},'
-            f'"items":[{items}]}}'
+            f'{regions}"items":[{items}]}}'
         ).encode()
 
     def manifest(self, step: int, rank: int, world_size: int) -> dict[str, Any]:
-        return {
+        manifest: dict[str, Any] = {
             "format": FORMAT_VERSION,
             "step": step,
             "rank": rank,
@@ -149,6 +163,9 @@ class Layout:
             "payload_bytes": self.payload_bytes,
             "items": [t.to_json() for t in self.tensors] + list(self.values),
         }
+        if self.replica_regions:
+            manifest["replica_regions"] = list(self.replica_regions)
+        return manifest
 
     def signature(self) -> tuple[Any, ...]:
         """Equal for two layouts whose tensors fit the same payload places."""
@@ -199,11 +216,76 @@ def flatten(state: Mapping[str, Any]) -> Layout:
                   _items_json([t.to_json() for t in tensors]))
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaPlacement:
+    """Where every tensor of a deduplicated layout goes, computed once per layout."""
+
+    offsets: tuple[int, ...]
+    owners: tuple[int | None, ...]
+    payload_bytes: int
+    regions: tuple[int, ...]
+    tensors_json: str
+
+
+def place_replicas(layout: Layout, replicated: tuple[bool, ...], rank: int,
+                   world_size: int) -> ReplicaPlacement:
+    """Splits the replicated tensors of ``layout`` into ``world_size`` shares by bytes.
+
+    Every data-parallel rank holds the same replicated tensors, so one copy across the ranks
+    suffices. The partition is deterministic (layout order, contiguous runs of about
+    ``1/world_size`` of the bytes each), so every rank computes the same owners without talking
+    to the others. A rank's payload starts with its own share (its *replica region*, which it
+    sends whole when a rank that lost its copy reassembles), followed by the items that are
+    not replicated. Items owned by another rank record their offset in the owner's payload.
+    """
+    sizes = [e.nbytes if rep else 0 for e, rep in zip(layout.tensors, replicated, strict=True)]
+    total = sum(sizes)
+    owners: list[int | None] = []
+    seen = 0
+    for e, rep in zip(layout.tensors, replicated, strict=True):
+        if rep and total:
+            # The share that holds the item's first byte: contiguous runs of ~total/world bytes.
+            owners.append(min(world_size - 1, seen * world_size // total))
+            seen += e.nbytes
+        else:
+            owners.append(None)
+    region_ends = [0] * world_size
+    offsets: list[int] = []
+    for e, owner in zip(layout.tensors, owners, strict=True):
+        if owner is None:
+            offsets.append(-1)
+            continue
+        offsets.append(region_ends[owner])
+        region_ends[owner] = align_up(region_ends[owner] + e.nbytes)
+    end = region_ends[rank]
+    for i, (e, owner) in enumerate(zip(layout.tensors, owners, strict=True)):
+        if owner is None:
+            offsets[i] = end
+            end = align_up(end + e.nbytes)
+    entries = [
+        dataclasses.replace(e, offset=off, replica_of=None if owner in (None, rank) else owner)
+        for e, off, owner in zip(layout.tensors, offsets, owners, strict=True)
+    ]
+    return ReplicaPlacement(tuple(offsets), tuple(owners), end, tuple(region_ends),
+                            _items_json([e.to_json() for e in entries]))
+
+
+def deduplicated(layout: Layout, placement: ReplicaPlacement, rank: int) -> Layout:
+    """``layout`` with the placement of :func:`place_replicas` applied."""
+    entries = tuple(
+        dataclasses.replace(e, offset=off, replica_of=None if owner in (None, rank) else owner)
+        for e, off, owner in zip(layout.tensors, placement.offsets, placement.owners,
+                                 strict=True)
+    )
+    return Layout(entries, layout.values, placement.payload_bytes, placement.tensors_json,
+                  placement.regions)
+
+
 def _items_json(items: list[dict[str, Any]]) -> str:
     return json.dumps(items, separators=(",", ":"), allow_nan=False)[1:-1]
 
 
-def _walk(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], Any]]:
+def walk_leaves(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], Any]]:
     """Leaves in DCP's traversal order and granularity (``traverse_state_dict``'s rules)."""
     leaves: list[tuple[tuple[str | int, ...], Any]] = []
 
@@ -248,7 +330,7 @@ class Flattener:
         self._signature: tuple[Any, ...] | None = None
 
     def __call__(self, state: Mapping[str, Any]) -> Layout:
-        leaves = _walk(state)
+        leaves = walk_leaves(state)
         signature = tuple(
             (path, v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else (path, None, None)
             for path, v in leaves
@@ -282,6 +364,23 @@ class Flattener:
             dict(v, value=encode_json(by_path[tuple(v["path"])], v["fqn"])) for v in cached.values
         )
         return Layout(tuple(tensors), values, cached.payload_bytes, cached.tensors_json)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; a plain ``memmove`` for contiguous CPU tensors of the same dtype.
+
+    glibc's memmove is 20-80% faster than torch's elementwise copy kernel on large buffers
+    (measured here: 3.2 vs 3.9 GB/s for 4 MB tensors, 3.4 vs 6.2 GB/s for 300 MB), and ctypes
+    releases the GIL for the call, so a copy thread does not hold up the training thread.
+    """
+    if (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
+            and src.is_contiguous() and dst.device.type == "cpu" and src.device.type == "cpu"
+            and type(dst) is torch.Tensor and type(src) is torch.Tensor):
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        return
+    dst.copy_(src)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,12 +425,26 @@ def set_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> N
         node[last] = value
 
 
-def unflatten(snapshot_manifest: Mapping[str, Any], payload: Any, *, copy: bool) -> dict[str, Any]:
-    """The nested state of a snapshot; with ``copy`` the tensors own their memory."""
+def stored_here(item: Mapping[str, Any]) -> bool:
+    """False for a replicated item whose bytes another rank's snapshot holds."""
+    return item.get("replica_of") is None
+
+
+def unflatten(snapshot_manifest: Mapping[str, Any], payload: Any, *, copy: bool,
+              replicas: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The nested state of a snapshot; with ``copy`` the tensors own their memory.
+
+    ``replicas`` supplies the items another rank stores (see :func:`place_replicas`).
+    """
     state: dict[str, Any] = {}
     for item in snapshot_manifest["items"]:
         path = tuple(item["path"])
-        if item["kind"] == "tensor":
+        if item["kind"] == "tensor" and not stored_here(item):
+            if replicas is None or item["fqn"] not in replicas:
+                raise SnapshotCorrupt(f"item {item['fqn']!r} is stored by rank "
+                                      f"{item['replica_of']} and was not reassembled")
+            set_path(state, path, replicas[item["fqn"]])
+        elif item["kind"] == "tensor":
             tensor = tensor_view(payload, item)
             set_path(state, path, tensor.clone() if copy else tensor)
         else:

@@ -4,6 +4,7 @@
 ``torch.distributed.checkpoint.state_dict`` helpers, which strip DDP/FSDP wrapper prefixes and
 key optimizer state by parameter name, so the state works for plain modules, DDP and FSDP2
 (DTensor shards) alike and does not depend on the world size. :func:`restore` is the inverse.
+:class:`LiveState` restores a snapshot by copying straight into the live tensors.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from elasticft.ckpt.snapshot import (
+    copy_bytes,
+    decode_json,
+    stored_here,
+    tensor_view,
+    unflatten,
+    walk_leaves,
+)
 
 
 def rng_state() -> dict[str, Any]:
@@ -120,3 +130,81 @@ def restore(
     if "rng" in state:
         set_rng_state(state["rng"])
     return dict(state.get("extra", {}))
+
+
+class LiveState:
+    """The live tensors of a model and optimizer by DCP name, for restoring in place.
+
+    Restoring with torch's ``set_state_dict`` hands the optimizer the loaded tensors
+    themselves: loaded from shared memory without a copy, the optimizer state would then live
+    in the snapshot's memory and the next steps would overwrite a complete snapshot. Copying
+    each item into the tensor training already uses avoids that and any intermediate
+    allocation; :meth:`apply` falls back to ``set_state_dict`` on private copies when the
+    snapshot does not fit the live state item for item.
+    """
+
+    _SIDE = ("extra", "rng")
+    """Top-level keys restored on the side (RNG, extras), not into the model or optimizer."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        # get_state_dict also creates the optimizer's state if it has none yet.
+        live = capture(model, optimizer, rng=False)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for path, value in walk_leaves(live):
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                self.tensors[".".join(map(str, path))] = local.detach()
+
+    def target(self, item: Mapping[str, Any]) -> torch.Tensor | None:
+        """The live tensor a snapshot item is copied into, if it fits exactly."""
+        live = self.tensors.get(item["fqn"])
+        if (live is None or not live.is_contiguous() or live.device.type != "cpu"
+                or str(live.dtype).removeprefix("torch.") != item["dtype"]
+                or list(live.shape) != list(item["shape"])):
+            return None
+        return live
+
+    def fits(self, manifest: Mapping[str, Any]) -> bool:
+        """True when every item maps onto a live tensor or a restorable value, and back."""
+        covered = set()
+        for item in manifest["items"]:
+            path = item["path"]
+            if path[0] in self._SIDE:
+                continue
+            if item["kind"] == "tensor":
+                if self.target(item) is None:
+                    return False
+                covered.add(item["fqn"])
+            elif not (self.optimizer is not None and len(path) == 4 and path[0] == "optim"
+                      and path[1] == "param_groups"
+                      and int(path[2]) < len(self.optimizer.param_groups)):
+                return False
+        return covered == set(self.tensors)
+
+    def apply(self, manifest: Mapping[str, Any], payload: Any,
+              replicas: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Restores the snapshot; returns its extras. ``replicas``: items another rank
+        stores, already reassembled (into the live tensors when the snapshot fits)."""
+        if not self.fits(manifest):
+            state = unflatten(manifest, payload, copy=True, replicas=replicas)
+            return restore(state, self.model, self.optimizer)
+        side = []
+        for item in manifest["items"]:
+            path = item["path"]
+            if path[0] in self._SIDE:
+                side.append(item)
+            elif item["kind"] == "tensor":
+                if stored_here(item):
+                    target = self.tensors[item["fqn"]]
+                    copy_bytes(target, tensor_view(payload, item))
+                elif replicas[item["fqn"]] is not self.tensors[item["fqn"]]:
+                    copy_bytes(self.tensors[item["fqn"]], replicas[item["fqn"]])
+            elif path[3] != "params":
+                assert self.optimizer is not None
+                self.optimizer.param_groups[int(path[2])][path[3]] = decode_json(item["value"])
+        rest = unflatten({"items": side}, payload, copy=True)
+        if "rng" in rest:
+            set_rng_state(rest["rng"])
+        return dict(rest.get("extra", {}))
