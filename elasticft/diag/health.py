@@ -11,12 +11,16 @@ as suspect (the policy may evict it), the rest are reported. Checks:
 * reachability of peer addresses (a TCP connect with a short timeout).
 
 :func:`preflight` runs before the first workers start: the directories must be writable, then the
-same checks.
+same checks. :func:`allreduce_probe` (``--diag-preflight-allreduce``) adds a gloo all-reduce among
+as many processes as the node has worker slots: a wrong sum or a process that cannot join is a
+critical issue; the bus bandwidth is reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 import logging
 import os
 import shutil
@@ -191,3 +195,144 @@ def node_health(dirs: Sequence[Path], limits: HealthLimits, gpus: GpuHealth | No
 def preflight(dirs: Sequence[Path], limits: HealthLimits, gpus: GpuHealth | None
               ) -> list[HealthIssue]:
     return check_writable(dirs) + node_health(dirs, limits, gpus)
+
+
+# -- the pre-flight all-reduce ------------------------------------------------------------------
+#
+# Before the first start, as many short-lived processes as the node has worker slots join a gloo
+# group through a TCP store this (agent) process hosts on loopback, check that an all-reduce
+# adds correctly, and time a few all-reduces of a larger buffer. Each prints one JSON line.
+# Processes, not threads: a process group per thread is not how workers will run, and a probe
+# that wedges must be killable.
+
+PROBE_CHECK_ELEMENTS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceProbe:
+    """What the all-reduce probe measured; ``issues`` are critical when the probe failed."""
+
+    world: int
+    ok: bool
+    nbytes: int
+    seconds: float
+    busbw_gbps: float | None
+    issues: tuple[HealthIssue, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"world": self.world, "ok": self.ok, "bytes": self.nbytes,
+                "seconds": round(self.seconds, 3),
+                "busbw_gbps": None if self.busbw_gbps is None else round(self.busbw_gbps, 3),
+                "issues": [i.to_json() for i in self.issues]}
+
+
+def allreduce_probe(world: int, *, nbytes: int = 8 << 20, iterations: int = 5,
+                    timeout_s: float = 120.0, fault_rank: int = -1, fault: str = ""
+                    ) -> AllReduceProbe:
+    """Runs the gloo all-reduce sanity check and bandwidth test among ``world`` processes.
+
+    ``fault_rank``/``fault`` inject a failure for tests: ``"sum"`` makes that rank contribute a
+    wrong value, ``"exit"`` makes it exit before joining.
+    """
+    import subprocess
+    import sys
+    import time
+
+    from torch.distributed import TCPStore
+
+    started = time.monotonic()
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=timeout_s))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICFT_", "TORCHELASTIC_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, "-m", "elasticft.diag.health", "--allreduce-probe",
+               str(store.port), str(rank), str(world), str(nbytes), str(iterations),
+               str(timeout_s), fault if rank == fault_rank else ""]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    issues: list[HealthIssue] = []
+    results: dict[int, dict[str, Any]] = {}
+    deadline = started + timeout_s + 30
+    # Wait for all; once one fails, the others can only time out waiting for it: stop them.
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes) or any(codes):
+            break
+        time.sleep(0.1)
+    failed = [r for r, p in enumerate(procs) if p.poll() is not None and p.returncode]
+    for rank, proc in enumerate(procs):
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+            why = (f"stopped: rank(s) {failed} failed" if failed else
+                   f"did not finish within {timeout_s:g} s")
+            issues.append(HealthIssue("allreduce", f"all-reduce probe rank {rank} of {world} "
+                                      f"{why}", critical=True))
+            continue
+        out, err = proc.communicate()
+        line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("{")), None)
+        if proc.returncode != 0 or line is None:
+            tail = " | ".join(err.strip().splitlines()[-2:]) or "no output"
+            issues.append(HealthIssue("allreduce", f"all-reduce probe rank {rank} of {world} "
+                                      f"failed (exit {proc.returncode}): {tail}", critical=True))
+            continue
+        results[rank] = json.loads(line)
+    del store
+    wrong = sorted(r for r, res in results.items() if not res["sum_ok"])
+    if wrong:
+        issues.append(HealthIssue("allreduce", f"all-reduce among {world} local processes gave "
+                                  f"a wrong sum on rank(s) {wrong}: this node's memory or CPU is "
+                                  "not computing correctly", critical=True))
+    busbw = min((res["busbw_gbps"] for res in results.values()), default=None)
+    return AllReduceProbe(world, not issues, nbytes, time.monotonic() - started,
+                          busbw if len(results) == world else None, tuple(issues))
+
+
+def _probe_main(port: int, rank: int, world: int, nbytes: int, iterations: int,
+                timeout_s: float, fault: str) -> None:
+    """One probe process (``python -m elasticft.diag.health --allreduce-probe ...``)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if fault == "exit":
+        raise SystemExit(3)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        # Sanity: rank r contributes r + 1 everywhere; the sum is world * (world + 1) / 2.
+        check = torch.full((PROBE_CHECK_ELEMENTS,), float(rank + 1))
+        if fault == "sum":
+            check[PROBE_CHECK_ELEMENTS // 2] += 1.0
+        dist.all_reduce(check)
+        sum_ok = bool(torch.all(check == world * (world + 1) / 2).item())
+        data = torch.ones(max(1, nbytes // 4))
+        dist.all_reduce(data)  # warm-up: connections and buffers
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(iterations):
+            dist.all_reduce(data)
+        seconds = (time.perf_counter() - began) / iterations
+        # Bus bandwidth, as NCCL's tests define it: what each link carries in a ring all-reduce.
+        busbw = 2 * (world - 1) / world * data.nbytes / seconds / 1e9 if world > 1 else 0.0
+        print(json.dumps({"rank": rank, "sum_ok": sum_ok, "seconds_per_op": seconds,
+                          "busbw_gbps": busbw}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 9 and sys.argv[1] == "--allreduce-probe":
+        _probe_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+                    int(sys.argv[6]), float(sys.argv[7]), sys.argv[8])
+    else:
+        raise SystemExit("usage: python -m elasticft.diag.health --allreduce-probe PORT RANK "
+                         "WORLD BYTES ITERATIONS TIMEOUT_S FAULT")

@@ -216,13 +216,15 @@ class DiagMonitor(AgentCollaborator):
         started = time.monotonic()
         self._gpus = health.GpuHealth()
         issues = health.preflight(self._dirs(group), self._limits, self._gpus)
+        probe = None
         if self.config.diag_preflight_allreduce:
-            logger.warning("--diag-preflight-allreduce: the all-reduce probe is not available "
-                           "in this version; only the node checks ran")
+            probe = health.allreduce_probe(max(1, len(group.workers)))
+            issues += probe.issues
         if self._events is not None:
             self._events.emit("preflight", ok=not any(i.critical for i in issues),
                               issues=[i.to_json() for i in issues],
-                              gpus=self._gpus.available, seconds=time.monotonic() - started)
+                              gpus=self._gpus.available, seconds=time.monotonic() - started,
+                              allreduce=None if probe is None else probe.to_json())
         self._health_findings(issues, "preflight")
 
     def _dirs(self, group: GroupInfo) -> list[Path]:

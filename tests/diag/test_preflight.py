@@ -1,0 +1,62 @@
+"""The pre-flight all-reduce: real gloo processes on this node, a correct sum and a bandwidth."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elasticft.diag.health import allreduce_probe
+from elasticft.events import read_events
+from tests.conftest import BIN, EXAMPLES
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_probe_among_two_processes_sums_correctly_and_measures_bandwidth():
+    probe = allreduce_probe(2, nbytes=1 << 20, iterations=3)
+    assert probe.ok, probe.issues
+    assert probe.issues == ()
+    assert probe.busbw_gbps is not None and probe.busbw_gbps > 0
+    assert probe.to_json()["world"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_wrong_sum_is_a_critical_issue():
+    probe = allreduce_probe(2, nbytes=1 << 16, iterations=1, fault_rank=1, fault="sum")
+    assert not probe.ok
+    [issue] = probe.issues
+    assert issue.critical and issue.check == "allreduce"
+    assert "wrong sum" in issue.message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_process_that_cannot_join_is_a_critical_issue_and_the_others_are_stopped():
+    probe = allreduce_probe(3, nbytes=1 << 16, iterations=1, timeout_s=60, fault_rank=2,
+                            fault="exit")
+    assert not probe.ok and probe.busbw_gbps is None
+    messages = {i.message for i in probe.issues}
+    assert all(i.critical for i in probe.issues)
+    assert any("rank 2 of 3 failed (exit 3)" in m for m in messages), messages
+    # The two healthy ranks were waiting for rank 2; they are stopped, not left to time out.
+    assert sum("stopped: rank(s) [2] failed" in m for m in messages) == 2, messages
+    assert probe.seconds < 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_elasticft_run_reports_the_probe_as_a_preflight_event(tmp_path: Path, job_env):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "0", "--run-dir", str(run_dir), "--diag-preflight-allreduce", "true",
+         str(EXAMPLES / "train_plain.py"), "--steps", "2", "--ckpt-dir", str(tmp_path / "ckpt")],
+        env=job_env, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [preflight] = [e for e in read_events(run_dir) if e["kind"] == "preflight"]
+    assert preflight["ok"] is True
+    assert preflight["allreduce"]["world"] == 2 and preflight["allreduce"]["ok"] is True
+    assert preflight["allreduce"]["busbw_gbps"] > 0
