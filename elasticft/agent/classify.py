@@ -28,6 +28,9 @@ class FailureClass(str, enum.Enum):
     """The worker was sent SIGTERM/SIGINT from outside the agent."""
     HANG = "hang"
     """Alive but making no progress (reported by diagnostics, never by an exit)."""
+    NUMERIC = "numeric"
+    """Training diverged: a NaN/inf or spiking loss (reported by diagnostics). Every replica's
+    weights may hold it, so recovery resumes from a snapshot, never a just-in-time checkpoint."""
     UNKNOWN = "unknown"
     """Exited non-zero with nothing that names a cause."""
 

@@ -84,6 +84,7 @@ _ROOT_CAUSE_ORDER = (
     FailureClass.USER_CODE,
     FailureClass.SIGNAL_CRASH,
     FailureClass.HANG,
+    FailureClass.NUMERIC,
     FailureClass.INFRASTRUCTURE,
     FailureClass.STOP_REQUESTED,
     FailureClass.UNKNOWN,
@@ -147,7 +148,13 @@ def replicas_intact(
 
 
 def checkpoint_source(facts: FailureFacts) -> CheckpointSource:
-    """Just in time when a healthy replica of every shard can be asked, else the snapshot."""
+    """Just in time when a healthy replica of every shard can be asked, else the snapshot.
+
+    Never just in time after a divergence: the replicas' weights hold the NaN too (DDP averaged
+    it into every rank's gradients).
+    """
+    if facts.failures and root_cause(facts.failures).failure_class is FailureClass.NUMERIC:
+        return CheckpointSource.SNAPSHOT
     if facts.replicas_intact and facts.jit_available:
         return CheckpointSource.JIT
     return CheckpointSource.SNAPSHOT

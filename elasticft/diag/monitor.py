@@ -483,7 +483,7 @@ class DiagMonitor(AgentCollaborator):
             self.emit(f"loss_{finding.kind}", message, rank=rank, step=step,
                       value=str(finding.value), baseline=finding.baseline)
             if self.config.diag_loss_action == "restart":
-                return Detection(FailureClass.UNKNOWN, (rank,), f"loss_{finding.kind}", message,
+                return Detection(FailureClass.NUMERIC, (rank,), f"loss_{finding.kind}", message,
                                  evidence={"value": str(finding.value)})
         return None
 
