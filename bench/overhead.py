@@ -1,6 +1,7 @@
 """Diagnostics overhead: step time of the example GPT with and without the monitoring, same run.
 
-    .venv/bin/python bench/overhead.py [--steps 240] [--block 10] [--dim 256] [--layers 4]
+    .venv/bin/python bench/overhead.py [--steps 400] [--block 10] [--dim 192] [--layers 4]
+    .venv/bin/python bench/overhead.py --control   # A/A: both halves off
 
 Two gloo worker processes train ``examples/train_plain.py``'s TinyGPT (DDP, AdamW, one
 one-element all-reduce per step as the example's stop-flag check, ``loss.item()``) on one thread
@@ -14,9 +15,12 @@ each. Steps alternate in blocks of ``--block`` between two configurations of the
   ``elasticft-run`` does (``check`` every 0.1 s, node health on its thread).
 
 Rank 0 tells this process which configuration runs through a one-byte file. The first two blocks
-are warm-up. Step time is measured on each rank from the batch to the end of the step; the
-reported figure is the median over steps of the slower rank's time. Detections raised during the
-run are printed (a healthy run should raise none).
+are warm-up. Step time is measured on each rank from the batch to the end of the step, and each
+step counts with its slower rank's time. Printed: the two pooled medians, and the median of the
+paired block ratios (each 'on' block against the 'off' blocks around it), which cancels the drift
+of a shared machine's load. ``--control`` runs the same schedule with monitoring off in both
+halves, to show the noise floor. Detections raised during the run are printed (a healthy run
+should raise none).
 """
 
 from __future__ import annotations
@@ -65,14 +69,15 @@ def worker(args: argparse.Namespace) -> None:
 
     plain, watched = make(), make()
     recorder = Recorder.open(Path(args.ring_dir), rank)
-    recorder.attach_ddp(watched)
+    if not args.control:
+        recorder.attach_ddp(watched)
     optims = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain, watched)}
     phase_fd = os.open(args.phase_file, os.O_WRONLY) if rank == 0 else -1
     step_hook = None
     times: dict[str, list[float]] = {"off": [], "on": []}
     for step in range(args.steps):
         on = (step // args.block) % 2 == 1
-        if step % args.block == 0:
+        if step % args.block == 0 and not args.control:
             # Switch configuration at a block boundary (both ranks: same schedule).
             if on:
                 recorder.wrap_collectives(dist)
@@ -83,8 +88,8 @@ def worker(args: argparse.Namespace) -> None:
                 if step_hook is not None:
                     step_hook.remove()
                 recorder.stop_heartbeat()
-            if rank == 0:
-                os.pwrite(phase_fd, b"1" if on else b"0", 0)
+        if step % args.block == 0 and rank == 0:
+            os.pwrite(phase_fd, b"1" if on and not args.control else b"0", 0)
         model = watched if on else plain
         optim = optims[id(model)]
         x, y = example.batch(step, rank, args.batch_size)
@@ -93,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
-        if on:
+        if on and not args.control:
             recorder.report_loss(loss, step)
         flag = torch.zeros(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the example's per-step stop-flag check
@@ -108,6 +113,23 @@ def worker(args: argparse.Namespace) -> None:
         for phase in ("off", "on"):
             f.write(phase + " " + " ".join(f"{t:.6f}" for t in times[phase]) + "\n")
     dist.destroy_process_group()
+
+
+def paired_ratios(off: list[float], on: list[float], block: int) -> list[float]:
+    """Each 'on' block's median step over the mean of the two 'off' blocks around it.
+
+    Blocks alternate off, on, off, on...; comparing neighbours cancels the slow drift of a
+    shared machine's load, which the two pooled medians do not.
+    """
+    def medians(times: list[float]) -> list[float]:
+        return [statistics.median(times[i:i + block]) for i in range(0, len(times), block)]
+
+    off_blocks, on_blocks = medians(off), medians(on)
+    ratios = []
+    for i, value in enumerate(on_blocks):
+        neighbours = off_blocks[i:i + 2]
+        ratios.append(value / statistics.fmean(neighbours))
+    return ratios
 
 
 def free_port() -> int:
@@ -141,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
              "--ring-dir", ring_dir, "--phase-file", str(phase_file), "--out", str(t / f"{r}.txt"),
              "--steps", str(args.steps), "--block", str(args.block), "--dim", str(args.dim),
              "--layers", str(args.layers), "--heads", str(args.heads),
-             "--batch-size", str(args.batch_size)], cwd=ROOT) for r in range(2)]
+             "--batch-size", str(args.batch_size), *(["--control"] if args.control else [])],
+            cwd=ROOT) for r in range(2)]
         group = GroupInfo("overhead", "node0", run_dir, 0, 0, 1, 0, tuple(
             WorkerInfo(r, r, 2, p.pid) for r, p in enumerate(procs)))
         monitor.on_workers_started(group)
@@ -180,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     model = _load_example().TinyGPT(args.dim, args.layers, args.heads)
     parameters = sum(p.numel() for p in model.parameters())
     off, on = statistics.median(slower["off"]), statistics.median(slower["on"])
+    ratios = paired_ratios(slower["off"], slower["on"], args.block)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, "
           f"Python {platform.python_version()}, torch {torch.__version__}; "
           f"date {datetime.date.today()}")
@@ -188,9 +213,13 @@ def run(args: argparse.Namespace) -> int:
           f"32 tokens; 2 gloo ranks x 1 thread; blocks of {args.block} steps alternating")
     print(f"steps measured: {len(slower['off'])} off, {len(slower['on'])} on "
           f"(median of the slower rank per step)")
+    on_name = "second model, off" if args.control else "monitoring on"
     print(f"  monitoring off  {off * 1e3:8.2f} ms/step")
-    print(f"  monitoring on   {on * 1e3:8.2f} ms/step")
-    print(f"  overhead        {(on / off - 1) * 100:+8.2f} %   (on/off = {on / off:.4f})")
+    print(f"  {on_name:<15} {on * 1e3:8.2f} ms/step")
+    print(f"  overhead        {(on / off - 1) * 100:+8.2f} %   (ratio of the two medians)")
+    print(f"  paired blocks   {(quartiles[1] - 1) * 100:+8.2f} %   (median over {len(ratios)} "
+          f"'on' blocks of on/neighbouring-off block medians; quartiles "
+          f"{(quartiles[0] - 1) * 100:+.2f} % .. {(quartiles[2] - 1) * 100:+.2f} %)")
     print(f"agent monitor: {checks} checks, mean {check_s / max(checks, 1) * 1e6:.0f} us each")
     print(f"detections: {len(events) + len(detections)}"
           + "".join(f"\n  {e['detector']}: {e['message']}" for e in events))
@@ -199,12 +228,15 @@ def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--block", type=int, default=10)
-    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=192)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--control", action="store_true",
+                        help="A/A control: both halves without monitoring (shows the bias of the "
+                        "alternation itself)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -212,6 +244,8 @@ def main() -> int:
     parser.add_argument("--phase-file", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps % (2 * args.block) or args.steps < 6 * args.block:
+        parser.error(f"--steps {args.steps}: use a multiple of 2 x --block, at least 6 blocks")
     if args.worker:
         worker(args)
         return 0
