@@ -33,6 +33,17 @@ def ack_path(control_dir: Path, local_rank: int) -> Path:
     return control_dir / f"ack-l{local_rank}.json"
 
 
+def watcher_path(control_dir: Path, local_rank: int) -> Path:
+    return control_dir / f"watching-l{local_rank}.json"
+
+
+def watching_pid(control_dir: Path, local_rank: int) -> int | None:
+    """Pid of the worker process whose watcher thread answers for ``local_rank`` (None: none
+    has started yet, e.g. a worker still importing torch, which could not answer)."""
+    record = _read_json(watcher_path(control_dir, local_rank))
+    return int(record["pid"]) if record and "pid" in record else None
+
+
 def _write_json(path: Path, value: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -112,6 +123,8 @@ class ControlWatcher:
         self._stop = threading.Event()
         request = _read_json(control_dir / REQUEST)
         self._answered = request.get("id") if request else None  # a request from before us
+        with contextlib.suppress(OSError):
+            _write_json(watcher_path(control_dir, local_rank), {"pid": os.getpid()})
         self._thread = threading.Thread(
             target=self._run, name=f"elasticft-ckpt-control-{local_rank}", daemon=True
         )
@@ -134,3 +147,6 @@ class ControlWatcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        if watching_pid(self.control_dir, self.local_rank) == os.getpid():
+            with contextlib.suppress(OSError):
+                watcher_path(self.control_dir, self.local_rank).unlink()

@@ -67,7 +67,7 @@ from elasticft.agent.policy import (
     judge_departed,
     replicas_intact,
 )
-from elasticft.ckpt.control import request_checkpoint
+from elasticft.ckpt.control import request_checkpoint, watching_pid
 from elasticft.config import ElasticftConfig, RecoveryConfig
 from elasticft.events import EventLog
 from elasticft.recovery.membership import EtcdMembership, Membership
@@ -361,6 +361,12 @@ class RecoveryOrchestrator(AgentCollaborator):
     def _jit_checkpoint(self, group: GroupInfo, control: Path, healthy: list[Any], cause: str,
                         record: _RoundJit) -> None:
         started = time.monotonic()
+        # Only a worker whose watcher thread runs can answer; one still starting (importing
+        # torch) cannot, and waiting for it would only delay the restart.
+        healthy = [w for w in healthy if w.pid and watching_pid(control, w.local_rank) == w.pid]
+        if not healthy:
+            logger.info("no worker of this node can take a JIT checkpoint yet (%s)", cause)
+            return
         reason = f"just-in-time checkpoint: {cause}"
         pids = {w.local_rank: w.pid for w in healthy}
         # A live worker answers within a poll interval; one that is already exiting (its
