@@ -1,8 +1,9 @@
 """A torchrun job for the resharding test: ``save DIR`` on one world size, ``load DIR`` on another.
 
-save: DDP model + AdamW + a DTensor sharded over all ranks, checkpointed by a process-owned
-Checkpointer that persists every step. load: ``dcp.load`` (no elasticft) into the same model and
-a DTensor sharded over the new world; writes what it found to DIR/load-<rank>.json.
+save: DDP model + AdamW (each replica stored once) + a DTensor sharded over all ranks,
+checkpointed by a process-owned Checkpointer that persists every step. load: ``dcp.load`` (no
+elasticft) into the same model and a DTensor sharded over the new world; writes what it found
+to DIR/load-<rank>.json.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optim, table = build(world)
     if mode == "save":
-        ckpt = Checkpointer.from_env(optimizers=[optim], ckpt_dir=root, persist_every=1)
+        ckpt = Checkpointer.from_env(optimizers=[optim], ckpt_dir=root, persist_every=1,
+                                     dedup_replicas=True)  # DDP state stored once
         for step in (1, 2):
             model(torch.ones(4, 6)).sum().backward()
             optim.step()
