@@ -14,7 +14,7 @@ with each checkpoint method every k steps, plus once without checkpoints. Printe
 
     .venv/bin/python bench/ckpt.py [--steps 8 --every 2 --dim 512 --layers 8]
 
-Not a test: numbers depend on the machine; see the checkpoint section of README.md for recorded runs.
+Not a test: numbers depend on the machine; README.md's checkpoint section has recorded runs.
 """
 
 from __future__ import annotations
@@ -144,11 +144,14 @@ def run_method(trainer: Trainer, method: str | None, every: int, root: Path,
     snapshot: StateCapture | None = None
     pending: Any = None
     if method and method.startswith("elasticft"):
+        # Named after the launching process, like the segments of one agent's workers: a
+        # restoring rank finds the other ranks' shares of the replicated state on this host.
         settings = WorkerSettings(
-            local_rank=rank, shm_prefix=segment_prefix(os.getpid(), "bench", rank),
+            local_rank=rank, shm_prefix=segment_prefix(os.getppid(), "bench", rank),
             local_dir=root, persist_every=0 if method.endswith("memory") else every,
-            owner_pid=os.getpid())
-        ckpt = Checkpointer(settings, optimizers=[trainer.optim])
+            owner_pid=os.getppid())
+        ckpt = Checkpointer(settings, optimizers=[trainer.optim],
+                            dedup_replicas=not args.no_dedup)
         snapshot = StateCapture(trainer.model, trainer.optim, rng=False)
     if method is not None:
         # One save outside the clock: first-call costs (thread pools, planner caches, the memory
@@ -247,10 +250,10 @@ def worker(rank: int, args: argparse.Namespace, init_file: str, out: str, shared
             deadline = time.monotonic() + 120
             while rank == 0 and not durable.committed_steps(root) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            for path in Path("/dev/shm").glob(f"{segment_prefix(os.getpid(), 'bench', rank)}-*"):
+            for path in Path("/dev/shm").glob(f"{segment_prefix(os.getppid(), 'bench', rank)}-*"):
                 path.unlink(missing_ok=True)
         if method == "elasticft-memory":
-            for path in Path("/dev/shm").glob(f"{segment_prefix(os.getpid(), 'bench', rank)}-*"):
+            for path in Path("/dev/shm").glob(f"{segment_prefix(os.getppid(), 'bench', rank)}-*"):
                 path.unlink(missing_ok=True)
         results[label] = entry
     gathered: list[Any] = [None, None]
@@ -272,6 +275,8 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> str:
         f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"model: TinyGPT dim={args.dim} layers={args.layers} + AdamW, {state_mb:.0f} MB of state "
         f"per rank, 2 gloo ranks, {args.steps} steps, checkpoint every {args.every}",
+        f"elasticft: {'whole state per rank' if args.no_dedup else 'replicas deduplicated'}"
+        f", load average {os.getloadavg()[0]:.2f} at the end",
         f"memcpy {r0['memcpy_Bps'] / 1e9:.2f} GB/s -> floor {floor * 1e3:.1f} ms per save",
         f"no checkpoint: {base:.2f} s for {args.steps} steps",
         "",
@@ -315,6 +320,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: $TMPDIR)")
     parser.add_argument("--json", type=Path, help="also write the raw per-rank numbers here")
+    parser.add_argument("--no-dedup", action="store_true",
+                        help="elasticft: every rank snapshots the whole replicated state")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
