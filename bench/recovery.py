@@ -14,11 +14,18 @@ Runs: the plain torchrun script (``examples/train_plain.py``, torch.save every
 ``kill`` (SIGKILL of rank 1) and ``hang`` (SIGSTOP of rank 1; torchrun waits for gloo's
 30-minute timeout, so it is given up after ``--hang-cap`` seconds).
 
-Then the TOR of a run with periodic faults: the plain script under elasticft-run for
-``--tor-seconds`` with a SIGKILL every ``--tor-every`` seconds, analysed by ``elasticft report``'s
-machinery (:mod:`elasticft.report.tor`).
+The last lines compare crash recovery with torchrun's (the time until training is past the
+fault, elasticft-run with the worker API over torchrun with the plain script; target at most
+1/5).
 
-    .venv/bin/python bench/recovery.py            # about 4 minutes on 2 cores
+Then the TOR of a run with periodic faults: ``--tor-script`` (the worker-API example by
+default) under elasticft-run for ``--tor-minutes`` with a SIGKILL of rank 1 every
+``--tor-every`` seconds, analysed by ``elasticft report``'s machinery
+(:mod:`elasticft.report.tor`; target TOR at least 0.9 with a fault every 60 s).
+
+    .venv/bin/python bench/recovery.py                    # about 15 minutes on 2 cores
+    .venv/bin/python bench/recovery.py --tor-minutes 2    # a short TOR run
+    .venv/bin/python bench/recovery.py --skip-tor --faults kill
 """
 
 from __future__ import annotations
@@ -154,11 +161,13 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
 def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, object]:
     run_dir = work / "tor"
     loss_log = work / "tor.loss"
+    script = API if args.tor_script == "api" else PLAIN
     cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1000", "--run-dir", str(run_dir), "--monitor-interval", "0.1",
-           "--shutdown-timeout", "5", str(PLAIN), "--steps", "1000000", "--batch-size", "4",
-           "--step-time", str(args.step_time), "--loss-log", str(loss_log), "--ckpt-dir",
-           str(work / "tor-ckpt"), "--ckpt-every", str(args.ckpt_every)]
+           "--shutdown-timeout", "5", str(script), "--steps", "1000000", "--batch-size", "4",
+           "--step-time", str(args.step_time), "--loss-log", str(loss_log)]
+    if script == PLAIN:
+        cmd += ["--ckpt-dir", str(work / "tor-ckpt"), "--ckpt-every", str(args.ckpt_every)]
     log = (work / "tor.out").open("wb")
     proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -166,7 +175,7 @@ def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     faults = 0
     next_fault = started + args.tor_every
     try:
-        while time.monotonic() - started < args.tor_seconds:
+        while time.monotonic() - started < args.tor_minutes * 60:
             if time.monotonic() >= next_fault:
                 try:
                     chaos.signal_rank(run_dir, 1, signal.SIGKILL)
@@ -204,9 +213,15 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--hang-floor", type=float, default=5.0, help="elasticft's --hang-floor-s")
     parser.add_argument("--hang-cap", type=float, default=60.0)
-    parser.add_argument("--tor-seconds", type=float, default=120.0)
-    parser.add_argument("--tor-every", type=float, default=20.0)
+    parser.add_argument("--tor-minutes", type=float, default=10.0,
+                        help="length of the TOR run with periodic faults")
+    parser.add_argument("--tor-every", type=float, default=60.0,
+                        help="seconds between the TOR run's faults")
+    parser.add_argument("--tor-script", choices=("api", "plain"), default="api",
+                        help="the worker-API example or the plain torch.save script")
     parser.add_argument("--skip-tor", action="store_true")
+    parser.add_argument("--faults", default="kill,hang",
+                        help="comma-separated faults of the per-fault table (kill, hang)")
     args = parser.parse_args()
 
     env = {k: v for k, v in os.environ.items()
@@ -221,19 +236,31 @@ def main() -> None:
           f"--hang-floor-s {args.hang_floor}")
     print(f"{'run':34} {'fault':6} {'first step':>11} {'recomputed':>10} {'past fault':>11}")
     runs = [("torchrun", PLAIN), ("elasticft-run", PLAIN), ("elasticft-run", API)]
+    results: dict[tuple[str, str], dict[str, object]] = {}
     try:
-        for fault in ("kill", "hang"):
+        for fault in [f for f in args.faults.split(",") if f]:
             for launcher, script in runs:
                 r = one_fault(launcher, script, fault, args, work, env)
+                results[(str(r["run"]), fault)] = r
                 print(f"{r['run']:34} {fault:6} {fmt(r['first_step_s'], ' s'):>11} "
                       f"{fmt(r['recomputed']):>10} {fmt(r['past_fault_s'], ' s'):>11}",
                       flush=True)
+        base = results.get(("torchrun train_plain.py", "kill"), {})
+        for name in ("train_plain.py", "train_elasticft.py"):
+            ours = results.get((f"elasticft-run {name}", "kill"), {})
+            if base.get("past_fault_s") and ours.get("past_fault_s"):
+                print(f"crash, time past the fault: elasticft-run {name} / torchrun "
+                      f"train_plain.py = {ours['past_fault_s'] / base['past_fault_s']:.2f} "
+                      f"(target <= 0.20)")
+        print(f"# load average at the end: {os.getloadavg()[0]:.1f}", flush=True)
         if not args.skip_tor:
             t = tor_run(args, work, env)
-            print(f"TOR of elasticft-run train_plain.py, {t['observed_s']:.0f} s with a SIGKILL "
+            name = API.name if args.tor_script == "api" else PLAIN.name
+            print(f"TOR of elasticft-run {name}, {t['observed_s']:.0f} s with a SIGKILL "
                   f"every {args.tor_every:g} s ({t['faults']} faults, {t['steps']} steps, healthy "
                   f"step {t['healthy_step_s'] * 1e3:.0f} ms): TOR {t['tor']:.3f}, "
-                  f"ETTR {t['ettr']:.3f}")
+                  f"ETTR {t['ettr']:.3f} (target TOR >= 0.9; load average "
+                  f"{os.getloadavg()[0]:.1f})")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
