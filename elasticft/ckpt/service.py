@@ -19,8 +19,11 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   nodes of a round agree even when a new node becomes the leader, and a node that left cannot
   fetch shards any more. The server also answers for ranks this node holds a data-parallel
   replica of (:meth:`replica_shard`), so a replacement node restores the newest step.
-* **Flush on failure.** When a worker fails it persists the newest snapshot every local worker
-  completed, before the restart, so a node that does not come back still left it on disk.
+* **Flush on failure.** When a worker fails it copies the newest snapshot every local worker
+  completed out of shared memory at once (the restarted workers will reuse the slots) and
+  writes it to disk on a thread of its own, so a restart in place, which resumes from memory,
+  does not wait for the disk; any other decision (evict, stop) waits for the write, so a node
+  that does not come back still left it on disk.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
 """
@@ -42,6 +45,7 @@ from typing import Any
 
 from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureRecord
+from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
 from elasticft.ckpt.control import request_checkpoint
@@ -95,6 +99,7 @@ class CheckpointService(AgentCollaborator):
         self._peer_server: PeerServer | None = None
         self._backup_addr: str | None = None
         self._holder_addr: str | None = None
+        self._flusher: threading.Thread | None = None
         shm.sweep_orphans(shm_dir)
         self._thread = threading.Thread(target=self._persist_loop, name="elasticft-ckpt-persist",
                                         daemon=True)
@@ -221,13 +226,50 @@ class CheckpointService(AgentCollaborator):
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
         if not self.config.ckpt_flush_on_failure:
             return
+        self._wait_flush()
         step = self.newest_common_step(group)
-        if step is None:
+        if step is None or step <= self._persisted:
             return
         started = time.monotonic()
-        if self.persist(step, group):
-            logger.info("flushed the step %d snapshot to disk before the restart (%.2f s)",
-                        step, time.monotonic() - started)
+        try:
+            copies = self._copies(step, group)
+        except CheckpointError as e:
+            logger.error("checkpoint step %d not flushed: %s", step, e)
+            return
+
+        def flush() -> None:
+            if self.persist(step, group, copies):
+                logger.info("flushed the step %d snapshot to disk (%.2f s after the failure)",
+                            step, time.monotonic() - started)
+
+        self._flusher = threading.Thread(target=flush, name="elasticft-ckpt-flush", daemon=True)
+        self._flusher.start()
+
+    def on_decision(self, group: GroupInfo, action: Action) -> None:
+        if action.kind is not ActionKind.RESTART_IN_PLACE:
+            self._wait_flush()  # the node may not come back: the disk copy comes first
+
+    def _wait_flush(self) -> None:
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.join()
+
+    def _copies(self, step: int, group: GroupInfo) -> dict[int, Snapshot]:
+        """Private copies of every local worker's snapshot of ``step`` (by global rank)."""
+        copies = {}
+        for worker in group.workers:
+            slots = self.slot_set(group, worker.local_rank)
+            for index, header in slots.complete().items():
+                slot = slots.get(index) if header.step == step and \
+                    header.rank == worker.global_rank else None
+                snapshot = _copy_out(slot, step, shm.StagingBuffer()) if slot else None
+                if snapshot is not None:
+                    copies[worker.global_rank] = snapshot
+                    break
+            else:
+                raise CheckpointError(
+                    f"local rank {worker.local_rank} no longer holds step {step}", "missing")
+        return copies
 
     def checkpoint_now(self, reason: str, timeout: float) -> bool:
         """Asks the workers for their newest snapshot and persists it; True once durable."""
@@ -249,6 +291,7 @@ class CheckpointService(AgentCollaborator):
 
     def close(self) -> None:
         group = self._group
+        self._wait_flush()
         self._jobs.put(None)
         self._thread.join(timeout=600)
         if group is not None:
@@ -352,14 +395,16 @@ class CheckpointService(AgentCollaborator):
             finally:
                 self._busy.clear()
 
-    def persist(self, step: int, group: GroupInfo) -> bool:
-        """Writes the local workers' snapshots of ``step`` to disk, commits, replicates."""
+    def persist(self, step: int, group: GroupInfo,
+                copies: Mapping[int, Snapshot] | None = None) -> bool:
+        """Writes the local workers' snapshots of ``step`` (or ``copies`` of them, by global
+        rank) to disk, commits, replicates."""
         with self._persist_lock:
             if step <= self._persisted:
                 return True
             started = time.monotonic()
             try:
-                nbytes = self._write_shards(step, group)
+                nbytes = self._write_shards(step, group, copies)
                 self._commit(step, group)
             except StorageFull as e:
                 if not self._storage_full_reported:
@@ -375,12 +420,17 @@ class CheckpointService(AgentCollaborator):
             self._replicate(step, group)
             return True
 
-    def _write_shards(self, step: int, group: GroupInfo) -> int:
+    def _write_shards(self, step: int, group: GroupInfo,
+                      copies: Mapping[int, Snapshot] | None = None) -> int:
         roots = [self.local_dir(group)]
         if self.config.ckpt_remote_dir is not None:
             roots.append(self.config.ckpt_remote_dir)
         total = 0
-        for worker in group.workers:
+        for snapshot in (copies or {}).values():
+            for root in roots:
+                durable.write_rank_shard(root, snapshot)
+            total += len(snapshot.payload)
+        for worker in group.workers if copies is None else ():
             slots = self.slot_set(group, worker.local_rank)
             for index, header in slots.complete().items():
                 if header.step != step or header.rank != worker.global_rank:

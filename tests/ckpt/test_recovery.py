@@ -46,7 +46,7 @@ def test_sigkilled_worker_resumes_from_agent_memory_with_identical_losses(
                          "--fault-rank", "1", "--crash-mode", "after-save")
     assert "signal SIGKILL" in text
     assert "resumed from step 6 (source=memory)" in text
-    assert "flushed the step 6 snapshot to disk before the restart" in text
+    assert "flushed the step 6 snapshot to disk" in text
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert resumed == reference  # bitwise on CPU (losses logged with repr)
     committed = durable.committed_steps(tmp_path / "crash" / "ckpt")
