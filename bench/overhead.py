@@ -18,9 +18,11 @@ Rank 0 tells this process which configuration runs through a one-byte file. The 
 are warm-up. Step time is measured on each rank from the batch to the end of the step, and each
 step counts with its slower rank's time. Printed: the two pooled medians, and the median of the
 paired block ratios (each 'on' block against the 'off' blocks around it), which cancels the drift
-of a shared machine's load. ``--control`` runs the same schedule with monitoring off in both
-halves, to show the noise floor. Detections raised during the run are printed (a healthy run
-should raise none).
+of a shared machine's load, and the CPU time per step of both ranks (``process_time``: every
+thread of the worker, gloo's and the recorder's included), which other jobs on the machine barely
+change, plus the agent process's CPU share. ``--control`` runs the same schedule with monitoring
+off in both halves, to show the noise floor. Detections raised during the run are printed (a
+healthy run should raise none).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     phase_fd = os.open(args.phase_file, os.O_WRONLY) if rank == 0 else -1
     step_hook = None
     times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
     for step in range(args.steps):
         on = (step // args.block) % 2 == 1
         if step % args.block == 0 and not args.control:
@@ -94,6 +97,7 @@ def worker(args: argparse.Namespace) -> None:
         optim = optims[id(model)]
         x, y = example.batch(step, rank, args.batch_size)
         began = time.perf_counter()
+        began_cpu = time.process_time()
         loss = F.cross_entropy(model(x).reshape(-1, example.VOCAB), y.reshape(-1))
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -106,12 +110,15 @@ def worker(args: argparse.Namespace) -> None:
         elapsed = time.perf_counter() - began
         if step >= 2 * args.block:
             times["on" if on else "off"].append(elapsed)
+            # CPU of every thread of this process (gloo's and the recorder's included).
+            cpu["on" if on else "off"].append(time.process_time() - began_cpu)
     if rank == 0:
         os.pwrite(phase_fd, b"x", 0)
     # Each rank's per-step times, for the parent to take the slower rank of each step.
     with open(args.out, "w") as f:
         for phase in ("off", "on"):
             f.write(phase + " " + " ".join(f"{t:.6f}" for t in times[phase]) + "\n")
+            f.write("cpu_" + phase + " " + " ".join(f"{t:.6f}" for t in cpu[phase]) + "\n")
     dist.destroy_process_group()
 
 
@@ -170,9 +177,12 @@ def run(args: argparse.Namespace) -> int:
         monitor.on_workers_started(group)
         checks = 0
         check_s = 0.0
+        agent_cpu = {b"0": 0.0, b"1": 0.0}
+        phase_time = {b"0": 0.0, b"1": 0.0}
         detections = []
         try:
             while any(p.poll() is None for p in procs):
+                tick, tick_cpu = time.monotonic(), time.process_time()
                 time.sleep(0.1)
                 phase = phase_file.read_bytes()[:1]
                 if phase == b"1":
@@ -182,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
                     checks += 1
                     if found is not None:
                         detections.append(found.message)
+                if phase in agent_cpu:
+                    # This process's CPU (monitor, its health thread) per second of each phase.
+                    agent_cpu[phase] += time.process_time() - tick_cpu
+                    phase_time[phase] += time.monotonic() - tick
         finally:
             for p in procs:
                 p.wait(timeout=600)
@@ -196,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
             per_rank.append({k: [float(x) for x in v.split()] for k, v in lines.items()})
         slower = {k: [max(a, b) for a, b in zip(per_rank[0][k], per_rank[1][k], strict=True)]
                   for k in ("off", "on")}
+        # CPU per step of both ranks together.
+        cpu = {k: [a + b for a, b in zip(per_rank[0]["cpu_" + k], per_rank[1]["cpu_" + k],
+                                         strict=True)] for k in ("off", "on")}
         events = [e for e in read_events(run_dir) if e["kind"] == "detection"]
 
     import torch
@@ -220,7 +237,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"  paired blocks   {(quartiles[1] - 1) * 100:+8.2f} %   (median over {len(ratios)} "
           f"'on' blocks of on/neighbouring-off block medians; quartiles "
           f"{(quartiles[0] - 1) * 100:+.2f} % .. {(quartiles[2] - 1) * 100:+.2f} %)")
-    print(f"agent monitor: {checks} checks, mean {check_s / max(checks, 1) * 1e6:.0f} us each")
+    cpu_off, cpu_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
+    print(f"  CPU per step, both ranks (load-insensitive): off {cpu_off * 1e3:.2f} ms, on "
+          f"{cpu_on * 1e3:.2f} ms, {(cpu_on / cpu_off - 1) * 100:+.2f} %")
+    share = {k: agent_cpu[k] / max(phase_time[k], 1e-9) for k in agent_cpu}
+    print(f"agent monitor: {checks} checks, mean {check_s / max(checks, 1) * 1e6:.0f} us each; "
+          f"agent CPU {share[b'1'] * 100:.2f} % of a core while on, {share[b'0'] * 100:.2f} % "
+          f"while off")
     print(f"detections: {len(events) + len(detections)}"
           + "".join(f"\n  {e['detector']}: {e['message']}" for e in events))
     return 0
