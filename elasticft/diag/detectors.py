@@ -102,9 +102,11 @@ def find_hang(
 
     A long step alone is not a hang (evaluation, a checkpoint, the end of training): it counts
     only while some rank is inside a collective or some rank is frozen (stopped, or its recorder
-    silent for longer than a step timeout).
+    silent for longer than a step timeout). A rank whose process has exited (a zombie not yet
+    reaped) is not in a step: its end is the agent's to see, and at the end of a run the ranks
+    leave one by one, each still showing its last step mark.
     """
-    views = list(views)
+    views = [v for v in views if v.process_state not in EXITED_STATES]
     worst: tuple[float, str, float, int] | None = None  # (excess, what, waited, rank)
     waiting: list[int] = []
     blocked = any(v.in_flight or v.process_state in STOPPED_STATES or
@@ -130,6 +132,7 @@ def find_hang(
 
 
 STOPPED_STATES = frozenset({"T", "t", "Z", "X"})
+EXITED_STATES = frozenset({"Z", "X"})
 
 
 def localise(views: Sequence[RankView], heartbeat_stale_s: float) -> list[Culprit]:

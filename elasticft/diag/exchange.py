@@ -178,7 +178,7 @@ class ViewExchange:
         self._published_alarm: frozenset[int] = frozenset()
         self._seq = 0
         self._remote: dict[int, tuple[NodeSummary, float]] = {}
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._warned: set[str] = set()
 
     @property
@@ -201,9 +201,10 @@ class ViewExchange:
             self._offer_alarm = self._published_alarm = frozenset()
         if store is None or group_world_size <= 1:
             return
-        self._thread = threading.Thread(target=self._run, args=(generation,), daemon=True,
-                                        name=f"elasticft-diag-exchange-{generation}")
-        self._thread.start()
+        thread = threading.Thread(target=self._run, args=(generation,), daemon=True,
+                                  name=f"elasticft-diag-exchange-{generation}")
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def offer(self, views: Sequence[RankView], busy: Mapping[int, float]) -> None:
         """The monitor's newest view of this node (cheap: nothing is encoded or sent here)."""
@@ -245,12 +246,29 @@ class ViewExchange:
             busy.update(summary.busy)
         return JobView(tuple(views), busy, node_of, tuple(silent))
 
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
+    def detach(self, timeout_s: float = 3.0) -> None:
+        """Stops using the round's store (the workers stopped) and waits for the thread.
+
+        The store must not be touched once the agent is done with it: the launcher then closes
+        the rendezvous, and an etcd client used after its close connects again, leaving a
+        channel open that aborts the interpreter at exit. So the thread checks the round before
+        every store call, and the agent waits here up to ``timeout_s`` for a call in flight.
+        """
         with self._lock:
             self._generation += 1
             self._round = None
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("diagnostics exchange thread %s is still in a store call",
+                               thread.name)
+        self._threads = [t for t in self._threads if t.is_alive()]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.detach()
 
     # -- the background thread ------------------------------------------------------------------
 
@@ -283,6 +301,8 @@ class ViewExchange:
             if due and offer is not None:
                 next_publish = now + self.interval_s
                 payload = encode_summary(current.node_id, current.group_rank, seq, *offer)
+                if generation != self._generation:
+                    return
                 try:
                     current.store.set(summary_key(current.group_rank), payload)
                 except Exception as e:
@@ -294,6 +314,8 @@ class ViewExchange:
             if group_rank == current.group_rank:
                 continue
             key = summary_key(group_rank)
+            if generation != self._generation:
+                return
             try:
                 # check first: get would wait for a key the other node has not written yet.
                 if not current.store.check([key]):

@@ -264,6 +264,8 @@ class DiagMonitor(AgentCollaborator):
                     os.kill(worker.pid, signal.SIGCONT)
 
     def on_workers_stopped(self, group: GroupInfo) -> None:
+        # Nothing to publish until the next round (and the launcher may close the store now).
+        self._exchange.detach()
         for track in self._tracks.values():
             track.close()
         self._tracks = {}
@@ -522,7 +524,7 @@ class DiagMonitor(AgentCollaborator):
             self.emit("slow_rank", message, rank=finding.rank, node=node,
                       busy_s=finding.busy_s, peers_median_s=finding.peers_median_s,
                       ratio=finding.ratio, busy_by_rank={str(r): v for r, v in busy.items()},
-                      node_by_rank={str(r): n for r, n in node_of.items()})
+                      node_by_rank={str(r): n for r, n in node_of.items()}, reported_by=here)
             # Only the rank's own node acts on it: its restart restarts the whole job anyway.
             if self.config.slow_action == "restart" and local:
                 return Detection(FailureClass.HANG, (finding.rank,), "slow_rank", message)
