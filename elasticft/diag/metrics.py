@@ -79,9 +79,19 @@ class DiagMetrics:
         """Returns the recent collective durations (set by the monitor that feeds this)."""
         for q in QUANTILES:
             self.collective_latency.labels(quantile=f"{q:g}").set_function(
-                lambda q=q: quantile(sorted(self.recent_collectives()), q))
+                lambda q=q: quantile(self._recent_sorted(), q))
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def _recent_sorted(self) -> list[float]:
+        # Scrapes run on the server's thread while the monitor appends to the deque it reads;
+        # copying a deque that changes meanwhile raises RuntimeError: copy again.
+        for _ in range(10):
+            try:
+                return sorted(self.recent_collectives())
+            except RuntimeError:
+                continue
+        return []
 
     # -- feeding --------------------------------------------------------------------------------
 
