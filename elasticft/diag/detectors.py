@@ -102,15 +102,18 @@ def find_hang(
 
     A long step alone is not a hang (evaluation, a checkpoint, the end of training): it counts
     only while some rank is inside a collective or some rank is frozen (stopped, or its recorder
-    silent for longer than a step timeout). A rank whose process has exited (a zombie not yet
-    reaped) is not in a step: its end is the agent's to see, and at the end of a run the ranks
-    leave one by one, each still showing its last step mark.
+    silent for longer than a step timeout while another's runs). A rank whose process has
+    exited (a zombie not yet reaped) is not in a step: its end is the agent's to see, and at the
+    end of a run the ranks leave one by one, each still showing its last step mark.
     """
     views = [v for v in views if v.process_state not in EXITED_STATES]
     worst: tuple[float, str, float, int] | None = None  # (excess, what, waited, rank)
     waiting: list[int] = []
-    blocked = any(v.in_flight or v.process_state in STOPPED_STATES or
-                  (v.heartbeat_age_s or 0.0) > step_timeout_s for v in views)
+    silent = [(v.heartbeat_age_s or 0.0) > step_timeout_s for v in views]
+    # A silent recorder is a frozen rank only while another rank's recorder still runs: when
+    # all are silent and none is in a collective, nobody waits (the interpreters are exiting).
+    blocked = any(v.in_flight or v.process_state in STOPPED_STATES for v in views) or (
+        any(silent) and not all(silent))
     for view in views:
         for call in view.in_flight:
             if call.age_s > collective_timeout_s:

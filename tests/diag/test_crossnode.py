@@ -284,3 +284,15 @@ def test_an_exited_rank_at_the_end_of_a_run_is_not_a_hang():
     assert found is not None and found.ranks_waiting == (1,)
     assert [c.rank for c in d.localise([dataclasses.replace(exited, comm_seqs={7: 2}), waiting],
                                        2)] == [0]
+
+
+def test_all_recorders_silent_without_a_collective_is_an_exit_not_a_hang():
+    # After the last step every interpreter finalizes: recorders stop, nobody waits.
+    exiting = [_view(r, "a", pid=5 + r, process_state="R", heartbeat_age_s=8.2, steps=34,
+                     step_age_s=8.3) for r in range(2)]
+    assert d.find_hang(exiting, collective_timeout_s=8, step_timeout_s=8) is None
+    # One rank frozen while its peer's recorder still runs: the long step is a hang.
+    alive = dataclasses.replace(exiting[1], heartbeat_age_s=0.1)
+    found = d.find_hang([exiting[0], alive], 8, 8)
+    assert found is not None
+    assert [c.rank for c in d.localise([exiting[0], alive], 2)] == [0]
