@@ -58,12 +58,8 @@ logger = logging.getLogger(__name__)
 
 FD_ENV = "ELASTICFT_WARM_FD"
 PRELOAD_ENV = "ELASTICFT_WARM_PRELOAD"
-DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint",
-                   "elasticft.ckpt.checkpointer")
-"""torch itself, what the first DistributedDataParallel or torch.compile imports, and the
-checkpoint modules a restarted worker imports next (DCP, elasticft's Checkpointer: 0.2 s on an
-idle core, 0.8 s on a busy one, paid on every restart otherwise). A module that fails to import
-only makes that start cold."""
+DEFAULT_PRELOAD = ("torch", "torch._dynamo")
+"""torch itself, and what the first DistributedDataParallel or torch.compile imports."""
 
 # Variables a worker gets per attempt. Python and the preloaded imports do not read them at
 # start-up, so a pre-started interpreter may take them late; any other difference means cold.
