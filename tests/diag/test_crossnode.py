@@ -212,11 +212,11 @@ def two_nodes(tmp_path: Path, job_env: dict[str, str], etcd_server: EtcdServer):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_stopped_worker_is_named_with_its_node_by_the_node_that_only_waits(two_nodes):
-    job = two_nodes(["--hang-floor-s", "3", "--hang-min-samples", "3", "--hang-stacks", "false"],
-                    ["--steps", "400", "--step-sleep", "0.05"])
+    job = two_nodes(["--hang-floor-s", "3", "--hang-multiple", "3", "--hang-min-samples", "3",
+                     "--hang-stacks", "false"], ["--steps", "400", "--step-sleep", "0.05"])
     job.wait_for("steady training on both nodes",
                  lambda: all(len(job.pids(n)) == 2 for n in "ab") and
-                 (job.tmp / "state").exists() and int((job.tmp / "state").read_text()) >= 15,
+                 (job.tmp / "state").exists() and int((job.tmp / "state").read_text()) >= 25,
                  timeout_s=75)
     victim_rank, victim = max(job.pids("b").items())
     stopped_at = time.time()
