@@ -147,6 +147,8 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._round_jit: dict[int, _RoundJit] = {}
         self._round_store: Any = None
         self._watch_stop = threading.Event()
+        self._started: GroupInfo | None = None
+        """The group as of its workers' start (with their pids), for the JIT watcher."""
 
     @classmethod
     def from_options(
@@ -204,6 +206,9 @@ class RecoveryOrchestrator(AgentCollaborator):
                                   name="elasticft-recovery-round")
         thread.start()
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def on_workers_started(self, group: GroupInfo) -> None:
+        self._started = group
 
     def _learn_round(self, group: GroupInfo, store: Any) -> None:
         """Reads every node of the round; the leader then judges who left since the last."""
@@ -450,7 +455,9 @@ class RecoveryOrchestrator(AgentCollaborator):
                 return
             if request.get("by") == self.node_id:
                 return  # ours: on_failure takes this node's checkpoint
-            record = self._node_jit(group, f"requested by node {request.get('by')}: "
+            started = self._started  # the round's group at rendezvous has no worker pids yet
+            current = started if started is not None and started.round == group.round else group
+            record = self._node_jit(current, f"requested by node {request.get('by')}: "
                                     f"{request.get('cause', '')}")
             report = {"node": self.node_id, "step": record.step if record else None,
                       "ranks": {str(r): s for r, s in (record.ranks if record else {}).items()}}

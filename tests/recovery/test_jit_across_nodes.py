@@ -91,7 +91,9 @@ def test_failure_on_one_node_makes_the_other_node_take_its_jit_checkpoint(tmp_pa
     worker_a = ControlWatcher(control_a, 0, respond, poll_s=0.02)
     try:
         store = round_store(3)
-        a.on_rendezvous(group_a, store)
+        # As in the agent: at the rendezvous the workers have no pids yet, at their start they do.
+        a.on_rendezvous(group_of(tmp_path, "a", 0, 3, None), store)
+        a.on_workers_started(group_a)
         b.on_rendezvous(group_b, round_store(3))
         b.on_failure(group_b, (crash(1),))
         assert b.failure_facts(group_b, ())["jit_available"] is True
@@ -133,6 +135,7 @@ def test_a_request_of_an_earlier_round_is_not_answered(tmp_path: Path, round_sto
         round_store(5).set("elasticft/recovery/node/1", "b")  # b is in the round too
         round_store(4).set("elasticft/recovery/jit/request", json.dumps({"by": "b"}))
         a.on_rendezvous(group, round_store(5))
+        a.on_workers_started(group)
         time.sleep(1.0)
         assert asked == []
         round_store(5).set("elasticft/recovery/jit/request", json.dumps({"by": "b"}))
