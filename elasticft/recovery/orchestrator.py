@@ -77,8 +77,10 @@ logger = logging.getLogger(__name__)
 _NODE_KEY = "elasticft/recovery/node/{}"
 _JIT_REQUEST_KEY = "elasticft/recovery/jit/request"
 _JIT_DONE_KEY = "elasticft/recovery/jit/done/{}"
-_WATCH_WAKE_S = 5.0
-"""A watcher's blocking wait wakes this often to see whether its round is over."""
+_WATCH_WAKE_S = 1.0
+"""A blocking store wait wakes this often to see whether its round (or the agent) is over: a
+thread must not be inside a store call when the interpreter exits (the store's C++ side calls
+back into Python, which crashes the exiting agent)."""
 
 
 @dataclasses.dataclass
@@ -147,6 +149,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._round_jit: dict[int, _RoundJit] = {}
         self._round_store: Any = None
         self._watch_stop = threading.Event()
+        self._closing = threading.Event()
         self._started: GroupInfo | None = None
         """The group as of its workers' start (with their pids), for the JIT watcher."""
 
@@ -426,10 +429,10 @@ class RecoveryOrchestrator(AgentCollaborator):
         for rank in range(group.group_world_size):
             if rank == group.group_rank:
                 continue
-            left = deadline - time.monotonic()
+            key = _JIT_DONE_KEY.format(rank)
             try:
-                store.wait([_JIT_DONE_KEY.format(rank)], timedelta(seconds=max(left, 0.01)))
-                reports[str(rank)] = json.loads(_text(store.get(_JIT_DONE_KEY.format(rank))))
+                found = _wait_key(store, key, deadline, self._closing)
+                reports[str(rank)] = json.loads(_text(store.get(key))) if found else None
             except Exception:
                 reports[str(rank)] = None  # gone with the failure, or too slow
         steps = [r["step"] for r in reports.values() if r and r.get("step") is not None]
@@ -442,16 +445,16 @@ class RecoveryOrchestrator(AgentCollaborator):
     def _watch_jit(self, group: GroupInfo, store: Any, stop: threading.Event) -> None:
         """Waits (blocking on the store) for a JIT request of this round from another node;
         answers it with this node's JIT checkpoint and reports the step."""
-        while not stop.is_set():
+        while not stop.is_set() and not self._closing.is_set():
             started = time.monotonic()
             try:
                 store.wait([_JIT_REQUEST_KEY], timedelta(seconds=_WATCH_WAKE_S))
                 request = json.loads(_text(store.get(_JIT_REQUEST_KEY)))
             except Exception:
-                if time.monotonic() - started < 1.0:
-                    stop.wait(1.0)  # the store is unreachable: do not spin
+                if time.monotonic() - started < _WATCH_WAKE_S / 2:
+                    stop.wait(_WATCH_WAKE_S)  # the store is unreachable: do not spin
                 continue
-            if stop.is_set():
+            if stop.is_set() or self._closing.is_set():
                 return
             if request.get("by") == self.node_id:
                 return  # ours: on_failure takes this node's checkpoint
@@ -502,8 +505,9 @@ class RecoveryOrchestrator(AgentCollaborator):
 
     def close(self) -> None:
         self._watch_stop.set()
+        self._closing.set()
         for thread in self._threads:
-            thread.join(timeout=1)
+            thread.join(timeout=2 * _WATCH_WAKE_S + 1)
         close = getattr(self.membership, "close", None)
         if callable(close):
             with contextlib.suppress(Exception):
@@ -524,3 +528,18 @@ def _own_connection(store: Any) -> Any:
         return store.clone()
     except Exception:
         return store
+
+
+def _wait_key(store: Any, key: str, deadline: float, closing: threading.Event) -> bool:
+    """Waits for ``key`` until ``deadline``, in short slices so an exiting agent is not held."""
+    while not closing.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            store.wait([key], timedelta(seconds=min(left, _WATCH_WAKE_S)))
+            return True
+        except Exception:
+            if store.check([key]):
+                return True
+    return False
