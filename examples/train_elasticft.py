@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_plain import VOCAB, TinyGPT, batch
+from train_plain import VOCAB, TinyGPT, batch, record_step
 
 from elasticft.ckpt import Checkpointer, StateCapture
 
@@ -94,7 +94,9 @@ def main() -> None:
             if args.loss_log:
                 with open(args.loss_log, "a") as f:
                     f.write(f"{done} {value!r}\n")  # exact, for bitwise comparisons
+        saving = time.perf_counter()
         request = ckpt.save(done, snapshot(extra={"step": done}))
+        record_step(done, time.perf_counter() - saving)  # for `elasticft report` (TOR)
         if done == args.crash_at_step and rank == args.fault_rank and first_attempt():
             if args.crash_mode == "after-save":
                 request.wait()
