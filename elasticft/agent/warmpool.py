@@ -111,21 +111,6 @@ def startup_mismatch(started: Mapping[str, str], requested: Mapping[str, str]) -
     )
 
 
-def _set_policy(pid: int, *, idle: bool) -> None:
-    """Puts every thread of ``pid`` in SCHED_IDLE (idle) or back in SCHED_OTHER.
-
-    Linux lets an unprivileged owner move its threads out of SCHED_IDLE again. Where the policy
-    cannot be set, the interpreter simply warms up at normal priority.
-    """
-    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    threads = [pid]  # the main thread first: the threads it starts from now on inherit it
-    with contextlib.suppress(OSError):
-        threads += [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
-    for tid in threads:
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-
-
 class WarmProcess:
     """One pre-started interpreter waiting for its start request."""
 
@@ -163,10 +148,6 @@ class WarmProcess:
             raise
         finally:
             child_end.close()
-        # Importing torch costs seconds of CPU. Done while training runs on a busy host, it would
-        # slow the very steps the pool exists to save, so it takes only CPU nobody else wants.
-        # The threads it starts inherit the policy; start() gives the worker the normal one.
-        _set_policy(proc.pid, idle=True)
         return cls(proc, agent_end, tuple(argv), env, cwd)
 
     def alive(self) -> bool:
@@ -200,7 +181,6 @@ class WarmProcess:
         payload = json.dumps(
             {"argv": [str(a) for a in argv], "env": dict(env), "cwd": cwd}
         ).encode()
-        _set_policy(self.proc.pid, idle=False)
         socket.send_fds(self._channel, [struct.pack("!Q", len(payload))], [stdout, stderr])
         self._channel.sendall(payload)
         self._channel.close()

@@ -133,24 +133,6 @@ def test_script_sees_the_same_start_as_cold(tmp_path: Path) -> None:
     assert warm["state"]["argv"] == [SHOW, str(tmp_path / "out"), "ok"]
     assert warm["state"]["group_leader"] and warm["state"]["session_leader"]
     assert (cold["stdout"], warm["stdout"]) == ("started cold\n", "started warm\n")
-    assert warm["state"]["sched_policies"] == [os.SCHED_OTHER]
-
-
-@pytest.mark.timeout(120)
-def test_interpreters_warm_up_on_idle_cpu_only_and_work_at_normal_priority(
-    tmp_path: Path,
-) -> None:
-    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "ok"]
-    warm = WarmProcess.spawn(argv, base_env(tmp_path), str(tmp_path), ("json", "threading"))
-    wait_until(warm.ready, 60, "the pre-started interpreter")
-    tasks = os.listdir(f"/proc/{warm.proc.pid}/task")
-    assert {os.sched_getscheduler(int(t)) for t in tasks} == {os.SCHED_IDLE}
-    env = attempt_env(tmp_path, "warm")
-    with open(tmp_path / "w.out", "w") as out:
-        proc = warm.start(argv, env, str(tmp_path), out.fileno(), out.fileno())
-    assert proc.wait(timeout=60) == 0
-    state = json.loads((tmp_path / "out" / "warm.json").read_text())
-    assert state["sched_policies"] == [os.SCHED_OTHER]
 
 
 @pytest.mark.timeout(120)

@@ -49,8 +49,6 @@ state = {
                                                            signal.SIGUSR1, signal.SIGPIPE)},
     "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "torch_imported": "torch" in sys.modules,
-    "sched_policies": sorted({os.sched_getscheduler(int(t))
-                              for t in os.listdir("/proc/self/task")}),
 }
 tag = os.environ.get("SHOW_START_TAG") or (
     f"attempt{os.environ.get('ELASTICFT_ATTEMPT', '0')}-rank{os.environ.get('RANK', '0')}"
