@@ -1,6 +1,6 @@
 """Diagnostics soak: a healthy run of N minutes on default settings must raise no detection.
 
-    .venv/bin/python bench/soak.py [--minutes 10] [--nproc 2] [--dim 128]
+    .venv/bin/python bench/soak.py [--minutes 10] [--nodes 1] [--nproc 2] [--dim 128]
 
 ``elasticft-run --standalone`` runs this file's worker (a plain DDP script, no elasticft import,
 so the recorder is installed by the agent's bootstrap, as for any unmodified script) with every
@@ -26,6 +26,7 @@ import importlib.util
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -84,10 +85,18 @@ def worker(args: argparse.Namespace) -> None:
             print(f"step {step} loss {value:.4f} saved", flush=True)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="agents on this host acting as nodes (c10d rendezvous on loopback)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -108,25 +117,36 @@ def main() -> int:
         run_dir = Path(tmp) / "run"
         log = Path(tmp) / "out.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICFT_", "PET_"))}
-        cmd = [str(Path(sys.executable).parent / "elasticft-run"), "--standalone",
-               "--nproc-per-node", str(args.nproc), "--max-restarts", "0",
-               "--run-dir", str(run_dir), str(Path(__file__).resolve()), "--worker",
+        port = free_port()
+        script = [str(Path(__file__).resolve()), "--worker",
                "--ckpt-dir", str(Path(tmp) / "ckpt"), "--dim", str(args.dim),
                "--layers", str(args.layers), "--batch-size", str(args.batch_size),
                "--ckpt-every", str(args.ckpt_every), "--eval-every", str(args.eval_every),
                "--eval-s", str(args.eval_s), "--data-s", str(args.data_s)]
         started = time.time()
+        procs = []
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            for node in range(args.nodes):
+                where = (["--standalone"] if args.nodes == 1 else
+                         ["--nnodes", str(args.nodes), "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "soak",
+                          "--local-addr", "127.0.0.1", "--node-id", f"node{node}"])
+                cmd = [str(Path(sys.executable).parent / "elasticft-run"), *where,
+                       "--nproc-per-node", str(args.nproc), "--max-restarts", "0",
+                       "--run-dir", str(run_dir), *script]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=out,
+                                              stderr=subprocess.STDOUT))
         try:
-            proc.wait(timeout=args.minutes * 60)
-            print(f"the run ended early (exit {proc.returncode}); log tail:\n"
+            procs[0].wait(timeout=args.minutes * 60)
+            print(f"the run ended early (exit {procs[0].returncode}); log tail:\n"
                   f"{log.read_text()[-3000:]}")
             return 1
         except subprocess.TimeoutExpired:
             stopped = time.time()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                proc.wait(timeout=120)
         events = read_events(run_dir)
         text = log.read_text(errors="replace")
     detections = [e for e in events if e["kind"] == "detection" and e["time"] < stopped]
@@ -136,7 +156,8 @@ def main() -> int:
     evals = sum(1 for line in text.splitlines() if " eval loss " in line)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, "
           f"Python {platform.python_version()}; date {datetime.date.today()}")
-    print(f"run: elasticft-run --standalone --nproc-per-node {args.nproc}, diagnostics on "
+    print(f"run: {args.nodes} elasticft-run agent(s) as nodes x --nproc-per-node {args.nproc}, "
+          f"diagnostics on "
           f"default settings; TinyGPT dim {args.dim}, {args.layers} layers, batch "
           f"{args.batch_size}; {args.data_s * 1e3:.0f} ms input wait per step")
     print(f"duration: {(stopped - started) / 60:.1f} min; steps: {max(steps, default=0)}; "
