@@ -15,7 +15,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from elasticft.agent.api import GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureClass, FailureRecord
@@ -49,21 +48,6 @@ def group_of(tmp: Path, node: str, group_rank: int, round_: int, pid: int | None
 def crash(rank: int) -> FailureRecord:
     return FailureRecord(rank=rank, local_rank=0, pid=-1, exitcode=-9,
                          failure_class=FailureClass.SIGNAL_CRASH, signal="SIGKILL")
-
-
-@pytest.fixture
-def round_store():
-    """A round's store as one agent sees it: its own client connection (a TCPStore client
-    serialises its calls, so agents sharing one would wait for each other's blocking reads)."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))
-
-    def connect(round_: int) -> dist.Store:
-        client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                               timeout=timedelta(seconds=30))
-        return dist.PrefixStore(f"torch.rendezvous.job.{round_}", client)
-
-    yield connect
 
 
 @pytest.mark.timeout(60)

@@ -6,30 +6,15 @@ in the round (or anyone else) cannot fetch shards."""
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from elasticft.agent.api import GroupInfo, WorkerInfo
 from elasticft.ckpt.api import CheckpointError
 from elasticft.ckpt.peer import PeerClient
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
-
-
-@pytest.fixture
-def connect(tmp_path: Path):
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=20))
-
-    def round_store(round_: int) -> dist.Store:
-        client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                               timeout=timedelta(seconds=20))
-        return dist.PrefixStore(f"torch.rendezvous.job.{round_}", client)
-
-    return round_store
 
 
 def join(tmp: Path, round_: int, connect, *members: tuple[CheckpointService, str, int]
@@ -71,16 +56,16 @@ def services(tmp: Path, n: int, **options) -> list[CheckpointService]:
 
 @pytest.mark.timeout(60)
 def test_a_new_leader_and_the_old_nodes_share_one_secret_and_a_departed_node_is_out(
-        tmp_path: Path, connect):
+        tmp_path: Path, round_store):
     a, b, c = services(tmp_path, 3)
     try:
-        join(tmp_path, 1, connect, (a, "a", 0), (b, "b", 1))
+        join(tmp_path, 1, round_store, (a, "a", 0), (b, "b", 1))
         first = secret_of(a)
         assert first and secret_of(b) == first
         assert can_list(b, first) and can_list(a, first)
 
         # b is gone; the standby c joins and becomes the leader of the next round.
-        join(tmp_path, 2, connect, (c, "c", 0), (a, "a", 1))
+        join(tmp_path, 2, round_store, (c, "c", 0), (a, "a", 1))
         second = secret_of(c)
         assert secret_of(a) == second, "a node kept an old secret the new leader does not know"
         assert can_list(a, second) and can_list(c, second)
@@ -93,11 +78,11 @@ def test_a_new_leader_and_the_old_nodes_share_one_secret_and_a_departed_node_is_
 
 
 @pytest.mark.timeout(60)
-def test_a_secret_given_by_the_user_is_used_by_every_round(tmp_path: Path, connect):
+def test_a_secret_given_by_the_user_is_used_by_every_round(tmp_path: Path, round_store):
     a, c = services(tmp_path, 2, ckpt_peer_secret="the-users-secret")
     try:
-        join(tmp_path, 1, connect, (a, "a", 0), (c, "c", 1))
-        join(tmp_path, 2, connect, (c, "c", 0), (a, "a", 1))
+        join(tmp_path, 1, round_store, (a, "a", 0), (c, "c", 1))
+        join(tmp_path, 2, round_store, (c, "c", 0), (a, "a", 1))
         assert secret_of(a) == secret_of(c) == "the-users-secret"
         assert can_list(a, "the-users-secret")
         assert not can_list(a, "a guess")
