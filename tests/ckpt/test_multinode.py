@@ -31,16 +31,19 @@ def test_each_node_backs_up_on_the_other(tmp_path: Path, job_env) -> None:
     outputs = {node: proc.communicate(timeout=200)[0] for node, proc in procs.items()}
     for node, proc in procs.items():
         assert proc.returncode == 0, outputs[node][-3000:]
-    # Node a (rank 0) is backed up on node b and the other way round, verified on receipt.
+    # Each node holds the other node's shard, verified on receipt. Which node got rank 0 is the
+    # rendezvous' choice, so the ranks are read from what each node holds.
     held_by_b = tmp_path / "run-b" / "ckpt" / "peer-backups" / "node-node-b"
     held_by_a = tmp_path / "run-a" / "ckpt" / "peer-backups" / "node-node-a"
-    assert (durable.step_dir(held_by_b, STEPS) / "r0.json").exists()
-    assert (durable.step_dir(held_by_a, STEPS) / "r1.json").exists()
-    for rank, root in ((0, held_by_b), (1, held_by_a)):
+    rank_held_by = {root: _ranks_held(durable.step_dir(root, STEPS))
+                    for root in (held_by_a, held_by_b)}
+    assert sorted(rank_held_by.values()) == [[0], [1]], rank_held_by
+    for root, (rank,) in rank_held_by.items():
         assert durable.read_rank_shard(durable.step_dir(root, STEPS), rank).step == STEPS
-    # Node a's own disk copy is gone (a replaced node): rank 0 comes back from node b's backup.
+    # Rank 0's node lost its disk (a replaced node): rank 0 comes back from the other's backup.
+    holder_of_rank0 = next(root for root, ranks in rank_held_by.items() if ranks == [0])
     secret = new_secret()
-    server = PeerServer(held_by_b, secret, "127.0.0.1")
+    server = PeerServer(holder_of_rank0, secret, "127.0.0.1")
     try:
         settings = WorkerSettings(peer_addr=server.address, secret=secret,
                                   local_dir=tmp_path / "empty")
@@ -50,3 +53,7 @@ def test_each_node_backs_up_on_the_other(tmp_path: Path, job_env) -> None:
         assert state["extra"] == {"step": STEPS}
     finally:
         server.close()
+
+
+def _ranks_held(step_dir: Path) -> list[int]:
+    return sorted(int(path.stem[1:]) for path in step_dir.glob("r*.json"))
