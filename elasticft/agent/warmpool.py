@@ -1,39 +1,46 @@
-"""Warm start: restarted workers begin in interpreters that have already imported torch.
+"""Warm start: restarted workers are forked from interpreters that have already imported torch.
 
 On a small job most of a restart is Python start-up: ``import torch`` takes about 2.5 s here and
 the first ``DistributedDataParallel`` pulls in ``torch._dynamo`` for another 2 s, per worker, on
-every restart. The :class:`WarmPool` keeps one pre-started interpreter per local rank that has
-already done those imports, and a restart hands the worker's start to it.
+every restart. The :class:`WarmPool` keeps one warm interpreter per local rank that has done
+those imports once; every later start of that local rank is a fork of it, which takes
+milliseconds and leaves the interpreter in place for the next restart. Nothing is re-imported
+after a failure, so a restart does not compete with the resumed training for the CPU.
 
-How a pre-started interpreter is started and taken over:
+How a warm interpreter is started and how a worker is forked from it:
 
-* It runs the worker's exact command line (``python -u script.py args...``, torchrun's form) in
-  its own session, like torch's workers, with the environment of the attempt that was just
+* It runs the worker's exact command line (``python -u script.py args...``, torchrun's form)
+  in its own session, like torch's workers, with the environment of the attempt that was just
   started, plus a bootstrap directory first on ``PYTHONPATH``. Python runs the bootstrap's
   ``sitecustomize`` at start-up (:mod:`elasticft.agent.warm_bootstrap`): it imports the preload
-  modules and waits on a socket, before the script has run.
+  modules and serves start requests on a socket, before the script has run.
 * At the next start, torch's ``SubprocessHandler`` asks for a process
   (:class:`WarmSubprocessHandler` overrides its ``_popen``); the pool sends the worker's full
   environment, working directory and stdout/stderr descriptors (torch's log files, or the
-  agent's own streams) over the socket and returns the interpreter's ``Popen``. The bootstrap
-  applies them and returns, and the interpreter runs the script as ``__main__``: ``sys.argv``,
-  ``sys.path``, the traceback of an exception and the exit code are Python's own, and the
-  process torch watches, signals with ``killpg`` and reaps *is* the worker. There is no proxy
-  process, so nothing can be orphaned by killing it.
+  agent's own streams) over the socket. The interpreter forks; the child applies them and
+  returns from start-up, and runs the script as ``__main__``: ``sys.argv``, ``sys.path``, the
+  traceback of an exception and the exit code are Python's own.
+* The child is forked through an intermediate process that exits at once, while the agent holds
+  Linux's child-subreaper flag, so the worker becomes the agent's own child: the ``Popen`` torch
+  watches, signals with ``killpg`` and reaps *is* the worker (:class:`AdoptedWorker`). There is
+  no proxy process, so nothing can be orphaned by killing it.
 * An interpreter is used only when nothing that start-up has already consumed differs: the same
   command, working directory and environment except the variables that are bound per attempt
   (ranks, world sizes, master address and port, ``TORCHELASTIC_*``, ``ELASTICFT_*``). Otherwise,
-  and on any error, the worker starts cold, exactly as torch would start it.
-* After each start the pool is refilled in the background with the environment of that start.
+  and on any error, the worker starts cold, exactly as torch would start it, and a new warm
+  interpreter is started in the background with the environment of that start.
 
 Only binary entrypoints that are a Python interpreter are warm-started; ``--no-python``, NUMA
 binding and function entrypoints (where ``--start-method`` applies) start cold. Nothing in the
-pre-started interpreter touches CUDA: importing torch does not initialise it.
+warm interpreter touches CUDA or starts a thread pool of its own: importing torch does neither,
+so forking it is as safe as a DataLoader's fork. A forked worker reseeds numpy's global
+generator, as a cold start would have (Python's ``random`` reseeds itself on fork).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -46,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from subprocess import Popen
@@ -111,8 +119,56 @@ def startup_mismatch(started: Mapping[str, str], requested: Mapping[str, str]) -
     )
 
 
-class WarmProcess:
-    """One pre-started interpreter waiting for its start request."""
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+_adoption_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def adopting_orphans() -> Any:
+    """While inside, orphaned descendants of this process are re-parented to it (Linux's
+    child-subreaper flag), so a worker forked by a warm interpreter becomes this agent's child.
+
+    Held only around one fork: left on, the agent would also adopt (and have to reap) every
+    process its workers leave behind.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    with _adoption_lock:
+        already = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(already), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_GET_CHILD_SUBREAPER) failed")
+        if not already.value and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        try:
+            yield
+        finally:
+            if not already.value:
+                libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+class AdoptedWorker(Popen):
+    """``Popen`` of a worker this process adopted rather than spawned: ``wait``, ``poll``,
+    ``send_signal`` and the return code behave as for any child (``waitpid`` on its pid)."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        # Popen.__init__ would spawn a process; these are the attributes its methods read.
+        self.args = list(args)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = self.stdout = self.stderr = None
+        self.encoding = self.errors = None
+        self.text_mode = False
+        self.pipesize = -1
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+        self._child_created = True
+
+
+class WarmInterpreter:
+    """One interpreter with the preload imports done, forking a worker per start request."""
 
     def __init__(
         self, proc: Popen, channel: socket.socket, argv: tuple[str, ...], env: Mapping[str, str],
@@ -122,13 +178,15 @@ class WarmProcess:
         self.argv = argv
         self.env = dict(env)
         self.cwd = cwd
+        self.starts = 0
         self._channel = channel
         self._ready = False
+        self._lock = threading.Lock()
 
     @classmethod
     def spawn(
         cls, argv: Sequence[str], env: Mapping[str, str], cwd: str, preload: Sequence[str]
-    ) -> WarmProcess:
+    ) -> WarmInterpreter:
         agent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         child_env = dict(env)
         path = child_env.get("PYTHONPATH")
@@ -136,8 +194,8 @@ class WarmProcess:
         child_env[FD_ENV] = str(child_end.fileno())
         child_env[PRELOAD_ENV] = ",".join(preload)
         try:
-            # What the warm-up prints (an import warning) goes to a private file first; the
-            # bootstrap replays it into the worker's real stdout/stderr when it starts.
+            # What the warm-up prints (an import warning) goes to a private file first; each
+            # forked worker replays it into its real stdout/stderr when it starts.
             with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
                 proc = Popen(
                     list(argv), env=child_env, cwd=cwd, stdout=out, stderr=err,
@@ -153,13 +211,14 @@ class WarmProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def ready(self) -> bool:
-        """True once the preload imports are done (non-blocking)."""
-        if not self._ready:
-            readable, _, _ = select.select([self._channel], [], [], 0)
-            if readable:
-                self._ready = self._channel.recv(1) == b"R"
-        return self._ready
+    def ready(self, timeout: float = 0.0) -> bool:
+        """True once the preload imports are done (waits up to ``timeout`` seconds)."""
+        with self._lock:
+            if not self._ready:
+                readable, _, _ = select.select([self._channel], [], [], timeout)
+                if readable:
+                    self._ready = self._channel.recv(1) == b"R"
+            return self._ready
 
     def mismatch(self, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str | None:
         """Why this interpreter cannot become the worker ``argv``/``env``/``cwd`` (None: it can)."""
@@ -175,19 +234,45 @@ class WarmProcess:
         return None
 
     def start(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdout: int, stderr: int
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdout: int, stderr: int,
+        *, ready_timeout: float = 120.0,
     ) -> Popen:
-        """Hands over the worker's start; the returned ``Popen`` is the worker."""
+        """Forks the worker; the returned ``Popen`` is the worker, a child of this process.
+
+        Waits for the imports first if they are still running (a restart soon after the
+        previous start); raises ``OSError`` if the interpreter cannot deliver the worker, which
+        then is to be started cold.
+        """
+        if not self.ready(ready_timeout):
+            raise OSError(f"warm interpreter {self.proc.pid} not ready after {ready_timeout} s")
         payload = json.dumps(
             {"argv": [str(a) for a in argv], "env": dict(env), "cwd": cwd}
         ).encode()
-        socket.send_fds(self._channel, [struct.pack("!Q", len(payload))], [stdout, stderr])
-        self._channel.sendall(payload)
-        self._channel.close()
-        return self.proc
+        with self._lock, adopting_orphans():
+            socket.send_fds(self._channel, [struct.pack("!Q", len(payload))], [stdout, stderr])
+            self._channel.sendall(payload)
+            pid = self._read_pid(timeout=60.0)
+        if pid <= 0:
+            raise OSError(f"warm interpreter {self.proc.pid} could not fork the worker")
+        self.starts += 1
+        return AdoptedWorker(pid, argv)
+
+    def _read_pid(self, timeout: float) -> int:
+        reply = b""
+        deadline = time.monotonic() + timeout
+        while len(reply) < 9:
+            left = deadline - time.monotonic()
+            readable, _, _ = select.select([self._channel], [], [], max(left, 0.0))
+            chunk = self._channel.recv(9 - len(reply)) if readable else b""
+            if not chunk:
+                return -1  # the interpreter exited, or did not answer in time
+            reply += chunk
+        if reply[:1] != b"P":
+            return -1
+        return int(struct.unpack("!q", reply[1:])[0])
 
     def discard(self) -> None:
-        """Ends an interpreter that was never started (it has run no user code)."""
+        """Ends the interpreter (it has run no user code; its forked workers are not touched)."""
         self._channel.close()
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -195,69 +280,75 @@ class WarmProcess:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            logger.warning("pre-started interpreter %d did not exit after SIGKILL", self.proc.pid)
+            logger.warning("warm interpreter %d did not exit after SIGKILL", self.proc.pid)
 
 
 class WarmPool:
-    """Pre-started interpreters, one per local rank, refilled after every start."""
+    """Warm interpreters, one per local rank, each forking that local rank's workers."""
 
-    def __init__(
-        self, preload: Sequence[str] = DEFAULT_PRELOAD, *, refill_delay_s: float = 0.0
-    ) -> None:
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD) -> None:
         self.preload = tuple(preload)
-        self.refill_delay_s = refill_delay_s
         self._lock = threading.Lock()
-        self._idle: dict[int, WarmProcess] = {}
-        self._timers: list[threading.Timer] = []
+        self._interpreters: dict[int, WarmInterpreter] = {}
+        self._spawning: dict[int, threading.Thread] = {}
         self._closed = False
 
     def take(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
-    ) -> WarmProcess | None:
-        """The pre-started interpreter for ``local_rank`` if it can become this worker."""
+    ) -> WarmInterpreter | None:
+        """The warm interpreter of ``local_rank`` if it can fork this worker; one that cannot
+        is ended (the next :meth:`refill` starts a new one)."""
         with self._lock:
-            warm = None if self._closed else self._idle.pop(local_rank, None)
+            warm = None if self._closed else self._interpreters.get(local_rank)
         if warm is None:
             return None
         reason = warm.mismatch(argv, env, cwd)
         if reason is not None:
             logger.info("local rank %d starts cold: %s", local_rank, reason)
-            warm.discard()
+            self.drop(local_rank, warm)
             return None
         return warm
 
-    def idle(self) -> dict[int, WarmProcess]:
+    def drop(self, local_rank: int, warm: WarmInterpreter) -> None:
+        """Ends ``warm`` and forgets it (it failed to start a worker)."""
         with self._lock:
-            return dict(self._idle)
+            if self._interpreters.get(local_rank) is warm:
+                del self._interpreters[local_rank]
+        warm.discard()
+
+    def interpreters(self) -> dict[int, WarmInterpreter]:
+        with self._lock:
+            return dict(self._interpreters)
 
     def refill(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
     ) -> None:
-        """Starts (in the background) the next interpreter for ``local_rank``."""
-        timer = threading.Timer(
-            self.refill_delay_s, self._spawn, (local_rank, tuple(argv), dict(env), cwd)
-        )
-        timer.daemon = True
+        """Starts (in the background) a warm interpreter for ``local_rank`` if it has none."""
         with self._lock:
-            if self._closed:
+            if self._closed or local_rank in self._interpreters or (
+                local_rank in self._spawning and self._spawning[local_rank].is_alive()
+            ):
                 return
-            self._timers = [t for t in self._timers if t.is_alive()]
-            self._timers.append(timer)
-        timer.start()
+            thread = threading.Thread(
+                target=self._spawn, args=(local_rank, tuple(argv), dict(env), cwd),
+                name=f"elasticft-warm-{local_rank}", daemon=True,
+            )
+            self._spawning[local_rank] = thread
+        thread.start()
 
     def _spawn(
         self, local_rank: int, argv: tuple[str, ...], env: dict[str, str], cwd: str
     ) -> None:
         try:
-            warm = WarmProcess.spawn(argv, env, cwd, self.preload)
+            warm = WarmInterpreter.spawn(argv, env, cwd, self.preload)
         except Exception:  # the pool is an optimisation: never let it cost the run
-            logger.warning("could not pre-start an interpreter for local rank %d", local_rank,
+            logger.warning("could not start a warm interpreter for local rank %d", local_rank,
                            exc_info=True)
             return
         with self._lock:
-            replaced, closed = self._idle.get(local_rank), self._closed
+            replaced, closed = self._interpreters.get(local_rank), self._closed
             if not closed:
-                self._idle[local_rank] = warm
+                self._interpreters[local_rank] = warm
         if closed:
             warm.discard()
         elif replaced is not None:
@@ -266,14 +357,12 @@ class WarmPool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            timers, self._timers = self._timers, []
-        for timer in timers:
-            timer.cancel()
-            if timer.is_alive():
-                timer.join(timeout=30)
+            spawning, self._spawning = list(self._spawning.values()), {}
+        for thread in spawning:
+            thread.join(timeout=30)
         with self._lock:
-            idle, self._idle = self._idle, {}
-        for warm in idle.values():
+            interpreters, self._interpreters = self._interpreters, {}
+        for warm in interpreters.values():
             warm.discard()
 
 
@@ -303,7 +392,7 @@ class WarmSubprocessHandler(SubprocessHandler):
                 except OSError:
                     logger.warning("warm start of local rank %d failed; starting cold",
                                    self.local_rank_id, exc_info=True)
-                    warm.discard()
+                    self._pool.drop(self.local_rank_id, warm)
         return super()._popen(args, env)
 
 

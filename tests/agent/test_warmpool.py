@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from elasticft.agent.warmpool import (
+    WarmInterpreter,
     WarmPool,
-    WarmProcess,
     bootstrap_dir,
     not_warm_startable,
     startup_mismatch,
@@ -68,7 +68,7 @@ def start_both(
                 proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=stdout,
                                         stderr=stderr, start_new_session=True)
             else:
-                warm = WarmProcess.spawn(argv, spawn_env or base_env(tmp_path), str(tmp_path),
+                warm = WarmInterpreter.spawn(argv, spawn_env or base_env(tmp_path), str(tmp_path),
                                          preload)
                 wait_until(warm.ready, 60, "the pre-started interpreter")
                 proc = warm.start(argv, env, str(tmp_path), stdout.fileno(), stderr.fileno())
@@ -161,7 +161,7 @@ def test_output_of_the_preload_imports_reaches_the_workers_streams(tmp_path: Pat
     argv = [sys.executable, "-u", SHOW, str(tmp_path / "out")]
     started_env = {**attempt_env(tmp_path, "warm"), "PYTHONPATH": str(noisy),
                    "SHOW_START_IMPORT": "noisy_import"}
-    warm = WarmProcess.spawn(argv, env | {"SHOW_START_TAG": "warm"}, str(tmp_path),
+    warm = WarmInterpreter.spawn(argv, env | {"SHOW_START_TAG": "warm"}, str(tmp_path),
                              ("noisy_import",))
     wait_until(warm.ready, 60, "the pre-started interpreter")
     with open(tmp_path / "o", "w") as out, open(tmp_path / "e", "w") as err:
@@ -182,7 +182,7 @@ def test_a_failed_preload_falls_back_to_a_cold_start_in_the_same_process(tmp_pat
 @pytest.mark.timeout(120)
 def test_sigterm_to_the_process_group_stops_a_warm_worker(tmp_path: Path) -> None:
     argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "sleep"]
-    warm = WarmProcess.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
+    warm = WarmInterpreter.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
     proc = warm.start(argv, attempt_env(tmp_path, "w"), str(tmp_path), 1, 2)
     wait_until((tmp_path / "out" / "w.json").exists, 60, "the worker to start")
     os.killpg(proc.pid, signal.SIGTERM)  # how torch stops a worker
@@ -194,7 +194,8 @@ def test_sigkill_of_a_warm_worker_leaves_nothing_running(tmp_path: Path) -> None
     argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "sleep"]
     pool = WarmPool(preload=("json",))
     pool.refill(0, argv, {**base_env(tmp_path), "SHOW_START_TAG": "w"}, str(tmp_path))
-    wait_until(lambda: 0 in pool.idle() and pool.idle()[0].ready(), 60, "the pool")
+    wait_until(lambda: 0 in pool.interpreters() and pool.interpreters()[0].ready(), 60,
+               "the pool")
     warm = pool.take(0, argv, attempt_env(tmp_path, "w"), str(tmp_path))
     assert warm is not None
     proc = warm.start(argv, attempt_env(tmp_path, "w"), str(tmp_path), 1, 2)
@@ -204,7 +205,45 @@ def test_sigkill_of_a_warm_worker_leaves_nothing_running(tmp_path: Path) -> None
     assert proc.wait(timeout=30) == -signal.SIGKILL
     left = [p for p in psutil.process_iter() if _session(p) == session]
     assert left == []
+    assert warm.alive()  # the interpreter stays for the next start
     pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_one_interpreter_forks_a_fresh_worker_for_every_start(tmp_path: Path) -> None:
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "sleep"]
+    warm = WarmInterpreter.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
+    try:
+        workers = []
+        for tag in ("first", "second"):
+            proc = warm.start(argv, attempt_env(tmp_path, tag), str(tmp_path), 1, 2)
+            wait_until((tmp_path / "out" / f"{tag}.json").exists, 60, f"worker {tag}")
+            # The worker is this process's own child, in a session of its own.
+            assert psutil.Process(proc.pid).ppid() == os.getpid()
+            assert os.getsid(proc.pid) == proc.pid
+            workers.append(proc)
+        first, second = (json.loads((tmp_path / "out" / f"{t}.json").read_text())
+                         for t in ("first", "second"))
+        assert first["pid"] != second["pid"] and warm.proc.pid not in (first["pid"],
+                                                                        second["pid"])
+        assert first["env"]["SHOW_START_TAG"] == "first"
+        assert second["env"]["SHOW_START_TAG"] == "second"
+        for proc in workers:
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=30) == -signal.SIGTERM
+        assert warm.alive() and warm.starts == 2
+    finally:
+        warm.discard()
+    # Nothing else was adopted: the subreaper flag was held only around each fork.
+    assert _is_subreaper() is False
+
+
+def _is_subreaper() -> bool:
+    import ctypes
+
+    flag = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0)
+    return bool(flag.value)
 
 
 @pytest.mark.timeout(120)
@@ -213,12 +252,13 @@ def test_interpreters_never_started_exit_without_running_the_script(tmp_path: Pa
     pool = WarmPool(preload=("json",))
     for rank in (0, 1):
         pool.refill(rank, argv, base_env(tmp_path), str(tmp_path))
-    wait_until(lambda: len(pool.idle()) == 2, 60, "the pool")
-    procs = [w.proc for w in pool.idle().values()]
+    wait_until(lambda: len(pool.interpreters()) == 2, 60, "the pool")
+    procs = [w.proc for w in pool.interpreters().values()]
     pool.close()
     assert [p.wait(timeout=30) for p in procs] in ([0, 0], [-9, -9], [0, -9], [-9, 0])
+    assert pool.interpreters() == {}
     # The agent disappearing (its end of the socket closed) also ends them.
-    orphan = WarmProcess.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
+    orphan = WarmInterpreter.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
     orphan._channel.close()
     assert orphan.proc.wait(timeout=60) == 0
     assert not (tmp_path / "out").exists()
@@ -229,11 +269,12 @@ def test_a_changed_start_up_environment_starts_cold(tmp_path: Path) -> None:
     argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "ok"]
     pool = WarmPool(preload=("json",))
     pool.refill(0, argv, base_env(tmp_path), str(tmp_path))
-    wait_until(lambda: 0 in pool.idle(), 60, "the pool")
-    idle = pool.idle()[0]
+    wait_until(lambda: 0 in pool.interpreters(), 60, "the pool")
+    idle = pool.interpreters()[0]
     changed = {**attempt_env(tmp_path, "w"), "OMP_NUM_THREADS": "7"}
     assert pool.take(0, argv, changed, str(tmp_path)) is None
     assert idle.proc.wait(timeout=30) in (0, -signal.SIGKILL)
+    assert pool.interpreters() == {}  # the next refill starts one with the new environment
     pool.close()
 
 

@@ -1,18 +1,26 @@
-"""Pre-started worker interpreter: import the heavy modules now, become the worker later.
+"""Warm interpreter: import the heavy modules once, then fork a worker for every start.
 
 The agent starts ``python -u script.py args...`` (exactly the worker's command line) with this
 directory first on PYTHONPATH and a socket in ``ELASTICFT_WARM_FD``. Python runs this file at
 start-up, before the script: it imports the modules named in ``ELASTICFT_WARM_PRELOAD`` (torch),
-tells the agent it is ready and waits. The start request carries the worker's environment, its
-working directory and its stdout/stderr descriptors. This file then makes the process what a
-freshly started worker would be at this point of start-up (environment, sys.path, output
-streams, the ``sitecustomize`` it shadowed, e.g. elasticft's diagnostics bootstrap) and returns;
-the interpreter goes on to run the script as ``__main__`` itself. The process the agent watches
-is therefore the worker, with its real exit code, signals and traceback.
+tells the agent it is ready and becomes a fork server. Each start request carries the worker's
+environment, its working directory and its stdout/stderr descriptors. The server forks; the
+child starts its own session, makes itself what a freshly started worker would be at this point
+of start-up (environment, sys.path, output streams, the ``sitecustomize`` it shadowed, e.g.
+elasticft's diagnostics bootstrap) and returns, so that the interpreter goes on to run the
+script as ``__main__``. The server stays, imports done, for the next start.
 
-If anything is off (a preload failed, a different directory was asked for, an error here), it
-``exec``s the worker's command with the requested environment instead: a normal cold start in
-the same process. With no request (the agent went away) it exits without running user code.
+The fork is double: the server forks an intermediate process that forks the worker and exits at
+once. The agent holds the child-subreaper flag while it waits for the reply, so the orphaned
+worker is re-parented to the agent, which then watches, signals and reaps it as its own child;
+the reply (the worker's pid) is sent only after the intermediate has been reaped and the worker
+has started its session. The process the agent watches is therefore the worker, with its real
+exit code, signals and traceback.
+
+If anything is off (a preload failed, a different directory was asked for, an error here), the
+forked child ``exec``s the worker's command with the requested environment instead: a normal
+cold start in the same process. When the agent goes away (its end of the socket closes) the
+server exits without running user code.
 
 Standard library only: this runs before anything else and must not import elasticft.
 """
@@ -112,16 +120,57 @@ def _become_worker(request, fds, preload_error):
     _run_shadowed_sitecustomize()
 
 
+def _fork_worker(sock, fds):
+    """Forks the worker (twice, see above). Returns its pid (-1: it did not start) in the
+    server, returns None in the worker, which then becomes the script; the intermediate exits."""
+    import struct
+
+    read_end, write_end = os.pipe()
+    intermediate = os.fork()
+    if intermediate == 0:
+        worker = -1
+        try:
+            worker = os.fork()
+        finally:
+            if worker != 0:
+                os._exit(0)  # the intermediate: its only job was to orphan the worker
+        try:
+            # Its own session, as torch starts workers: torch signals it with killpg.
+            os.setsid()
+            sock.close()
+            os.close(read_end)
+            os.write(write_end, struct.pack("!q", os.getpid()))
+            os.close(write_end)
+        except BaseException:
+            os._exit(127)  # the server reads no pid and the agent starts this worker cold
+        return None
+    os.close(write_end)
+    for fd in fds:
+        os.close(fd)
+    os.waitpid(intermediate, 0)  # the worker is now re-parented to the agent
+    with os.fdopen(read_end, "rb") as pipe:
+        reply = pipe.read(8)
+    return struct.unpack("!q", reply)[0] if len(reply) == 8 else -1
+
+
+def _reseed_numpy():
+    """A cold start seeds numpy's global generator from the OS; a fork would copy the server's."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def _main():
     fd = os.environ.pop(_FD_ENV, None)
     preload = [m for m in os.environ.pop(_PRELOAD_ENV, "").split(",") if m]
-    if fd is None:  # not a pre-started interpreter: stay out of the way
+    if fd is None:  # not a warm interpreter: stay out of the way
         sys.path[:] = _without_here(sys.path)
         _run_shadowed_sitecustomize()
         return
     import contextlib
     import importlib
     import socket
+    import struct
 
     sock = socket.socket(fileno=int(fd))
     preload_error = None
@@ -131,18 +180,32 @@ def _main():
         except BaseException as err:  # the script will meet it again, in a cold start
             preload_error = err
             break
-    # The agent may already have sent its request and closed its end (it is buffered).
+    # The agent may already have sent its request (it is buffered).
     with contextlib.suppress(OSError):
         sock.sendall(b"R")
+    while True:
+        try:
+            received = _receive(sock)
+        except OSError:
+            received = None
+        if received is None:
+            os._exit(0)  # the agent is gone or discarded us; no user code has run
+        request, fds = received
+        try:
+            pid = _fork_worker(sock, fds)
+        except OSError:  # no fork: the agent starts this worker cold
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            pid = -1
+        if pid is None:
+            break
+        try:
+            sock.sendall(b"P" + struct.pack("!q", pid))
+        except OSError:
+            os._exit(0)
     try:
-        received = _receive(sock)
-    except OSError:
-        received = None
-    sock.close()
-    if received is None:
-        os._exit(0)  # the agent is gone or discarded us; no user code has run
-    request, fds = received
-    try:
+        _reseed_numpy()
         _become_worker(request, fds, preload_error)
     except BaseException:
         # Never half a worker: start over as a cold one in this same process.
