@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -47,14 +48,16 @@ from elasticft.ckpt.peer import PeerClient, PeerTier
 from elasticft.ckpt.settings import WorkerSettings
 from elasticft.ckpt.shm import (
     COMPLETE,
-    CRC_NONE,
     HEADER_BYTES,
+    SEAL_NONE,
+    SEAL_SAMPLED,
     WRITING,
     MemoryTier,
     SlotHeader,
     SlotSet,
     StagingBuffer,
     read_slot,
+    seal_of,
 )
 from elasticft.ckpt.snapshot import (
     Flattener,
@@ -242,7 +245,7 @@ class Checkpointer:
             return
         self._generation += 1
         header = SlotHeader(WRITING, self._generation, step, self.rank, self.world_size,
-                            len(manifest), payload_at, layout.payload_bytes, CRC_NONE, 0, 0.0)
+                            len(manifest), payload_at, layout.payload_bytes, SEAL_NONE, 0, 0.0)
         slot.write_header(header)
         slot.map[HEADER_BYTES : HEADER_BYTES + len(manifest)] = manifest
         later = []
@@ -328,11 +331,11 @@ class Checkpointer:
                 for dst, src in later:
                     copy_bytes(dst, src)
                 request.guarded_done.set()
-                slot.write_header(
-                    SlotHeader(COMPLETE, header.generation, header.step, header.rank,
-                               header.world_size, header.manifest_len, header.payload_offset,
-                               header.payload_len, CRC_NONE, 0, time.time())
-                )
+                manifest = slot.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
+                seal = seal_of(header, manifest, slot.payload(header))
+                slot.write_header(dataclasses.replace(
+                    header, state=COMPLETE, seal_kind=SEAL_SAMPLED, seal=seal,
+                    completed_at=time.time()))
                 slot.unlock()
                 request._finish("memory")
                 self._maybe_persist(header.step)

@@ -30,7 +30,6 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -38,7 +37,6 @@ import shutil
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -497,13 +495,7 @@ def _copy_out(slot: shm.Slot, step: int, staging: shm.StagingBuffer) -> Snapshot
         snapshot = shm.read_slot(slot, verify=False)
         if snapshot.step != step:
             return None  # overwritten between the peek and the lock
-        payload = staging.copy_of(snapshot.payload)
-        current = slot.header()
-        if current is not None and current.crc_state == shm.CRC_NONE:
-            # Lets a restarted worker verify what it restores from memory.
-            crc = zlib.crc32(payload)
-            slot.write_header(dataclasses.replace(current, crc_state=shm.CRC_VALID, crc=crc))
-        return Snapshot(snapshot.manifest, payload)
+        return Snapshot(snapshot.manifest, staging.copy_of(snapshot.payload))
 
 
 def _whole_tensors(manifest: Mapping[str, Any]) -> bool:

@@ -45,6 +45,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
 from elasticft.ckpt.snapshot import align_up
 
@@ -55,10 +57,17 @@ NAME_PREFIX = "elasticft-ckpt"
 HEADER_BYTES = 4096
 _MAGIC = b"EFTSNAP1"
 # magic, version, state, generation, step, rank, world, manifest_len, payload_off, payload_len,
-# crc_state, crc, completed_at
+# seal_kind, seal, completed_at
 _HEADER = struct.Struct("<8sIIQqiiQQQII d")
 EMPTY, WRITING, COMPLETE = 0, 1, 2
-CRC_NONE, CRC_VALID = 0, 1
+SEAL_NONE, SEAL_SAMPLED = 0, 2
+"""``seal_kind``: no seal, or :func:`seal_of` (1 was a CRC-32 of every payload byte, computed by
+the agent; no longer written: checking it cost a restore as much as the copy itself)."""
+SEAL_STRIDE = 4096
+SEAL_SAMPLE = 32
+_SEALED_FIELDS = struct.Struct("<QqiiQQQ")
+_MADV_POPULATE_READ = 22
+"""Linux >= 5.14; Python's mmap module does not name it."""
 
 
 def segment_prefix(owner_pid: int, token: str, local_rank: int) -> str:
@@ -108,8 +117,8 @@ class SlotHeader:
     manifest_len: int
     payload_offset: int
     payload_len: int
-    crc_state: int
-    crc: int
+    seal_kind: int
+    seal: int
     completed_at: float
 
     @classmethod
@@ -124,7 +133,7 @@ class SlotHeader:
     def pack(self) -> bytes:
         return _HEADER.pack(
             _MAGIC, 1, self.state, self.generation, self.step, self.rank, self.world_size,
-            self.manifest_len, self.payload_offset, self.payload_len, self.crc_state, self.crc,
+            self.manifest_len, self.payload_offset, self.payload_len, self.seal_kind, self.seal,
             self.completed_at,
         )
 
@@ -230,6 +239,23 @@ class Slot:
             raise SnapshotCorrupt(f"{self.path}: payload ends past the segment ({end})")
         return memoryview(self.map)[header.payload_offset : end]
 
+    def prefault(self, header: SlotHeader) -> None:
+        """Maps the payload's pages now, in one call, instead of one page fault per 4 KiB.
+
+        A restarted worker maps the segment afresh; faulting hundreds of MB in page by page
+        costs about a third of copying them (measured: 300 MB, 55-70 ms fresh vs 37-46 ms
+        already mapped). Pages already mapped cost nothing. Best effort: older kernels lack
+        MADV_POPULATE_READ.
+        """
+        start = header.payload_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        length = min(self.size, header.payload_offset + header.payload_len) - start
+        if length <= 0:
+            return
+        try:
+            self.map.madvise(_MADV_POPULATE_READ, start, length)
+        except (OSError, ValueError):
+            logger.debug("MADV_POPULATE_READ unavailable; pages fault in on first touch")
+
 
 class StagingBuffer:
     """A reusable private buffer for copying a snapshot out of its slot.
@@ -322,17 +348,48 @@ class SlotSet:
                 self.path(index).unlink()
 
 
+def seal_of(header: SlotHeader, manifest: Any, payload: Any) -> int:
+    """A cheap integrity mark of a complete snapshot, written by the writer with ``COMPLETE``.
+
+    CRC-32 of the header's placement fields, the whole manifest, and ``SEAL_SAMPLE`` bytes at
+    the start of every ``SEAL_STRIDE`` bytes of the payload (plus its tail): about 1% of the
+    payload, so sealing and checking cost milliseconds where a CRC of every byte cost as much
+    as the restore's copy. Torn writes are already excluded by the header state under the
+    writer's lock; what the seal catches is a complete snapshot overwritten afterwards in bulk
+    (training state aliasing the snapshot, a stray writer), which changes at least one sample
+    per 4 KiB page it touches. A single flipped bit between samples passes; the durable tiers
+    keep a CRC-32 of every byte.
+    """
+    crc = zlib.crc32(_SEALED_FIELDS.pack(
+        header.generation, header.step, header.rank, header.world_size, header.manifest_len,
+        header.payload_offset, header.payload_len))
+    crc = zlib.crc32(manifest, crc)
+    data = memoryview(payload).cast("B")
+    rows = len(data) // SEAL_STRIDE
+    if rows:
+        blocks = torch.frombuffer(data, dtype=torch.uint8, count=rows * SEAL_STRIDE)
+        samples = blocks.view(rows, SEAL_STRIDE)[:, :SEAL_SAMPLE].contiguous()
+        crc = zlib.crc32(samples.numpy(), crc)
+    return zlib.crc32(data[rows * SEAL_STRIDE :], crc)
+
+
 def read_slot(slot: Slot, *, verify: bool = True) -> Snapshot:
-    """The snapshot of a slot; call with the slot's shared lock held."""
+    """The snapshot of a slot, its pages mapped; call with the slot's shared lock held.
+
+    ``verify`` checks the writer's seal (see :func:`seal_of`).
+    """
     header = slot.header()
     if header is None or header.state != COMPLETE:
         state = "torn (a writer died mid-write)" if header and header.state == WRITING else "empty"
         raise SnapshotMissing(f"{slot.path} is {state}")
-    manifest = slot.manifest(header)
+    raw_manifest = slot.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
     payload = slot.payload(header)
-    if verify and header.crc_state == CRC_VALID and zlib.crc32(payload) != header.crc:
-        raise SnapshotCorrupt(f"{slot.path}: payload checksum mismatch at step {header.step}")
-    return Snapshot(manifest, payload)
+    slot.prefault(header)
+    if (verify and header.seal_kind == SEAL_SAMPLED
+            and seal_of(header, raw_manifest, payload) != header.seal):
+        raise SnapshotCorrupt(f"{slot.path}: snapshot of step {header.step} was changed after "
+                              "it was complete (seal mismatch)")
+    return Snapshot(slot.manifest(header), payload)
 
 
 class MemoryTier(Tier):

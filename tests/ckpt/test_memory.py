@@ -143,3 +143,72 @@ def test_process_owned_memory_is_removed_at_exit() -> None:
     prefix = out.stdout.strip().splitlines()[-1]
     assert prefix.startswith("elasticft-ckpt-")
     assert not list(Path("/dev/shm").glob(f"{prefix}-*"))
+
+
+def _live_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = list(model.state_dict().values())
+    for per_param in optim.state.values():
+        tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+@pytest.mark.timeout(60)
+def test_restored_state_never_aliases_the_snapshot_and_training_leaves_it_intact(
+    prefix: str,
+) -> None:
+    model, optim = trained_model()
+    with Checkpointer(_settings(prefix), optimizers=[optim]) as ckpt:
+        ckpt.save(1, capture(model, optim, {"step": 1})).wait(30)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, fresh_optim = trained_model(seed=3)
+    with Checkpointer(_settings(prefix)) as reader:
+        assert reader.restore(fresh, fresh_optim) == (1, {"step": 1})
+    slots = SlotSet(prefix, 2)
+    try:
+        index, _ = slots.newest()
+        slot = slots.get(index)
+        assert slot is not None
+        start = torch.frombuffer(slot.map, dtype=torch.uint8).data_ptr()
+        for tensor in _live_tensors(fresh, fresh_optim):
+            address = tensor.untyped_storage().data_ptr()
+            assert not start <= address < start + slot.size, "live state inside a snapshot"
+    finally:
+        slots.close()
+    for _ in range(2):  # training goes on from the restored state
+        fresh(torch.ones(2, 8)).sum().backward()
+        fresh_optim.step()
+        fresh_optim.zero_grad()
+    with Checkpointer(_settings(prefix)) as reader:
+        step, state = reader.load()  # the seal still matches: nothing wrote into the snapshot
+    assert step == 1
+    for name, value in saved.items():
+        assert torch.equal(state["model"][name], value), name
+
+
+@pytest.mark.timeout(60)
+def test_snapshot_overwritten_after_complete_fails_its_seal_and_load_falls_back(
+    prefix: str,
+) -> None:
+    """What training state aliasing a snapshot would do: the seal catches it, the older step
+    loads instead."""
+    big = torch.nn.Parameter(torch.zeros(1 << 16))
+    optim = torch.optim.SGD([big], lr=0.1)
+    with Checkpointer(_settings(prefix), optimizers=[optim]) as ckpt:
+        for step in (1, 2):
+            with torch.no_grad():
+                big.fill_(float(step))
+            ckpt.save(step, {"w": big.detach(), "extra": {"step": step}}).wait(30)
+    slots = SlotSet(prefix, 2)
+    try:
+        index, header = slots.newest()
+        assert header.step == 2
+        slot = slots.get(index)
+        assert slot is not None
+        payload = torch.frombuffer(slot.payload(header), dtype=torch.float32)
+        payload[: 1 << 15].fill_(7.0)  # half the tensor, in place, after COMPLETE
+    finally:
+        slots.close()
+    with Checkpointer(_settings(prefix)) as reader:
+        step, state = reader.load()
+    assert step == 1 and reader.last_source == "memory"
+    assert torch.equal(state["w"], torch.full((1 << 16,), 1.0))
