@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from elasticft import chaos  # noqa: E402
 from elasticft.events import read_events  # noqa: E402
 from elasticft.report.steps import read_steps  # noqa: E402
-from elasticft.report.tor import analyze  # noqa: E402
+from elasticft.report.tor import analyze, format_report  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PLAIN = ROOT / "examples" / "train_plain.py"
@@ -194,7 +194,7 @@ def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     analysis = analyze(read_events(run_dir), read_steps(run_dir))
     return {"tor": analysis.tor, "ettr": analysis.ettr, "faults": faults,
             "observed_s": analysis.observed_s, "steps": analysis.steps_done,
-            "healthy_step_s": analysis.healthy_step_s}
+            "healthy_step_s": analysis.healthy_step_s, "report": format_report(analysis)}
 
 
 def fmt(value: object, unit: str = "") -> str:
@@ -261,6 +261,7 @@ def main() -> None:
                   f"step {t['healthy_step_s'] * 1e3:.0f} ms): TOR {t['tor']:.3f}, "
                   f"ETTR {t['ettr']:.3f} (target TOR >= 0.9; load average "
                   f"{os.getloadavg()[0]:.1f})")
+            print(t["report"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -299,6 +299,10 @@ class WarmPool:
         """The warm interpreter of ``local_rank`` if it can fork this worker; one that cannot
         is ended (the next :meth:`refill` starts a new one)."""
         with self._lock:
+            spawning = self._spawning.get(local_rank)
+        if spawning is not None:
+            spawning.join(timeout=60)  # starting the interpreter's process takes milliseconds
+        with self._lock:
             warm = None if self._closed else self._interpreters.get(local_rank)
         if warm is None:
             return None
@@ -319,6 +323,13 @@ class WarmPool:
     def interpreters(self) -> dict[int, WarmInterpreter]:
         with self._lock:
             return dict(self._interpreters)
+
+    def prepare(
+        self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
+    ) -> None:
+        """Makes sure an interpreter that can fork this worker exists or is being started."""
+        if self.take(local_rank, argv, env, cwd) is None:
+            self.refill(local_rank, argv, env, cwd)
 
     def refill(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
@@ -406,6 +417,15 @@ class WarmSubprocessContext(SubprocessContext):
     def _start(self) -> None:
         if self.subprocess_handlers:
             raise ValueError("the worker processes were already started")
+        if self._numa_options is None:
+            # Every local rank's interpreter does its imports at the same time (the first
+            # start, or after a change of environment); each worker is then forked from it.
+            cwd = os.getcwd()
+            for local_rank in range(self.nprocs):
+                argv = (self.entrypoint, *[str(a) for a in self.args[local_rank]])
+                if not_warm_startable(argv) is None:
+                    env = {**os.environ, **self.envs[local_rank]}
+                    self._pool.prepare(local_rank, argv, env, cwd)
         self.subprocess_handlers = {
             local_rank: WarmSubprocessHandler(
                 self._pool,
