@@ -133,6 +133,7 @@ class Checkpointer:
         self.dedup_replicas = dedup_replicas and self.world_size > 1
         """Each rank stores only its share of the replicated state (see :meth:`save`)."""
         self._placements: dict[tuple[Any, ...], ReplicaPlacement] = {}
+        self._prepared: tuple[Any, set[int], Layout, tuple[bool, ...]] | None = None
         self._peers: list[dict[str, Any]] | None = None
         self.stall_s = 0.0
         """Total time the training thread waited inside save() and the pre-step hook."""
@@ -221,9 +222,7 @@ class Checkpointer:
 
     def _start_copy(self, request: SaveRequest, layout: Layout, step: int) -> None:
         assert self._slots is not None
-        guarded = self._guarded_storages()
-        if self.dedup_replicas:
-            layout = self._deduplicate(layout, guarded)
+        layout, guarded = self._prepare(layout)
         manifest = layout.manifest_bytes(step, self.rank, self.world_size)
         if len(manifest) > self._manifest_room:
             # Room for the manifest to grow (values such as lr change size) without a move.
@@ -249,15 +248,33 @@ class Checkpointer:
         slot.write_header(header)
         slot.map[HEADER_BYTES : HEADER_BYTES + len(manifest)] = manifest
         later = []
-        for entry, dst in zip(layout.tensors, self._views(slot, payload_at, layout), strict=True):
+        views = self._views(slot, payload_at, layout)
+        for entry, dst, only_by_step in zip(layout.tensors, views, guarded, strict=True):
             if dst is None:
                 continue
-            if _storage_key(entry.tensor) in guarded:
+            if only_by_step:
                 later.append((dst, entry.tensor))
             else:
                 copy_bytes(dst, entry.tensor)  # may change before the next optimizer step
         self._inflight = request
         self._jobs.put((request, slot, header, later))
+
+    def _prepare(self, layout: Layout) -> tuple[Layout, tuple[bool, ...]]:
+        """The layout to write (deduplicated if asked) and, per entry, whether only
+        ``optimizer.step()`` changes it (copied in the background).
+
+        Cached while the entries are the same objects (see ``Flattener``) and the optimizers
+        own the same storages: on every step with ``StateCapture`` this skips a storage lookup
+        per tensor and rebuilding the deduplicated entries.
+        """
+        guarded = self._guarded_storages()
+        cached = self._prepared
+        if cached is not None and cached[0] is layout.tensors and cached[1] == guarded:
+            return dataclasses.replace(cached[2], values=layout.values), cached[3]
+        prepared = self._deduplicate(layout, guarded) if self.dedup_replicas else layout
+        flags = tuple(_storage_key(e.tensor) in guarded for e in prepared.tensors)
+        self._prepared = (layout.tensors, guarded, prepared, flags)
+        return prepared, flags
 
     def _deduplicate(self, layout: Layout, guarded: set[int]) -> Layout:
         """``layout`` with each replicated tensor stored by one rank only (placement cached)."""

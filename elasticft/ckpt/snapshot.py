@@ -323,21 +323,31 @@ class Flattener:
     it on every save. The first call runs the planner and checks that a plain walk finds the same
     items; later calls walk the state (well under a millisecond) and reuse the placement when
     names, shapes and dtypes are unchanged. States with DTensors always go through the planner.
+    When the state holds the very same tensor objects as last time (what
+    :class:`~elasticft.ckpt.state.StateCapture` returns on every step), even the entries are
+    reused and only the JSON values are encoded again: the save is then a walk and a compare.
     """
 
     def __init__(self) -> None:
         self._layout: Layout | None = None
         self._signature: tuple[Any, ...] | None = None
+        self._sources: list[tuple[torch.Tensor, torch.Size, torch.dtype]] = []
+        """The tensor leaves (walk order) that the cached entries hold, object for object."""
+        self._paths: list[tuple[str | int, ...]] = []
 
     def __call__(self, state: Mapping[str, Any]) -> Layout:
         leaves = walk_leaves(state)
+        cached = self._layout
+        if cached is not None and self._same_tensors(leaves):
+            return self._revalue(cached, leaves)
         signature = tuple(
             (path, v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else (path, None, None)
             for path, v in leaves
         )
-        cached = self._layout
         if cached is not None and signature == self._signature:
-            return self._reuse(cached, leaves)
+            layout = self._reuse(cached, leaves)
+            self._remember_sources(layout, leaves)
+            return layout
         layout = flatten(state)
         plain = all(
             type(v) is torch.Tensor or not isinstance(v, torch.Tensor) for _, v in leaves
@@ -349,14 +359,51 @@ class Flattener:
             self._layout, self._signature = layout, signature
         else:
             self._layout, self._signature = None, None
+        self._sources, self._paths = [], []
         return layout
+
+    def _same_tensors(self, leaves: list[tuple[tuple[str | int, ...], Any]]) -> bool:
+        """Whether ``leaves`` are the cached entries' tensors, unchanged in shape and dtype."""
+        sources = self._sources
+        if not sources or len(leaves) != len(self._paths):
+            return False
+        tensors = [v for _, v in leaves if isinstance(v, torch.Tensor)]
+        if len(tensors) != len(sources):
+            return False
+        for tensor, (source, shape, dtype) in zip(tensors, sources, strict=True):
+            # The same object can still be given other storage (set_), hence shape and dtype.
+            if (tensor is not source or tensor.shape != shape or tensor.dtype != dtype
+                    or not tensor.is_contiguous()):
+                return False
+        return [path for path, _ in leaves] == self._paths
+
+    def _remember_sources(self, layout: Layout,
+                          leaves: list[tuple[tuple[str | int, ...], Any]]) -> None:
+        self._layout = layout
+        by_path = dict(leaves)
+        if all(entry.tensor is by_path[entry.path] for entry in layout.tensors):
+            self._sources = [(v, v.shape, v.dtype) for _, v in leaves
+                             if isinstance(v, torch.Tensor)]
+            self._paths = [path for path, _ in leaves]
+        else:
+            self._sources, self._paths = [], []
+
+    @staticmethod
+    def _revalue(cached: Layout, leaves: list[tuple[tuple[str | int, ...], Any]]) -> Layout:
+        by_path = {path: v for path, v in leaves if not isinstance(v, torch.Tensor)}
+        values = tuple(
+            dict(v, value=encode_json(by_path[tuple(v["path"])], v["fqn"])) for v in cached.values
+        )
+        return Layout(cached.tensors, values, cached.payload_bytes, cached.tensors_json)
 
     @staticmethod
     def _reuse(cached: Layout, leaves: list[tuple[tuple[str | int, ...], Any]]) -> Layout:
         by_path = dict(leaves)
         tensors = []
         for entry in cached.tensors:
-            tensor = by_path[entry.path].detach()
+            tensor = by_path[entry.path]
+            if tensor.requires_grad:
+                tensor = tensor.detach()
             if not tensor.is_contiguous():
                 tensor = tensor.contiguous()
             tensors.append(dataclasses.replace(entry, tensor=tensor))

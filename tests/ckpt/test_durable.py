@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,27 @@ def test_retention_keeps_the_newest_k(tmp_path: Path, prefix: str, capsys) -> No
     dcp.load(target, checkpoint_id=str(plain), no_dist=True)
     assert torch.equal(target["model"]["0.weight"], model.state_dict()["0.weight"])
     assert cli_main(["ckpt", "export", str(local), "--out", str(plain)]) == 2  # exists
+
+
+@pytest.mark.timeout(60)
+def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
+    tmp_path: Path,
+) -> None:
+    model, optim = trained_model()
+    state = capture(model, optim, {"step": 1})
+    layout = flatten(state)
+    payload = bytearray(layout.payload_bytes)
+    for entry in layout.tensors:
+        torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
+                         offset=entry.offset).copy_(entry.tensor.reshape(-1))
+    assert torch.serialization.get_crc32_options()
+    durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(1, 0, 1), payload))
+    assert torch.serialization.get_crc32_options()  # the user's setting is back
+    directory = durable.step_dir(tmp_path, 1)
+    record = durable.read_rank_manifest(directory, 0)
+    data = (directory / durable.shard_name(0)).read_bytes()
+    weight = record["storage"]["model.0.weight"]
+    blob = data[weight["offset"] : weight["offset"] + weight["length"]]
+    assert zlib.crc32(blob) == weight["crc32"]  # the shard's own checksum covers the blob
+    loaded = torch.load(io.BytesIO(blob), weights_only=True)
+    assert torch.equal(loaded, model.state_dict()["0.weight"])
