@@ -83,9 +83,9 @@ class AgentConfig:
     )
     warm_start: bool = option(
         True,
-        "Restart workers in pre-started interpreters that have already imported torch "
-        "(one per local rank, refilled after each start). Python workers only; off: every "
-        "start is a fresh interpreter, as with torchrun.",
+        "Fork workers from a warm interpreter per local rank that has imported torch once, "
+        "so a restart re-imports nothing. Python workers only; off: every start is a fresh "
+        "interpreter, as with torchrun.",
     )
 
 
