@@ -257,7 +257,8 @@ class Checkpointer:
             else:
                 copy_bytes(dst, entry.tensor)  # may change before the next optimizer step
         self._inflight = request
-        self._jobs.put((request, slot, header, later))
+        offsets = [e.offset for e in layout.tensors if e.replica_of is None]
+        self._jobs.put((request, slot, header, later, offsets))
 
     def _prepare(self, layout: Layout) -> tuple[Layout, tuple[bool, ...]]:
         """The layout to write (deduplicated if asked) and, per entry, whether only
@@ -343,13 +344,13 @@ class Checkpointer:
             job = self._jobs.get()
             if job is None:
                 return
-            request, slot, header, later = job
+            request, slot, header, later, offsets = job
             try:
                 for dst, src in later:
                     copy_bytes(dst, src)
                 request.guarded_done.set()
                 manifest = slot.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
-                seal = seal_of(header, manifest, slot.payload(header))
+                seal = seal_of(header, manifest, slot.payload(header), offsets)
                 slot.write_header(dataclasses.replace(
                     header, state=COMPLETE, seal_kind=SEAL_SAMPLED, seal=seal,
                     completed_at=time.time()))
