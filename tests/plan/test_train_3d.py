@@ -74,17 +74,15 @@ def _wait_listening(port: int, timeout: float) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_node_loss_continues_in_smaller_layout(tmp_path: Path) -> None:
-    # Reference: uninterrupted TP2xDP2 on one agent with four workers.
-    reference = subprocess.run(
-        [sys.executable, "-m", "elasticft.run", "--standalone", "--nproc-per-node", "4",
-         "--run-dir", str(tmp_path / "run-ref"), *_plan_flags(),
-         *_trainer_args(tmp_path, "ref", 0.0)],
-        env=_env(), capture_output=True, text=True, timeout=200,
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    ref = {e["step"]: e for e in _losses(tmp_path / "loss-ref.jsonl")}
-    assert sorted(ref) == list(range(1, STEPS + 1))
-    assert {(e["tp"], e["dp"], e["grad_accum"]) for e in ref.values()} == {(2, 2, 1)}
+    # Reference: uninterrupted TP2xDP2 on one agent with four workers. It runs alongside the
+    # elastic job, which mostly sleeps (--step-sleep), and is read once that job is done.
+    with open(tmp_path / "reference.log", "w") as ref_log:
+        reference = subprocess.Popen(
+            [sys.executable, "-m", "elasticft.run", "--standalone", "--nproc-per-node", "4",
+             "--run-dir", str(tmp_path / "run-ref"), *_plan_flags(),
+             *_trainer_args(tmp_path, "ref", 0.0)],
+            env=_env(), stdout=ref_log, stderr=subprocess.STDOUT, text=True,
+        )
 
     port = _free_port()
 
@@ -123,11 +121,16 @@ def test_node_loss_continues_in_smaller_layout(tmp_path: Path) -> None:
         assert store_host.returncode == 0, out[-4000:]
         print(f"node b killed after step {killed_at}; surviving node finished "
               f"{time.monotonic() - killed:.1f} s later")
+        assert reference.wait(timeout=200) == 0, \
+            (tmp_path / "reference.log").read_text()[-3000:]
     finally:
-        for proc in (store_host, other):
+        for proc in (store_host, other, reference):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    ref = {e["step"]: e for e in _losses(tmp_path / "loss-ref.jsonl")}
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert {(e["tp"], e["dp"], e["grad_accum"]) for e in ref.values()} == {(2, 2, 1)}
 
     entries = _losses(tmp_path / "loss-elastic.jsonl")
     final = {e["step"]: e for e in entries}  # a re-run step's last entry counts
