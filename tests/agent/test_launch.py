@@ -51,15 +51,16 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 @pytest.mark.timeout(180)
 def test_worker_environment_matches_torchrun(tmp_path: Path, job_env: dict[str, str]) -> None:
     envs = {}
-    for tool in ("torchrun", "elasticft-run"):
-        out = tmp_path / tool
-        proc = launcher(
-            ["--standalone", "--nproc-per-node", "2", str(HERE / "workers" / "dump_env.py"),
-             str(out)], job_env, tmp_path, tool,
-        )
+    # Both launchers run at once: each is a separate standalone job on its own port.
+    procs = {tool: launcher(["--standalone", "--nproc-per-node", "2",
+                             str(HERE / "workers" / "dump_env.py"), str(tmp_path / tool)],
+                            job_env, tmp_path, tool)
+             for tool in ("torchrun", "elasticft-run")}
+    for tool, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr
-        envs[tool] = [json.loads((out / f"env-{r}.json").read_text()) for r in (0, 1)]
+        envs[tool] = [json.loads((tmp_path / tool / f"env-{r}.json").read_text())
+                      for r in (0, 1)]
 
     run_specific = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
     for rank in (0, 1):
@@ -86,10 +87,11 @@ def test_sigkilled_worker_recovers_and_matches_uninterrupted_losses(
 ) -> None:
     steps = 24
     reference = tmp_path / "reference.txt"
+    # The uninterrupted reference runs alongside the faulty run (which mostly sleeps in
+    # --step-time) and is read once that one is done.
     ref = launcher(["--standalone", "--nproc-per-node", "2", TRAIN, "--steps", str(steps),
                     "--ckpt-dir", str(tmp_path / "ref-ckpt"), "--loss-log", str(reference)],
                    job_env, tmp_path)
-    assert ref.wait(timeout=150) == 0
 
     run_dir, loss_log = tmp_path / "run", tmp_path / "losses.txt"
     proc = launcher(
@@ -108,6 +110,8 @@ def test_sigkilled_worker_recovers_and_matches_uninterrupted_losses(
     _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 0, stderr
     assert "succeeded (exit code 0)" in stderr and "3 restart(s)" in stderr
+    _, ref_stderr = ref.communicate(timeout=150)
+    assert ref.returncode == 0, ref_stderr
 
     events = read_events(run_dir)
     failures = [e for e in events if e["kind"] == "failure"]
