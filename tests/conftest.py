@@ -22,8 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def job_env() -> dict[str, str]:
+def clean_job_env() -> dict[str, str]:
     """The environment a launched job gets: this one, minus variables that would steer it."""
     env = {
         k: v
@@ -34,3 +33,9 @@ def job_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["LOGLEVEL"] = "INFO"
     return env
+
+
+@pytest.fixture
+def job_env() -> dict[str, str]:
+    """The environment a launched job gets (:func:`clean_job_env`)."""
+    return clean_job_env()

@@ -1,5 +1,10 @@
 """elasticft-run's answer to bad input: one line naming the problem and the fix, exit code 2,
-and nothing started."""
+and nothing started.
+
+Each bad input goes to its own fresh elasticft-run in its own directory. They are all started at
+once (each must refuse before anything starts, so they cannot disturb each other), so the two
+cores load torch for two of them at a time instead of one after the other.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +13,56 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, EXAMPLES
+from tests.conftest import BIN, EXAMPLES, clean_job_env
 
 SCRIPT = str(EXAMPLES / "train_plain.py")
 
+# name -> (arguments, with {dir} for its directory; extra environment; files written in
+# its directory first)
+BAD_INPUTS: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {
+    "unknown_flag": (["--standalone", "--nprocs-per-host", "2", SCRIPT], {}, {}),
+    "malformed_yaml": (["--standalone", "--config", "{dir}/bad.yaml", SCRIPT], {},
+                       {"bad.yaml": "agent: {restart_on_user_error: 1\n"}),
+    "wrong_typed_yaml": (["--standalone", "--config", "{dir}/typed.yaml", SCRIPT], {},
+                         {"typed.yaml": "agent:\n  restart_on_user_error: often\n"}),
+    "bad_elasticft_env": (["--standalone", SCRIPT], {"ELASTICFT_RESTART_ON_USER_ERROR": "-3"},
+                          {}),
+    "bad_torchrun_env": (["--standalone", SCRIPT], {"PET_MAX_RESTARTS": "lots"}, {}),
+    "bad_nproc": (["--standalone", "--nproc-per-node", "two", SCRIPT], {}, {}),
+    "missing_script": (["--standalone", "no_such_train.py"], {}, {}),
+    "help": (["--help"], {}, {}),
+}
 
-def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "elasticft-run"), *args], env=env, cwd=cwd, capture_output=True, text=True,
-        timeout=60,
-    )
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory
+            ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
+    """Each bad input's finished elasticft-run, with the directory it ran in."""
+    running: dict[str, tuple[subprocess.Popen[str], Path]] = {}
+    try:
+        for name, (args, extra_env, files) in BAD_INPUTS.items():
+            cwd = tmp_path_factory.mktemp(name)
+            for file, text in files.items():
+                (cwd / file).write_text(text)
+            running[name] = (subprocess.Popen(
+                [str(BIN / "elasticft-run"), *(a.replace("{dir}", str(cwd)) for a in args)],
+                env={**clean_job_env(), **extra_env},
+                cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), cwd)
+        done = {}
+        for name, (proc, cwd) in running.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
+                                                      stderr), cwd)
+        return done
+    finally:
+        for proc, _ in running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-def assert_usage_error(result: subprocess.CompletedProcess[str], cwd: Path, *fragments: str):
+def assert_usage_error(answer: tuple[subprocess.CompletedProcess[str], Path], *fragments: str):
+    result, cwd = answer
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
@@ -31,60 +73,46 @@ def assert_usage_error(result: subprocess.CompletedProcess[str], cwd: Path, *fra
     assert not (cwd / "elasticft-runs").exists(), "nothing may start on bad input"
 
 
-@pytest.mark.timeout(60)
-def test_unknown_flag(tmp_path: Path, job_env: dict[str, str]) -> None:
-    result = run(["--standalone", "--nprocs-per-host", "2", SCRIPT], job_env, tmp_path)
-    assert_usage_error(result, tmp_path, "--nprocs-per-host", "--help")
+@pytest.mark.timeout(180)
+def test_unknown_flag(answers) -> None:
+    assert_usage_error(answers["unknown_flag"], "--nprocs-per-host", "--help")
 
 
-@pytest.mark.timeout(60)
-def test_malformed_yaml(tmp_path: Path, job_env: dict[str, str]) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("agent: {restart_on_user_error: 1\n")
-    result = run(["--standalone", "--config", str(bad), SCRIPT], job_env, tmp_path)
-    assert_usage_error(result, tmp_path, "bad.yaml", "malformed YAML", "line")
+@pytest.mark.timeout(180)
+def test_malformed_yaml(answers) -> None:
+    assert_usage_error(answers["malformed_yaml"], "bad.yaml", "malformed YAML", "line")
 
 
-@pytest.mark.timeout(60)
-def test_wrong_typed_yaml_value(tmp_path: Path, job_env: dict[str, str]) -> None:
-    bad = tmp_path / "typed.yaml"
-    bad.write_text("agent:\n  restart_on_user_error: often\n")
-    result = run(["--standalone", "--config", str(bad), SCRIPT], job_env, tmp_path)
-    assert_usage_error(result, tmp_path, "agent.restart_on_user_error", "'often'", "whole number")
+@pytest.mark.timeout(180)
+def test_wrong_typed_yaml_value(answers) -> None:
+    assert_usage_error(answers["wrong_typed_yaml"], "agent.restart_on_user_error", "'often'",
+                       "whole number")
 
 
-@pytest.mark.timeout(60)
-def test_bad_elasticft_env_value(tmp_path: Path, job_env: dict[str, str]) -> None:
-    env = {**job_env, "ELASTICFT_RESTART_ON_USER_ERROR": "-3"}
-    result = run(["--standalone", SCRIPT], env, tmp_path)
-    assert_usage_error(result, tmp_path, "ELASTICFT_RESTART_ON_USER_ERROR", "minimum")
+@pytest.mark.timeout(180)
+def test_bad_elasticft_env_value(answers) -> None:
+    assert_usage_error(answers["bad_elasticft_env"], "ELASTICFT_RESTART_ON_USER_ERROR",
+                       "minimum")
 
 
-@pytest.mark.timeout(60)
-def test_bad_torchrun_env_value(tmp_path: Path, job_env: dict[str, str]) -> None:
-    env = {**job_env, "PET_MAX_RESTARTS": "lots"}
-    result = run(["--standalone", SCRIPT], env, tmp_path)
-    assert_usage_error(result, tmp_path, "--max-restarts", "'lots'")
+@pytest.mark.timeout(180)
+def test_bad_torchrun_env_value(answers) -> None:
+    assert_usage_error(answers["bad_torchrun_env"], "--max-restarts", "'lots'")
 
 
-@pytest.mark.timeout(60)
-def test_bad_nproc_per_node(tmp_path: Path, job_env: dict[str, str]) -> None:
-    result = run(["--standalone", "--nproc-per-node", "two", SCRIPT], job_env, tmp_path)
-    assert_usage_error(result, tmp_path, "two")
+@pytest.mark.timeout(180)
+def test_bad_nproc_per_node(answers) -> None:
+    assert_usage_error(answers["bad_nproc"], "two")
 
 
-@pytest.mark.timeout(60)
-def test_missing_script(tmp_path: Path, job_env: dict[str, str]) -> None:
-    result = run(["--standalone", "no_such_train.py"], job_env, tmp_path)
-    assert_usage_error(result, tmp_path, "'no_such_train.py' not found", "Python file")
+@pytest.mark.timeout(180)
+def test_missing_script(answers) -> None:
+    assert_usage_error(answers["missing_script"], "'no_such_train.py' not found", "Python file")
 
 
-@pytest.mark.timeout(60)
-def test_help_documents_every_option(tmp_path: Path, job_env: dict[str, str]) -> None:
-    result = subprocess.run(
-        [str(BIN / "elasticft-run"), "--help"], env=job_env, cwd=tmp_path, capture_output=True,
-        text=True, timeout=60,
-    )
+@pytest.mark.timeout(180)
+def test_help_documents_every_option(answers) -> None:
+    result, _ = answers["help"]
     assert result.returncode == 0
     for text in ("--nproc-per-node", "--rdzv-backend", "--restart-on-user-error",
                  "ELASTICFT_RESTART_ON_USER_ERROR", "--config"):
