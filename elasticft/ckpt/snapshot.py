@@ -62,6 +62,8 @@ def encode_json(value: Any, where: str) -> Any:
     if isinstance(value, tuple):
         return {_TUPLE_TAG: [encode_json(v, where) for v in value]}
     if isinstance(value, list):
+        if all(type(v) is int for v in value):  # e.g. Python's RNG state, 625 ints every save
+            return list(value)
         return [encode_json(v, where) for v in value]
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         if _TUPLE_TAG in value or _FLOAT_TAG in value:
@@ -285,6 +287,9 @@ def _items_json(items: list[dict[str, Any]]) -> str:
     return json.dumps(items, separators=(",", ":"), allow_nan=False)[1:-1]
 
 
+_SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
+
+
 def walk_leaves(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], Any]]:
     """Leaves in DCP's traversal order and granularity (``traverse_state_dict``'s rules)."""
     leaves: list[tuple[tuple[str | int, ...], Any]] = []
@@ -295,6 +300,8 @@ def walk_leaves(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], A
         if not isinstance(value, list):
             return True
         for entry in value:
+            if type(entry) in _SCALAR_TYPES:  # the common case (an RNG state): no checks
+                continue
             if isinstance(entry, Mapping | list) and not terminal(entry):
                 return False
             if isinstance(entry, torch.Tensor):

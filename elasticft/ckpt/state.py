@@ -85,6 +85,7 @@ class StateCapture:
         self.rng = rng
         self._key: tuple[int, ...] | None = None
         self._dicts: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        self._rng_buffers: dict[str, torch.Tensor] = {}
 
     def _identity(self) -> tuple[int, ...]:
         ids = [id(t) for t in self.model.parameters()]
@@ -111,8 +112,27 @@ class StateCapture:
         if optim_sd is not None:
             out["optim"] = optim_sd
         if self.rng:
-            out["rng"] = rng_state()
+            out["rng"] = self._stable_rng_state()
         return out
+
+    def _stable_rng_state(self) -> dict[str, Any]:
+        """:func:`rng_state` with its tensors copied into the same tensor objects every call.
+
+        ``torch.get_rng_state()`` returns a new tensor each time; a new object would make every
+        save take the checkpointer's slower path for a changed state (a walk and a re-placement
+        instead of a compare). The save copies these small tensors before it returns.
+        """
+        state = rng_state()
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            buffer = self._rng_buffers.get(name)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                self._rng_buffers[name] = buffer = value.clone()
+            else:
+                buffer.copy_(value)
+            state[name] = buffer
+        return state
 
 
 def restore(

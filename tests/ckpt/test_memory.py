@@ -212,3 +212,11 @@ def test_snapshot_overwritten_after_complete_fails_its_seal_and_load_falls_back(
         step, state = reader.load()
     assert step == 1 and reader.last_source == "memory"
     assert torch.equal(state["w"], torch.full((1 << 16,), 1.0))
+
+
+def test_directories_may_be_given_as_strings(tmp_path: Path) -> None:
+    from elasticft.ckpt.settings import WorkerSettings
+
+    settings = WorkerSettings.from_env({}, ckpt_dir=str(tmp_path / "a"),
+                                       remote_dir=str(tmp_path / "b"))
+    assert (settings.local_dir, settings.remote_dir) == (tmp_path / "a", tmp_path / "b")
