@@ -54,3 +54,15 @@ def test_flattener_reuses_placement_only_while_structure_holds() -> None:
     grown = flattener({"model": model.state_dict(), "more": torch.zeros(1000)})
     assert grown.payload_bytes > first.payload_bytes
     assert "more" in {t.fqn for t in grown.tensors}
+
+
+def test_state_capture_keeps_its_rng_tensors_and_their_current_values() -> None:
+    from elasticft.ckpt import StateCapture
+
+    model = torch.nn.Linear(2, 2)
+    snap = StateCapture(model)
+    first = snap()["rng"]["torch"]
+    torch.rand(3)  # advances the generator
+    second = snap()["rng"]["torch"]
+    assert second is first  # the save then takes its unchanged-state path
+    assert torch.equal(second, torch.get_rng_state())
