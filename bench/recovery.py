@@ -158,6 +158,15 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
     return result
 
 
+def cpu_times() -> tuple[int, int]:
+    """(all CPU ticks, ticks stolen by the hypervisor) from /proc/stat; (0, 0) elsewhere."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
+
+
 def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, object]:
     run_dir = work / "tor"
     loss_log = work / "tor.loss"
@@ -172,6 +181,7 @@ def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     started = time.monotonic()
+    total_before, stolen_before = cpu_times()
     faults = 0
     next_fault = started + args.tor_every
     try:
@@ -191,10 +201,14 @@ def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+    total_after, stolen_after = cpu_times()
+    # A VM's CPU time taken by its host (steal) slows steps as any other load would.
+    steal = (stolen_after - stolen_before) / max(total_after - total_before, 1)
     analysis = analyze(read_events(run_dir), read_steps(run_dir))
     return {"tor": analysis.tor, "ettr": analysis.ettr, "faults": faults,
             "observed_s": analysis.observed_s, "steps": analysis.steps_done,
-            "healthy_step_s": analysis.healthy_step_s, "report": format_report(analysis)}
+            "healthy_step_s": analysis.healthy_step_s, "report": format_report(analysis),
+            "steal": steal}
 
 
 def fmt(value: object, unit: str = "") -> str:
@@ -260,7 +274,7 @@ def main() -> None:
                   f"every {args.tor_every:g} s ({t['faults']} faults, {t['steps']} steps, healthy "
                   f"step {t['healthy_step_s'] * 1e3:.0f} ms): TOR {t['tor']:.3f}, "
                   f"ETTR {t['ettr']:.3f} (target TOR >= 0.9; load average "
-                  f"{os.getloadavg()[0]:.1f})")
+                  f"{os.getloadavg()[0]:.1f}; CPU time stolen by the host {t['steal']:.1%})")
             print(t["report"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
