@@ -220,6 +220,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             if state == WorkerState.SUCCEEDED:
                 self.events.emit("workers_succeeded", attempt=self._attempt)
                 self._each_collaborator("on_workers_stopped", self.group_info())
+                self._each_collaborator("on_workers_succeeded", self.group_info())
                 self._exit_barrier()
                 return run_result
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):

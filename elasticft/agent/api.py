@@ -122,5 +122,9 @@ class AgentCollaborator:
     def on_workers_stopped(self, group: GroupInfo) -> None:
         """This attempt's workers are gone (restart, stop or success)."""
 
+    def on_workers_succeeded(self, group: GroupInfo) -> None:
+        """Every worker finished; runs before the exit barrier, so work other nodes still need
+        from this one (their final backups land here) is done while every node is alive."""
+
     def close(self) -> None:
         """The agent is exiting; release what this collaborator holds."""

@@ -287,15 +287,24 @@ class CheckpointService(AgentCollaborator):
             time.sleep(0.05)
         return self.persist(step, group)
 
+    def on_workers_succeeded(self, group: GroupInfo) -> None:
+        # The final state goes to disk and to the backup node now: after the exit barrier the
+        # other nodes' peer servers may already be gone.
+        self._persist_final(group)
+
+    def _persist_final(self, group: GroupInfo) -> None:
+        self._wait_flush()
+        step = self.newest_common_step(group)
+        if step is not None and step > self._persisted:
+            self.persist(step, group)  # the final state, before its memory goes away
+
     def close(self) -> None:
         group = self._group
         self._wait_flush()
         self._jobs.put(None)
         self._thread.join(timeout=600)
         if group is not None:
-            step = self.newest_common_step(group)
-            if step is not None and step > self._persisted:
-                self.persist(step, group)  # the final state, before its memory goes away
+            self._persist_final(group)
             world = group.workers[0].world_size if group.workers else 0
             deadline = time.monotonic() + 30.0  # other nodes' final shards may still land
             while self._remote_pending and time.monotonic() < deadline:

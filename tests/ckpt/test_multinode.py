@@ -31,6 +31,8 @@ def test_each_node_backs_up_on_the_other(tmp_path: Path, job_env) -> None:
     outputs = {node: proc.communicate(timeout=200)[0] for node, proc in procs.items()}
     for node, proc in procs.items():
         assert proc.returncode == 0, outputs[node][-3000:]
+        # The final backups land before either node leaves (the exit barrier waits for them).
+        assert "peer backup of step" not in outputs[node], outputs[node][-3000:]
     # Each node holds the other node's shard, verified on receipt. Which node got rank 0 is the
     # rendezvous' choice, so the ranks are read from what each node holds.
     held_by_b = tmp_path / "run-b" / "ckpt" / "peer-backups" / "node-node-b"

@@ -143,7 +143,7 @@ class TwoNodeJob:
     """Two elasticft-run agents ("a" and "b"), 2 gloo workers each, on one etcd."""
 
     def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, agent_flags: list[str],
-                 worker_flags: list[str]) -> None:
+                 worker_flags: list[str], node_flags: dict[str, list[str]]) -> None:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for name in "ab":
@@ -153,6 +153,7 @@ class TwoNodeJob:
                    "--local-addr", "127.0.0.1", "--node-id", name,
                    "--run-dir", str(tmp / f"run-{name}"), "--max-restarts", "0",
                    "--monitor-interval", "0.1", "--shutdown-timeout", "5", *agent_flags,
+                   *node_flags.get(name, []),
                    str(WORKER), "--state", str(tmp / "state"), *worker_flags]
             with open(tmp / f"{name}.log", "wb") as out:
                 self.procs[name] = subprocess.Popen(
@@ -199,8 +200,10 @@ class TwoNodeJob:
 def two_nodes(tmp_path: Path, job_env: dict[str, str], etcd_server: EtcdServer):
     jobs: list[TwoNodeJob] = []
 
-    def start(agent_flags: list[str], worker_flags: list[str]) -> TwoNodeJob:
-        job = TwoNodeJob(tmp_path, job_env, etcd_server.endpoint, agent_flags, worker_flags)
+    def start(agent_flags: list[str], worker_flags: list[str],
+              node_flags: dict[str, list[str]] | None = None) -> TwoNodeJob:
+        job = TwoNodeJob(tmp_path, job_env, etcd_server.endpoint, agent_flags, worker_flags,
+                         node_flags or {})
         jobs.append(job)
         return job
 
@@ -212,8 +215,11 @@ def two_nodes(tmp_path: Path, job_env: dict[str, str], etcd_server: EtcdServer):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_stopped_worker_is_named_with_its_node_by_the_node_that_only_waits(two_nodes):
-    job = two_nodes(["--hang-floor-s", "3", "--hang-multiple", "3", "--hang-min-samples", "3",
-                     "--hang-stacks", "false"], ["--steps", "400", "--step-sleep", "0.05"])
+    # Node b sees its own rank stopped and would judge (and stop the job) as soon as node a;
+    # its long floor leaves the judgement to node a, which knows rank 3 only from the exchange.
+    job = two_nodes(["--hang-multiple", "3", "--hang-min-samples", "3", "--hang-stacks", "false"],
+                    ["--steps", "400", "--step-sleep", "0.05"],
+                    node_flags={"a": ["--hang-floor-s", "3"], "b": ["--hang-floor-s", "120"]})
     job.wait_for("steady training on both nodes",
                  lambda: all(len(job.pids(n)) == 2 for n in "ab") and
                  (job.tmp / "state").exists() and int((job.tmp / "state").read_text()) >= 25,
