@@ -13,7 +13,8 @@ agent the checkpointer persists every ``persist_every``-th step itself, on a bac
 
 Loading takes the newest step that *every* rank can restore (ranks agree over the default
 process group), each rank from its fastest verified source: its own shared memory, local disk,
-the backup peer, the remote directory. A torn, uncommitted or corrupt source falls through to
+a data-parallel replica's node (when a layout puts the backup elsewhere), the backup peer, the
+remote directory. A torn, uncommitted or corrupt source falls through to
 the next; if some rank cannot restore a step after all, every rank moves to an older one.
 
 ``load()`` returns ``(step, state)`` with the state in the nested form it was saved in;
@@ -452,13 +453,16 @@ class Checkpointer:
     # Loading.
 
     def tiers(self) -> list[Tier]:
-        """Sources in load order: own memory, local disk, backup peer, remote directory."""
+        """Sources in load order: own memory, local disk, a replica's node, the backup node,
+        the remote directory."""
         s = self.settings
         tiers: list[Tier] = []
         if self.settings.shm_prefix:
             tiers.append(MemoryTier(SlotSet(self.settings.shm_prefix, self._slot_count)))
         if s.local_dir is not None:
             tiers.append(durable.DurableTier(s.local_dir, "local"))
+        if s.replica_peer_addr and s.secret:
+            tiers.append(PeerTier(PeerClient(s.replica_peer_addr, s.secret), "replica"))
         if s.peer_addr and s.secret:
             tiers.append(PeerTier(PeerClient(s.peer_addr, s.secret)))
         if s.remote_dir is not None:

@@ -88,6 +88,34 @@ def backup_node(
     return ring[0]
 
 
+def replica_node(
+    node: int, nnodes: int, nproc_per_node: int, layout: tuple[int, int, int] | None = None
+) -> int | None:
+    """The nearest node (ring order) holding a data-parallel replica of every rank of ``node``:
+    for each of its ranks, one with the same tp and pp coordinates. Its memory has the newest
+    step of those shards, which the backup node (deliberately outside these groups) never has.
+    Without a layout every rank replicates every other (pure data parallelism)."""
+    if nnodes < 2:
+        return None
+    ring = [(node + k) % nnodes for k in range(1, nnodes)]
+    if layout is None:
+        return ring[0]
+    tp, pp, dp = layout
+    if tp * pp * dp != nnodes * nproc_per_node:
+        return None
+    mine = range(node * nproc_per_node, (node + 1) * nproc_per_node)
+    for candidate in ring:
+        theirs = range(candidate * nproc_per_node, (candidate + 1) * nproc_per_node)
+        if all(any(_same_shard(a, b, tp, dp) for b in theirs) for a in mine):
+            return candidate
+    return None
+
+
+def _same_shard(a: int, b: int, tp: int, dp: int) -> bool:
+    (tp_a, _, pp_a), (tp_b, _, pp_b) = _rank_coords(a, tp, dp), _rank_coords(b, tp, dp)
+    return (tp_a, pp_a) == (tp_b, pp_b)
+
+
 # ----------------------------------------------------------------------------------------------
 # Framing and authentication.
 
@@ -318,12 +346,12 @@ class PeerClient:
 
 
 class PeerTier(Tier):
-    """The backup peer as a source to load from."""
+    """A peer agent as a source to load from: the backup node ("peer") or a node holding a
+    data-parallel replica in memory ("replica")."""
 
-    name = "peer"
-
-    def __init__(self, client: PeerClient) -> None:
+    def __init__(self, client: PeerClient, name: str = "peer") -> None:
         self.client = client
+        self.name = name
 
     def steps(self, rank: int, world_size: int) -> list[int]:
         try:

@@ -18,7 +18,10 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   ``--ckpt-peer-secret``, else a fresh random one per round) and every node adopts it, so all
   nodes of a round agree even when a new node becomes the leader, and a node that left cannot
   fetch shards any more. The server also answers for ranks this node holds a data-parallel
-  replica of (:meth:`replica_shard`), so a replacement node restores the newest step.
+  replica of (:meth:`replica_shard`), so a replacement node restores the newest step. Under a
+  (tp, pp, dp) layout the backup node is outside the node's parallel groups and holds no
+  replica, so workers are also given a replica's node (:func:`~elasticft.ckpt.peer.replica_node`)
+  and ask it first.
 * **Flush on failure.** When a worker fails it copies the newest snapshot every local worker
   completed out of shared memory at once (the restarted workers will reuse the slots) and
   writes it to disk on a thread of its own, so a restart in place, which resumes from memory,
@@ -47,7 +50,14 @@ from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
 from elasticft.ckpt.control import request_checkpoint
-from elasticft.ckpt.peer import PeerClient, PeerServer, backup_node, bind_host, new_secret
+from elasticft.ckpt.peer import (
+    PeerClient,
+    PeerServer,
+    backup_node,
+    bind_host,
+    new_secret,
+    replica_node,
+)
 from elasticft.config import CheckpointConfig, ConfigError, ElasticftConfig
 
 logger = logging.getLogger(__name__)
@@ -97,6 +107,7 @@ class CheckpointService(AgentCollaborator):
         self._peer_server: PeerServer | None = None
         self._backup_addr: str | None = None
         self._holder_addr: str | None = None
+        self._replica_addr: str | None = None
         self._flusher: threading.Thread | None = None
         shm.sweep_orphans(shm_dir)
         self._thread = threading.Thread(target=self._persist_loop, name="elasticft-ckpt-persist",
@@ -141,7 +152,7 @@ class CheckpointService(AgentCollaborator):
             self._setup_peers(group, store)
         except Exception:
             logger.exception("peer backup unavailable this round")
-            self._backup_addr = self._holder_addr = None
+            self._backup_addr = self._holder_addr = self._replica_addr = None
 
     def _setup_peers(self, group: GroupInfo, store: Any) -> None:
         if group.group_rank == 0:
@@ -169,6 +180,11 @@ class CheckpointService(AgentCollaborator):
         self._holder_addr = self._backup_addr
         logger.info("checkpoint backups of node %s go to node rank %s (%s)", group.node_id,
                     target, self._backup_addr)
+        # Under a (tp, pp, dp) layout the backup node holds none of these shards in memory; a
+        # replacement node asks a data-parallel replica's node first, for the newest step.
+        replica = replica_node(group.group_rank, group.group_world_size, nproc, self.layout)
+        self._replica_addr = store.get(_PEER_KEY.format(replica)).decode() \
+            if replica is not None and replica != target else None
 
     def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
         slots = self.slot_set(group, worker.local_rank)
@@ -187,6 +203,8 @@ class CheckpointService(AgentCollaborator):
         if self._holder_addr and self._secret:
             env[settings.ENV_PEER] = self._holder_addr
             env[settings.ENV_SECRET] = self._secret
+        if self._replica_addr and self._secret:
+            env[settings.ENV_REPLICA_PEER] = self._replica_addr
         return env
 
     def on_workers_started(self, group: GroupInfo) -> None:

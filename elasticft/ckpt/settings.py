@@ -22,11 +22,13 @@ ENV_MEMORY_CAP = "ELASTICFT_CKPT_MEMORY_CAP"
 ENV_LOCAL = "ELASTICFT_CKPT_LOCAL"
 ENV_REMOTE = "ELASTICFT_CKPT_REMOTE"
 ENV_PEER = "ELASTICFT_CKPT_PEER"
+ENV_REPLICA_PEER = "ELASTICFT_CKPT_REPLICA_PEER"
 ENV_SECRET = "ELASTICFT_CKPT_SECRET"
 ENV_CONTROL = "ELASTICFT_CKPT_CONTROL"
 
 WORKER_ENV = frozenset(
-    {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_SECRET, ENV_CONTROL}
+    {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_REPLICA_PEER,
+     ENV_SECRET, ENV_CONTROL}
 )
 """Worker variables the checkpoint service sets (listed in the agent's WORKER_ENV_NAMES)."""
 
@@ -45,6 +47,9 @@ class WorkerSettings:
     remote_dir: Path | None = None
     peer_addr: str | None = None
     """host:port of the agent holding this node's backup."""
+    replica_peer_addr: str | None = None
+    """host:port of an agent holding a data-parallel replica of this node's ranks, when that is
+    not the backup node (a (tp, pp, dp) layout); asked before the backup node."""
     secret: str | None = None
     control_dir: Path | None = None
     agent_owned: bool = False
@@ -81,6 +86,7 @@ class WorkerSettings:
                 local_dir=Path(env[ENV_LOCAL]) if env.get(ENV_LOCAL) else None,
                 remote_dir=Path(env[ENV_REMOTE]) if env.get(ENV_REMOTE) else None,
                 peer_addr=env.get(ENV_PEER) or None,
+                replica_peer_addr=env.get(ENV_REPLICA_PEER) or None,
                 secret=env.get(ENV_SECRET) or None,
                 control_dir=Path(env[ENV_CONTROL]) if env.get(ENV_CONTROL) else None,
                 agent_owned=True,

@@ -11,7 +11,7 @@ import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture, durable
 from elasticft.ckpt.api import CheckpointError, SnapshotCorrupt
-from elasticft.ckpt.peer import PeerClient, PeerServer, backup_node, new_secret
+from elasticft.ckpt.peer import PeerClient, PeerServer, backup_node, new_secret, replica_node
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 
@@ -27,6 +27,15 @@ def test_layout_backup_avoids_every_parallel_group() -> None:
     assert backup_node(3, 4, 2, layout=(2, 2, 2)) == 0
     # A layout that leaves no such node falls back to the ring.
     assert backup_node(0, 2, 2, layout=(2, 1, 2)) == 1
+
+
+def test_replica_node_holds_the_same_tp_and_pp_shards() -> None:
+    # tp=2 pp=2 dp=2 over 4 nodes x 2: nodes 0 and 1 are pp stage 0, nodes 2 and 3 stage 1.
+    assert [replica_node(n, 4, 2, layout=(2, 2, 2)) for n in range(4)] == [1, 0, 3, 2]
+    # Pure data parallelism: the next node; no data parallelism: no replica anywhere.
+    assert replica_node(2, 4, 8) == 3
+    assert replica_node(0, 4, 2, layout=(2, 4, 1)) is None
+    assert replica_node(0, 1, 8) is None
 
 
 @pytest.fixture
@@ -96,3 +105,28 @@ def test_load_fetches_from_the_peer_after_the_local_copy_is_deleted(persisted, s
     with Checkpointer(settings) as ckpt:
         step, _ = ckpt.load()
     assert (step, ckpt.last_source) == (1, "peer")
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_node_is_asked_before_the_backup_node(persisted, tmp_path: Path) -> None:
+    local, _ = persisted
+    secret = new_secret()
+    replica = PeerServer(tmp_path / "replica", secret, "127.0.0.1")
+    backup = PeerServer(tmp_path / "backup", secret, "127.0.0.1")
+    try:
+        # The replica's node has the newest step; the backup node only an older one.
+        PeerClient(replica.address, secret).put_from_dir(durable.step_dir(local, 2), 0)
+        PeerClient(backup.address, secret).put_from_dir(durable.step_dir(local, 1), 0)
+        settings = WorkerSettings(local_dir=tmp_path / "empty", peer_addr=backup.address,
+                                  replica_peer_addr=replica.address, secret=secret)
+        with Checkpointer(settings) as ckpt:
+            step, _ = ckpt.load()
+        assert (step, ckpt.last_source) == (2, "replica")
+        # The replica's node gone too: the backup node's step.
+        replica.close()
+        with Checkpointer(settings) as ckpt:
+            step, _ = ckpt.load()
+        assert (step, ckpt.last_source) == (1, "peer")
+    finally:
+        replica.close()
+        backup.close()

@@ -17,21 +17,25 @@ from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 
 
-def join(tmp: Path, round_: int, connect, *members: tuple[CheckpointService, str, int]
-         ) -> None:
+def join(tmp: Path, round_: int, connect, *members: tuple[CheckpointService, str, int],
+         nproc: int = 1) -> dict[str, GroupInfo]:
     """One rendezvous round: every member's on_rendezvous runs at once, as on real nodes (each
-    waits in the store for the others' peer addresses)."""
+    waits in the store for the others' peer addresses). Returns each node's group."""
     threads = []
+    groups = {}
+    world = max(2, len(members) * nproc)
     for service, node, rank in members:
-        group = GroupInfo(run_id="job", node_id=node, run_dir=tmp / f"run-{node}",
-                          round=round_, group_rank=rank, group_world_size=len(members),
-                          restart_count=0, workers=(WorkerInfo(0, rank, 2),))
+        workers = tuple(WorkerInfo(i, rank * nproc + i, world) for i in range(nproc))
+        group = groups[node] = GroupInfo(
+            run_id="job", node_id=node, run_dir=tmp / f"run-{node}", round=round_,
+            group_rank=rank, group_world_size=len(members), restart_count=0, workers=workers)
         threads.append(threading.Thread(target=service.on_rendezvous,
                                         args=(group, connect(round_))))
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=30)
+    return groups
 
 
 def secret_of(service: CheckpointService) -> str:
