@@ -272,7 +272,8 @@ class Checkpointer:
         guarded = self._guarded_storages()
         cached = self._prepared
         if cached is not None and cached[0] is layout.tensors and cached[1] == guarded:
-            return dataclasses.replace(cached[2], values=layout.values), cached[3]
+            return dataclasses.replace(cached[2], values=layout.values,
+                                       values_json=layout.values_json), cached[3]
         prepared = self._deduplicate(layout, guarded) if self.dedup_replicas else layout
         flags = tuple(_storage_key(e.tensor) in guarded for e in prepared.tensors)
         self._prepared = (layout.tensors, guarded, prepared, flags)
@@ -725,7 +726,10 @@ class Checkpointer:
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    # Runs for every optimizer tensor on every save: plain tensors skip the hasattr, which
+    # costs an AttributeError each.
+    plain = type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
+    local = tensor.to_local() if not plain and hasattr(tensor, "to_local") else tensor
     return local.untyped_storage().data_ptr()
 
 

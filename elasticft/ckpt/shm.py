@@ -295,8 +295,13 @@ class SlotSet:
 
     def get(self, index: int) -> Slot | None:
         slot = self._open.get(index)
-        if slot is not None and slot.path.exists() and os.stat(slot.path).st_size == slot.size:
-            return slot
+        if slot is not None:
+            try:
+                # On every save: one stat (not exists() and a stat) tells that it is unchanged.
+                if os.stat(slot.path).st_size == slot.size:
+                    return slot
+            except FileNotFoundError:
+                pass
         if slot is not None:
             slot.close()
             del self._open[index]

@@ -14,6 +14,7 @@ they come back as tuples. Nothing is pickled.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import itertools
@@ -142,11 +143,13 @@ class Layout:
     replica_regions: tuple[int, ...] = ()
     """Deduplicated layouts: bytes at the start of each rank's payload that hold its share of
     the replicated items (empty: nothing deduplicated)."""
+    values_json: str = ""
+    """The value items' JSON when the flattener already encoded it (else encoded here)."""
 
     def manifest_bytes(self, step: int, rank: int, world_size: int) -> bytes:
         """``manifest_bytes(self.manifest(...))`` without re-encoding the tensor items."""
         tensors = self.tensors_json or _items_json([t.to_json() for t in self.tensors])
-        values = _items_json(list(self.values))
+        values = self.values_json or _items_json(list(self.values))
         items = ",".join(part for part in (tensors, values) if part)
         regions = (f'"replica_regions":{list(self.replica_regions)},'
                    if self.replica_regions else "")
@@ -280,7 +283,7 @@ def deduplicated(layout: Layout, placement: ReplicaPlacement, rank: int) -> Layo
                                  strict=True)
     )
     return Layout(entries, layout.values, placement.payload_bytes, placement.tensors_json,
-                  placement.regions)
+                  placement.regions, layout.values_json)
 
 
 def _items_json(items: list[dict[str, Any]]) -> str:
@@ -288,6 +291,9 @@ def _items_json(items: list[dict[str, Any]]) -> str:
 
 
 _SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
+_LEAF_TYPES = _SCALAR_TYPES | {torch.Tensor, torch.nn.Parameter}
+_DICT_TYPES = frozenset({dict, collections.OrderedDict})
+_MEMO_MIN_INTS = 16
 
 
 def walk_leaves(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], Any]]:
@@ -302,14 +308,19 @@ def walk_leaves(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], A
         for entry in value:
             if type(entry) in _SCALAR_TYPES:  # the common case (an RNG state): no checks
                 continue
-            if isinstance(entry, Mapping | list) and not terminal(entry):
-                return False
             if isinstance(entry, torch.Tensor):
+                return False
+            if isinstance(entry, Mapping | list) and not terminal(entry):
                 return False
         return True
 
     def visit(path: tuple[str | int, ...], value: Any) -> None:
-        if isinstance(value, Mapping):
+        kind = type(value)
+        # Exact-type checks first: most leaves are plain tensors and scalars, most inner nodes
+        # plain dicts, and the ABC isinstance checks cost more than the rest of the walk.
+        if kind in _LEAF_TYPES:
+            leaves.append((path, value))
+        elif kind in _DICT_TYPES or isinstance(value, Mapping):
             for k, v in value.items():
                 visit((*path, str(k)), v)
         elif terminal(value):
@@ -341,6 +352,8 @@ class Flattener:
         self._sources: list[tuple[torch.Tensor, torch.Size, torch.dtype]] = []
         """The tensor leaves (walk order) that the cached entries hold, object for object."""
         self._paths: list[tuple[str | int, ...]] = []
+        self._fragments: dict[str, tuple[list[int], str]] = {}
+        """Value items' JSON by fqn, for long int lists (see :meth:`_values_json`)."""
 
     def __call__(self, state: Mapping[str, Any]) -> Layout:
         leaves = walk_leaves(state)
@@ -395,13 +408,35 @@ class Flattener:
         else:
             self._sources, self._paths = [], []
 
-    @staticmethod
-    def _revalue(cached: Layout, leaves: list[tuple[tuple[str | int, ...], Any]]) -> Layout:
+    def _revalue(self, cached: Layout,
+                 leaves: list[tuple[tuple[str | int, ...], Any]]) -> Layout:
         by_path = {path: v for path, v in leaves if not isinstance(v, torch.Tensor)}
         values = tuple(
             dict(v, value=encode_json(by_path[tuple(v["path"])], v["fqn"])) for v in cached.values
         )
-        return Layout(cached.tensors, values, cached.payload_bytes, cached.tensors_json)
+        return Layout(cached.tensors, values, cached.payload_bytes, cached.tensors_json,
+                      values_json=self._values_json(values))
+
+    def _values_json(self, values: tuple[dict[str, Any], ...]) -> str:
+        """The value items' JSON, reusing the text of long lists of ints that did not change
+        since the last save (Python's RNG state, 625 ints, is most of a small model's
+        manifest and changes only when ``random`` is used)."""
+        fragments: dict[str, tuple[list[int], str]] = {}
+        parts = []
+        for item in values:
+            value = item["value"]
+            if type(value) is list and len(value) >= _MEMO_MIN_INTS \
+                    and all(type(v) is int for v in value):
+                known = self._fragments.get(item["fqn"])
+                # Both lists hold ints only, so equality here is equality of their JSON.
+                text = known[1] if known is not None and known[0] == value \
+                    else _items_json([item])
+                fragments[item["fqn"]] = (value, text)
+            else:
+                text = _items_json([item])
+            parts.append(text)
+        self._fragments = fragments
+        return ",".join(parts)
 
     @staticmethod
     def _reuse(cached: Layout, leaves: list[tuple[tuple[str | int, ...], Any]]) -> Layout:

@@ -66,3 +66,49 @@ def test_state_capture_keeps_its_rng_tensors_and_their_current_values() -> None:
     second = snap()["rng"]["torch"]
     assert second is first  # the save then takes its unchanged-state path
     assert torch.equal(second, torch.get_rng_state())
+
+
+def test_state_capture_rebuilds_when_the_module_tree_changes() -> None:
+    from elasticft.ckpt import StateCapture
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    snap = StateCapture(model)
+    assert snap()["model"] is snap()["model"]  # unchanged: the same state dict
+    model[0].weight = torch.nn.Parameter(torch.ones(2, 2))  # a parameter replaced
+    assert torch.equal(snap()["model"]["0.weight"], torch.ones(2, 2))
+    model.append(torch.nn.Linear(2, 3))  # a submodule added after the capture was made
+    assert snap()["model"]["1.weight"].shape == (3, 2)
+    model[1].add_module("inner", torch.nn.Linear(3, 1))  # deeper, in the new submodule
+    assert "1.inner.weight" in snap()["model"]
+
+
+def test_manifest_text_reuses_unchanged_int_lists_and_matches_a_full_encoding() -> None:
+    import random
+
+    from elasticft.ckpt import StateCapture
+    from elasticft.ckpt.snapshot import manifest_bytes
+
+    model = torch.nn.Linear(2, 2)
+    snap, flattener = StateCapture(model), Flattener()
+    for step in range(5):
+        if step == 3:
+            random.random()  # Python's RNG state (625 ints) changes
+        # The same numbers first as ints, then as floats: equal in Python, not in JSON.
+        numbers = list(range(20)) if step < 4 else [float(n) for n in range(20)]
+        layout = flattener(snap(extra={"step": step, "numbers": numbers}))
+        manifest = layout.manifest(step, 0, 1)
+        assert layout.manifest_bytes(step, 0, 1) == manifest_bytes(manifest)
+    assert manifest_bytes(manifest).count(b'"value":[0.0,1.0') == 1
+
+
+def test_a_model_without_an_optimizer_round_trips() -> None:
+    from elasticft.ckpt.state import capture, restore
+
+    model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    state = capture(model, extra={"step": 4})
+    assert set(state["model"]) == {"weight", "bias"}
+    layout = flatten(state)
+    loaded = unflatten(layout.manifest(0, 0, 1), _materialize(layout), copy=True)
+    assert restore(loaded, other) == {"step": 4}
+    assert torch.equal(other.weight, model.weight)
+
