@@ -293,7 +293,19 @@ def _items_json(items: list[dict[str, Any]]) -> str:
 _SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
 _LEAF_TYPES = _SCALAR_TYPES | {torch.Tensor, torch.nn.Parameter}
 _DICT_TYPES = frozenset({dict, collections.OrderedDict})
-_MEMO_MIN_INTS = 16
+
+
+def _memoizable(value: Any) -> bool:
+    """A scalar, or a list of ints only: values whose JSON text equality can tell cheaply."""
+    if type(value) in _SCALAR_TYPES:
+        return True
+    return type(value) is list and all(type(v) is int for v in value)
+
+
+def _same_json(old: Any, new: Any) -> bool:
+    # Types first: 1, 1.0 and True are equal in Python but not in JSON. Two lists reaching
+    # here hold ints only (see _memoizable).
+    return type(old) is type(new) and old == new
 
 
 def walk_leaves(state: Mapping[str, Any]) -> list[tuple[tuple[str | int, ...], Any]]:
@@ -352,8 +364,8 @@ class Flattener:
         self._sources: list[tuple[torch.Tensor, torch.Size, torch.dtype]] = []
         """The tensor leaves (walk order) that the cached entries hold, object for object."""
         self._paths: list[tuple[str | int, ...]] = []
-        self._fragments: dict[str, tuple[list[int], str]] = {}
-        """Value items' JSON by fqn, for long int lists (see :meth:`_values_json`)."""
+        self._fragments: dict[str, tuple[Any, str]] = {}
+        """Value items' JSON by fqn, with the value it encodes (see :meth:`_values_json`)."""
 
     def __call__(self, state: Mapping[str, Any]) -> Layout:
         leaves = walk_leaves(state)
@@ -418,18 +430,16 @@ class Flattener:
                       values_json=self._values_json(values))
 
     def _values_json(self, values: tuple[dict[str, Any], ...]) -> str:
-        """The value items' JSON, reusing the text of long lists of ints that did not change
-        since the last save (Python's RNG state, 625 ints, is most of a small model's
-        manifest and changes only when ``random`` is used)."""
-        fragments: dict[str, tuple[list[int], str]] = {}
+        """The value items' JSON, reusing the text of each item whose value did not change
+        since the last save. Python's RNG state (625 ints) is most of a small model's manifest
+        and changes only when ``random`` is used; the optimizer's hyperparameters rarely do."""
+        fragments: dict[str, tuple[Any, str]] = {}
         parts = []
         for item in values:
             value = item["value"]
-            if type(value) is list and len(value) >= _MEMO_MIN_INTS \
-                    and all(type(v) is int for v in value):
+            if _memoizable(value):
                 known = self._fragments.get(item["fqn"])
-                # Both lists hold ints only, so equality here is equality of their JSON.
-                text = known[1] if known is not None and known[0] == value \
+                text = known[1] if known is not None and _same_json(known[0], value) \
                     else _items_json([item])
                 fragments[item["fqn"]] = (value, text)
             else:
