@@ -100,7 +100,11 @@ class CheckpointService(AgentCollaborator):
         self._jobs: queue.Queue[int | None] = queue.Queue()
         self._busy = threading.Event()
         self._storage_full_reported = False
-        self._staging = shm.StagingBuffer()
+        self._staging: dict[int, shm.StagingBuffer] = {}
+        """Per local rank: every worker's snapshot is copied out before any is written, since
+        a worker overwrites its older slot within two steps, long before another rank's shard
+        is on disk (one buffer for all made a node of several fast workers fail most
+        persists)."""
         self._remote_pending: set[int] = set()
         self._last_remote_try = 0.0
         self._secret = config.ckpt_peer_secret
@@ -270,15 +274,18 @@ class CheckpointService(AgentCollaborator):
         if flusher is not None:
             flusher.join()
 
-    def _copies(self, step: int, group: GroupInfo) -> dict[int, Snapshot]:
-        """Private copies of every local worker's snapshot of ``step`` (by global rank)."""
+    def _copies(self, step: int, group: GroupInfo,
+                staging: Mapping[int, shm.StagingBuffer] | None = None) -> dict[int, Snapshot]:
+        """Private copies of every local worker's snapshot of ``step`` (by global rank), in
+        ``staging``'s buffers (by local rank) or fresh ones."""
         copies = {}
         for worker in group.workers:
             slots = self.slot_set(group, worker.local_rank)
             for index, header in slots.complete().items():
                 slot = slots.get(index) if header.step == step and \
                     header.rank == worker.global_rank else None
-                snapshot = _copy_out(slot, step, shm.StagingBuffer()) if slot else None
+                buffer = staging[worker.local_rank] if staging else shm.StagingBuffer()
+                snapshot = _copy_out(slot, step, buffer) if slot else None
                 if snapshot is not None:
                     copies[worker.global_rank] = snapshot
                     break
@@ -423,11 +430,17 @@ class CheckpointService(AgentCollaborator):
     def persist(self, step: int, group: GroupInfo,
                 copies: Mapping[int, Snapshot] | None = None) -> bool:
         """Writes the local workers' snapshots of ``step`` (or ``copies`` of them, by global
-        rank) to disk, commits, replicates."""
+        rank) to disk, commits, replicates. A ``step`` the workers have overwritten since it
+        was picked gives way to the newest one they all hold."""
         with self._persist_lock:
             if step <= self._persisted:
                 return True
             started = time.monotonic()
+            if copies is None:
+                taken = self._copy_newest(step, group)
+                if taken is None:
+                    return False
+                step, copies = taken
             try:
                 nbytes = self._write_shards(step, group, copies)
                 self._commit(step, group)
@@ -445,34 +458,34 @@ class CheckpointService(AgentCollaborator):
             self._replicate(step, group)
             return True
 
-    def _write_shards(self, step: int, group: GroupInfo,
-                      copies: Mapping[int, Snapshot] | None = None) -> int:
+    def _copy_newest(self, step: int, group: GroupInfo
+                     ) -> tuple[int, dict[int, Snapshot]] | None:
+        """Copies of every local worker's snapshot of ``step``, else of the newest step they all
+        hold now: with steps faster than a tick the one picked may already be overwritten,
+        which is no error. None when no newer step than the last persisted is held."""
+        for worker in group.workers:
+            self._staging.setdefault(worker.local_rank, shm.StagingBuffer())
+        for _ in range(3):
+            try:
+                return step, self._copies(step, group, self._staging)
+            except CheckpointError as e:
+                newest = self.newest_common_step(group)
+                if newest is None or newest <= self._persisted:
+                    logger.debug("step %d not persisted: %s", step, e)
+                    return None
+                step = newest
+        logger.info("no step held by every local worker long enough to copy; trying later")
+        return None
+
+    def _write_shards(self, step: int, group: GroupInfo, copies: Mapping[int, Snapshot]) -> int:
         roots = [self.local_dir(group)]
         if self.config.ckpt_remote_dir is not None:
             roots.append(self.config.ckpt_remote_dir)
         total = 0
-        for snapshot in (copies or {}).values():
+        for snapshot in copies.values():
             for root in roots:
                 durable.write_rank_shard(root, snapshot)
             total += len(snapshot.payload)
-        for worker in group.workers if copies is None else ():
-            slots = self.slot_set(group, worker.local_rank)
-            for index, header in slots.complete().items():
-                if header.step != step or header.rank != worker.global_rank:
-                    continue
-                slot = slots.get(index)
-                if slot is None:
-                    continue
-                snapshot = _copy_out(slot, step, self._staging)
-                if snapshot is None:
-                    continue
-                for root in roots:
-                    durable.write_rank_shard(root, snapshot)
-                total += len(snapshot.payload)
-                break
-            else:
-                raise CheckpointError(
-                    f"local rank {worker.local_rank} no longer holds step {step}", "missing")
         return total
 
     def _commit(self, step: int, group: GroupInfo) -> None:

@@ -52,3 +52,24 @@ def test_sigkilled_worker_resumes_from_agent_memory_with_identical_losses(
     committed = durable.committed_steps(tmp_path / "crash" / "ckpt")
     assert {6, STEPS} <= set(committed)  # the flush, and the final state at the end
     assert _segments() <= before, "the agent removed the shared memory at the end"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fast_steps_on_two_local_workers_persist_without_losing_the_race(
+    tmp_path: Path, job_env
+) -> None:
+    # Each worker overwrites its older slot every other step (milliseconds here), far sooner
+    # than one rank's shard reaches the disk: the agent copies every rank's snapshot out
+    # before it writes any, and a step already overwritten gives way to the newest one.
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+           "--run-dir", str(tmp_path / "run"), "--ckpt-persist-every", "1",
+           "--monitor-interval", "0.05",
+           str(EXAMPLES / "train_elasticft.py"), "--steps", "400"]
+    out = subprocess.run(cmd, env=job_env, capture_output=True, text=True, timeout=250,
+                         cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "not persisted" not in text, text[-4000:]
+    assert text.count("persisted checkpoint step") >= 5, text[-4000:]
+    assert 400 in durable.committed_steps(tmp_path / "run" / "ckpt")
