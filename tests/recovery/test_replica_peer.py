@@ -44,3 +44,10 @@ def test_without_a_layout_the_backup_node_is_the_replica(tmp_path: Path, round_s
     finally:
         a.close()
         b.close()
+
+
+def test_every_checkpoint_worker_variable_is_known_to_the_launcher():
+    # The launcher rejects unknown ELASTICFT_* variables; the ones the service sets are not.
+    from elasticft.agent.agent import WORKER_ENV_NAMES
+
+    assert settings.WORKER_ENV <= WORKER_ENV_NAMES
