@@ -35,7 +35,7 @@ import socketserver
 import struct
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,20 +72,17 @@ def backup_node(
     """The node that keeps ``node``'s backup; ``layout`` is (tp, pp, dp). None: no other node."""
     if nnodes < 2:
         return None
-    ring = [(node + k) % nnodes for k in range(1, nnodes)]
+    next_node = (node + 1) % nnodes
     if layout is None:
-        return ring[0]
+        return next_node
     tp, pp, dp = layout
     if tp * pp * dp != nnodes * nproc_per_node:
         logger.warning("layout tp=%d pp=%d dp=%d does not match %d ranks; using the ring",
                        tp, pp, dp, nnodes * nproc_per_node)
-        return ring[0]
-    mine = range(node * nproc_per_node, (node + 1) * nproc_per_node)
-    for candidate in ring:
-        theirs = range(candidate * nproc_per_node, (candidate + 1) * nproc_per_node)
-        if not any(_share_group(a, b, tp, dp) for a in mine for b in theirs):
-            return candidate
-    return ring[0]
+        return next_node
+    outside = _nearest_node(node, nnodes, nproc_per_node, lambda mine, theirs: not any(
+        _share_group(a, b, tp, dp) for a in mine for b in theirs))
+    return next_node if outside is None else outside
 
 
 def replica_node(
@@ -97,16 +94,23 @@ def replica_node(
     Without a layout every rank replicates every other (pure data parallelism)."""
     if nnodes < 2:
         return None
-    ring = [(node + k) % nnodes for k in range(1, nnodes)]
     if layout is None:
-        return ring[0]
+        return (node + 1) % nnodes
     tp, pp, dp = layout
     if tp * pp * dp != nnodes * nproc_per_node:
         return None
+    return _nearest_node(node, nnodes, nproc_per_node, lambda mine, theirs: all(
+        any(_same_shard(a, b, tp, dp) for b in theirs) for a in mine))
+
+
+def _nearest_node(node: int, nnodes: int, nproc_per_node: int,
+                  accept: Callable[[range, range], bool]) -> int | None:
+    """The first node after ``node`` in the ring whose ranks ``accept`` takes with its own."""
     mine = range(node * nproc_per_node, (node + 1) * nproc_per_node)
-    for candidate in ring:
+    for k in range(1, nnodes):
+        candidate = (node + k) % nnodes
         theirs = range(candidate * nproc_per_node, (candidate + 1) * nproc_per_node)
-        if all(any(_same_shard(a, b, tp, dp) for b in theirs) for a in mine):
+        if accept(mine, theirs):
             return candidate
     return None
 
