@@ -15,7 +15,8 @@ Loading takes the newest step that *every* rank can restore (ranks agree over th
 process group), each rank from its fastest verified source: its own shared memory, local disk,
 a data-parallel replica's node (when a layout puts the backup elsewhere), the backup peer, the
 remote directory. A torn, uncommitted or corrupt source falls through to
-the next; if some rank cannot restore a step after all, every rank moves to an older one.
+the next; if some rank cannot restore a step after all, every rank moves to an older one
+(see :mod:`elasticft.ckpt.reassembly`, which also fetches deduplicated replicas).
 
 ``load()`` returns ``(step, state)`` with the state in the nested form it was saved in;
 :func:`elasticft.ckpt.state.restore` applies it to a model and optimizer.
@@ -27,12 +28,9 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
-import functools
-import json
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Generator, Iterable, Mapping
@@ -46,6 +44,7 @@ from elasticft.ckpt import durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull, Tier
 from elasticft.ckpt.control import ControlWatcher
 from elasticft.ckpt.peer import PeerClient, PeerTier
+from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
 from elasticft.ckpt.settings import WorkerSettings
 from elasticft.ckpt.shm import (
     COMPLETE,
@@ -67,17 +66,12 @@ from elasticft.ckpt.snapshot import (
     align_up,
     copy_bytes,
     deduplicated,
-    dtype_from_name,
     place_replicas,
-    stored_here,
-    tensor_view,
     unflatten,
 )
 
 logger = logging.getLogger(__name__)
 
-_AGREE_STEPS = 32
-_PEER_INFO_BYTES = 512
 
 
 class SaveRequest:
@@ -135,13 +129,14 @@ class Checkpointer:
         """Each rank stores only its share of the replicated state (see :meth:`save`)."""
         self._placements: dict[tuple[Any, ...], ReplicaPlacement] = {}
         self._prepared: tuple[Any, set[int], Layout, tuple[bool, ...]] | None = None
-        self._peers: list[dict[str, Any]] | None = None
         self.stall_s = 0.0
         """Total time the training thread waited inside save() and the pre-step hook."""
         self.last_source: str | None = None
         """Tier the last successful load() came from."""
         self._slot_count = max(2, settings.slots)
         prefix = settings.shm_prefix
+        self._ranks = RankGroup(self.rank, self.world_size)
+        self._reassembler = ReplicaReassembler(self._ranks, prefix, self._slot_count)
         self._slots = SlotSet(prefix, self._slot_count) if prefix else None
         # The persister reads through its own descriptors: flock is per open file.
         self._reader_slots = SlotSet(prefix, self._slot_count) if prefix else None
@@ -502,17 +497,17 @@ class Checkpointer:
         candidates = sorted({s for steps in held.values() for s in steps}, reverse=True)
         excluded: set[int] = set()
         while True:
-            step = self._agree([s for s in candidates if s not in excluded])
+            step = self._ranks.agree([s for s in candidates if s not in excluded])
             if step is None:
                 logger.info("no checkpoint that every rank can load")
                 return None
             with contextlib.ExitStack() as stack:
                 snapshot, source = self._read_step(step, tiers, held, stack,
                                                    in_place=live is not None)
-                if self._all_ranks_ok(snapshot is not None):
+                if self._ranks.all_ok(snapshot is not None):
                     assert snapshot is not None
-                    replicas = self._reassemble(step, snapshot, live)
-                    if self._all_ranks_ok(replicas is not None):
+                    replicas = self._reassembler.reassemble(step, snapshot, live)
+                    if self._ranks.all_ok(replicas is not None):
                         assert replicas is not None
                         self.last_source = source
                         logger.info("restored step %d from %s", step, source)
@@ -521,118 +516,6 @@ class Checkpointer:
                                                    copy=False, replicas=replicas)
                         return step, live.apply(snapshot.manifest, snapshot.payload, replicas)
             excluded.add(step)
-
-    # ------------------------------------------------------------------------------------------
-    # Reassembling deduplicated replicas.
-
-    def _reassemble(self, step: int, snapshot: Snapshot,
-                    live: Any) -> dict[str, torch.Tensor] | None:
-        """The items of ``snapshot`` that other ranks store, by name; None if that failed.
-
-        Collective when any rank's snapshot is deduplicated. A replica is copied from its
-        owner's shared memory when the owner is on this host (one memcpy, no network);
-        otherwise the owner broadcasts its replica region (whatever tier it loaded from).
-        Into the live tensors when restoring in place, else into new tensors.
-        """
-        manifest = snapshot.manifest
-        wanted: dict[int, list[dict[str, Any]]] = {}
-        for item in manifest["items"]:
-            if item["kind"] == "tensor" and not stored_here(item):
-                wanted.setdefault(int(item["replica_of"]), []).append(item)
-        regions = list(manifest.get("replica_regions", ()))
-        if not self._collective():
-            return {} if not wanted else None
-        world = self.world_size
-        # One all-reduce: whether anyone needs a broadcast from rank k, and k's region size.
-        flags = torch.zeros(2 * world, dtype=torch.int64)
-        if len(regions) == world:
-            flags[world:] = torch.tensor(regions, dtype=torch.int64)
-        dedup = torch.tensor([1 if regions else 0], dtype=torch.int64, device=self._device())
-        dist.all_reduce(dedup, op=dist.ReduceOp.MAX)
-        if not int(dedup.item()):
-            return {}  # nobody's snapshot is deduplicated
-        targets: dict[str, torch.Tensor] = {}
-        for items in wanted.values():
-            for item in items:
-                target = live.target(item) if live is not None else None
-                if target is None:
-                    target = torch.empty(tuple(item["shape"]), dtype=dtype_from_name(item["dtype"]))
-                targets[item["fqn"]] = target
-        ok = True
-        peers = self._peer_memory()
-        missing = set()
-        for owner, items in wanted.items():
-            if not self._copy_from_peer_memory(step, owner, items, targets, peers):
-                missing.add(owner)
-                flags[owner] = 1
-        flags_dev = flags.to(self._device())
-        dist.all_reduce(flags_dev, op=dist.ReduceOp.MAX)
-        flags = flags_dev.cpu()
-        for owner in range(world):
-            length = int(flags[world + owner])
-            if not int(flags[owner]) or length <= 0:
-                continue
-            if owner == self.rank:
-                if len(snapshot.payload) < length:
-                    raise CheckpointError(f"rank {self.rank}'s snapshot of step {step} is "
-                                          "shorter than its replica region", "corrupt")
-                region = torch.frombuffer(snapshot.payload, dtype=torch.uint8, count=length)
-                dist.broadcast(region.to(self._device()), src=owner)
-                continue
-            buffer = torch.empty(length, dtype=torch.uint8, device=self._device())
-            dist.broadcast(buffer, src=owner)
-            if owner in missing:
-                payload = buffer.cpu().numpy()
-                for item in wanted[owner]:
-                    place = dict(item, offset=item["replica_offset"])
-                    try:
-                        copy_bytes(targets[item["fqn"]], tensor_view(payload, place))
-                    except CheckpointError:
-                        logger.warning("replica %r from rank %d does not fit", item["fqn"], owner)
-                        ok = False
-        return targets if ok else None
-
-    def _peer_memory(self) -> list[dict[str, Any]]:
-        """Every rank's host and shared-memory names (exchanged once; JSON, no pickle)."""
-        if self._peers is None:
-            mine = json.dumps({"host": _host_key(), "prefix": self.settings.shm_prefix,
-                               "slots": self._slot_count}).encode()
-            if len(mine) > _PEER_INFO_BYTES:
-                mine = json.dumps({"host": _host_key(), "prefix": None, "slots": 0}).encode()
-            local = torch.zeros(_PEER_INFO_BYTES, dtype=torch.uint8)
-            local[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-            gathered = [torch.empty_like(local, device=self._device())
-                        for _ in range(self.world_size)]
-            dist.all_gather(gathered, local.to(self._device()))
-            self._peers = [json.loads(bytes(t.cpu().numpy()).rstrip(b"\0")) for t in gathered]
-        return self._peers
-
-    def _copy_from_peer_memory(self, step: int, owner: int, items: list[dict[str, Any]],
-                               targets: Mapping[str, torch.Tensor],
-                               peers: list[dict[str, Any]]) -> bool:
-        """Copies ``owner``'s replicas of ``step`` from its shared memory on this host."""
-        peer = peers[owner]
-        if peer.get("host") != _host_key() or not peer.get("prefix"):
-            return False
-        tier = MemoryTier(SlotSet(peer["prefix"], max(2, int(peer.get("slots") or 2))),
-                          lock_timeout_s=2.0)
-        try:
-            with tier.open(step, owner, self.world_size) as theirs:
-                stored = {i["fqn"]: i for i in theirs.manifest["items"]
-                          if i["kind"] == "tensor" and stored_here(i)}
-                for item in items:
-                    source = stored.get(item["fqn"])
-                    if (source is None or source["dtype"] != item["dtype"]
-                            or source["shape"] != item["shape"]):
-                        return False
-                    copy_bytes(targets[item["fqn"]], tensor_view(theirs.payload, source))
-            return True
-        except (OSError, CheckpointError) as e:
-            logger.info("replicas of rank %d not in shared memory here (%s); the owner sends "
-                        "them", owner, e)
-            return False
-        finally:
-            tier.close()
 
     def _read_step(
         self, step: int, tiers: list[Tier], held: Mapping[str, list[int]],
@@ -650,35 +533,6 @@ class Checkpointer:
                 logger.warning("step %d from %s unusable, trying the next source: %s", step,
                                tier.name, e)
         return None, None
-
-    def _collective(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
-
-    def _device(self) -> torch.device:
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _agree(self, steps: list[int]) -> int | None:
-        mine = steps[:_AGREE_STEPS]
-        if not self._collective():
-            return mine[0] if mine else None
-        local = torch.full((_AGREE_STEPS,), -1, dtype=torch.int64)
-        local[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        gathered = [torch.empty_like(local, device=self._device())
-                    for _ in range(self.world_size)]
-        dist.all_gather(gathered, local.to(self._device()))
-        common = set(mine)
-        for other in gathered:
-            common &= {int(s) for s in other.cpu().tolist() if s >= 0}
-        return max(common) if common else None
-
-    def _all_ranks_ok(self, ok: bool) -> bool:
-        if not self._collective():
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self._device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
     # ------------------------------------------------------------------------------------------
 
@@ -731,14 +585,3 @@ def _storage_key(tensor: torch.Tensor) -> int:
     plain = type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
     local = tensor.to_local() if not plain and hasattr(tensor, "to_local") else tensor
     return local.untyped_storage().data_ptr()
-
-
-
-@functools.cache
-def _host_key() -> str:
-    """This host, for telling which ranks share its /dev/shm (host name and boot id)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
