@@ -50,7 +50,7 @@ int main(int argc, char **argv) {
 
 
 def bench_shim(calls: int) -> list[tuple[str, float]]:
-    from elasticft.diag.monitor import shim_library
+    from elasticft.diag.workerenv import shim_library
 
     shim = shim_library()
     if shim is None or shutil.which("gcc") is None:

@@ -49,7 +49,7 @@ WORKER_ENV_NAMES = frozenset(
        "ELASTICFT_CKPT_LOCAL", "ELASTICFT_CKPT_REMOTE", "ELASTICFT_CKPT_PEER",
        "ELASTICFT_CKPT_REPLICA_PEER",
        "ELASTICFT_CKPT_SECRET", "ELASTICFT_CKPT_CONTROL"}
-    # Diagnostics rings, NCCL shim switch and library override (elasticft.diag.monitor).
+    # Diagnostics rings, NCCL shim switch and library override (elasticft.diag.workerenv).
     | {"ELASTICFT_DIAG_RING_DIR", "ELASTICFT_DIAG_SHIM", "ELASTICFT_DIAG_OWNER_PID",
        "ELASTICFT_DIAG_CUDART"}
     # The 3D-parallel layout chosen for the round (elasticft.plan).

@@ -1,10 +1,10 @@
 """The diagnostics monitor: the agent collaborator that watches this node's workers.
 
 Before workers start it prepares their progress rings (owner-only files on ``/dev/shm``) and
-computes their environment (:func:`diag_worker_env`: the ring directory, the bootstrap on
-``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU nodes). On the first
-start it runs the pre-flight check. Then, every monitor interval, :meth:`DiagMonitor.check` polls
-the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
+computes their environment (:mod:`elasticft.diag.workerenv`: the ring directory, the bootstrap
+on ``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU nodes). On the
+first start it runs the pre-flight check. Then, every monitor interval,
+:meth:`DiagMonitor.check` polls the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
 
 * a hang returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks, with the
   evidence (every rank's position per communicator, process states, py-spy stack groups);
@@ -28,7 +28,6 @@ import re
 import shutil
 import signal
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,63 +38,15 @@ from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerI
 from elasticft.agent.classify import FailureClass
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, health, stacks
+from elasticft.diag.logscan import LogScanner
 from elasticft.diag.metrics import DiagMetrics
-from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
 from elasticft.diag.ring import Op, Record, RingReader, create_ring, ring_path
+from elasticft.diag.workerenv import default_ring_base, diag_worker_env, shim_library
 from elasticft.events import EventLog
 
 logger = logging.getLogger(__name__)
 
-SHIM_ENV = "ELASTICFT_DIAG_SHIM"
-CUDART_ENV = "ELASTICFT_DIAG_CUDART"
-WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV})
-"""Variables diagnostics adds to (or reads in) workers."""
-
 _NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
-_PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def shim_library() -> Path | None:
-    """The built NCCL shim shipped in the package, if the build produced it."""
-    return next(iter(sorted(_PACKAGE_DIR.glob("_nccl_shim*.so"))), None)
-
-
-def bootstrap_dir() -> Path:
-    return _PACKAGE_DIR / "bootstrap"
-
-
-def _prepend(value: str, existing: str | None, sep: str) -> str:
-    parts = [p for p in (existing or "").split(sep) if p]
-    if value in parts:
-        return sep.join(parts)
-    return sep.join([value, *parts])
-
-
-def diag_worker_env(
-    ring_dir: Path,
-    *,
-    auto_install: bool,
-    shim: Path | None,
-    base_env: Mapping[str, str],
-) -> dict[str, str]:
-    """The variables a worker needs for diagnostics (pure: no I/O).
-
-    ``LD_PRELOAD`` and ``PYTHONPATH`` are extended, never replaced, and not duplicated.
-    """
-    env = {RING_DIR_ENV: str(ring_dir)}
-    if auto_install:
-        env["PYTHONPATH"] = _prepend(str(bootstrap_dir()), base_env.get("PYTHONPATH"), os.pathsep)
-    if shim is not None:
-        env[SHIM_ENV] = "1"
-        # The dynamic linker accepts spaces or colons; keep the user's entries after ours.
-        existing = " ".join((base_env.get("LD_PRELOAD") or "").replace(":", " ").split())
-        env["LD_PRELOAD"] = _prepend(str(shim), existing.replace(" ", ":"), ":")
-    return env
-
-
-def default_ring_base() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def process_state(pid: int | None) -> str | None:
@@ -174,7 +125,7 @@ class DiagMonitor(AgentCollaborator):
         self._health_stop = threading.Event()
         self._health_thread: threading.Thread | None = None
         self._group: GroupInfo | None = None
-        self._log_scanner = _LogScanner(re.compile(config.diag_log_pattern),
+        self._log_scanner = LogScanner(re.compile(config.diag_log_pattern),
                                         config.diag_log_window_s)
         # Other nodes' ranks, read from the round's store (multi-node jobs only).
         self._exchange = views_exchange or exchange.ViewExchange()
@@ -559,53 +510,6 @@ def _view_json(view: detectors.RankView) -> dict[str, Any]:
         "comm_seqs": {f"{k:x}": v for k, v in view.comm_seqs.items()},
         "view_age_s": round(view.view_age_s, 3),
     }
-
-
-class _LogScanner:
-    """Tails the workers' captured logs and counts error lines in a sliding window (TRANSOM)."""
-
-    def __init__(self, pattern: re.Pattern[str], window_s: float) -> None:
-        self.pattern = pattern
-        self.window_s = window_s
-        self._root: Path | None = None
-        self._offsets: dict[Path, int] = {}
-        self._errors: collections.deque[tuple[float, str]] = collections.deque(maxlen=10000)
-        self._first: tuple[float, str] | None = None
-        self._last_scan = 0.0
-        self._started = 0.0
-
-    def reset(self, root: Path | None) -> None:
-        self._root = root
-        self._errors.clear()
-        self._first = None
-        self._started = time.time()
-
-    def _files(self) -> list[Path]:
-        if self._root is None or not self._root.is_dir():
-            return []
-        return [p for p in self._root.rglob("std*.log")
-                if p.stat().st_mtime >= self._started - 1]
-
-    def scan(self, now_s: float, node: str) -> detectors.LogBurst | None:
-        if now_s - self._last_scan < 1.0:
-            return None
-        self._last_scan = now_s
-        for path in self._files():
-            offset = self._offsets.get(path, 0)
-            with contextlib.suppress(OSError), open(path, errors="replace") as f:
-                f.seek(offset)
-                chunk = f.read(1 << 20)
-                self._offsets[path] = f.tell()
-                for line in chunk.splitlines():
-                    if self.pattern.search(line):
-                        self._errors.append((now_s, line.strip()[:300]))
-                        if self._first is None:
-                            self._first = (now_s, line.strip()[:300])
-        while self._errors and self._errors[0][0] < now_s - self.window_s:
-            self._errors.popleft()
-        if not self._errors or self._first is None:
-            return None
-        return detectors.LogBurst(len(self._errors), self.window_s, node, self._first[1])
 
 
 def monitor_from_options(options: Any, launch_config: Any, env: Mapping[str, str]

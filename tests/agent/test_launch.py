@@ -67,7 +67,7 @@ def test_worker_environment_matches_torchrun(tmp_path: Path, job_env: dict[str, 
         plain, ours = envs["torchrun"][rank], envs["elasticft-run"][rank]
         added = set(ours) - set(plain)
         assert set(plain) - set(ours) == set(), "elasticft-run must not drop a variable"
-        # Diagnostics put their bootstrap first on PYTHONPATH (elasticft.diag.monitor).
+        # Diagnostics put their bootstrap first on PYTHONPATH (elasticft.diag.workerenv).
         ours_only = added - {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PYTHONPATH"}
         assert all(k.startswith("ELASTICFT_") for k in ours_only), ours_only
         assert {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND"} <= added

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from elasticft.diag import detectors as d
-from elasticft.diag.monitor import SHIM_ENV, bootstrap_dir, diag_worker_env
+from elasticft.diag.workerenv import SHIM_ENV, bootstrap_dir, diag_worker_env
 
 
 def test_adaptive_timeout_uses_initial_until_history_then_floor_or_multiple():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.diag.monitor import bootstrap_dir
 from elasticft.diag.ring import Op, RingReader, ring_path
+from elasticft.diag.workerenv import bootstrap_dir
 
 
 @pytest.mark.timeout(120)

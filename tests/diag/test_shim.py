@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.diag.monitor import shim_library
 from elasticft.diag.ring import (
     FLAG_HOST_COMPLETION,
     FLAG_TIMED,
@@ -17,6 +16,7 @@ from elasticft.diag.ring import (
     create_ring,
     ring_path,
 )
+from elasticft.diag.workerenv import shim_library
 
 FAKE = Path(__file__).parent / "fake"
 RANK = 3
