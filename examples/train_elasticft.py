@@ -100,6 +100,9 @@ def main() -> None:
         if done == args.crash_at_step and rank == args.fault_rank and first_attempt():
             if args.crash_mode == "after-save":
                 request.wait()
+                # The other ranks save this step too; they then wait for this one in the next
+                # step's first collective. Crash once they have had the time to get there.
+                time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGKILL)
         if args.step_time:
             time.sleep(args.step_time)

@@ -6,6 +6,9 @@ restart branch replaced: every failure is classified (:mod:`elasticft.agent.clas
 pure policy (:mod:`elasticft.agent.policy`) decides, and the decision and its reason go to the
 log and the event log. It also fixes what torch 2.13 gets wrong on restart: restarts honour
 ``--shutdown-timeout`` and a group that ends unhealthy is reported as failed, never as success.
+One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
+agent wraps that step to let the collaborators act on the survivors first
+(:func:`notify_before_survivors_stopped`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
 from elasticft.agent.api import (
     AgentCollaborator,
@@ -173,6 +177,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
+        self._hook_survivor_stop()
         self._started_at = time.monotonic()
         self._steady_reported = False
         group = self.group_info()
@@ -187,6 +192,14 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         )
         self._each_collaborator("on_workers_started", group)
         return pids
+
+    def _hook_survivor_stop(self) -> None:
+        if self._pcontext is not None:
+            notify_before_survivors_stopped(
+                self._pcontext,
+                lambda failed: self._each_collaborator("before_survivors_stopped",
+                                                       self.group_info(), failed),
+            )
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
@@ -324,6 +337,35 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                     error_file="",
                 )
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
+def notify_before_survivors_stopped(context: Any, hook: Callable[[tuple[int, ...]], Any]
+                                    ) -> bool:
+    """Makes ``context`` call ``hook(failed_local_ranks)`` before it stops the other workers.
+
+    torch's ``SubprocessContext._poll`` terminates every other worker in the same poll that
+    finds a failed one, before any agent hook runs; this wraps that poll (once per context, at
+    the first failure). Returns False for a context that is not a ``SubprocessContext``.
+    """
+    if not isinstance(context, SubprocessContext):
+        return False
+    poll = context._poll
+    announced = False
+
+    def poll_after_hook() -> Any:
+        nonlocal announced
+        if not announced:
+            failed = tuple(sorted(
+                rank for rank in context._running_local_ranks
+                if context.subprocess_handlers[rank].proc.poll() not in (None, 0)
+            ))
+            if failed:
+                announced = True
+                hook(failed)
+        return poll()
+
+    context._poll = poll_after_hook  # type: ignore[method-assign]
+    return True
 
 
 def _without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecord, ...]:

@@ -102,8 +102,14 @@ class AgentCollaborator:
         """Called every monitor interval while all workers are alive."""
         return None
 
+    def before_survivors_stopped(self, group: GroupInfo, failed_local_ranks: tuple[int, ...]
+                                 ) -> None:
+        """A worker process exited with an error and torch is about to stop the others; runs
+        while they still live (briefly: the agent waits for it)."""
+
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
-        """A failure was found; runs before the workers are stopped (e.g. to flush state)."""
+        """A failure was found; runs before the agent's restart or stop (e.g. to flush state).
+        A worker process that failed has already made torch stop the others."""
 
     def failure_facts(
         self, group: GroupInfo, failures: tuple[FailureRecord, ...]

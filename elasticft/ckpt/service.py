@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 _SECRET_KEY = "elasticft/ckpt/secret"
 _PEER_KEY = "elasticft/ckpt/peer/{}"
+_SURVIVOR_COPY_GRACE_S = 2.0
+"""How long a failure's survivors may finish a snapshot copy before torch stops them."""
 
 
 def parse_layout(text: str | None) -> tuple[int, int, int] | None:
@@ -242,6 +244,46 @@ class CheckpointService(AgentCollaborator):
             return None
         multiples = [s for s in steps if s % every == 0 and s > self._persisted]
         return max(multiples) if multiples else newest
+
+    def before_survivors_stopped(self, group: GroupInfo, failed_local_ranks: tuple[int, ...]
+                                 ) -> None:
+        """Lets the survivors' snapshot copies in flight complete before torch stops them.
+
+        A survivor that had just called ``save`` would otherwise die with that step torn, and
+        every rank would restart from the step before. A copy takes milliseconds; the wait is
+        bounded (a stopped worker never finishes its copy).
+        """
+        survivors = [w.local_rank for w in group.workers
+                     if w.local_rank not in failed_local_ranks]
+        started = time.monotonic()
+        while True:
+            writing = [r for r in survivors if self._copy_in_flight(group, r)]
+            if not writing:
+                break
+            if time.monotonic() - started >= _SURVIVOR_COPY_GRACE_S:
+                logger.warning("snapshot copies of local ranks %s still in flight after %.1f s; "
+                               "their workers are stopped anyway", writing,
+                               _SURVIVOR_COPY_GRACE_S)
+                return
+            time.sleep(0.005)
+        waited = time.monotonic() - started
+        if waited >= 0.005:
+            logger.info("waited %.3f s for the survivors' snapshot copies in flight", waited)
+
+    def _copy_in_flight(self, group: GroupInfo, local_rank: int) -> bool:
+        """Whether a worker is writing a snapshot now: a writer holds its slot's exclusive lock
+        for the whole copy, and the kernel releases it when the writer dies."""
+        slots = self.slot_set(group, local_rank)
+        for index, header in slots.headers().items():
+            if header.state != shm.WRITING:
+                continue
+            slot = slots.get(index)
+            if slot is None:
+                continue
+            if not slot.try_lock(exclusive=False):
+                return True
+            slot.unlock()
+        return False
 
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
         if not self.config.ckpt_flush_on_failure:

@@ -77,3 +77,50 @@ def test_checkpoint_now_reaches_workers_stuck_in_a_collective(tmp_path: Path, jo
             proc.wait()
         service.close()
     assert not shm.owned_segments(os.getpid()), "the service removes its memory at the end"
+
+
+_SAVING = textwrap.dedent("""
+    import os, time, torch
+    from elasticft.ckpt import Checkpointer
+    big = torch.nn.Parameter(torch.full((128 << 20,), 1.0))   # 512 MB: the copy takes a while
+    optim = torch.optim.SGD([big], lr=0.1)
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    ckpt.save(1, {"w": big.detach(), "extra": {"step": 1}}).wait()
+    with torch.no_grad():
+        big.fill_(2.0)
+    ckpt.save(2, {"w": big.detach(), "extra": {"step": 2}})
+    open(os.environ["SAVING"], "w").close()
+    time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failures_survivor_finishes_its_snapshot_copy_before_it_is_stopped(
+    tmp_path: Path, job_env
+) -> None:
+    service = CheckpointService(CheckpointConfig(ckpt_persist_every=0))
+    survivor = WorkerInfo(local_rank=0, global_rank=0, world_size=1)
+    group = GroupInfo(run_id="svc-survivor", node_id="n0", run_dir=tmp_path, round=0,
+                      group_rank=0, group_world_size=1, restart_count=0, workers=(survivor,))
+    saving = tmp_path / "saving"
+    proc = None
+    try:
+        service.on_workers_started(group)
+        env = dict(job_env, **service.worker_env(group, survivor), SAVING=str(saving),
+                   PYTHONPATH=str(ROOT))
+        proc = subprocess.Popen([sys.executable, "-c", _SAVING], env=env, cwd=ROOT)
+        deadline = time.monotonic() + 90
+        while not saving.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.005)
+        assert service._copy_in_flight(group, 0), "the copy of step 2 should still be running"
+        # Another local worker (local rank 1) failed; torch would stop this one next.
+        service.before_survivors_stopped(group, failed_local_ranks=(1,))
+        assert not service._copy_in_flight(group, 0)
+        assert service.newest_common_step(group) == 2
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        service.close()
