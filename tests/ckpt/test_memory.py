@@ -98,39 +98,6 @@ def test_writer_killed_mid_save_leaves_previous_snapshot_intact(prefix: str) -> 
     slots.close()
 
 
-_TERMINATED = _WRITER.replace(
-    "os.kill(os.getpid(), signal.SIGKILL)   # while step 2 is still being copied",
-    "os.kill(os.getpid(), signal.SIGTERM)   # as torch's agent stops the survivors of a failure")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_sigterm_lets_the_copy_in_flight_finish_then_exits_by_the_signal(prefix: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", _TERMINATED, prefix], cwd=ROOT, timeout=100)
-    assert proc.returncode == -signal.SIGTERM  # the default action still ends the process
-    slots = SlotSet(prefix, 2)
-    assert {h.step: h.state for h in slots.headers().values()} == {1: COMPLETE, 2: COMPLETE}
-    with Checkpointer(_settings(prefix)) as ckpt:
-        step, state = ckpt.load()
-    assert step == 2 and bool((state["w"] == 2.0).all())
-    slots.close()
-
-
-_CHAINED = textwrap.dedent("""
-    import signal, sys
-    from elasticft.ckpt import Checkpointer, WorkerSettings
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))   # the script's own handler
-    ckpt = Checkpointer(WorkerSettings(shm_prefix=sys.argv[1], agent_owned=True))
-    signal.raise_signal(signal.SIGTERM)
-""")
-
-
-@pytest.mark.timeout(60)
-def test_a_scripts_own_sigterm_handler_still_runs(prefix: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", _CHAINED, prefix], cwd=ROOT, timeout=50)
-    assert proc.returncode == 7
-
-
 @pytest.mark.timeout(60)
 def test_writer_skips_a_slot_a_reader_holds_and_never_waits(prefix: str) -> None:
     model, optim = trained_model()
