@@ -51,7 +51,7 @@ WORKER_ENV_NAMES = frozenset(
     # Checkpoint tiers handed to workers (elasticft.ckpt.settings.WORKER_ENV).
     | {"ELASTICFT_CKPT_SHM", "ELASTICFT_CKPT_SLOTS", "ELASTICFT_CKPT_MEMORY_CAP",
        "ELASTICFT_CKPT_LOCAL", "ELASTICFT_CKPT_REMOTE", "ELASTICFT_CKPT_PEER",
-       "ELASTICFT_CKPT_REPLICA_PEER",
+       "ELASTICFT_CKPT_REPLICA_PEER", "ELASTICFT_CKPT_NODE_PEER",
        "ELASTICFT_CKPT_SECRET", "ELASTICFT_CKPT_CONTROL"}
     # Diagnostics rings, NCCL shim switch and library override (elasticft.diag.workerenv).
     | {"ELASTICFT_DIAG_RING_DIR", "ELASTICFT_DIAG_SHIM", "ELASTICFT_DIAG_OWNER_PID",

@@ -13,8 +13,9 @@ agent the checkpointer persists every ``persist_every``-th step itself, on a bac
 
 Loading takes the newest step that *every* rank can restore (ranks agree over the default
 process group), each rank from its fastest verified source: its own shared memory, local disk,
-a data-parallel replica's node (when a layout puts the backup elsewhere), the backup peer, the
-remote directory. A torn, uncommitted or corrupt source falls through to
+its own node's agent (a replica taken under another rank, before a new round renumbered the
+ranks), a data-parallel replica's node (when a layout puts the backup elsewhere), the backup
+peer, the remote directory. A torn, uncommitted or corrupt source falls through to
 the next; if some rank cannot restore a step after all, every rank moves to an older one
 (see :mod:`elasticft.ckpt.reassembly`, which also fetches deduplicated replicas).
 
@@ -449,14 +450,16 @@ class Checkpointer:
     # Loading.
 
     def tiers(self) -> list[Tier]:
-        """Sources in load order: own memory, local disk, a replica's node, the backup node,
-        the remote directory."""
+        """Sources in load order: own memory, local disk, this node's agent, a replica's node,
+        the backup node, the remote directory."""
         s = self.settings
         tiers: list[Tier] = []
         if self.settings.shm_prefix:
             tiers.append(MemoryTier(SlotSet(self.settings.shm_prefix, self._slot_count)))
         if s.local_dir is not None:
             tiers.append(durable.DurableTier(s.local_dir, "local"))
+        if s.node_peer_addr and s.secret:
+            tiers.append(PeerTier(PeerClient(s.node_peer_addr, s.secret), "node"))
         if s.replica_peer_addr and s.secret:
             tiers.append(PeerTier(PeerClient(s.replica_peer_addr, s.secret), "replica"))
         if s.peer_addr and s.secret:

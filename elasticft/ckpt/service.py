@@ -38,6 +38,7 @@ import os
 import queue
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -211,6 +212,8 @@ class CheckpointService(AgentCollaborator):
             env[settings.ENV_SECRET] = self._secret
         if self._replica_addr and self._secret:
             env[settings.ENV_REPLICA_PEER] = self._replica_addr
+        if self._peer_server is not None and self._secret:
+            env[settings.ENV_NODE_PEER] = self._peer_server.address
         return env
 
     def on_workers_started(self, group: GroupInfo) -> None:
@@ -441,13 +444,18 @@ class CheckpointService(AgentCollaborator):
             snapshot = _copy_out(slot, step, shm.StagingBuffer()) if slot is not None else None
             if snapshot is None or not _whole_tensors(snapshot.manifest):
                 continue
-            # Encoded exactly as the durable tier writes a shard (checksummed blobs).
-            scratch = (self.config.ckpt_dir or group.run_dir / "ckpt") / "replica-cache" / \
-                f"node-{group.node_id}"
-            directory = durable.write_rank_shard(scratch, snapshot)
-            manifest = durable.read_rank_manifest(directory, snapshot.rank)
-            data = (directory / manifest["file"]).read_bytes()
-            shutil.rmtree(directory, ignore_errors=True)
+            # Encoded exactly as the durable tier writes a shard (checksummed blobs). Each
+            # request gets a scratch directory of its own: two ranks asking for the same step
+            # at once are served from the same replica, so they would write the same file.
+            cache = (self.config.ckpt_dir or group.run_dir / "ckpt") / "replica-cache"
+            cache.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f"node-{group.node_id}-", dir=cache))
+            try:
+                directory = durable.write_rank_shard(scratch, snapshot)
+                manifest = durable.read_rank_manifest(directory, snapshot.rank)
+                data = (directory / manifest["file"]).read_bytes()
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
             logger.info("serving step %d of rank %d from the replica rank %d in memory", step,
                         rank, snapshot.rank)
             return dict(manifest, rank=rank, replica_of=snapshot.rank), data

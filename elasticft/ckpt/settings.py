@@ -23,12 +23,13 @@ ENV_LOCAL = "ELASTICFT_CKPT_LOCAL"
 ENV_REMOTE = "ELASTICFT_CKPT_REMOTE"
 ENV_PEER = "ELASTICFT_CKPT_PEER"
 ENV_REPLICA_PEER = "ELASTICFT_CKPT_REPLICA_PEER"
+ENV_NODE_PEER = "ELASTICFT_CKPT_NODE_PEER"
 ENV_SECRET = "ELASTICFT_CKPT_SECRET"
 ENV_CONTROL = "ELASTICFT_CKPT_CONTROL"
 
 WORKER_ENV = frozenset(
     {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_REPLICA_PEER,
-     ENV_SECRET, ENV_CONTROL}
+     ENV_NODE_PEER, ENV_SECRET, ENV_CONTROL}
 )
 """Worker variables the checkpoint service sets (listed in the agent's WORKER_ENV_NAMES)."""
 
@@ -50,6 +51,9 @@ class WorkerSettings:
     replica_peer_addr: str | None = None
     """host:port of an agent holding a data-parallel replica of this node's ranks, when that is
     not the backup node (a (tp, pp, dp) layout); asked before the backup node."""
+    node_peer_addr: str | None = None
+    """host:port of this node's own agent: after a new round gave this worker another rank,
+    the agent's memory still holds a replica of it taken under the old rank."""
     secret: str | None = None
     control_dir: Path | None = None
     agent_owned: bool = False
@@ -87,6 +91,7 @@ class WorkerSettings:
                 remote_dir=Path(env[ENV_REMOTE]) if env.get(ENV_REMOTE) else None,
                 peer_addr=env.get(ENV_PEER) or None,
                 replica_peer_addr=env.get(ENV_REPLICA_PEER) or None,
+                node_peer_addr=env.get(ENV_NODE_PEER) or None,
                 secret=env.get(ENV_SECRET) or None,
                 control_dir=Path(env[ENV_CONTROL]) if env.get(ENV_CONTROL) else None,
                 agent_owned=True,

@@ -75,6 +75,8 @@ from elasticft.recovery.membership import EtcdMembership, Membership
 logger = logging.getLogger(__name__)
 
 _NODE_KEY = "elasticft/recovery/node/{}"
+_KNOWN_ROUND_KEY = "elasticft/recovery/known-round/{}"
+"""The newest earlier round a node took part in, and that round's nodes (JSON)."""
 _JIT_REQUEST_KEY = "elasticft/recovery/jit/request"
 _JIT_DONE_KEY = "elasticft/recovery/jit/done/{}"
 _WATCH_WAKE_S = 1.0
@@ -200,7 +202,10 @@ class RecoveryOrchestrator(AgentCollaborator):
                                        daemon=True, name="elasticft-recovery-jit-watch")
             watcher.start()
             self._threads.append(watcher)
+        known = max((r for r in self._round_nodes if r < group.round), default=None)
+        record = {} if known is None else {"round": known, "nodes": self._round_nodes[known]}
         try:
+            store.set(_KNOWN_ROUND_KEY.format(group.group_rank), json.dumps(record))
             store.set(_NODE_KEY.format(group.group_rank), group.node_id)
         except Exception as e:
             logger.warning("could not record this node in round %d: %s", group.round, e)
@@ -214,18 +219,25 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._started = group
 
     def _learn_round(self, group: GroupInfo, store: Any) -> None:
-        """Reads every node of the round; the leader then judges who left since the last."""
+        """Reads every node of the round; the leader then judges who left since the last.
+
+        The last round is the newest earlier round any node of this one took part in, as the
+        nodes report it: a standby that now leads saw no earlier round itself."""
         try:
             nodes = tuple(store.get(_NODE_KEY.format(r)).decode()
                           for r in range(group.group_world_size))
+            known = [json.loads(store.get(_KNOWN_ROUND_KEY.format(r)))
+                     for r in range(group.group_world_size)]
         except Exception as e:
             logger.warning("could not read the nodes of round %d: %s", group.round, e)
             return
-        previous = max((r for r in self._round_nodes if r < group.round), default=None)
         self._round_nodes[group.round] = nodes
-        if group.group_rank != 0 or previous is None:
+        known = [k for k in known if isinstance(k.get("round"), int) and k["round"] < group.round]
+        if group.group_rank != 0 or not known:
             return
-        gone = sorted(set(self._round_nodes[previous]) - set(nodes))
+        previous = max(k["round"] for k in known)
+        before = {str(n) for k in known if k["round"] == previous for n in k["nodes"]}
+        gone = sorted(before - set(nodes))
         if gone:
             self._judge_departed(gone, previous, group)
 

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from elasticft.agent.api import GroupInfo, WorkerInfo
-from elasticft.ckpt import durable, shm
+from elasticft.ckpt import Checkpointer, WorkerSettings, durable, settings, shm
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from tests.conftest import free_port
@@ -123,4 +125,29 @@ def test_a_failures_survivor_finishes_its_snapshot_copy_before_it_is_stopped(
         if proc is not None:
             proc.kill()
             proc.wait()
+        service.close()
+
+
+@pytest.mark.timeout(120)
+def test_one_replica_serves_several_ranks_asking_at_once(tmp_path: Path) -> None:
+    # After a node loss every rank of a new round may fetch the same step from one node's
+    # replica at the same moment; each request is encoded in a scratch directory of its own.
+    service = CheckpointService(CheckpointConfig(ckpt_persist_every=0))
+    worker = WorkerInfo(local_rank=0, global_rank=0, world_size=2)
+    group = GroupInfo(run_id="svc-replica", node_id="n0", run_dir=tmp_path, round=0,
+                      group_rank=0, group_world_size=1, restart_count=0, workers=(worker,))
+    try:
+        service.on_rendezvous(group, None)
+        service.on_workers_started(group)
+        prefix = service.worker_env(group, worker)[settings.ENV_SHM]
+        state = {"w": torch.arange(16 << 20, dtype=torch.float32), "extra": {"step": 3}}
+        with Checkpointer(WorkerSettings(shm_prefix=prefix, agent_owned=True), rank=0,
+                          world_size=2) as ckpt:
+            assert ckpt.save(3, state).wait(30).status == "memory"
+        with ThreadPoolExecutor(6) as pool:
+            served = list(pool.map(lambda rank: service.replica_shard(3, rank, 2),
+                                   [0, 1, 0, 1, 0, 1]))
+        assert all(s is not None for s in served)
+        assert [s[0]["rank"] for s in served if s is not None] == [0, 1, 0, 1, 0, 1]
+    finally:
         service.close()

@@ -287,15 +287,21 @@ def standbys(endpoint: str, job_id: str) -> int:
         client.close()
 
 
-def with_standby(job: Job, **kwargs) -> None:
-    job.start("a", **kwargs)
-    job.start("b", **kwargs)
-    # Once a and b formed the round, c can only wait; its start overlaps the workers' start.
-    job.wait_for("a and b in a round", lambda: len(job.events("workers_started")) >= 2)
-    job.start("c", **kwargs)  # started last: the warm standby
-    job.wait_for("c waiting as a standby", lambda: standbys(job.endpoint, job.job_id) == 1,
-                 timeout=60)
+def with_standby(job: Job) -> str:
+    """Starts nodes a, b and c at once; returns the name of the one that waits as the standby.
+
+    The first two to join form the round and the third, finding it full, waits as the warm
+    standby. Started together, the standby is in place before training gets far even when
+    the host is slow to start interpreters (a standby started after the round could arrive
+    when the run was nearly over)."""
+    for name in ("a", "b", "c"):
+        job.start(name)
+    job.wait_for("two nodes in a round and one standby",
+                 lambda: len(job.events("workers_started")) >= 2
+                 and standbys(job.endpoint, job.job_id) == 1)
+    standby = next(n for n, node in job.nodes.items() if not node.events("workers_started"))
     before_fault(job)
+    return standby
 
 
 def before_fault(job: Job) -> None:
@@ -305,10 +311,11 @@ def before_fault(job: Job) -> None:
     assert job.last_step() < job.steps - 10, "the run is too short to see the fault's recovery"
 
 
-def check_replaced(job: Job, endpoint: str, lost: str, reference: Losses) -> Losses:
+def check_replaced(job: Job, endpoint: str, lost: str, standby: str,
+                   reference: Losses) -> Losses:
     survivors = [n for n in job.nodes if n != lost]
     losses = finish(job, reference, *survivors, timeout=180)
-    started = job.nodes["c"].events("workers_started")
+    started = job.nodes[standby].events("workers_started")
     assert started and started[-1]["world_size"] == 2  # the standby took the lost place
     evictions = [e for e in job.events("eviction") if e["evicted"] == lost]
     assert evictions and evictions[0]["by"] == "leader", job.events("eviction")
@@ -321,19 +328,23 @@ def check_replaced(job: Job, endpoint: str, lost: str, reference: Losses) -> Los
 @pytest.mark.timeout(240)
 def test_node_down_replacement_restores_from_the_healthy_replica(etcd_server: EtcdServer,
                                                                  make_job, reference):
-    """The worker-API example: node b is killed, the standby c takes its place and its worker
-    restores the newest step from node a (the healthy replica's memory, over the peer
-    channel), not from a disk: at most one step is recomputed."""
+    """The worker-API example: the node that is not the leader is killed, the standby takes
+    its place and its worker restores the newest step from the leader's node (the healthy
+    replica's memory, over the peer channel), not from a disk: at most one step is
+    recomputed."""
     job = make_job(etcd_server.endpoint, API, steps=LONG, step_time=0.25)
-    with_standby(job)
-    chaos.kill_node(job.tmp, "b")
-    losses = check_replaced(job, etcd_server.endpoint, "b", reference[API, LONG])
+    standby = with_standby(job)
+    leader, _ = chaos.leader_agent(etcd_server.endpoint, job.job_id)
+    lost = next(n for n in job.nodes if n not in (leader, standby))
+    chaos.kill_node(job.tmp, lost)
+    losses = check_replaced(job, etcd_server.endpoint, lost, standby, reference[API, LONG])
     assert losses.recomputed <= 1
-    # c's worker held nothing of its own: node a served it the step from its worker's memory.
+    # The standby's worker held nothing of its own: the leader's node served it the step from
+    # its worker's memory.
     served = re.findall(r"serving step (\d+) of rank \d+ from the replica",
-                        job.nodes["a"].output())
+                        job.nodes[leader].output())
     resumed = re.findall(r"resumed from step (\d+) \(source=(\w+)\)",
-                         job.nodes["a"].output() + job.nodes["c"].output())
+                         job.nodes[leader].output() + job.nodes[standby].output())
     assert served and resumed, job.outputs()
     assert int(resumed[-1][0]) == int(served[-1]) >= FAULT_AFTER
     assert resumed[-1][1] in ("memory", "peer")  # rank 0's source: its memory, or a's
@@ -342,10 +353,10 @@ def test_node_down_replacement_restores_from_the_healthy_replica(etcd_server: Et
 @pytest.mark.timeout(240)
 def test_leader_agent_killed(etcd_server: EtcdServer, make_job, reference):
     job = make_job(etcd_server.endpoint, PLAIN, steps=LONG, step_time=0.25)
-    with_standby(job)
+    standby = with_standby(job)
     leader, pid = chaos.leader_agent(etcd_server.endpoint, job.job_id)
     chaos.kill_process_tree(pid)
-    check_replaced(job, etcd_server.endpoint, leader, reference[PLAIN, LONG])
+    check_replaced(job, etcd_server.endpoint, leader, standby, reference[PLAIN, LONG])
     rounds = [e for e in job.events("rendezvous") if e["node"] != leader]
     assert any(e["group_rank"] == 0 for e in rounds[-2:])  # a new leader was elected
 
@@ -372,7 +383,7 @@ def test_node_network_cut(tmp_path_factory: pytest.TempPathFactory, make_job, re
                      timeout=60)
         before_fault(job)
         chaos.netcut(ns.node_link, ns.name)
-        check_replaced(job, server.endpoint, "b", reference[PLAIN, LONG])
+        check_replaced(job, server.endpoint, "b", "c", reference[PLAIN, LONG])
     finally:
         if job is not None:
             job.close()  # the cut-off node never finishes by itself
