@@ -99,8 +99,9 @@ def test_a_running_job_serves_real_step_and_collective_metrics(tmp_path: Path, j
     step_sums = {labels["rank"]: v for labels, v in samples["elasticft_step_seconds_sum"]}
     assert set(step_counts) == {"0", "1"}
     for rank in ("0", "1"):
-        # --step-time 0.05 sleeps in every step: the mean step is at least that long.
-        assert step_counts[rank] >= 18
+        # --step-time 0.05 sleeps in every step: the mean step is at least that long. Steps
+        # before the monitor's first look at a ring count for the last step only.
+        assert step_counts[rank] >= 10
         assert step_sums[rank] / step_counts[rank] >= 0.05
     assert samples["elasticft_collective_seconds_count"][0][1] >= 20
     latency = {labels["quantile"]: v

@@ -240,7 +240,10 @@ def test_slow_worker_is_named_and_restarted(etcd_server: EtcdServer, make_job, r
     job.start("a")
     job.start("b")
     job.wait_step(3)
-    slowing = threading.Thread(target=chaos.slow_rank, args=(job.tmp, 1, 0.8, 0.25, 40),
+    # Stopped 90% of the time: its compute takes 10x as long, and with the fixed 0.1 s sleep
+    # its busy time per step is about 3x its peer's (at 80% the ratio sat near the detector's
+    # 2x on a loaded host, and the slowness could go unnoticed for the whole run).
+    slowing = threading.Thread(target=chaos.slow_rank, args=(job.tmp, 1, 0.9, 0.25, 40),
                                daemon=True)
     slowing.start()
     slow = job.wait_for("a slow-rank detection", lambda: [
