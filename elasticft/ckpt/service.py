@@ -260,7 +260,7 @@ class CheckpointService(AgentCollaborator):
                      if w.local_rank not in failed_local_ranks]
         started = time.monotonic()
         while True:
-            writing = [r for r in survivors if self._copy_in_flight(group, r)]
+            writing = [r for r in survivors if self.slot_set(group, r).writing()]
             if not writing:
                 break
             if time.monotonic() - started >= _SURVIVOR_COPY_GRACE_S:
@@ -272,21 +272,6 @@ class CheckpointService(AgentCollaborator):
         waited = time.monotonic() - started
         if waited >= 0.005:
             logger.info("waited %.3f s for the survivors' snapshot copies in flight", waited)
-
-    def _copy_in_flight(self, group: GroupInfo, local_rank: int) -> bool:
-        """Whether a worker is writing a snapshot now: a writer holds its slot's exclusive lock
-        for the whole copy, and the kernel releases it when the writer dies."""
-        slots = self.slot_set(group, local_rank)
-        for index, header in slots.headers().items():
-            if header.state != shm.WRITING:
-                continue
-            slot = slots.get(index)
-            if slot is None:
-                continue
-            if not slot.try_lock(exclusive=False):
-                return True
-            slot.unlock()
-        return False
 
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
         if not self.config.ckpt_flush_on_failure:

@@ -334,6 +334,18 @@ class SlotSet:
     def complete(self) -> dict[int, SlotHeader]:
         return {i: h for i, h in self.headers().items() if h.state == COMPLETE}
 
+    def writing(self) -> bool:
+        """Whether a writer is copying a snapshot into one of these slots now: it holds the
+        slot's exclusive lock for the whole copy, and the kernel releases it if it dies."""
+        for index, header in self.headers().items():
+            slot = self.get(index) if header.state == WRITING else None
+            if slot is None:
+                continue
+            if not slot.try_lock(exclusive=False):
+                return True
+            slot.unlock()
+        return False
+
     def newest(self) -> tuple[int, SlotHeader] | None:
         done = self.complete()
         if not done:

@@ -116,10 +116,10 @@ def test_a_failures_survivor_finishes_its_snapshot_copy_before_it_is_stopped(
         while not saving.exists():
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.005)
-        assert service._copy_in_flight(group, 0), "the copy of step 2 should still be running"
+        assert service.slot_set(group, 0).writing(), "the copy of step 2 should still be running"
         # Another local worker (local rank 1) failed; torch would stop this one next.
         service.before_survivors_stopped(group, failed_local_ranks=(1,))
-        assert not service._copy_in_flight(group, 0)
+        assert not service.slot_set(group, 0).writing()
         assert service.newest_common_step(group) == 2
     finally:
         if proc is not None:
