@@ -1,0 +1,42 @@
+"""The agent's monitor reading a real ring over a long run: busy time per step stays right and
+the collective history it keeps for it stays small."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.config import DiagConfig
+from elasticft.diag.monitor import DiagMonitor
+from elasticft.diag.ring import Op, RingWriter, ring_path
+
+MS = 1_000_000
+
+
+def test_busy_time_of_every_step_and_no_growing_history(tmp_path: Path) -> None:
+    now = [10**12]
+    config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
+    monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, clock_ns=lambda: now[0])
+    group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
+    env = monitor.worker_env(group, group.workers[0])
+    monitor.on_workers_started(group)
+    writer = RingWriter(ring_path(Path(env["ELASTICFT_DIAG_RING_DIR"]), 0, "py"), 0)
+    try:
+        for step in range(1, 301):
+            # A 10 ms step: 6 ms of compute, then four 1 ms collectives (two overlapping).
+            start = now[0]
+            for begin in (6, 7, 7, 8):
+                writer.append(Op.ALL_REDUCE, comm=1, enqueue_ns=start + begin * MS,
+                              complete_ns=start + (begin + 1) * MS)
+            now[0] = start + 10 * MS
+            writer.append(Op.STEP, enqueue_ns=start, complete_ns=now[0], value=float(step))
+            assert monitor.check(group) is None
+            track = monitor._tracks[0]
+            assert track.steps == step
+            if step > 1:  # the first step absorbs start-up and is not judged
+                assert track.busy[-1] == 0.007  # 10 ms less the 3 ms inside collectives
+            assert len(track.spans) <= 4
+    finally:
+        writer.close()
+        monitor.on_workers_stopped(group)
+        monitor.close()
