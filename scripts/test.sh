@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install-servers.sh
 .venv/bin/ruff check elasticft tests bench examples scripts
-exec .venv/bin/python -m pytest -p no:cacheprovider -q "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 "$@"

@@ -31,15 +31,25 @@ from elasticft.ckpt.snapshot import (
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states: torch CPU (and CUDA) as tensors, Python's as JSON."""
+    """This process's RNG states: torch CPU (and CUDA) and Python's Mersenne Twister words as
+    tensors (a checkpoint copies tensors; 625 ints as JSON cost the save a walk and an encoding
+    every step), Python's version and Gaussian carry as JSON values."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "python": {"version": version, "state": _python_words(internal), "gauss": gauss},
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_rng_in_use():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def _python_words(internal: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(internal, dtype=torch.int64)
+
+
+def _cuda_rng_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
@@ -49,7 +59,10 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     if "python" in state:
         py = state["python"]
-        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        words = py["state"]  # a tensor; a list of ints in snapshots of earlier versions
+        if isinstance(words, torch.Tensor):
+            words = words.tolist()
+        random.setstate((py["version"], tuple(words), py["gauss"]))
 
 
 def capture(
@@ -90,6 +103,7 @@ class StateCapture:
         self._key: tuple[int, ...] | None = None
         self._dicts: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._rng_buffers: dict[str, torch.Tensor] = {}
+        self._python_words_seen: tuple[int, ...] = ()
         self._modules = list(model.modules())
 
     def _identity(self) -> tuple[int, ...]:
@@ -133,19 +147,28 @@ class StateCapture:
 
         ``torch.get_rng_state()`` returns a new tensor each time; a new object would make every
         save take the checkpointer's slower path for a changed state (a walk and a re-placement
-        instead of a compare). The save copies these small tensors before it returns.
+        instead of a compare). The save copies these small tensors before it returns. Python's
+        words are converted only when they changed: most training steps never use ``random``.
         """
-        state = rng_state()
-        for name, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            buffer = self._rng_buffers.get(name)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                self._rng_buffers[name] = buffer = value.clone()
-            else:
-                buffer.copy_(value)
-            state[name] = buffer
+        version, internal, gauss = random.getstate()
+        if internal != self._python_words_seen:
+            self._python_words_seen = internal
+            self._stable("python", _python_words(internal))
+        state: dict[str, Any] = {
+            "torch": self._stable("torch", torch.get_rng_state()),
+            "python": {"version": version, "state": self._rng_buffers["python"], "gauss": gauss},
+        }
+        if _cuda_rng_in_use():
+            state["cuda"] = self._stable("cuda", torch.cuda.get_rng_state())
         return state
+
+    def _stable(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        buffer = self._rng_buffers.get(name)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            self._rng_buffers[name] = buffer = value.clone()
+        else:
+            buffer.copy_(value)
+        return buffer
 
 
 def restore(

@@ -68,6 +68,28 @@ def test_state_capture_keeps_its_rng_tensors_and_their_current_values() -> None:
     assert torch.equal(second, torch.get_rng_state())
 
 
+def test_python_rng_words_are_a_tensor_that_follows_random_and_restores_it() -> None:
+    import random
+
+    from elasticft.ckpt import StateCapture
+    from elasticft.ckpt.state import set_rng_state
+
+    snap = StateCapture(torch.nn.Linear(2, 2))
+    first = snap()["rng"]["python"]["state"]
+    assert isinstance(first, torch.Tensor) and first.dtype == torch.int64
+    random.random()
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v
+             for k, v in snap()["rng"]["python"].items()}
+    assert saved["state"].tolist() == list(random.getstate()[1])
+    assert snap()["rng"]["python"]["state"] is first  # the same object, refreshed in place
+    expected = [random.random() for _ in range(3)]
+    set_rng_state({"python": saved})
+    assert [random.random() for _ in range(3)] == expected
+    # Snapshots written before the words were a tensor hold a list of ints.
+    set_rng_state({"python": dict(saved, state=saved["state"].tolist())})
+    assert [random.random() for _ in range(3)] == expected
+
+
 def test_state_capture_rebuilds_when_the_module_tree_changes() -> None:
     from elasticft.ckpt import StateCapture
 
