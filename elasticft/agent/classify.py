@@ -28,6 +28,9 @@ class FailureClass(str, enum.Enum):
     """The worker was sent SIGTERM/SIGINT from outside the agent."""
     HANG = "hang"
     """Alive but making no progress (reported by diagnostics, never by an exit)."""
+    SLOW = "slow"
+    """Making progress, but steadily slower than its peers for long enough (reported by
+    diagnostics with ``--slow-action restart``): fail-slow, which points at its node."""
     NUMERIC = "numeric"
     """Training diverged: a NaN/inf or spiking loss (reported by diagnostics). Every replica's
     weights may hold it, so recovery resumes from a snapshot, never a just-in-time checkpoint."""

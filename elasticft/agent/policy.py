@@ -84,6 +84,7 @@ _ROOT_CAUSE_ORDER = (
     FailureClass.USER_CODE,
     FailureClass.SIGNAL_CRASH,
     FailureClass.HANG,
+    FailureClass.SLOW,
     FailureClass.NUMERIC,
     FailureClass.INFRASTRUCTURE,
     FailureClass.STOP_REQUESTED,
@@ -111,11 +112,12 @@ def is_node_offence(failure: FailureRecord) -> bool:
     """Whether ``failure`` counts against the node its rank ran on.
 
     A crash by signal (SIGKILL from the OOM killer, SIGSEGV, SIGBUS), a hang whose culprit this
-    node's monitor named, and a device error do; a user bug, a stop request, and a connection
-    error (the usual echo of another rank's death) do not.
+    node's monitor named, a rank that stayed slower than its peers (the detector compares ranks
+    of the same job, so the node is the odd one out), and a device error do; a user bug, a stop
+    request, and a connection error (the usual echo of another rank's death) do not.
     """
     cls = failure.failure_class
-    if cls is FailureClass.SIGNAL_CRASH:
+    if cls is FailureClass.SIGNAL_CRASH or cls is FailureClass.SLOW:
         return True
     if cls is FailureClass.HANG:
         return "culprit: rank" in (failure.message or "")

@@ -486,7 +486,7 @@ class DiagMonitor(AgentCollaborator):
                       node_by_rank={str(r): n for r, n in node_of.items()}, reported_by=here)
             # Only the rank's own node acts on it: its restart restarts the whole job anyway.
             if self.config.slow_action == "restart" and local:
-                return Detection(FailureClass.HANG, (finding.rank,), "slow_rank", message)
+                return Detection(FailureClass.SLOW, (finding.rank,), "slow_rank", message)
         return None
 
     def _check_logs(self, group: GroupInfo, now: int) -> Detection | None:

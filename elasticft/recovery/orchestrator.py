@@ -8,7 +8,7 @@ checkpoint service, so on a failure it
 
 1. **counts the offence** against this node when its own rank caused it
    (:func:`~elasticft.agent.policy.is_node_offence`: a crash by signal, a hang this node's
-   monitor localised, a device error);
+   monitor localised, a rank that stayed slow, a device error);
 2. **asks for a just-in-time checkpoint** when every data-parallel shard still has a healthy
    replica (:func:`~elasticft.agent.policy.replicas_intact`) and a healthy local worker can be
    asked: through the checkpoint control channel (:mod:`elasticft.ckpt.control`), whose watcher

@@ -250,7 +250,8 @@ def test_slow_worker_is_named_and_restarted(etcd_server: EtcdServer, make_job, r
         e for e in job.events("detection") if e["detector"] == "slow_rank"], timeout=90)[0]
     assert slow["rank"] == 1 and slow["node"] == "b"
     losses = finish(job, reference[PLAIN, LONG], "a", "b")
-    assert any(d["action"] == "restart_in_place" for d in decisions(job))
+    assert any(d["action"] == "restart_in_place" and d["reason"].startswith("slow, restart")
+               for d in decisions(job))
     assert losses.recomputed <= PLAIN_CKPT_EVERY
     slowing.join(timeout=60)
 
