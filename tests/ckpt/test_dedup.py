@@ -124,7 +124,7 @@ def test_deduplicated_snapshots_restore_exactly_after_a_sigkill(tmp_path: Path, 
                    and i["path"][0] in ("model", "optim") and i["fqn"] in m["storage"]}
                   for m in shards]
     assert replicated[0] and replicated[1] and not replicated[0] & replicated[1]
-    assert replicated[0] | replicated[1] == set(owners) - {"rng.torch"}
+    assert replicated[0] | replicated[1] == {f for f in owners if not f.startswith("rng.")}
     model_sd = {k: torch.zeros_like(v) for k, v in expected["model"].items()}
     state = {"model": model_sd, "extra": {"step": -1}}
     dcp.load(state, checkpoint_id=str(directory))
