@@ -73,6 +73,9 @@ from elasticft.ckpt.snapshot import (
 
 logger = logging.getLogger(__name__)
 
+_COMMIT_RETRY_S = 0.2
+"""How often the committing rank looks again at a step that waits for other ranks' shards."""
+
 
 
 class SaveRequest:
@@ -400,7 +403,15 @@ class Checkpointer:
         assert self._slots is not None and self.settings.local_dir is not None
         durable.background_priority()
         while True:
-            step = self._persist_jobs.get()
+            # A step whose other shards were not on disk yet when this rank wrote its own is
+            # looked at again until it commits: the next persist may never come (the run's
+            # last step, or a crash), and a step with every shard durable must not be lost.
+            waiting = any(self._uncommitted_in.values())
+            try:
+                step = self._persist_jobs.get(timeout=_COMMIT_RETRY_S if waiting else None)
+            except queue.Empty:
+                self._commit_pending()
+                continue
             if step is None:
                 return
             try:

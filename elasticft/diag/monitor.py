@@ -41,7 +41,13 @@ from elasticft.diag import detectors, exchange, health, stacks
 from elasticft.diag.logscan import LogScanner
 from elasticft.diag.metrics import DiagMetrics
 from elasticft.diag.ring import Op, Record, RingReader, create_ring, ring_path
-from elasticft.diag.workerenv import default_ring_base, diag_worker_env, shim_library
+from elasticft.diag.workerenv import (
+    default_ring_base,
+    diag_worker_env,
+    ring_dir,
+    shim_library,
+    sweep_dead_ring_dirs,
+)
 from elasticft.events import EventLog
 
 logger = logging.getLogger(__name__)
@@ -136,10 +142,13 @@ class DiagMonitor(AgentCollaborator):
         if self._events is None:
             self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         if self._ring_dir is None:
-            base = self.config.diag_ring_dir or default_ring_base()
-            tag = hashlib.blake2b(f"{group.run_dir.resolve()}|{group.node_id}|{os.getpid()}"
-                                  .encode(), digest_size=6).hexdigest()
-            self._ring_dir = Path(base) / f"elasticft-{os.getuid()}-{tag}"
+            base = Path(self.config.diag_ring_dir or default_ring_base())
+            swept = sweep_dead_ring_dirs(base)
+            if swept:
+                logger.info("removed %d ring directories of agents that are gone", len(swept))
+            tag = hashlib.blake2b(f"{group.run_dir.resolve()}|{group.node_id}".encode(),
+                                  digest_size=6).hexdigest()
+            self._ring_dir = ring_dir(base, os.getpid(), tag)
             self._ring_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self._ring_dir, 0o700)
 

@@ -9,6 +9,8 @@ entries are kept after ours, never replaced.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -64,4 +66,29 @@ def diag_worker_env(
 def default_ring_base() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def ring_dir(base: Path, agent_pid: int, tag: str) -> Path:
+    """An agent's directory of progress rings: named after its user and process, so that a
+    later agent can tell whether the owner still runs (:func:`sweep_dead_ring_dirs`)."""
+    return base / f"elasticft-{os.getuid()}-{agent_pid}-{tag}"
+
+
+def sweep_dead_ring_dirs(base: Path) -> list[Path]:
+    """Removes this user's ring directories whose agent is gone: an agent killed with SIGKILL
+    never closes its monitor, and its rings (hundreds of KB per rank) would stay in memory."""
+    pattern = re.compile(rf"^elasticft-{os.getuid()}-(\d+)-[0-9a-f]+$")
+    removed = []
+    for path in base.glob(f"elasticft-{os.getuid()}-*"):
+        match = pattern.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:  # a live process of another user took the pid: not ours
+            continue
+    return removed
 

@@ -96,6 +96,35 @@ def test_uncommitted_step_is_never_loaded(tmp_path: Path, prefix: str) -> None:
     assert step == 1
 
 
+@pytest.mark.timeout(120)
+def test_a_step_commits_when_another_rank_writes_its_shard_last(tmp_path: Path) -> None:
+    """Rank 0 commits; when rank 1's shard lands after rank 0's own, no later persist and no
+    close is needed for the step to commit (a crash then would lose a durable step)."""
+    model, optim = trained_model()
+    local = tmp_path / "local"
+    prefixes = [unique_prefix(), unique_prefix()]
+    committer = Checkpointer(_persisting(prefixes[0], local), optimizers=[optim], rank=0,
+                             world_size=2)
+    other = Checkpointer(_persisting(prefixes[1], local), optimizers=[optim], rank=1,
+                         world_size=2)
+    try:
+        committer.save(1, capture(model, optim, {"step": 1})).wait(30)
+        deadline = time.monotonic() + 30
+        while not list(durable.step_dir(local, 1).glob("*")):
+            assert time.monotonic() < deadline, "rank 0 never wrote its shard"
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 0's own commit attempt has found rank 1 missing
+        assert 1 not in durable.committed_steps(local)
+        other.save(1, capture(model, optim, {"step": 1})).wait(30)
+        _wait_committed(local, 1, timeout=20)
+        assert durable.committed_steps(local)[1]["ranks"] == [0, 1]
+    finally:
+        other.close()
+        committer.close()
+        for name in prefixes:
+            remove_segments(name)
+
+
 _HALF_PERSIST = textwrap.dedent("""
     import os, signal, sys, torch
     from pathlib import Path

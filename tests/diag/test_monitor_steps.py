@@ -40,3 +40,29 @@ def test_busy_time_of_every_step_and_no_growing_history(tmp_path: Path) -> None:
         writer.close()
         monitor.on_workers_stopped(group)
         monitor.close()
+
+
+def test_ring_directories_of_dead_agents_are_swept_and_our_own_removed(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from elasticft.diag.workerenv import ring_dir
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = ring_dir(tmp_path, int(gone.stdout), "0123456789ab")
+    alive = ring_dir(tmp_path, os.getppid(), "ba9876543210")  # the pytest runner's parent
+    unnamed = tmp_path / f"elasticft-{os.getuid()}-0bee6bf3c4bf"  # no pid: not ours to judge
+    for path in (dead, alive, unnamed):
+        path.mkdir()
+        (path / "rank-0.py.ring").write_bytes(b"x")
+    config = DiagConfig(diag_preflight=False, diag_ring_dir=tmp_path, health_interval_s=3600)
+    monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path)
+    group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
+    env = monitor.worker_env(group, group.workers[0])
+    own = Path(env["ELASTICFT_DIAG_RING_DIR"])
+    assert not dead.exists() and alive.exists() and unnamed.exists()
+    assert own.parent == tmp_path and own.name.startswith(f"elasticft-{os.getuid()}-{os.getpid()}-")
+    monitor.close()
+    assert not own.exists()
