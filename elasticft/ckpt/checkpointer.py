@@ -77,7 +77,6 @@ _COMMIT_RETRY_S = 0.2
 """How often the committing rank looks again at a step that waits for other ranks' shards."""
 
 
-
 class SaveRequest:
     """One ``save``: complete when the snapshot is whole in shared memory (or was skipped)."""
 
