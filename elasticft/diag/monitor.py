@@ -53,6 +53,8 @@ from elasticft.events import EventLog
 logger = logging.getLogger(__name__)
 
 _NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
+# A rank without progress for this long has its process state read (stopped, zombie).
+_STATE_AFTER_S = 0.5
 
 
 def process_state(pid: int | None) -> str | None:
@@ -383,12 +385,17 @@ class DiagMonitor(AgentCollaborator):
                 detectors.InFlight(r.op_name, r.comm, r.comm_seq, (now - r.enqueue_ns) / 1e9,
                                    "ring") for r in oldest.values())
             since = track.step_ns if track.steps else track.started_ns
+            step_age_s = (now - since) / 1e9
+            # /proc is read only for a rank that seems stuck: at every check it would be a
+            # quarter of the monitor's cost, for a state that matters only to a hang.
+            stuck = step_age_s > _STATE_AFTER_S or any(c.age_s > _STATE_AFTER_S
+                                                       for c in in_flight)
             views.append(detectors.RankView(
                 rank=rank, node=group.node_id, pid=pids.get(rank),
-                process_state=process_state(pids.get(rank)),
+                process_state=process_state(pids.get(rank)) if stuck else None,
                 heartbeat_age_s=(now - track.heartbeat_ns) / 1e9 if track.heartbeat_ns else None,
                 in_flight=in_flight, comm_seqs=dict(track.comm_seqs), steps=track.steps,
-                step_age_s=(now - since) / 1e9))
+                step_age_s=step_age_s))
         return views
 
     def _check_hang(self, group: GroupInfo, now: int, views: list[detectors.RankView],

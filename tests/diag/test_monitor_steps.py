@@ -66,3 +66,33 @@ def test_ring_directories_of_dead_agents_are_swept_and_our_own_removed(tmp_path:
     assert own.parent == tmp_path and own.name.startswith(f"elasticft-{os.getuid()}-{os.getpid()}-")
     monitor.close()
     assert not own.exists()
+
+
+def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+
+    now = [10**12]
+    config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
+    monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, clock_ns=lambda: now[0])
+    sleeper = subprocess.Popen(["sleep", "60"])
+    group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1, sleeper.pid),))
+    env = monitor.worker_env(group, group.workers[0])
+    monitor.on_workers_started(group)
+    writer = RingWriter(ring_path(Path(env["ELASTICFT_DIAG_RING_DIR"]), 0, "py"), 0)
+    try:
+        sleeper.send_signal(signal.SIGSTOP)
+        writer.append(Op.STEP, enqueue_ns=now[0] - 10 * MS, complete_ns=now[0], value=1.0)
+        now[0] += 100 * MS
+        monitor.check(group)
+        [fresh] = monitor.views(group, now[0])
+        assert fresh.process_state is None  # stepped 0.1 s ago: /proc is not read
+        now[0] += 1000 * MS
+        [stuck] = monitor.views(group, now[0])
+        assert stuck.process_state == "T"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        writer.close()
+        monitor.on_workers_stopped(group)
+        monitor.close()
