@@ -100,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
                     step_hook.remove()
                 recorder.stop_heartbeat()
         if step % args.block == 0 and rank == 0:
-            os.pwrite(phase_fd, b"1" if on and not args.control else b"0", 0)
+            os.pwrite(phase_fd, b"1" if on else b"0", 0)
         model = watched if on else plain
         optim = optims[id(model)]
         x, y = example.batch(step, rank, args.batch_size)
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 tick, tick_cpu = time.monotonic(), time.process_time()
                 time.sleep(0.1)
                 phase = phase_file.read_bytes()[:1]
-                if phase == b"1":
+                if phase == b"1" and not args.control:
                     began = time.perf_counter()
                     found = monitor.check(group)
                     check_s += time.perf_counter() - began
