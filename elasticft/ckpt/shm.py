@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy
 
+from elasticft import procs
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
 from elasticft.ckpt.snapshot import align_up
 
@@ -93,15 +94,13 @@ def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[Path]:
         if not match:
             continue
         try:
-            if path.stat().st_uid != os.getuid():
+            if path.stat().st_uid != os.getuid() or not procs.gone(int(match.group(1))):
                 continue
-            os.kill(int(match.group(1)), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path)
-        except (PermissionError, FileNotFoundError):
+        except FileNotFoundError:
             continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
     if removed:
         logger.info("removed %d shared-memory segment(s) of dead owners", len(removed))
     return removed

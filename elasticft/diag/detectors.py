@@ -23,6 +23,8 @@ import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
+from elasticft.procs import EXITED_STATES, STOPPED_STATES
+
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveTimeout:
@@ -134,8 +136,6 @@ def find_hang(
                        collective_timeout_s if "step" not in worst[1] else step_timeout_s)
 
 
-STOPPED_STATES = frozenset({"T", "t", "Z", "X"})
-EXITED_STATES = frozenset({"Z", "X"})
 
 
 def localise(views: Sequence[RankView], heartbeat_stale_s: float) -> list[Culprit]:

@@ -37,7 +37,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from elasticft.diag.detectors import STOPPED_STATES, InFlight, RankView
+from elasticft.diag.detectors import InFlight, RankView
+from elasticft.procs import STOPPED_STATES
 
 logger = logging.getLogger(__name__)
 

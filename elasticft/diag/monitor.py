@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from elasticft import procs
 from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureClass
 from elasticft.config import DiagConfig
@@ -55,16 +56,6 @@ logger = logging.getLogger(__name__)
 _NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
 # A rank without progress for this long has its process state read (stopped, zombie).
 _STATE_AFTER_S = 0.5
-
-
-def process_state(pid: int | None) -> str | None:
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 class _RankTrack:
@@ -221,7 +212,7 @@ class DiagMonitor(AgentCollaborator):
         # A stopped (SIGSTOP) worker ignores the agent's SIGTERM until it is continued, which
         # would make every restart wait for the whole shutdown timeout.
         for worker in group.workers:
-            if worker.pid and process_state(worker.pid) in ("T", "t"):
+            if worker.pid and procs.state(worker.pid) in ("T", "t"):
                 with contextlib.suppress(OSError):
                     os.kill(worker.pid, signal.SIGCONT)
 
@@ -392,7 +383,7 @@ class DiagMonitor(AgentCollaborator):
                                                        for c in in_flight)
             views.append(detectors.RankView(
                 rank=rank, node=group.node_id, pid=pids.get(rank),
-                process_state=process_state(pids.get(rank)) if stuck else None,
+                process_state=procs.state(pids.get(rank)) if stuck else None,
                 heartbeat_age_s=(now - track.heartbeat_ns) / 1e9 if track.heartbeat_ns else None,
                 in_flight=in_flight, comm_seqs=dict(track.comm_seqs), steps=track.steps,
                 step_age_s=step_age_s))

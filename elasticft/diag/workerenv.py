@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from elasticft import procs
 from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
 
 SHIM_ENV = "ELASTICFT_DIAG_SHIM"
@@ -81,14 +82,8 @@ def sweep_dead_ring_dirs(base: Path) -> list[Path]:
     removed = []
     for path in base.glob(f"elasticft-{os.getuid()}-*"):
         match = pattern.match(path.name)
-        if match is None or not path.is_dir():
-            continue
-        try:
-            os.kill(int(match.group(1)), 0)
-        except ProcessLookupError:
+        if match is not None and path.is_dir() and procs.gone(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-        except PermissionError:  # a live process of another user took the pid: not ours
-            continue
     return removed
 

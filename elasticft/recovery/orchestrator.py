@@ -54,6 +54,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from elasticft import procs
 from elasticft.agent.api import AgentCollaborator, GroupInfo
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import (
@@ -105,18 +106,6 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "X"
-
-
-def _alive(pid: int | None) -> bool:
-    """A worker that can answer: it exists and is neither stopped nor a zombie."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("T", "t", "Z", "X")
 
 
 class RecoveryOrchestrator(AgentCollaborator):
@@ -213,7 +202,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         thread = threading.Thread(target=self._learn_round, args=(group, store), daemon=True,
                                   name="elasticft-recovery-round")
         thread.start()
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        self._threads = [t for t in self._threads if t.isprocs.responsive()] + [thread]
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._started = group
@@ -289,7 +278,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         world = group.workers[0].world_size if group.workers else 0
         intact = replicas_intact(world, offending, self.layout)
         healthy = [w for w in group.workers
-                   if w.global_rank not in offending and _alive(w.pid)]
+                   if w.global_rank not in offending and procs.responsive(w.pid)]
         control = self._control_dir(group)
         uses_api = self._uses_api(group)
         # The other nodes' replicas can be asked through the round's store.
@@ -393,7 +382,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         # collective failed when another rank went) never does, and must not delay recovery.
         acks = request_checkpoint(control, list(pids), reason,
                                   self.config.recovery_jit_timeout_s,
-                                  alive=lambda local_rank: _alive(pids.get(local_rank)))
+                                  alive=lambda local_rank: procs.responsive(pids.get(local_rank)))
         steps = {w.global_rank: acks[w.local_rank].step for w in healthy
                  if w.local_rank in acks}
         seconds = time.monotonic() - started
@@ -409,7 +398,7 @@ class RecoveryOrchestrator(AgentCollaborator):
     def _node_jit(self, group: GroupInfo, cause: str) -> _RoundJit | None:
         """The JIT checkpoint of every live local worker (none: nobody to ask)."""
         control = self._control_dir(group)
-        healthy = [w for w in group.workers if _alive(w.pid)]
+        healthy = [w for w in group.workers if procs.responsive(w.pid)]
         if control is None or not healthy or not self._uses_api(group):
             return None
         return self._shared_jit(group, control, healthy, cause)

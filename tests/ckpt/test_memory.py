@@ -220,3 +220,17 @@ def test_directories_may_be_given_as_strings(tmp_path: Path) -> None:
     settings = WorkerSettings.from_env({}, ckpt_dir=str(tmp_path / "a"),
                                        remote_dir=str(tmp_path / "b"))
     assert (settings.local_dir, settings.remote_dir) == (tmp_path / "a", tmp_path / "b")
+
+
+def test_sweep_removes_the_segments_of_owners_that_are_gone(tmp_path: Path) -> None:
+    from elasticft.ckpt.shm import segment_prefix, slot_path, sweep_orphans
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = slot_path(segment_prefix(int(gone.stdout), "job", 0), 0, tmp_path)
+    alive = slot_path(segment_prefix(os.getpid(), "job", 0), 1, tmp_path)
+    other = tmp_path / "unrelated-segment"
+    for path in (dead, alive, other):
+        path.write_bytes(b"x")
+    assert sweep_orphans(tmp_path) == [dead]
+    assert not dead.exists() and alive.exists() and other.exists()

@@ -71,6 +71,9 @@ def test_ring_directories_of_dead_agents_are_swept_and_our_own_removed(tmp_path:
 def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) -> None:
     import signal
     import subprocess
+    import time
+
+    from elasticft import procs
 
     now = [10**12]
     config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
@@ -82,6 +85,9 @@ def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) 
     writer = RingWriter(ring_path(Path(env["ELASTICFT_DIAG_RING_DIR"]), 0, "py"), 0)
     try:
         sleeper.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while procs.state(sleeper.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
         writer.append(Op.STEP, enqueue_ns=now[0] - 10 * MS, complete_ns=now[0], value=1.0)
         now[0] += 100 * MS
         monitor.check(group)

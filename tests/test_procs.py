@@ -1,0 +1,39 @@
+"""Process facts from a pid, on real processes: running, stopped, zombie, reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from elasticft import procs
+
+
+def _wait_state(pid: int, wanted: set[str]) -> str | None:
+    deadline = time.monotonic() + 10
+    while (current := procs.state(pid)) not in wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return current
+
+
+def test_states_of_a_child_through_its_life() -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert procs.state(child.pid) in {"S", "R"}
+        assert procs.responsive(child.pid) and not procs.gone(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        assert _wait_state(child.pid, {"T"}) == "T"
+        assert not procs.responsive(child.pid)
+        child.send_signal(signal.SIGKILL)
+        assert _wait_state(child.pid, {"Z"}) == "Z"  # not reaped yet: a zombie, still a pid
+        assert not procs.responsive(child.pid) and not procs.gone(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert procs.state(child.pid) is None and procs.gone(child.pid)
+
+
+def test_no_pid_and_our_own() -> None:
+    assert procs.state(None) is None and procs.state(0) is None and not procs.responsive(None)
+    assert procs.state(os.getpid()) == "R"
