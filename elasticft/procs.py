@@ -26,6 +26,12 @@ def state(pid: int | None) -> str | None:
         return None
 
 
+def exists(pid: int | None) -> bool:
+    """The process has not exited (it may be stopped, still holding its sockets and memory)."""
+    current = state(pid)
+    return current is not None and current not in EXITED_STATES
+
+
 def responsive(pid: int | None) -> bool:
     """The process exists and is neither stopped nor exited."""
     current = state(pid)

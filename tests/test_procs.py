@@ -24,10 +24,11 @@ def test_states_of_a_child_through_its_life() -> None:
         assert procs.responsive(child.pid) and not procs.gone(child.pid)
         child.send_signal(signal.SIGSTOP)
         assert _wait_state(child.pid, {"T"}) == "T"
-        assert not procs.responsive(child.pid)
+        assert not procs.responsive(child.pid) and procs.exists(child.pid)
         child.send_signal(signal.SIGKILL)
         assert _wait_state(child.pid, {"Z"}) == "Z"  # not reaped yet: a zombie, still a pid
-        assert not procs.responsive(child.pid) and not procs.gone(child.pid)
+        assert not procs.responsive(child.pid) and not procs.exists(child.pid)
+        assert not procs.gone(child.pid)
     finally:
         child.kill()
         child.wait()

@@ -95,19 +95,6 @@ class _RoundJit:
     ranks: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
 
-def _exists(pid: int | None) -> bool:
-    """A worker process that still exists (it may be stopped): it holds its collectives."""
-    return bool(pid) and os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X")
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
-
-
 class RecoveryOrchestrator(AgentCollaborator):
     """Just-in-time checkpoints, offence counting, eviction and blacklisting for one node."""
 
@@ -202,7 +189,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         thread = threading.Thread(target=self._learn_round, args=(group, store), daemon=True,
                                   name="elasticft-recovery-round")
         thread.start()
-        self._threads = [t for t in self._threads if t.isprocs.responsive()] + [thread]
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._started = group
@@ -304,7 +291,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                 # While a local worker still exists (a hang: stopped or stuck), the replicas
                 # elsewhere wait in the collective with it; stopping it would end that wait,
                 # so the reports come first. After a crash they are collected on the side.
-                if any(_exists(w.pid) for w in group.workers):
+                if any(procs.exists(w.pid) for w in group.workers):
                     self._collect_jit_reports(group, self._round_store)
                 else:
                     thread = threading.Thread(target=self._collect_jit_reports,
