@@ -14,14 +14,19 @@ STOPPED_STATES = frozenset({"T", "t", "Z", "X"})
 EXITED_STATES = frozenset({"Z", "X"})
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` from the state on. The command name before it may hold spaces and
+    parentheses, so the fields start after the last ')'."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def state(pid: int | None) -> str | None:
     """The process's state letter, or None when there is no such process (or no pid)."""
     if not pid:
         return None
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name may hold spaces and parentheses: the state follows the last ')'.
-            return f.read().rsplit(")", 1)[1].split()[0]
+        return _stat_fields(pid)[0]
     except (OSError, IndexError):
         return None
 
@@ -47,3 +52,22 @@ def gone(pid: int) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def exit_status(pid: int) -> int | None:
+    """The wait status of an exited child not yet reaped (a zombie); None while it runs.
+
+    A caller that cannot reap (the agent reaps its workers only in its monitor loop) still
+    learns how a worker ended: the kernel holds a zombie's status. A pid already reaped gives 0:
+    it exited, and its status is no longer known.
+    """
+    try:
+        fields = _stat_fields(pid)
+    except (OSError, IndexError):
+        return 0
+    if fields[0] != "Z":
+        return None
+    try:
+        return int(fields[-1])
+    except (ValueError, IndexError):
+        return 0

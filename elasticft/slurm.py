@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from elasticft import procs
 from elasticft.agent.api import AgentCollaborator, GroupInfo, StopRun
 from elasticft.agent.classify import FailureClass
 from elasticft.agent.policy import Action, ActionKind
@@ -306,24 +307,6 @@ def find_checkpoint_now(collaborators: Sequence[object]) -> CheckpointNow | None
     return None
 
 
-def exit_status(pid: int) -> int | None:
-    """The wait status of an exited child not yet reaped (a zombie), from /proc; else None.
-
-    The agent reaps its workers only in its monitor loop, which is blocked while this module
-    waits, so a finished worker is a zombie whose status the kernel still holds.
-    """
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0  # gone (reaped): it exited; its status is no longer known
-    if fields[0] != "Z":
-        return None
-    try:
-        return int(fields[-1])
-    except (ValueError, IndexError):
-        return 0
-
-
 def describe_status(status: int) -> str:
     if os.WIFSIGNALED(status):
         return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
@@ -490,7 +473,7 @@ class SlurmHandler(AgentCollaborator):
         while self._clock() < deadline:
             for pid in pids:
                 if pid not in statuses:
-                    status = exit_status(pid)
+                    status = procs.exit_status(pid)
                     if status is not None:
                         statuses[pid] = status
             if len(statuses) == len(pids):

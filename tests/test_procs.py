@@ -38,3 +38,18 @@ def test_states_of_a_child_through_its_life() -> None:
 def test_no_pid_and_our_own() -> None:
     assert procs.state(None) is None and procs.state(0) is None and not procs.responsive(None)
     assert procs.state(os.getpid()) == "R"
+
+
+def test_exit_status_of_a_zombie_child() -> None:
+    child = subprocess.Popen(["sh", "-c", "exit 3"])
+    _wait_state(child.pid, {"Z"})
+    status = procs.exit_status(child.pid)
+    assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3
+    child.wait()
+    assert procs.exit_status(child.pid) == 0  # reaped: ended, status no longer known
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        assert procs.exit_status(running.pid) is None
+    finally:
+        running.kill()
+        running.wait()
