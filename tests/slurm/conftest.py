@@ -122,6 +122,9 @@ class SlurmCluster:
                     "MpiDefault=none",
                     "SwitchType=switch/none",
                     "SchedulerType=sched/builtin",
+                    # Pending jobs are otherwise looked at every 60 s: a requeued job whose
+                    # credential expired would wait up to a minute for its next start.
+                    "SchedulerParameters=sched_interval=1",
                     "SelectType=select/cons_tres",
                     "SelectTypeParameters=CR_CPU",
                     "ReturnToService=2",
