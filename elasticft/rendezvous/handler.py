@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import time
@@ -210,20 +211,33 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _wait_for_etcd(self, deadline: float) -> None:
         m = self._membership
         started = time.monotonic()
+        last_said = -math.inf
         while True:
             try:
                 with etcd_errors(m.settings, "connecting to"):
                     m.client.get(m.keys.state)
+                if last_said > -math.inf:
+                    logger.warning("etcd at %s answers after %.0f s", m.settings.endpoint_text,
+                                   time.monotonic() - started)
                 return
             except RendezvousConnectionError as e:
-                if time.monotonic() >= deadline:
-                    cause = describe_error(e.__cause__) if e.__cause__ else str(e)
+                now = time.monotonic()
+                cause = describe_error(e.__cause__) if e.__cause__ else str(e)
+                if now >= deadline:
                     raise RendezvousConnectionError(
                         f"cannot reach etcd at {m.settings.endpoint_text} within "
-                        f"{time.monotonic() - started:.0f} s ({cause}); start etcd or fix "
+                        f"{now - started:.0f} s ({cause}); start etcd or fix "
                         "--rdzv-endpoint / --rdzv-conf (TLS, user, password)"
                     ) from None
-                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                # etcd may legitimately start after the agents, so this waits; but a mistyped
+                # endpoint must not look like a silent hang for the whole join timeout.
+                if now - last_said >= _OUTAGE_LOG_EVERY_S:
+                    last_said = now
+                    logger.warning(
+                        "waiting for etcd at %s (%s); giving up in %.0f s (set "
+                        "--rdzv-conf connect_timeout=SECONDS to wait less or more)",
+                        m.settings.endpoint_text, cause, deadline - now)
+                time.sleep(min(0.5, max(0.0, deadline - now)))
 
     def _publish_member(self, state: str, **fields: Any) -> None:
         m = self._membership

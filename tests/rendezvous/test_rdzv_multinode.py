@@ -5,6 +5,7 @@ an etcd restart mid-run, an unreachable etcd, and plain torchrun with the backen
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -248,6 +249,8 @@ def test_unreachable_etcd_is_a_one_line_error(job_env: dict[str, str], tmp_path:
     out = node.output()
     assert code != 0
     assert time.monotonic() - started < 50
+    # While it waits, it says so at once, with the deadline, so a mistyped endpoint is seen.
+    assert re.search(rf"waiting for etcd at 127.0.0.1:{port} .*; giving up in [0-5] s", out), out
     assert f"cannot reach etcd at 127.0.0.1:{port} within" in out
     assert "Traceback" not in out
 
