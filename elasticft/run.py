@@ -17,7 +17,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from elasticft import config as elasticft_config
 from elasticft import slurm
@@ -123,6 +123,25 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConf
     return args, options
 
 
+def _torch_launch_config(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
+    """torch's LaunchConfig, command and arguments for ``args``; a usage error if unusable."""
+    from torch.distributed.run import config_from_args, determine_local_world_size
+
+    try:
+        workers_per_node = determine_local_world_size(args.nproc_per_node)
+    except ValueError as e:
+        raise UsageError(f"--nproc-per-node: {e}; use a number, cpu, gpu or auto") from None
+    if workers_per_node < 1:
+        raise UsageError(f"--nproc-per-node {args.nproc_per_node}: a node needs at least "
+                         "one worker")
+    try:
+        return config_from_args(args)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        # torch checks --nnodes, --max-restarts and the like with bare assertions.
+        message = str(e).splitlines()[0] if str(e) else "inconsistent launch options"
+        raise UsageError(f"{message}; see elasticft-run --help") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("LOGLEVEL", "INFO").upper(),
@@ -139,21 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             slurm.run_id_default(args, raw_argv, os.environ, allocation)
         if options.agent.capture_stderr:
             _capture_stderr(args)
-        from torch.distributed.run import config_from_args, determine_local_world_size
-
         torch_run_logger = logging.getLogger("torch.distributed.run")
         level = torch_run_logger.level
-        torch_run_logger.setLevel(logging.WARNING)  # its INFO line would precede our one-liner
+        # Its INFO lines ("Using nproc_per_node=...") would precede our one-line errors.
+        torch_run_logger.setLevel(logging.WARNING)
         try:
-            determine_local_world_size(args.nproc_per_node)
-        except ValueError as e:
-            raise UsageError(f"--nproc-per-node: {e}; use a number, cpu, gpu or auto") from None
+            launch_config, cmd, cmd_args = _torch_launch_config(args)
         finally:
             torch_run_logger.setLevel(level)
-        try:
-            launch_config, cmd, cmd_args = config_from_args(args)
-        except (ValueError, RuntimeError) as e:
-            raise UsageError(str(e).splitlines()[0]) from None
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return USAGE_ERROR

@@ -30,6 +30,11 @@ BAD_INPUTS: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {
     "bad_torchrun_env": (["--standalone", SCRIPT], {"PET_MAX_RESTARTS": "lots"}, {}),
     "bad_nproc": (["--standalone", "--nproc-per-node", "two", SCRIPT], {}, {}),
     "missing_script": (["--standalone", "no_such_train.py"], {}, {}),
+    "zero_nproc": (["--standalone", "--nproc-per-node", "0", SCRIPT], {}, {}),
+    "inverted_nnodes": (["--nnodes", "3:2", SCRIPT], {}, {}),
+    "negative_restarts": (["--standalone", "--max-restarts", "-1", SCRIPT], {}, {}),
+    "unwritable_run_dir": (["--standalone", "--run-dir", "/proc/elasticft-run", SCRIPT], {},
+                           {}),
     "help": (["--help"], {}, {}),
 }
 
@@ -117,3 +122,20 @@ def test_help_documents_every_option(answers) -> None:
     for text in ("--nproc-per-node", "--rdzv-backend", "--restart-on-user-error",
                  "ELASTICFT_RESTART_ON_USER_ERROR", "--config"):
         assert text in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_zero_workers_per_node(answers) -> None:
+    assert_usage_error(answers["zero_nproc"], "--nproc-per-node 0", "at least one worker")
+
+
+@pytest.mark.timeout(180)
+def test_torch_launch_checks_are_one_line_too(answers) -> None:
+    # torch validates these with bare assertions; they must not surface as tracebacks.
+    assert_usage_error(answers["inverted_nnodes"], "min_nodes=3, max_nodes=2", "--help")
+    assert_usage_error(answers["negative_restarts"], "max_restarts must be >= 0", "--help")
+
+
+@pytest.mark.timeout(180)
+def test_unwritable_run_dir(answers) -> None:
+    assert_usage_error(answers["unwritable_run_dir"], "/proc/elasticft-run", "--run-dir")
