@@ -221,6 +221,13 @@ def healthy_step_time(records: Sequence[StepRecord], attempt_of: Sequence[int]) 
 
 def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]) -> Analysis:
     """Splits the run into TOR phases; see the module docstring for the definitions."""
+    run_ids = sorted({str(e.get("run_id", "")) for e in events if e["kind"] == "run_start"})
+    if len(run_ids) > 1:
+        # Allocations of one run (a Slurm requeue) share its id; several ids are several runs,
+        # e.g. the parent of many run directories, and one timeline of them means nothing.
+        shown = ", ".join(run_ids[:3]) + (", ..." if len(run_ids) > 3 else "")
+        raise ReportError(f"holds the event logs of {len(run_ids)} runs ({shown}); give the "
+                          "directory of one run, e.g. elasticft-runs/<run-id>")
     rank = _reference(steps)
     node = _reference_node(events, rank)
     segments = _segments(events, node)

@@ -109,6 +109,13 @@ def test_requeued_run_counts_allocations_not_the_queue():
     assert a.mtbf_s is None
 
 
+def test_several_runs_in_one_directory_is_a_clear_error():
+    events, records = crash_run()
+    other = [ev(50.0, "run_start", run_id="another"), ev(51.0, "run_end", state="succeeded")]
+    with pytest.raises(ReportError, match=r"2 runs \(another, r\); give the directory of one"):
+        analyze(events + other, records)
+
+
 def test_missing_step_records_is_a_clear_error():
     with pytest.raises(ReportError, match="ELASTICFT_STEP_LOG"):
         analyze([ev(0.0, "run_start")], {})
