@@ -5,7 +5,7 @@
   CRC-32; exit code 1 when something is corrupt or missing.
 * ``export DIR --out PATH [--step N] [--format dcp|torch]``: a plain DCP directory (only
   ``.metadata`` and the shard files) or a single ``torch.save`` file of the whole, unsharded state
-  (torch's ``dcp_to_torch_save``).
+  (torch's ``dcp_to_torch_save``). Every shard is verified first; a damaged step is not exported.
 """
 
 from __future__ import annotations
@@ -87,6 +87,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     out: Path = args.out
     if out.exists():
         raise _error(f"{out} already exists; choose a new path")
+    # DCP's reader checks no checksums: a damaged shard would be handed on as a good one.
+    for rank in (durable.commit_info(directory) or {}).get("ranks", []):
+        try:
+            durable.read_rank_shard(directory, rank)
+        except CheckpointError as e:
+            raise _error(f"step {step} rank {rank} is {e.reason} ({e}); nothing exported. "
+                         "Export an older step with --step (elasticft ckpt verify DIR --step N "
+                         "checks one)") from None
     if args.format == "dcp":
         out.mkdir(parents=True, mode=0o700)
         for path in directory.iterdir():

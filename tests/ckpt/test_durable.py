@@ -197,6 +197,22 @@ def test_retention_keeps_the_newest_k(tmp_path: Path, prefix: str, capsys) -> No
     assert torch.equal(target["model"]["0.weight"], model.state_dict()["0.weight"])
     assert cli_main(["ckpt", "export", str(local), "--out", str(plain)]) == 2  # exists
 
+    # A damaged shard is refused, in one line, and nothing is written; an older step still goes.
+    shard = durable.step_dir(local, 4) / durable.shard_name(0)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    for fmt in ("dcp", "torch"):
+        damaged = tmp_path / f"damaged-{fmt}"
+        assert cli_main(["ckpt", "export", str(local), "--out", str(damaged),
+                         "--format", fmt]) == 2
+        assert not damaged.exists()
+    err = capsys.readouterr().err
+    assert "step 4 rank 0 is corrupt" in err and "nothing exported" in err and "--step" in err
+    assert cli_main(["ckpt", "export", str(local), "--step", "3", "--out",
+                     str(tmp_path / "older")]) == 0
+
 
 @pytest.mark.timeout(60)
 def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
