@@ -81,6 +81,18 @@ def parse_layout(text: str | None) -> tuple[int, int, int] | None:
     return tp, pp, dp
 
 
+def _check_writable(flag: str, directory: Path) -> None:
+    """Refuses a checkpoint directory that cannot be written before anything starts: otherwise
+    training would run with every persist failing and nothing durable at the end."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".elasticft-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {directory}: cannot write there ({e.strerror}); choose a "
+                          "directory this user can create and write") from None
+
+
 class CheckpointService(AgentCollaborator):
     """Owns this node's memory tier; persists, replicates and flushes it."""
 
@@ -126,6 +138,10 @@ class CheckpointService(AgentCollaborator):
                      ) -> CheckpointService | None:
         if not options.ckpt.ckpt_enabled:
             return None
+        for flag, directory in (("--ckpt-dir", options.ckpt.ckpt_dir),
+                                ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
+            if directory is not None:
+                _check_writable(flag, Path(directory))
         return cls(options.ckpt, local_addr=local_addr)
 
     # ------------------------------------------------------------------------------------------

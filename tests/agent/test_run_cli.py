@@ -35,6 +35,8 @@ BAD_INPUTS: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {
     "negative_restarts": (["--standalone", "--max-restarts", "-1", SCRIPT], {}, {}),
     "unwritable_run_dir": (["--standalone", "--run-dir", "/proc/elasticft-run", SCRIPT], {},
                            {}),
+    "unwritable_ckpt_dir": (["--standalone", "--ckpt-dir", "/proc/elasticft-ckpt", SCRIPT], {},
+                            {}),
     "help": (["--help"], {}, {}),
 }
 
@@ -139,3 +141,10 @@ def test_torch_launch_checks_are_one_line_too(answers) -> None:
 @pytest.mark.timeout(180)
 def test_unwritable_run_dir(answers) -> None:
     assert_usage_error(answers["unwritable_run_dir"], "/proc/elasticft-run", "--run-dir")
+
+
+@pytest.mark.timeout(180)
+def test_unwritable_checkpoint_dir(answers) -> None:
+    # Otherwise training would run with every persist failing and nothing durable at the end.
+    assert_usage_error(answers["unwritable_ckpt_dir"], "--ckpt-dir /proc/elasticft-ckpt",
+                       "cannot write")
