@@ -311,15 +311,23 @@ class ViewExchange:
             self._read_others(generation, current)
 
     def _read_others(self, generation: int, current: _Round) -> None:
-        for group_rank in range(current.group_world_size):
-            if group_rank == current.group_rank:
-                continue
-            key = summary_key(group_rank)
+        keys = {group_rank: summary_key(group_rank)
+                for group_rank in range(current.group_world_size)
+                if group_rank != current.group_rank}
+        # get would wait for a key the other node has not written yet, so keys are checked
+        # first; once every node has published (the steady state) one check covers them all.
+        if generation != self._generation or not keys:
+            return
+        try:
+            all_published = current.store.check(list(keys.values()))
+        except Exception as e:
+            self._warn_once("checking the other nodes' summaries failed", e)
+            return
+        for group_rank, key in keys.items():
             if generation != self._generation:
                 return
             try:
-                # check first: get would wait for a key the other node has not written yet.
-                if not current.store.check([key]):
+                if not all_published and not current.store.check([key]):
                     continue
                 summary = decode_summary(current.store.get(key))
             except ValueError as e:

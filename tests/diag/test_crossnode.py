@@ -302,3 +302,46 @@ def test_all_recorders_silent_without_a_collective_is_an_exit_not_a_hang():
     found = d.find_hang([exiting[0], alive], 8, 8)
     assert found is not None
     assert [c.rank for c in d.localise([exiting[0], alive], 2)] == [0]
+
+
+class _CountingStore:
+    """A real store that counts the exchange's calls to it."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def set(self, key, value):
+        self.calls.append("set")
+        return self.inner.set(key, value)
+
+    def check(self, keys):
+        self.calls.append(f"check{len(keys)}")
+        return self.inner.check(keys)
+
+    def get(self, key):
+        self.calls.append("get")
+        return self.inner.get(key)
+
+
+@pytest.mark.timeout(60)
+def test_once_every_node_has_published_one_check_covers_all_their_keys(store):
+    nodes = [ViewExchange(interval_s=0.05, poll_s=0.05) for _ in range(4)]
+    counting = _CountingStore(store)
+    try:
+        for group_rank, exchange in enumerate(nodes):
+            exchange.attach(counting if group_rank == 0 else store, f"n{group_rank}",
+                            group_rank, 4)
+            exchange.offer([_view(group_rank, f"n{group_rank}")], {})
+        _wait(lambda: len(nodes[0].job_view().views) == 3)
+        counting.calls.clear()
+        time.sleep(0.5)
+        reads = [c for c in list(counting.calls) if c != "set"]
+        # Per poll: one check of the 3 other keys, then 3 gets; no per-key checks. (The first
+        # and last polls may be cut by the window.)
+        assert "check1" not in reads, reads
+        polls = " ".join(reads).split("check3")[1:-1]
+        assert polls and all(p.split() == ["get"] * 3 for p in polls), reads
+    finally:
+        for exchange in nodes:
+            exchange.close()
