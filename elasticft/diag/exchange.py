@@ -311,35 +311,46 @@ class ViewExchange:
             self._read_others(generation, current)
 
     def _read_others(self, generation: int, current: _Round) -> None:
-        keys = {group_rank: summary_key(group_rank)
-                for group_rank in range(current.group_world_size)
-                if group_rank != current.group_rank}
-        # get would wait for a key the other node has not written yet, so keys are checked
-        # first; once every node has published (the steady state) one check covers them all.
-        if generation != self._generation or not keys:
-            return
-        try:
-            all_published = current.store.check(list(keys.values()))
-        except Exception as e:
-            self._warn_once("checking the other nodes' summaries failed", e)
-            return
-        for group_rank, key in keys.items():
-            if generation != self._generation:
-                return
+        payloads = self._fetch_others(generation, current)
+        now = self._clock()
+        for group_rank, payload in payloads.items():
             try:
-                if not all_published and not current.store.check([key]):
-                    continue
-                summary = decode_summary(current.store.get(key))
+                summary = decode_summary(payload)
             except ValueError as e:
                 self._warn_once(f"summary of group rank {group_rank} unreadable", e)
                 continue
-            except Exception as e:
-                self._warn_once(f"reading the summary of group rank {group_rank} failed", e)
-                continue
-            now = self._clock()
             with self._lock:
                 if generation != self._generation:
                     return
                 previous = self._remote.get(group_rank)
                 if previous is None or previous[0].seq != summary.seq:
                     self._remote[group_rank] = (summary, now)
+
+    def _fetch_others(self, generation: int, current: _Round) -> dict[int, bytes]:
+        """The other nodes' published summaries, by group rank.
+
+        ``get`` waits for a key not written yet, so keys are checked first. Once every node has
+        published (the steady state), one check and one ``multi_get`` fetch them all: on etcd
+        two requests per poll, whatever the number of nodes (:class:`EtcdStore` batches them).
+        """
+        keys = {group_rank: summary_key(group_rank)
+                for group_rank in range(current.group_world_size)
+                if group_rank != current.group_rank}
+        if generation != self._generation or not keys:
+            return {}
+        try:
+            if current.store.check(list(keys.values())):
+                return dict(zip(keys, current.store.multi_get(list(keys.values())),
+                                strict=True))
+        except Exception as e:
+            self._warn_once("reading the other nodes' summaries at once failed", e)
+        payloads = {}
+        for group_rank, key in keys.items():
+            if generation != self._generation:
+                return payloads
+            try:
+                if current.store.check([key]):
+                    payloads[group_rank] = current.store.get(key)
+            except Exception as e:
+                self._warn_once(f"reading the summary of group rank {group_rank} failed", e)
+        return payloads

@@ -95,6 +95,36 @@ def test_store_set_get_add_compare_set_and_watch_wait(etcd_server: EtcdServer) -
         prefixed.wait(["never"], timedelta(seconds=0.5))
 
 
+def test_store_reads_many_keys_in_one_transaction_per_128(etcd_server: EtcdServer) -> None:
+    client, settings = connect(etcd_server)
+
+    class Counting:
+        """The real client, counting the requests the store sends through it."""
+
+        def __init__(self) -> None:
+            self.requests: list[str] = []
+
+        def __getattr__(self, name: str):
+            attribute = getattr(client, name)
+            if callable(attribute) and name in ("get", "transaction", "put"):
+                self.requests.append(name)
+            return attribute
+
+    counting = Counting()
+    etcd_store = EtcdStore(counting, "/t/many/", settings, timeout=timedelta(seconds=5))
+    store = dist.PrefixStore("round.1", etcd_store)  # (the Python object must stay alive)
+    keys = [f"k{i}" for i in range(130)]
+    for key in keys:
+        store.set(key, key.upper())
+    counting.requests.clear()
+    assert store.check(keys) and not store.check([*keys, "missing"])
+    assert store.multi_get(keys) == [k.upper().encode() for k in keys]
+    assert counting.requests == ["transaction"] * 6  # 130 keys: 2 per call, no single gets
+    # A key written later is waited for, as get waits.
+    threading.Timer(0.5, lambda: store.set("late", b"x")).start()
+    assert store.multi_get(["k0", "late"]) == [b"K0", b"x"]
+
+
 def test_blacklist_round_trip_and_members_expire_with_lease(etcd_server: EtcdServer) -> None:
     client, settings = connect(etcd_server)
     blacklist = Blacklist(client, "/t", settings)
