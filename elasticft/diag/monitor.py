@@ -54,8 +54,10 @@ from elasticft.events import EventLog
 logger = logging.getLogger(__name__)
 
 _NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
-# A rank without progress for this long has its process state read (stopped, zombie).
+# A rank without progress for this long, or whose recorder's heartbeat (every 0.1 s) is this
+# late, has its process state read (stopped, zombie).
 _STATE_AFTER_S = 0.5
+_STATE_AFTER_BEAT_S = 0.3
 
 
 class _RankTrack:
@@ -377,14 +379,17 @@ class DiagMonitor(AgentCollaborator):
                                    "ring") for r in oldest.values())
             since = track.step_ns if track.steps else track.started_ns
             step_age_s = (now - since) / 1e9
-            # /proc is read only for a rank that seems stuck: at every check it would be a
-            # quarter of the monitor's cost, for a state that matters only to a hang.
-            stuck = step_age_s > _STATE_AFTER_S or any(c.age_s > _STATE_AFTER_S
-                                                       for c in in_flight)
+            heartbeat_age_s = (now - track.heartbeat_ns) / 1e9 if track.heartbeat_ns else None
+            # /proc is read only for a rank that may be stuck: at every check it would be a
+            # quarter of the monitor's cost, for a state that matters only to a hang. A stopped
+            # process misses its next heartbeat at once, so it is seen within a few tenths.
+            stuck = (heartbeat_age_s is None or heartbeat_age_s > _STATE_AFTER_BEAT_S or
+                     step_age_s > _STATE_AFTER_S or
+                     any(c.age_s > _STATE_AFTER_S for c in in_flight))
             views.append(detectors.RankView(
                 rank=rank, node=group.node_id, pid=pids.get(rank),
                 process_state=procs.state(pids.get(rank)) if stuck else None,
-                heartbeat_age_s=(now - track.heartbeat_ns) / 1e9 if track.heartbeat_ns else None,
+                heartbeat_age_s=heartbeat_age_s,
                 in_flight=in_flight, comm_seqs=dict(track.comm_seqs), steps=track.steps,
                 step_age_s=step_age_s))
         return views

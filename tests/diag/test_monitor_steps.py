@@ -89,13 +89,19 @@ def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) 
         while procs.state(sleeper.pid) != "T" and time.monotonic() < deadline:
             time.sleep(0.01)
         writer.append(Op.STEP, enqueue_ns=now[0] - 10 * MS, complete_ns=now[0], value=1.0)
+        writer.heartbeat(now[0])
         now[0] += 100 * MS
         monitor.check(group)
         [fresh] = monitor.views(group, now[0])
-        assert fresh.process_state is None  # stepped 0.1 s ago: /proc is not read
-        now[0] += 1000 * MS
-        [stuck] = monitor.views(group, now[0])
-        assert stuck.process_state == "T"
+        assert fresh.process_state is None  # stepped and beat 0.1 s ago: /proc is not read
+        now[0] += 300 * MS
+        [late_beat] = monitor.views(group, now[0])  # stepped 0.4 s ago, but missed 3 beats
+        assert late_beat.process_state == "T"
+        now[0] += 600 * MS
+        writer.heartbeat(now[0])
+        assert monitor.check(group) is None  # reads the new heartbeat
+        [no_step] = monitor.views(group, now[0])  # beating, but no step for 1 s
+        assert no_step.heartbeat_age_s == 0 and no_step.process_state == "T"
     finally:
         sleeper.kill()
         sleeper.wait()
