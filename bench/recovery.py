@@ -46,6 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hoststeal import cpu_times, steal_share  # noqa: E402  (bench/, beside this script)
+
 from elasticft import chaos  # noqa: E402
 from elasticft.events import read_events  # noqa: E402
 from elasticft.report.steps import read_steps  # noqa: E402
@@ -161,15 +163,6 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
     return result
 
 
-def cpu_times() -> tuple[int, int]:
-    """(all CPU ticks, ticks stolen by the hypervisor) from /proc/stat; (0, 0) elsewhere."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
-
-
 def persist_every(args: argparse.Namespace) -> int:
     """elasticft's disk cadence: the baseline's torch.save cadence unless given. Persisting
     is the agent's background work; at 10 steps of 70 ms it takes a fifth of a core here."""
@@ -191,7 +184,7 @@ def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     started = time.monotonic()
-    total_before, stolen_before = cpu_times()
+    before = cpu_times()
     faults = 0
     next_fault = started + args.tor_every
     try:
@@ -211,9 +204,7 @@ def tor_run(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    total_after, stolen_after = cpu_times()
-    # A VM's CPU time taken by its host (steal) slows steps as any other load would.
-    steal = (stolen_after - stolen_before) / max(total_after - total_before, 1)
+    steal = steal_share(before, cpu_times())
     analysis = analyze(read_events(run_dir), read_steps(run_dir))
     return {"tor": analysis.tor, "ettr": analysis.ettr, "faults": faults,
             "observed_s": analysis.observed_s, "steps": analysis.steps_done,
