@@ -28,8 +28,7 @@ step counts with its slower rank's time. Printed:
 
 The verdict needs a quiet host: when the hypervisor took more than 5% of the CPU during the run,
 none is given. ``--control`` runs the same schedule with monitoring off in both halves, to show
-the noise floor.
-Detections raised during the run are printed (a healthy run should raise none).
+the noise floor. Detections raised during the run are printed (a healthy run should raise none).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tempfile
 import types
 import typing
 from collections.abc import Mapping
@@ -36,6 +37,21 @@ class ConfigError(ValueError):
     def __init__(self, message: str, reason: str = "bad_option") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def require_writable_dir(flag: str, directory: Path, mode: int = 0o777) -> None:
+    """Creates ``directory`` and proves it writable, or raises a one-line :class:`ConfigError`.
+
+    Run before anything starts: a directory found unwritable later would cost a run its event
+    log or every checkpoint it meant to persist.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=mode)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".elasticft-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {directory}: cannot write there ({e.strerror}); choose a "
+                          "directory this user can create and write") from None
 
 
 def option(default: Any, help: str, *, minimum: float | None = None) -> Any:

@@ -41,7 +41,7 @@ from elasticft.agent.api import AgentCollaborator, StopRun
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
-from elasticft.config import ConfigError, ElasticftConfig
+from elasticft.config import ElasticftConfig, require_writable_dir
 from elasticft.events import EventLog
 
 logger = logging.getLogger(__name__)
@@ -155,12 +155,10 @@ def launch(
         config.run_id = str(uuid.uuid4().int)
     node_id = options.agent.node_id or socket.gethostname()
     run_dir = default_run_dir(options, config)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        event_log = EventLog(options.agent.event_dir or run_dir, node_id)
-    except OSError as e:
-        raise ConfigError(f"cannot write the run's directory ({e.strerror}: {e.filename}); "
-                          "choose a writable --run-dir / --event-dir") from None
+    require_writable_dir("--run-dir", run_dir, mode=0o700)
+    if options.agent.event_dir is not None:
+        require_writable_dir("--event-dir", Path(options.agent.event_dir))
+    event_log = EventLog(options.agent.event_dir or run_dir, node_id)
     if not options.agent.share_rdzv_store:
         os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle

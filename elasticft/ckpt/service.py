@@ -59,7 +59,12 @@ from elasticft.ckpt.peer import (
     new_secret,
     replica_node,
 )
-from elasticft.config import CheckpointConfig, ConfigError, ElasticftConfig
+from elasticft.config import (
+    CheckpointConfig,
+    ConfigError,
+    ElasticftConfig,
+    require_writable_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,18 +84,6 @@ def parse_layout(text: str | None) -> tuple[int, int, int] | None:
             f"--ckpt-layout={text!r} is not valid; give 'tp,pp,dp' as three whole numbers",
         ) from None
     return tp, pp, dp
-
-
-def _check_writable(flag: str, directory: Path) -> None:
-    """Refuses a checkpoint directory that cannot be written before anything starts: otherwise
-    training would run with every persist failing and nothing durable at the end."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".elasticft-probe-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{flag} {directory}: cannot write there ({e.strerror}); choose a "
-                          "directory this user can create and write") from None
 
 
 class CheckpointService(AgentCollaborator):
@@ -141,7 +134,7 @@ class CheckpointService(AgentCollaborator):
         for flag, directory in (("--ckpt-dir", options.ckpt.ckpt_dir),
                                 ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
             if directory is not None:
-                _check_writable(flag, Path(directory))
+                require_writable_dir(flag, Path(directory))
         return cls(options.ckpt, local_addr=local_addr)
 
     # ------------------------------------------------------------------------------------------

@@ -344,7 +344,8 @@ def test_once_every_node_has_published_each_poll_is_one_check_and_one_multi_get(
         # Per poll: one check of the 3 other keys and one multi_get of them, nothing per key.
         assert "get" not in reads and "check1" not in reads, reads
         assert reads.count("check3") >= 3, reads
-        assert reads.count("multi_get3") in (reads.count("check3"), reads.count("check3") - 1)
+        # (the window may cut a poll between its check and its multi_get, at either end)
+        assert abs(reads.count("multi_get3") - reads.count("check3")) <= 1, reads
     finally:
         for exchange in nodes:
             exchange.close()
