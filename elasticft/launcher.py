@@ -26,15 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from torch.distributed.elastic import events as torch_events
-from torch.distributed.elastic import metrics
-from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousError
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-from torch.distributed.launcher.api import LaunchConfig
 
 from elasticft.agent.agent import ElasticftAgent
 from elasticft.agent.api import AgentCollaborator, StopRun
@@ -43,6 +34,19 @@ from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
 from elasticft.config import ElasticftConfig, require_writable_dir
 from elasticft.events import EventLog
+from elasticft.torch_compat import (
+    LaunchConfig,
+    RendezvousError,
+    RendezvousParameters,
+    SignalException,
+    metrics,
+    parse_rendezvous_endpoint,
+    rdzv_registry,
+    shutdown_timeout_of,
+    stop_rendezvous_heartbeats,
+    torch_events,
+    worker_spec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +194,7 @@ def launch(
     # The rendezvous (blacklist, membership) knows this node by the same name as the events.
     params.config.setdefault("node_id", node_id)
     master_addr, master_port = _master_addr_and_port(params)
-    spec = WorkerSpec(
+    spec = worker_spec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
@@ -202,10 +206,10 @@ def launch(
         master_port=master_port,
         local_addr=config.local_addr,
         event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
+        numa_options=getattr(config, "numa_options", None),
+        duplicate_stdout_filters=getattr(config, "duplicate_stdout_filters", None),
+        duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
+        virtual_local_rank=getattr(config, "virtual_local_rank", None),
     )
     warm_pool = WarmPool() if options.agent.warm_start else None
     agent = agent_class(
@@ -218,7 +222,7 @@ def launch(
         collaborators=collaborators,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=int(config.shutdown_timeout or 30),
+        shutdown_timeout=shutdown_timeout_of(config),
         warm_pool=warm_pool,
     )
 
@@ -284,9 +288,7 @@ def launch(
 
 def _stop_heartbeats(handler: Any) -> None:
     # Leaving without closing: stop this node's keep-alives so the others drop it quickly.
-    stop = getattr(handler, "_stop_heartbeats", None)
-    if callable(stop):
-        try:
-            stop()
-        except Exception:
-            logger.debug("could not stop rendezvous heartbeats", exc_info=True)
+    try:
+        stop_rendezvous_heartbeats(handler)
+    except Exception:
+        logger.debug("could not stop rendezvous heartbeats", exc_info=True)

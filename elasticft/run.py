@@ -4,7 +4,8 @@ The parser is torch's own (``torch.distributed.run.get_args_parser``), so every 
 ``PET_*`` variable keeps its meaning; elasticft adds its options to it (:mod:`elasticft.config`).
 ``main(argv) -> parser -> options -> torch's config_from_args -> launch``. A mistake in the
 command line, the environment or the YAML file is reported in one line with exit code 2, before
-anything starts.
+anything starts. So is a torch below the supported range (:data:`TORCH_MIN`): that check comes
+first, before anything from torch's launcher is imported.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -21,21 +23,42 @@ from typing import Any, NoReturn
 
 from elasticft import config as elasticft_config
 from elasticft import slurm
-from elasticft.agent.agent import WORKER_ENV_NAMES
 from elasticft.config import ConfigError, ElasticftConfig
 
 PROG = "elasticft-run"
 USAGE_ERROR = 2
+TORCH_MIN = (2, 10)
+"""The oldest torch elasticft runs on (docs/compat.md); newer releases are accepted."""
+TORCH_RANGE = f"torch >= {TORCH_MIN[0]}.{TORCH_MIN[1]} (tested 2.10 to 2.15)"
 
 
 class UsageError(Exception):
     """A mistake in what the user gave us; printed as one line, exit code 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from torch.distributed.run import get_args_parser
+def torch_version_problem(version: str) -> str | None:
+    """Why elasticft cannot run on torch ``version`` (None: it can). Pure, for any version text."""
+    found = re.match(r"(\d+)\.(\d+)", version.strip())
+    if found is None:
+        return f"cannot read the torch version {version!r}; elasticft needs {TORCH_RANGE}"
+    major_minor = (int(found[1]), int(found[2]))
+    if major_minor < TORCH_MIN:
+        return (f"torch {version} is older than elasticft supports ({TORCH_RANGE}); "
+                f"install a newer torch, e.g. pip install 'torch>={TORCH_MIN[0]}.{TORCH_MIN[1]}'")
+    return None
 
-    parser = get_args_parser()
+
+def installed_torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from elasticft import torch_compat
+
+    parser = torch_compat.get_args_parser()
+    torch_compat.add_missing_launcher_flags(parser)
     parser.prog = PROG
     parser.description = (
         "Fault-tolerant drop-in for torchrun: same flags and PET_* variables, plus elasticft's "
@@ -73,7 +96,7 @@ def _check_entrypoint(args: argparse.Namespace) -> None:
 
 def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
     """torchrun's own fix-ups: --standalone and single-node static become local c10d."""
-    from torch.distributed.run import parse_min_max_nnodes
+    from elasticft.torch_compat import parse_min_max_nnodes
 
     if args.standalone:
         args.rdzv_backend = "c10d"
@@ -110,6 +133,8 @@ def _slurm_allocation(options: ElasticftConfig) -> slurm.SlurmEnv | None:
 
 
 def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConfig]:
+    from elasticft.agent.agent import WORKER_ENV_NAMES
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -125,7 +150,7 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConf
 
 def _torch_launch_config(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
     """torch's LaunchConfig, command and arguments for ``args``; a usage error if unusable."""
-    from torch.distributed.run import config_from_args, determine_local_world_size
+    from elasticft.torch_compat import config_from_args, determine_local_world_size
 
     try:
         workers_per_node = determine_local_world_size(args.nproc_per_node)
@@ -147,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=os.environ.get("LOGLEVEL", "INFO").upper(),
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
     )
+    problem = torch_version_problem(installed_torch_version())
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return USAGE_ERROR
     try:
         args, options = parse(argv)
         raw_argv = list(sys.argv[1:] if argv is None else argv)

@@ -15,21 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import (
-    RunResult,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-)
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext
-
+from elasticft import torch_compat
 from elasticft.agent.api import (
     AgentCollaborator,
     Detection,
@@ -42,6 +34,15 @@ from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.config import ElasticftConfig
 from elasticft.events import EventLog
+from elasticft.torch_compat import (
+    LocalElasticAgent,
+    LogsSpecs,
+    ProcessFailure,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,10 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             start_method=start_method,
             exit_barrier_timeout=exit_barrier_timeout,
             log_line_prefix_template=log_line_prefix_template,
-            shutdown_timeout=shutdown_timeout,
+            **torch_compat.agent_init_kwargs(shutdown_timeout),
         )
+        # torch < 2.13 neither takes nor keeps it; elasticft applies it on every torch.
+        self._shutdown_timeout = shutdown_timeout
         self.options = options
         self.events = events
         self.node_id = node_id
@@ -149,9 +152,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
-        state_holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
-        state = getattr(state_holder, "state", None)
-        self._round = getattr(state, "round", self._round + 1)
+        self._round = torch_compat.rendezvous_round(worker_group.spec.rdzv_handler,
+                                                    self._round + 1)
         self.events.emit(
             "rendezvous",
             round=self._round,
@@ -200,6 +202,14 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                 lambda failed: self._each_collaborator("before_survivors_stopped",
                                                        self.group_info(), failed),
             )
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
+                  timeout: int | None = None) -> None:
+        # torch < 2.13 calls this without a timeout (its built-in 30 s): honour ours everywhere.
+        torch_compat.shutdown_agent(
+            self, super()._shutdown, death_sig,
+            self._shutdown_timeout if timeout is None else timeout,
+        )
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
@@ -345,26 +355,29 @@ def notify_before_survivors_stopped(context: Any, hook: Callable[[tuple[int, ...
 
     torch's ``SubprocessContext._poll`` terminates every other worker in the same poll that
     finds a failed one, before any agent hook runs; this wraps that poll (once per context, at
-    the first failure). Returns False for a context that is not a ``SubprocessContext``.
+    the first failure). Returns False for a context that is not a ``SubprocessContext`` (or one
+    without the parts the hook needs: :func:`torch_compat.can_hook_survivor_stop`).
     """
-    if not isinstance(context, SubprocessContext):
+    if not torch_compat.can_hook_survivor_stop(context):
         return False
-    poll = context._poll
     announced = False
 
-    def poll_after_hook() -> Any:
-        nonlocal announced
-        if not announced:
-            failed = tuple(sorted(
-                rank for rank in context._running_local_ranks
-                if context.subprocess_handlers[rank].proc.poll() not in (None, 0)
-            ))
-            if failed:
-                announced = True
-                hook(failed)
-        return poll()
+    def hooked(poll: Callable[[], Any]) -> Callable[[], Any]:
+        def poll_after_hook() -> Any:
+            nonlocal announced
+            if not announced:
+                failed = tuple(sorted(
+                    rank for rank in torch_compat.running_local_ranks(context)
+                    if torch_compat.worker_exit_code(context, rank) not in (None, 0)
+                ))
+                if failed:
+                    announced = True
+                    hook(failed)
+            return poll()
 
-    context._poll = poll_after_hook  # type: ignore[method-assign]
+        return poll_after_hook
+
+    torch_compat.wrap_poll(context, hooked)
     return True
 
 

@@ -59,8 +59,8 @@ from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from elasticft import torch_compat
+from elasticft.torch_compat import SubprocessContext, SubprocessHandler
 
 logger = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ class WarmSubprocessContext(SubprocessContext):
     def _start(self) -> None:
         if self.subprocess_handlers:
             raise ValueError("the worker processes were already started")
-        if self._numa_options is None:
+        if torch_compat.numa_options_of(self) is None:
             # Every local rank's interpreter does its imports at the same time (the first
             # start, or after a change of environment); each worker is then forked from it.
             cwd = os.getcwd()
@@ -429,13 +429,15 @@ class WarmSubprocessContext(SubprocessContext):
         self.subprocess_handlers = {
             local_rank: WarmSubprocessHandler(
                 self._pool,
-                entrypoint=self.entrypoint,
-                args=self.args[local_rank],
-                env=self.envs[local_rank],
-                stdout=self.stdouts[local_rank],
-                stderr=self.stderrs[local_rank],
-                local_rank_id=local_rank,
-                numa_options=self._numa_options,
+                **torch_compat.subprocess_handler_kwargs(
+                    entrypoint=self.entrypoint,
+                    args=self.args[local_rank],
+                    env=self.envs[local_rank],
+                    stdout=self.stdouts[local_rank],
+                    stderr=self.stderrs[local_rank],
+                    local_rank_id=local_rank,
+                    numa_options=torch_compat.numa_options_of(self),
+                ),
             )
             for local_rank in range(self.nprocs)
         }
@@ -479,10 +481,12 @@ class WarmStartMixin:
         super()._setup_local_watchdog(envs)  # type: ignore[misc]
 
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
-        from torch.distributed.elastic.utils import macros
-
+        macros = torch_compat.macros
         self.warm_ranks = ()
         spec = worker_group.spec
+        if self.warm_pool is not None and (missing := torch_compat.warm_start_unavailable()):
+            torch_compat.degraded("warm start", f"torch lacks {missing}")
+            self.warm_pool = None
         if (
             self.warm_pool is None
             or not isinstance(spec.entrypoint, str)
@@ -519,15 +523,17 @@ class WarmStartMixin:
             }
         context = WarmSubprocessContext(
             self.warm_pool,
-            name=spec.role,
-            entrypoint=spec.entrypoint,
-            args=args,
-            envs=envs,
-            logs_specs=self._logs_specs,  # type: ignore[attr-defined]
-            log_line_prefixes=prefixes,
-            numa_options=None,
-            duplicate_stdout_filters=spec.duplicate_stdout_filters,
-            duplicate_stderr_filters=spec.duplicate_stderr_filters,
+            **torch_compat.subprocess_context_kwargs(
+                name=spec.role,
+                entrypoint=spec.entrypoint,
+                args=args,
+                envs=envs,
+                logs_specs=self._logs_specs,  # type: ignore[attr-defined]
+                log_line_prefixes=prefixes,
+                numa_options=None,
+                duplicate_stdout_filters=getattr(spec, "duplicate_stdout_filters", None),
+                duplicate_stderr_filters=getattr(spec, "duplicate_stderr_filters", None),
+            ),
         )
         try:
             context.start()

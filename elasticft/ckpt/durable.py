@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -221,6 +220,8 @@ def read_rank_manifest(directory: Path, rank: int) -> dict[str, Any]:
 
 def dcp_metadata(manifests: Iterable[Mapping[str, Any]]) -> tuple[Metadata, list[WriteResult]]:
     """DCP metadata for a set of rank manifests: the first rank holding a chunk provides it."""
+    from elasticft.torch_compat import dcp_storage_info  # agent side only; keeps workers lean
+
     state_md: dict[str, Any] = {}
     planner_data: dict[str, tuple[Any, ...]] = {}
     results: list[WriteResult] = []
@@ -259,7 +260,8 @@ def dcp_metadata(manifests: Iterable[Mapping[str, Any]]) -> tuple[Metadata, list
                 WriteResult(
                     index=index,
                     size_in_bytes=where["length"],
-                    storage_data=_StorageInfo(manifest["file"], where["offset"], where["length"]),
+                    storage_data=dcp_storage_info(manifest["file"], where["offset"],
+                                                  where["length"]),
                 )
             )
     return Metadata(state_dict_metadata=state_md, planner_data=planner_data), results

@@ -20,9 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
-
 from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors
+from elasticft.torch_compat import RendezvousBackend, Token
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-
 from elasticft.cli import CliError
 from elasticft.events import read_events
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist, JobStatus, MemberRecord, read_status
+from elasticft.torch_compat import RendezvousConnectionError
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:

@@ -29,9 +29,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-
 from elasticft.config import ConfigError
+from elasticft.torch_compat import RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
 

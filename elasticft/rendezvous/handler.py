@@ -34,17 +34,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousInfo,
-    RendezvousParameters,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousTimeout,
-)
-
 from elasticft.rendezvous.backend import EtcdRendezvousBackend
 from elasticft.rendezvous.etcd import (
     EtcdConfigError,
@@ -64,6 +53,15 @@ from elasticft.rendezvous.membership import (
     read_leader,
 )
 from elasticft.rendezvous.store import EtcdStore
+from elasticft.torch_compat import (
+    DynamicRendezvousHandler,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeout,
+    rendezvous_round,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +179,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                     raise
                 logger.warning("rendezvous interrupted by an etcd outage (%s); retrying", e)
                 self._wait_for_etcd(join_deadline)
-        view = RoundView(self._state_holder.state.round, info.rank, info.world_size)
+        view = RoundView(rendezvous_round(self, -1), info.rank, info.world_size)
         self._round_view = view
         self._publish_round(view)
         return info

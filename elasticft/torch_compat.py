@@ -1,0 +1,371 @@
+"""The one place elasticft touches torch's private or version-dependent launcher API.
+
+elasticft extends torchrun from the inside: it subclasses torch's ``LocalElasticAgent``, its
+worker process context and handler, and its dynamic rendezvous handler, and it calls torchrun's
+own argument parsing. None of that is a stable API, and it changes between torch releases (2.11
+has no ``LaunchConfig.shutdown_timeout``, 2.13 added it to the agent and its ``_shutdown``).
+Every other module imports these names from here, never from ``torch.distributed.elastic``,
+``torch.distributed.run`` or ``torch.distributed.launcher`` directly.
+
+Choices are made by looking at what the installed torch offers (a dataclass field, a parameter
+in a signature, an attribute), never by its version number. Where an older torch has no
+equivalent for something, elasticft does without it and says so once (:func:`degraded`); the
+list is in docs/compat.md. :data:`CONTRACTS` names every private piece elasticft relies on with
+a check of its shape; tests/test_torch_compat.py runs each, so a torch that changes one fails
+there with the name of what changed, not somewhere deep in a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed import run as torch_run
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.elastic import events as torch_events
+from torch.distributed.elastic import metrics
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousInfo,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.elastic.utils import macros
+from torch.distributed.launcher.api import LaunchConfig
+
+__all__ = [
+    "CONTRACTS",
+    "DynamicRendezvousHandler",
+    "LaunchConfig",
+    "LocalElasticAgent",
+    "LogsSpecs",
+    "ProcessFailure",
+    "RendezvousBackend",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousTimeout",
+    "RunResult",
+    "SignalException",
+    "SubprocessContext",
+    "SubprocessHandler",
+    "Token",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+    "macros",
+    "metrics",
+    "parse_rendezvous_endpoint",
+    "rdzv_registry",
+    "torch_events",
+]
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30
+
+
+def _parameters(function: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(function).parameters
+
+
+def _fields(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+# ------------------------------------------------------------------------------------------------
+# What the installed torch offers (read once, at import).
+
+LAUNCH_CONFIG_FIELDS = _fields(LaunchConfig)
+WORKER_SPEC_FIELDS = _fields(WorkerSpec)
+AGENT_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in _parameters(LocalElasticAgent.__init__)
+"""torch >= 2.13: the agent stores ``shutdown_timeout`` itself and uses it in ``run()``."""
+AGENT_SHUTDOWN_TAKES_TIMEOUT = "timeout" in _parameters(LocalElasticAgent._shutdown)
+"""torch >= 2.13: ``_shutdown(death_sig, timeout)``; before, always torch's built-in 30 s."""
+PARSER_HAS_SHUTDOWN_TIMEOUT = any(
+    "--shutdown-timeout" in action.option_strings for action in torch_run.get_args_parser()._actions
+)
+
+_said: set[str] = set()
+
+
+def degraded(feature: str, detail: str) -> bool:
+    """Logs, once per process, that ``feature`` is off on this torch and why. Returns True the
+    first time (so callers can emit an event too)."""
+    if feature in _said:
+        return False
+    _said.add(feature)
+    logger.warning("torch %s: %s is not available (%s); see docs/compat.md",
+                   torch.__version__, feature, detail)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# torchrun's command line.
+
+get_args_parser = torch_run.get_args_parser
+parse_min_max_nnodes = torch_run.parse_min_max_nnodes
+determine_local_world_size = torch_run.determine_local_world_size
+
+
+def add_missing_launcher_flags(parser: Any) -> None:
+    """Adds torchrun flags that a newer torch has and this one lacks, with the newer meaning.
+
+    ``--shutdown-timeout`` (torch 2.13): elasticft applies it itself on any torch.
+    """
+    if PARSER_HAS_SHUTDOWN_TIMEOUT:
+        return
+    default = os.environ.get("PET_SHUTDOWN_TIMEOUT")
+    parser.add_argument(
+        "--shutdown-timeout", "--shutdown_timeout", type=int,
+        default=int(default) if default and default.isdigit() else None,
+        help="Seconds to wait for workers to exit after SIGTERM before SIGKILL (default: "
+             f"${SHUTDOWN_TIMEOUT_ENV} or {DEFAULT_SHUTDOWN_TIMEOUT_S}).",
+    )
+
+
+def config_from_args(args: Any) -> tuple[LaunchConfig, Any, list[str]]:
+    """torchrun's ``config_from_args``; the config carries ``shutdown_timeout`` on every torch."""
+    config, cmd, cmd_args = torch_run.config_from_args(args)
+    if "shutdown_timeout" not in LAUNCH_CONFIG_FIELDS:
+        # An attribute on the instance: read back only through shutdown_timeout_of().
+        config.shutdown_timeout = getattr(args, "shutdown_timeout", None)  # type: ignore[attr-defined]
+    return config, cmd, cmd_args
+
+
+def shutdown_timeout_of(config: LaunchConfig) -> int:
+    """Seconds between SIGTERM and SIGKILL for ``config``: its own value, else the variable."""
+    value = getattr(config, "shutdown_timeout", None)
+    if value is None:
+        value = os.environ.get(SHUTDOWN_TIMEOUT_ENV, str(DEFAULT_SHUTDOWN_TIMEOUT_S))
+    timeout = int(value)
+    if timeout < 0:
+        raise ValueError(f"shutdown_timeout must be non-negative, got {timeout}")
+    return timeout
+
+
+# ------------------------------------------------------------------------------------------------
+# The agent.
+
+def agent_init_kwargs(shutdown_timeout: int) -> dict[str, Any]:
+    """Keywords for ``LocalElasticAgent.__init__`` beyond those every supported torch takes."""
+    return {"shutdown_timeout": shutdown_timeout} if AGENT_TAKES_SHUTDOWN_TIMEOUT else {}
+
+
+def shutdown_agent(agent: Any, torch_shutdown: Callable[..., None], death_sig: signal.Signals,
+                   timeout: int) -> None:
+    """torch's ``agent._shutdown`` with a timeout between ``death_sig`` and SIGKILL, on any torch.
+
+    Where torch's ``_shutdown`` takes no timeout, the workers are closed with it first (the
+    process context takes one on every supported torch); torch's own shutdown then finds them
+    gone and stops the rest (watchdog, health-check server).
+    """
+    if AGENT_SHUTDOWN_TAKES_TIMEOUT:
+        torch_shutdown(death_sig, timeout=timeout)
+        return
+    context = getattr(agent, "_pcontext", None)
+    if context is not None:
+        context.close(death_sig, timeout)
+    torch_shutdown(death_sig)
+
+
+def worker_spec(**kwargs: Any) -> WorkerSpec:
+    """A ``WorkerSpec``; an option this torch lacks is dropped when unset, and refused when set.
+
+    A refusal is a :class:`ValueError` naming the option (a usage error for elasticft-run).
+    """
+    present = {k: v for k, v in kwargs.items() if k in WORKER_SPEC_FIELDS}
+    for name in kwargs.keys() - present.keys():
+        if kwargs[name] not in (None, False, [], (), ""):
+            raise ValueError(f"{name.replace('_', '-')} needs a newer torch than "
+                             f"{torch.__version__}")
+    return WorkerSpec(**present)
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker processes (warm start and the survivor hook).
+
+SURVIVOR_HOOK_PARTS = ("_poll", "_running_local_ranks", "subprocess_handlers")
+
+
+def can_hook_survivor_stop(context: Any) -> bool:
+    """Whether ``context`` is torch's ``SubprocessContext`` with the parts the hook wraps.
+
+    The hook (elasticft.agent.agent.notify_before_survivors_stopped) reads which local ranks are
+    running and their processes, and wraps the poll that stops survivors.
+    """
+    if not isinstance(context, SubprocessContext):
+        return False
+    missing = [part for part in SURVIVOR_HOOK_PARTS if not hasattr(context, part)]
+    if missing:
+        degraded("acting on survivors before torch stops them",
+                 f"SubprocessContext has no {', '.join(missing)}")
+        return False
+    return True
+
+
+def running_local_ranks(context: Any) -> list[int]:
+    return list(context._running_local_ranks)
+
+
+def worker_exit_code(context: Any, local_rank: int) -> int | None:
+    return context.subprocess_handlers[local_rank].proc.poll()
+
+
+def wrap_poll(context: Any, wrapper: Callable[[Callable[[], Any]], Callable[[], Any]]) -> None:
+    """Replaces ``context._poll`` by ``wrapper(original_poll)``."""
+    context._poll = wrapper(context._poll)
+
+
+WARM_START_NEEDS = {
+    "SubprocessHandler._popen(args, env)": lambda: list(_parameters(SubprocessHandler._popen))
+    == ["self", "args", "env"],
+    "SubprocessHandler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options)":
+        lambda: {"entrypoint", "args", "env", "stdout", "stderr", "local_rank_id"}
+        <= set(_parameters(SubprocessHandler.__init__)),
+    "SubprocessContext._start / subprocess_handlers": lambda: hasattr(SubprocessContext, "_start"),
+    "LocalElasticAgent._setup_local_watchdog(envs)":
+        lambda: "envs" in _parameters(LocalElasticAgent._setup_local_watchdog),
+    "LocalElasticAgent._setup_healthcheck()":
+        lambda: hasattr(LocalElasticAgent, "_setup_healthcheck"),
+}
+
+
+def warm_start_unavailable() -> str | None:
+    """What this torch lacks for warm starts (None: everything is there)."""
+    missing = [name for name, check in WARM_START_NEEDS.items() if not check()]
+    return ", ".join(missing) or None
+
+
+def subprocess_handler_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """Keywords for ``SubprocessHandler.__init__``; ``numa_options`` only where it exists."""
+    accepted = _parameters(SubprocessHandler.__init__)
+    if "numa_options" not in accepted and kwargs.get("numa_options") is None:
+        kwargs.pop("numa_options", None)
+    return kwargs
+
+
+def subprocess_context_kwargs(**kwargs: Any) -> dict[str, Any]:
+    """Keywords for ``SubprocessContext.__init__``, without unset ones this torch lacks."""
+    accepted = _parameters(SubprocessContext.__init__)
+    return {k: v for k, v in kwargs.items() if k in accepted or v not in (None, [], ())}
+
+
+def numa_options_of(context: Any) -> Any:
+    return getattr(context, "_numa_options", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rendezvous and checkpoint internals.
+
+def rendezvous_round(handler: Any, default: int) -> int:
+    """The round the dynamic rendezvous handler last completed (``default`` if it has none)."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    return getattr(state, "round", default)
+
+
+def stop_rendezvous_heartbeats(handler: Any) -> bool:
+    """Stops this node's keep-alives without closing the rendezvous for everyone."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if not callable(stop):
+        return False
+    stop()
+    return True
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's per-item storage record (``_StorageInfo``) for a byte range of one file."""
+    return dcp_filesystem._StorageInfo(relative_path, offset, length)
+
+
+# ------------------------------------------------------------------------------------------------
+# The contracts: every private piece above, with a check of its shape.
+
+def _has(obj: Any, *names: str) -> bool:
+    return all(hasattr(obj, name) for name in names)
+
+
+CONTRACTS: dict[str, Callable[[], bool]] = {
+    "torch.distributed.run.get_args_parser() -> argparse parser":
+        lambda: hasattr(torch_run.get_args_parser(), "parse_args"),
+    "torch.distributed.run.config_from_args(args)":
+        lambda: list(_parameters(torch_run.config_from_args)) == ["args"],
+    "torch.distributed.run.determine_local_world_size(nproc_per_node)":
+        lambda: torch_run.determine_local_world_size("2") == 2,
+    "torch.distributed.run.parse_min_max_nnodes(nnodes)":
+        lambda: tuple(torch_run.parse_min_max_nnodes("1:3")) == (1, 3),
+    "LaunchConfig fields elasticft reads": lambda: {
+        "min_nodes", "max_nodes", "nproc_per_node", "logs_specs", "run_id", "role",
+        "rdzv_endpoint", "rdzv_backend", "rdzv_configs", "max_restarts", "monitor_interval",
+        "start_method", "log_line_prefix_template", "metrics_cfg", "local_addr",
+        "event_log_handler", "signals_to_handle"} <= LAUNCH_CONFIG_FIELDS,
+    "WorkerSpec(role, local_world_size, entrypoint, args, rdzv_handler, ...)": lambda: {
+        "role", "local_world_size", "entrypoint", "args", "rdzv_handler", "max_restarts",
+        "monitor_interval", "master_addr", "master_port", "local_addr"} <= WORKER_SPEC_FIELDS,
+    "LocalElasticAgent(spec, logs_specs, start_method, exit_barrier_timeout, "
+    "log_line_prefix_template)": lambda: {
+        "spec", "logs_specs", "start_method", "exit_barrier_timeout",
+        "log_line_prefix_template"} <= set(_parameters(LocalElasticAgent.__init__)),
+    "LocalElasticAgent hooks elasticft overrides or calls": lambda: _has(
+        LocalElasticAgent, "_rendezvous", "_set_local_rank_env", "_start_workers",
+        "_stop_workers", "_monitor_workers", "_invoke_run", "_initialize_workers",
+        "_restart_workers", "_exit_barrier", "_shutdown", "get_event_succeeded"),
+    "LocalElasticAgent._set_local_rank_env(worker_env, local_rank, spec)":
+        lambda: list(_parameters(LocalElasticAgent._set_local_rank_env))
+        == ["self", "worker_env", "local_rank", "spec"],
+    "LocalElasticAgent._shutdown(death_sig[, timeout])":
+        lambda: list(_parameters(LocalElasticAgent._shutdown))[:2] == ["self", "death_sig"],
+    "SubprocessContext.close(death_sig, timeout)":
+        lambda: list(_parameters(SubprocessContext.close))[:3] == ["self", "death_sig", "timeout"],
+    "SubprocessContext survivor hook (_poll, _running_local_ranks, subprocess_handlers)":
+        lambda: "_poll" in vars(SubprocessContext) and "_running_local_ranks" in (
+            inspect.getsource(SubprocessContext._start) + inspect.getsource(
+                SubprocessContext._poll)),
+    "warm start (SubprocessHandler._popen, _setup_local_watchdog, ...)":
+        lambda: warm_start_unavailable() is None,
+    "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval
+        == signal.SIGTERM,
+    "DynamicRendezvousHandler.from_backend(keep_alive_interval, keep_alive_max_attempt)":
+        lambda: {"keep_alive_interval", "keep_alive_max_attempt"}
+        <= set(_parameters(DynamicRendezvousHandler.from_backend)),
+    "DynamicRendezvousHandler internals (_stop_heartbeats, _state_holder, _this_node)":
+        lambda: hasattr(DynamicRendezvousHandler, "_stop_heartbeats") and "_state_holder"
+        in inspect.getsource(DynamicRendezvousHandler.__init__) and "_this_node"
+        in inspect.getsource(DynamicRendezvousHandler.__init__),
+    "RendezvousTimeout(join, last_call, close, heartbeat)":
+        lambda: list(_parameters(RendezvousTimeout.__init__))[1:5]
+        == ["join", "last_call", "close", "heartbeat"],
+    "torch.distributed.elastic.utils.macros.substitute(args, local_rank)":
+        lambda: macros.substitute([macros.local_rank], "3") == ["3"],
+    "torch.distributed.checkpoint.filesystem._StorageInfo(relative_path, offset, length)":
+        lambda: [f.name for f in dataclasses.fields(dcp_filesystem._StorageInfo)][:3]
+        == ["relative_path", "offset", "length"],
+}
+"""What elasticft assumes about torch's private API, by name; each check is True on a torch that
+has it (tests/test_torch_compat.py)."""

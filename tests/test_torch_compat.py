@@ -1,0 +1,183 @@
+"""The installed torch against what elasticft assumes of its private launcher API, and each
+choice elasticft makes between torch releases, exercised on real torch objects.
+
+Run on other torch releases by scripts/compat.sh (the ``smoke`` marker): a release that changes
+one of the pieces fails here, with the piece's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+from elasticft import run, torch_compat
+from elasticft.agent.agent import ElasticftAgent
+from elasticft.config import ElasticftConfig
+from elasticft.events import EventLog
+
+pytestmark = pytest.mark.smoke
+
+
+@pytest.mark.parametrize("api", sorted(torch_compat.CONTRACTS))
+def test_torch_still_has(api: str) -> None:
+    try:
+        ok = torch_compat.CONTRACTS[api]()
+    except Exception as e:  # the piece is gone or moved: say which one
+        pytest.fail(f"torch {torch.__version__} changed {api}: {type(e).__name__}: {e}")
+    assert ok, f"torch {torch.__version__} changed {api}; update elasticft/torch_compat.py"
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [
+        ("2.9.1", True),
+        ("2.9.0+cu121", True),
+        ("1.13.1", True),
+        ("2.10.0", False),
+        ("2.10.0+cu128", False),
+        ("2.11.0a0+git1234", False),
+        ("2.13.0+cpu", False),
+        ("2.15.0", False),
+        ("3.0.0.dev20270101", False),
+        ("not-a-version", True),
+    ],
+)
+def test_torch_version_range(version: str, refused: bool) -> None:
+    problem = run.torch_version_problem(version)
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert "\n" not in problem and "2.10" in problem and version in problem
+
+
+def test_below_the_range_elasticft_run_stops_before_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import elasticft.launcher
+
+    def must_not_launch(*args, **kwargs):
+        raise AssertionError("launched on an unsupported torch")
+
+    monkeypatch.setattr(run, "installed_torch_version", lambda: "2.9.1")
+    monkeypatch.setattr(run, "build_parser", must_not_launch)
+    monkeypatch.setattr(elasticft.launcher, "launch", must_not_launch)
+    code = run.main(["--standalone", "--nproc-per-node", "1", str(tmp_path / "train.py")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0, err
+    assert "torch 2.9.1" in err and "torch >= 2.10" in err
+
+
+def test_shutdown_timeout_reaches_the_launch_config_on_this_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    monkeypatch.delenv(torch_compat.SHUTDOWN_TIMEOUT_ENV, raising=False)
+    parser = run.build_parser()
+    given = parser.parse_args(["--shutdown-timeout", "7", "--standalone", str(script)])
+    config, _, _ = torch_compat.config_from_args(given)
+    assert torch_compat.shutdown_timeout_of(config) == 7
+    monkeypatch.setenv(torch_compat.SHUTDOWN_TIMEOUT_ENV, "9")
+    default = run.build_parser().parse_args(["--standalone", str(script)])
+    config, _, _ = torch_compat.config_from_args(default)
+    assert torch_compat.shutdown_timeout_of(config) == 9
+
+
+def test_a_torch_without_the_flag_gets_elasticft_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_compat, "PARSER_HAS_SHUTDOWN_TIMEOUT", False)
+    parser = argparse.ArgumentParser()
+    torch_compat.add_missing_launcher_flags(parser)
+    assert parser.parse_args(["--shutdown_timeout", "4"]).shutdown_timeout == 4
+    assert parser.parse_args([]).shutdown_timeout is None
+
+
+def test_worker_spec_drops_unset_options_and_refuses_set_ones_this_torch_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lacking = torch_compat.WORKER_SPEC_FIELDS - {"virtual_local_rank"}
+    monkeypatch.setattr(torch_compat, "WORKER_SPEC_FIELDS", lacking)
+    common = dict(role="r", local_world_size=1, entrypoint="python", args=(),
+                  rdzv_handler=None)
+    spec = torch_compat.worker_spec(**common, virtual_local_rank=False)
+    assert spec.role == "r"
+    with pytest.raises(ValueError, match="virtual-local-rank needs a newer torch"):
+        torch_compat.worker_spec(**common, virtual_local_rank=True)
+
+
+def _agent(tmp_path: Path, shutdown_timeout: int) -> ElasticftAgent:
+    spec = torch_compat.worker_spec(role="r", local_world_size=1, entrypoint=sys.executable,
+                                    args=(), rdzv_handler=None)
+    return ElasticftAgent(
+        spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), options=ElasticftConfig(),
+        events=EventLog(tmp_path, "n"), node_id="n", run_dir=tmp_path,
+        shutdown_timeout=shutdown_timeout,
+    )
+
+
+# Where torch's _shutdown takes a timeout both ways are tested; elsewhere only elasticft's exists.
+@pytest.mark.parametrize("torch_takes_timeout",
+                         [False, *([True] if torch_compat.AGENT_SHUTDOWN_TAKES_TIMEOUT else [])])
+@pytest.mark.timeout(60)
+def test_shutdown_timeout_bounds_a_worker_that_ignores_sigterm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch_takes_timeout: bool
+) -> None:
+    """Both ways of applying the timeout (torch's ``_shutdown(timeout=)`` where it has one,
+    elasticft closing the workers first where not) stop a worker that ignores SIGTERM after the
+    agent's timeout, not after torch's built-in 30 s."""
+    monkeypatch.setattr(torch_compat, "AGENT_SHUTDOWN_TAKES_TIMEOUT", torch_takes_timeout)
+    agent = _agent(tmp_path, shutdown_timeout=1)
+    ready = tmp_path / "ready"
+    code = ("import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"pathlib.Path({str(ready)!r}).touch(); time.sleep(120)")
+    agent._pcontext = start_processes(
+        name="stubborn", entrypoint=sys.executable, args={0: ("-c", code)}, envs={0: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "pc"), redirects=Std.NONE),
+    )
+    worker = psutil.Process(agent._pcontext.pids()[0])
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.05)
+    started = time.monotonic()
+    agent._shutdown()  # as torch's run() calls it on torch < 2.13: no timeout given
+    took = time.monotonic() - started
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    # SIGKILL came after our 1 s, not torch's 30 s (generous margin for a loaded host).
+    assert took < 20, took
+
+
+def test_survivor_hook_needs_all_its_parts(caplog: pytest.LogCaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    class Partial(torch_compat.SubprocessContext):
+        def __init__(self) -> None:  # no torch state: _running_local_ranks is missing
+            pass
+
+    monkeypatch.setattr(torch_compat, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="elasticft.torch_compat"):
+        assert not torch_compat.can_hook_survivor_stop(Partial())
+        assert not torch_compat.can_hook_survivor_stop(Partial())
+        assert not torch_compat.can_hook_survivor_stop(object())
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "_running_local_ranks" in warnings[0], warnings
+
+
+def test_warm_start_says_what_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert torch_compat.warm_start_unavailable() is None
+    monkeypatch.setitem(torch_compat.WARM_START_NEEDS, "SubprocessHandler._gone", lambda: False)
+    assert torch_compat.warm_start_unavailable() == "SubprocessHandler._gone"
+
+
+def test_elasticft_run_help_works_on_this_torch() -> None:
+    out = subprocess.run([sys.executable, "-m", "elasticft.run", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--shutdown-timeout" in out.stdout and "--rdzv-backend" in out.stdout
