@@ -13,6 +13,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, sta
 from elasticft.agent.agent import notify_before_survivors_stopped
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(60)
 def test_the_hook_sees_the_survivor_alive_before_torch_stops_it(tmp_path: Path) -> None:
     context = start_processes(

@@ -31,6 +31,7 @@ def _settings(prefix: str, **kw) -> WorkerSettings:
     return WorkerSettings(shm_prefix=prefix, agent_owned=True, **kw)
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(60)
 def test_save_is_exact_state_after_the_step_and_double_buffered(prefix: str) -> None:
     model, optim = trained_model()
@@ -152,6 +153,7 @@ def _live_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[
     return tensors
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(60)
 def test_restored_state_never_aliases_the_snapshot_and_training_leaves_it_intact(
     prefix: str,

@@ -51,6 +51,7 @@ def _detections(run_dir: Path, detector: str) -> list[dict]:
             if e["kind"] == "detection" and e["detector"] == detector]
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigstopped_worker_is_detected_named_and_the_group_recovers(tmp_path, job_env):

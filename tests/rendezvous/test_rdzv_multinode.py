@@ -175,6 +175,7 @@ def test_standby_replaces_killed_leader_and_a_new_leader_is_elected(
     assert last_step == 30
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(180)
 def test_blacklisted_node_is_refused_with_the_reason_then_joins_after_remove(
     etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path
@@ -255,6 +256,7 @@ def test_unreachable_etcd_is_a_one_line_error(job_env: dict[str, str], tmp_path:
     assert "Traceback" not in out
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(120)
 def test_plain_torchrun_trains_with_etcd_v3(
     etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path

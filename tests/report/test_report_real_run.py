@@ -79,6 +79,7 @@ def fire(chaos: subprocess.Popen, trigger: Path) -> None:
     assert chaos.returncode == 0, err
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_report_tor_matches_independent_tor_with_two_crashes(tmp_path, job_env):

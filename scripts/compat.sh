@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Runs the smoke subset (tests marked `smoke`) on another torch release:
+#   scripts/compat.sh TORCH_VERSION [pytest args...]      e.g. scripts/compat.sh 2.14.1
+# It creates, once, a virtualenv with exactly that torch (from pip's configured indexes) and
+# installs elasticft into it with `pip install -e .[dev]`, then checks that pip kept that torch.
+# The environment is cached outside the repository, one per version, in
+#   ${ELASTICFT_COMPAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/elasticft/compat}/TORCH_VERSION
+# Exit status: pytest's (non-zero when a test fails); 1 when the environment cannot be made or a
+# smoke test was skipped or none ran (a skipped smoke test would hide a broken torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+if [ $# -lt 1 ] || [[ ! "$1" =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?$ ]]; then
+  echo "usage: scripts/compat.sh TORCH_VERSION [pytest args...]  (e.g. 2.14.1)" >&2
+  exit 2
+fi
+VERSION=$1
+shift
+PYTHON=${PYTHON:-python3}
+CACHE=${ELASTICFT_COMPAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/elasticft/compat}
+VENV=$CACHE/$VERSION
+mkdir -p "$CACHE"
+started=$(date +%s)
+
+# One creator at a time per version (several checkouts may share the cache).
+exec 9>"$CACHE/$VERSION.lock"
+flock 9
+
+# The environment is throwaway: a machine-wide pip constraints file (which may cap torch below
+# the release asked for) does not apply to it. Nothing outside it is changed.
+pip_here() { PIP_CONSTRAINT=/dev/null nice -n 10 "$VENV/bin/python" -m pip "$@"; }
+quiet() { grep -v -e "^WARNING: Location" -e "^$" || true; }
+
+if [ ! -f "$VENV/.torch-installed" ]; then
+  echo "compat: creating $VENV with torch $VERSION (once; large download)"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  pip_here install -q --upgrade pip 2>&1 | quiet
+  pip_here install -q "torch==$VERSION" 2>&1 | quiet
+  "$VENV/bin/python" -c "import torch" || { echo "compat: torch $VERSION did not install" >&2; exit 1; }
+  touch "$VENV/.torch-installed"
+fi
+
+stamp=$VENV/.elasticft-installed
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$ROOT" ] \
+   || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+  # What a user does: install elasticft into an environment that already has its torch.
+  pip_here install -q -e "$ROOT[dev]" 2>&1 | quiet
+  echo "$ROOT" > "$stamp"
+fi
+found=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+if [ "$found" != "$VERSION" ]; then
+  echo "compat: installing elasticft replaced torch $VERSION by $found" >&2
+  rm -f "$stamp" "$VENV/.torch-installed"
+  exit 1
+fi
+ready=$(date +%s)
+echo "compat: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') ready in $((ready - started)) s; running the smoke subset"
+
+bash scripts/install-servers.sh
+report=$(mktemp -d)
+trap 'rm -rf "$report"' EXIT
+set +e
+PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m smoke -rfEs \
+  --junitxml="$report/smoke.xml" "$@" tests
+status=$?
+set -e
+# A skipped or missing smoke test is a failure here: it would hide what the torch changed.
+if ! "$VENV/bin/python" - "$report/smoke.xml" "$VERSION" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+path, version = sys.argv[1], sys.argv[2]
+try:
+    suites = ET.parse(path).getroot()
+except (OSError, ET.ParseError):
+    sys.exit(f"compat: torch {version}: pytest wrote no report")
+suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+bad = counts["failures"] + counts["errors"] + counts["skipped"]
+print(f"compat: torch {version}: {'pass' if passed and not bad else 'FAIL'}: {passed} passed, "
+      f"{counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped")
+sys.exit(0 if counts["skipped"] == 0 and counts["tests"] > 0 else 1)
+EOF
+then
+  [ "$status" -ne 0 ] || status=1
+fi
+echo "compat: torch $VERSION smoke subset exit $status after $(( $(date +%s) - started )) s"
+exit "$status"
