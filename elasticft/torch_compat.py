@@ -22,7 +22,9 @@ import inspect
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable, Mapping
+from string import Template
 from typing import Any
 
 import torch
@@ -277,6 +279,18 @@ def subprocess_context_kwargs(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in accepted or v not in (None, [], ())}
 
 
+PREFIX_HAS_HOSTNAME = "hostname=" in inspect.getsource(LocalElasticAgent._start_workers)
+"""torch >= 2.15: ``--log-line-prefix-template`` may name ``${hostname}`` too."""
+
+
+def log_line_prefix(template: str, role: str, rank: int, local_rank: int) -> str:
+    """A worker's log line prefix, expanded as this torch's own ``_start_workers`` does."""
+    names: dict[str, Any] = {"role_name": role, "rank": rank, "local_rank": local_rank}
+    if PREFIX_HAS_HOSTNAME:
+        names["hostname"] = socket.gethostname()
+    return Template(template).safe_substitute(**names)
+
+
 def numa_options_of(context: Any) -> Any:
     return getattr(context, "_numa_options", None)
 
@@ -347,6 +361,8 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: "_poll" in vars(SubprocessContext) and "_running_local_ranks" in (
             inspect.getsource(SubprocessContext._start) + inspect.getsource(
                 SubprocessContext._poll)),
+    "LocalElasticAgent._start_workers expands log_line_prefix_template (role_name, rank, ...)":
+        lambda: "safe_substitute" in inspect.getsource(LocalElasticAgent._start_workers),
     "warm start (SubprocessHandler._popen, _setup_local_watchdog, ...)":
         lambda: warm_start_unavailable() is None,
     "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval

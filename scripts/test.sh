@@ -1,9 +1,31 @@
 #!/usr/bin/env bash
-# Sets up everything and runs the whole test suite (unit, multi-process, real etcd and Slurm).
-# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not slow"`.
+# Sets up everything and runs the whole test suite (unit, multi-process, real etcd and Slurm) on
+# the local torch (.venv), then the smoke subset on a second torch release (scripts/compat.sh).
+# Extra arguments go to the first pytest run, e.g. `scripts/test.sh -m "not slow"`.
+# ELASTICFT_COMPAT_TORCH picks the second release (default 2.14.1, from the local pip index);
+# set it to "none" to leave that run out (it is then reported as left out, never passed).
+# Exit status: non-zero when either run fails; each run's status is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+COMPAT_TORCH=${ELASTICFT_COMPAT_TORCH:-2.14.1}
 bash scripts/setup.sh
 bash scripts/install-servers.sh
 .venv/bin/ruff check elasticft tests bench examples scripts
-exec .venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 "$@"
+set +e
+.venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 "$@"
+suite=$?
+if [ "$COMPAT_TORCH" = "none" ]; then
+  compat="left out (ELASTICFT_COMPAT_TORCH=none)"
+  compat_status=0
+else
+  bash scripts/compat.sh "$COMPAT_TORCH"
+  compat_status=$?
+  compat="exit $compat_status"
+fi
+set -e
+local_torch=$(.venv/bin/python -c 'import torch; print(torch.__version__)')
+echo "test.sh: full suite on torch $local_torch: exit $suite; smoke subset on torch $COMPAT_TORCH: $compat"
+if [ "$suite" -ne 0 ]; then
+  exit "$suite"
+fi
+exit "$compat_status"

@@ -181,3 +181,25 @@ def test_elasticft_run_help_works_on_this_torch() -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--shutdown-timeout" in out.stdout and "--rdzv-backend" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_warm_started_workers_get_torch_s_log_line_prefix(tmp_path: Path) -> None:
+    """elasticft-run forks workers itself (warm start) and expands the prefix template the way
+    this torch's own launcher does, ``${hostname}`` included where torch knows it."""
+    from tests.conftest import BIN, clean_job_env
+
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from', os.environ['RANK'], flush=True)\n")
+    env = {**clean_job_env(),
+           "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${hostname}|${role_name}|${rank}> "}
+    lines = {}
+    for tool in ("torchrun", "elasticft-run"):
+        done = subprocess.run([str(BIN / tool), "--standalone", "--nproc-per-node", "2",
+                               "--tee", "3", str(script)], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=150)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines[tool] = sorted(line for line in done.stdout.splitlines() if "hello from" in line)
+    assert len(lines["torchrun"]) == 2 and lines["torchrun"][0].startswith("<"), lines
+    assert lines["elasticft-run"] == lines["torchrun"]

@@ -513,12 +513,9 @@ class WarmStartMixin:
         template = self._log_line_prefix_template  # type: ignore[attr-defined]
         prefixes = None
         if template:
-            from string import Template
-
             prefixes = {
-                w.local_rank: Template(template).safe_substitute(
-                    role_name=spec.role, rank=w.global_rank, local_rank=w.local_rank
-                )
+                w.local_rank: torch_compat.log_line_prefix(
+                    template, spec.role, w.global_rank, w.local_rank)
                 for w in worker_group.workers
             }
         context = WarmSubprocessContext(
