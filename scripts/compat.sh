@@ -38,7 +38,7 @@ if [ ! -f "$VENV/.torch-installed" ]; then
   "$PYTHON" -m venv "$VENV"
   pip_here install -q --upgrade pip 2>&1 | quiet
   pip_here install -q "torch==$VERSION" 2>&1 | quiet
-  "$VENV/bin/python" -c "import torch" || { echo "compat: torch $VERSION did not install" >&2; exit 1; }
+  "$VENV/bin/python" -W ignore -c "import torch" || { echo "compat: torch $VERSION did not install" >&2; exit 1; }
   touch "$VENV/.torch-installed"
 fi
 
@@ -49,14 +49,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$ROOT" ] \
   pip_here install -q -e "$ROOT[dev]" 2>&1 | quiet
   echo "$ROOT" > "$stamp"
 fi
-found=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+found=$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])')
 if [ "$found" != "$VERSION" ]; then
   echo "compat: installing elasticft replaced torch $VERSION by $found" >&2
   rm -f "$stamp" "$VENV/.torch-installed"
   exit 1
 fi
 ready=$(date +%s)
-echo "compat: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') ready in $((ready - started)) s; running the smoke subset"
+echo "compat: torch $("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__)') ready in $((ready - started)) s; running the smoke subset"
 
 bash scripts/install-servers.sh
 report=$(mktemp -d)

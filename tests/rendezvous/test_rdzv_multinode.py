@@ -175,7 +175,6 @@ def test_standby_replaces_killed_leader_and_a_new_leader_is_elected(
     assert last_step == 30
 
 
-@pytest.mark.smoke
 @pytest.mark.timeout(180)
 def test_blacklisted_node_is_refused_with_the_reason_then_joins_after_remove(
     etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path
