@@ -156,8 +156,11 @@ def config_from_args(args: Any) -> tuple[LaunchConfig, Any, list[str]]:
     """torchrun's ``config_from_args``; the config carries ``shutdown_timeout`` on every torch."""
     config, cmd, cmd_args = torch_run.config_from_args(args)
     if "shutdown_timeout" not in LAUNCH_CONFIG_FIELDS:
+        value = getattr(args, "shutdown_timeout", None)
+        if value is not None and value < 0:  # as torch's own LaunchConfig checks it
+            raise ValueError(f"shutdown_timeout must be non-negative, got {value}")
         # An attribute on the instance: read back only through shutdown_timeout_of().
-        config.shutdown_timeout = getattr(args, "shutdown_timeout", None)  # type: ignore[attr-defined]
+        config.shutdown_timeout = value  # type: ignore[attr-defined]
     return config, cmd, cmd_args
 
 

@@ -92,6 +92,16 @@ def test_shutdown_timeout_reaches_the_launch_config_on_this_torch(
     assert torch_compat.shutdown_timeout_of(config) == 9
 
 
+def test_a_negative_shutdown_timeout_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    code = run.main(["--shutdown-timeout", "-1", "--standalone", str(script)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "shutdown_timeout must be non-negative" in err[0], err
+
+
 def test_a_torch_without_the_flag_gets_elasticft_s(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch_compat, "PARSER_HAS_SHUTDOWN_TIMEOUT", False)
     parser = argparse.ArgumentParser()
