@@ -76,6 +76,16 @@ def test_below_the_range_elasticft_run_stops_before_anything(
     assert "torch 2.9.1" in err and "torch >= 2.10" in err
 
 
+def test_the_version_check_needs_nothing_from_torch_s_launcher() -> None:
+    """On a torch below the range the private API may not even import: elasticft-run must get
+    to its version check without it."""
+    code = ("import sys, elasticft.run; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch', 'elasticft.torch_c'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_shutdown_timeout_reaches_the_launch_config_on_this_torch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
