@@ -2,8 +2,9 @@
 
 elasticft extends torchrun from the inside: it subclasses torch's ``LocalElasticAgent``, its
 worker process context and handler, and its dynamic rendezvous handler, and it calls torchrun's
-own argument parsing. None of that is a stable API, and it changes between torch releases (2.11
-has no ``LaunchConfig.shutdown_timeout``, 2.13 added it to the agent and its ``_shutdown``).
+own argument parsing. None of that is a stable API, and it changes between torch releases (2.10
+and 2.11 have no shutdown timeout in ``LaunchConfig``, the agent or its ``_shutdown``; 2.12 added
+them).
 Every other module imports these names from here, never from ``torch.distributed.elastic``,
 ``torch.distributed.run`` or ``torch.distributed.launcher`` directly.
 
@@ -107,9 +108,9 @@ def _fields(cls: type) -> frozenset[str]:
 LAUNCH_CONFIG_FIELDS = _fields(LaunchConfig)
 WORKER_SPEC_FIELDS = _fields(WorkerSpec)
 AGENT_TAKES_SHUTDOWN_TIMEOUT = "shutdown_timeout" in _parameters(LocalElasticAgent.__init__)
-"""torch >= 2.13: the agent stores ``shutdown_timeout`` itself and uses it in ``run()``."""
+"""torch >= 2.12: the agent stores ``shutdown_timeout`` itself and uses it in ``run()``."""
 AGENT_SHUTDOWN_TAKES_TIMEOUT = "timeout" in _parameters(LocalElasticAgent._shutdown)
-"""torch >= 2.13: ``_shutdown(death_sig, timeout)``; before, always torch's built-in 30 s."""
+"""torch >= 2.12: ``_shutdown(death_sig, timeout)``; before, always torch's built-in 30 s."""
 PARSER_HAS_SHUTDOWN_TIMEOUT = any(
     "--shutdown-timeout" in action.option_strings for action in torch_run.get_args_parser()._actions
 )
@@ -139,7 +140,7 @@ determine_local_world_size = torch_run.determine_local_world_size
 def add_missing_launcher_flags(parser: Any) -> None:
     """Adds torchrun flags that a newer torch has and this one lacks, with the newer meaning.
 
-    ``--shutdown-timeout`` (torch 2.13): elasticft applies it itself on any torch.
+    ``--shutdown-timeout`` (torch 2.12): elasticft applies it itself on any torch.
     """
     if PARSER_HAS_SHUTDOWN_TIMEOUT:
         return
@@ -283,7 +284,7 @@ def subprocess_context_kwargs(**kwargs: Any) -> dict[str, Any]:
 
 
 PREFIX_HAS_HOSTNAME = "hostname=" in inspect.getsource(LocalElasticAgent._start_workers)
-"""torch >= 2.15: ``--log-line-prefix-template`` may name ``${hostname}`` too."""
+"""torch >= 2.14: ``--log-line-prefix-template`` may name ``${hostname}`` too."""
 
 
 def log_line_prefix(template: str, role: str, rank: int, local_rank: int) -> str:

@@ -168,7 +168,7 @@ def test_shutdown_timeout_bounds_a_worker_that_ignores_sigterm(
         assert time.monotonic() < deadline, "the worker never started"
         time.sleep(0.05)
     started = time.monotonic()
-    agent._shutdown()  # as torch's run() calls it on torch < 2.13: no timeout given
+    agent._shutdown()  # as torch's run() calls it on torch < 2.12: no timeout given
     took = time.monotonic() - started
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
     # SIGKILL came after our 1 s, not torch's 30 s (generous margin for a loaded host).

@@ -92,7 +92,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             log_line_prefix_template=log_line_prefix_template,
             **torch_compat.agent_init_kwargs(shutdown_timeout),
         )
-        # torch < 2.13 neither takes nor keeps it; elasticft applies it on every torch.
+        # torch < 2.12 neither takes nor keeps it; elasticft applies it on every torch.
         self._shutdown_timeout = shutdown_timeout
         self.options = options
         self.events = events
@@ -205,7 +205,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
                   timeout: int | None = None) -> None:
-        # torch < 2.13 calls this without a timeout (its built-in 30 s): honour ours everywhere.
+        # torch < 2.12 calls this without a timeout (its built-in 30 s): honour ours everywhere.
         torch_compat.shutdown_agent(
             self, super()._shutdown, death_sig,
             self._shutdown_timeout if timeout is None else timeout,
