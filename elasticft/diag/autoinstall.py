@@ -75,8 +75,10 @@ def arm(env: Mapping[str, str]) -> bool:
     rank = int(env.get("RANK", "0"))
 
     def install(_torch: ModuleType) -> None:
-        from elasticft.diag import recorder
+        from elasticft.diag import recorder, shimcheck
 
+        # torch has loaded NCCL and the script has made no NCCL call yet.
+        shimcheck.report(directory, rank, env)
         recorder.install(directory, rank)
 
     if "torch" in sys.modules:
