@@ -272,9 +272,17 @@ static void shim_init(void) {
     g_enabled = 1;
 }
 
+static volatile int g_init_done;
+
+static void init_once(void) {
+    shim_init();
+    __atomic_store_n(&g_init_done, 1, __ATOMIC_RELEASE);
+}
+
 static inline int enabled(void) {
     if (LIKELY(g_enabled)) return 1;
-    pthread_once(&g_once, shim_init);
+    if (LIKELY(__atomic_load_n(&g_init_done, __ATOMIC_ACQUIRE))) return 0; /* disabled */
+    pthread_once(&g_once, init_once);
     return g_enabled;
 }
 
