@@ -26,7 +26,8 @@ import pytest
 
 from elasticft.diag.ring import FLAG_HOST_COMPLETION, Op, RingReader, create_ring, ring_path
 from elasticft.diag.workerenv import shim_library
-from tests.conftest import ROOT
+from elasticft.events import read_events
+from tests.conftest import BIN, ROOT
 
 HERE = Path(__file__).parent
 WORKER = HERE / "workers" / "nccl_calls.py"
@@ -76,8 +77,9 @@ def nccl_lib_dir() -> Path:
 
 def build_user_library(out: Path, nccl_dir: Path) -> Path:
     library = out / "libnccl_user.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(HERE / "real" / "nccl_user.c"),
-                    f"-L{nccl_dir}", "-l:libnccl.so.2", f"-Wl,-rpath,{nccl_dir}"], check=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library),
+                    str(HERE / "real" / "nccl_user.c"), f"-L{nccl_dir}", "-l:libnccl.so.2",
+                    f"-Wl,-rpath,{nccl_dir}"], check=True)
     return library
 
 
@@ -306,3 +308,41 @@ def test_an_entry_point_missing_from_nccl_leaves_the_others_untouched(shim, tmp_
     assert "ncclAlltoAll is defined by no loaded library" in called["stderr"]
     unshimmed, = run_all([(calls_command(library, ["all_to_all"]), calls_env(None))])
     assert codes(unshimmed) == [["all_to_all", -1]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_elasticft_run_reports_the_self_check_in_events_and_status(user_library, tmp_path,
+                                                                   job_env):
+    """The whole chain on CPU: the agent preloads the shim (--diag-nccl-shim on), the bootstrap
+    checks it after `import torch`, the monitor writes it to the event log, status shows it.
+
+    With NCCL: a cold start, where the script loads NCCL in a local scope before torch (torch
+    with CUDA loads it as it is imported). Without: the default warm start, where torch (CPU
+    only here) is imported before the script and the worker is forked."""
+    worker = HERE / "workers" / "nccl_selfcheck.py"
+    runs = {}
+    for name, flags, args in (("with-nccl", ["--warm-start", "false"], [str(user_library)]),
+                              ("without-nccl", [], [])):
+        run_dir = tmp_path / name
+        cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "1",
+               "--monitor-interval", "0.1", "--run-dir", str(run_dir), "--diag-nccl-shim", "on",
+               *flags, str(worker), *args]
+        runs[name] = (run_dir, subprocess.Popen(cmd, env=job_env, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, text=True))
+    for _run_dir, proc in runs.values():
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out[-3000:]
+    reports = {name: [e for e in read_events(run_dir) if e["kind"] == "nccl_timings"]
+               for name, (run_dir, _) in runs.items()}
+    active, = reports["with-nccl"]
+    assert active["active"] and active["rank"] == 0
+    assert active["message"].startswith("NCCL timings active: NCCL 2.")
+    inactive, = reports["without-nccl"]
+    assert inactive["message"] == ("NCCL timings inactive: no NCCL library is loaded in the "
+                                   "worker (torch without NCCL?)")
+    shown = subprocess.run([str(BIN / "elasticft"), "status", "--run-dir",
+                            str(runs["with-nccl"][0])], capture_output=True, text=True,
+                           timeout=60, env=job_env)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{active['message']} ({active['node']}, rank 0)" in shown.stdout.splitlines()
