@@ -22,8 +22,13 @@ int main(int argc, char **argv) {
     ncclComm_t comm = NULL;
     void *stream = (void *)0x1234;
     printf("init=%d", ncclCommInitRank(&comm, 4, id, 3));
-    for (int i = 0; i < n; i++)  /* float32 (type 7) */
+    /* FAKE_CALL_GAP_US paces the calls like a training loop (the shim's thread polls every
+     * 200 us while events are outstanding). */
+    const char *gap = getenv("FAKE_CALL_GAP_US");
+    for (int i = 0; i < n; i++) {  /* float32 (type 7) */
         printf(" allreduce=%d", ncclAllReduce(NULL, NULL, 1000 + i, 7, 0, comm, stream));
+        if (gap) usleep(atoi(gap));
+    }
     printf(" bad=%d", ncclAllReduce(NULL, NULL, 13, 7, 0, comm, stream));
     printf(" bcast=%d", ncclBroadcast(NULL, NULL, 256, 9 /* bf16 */, 2, comm, stream));
     printf(" gstart=%d", ncclGroupStart());
