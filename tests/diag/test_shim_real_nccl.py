@@ -66,6 +66,9 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs the sy
 
 
 def nccl_lib_dir() -> Path:
+    """The directory of libnccl.so.2: $ELASTICFT_TEST_NCCL_DIR, else the nvidia-nccl wheel's."""
+    if os.environ.get("ELASTICFT_TEST_NCCL_DIR"):
+        return Path(os.environ["ELASTICFT_TEST_NCCL_DIR"])
     try:
         import nvidia.nccl  # type: ignore[import-not-found]
     except ImportError:
