@@ -80,7 +80,7 @@ def nccl_lib_dir() -> Path:
 
 def build_user_library(out: Path, nccl_dir: Path) -> Path:
     library = out / "libnccl_user.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library),
+    subprocess.run(["cc", "-shared", "-fPIC", "-pthread", "-o", str(library),
                     str(HERE / "real" / "nccl_user.c"), f"-L{nccl_dir}", "-l:libnccl.so.2",
                     f"-Wl,-rpath,{nccl_dir}"], check=True)
     return library
@@ -349,3 +349,11 @@ def test_elasticft_run_reports_the_self_check_in_events_and_status(user_library,
                            timeout=60, env=job_env)
     assert shown.returncode == 0, shown.stderr
     assert f"{active['message']} ({active['node']}, rank 0)" in shown.stdout.splitlines()
+
+
+@pytest.mark.timeout(120)
+def test_first_calls_from_many_threads_all_reach_nccl(user_library, shim, tmp_path):
+    command = calls_command(user_library, ["group_pairs_in_threads", "all_reduce"])
+    plain, enabled = run_all([(command, calls_env(None)), (command, calls_env(shim, tmp_path))])
+    assert codes(plain) == codes(enabled) == [["group_pairs_in_threads", 0],
+                                              ["all_reduce", NCCL_INVALID_ARGUMENT]]

@@ -136,7 +136,9 @@ static int collect_object(struct dl_phdr_info *info, size_t size, void *data) {
     /* The main program's own definitions would have bound before the shim's; the shim skips
      * itself. Everything else is a candidate, in load order. */
     if (!info->dlpi_name || !info->dlpi_name[0]) return 0;
-    if ((void *)info->dlpi_addr == self_base()) return 0;
+    /* g_self_base, not self_base(): dladdr takes the loader's lock, and dl_iterate_phdr holds
+     * another one while it calls back (the opposite order of dlopen's: a deadlock). */
+    if ((void *)info->dlpi_addr == g_self_base) return 0;
     if (list->n == list->cap) {
         size_t cap = list->cap ? list->cap * 2 : 64;
         char **grown = realloc(list->paths, cap * sizeof *grown);
@@ -157,6 +159,7 @@ static void *search_loaded(const char *name) {
         if (fn && !in_self(fn)) return fn;
     }
     object_list_t list = {0};
+    self_base();
     dl_iterate_phdr(collect_object, &list);
     void *found = NULL;
     for (size_t i = 0; i < list.n; i++) {

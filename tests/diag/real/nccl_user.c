@@ -56,3 +56,20 @@ int init_rank_scalable(void) {
 int comm_split(void) { ncclComm_t c = NULL; return ncclCommSplit(NULL, 0, 0, &c, NULL); }
 int comm_abort(void) { return ncclCommAbort(NULL); }
 int comm_destroy(void) { return ncclCommDestroy(NULL); }
+
+/* Eight threads make their first NCCL calls at once (the shim resolves NCCL on first use):
+ * returns how many of their 8 x 1000 group pairs did not succeed. */
+#include <pthread.h>
+static void *group_pairs(void *failed) {
+    for (int i = 0; i < 1000; i++)
+        if (ncclGroupStart() != 0 || ncclGroupEnd() != 0)
+            __atomic_add_fetch((int *)failed, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
+int group_pairs_in_threads(void) {
+    pthread_t threads[8];
+    int failed = 0;
+    for (int i = 0; i < 8; i++) pthread_create(&threads[i], NULL, group_pairs, &failed);
+    for (int i = 0; i < 8; i++) pthread_join(threads[i], NULL);
+    return failed;
+}
