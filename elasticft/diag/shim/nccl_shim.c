@@ -481,12 +481,14 @@ static int arm(slot_t *s, uint64_t seq, cudaStream_t stream) {
 }
 
 static void finish_call(uint64_t seq, ncclResult_t rc, cudaStream_t stream, slot_t *slot) {
-    if (rc != ncclSuccess) {
+    if (rc != ncclSuccess && rc != ncclInProgress) {
         ring_record_t *r = slot_of(seq);
         if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) == seq)
             __atomic_or_fetch(&r->flags, ((uint32_t)rc & 0xffu) << 8, __ATOMIC_RELAXED);
     }
-    if (rc == ncclSuccess && slot && arm(slot, seq, stream)) return;
+    /* ncclInProgress: a non-blocking communicator has taken the call; its work is queued. */
+    int launched = rc == ncclSuccess || rc == ncclInProgress;
+    if (launched && slot && arm(slot, seq, stream)) return;
     complete(seq, now_ns(), -1, FLAG_HOST_COMPLETION);
 }
 
@@ -623,7 +625,8 @@ static __thread int t_ndeferred;
 static __thread struct { uint64_t seq; cudaStream_t stream; slot_t *slot; } t_deferred[MAX_DEFERRED];
 
 static void defer_in_group(uint64_t seq, ncclResult_t rc, cudaStream_t stream) {
-    if (rc == ncclSuccess && t_ndeferred < MAX_DEFERRED && cuda_usable()) {
+    if ((rc == ncclSuccess || rc == ncclInProgress) && t_ndeferred < MAX_DEFERRED &&
+        cuda_usable()) {
         t_deferred[t_ndeferred].seq = seq;
         t_deferred[t_ndeferred].stream = stream;
         t_deferred[t_ndeferred].slot = NULL;
@@ -754,14 +757,13 @@ EXPORT ncclResult_t ncclGroupEnd(void) {
     t_group_depth--;
     if (!outermost) return rc;
     t_ndeferred = 0;
-    ncclResult_t launched = rc == ncclInProgress ? ncclSuccess : rc;
     for (int i = 0; i < n; i++)
-        finish_call(t_deferred[i].seq, launched, t_deferred[i].stream, t_deferred[i].slot);
+        finish_call(t_deferred[i].seq, rc, t_deferred[i].stream, t_deferred[i].slot);
     return rc;
 }
 
 static ncclResult_t init_done(uint64_t seq, ncclResult_t rc, ncclComm_t *comm, uint64_t key) {
-    if (rc == ncclSuccess && comm && *comm) remember_comm(*comm, key);
+    if ((rc == ncclSuccess || rc == ncclInProgress) && comm && *comm) remember_comm(*comm, key);
     finish_call(seq, rc, NULL, NULL);
     return rc;
 }
