@@ -117,3 +117,17 @@ def test_the_event_pool_is_recycled_over_many_more_calls_than_slots(built, tmp_p
     all_reduces = [r for r in recs if Op(r.op) is Op.ALL_REDUCE and (r.flags >> 8) == 0]
     assert len(all_reduces) > 4000
     assert all(r.flags & FLAG_TIMED and r.complete_ns >= r.enqueue_ns for r in all_reduces)
+
+
+@pytest.mark.timeout(120)
+def test_a_split_communicator_is_keyed_by_its_parent_and_colour(built, tmp_path):
+    output = run_app(built, tmp_path, calls=1, FAKE_SPLIT="1")
+    assert "split=0 child_allreduce=0 child_allreduce=0 child_destroy=0" in output
+    _header, recs = records(tmp_path)
+    split, first, second, child_destroy = [r for r in recs if r.comm != fnv1a(UNIQUE_ID)]
+    parent = fnv1a(UNIQUE_ID).to_bytes(8, "little")
+    child_key = fnv1a(parent + (5).to_bytes(4, "little"))
+    assert Op(split.op) is Op.COMM_INIT and split.comm == child_key
+    assert [(Op(r.op), r.comm, r.comm_seq) for r in (first, second)] == [
+        (Op.ALL_REDUCE, child_key, 1), (Op.ALL_REDUCE, child_key, 2)]
+    assert Op(child_destroy.op) is Op.COMM_DESTROY and child_destroy.comm == child_key

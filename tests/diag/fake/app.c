@@ -13,6 +13,7 @@ int ncclGroupStart(void);
 int ncclGroupEnd(void);
 int ncclCommInitRank(ncclComm_t *, int, ncclUniqueId, int);
 int ncclCommDestroy(ncclComm_t);
+int ncclCommSplit(ncclComm_t, int, int, ncclComm_t *, void *);
 
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 3;
@@ -36,6 +37,14 @@ int main(int argc, char **argv) {
     printf(" recv=%d", ncclRecv(NULL, 10, 4, 1, comm, stream));
     printf(" gend=%d", ncclGroupEnd());
     usleep(300 * 1000); /* let the shim's poller see the completions */
+    if (getenv("FAKE_SPLIT")) {  /* a sub-group: colour 5, then two calls on it */
+        ncclComm_t child = NULL;
+        printf(" split=%d", ncclCommSplit(comm, 5, 0, &child, NULL));
+        for (int i = 0; i < 2; i++)
+            printf(" child_allreduce=%d", ncclAllReduce(NULL, NULL, 8, 7, 0, child, stream));
+        usleep(100 * 1000);
+        printf(" child_destroy=%d", ncclCommDestroy(child));
+    }
     printf(" destroy=%d\n", ncclCommDestroy(comm));
     return 0;
 }
