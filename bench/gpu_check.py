@@ -29,6 +29,7 @@ import json
 import os
 import py_compile
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,16 +60,27 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run(cmd: list[str], env: dict[str, str], limit_s: float = RUN_LIMIT_S
         ) -> tuple[int | None, str]:
-    """Exit code (None: killed at the limit) and the last lines of the output."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=limit_s)
-        return proc.returncode, out[-2000:]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        return None, out[-2000:]
+    """Exit code (None: stopped at the limit) and the end of the output.
+
+    At the limit the launcher gets SIGTERM, so that it stops its workers (elasticft-run's and
+    torchrun's workers run in sessions of their own), then SIGKILL 30 s later. The output goes
+    to a file: a pipe would also wait for any worker left behind."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        code: int | None
+        try:
+            code = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.seek(0)
+        return code, log.read()[-2000:]
 
 
 def last_line(text: str) -> str:

@@ -78,8 +78,9 @@ def arm(env: Mapping[str, str]) -> bool:
         from elasticft.diag import recorder, shimcheck
 
         # torch has loaded NCCL and the script has made no NCCL call yet.
-        shimcheck.report(directory, rank, env)
-        recorder.install(directory, rank)
+        shim = shimcheck.report(directory, rank, env)
+        installed = recorder.install(directory, rank)
+        installed.nccl_timed_by_shim = shim is not None and shim.active
 
     if "torch" in sys.modules:
         install(sys.modules["torch"])

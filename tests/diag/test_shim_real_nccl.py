@@ -18,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 
 from elasticft.diag.ring import FLAG_HOST_COMPLETION, Op, RingReader, create_ring, ring_path
-from elasticft.diag.workerenv import shim_library
+from elasticft.diag.workerenv import bootstrap_dir, shim_library
 from elasticft.events import read_events
 from tests.conftest import BIN, ROOT
 
@@ -357,3 +358,30 @@ def test_first_calls_from_many_threads_all_reach_nccl(user_library, shim, tmp_pa
     plain, enabled = run_all([(command, calls_env(None)), (command, calls_env(shim, tmp_path))])
     assert codes(plain) == codes(enabled) == [["group_pairs_in_threads", 0],
                                               ["all_reduce", NCCL_INVALID_ARGUMENT]]
+
+
+@pytest.mark.timeout(120)
+def test_with_the_shim_active_the_recorder_still_records_gloo_groups(user_library, shim,
+                                                                     tmp_path):
+    """The bootstrap's self-check tells the Python recorder that the shim times NCCL groups
+    (their Python wrappers then step aside); other groups are recorded as before."""
+    script = textwrap.dedent("""
+        import ctypes, json, sys
+        ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_LOCAL)  # NCCL in a local scope, as torch's
+        import torch, torch.distributed as dist
+        from elasticft.diag.recorder import installed
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        dist.all_reduce(torch.ones(10))
+        print(json.dumps({"timed_by_shim": installed().nccl_timed_by_shim,
+                          "world_on_nccl": installed().on_nccl(None)}))
+    """)
+    env = calls_env(shim, tmp_path)
+    env["PYTHONPATH"] = f"{bootstrap_dir()}:{ROOT}"
+    done = subprocess.run([sys.executable, "-c", script, str(user_library)], env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"timed_by_shim": True, "world_on_nccl": False}
+    status = json.loads((tmp_path / "rank-0.nccl.status").read_text())
+    assert status["active"] and status["rank"] == 0
+    _header, records = RingReader(ring_path(tmp_path, 0, "py")).poll()
+    assert [Op(r.op) for r in records if r.op == Op.ALL_REDUCE] == [Op.ALL_REDUCE]
