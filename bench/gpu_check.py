@@ -51,11 +51,34 @@ def launcher(name: str) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", module]
 
 
+# Every process this check starts carries this mark in its environment, so that workers left
+# behind by a stopped launcher (in sessions of their own, a GPU kernel of minutes queued) can be
+# found and ended by their pid.
+RUN_MARK = f"GPU_CHECK_RUN={os.getpid()}-{time.time_ns()}"
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_")) and k != "LD_PRELOAD"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return {**env, **extra}
+    key, _, value = RUN_MARK.partition("=")
+    return {**env, key: value, **extra}
+
+
+def end_leftovers() -> int:
+    """SIGKILLs the processes that carry this run's mark; returns how many."""
+    mark = RUN_MARK.encode()
+    ended = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                ended += 1
+        except (OSError, ValueError):
+            continue
+    return ended
 
 
 def run(cmd: list[str], env: dict[str, str], limit_s: float = RUN_LIMIT_S
@@ -79,6 +102,7 @@ def run(cmd: list[str], env: dict[str, str], limit_s: float = RUN_LIMIT_S
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        end_leftovers()
         log.seek(0)
         return code, log.read()[-2000:]
 
@@ -168,8 +192,9 @@ def check_overhead(tmp: Path, rows: list[tuple[str, str]]) -> None:
 
 def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) -> None:
     run_dir, marker = tmp / "hang-run", tmp / "hang.json"
-    started = time.monotonic()
-    code, text = run(elasticft_run(run_dir, "hang", marker, "--max-restarts", "1"), child_env())
+    limit_s = 240.0  # the whole check must fit in the 10 minutes a lent GPU machine allows
+    code, text = run(elasticft_run(run_dir, "hang", marker, "--max-restarts", "1"), child_env(),
+                     limit_s=limit_s)
     hang_at = json.loads(marker.read_text())["hang_at"] if marker.exists() else None
     hangs = [e for e in events(run_dir, "detection") if e.get("detector") == "hang"] \
         if run_dir.exists() else []
@@ -178,14 +203,15 @@ def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) 
         rows.append(("hang, elasticft-run", f"the hang was not reached: exit {code}: "
                                             f"{last_line(text)}"))
     elif not hangs:
-        rows.append(("hang, elasticft-run", f"not detected; exit {code} after "
-                                            f"{time.monotonic() - started:.0f} s"))
+        rows.append(("hang, elasticft-run", f"not detected within {limit_s:.0f} s (stopped)"
+                     if code is None else f"not detected; exit {code}: {last_line(text)}"))
     else:
         action = decisions[-1].get("action", "?") if decisions else "no decision event"
         rows.append(("hang, elasticft-run", f"detected {hangs[0]['time'] - hang_at:.1f} s after "
                                             f"the hang; action {action}; run exit {code}"))
         rows.append(("  detection", hangs[0].get("message", "")[:160]))
     marker.unlink(missing_ok=True)
+    started = time.monotonic()
     code, text = run(torchrun("hang", marker), child_env(), limit_s=torchrun_limit_s)
     result = (f"not recovered within {torchrun_limit_s:.0f} s (killed)" if code is None
               else f"exit {code} after {time.monotonic() - started:.0f} s: {last_line(text)}")
