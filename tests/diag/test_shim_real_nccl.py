@@ -106,8 +106,9 @@ def calls_command(library: Path, cases: Sequence[str]) -> list[str]:
 
 def calls_env(shim: Path | None, ring_dir: Path | None = None, *, enabled: bool = True,
               **extra: str) -> dict[str, str]:
+    # No device, on a GPU machine too: NCCL answers from its host-side checks, the same there.
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
-           "RANK": "0", **extra}
+           "RANK": "0", "CUDA_VISIBLE_DEVICES": "", **extra}
     if shim is not None:
         env["LD_PRELOAD"] = str(shim)
         env["ELASTICFT_DIAG_SHIM"] = "1" if enabled else "0"
