@@ -187,7 +187,6 @@ def test_the_self_check_says_whether_calls_are_timed(three_ways):
     assert enabled["version"] >= 22800 and enabled["library"].endswith("libnccl.so.2")
     assert enabled["missing"] == []
     assert enabled["message"].startswith("NCCL timings active: NCCL 2.")
-    assert not enabled["cuda_events"]  # no CUDA runtime here: completion on the host
 
 
 @pytest.mark.timeout(180)
