@@ -152,8 +152,11 @@ def main() -> None:
                 samples[i].append(measure(library, kind, args.calls, env))
     medians = [statistics.median(samples[i]) for i in range(len(settings))]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"NCCL shim overhead on the host, {stamp}, {platform.node()}, {os.cpu_count()} CPUs, "
-          f"{args.calls} calls x {args.rounds} rounds (median ns per call, clock reads included)")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"NCCL shim overhead on the host, {stamp}, {platform.node()}, {os.cpu_count()} CPUs "
+          f"(load {load}), {args.calls} calls x {args.rounds} rounds (median ns per call, clock "
+          f"reads included)")
+    print("A busy host (load above the CPU count) makes differences of tens of ns noise.")
     rows = []
     baseline = 0.0
     for i, (section, name, *_rest) in enumerate(settings):
