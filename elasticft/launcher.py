@@ -101,7 +101,7 @@ def default_collaborators(
         collaborators.append(layout)
     from elasticft.report.steps import StepLogEnv
 
-    collaborators.append(StepLogEnv())
+    collaborators.append(StepLogEnv(os.environ))
     from elasticft.diag.monitor import monitor_from_options
 
     diag = monitor_from_options(options, config, os.environ)

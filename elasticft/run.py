@@ -10,6 +10,7 @@ anything starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -17,6 +18,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from elasticft import config as elasticft_config
@@ -98,6 +100,17 @@ def _capture_stderr(args: argparse.Namespace) -> None:
         args.tee = "2"
 
 
+def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig) -> ElasticftConfig:
+    """Without --log-dir, torch writes the workers' log files to a new /tmp/torchelastic_*
+    directory that nobody removes; elasticft writes them to ``<run-dir>/logs`` instead, with the
+    rest of the run's files."""
+    if args.log_dir:
+        return options
+    run_dir = Path(options.agent.run_dir or Path("elasticft-runs") / str(args.rdzv_id))
+    args.log_dir = str(run_dir / "logs")
+    return dataclasses.replace(options, agent=dataclasses.replace(options.agent, run_dir=run_dir))
+
+
 def _slurm_allocation(options: ElasticftConfig) -> slurm.SlurmEnv | None:
     """The Slurm allocation whose nodes fill the flags the user left out (see elasticft.slurm)."""
     try:
@@ -158,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             slurm.run_id_default(args, raw_argv, os.environ, allocation)
         if options.agent.capture_stderr:
             _capture_stderr(args)
+        options = _logs_in_run_dir(args, options)
         torch_run_logger = logging.getLogger("torch.distributed.run")
         level = torch_run_logger.level
         # Its INFO lines ("Using nproc_per_node=...") would precede our one-line errors.

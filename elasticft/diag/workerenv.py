@@ -20,7 +20,9 @@ from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
 
 SHIM_ENV = "ELASTICFT_DIAG_SHIM"
 CUDART_ENV = "ELASTICFT_DIAG_CUDART"
-WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV})
+AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"
+"""``0``: the bootstrap (there for step records) must not install the recorder in this worker."""
+WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV, AUTO_INSTALL_ENV})
 """Variables diagnostics adds to (or reads in) workers."""
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -42,6 +44,11 @@ def _prepend(value: str, existing: str | None, sep: str) -> str:
     return sep.join([value, *parts])
 
 
+def bootstrap_pythonpath(base_env: Mapping[str, str]) -> str:
+    """``PYTHONPATH`` with the bootstrap directory first (the user's entries kept after it)."""
+    return _prepend(str(bootstrap_dir()), base_env.get("PYTHONPATH"), os.pathsep)
+
+
 def diag_worker_env(
     ring_dir: Path,
     *,
@@ -55,7 +62,10 @@ def diag_worker_env(
     """
     env = {RING_DIR_ENV: str(ring_dir)}
     if auto_install:
-        env["PYTHONPATH"] = _prepend(str(bootstrap_dir()), base_env.get("PYTHONPATH"), os.pathsep)
+        env["PYTHONPATH"] = bootstrap_pythonpath(base_env)
+    else:
+        # The bootstrap may still be there for the step records (elasticft.report.steps).
+        env[AUTO_INSTALL_ENV] = "0"
     if shim is not None:
         env[SHIM_ENV] = "1"
         # The dynamic linker accepts spaces or colons; keep the user's entries after ours.
