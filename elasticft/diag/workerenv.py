@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -87,12 +88,19 @@ def ring_dir(base: Path, agent_pid: int, tag: str) -> Path:
 
 def sweep_dead_ring_dirs(base: Path) -> list[Path]:
     """Removes this user's ring directories whose agent is gone: an agent killed with SIGKILL
-    never closes its monitor, and its rings (hundreds of KB per rank) would stay in memory."""
+    never closes its monitor, and its rings (hundreds of KB per rank) would stay in memory.
+    A directory another user owns is left alone, whatever its name says."""
     pattern = re.compile(rf"^elasticft-{os.getuid()}-(\d+)-[0-9a-f]+$")
     removed = []
     for path in base.glob(f"elasticft-{os.getuid()}-*"):
         match = pattern.match(path.name)
-        if match is not None and path.is_dir() and procs.gone(int(match.group(1))):
+        if match is None or not procs.gone(int(match.group(1))):
+            continue
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
