@@ -111,6 +111,31 @@ def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig) -> Elas
     return dataclasses.replace(options, agent=dataclasses.replace(options.agent, run_dir=run_dir))
 
 
+def _check_extras(args: argparse.Namespace, options: ElasticftConfig) -> None:
+    """Every optional package the run will need is installed (one line naming the extra if not,
+    before anything starts; never a traceback from deep inside, nor a feature quietly off)."""
+    from elasticft import extras
+
+    try:
+        if args.rdzv_backend == "etcd-v3":
+            extras.require_etcd()
+        diag = options.diag
+        if diag.diag_enabled and diag.hang_stacks:
+            from elasticft.diag.stacks import py_spy_path
+
+            if py_spy_path() is None:
+                raise extras.MissingExtra("the stacks of hung workers (--hang-stacks)", "py-spy",
+                                          "diag", "or --hang-stacks false")
+        if diag.diag_enabled:
+            from elasticft.diag.health import gpu_devices_present
+
+            if gpu_devices_present():
+                extras.require(extras.NVML, "GPU health checks on this GPU node", "gpu",
+                               "or --diag-enabled false")
+    except extras.MissingExtra as e:
+        raise UsageError(str(e)) from None
+
+
 def _slurm_allocation(options: ElasticftConfig) -> slurm.SlurmEnv | None:
     """The Slurm allocation whose nodes fill the flags the user left out (see elasticft.slurm)."""
     try:
@@ -172,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if options.agent.capture_stderr:
             _capture_stderr(args)
         options = _logs_in_run_dir(args, options)
+        _check_extras(args, options)
         torch_run_logger = logging.getLogger("torch.distributed.run")
         level = torch_run_logger.level
         # Its INFO lines ("Using nproc_per_node=...") would precede our one-line errors.

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from elasticft import extras
 from elasticft.events import read_events
 from elasticft.report import whatif
 from elasticft.report.eventsonly import EventSummary, format_summary, summarize
@@ -29,6 +30,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise CliError(f"run directory {run_dir} does not exist; give the --run-dir of the run")
+    if args.plot:
+        extras.require(extras.MATPLOTLIB, "elasticft report --plot", "report")
     events = read_events(run_dir)
     try:
         analysis = analyze(events, read_steps(run_dir))
