@@ -14,10 +14,11 @@ seconds that step spent saving a checkpoint. A script can write these lines itse
 A script that writes none still gets records: the worker bootstrap (the ``sitecustomize`` the
 agent puts first on ``PYTHONPATH``) installs :class:`AutoStepRecorder` when torch is imported. It
 counts the steps of the first optimizer that steps, through torch's global optimizer step hook,
-and appends the same lines to a file beside the explicit one (``rank<R>.auto.jsonl``). Its step
-number is the optimizer's own (``state[p]["step"]``, which Adam-like optimizers keep and restore
-with the checkpoint), so rolled-back steps are told apart; for an optimizer without one (plain
-SGD) it continues from the last recorded number, marked ``"counted": true``. :func:`read_steps`
+and appends the same lines to a file beside the explicit one (``rank<R>.auto.jsonl``). The
+number of a process's first step is the optimizer's own (``state[p]["step"]``, which Adam-like
+optimizers keep and restore with the checkpoint), so steps redone after a restart are told
+apart; later steps count on from it. For an optimizer without one (plain SGD) it continues from
+the last recorded number, marked ``"counted": true``. :func:`read_steps`
 takes a rank's explicit records when it has any and its automatic ones otherwise, so a step is
 never counted twice.
 """
@@ -100,7 +101,8 @@ class AutoStepRecorder:
         self._recorder = StepRecorder(path)
         self._path = path
         self._optimizer_id: int | None = None
-        self._counted: int | None = None
+        self._step: int | None = None
+        self._counted = False
         self._handle: Any = None
 
     def install(self) -> AutoStepRecorder:
@@ -115,14 +117,15 @@ class AutoStepRecorder:
                 self._optimizer_id = id(optimizer)
             elif id(optimizer) != self._optimizer_id:
                 return
-            step = optimizer_step(optimizer)
-            if step is None:
-                if self._counted is None:
-                    self._counted = last_recorded_step(self._path)
-                self._counted += 1
-                self._recorder.record(self._counted, counted=True)
+            if self._step is None:
+                # Read once: the step count of a fused or capturable optimizer lives on the GPU,
+                # and reading it every step would make the host wait for the device.
+                own = optimizer_step(optimizer)
+                self._counted = own is None
+                self._step = last_recorded_step(self._path) + 1 if own is None else own
             else:
-                self._recorder.record(step)
+                self._step += 1
+            self._recorder.record(self._step, counted=self._counted)
         except Exception:  # a lost record must never stop training
             self.close()
 
