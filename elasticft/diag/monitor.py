@@ -231,17 +231,21 @@ class DiagMonitor(AgentCollaborator):
                 self._pending = None
 
     def close(self) -> None:
-        self._health_stop.set()
-        if self.metrics is not None:
-            self.metrics.close()
-        self._exchange.close()
-        for track in self._tracks.values():
-            track.close()
-        self._tracks = {}
-        if self._ring_dir is not None:
-            shutil.rmtree(self._ring_dir, ignore_errors=True)
-        if self._events is not None:
-            self._events.close()
+        # The rings go whatever else fails here: they are memory, and nothing else removes them
+        # until the next agent on this host starts.
+        try:
+            self._health_stop.set()
+            if self.metrics is not None:
+                self.metrics.close()
+            self._exchange.close()
+            for track in self._tracks.values():
+                track.close()
+            self._tracks = {}
+        finally:
+            if self._ring_dir is not None:
+                shutil.rmtree(self._ring_dir, ignore_errors=True)
+            if self._events is not None:
+                self._events.close()
 
     # -- node health ----------------------------------------------------------------------------
 

@@ -329,15 +329,14 @@ class Recorder:
                     logger.warning("could not time DDP buckets", exc_info=True)
 
         forward_handle = register_module_forward_pre_hook(on_forward)
-        step_handle: list[Any] = []
 
         def remove_after_first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            # Only the forward hook: torch is iterating over the step hooks right now, and
+            # removing one of them would break that loop for the hooks registered after it.
             forward_handle.remove()
-            if step_handle:
-                step_handle.pop().remove()
 
-        step_handle.append(register_optimizer_step_post_hook(remove_after_first_step))
-        self._hook_handles.extend([forward_handle])
+        step_handle = register_optimizer_step_post_hook(remove_after_first_step)
+        self._hook_handles.extend([forward_handle, step_handle])
 
     def close(self) -> None:
         self._stop.set()

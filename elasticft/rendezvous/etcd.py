@@ -32,6 +32,7 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticft.config import ConfigError
+from elasticft.extras import require_etcd
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class EtcdSettings:
 
     def connect(self) -> Any:
         """A pyetcd client over all endpoints (failing over between them); authenticates now."""
+        require_etcd()
         import grpc
         from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
@@ -244,6 +246,7 @@ def describe_error(error: BaseException) -> str:
 @contextlib.contextmanager
 def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[None]:
     """Turns any client failure into a one-line :class:`RendezvousConnectionError`."""
+    require_etcd()
     import grpc
     import pyetcd.exceptions
 
