@@ -187,7 +187,8 @@ def check_overhead(tmp: Path, rows: list[tuple[str, str]]) -> None:
                     f"{found['records_kept']} kept records with GPU time (median "
                     f"{found['gpu_median_ms'] or 0:.4f} ms)")
         rows.append((f"10,000 all_reduce: {name}",
-                     f"median {median:.2f} us a call (rounds {medians[name]}){added}{ring}"))
+                     f"median {median:.2f} us a call (rounds "
+                     f"{', '.join(f'{m:.2f}' for m in medians[name])}){added}{ring}"))
 
 
 def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) -> None:
@@ -206,7 +207,9 @@ def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) 
         rows.append(("hang, elasticft-run", f"not detected within {limit_s:.0f} s (stopped)"
                      if code is None else f"not detected; exit {code}: {last_line(text)}"))
     else:
-        action = decisions[-1].get("action", "?") if decisions else "no decision event"
+        after = [d for d in decisions if d.get("time", 0) >= hangs[0]["time"]]
+        action = (f"{after[0].get('action', '?')} ({after[0].get('reason', '')})"[:100] if after
+                  else "no decision event")
         rows.append(("hang, elasticft-run", f"detected {hangs[0]['time'] - hang_at:.1f} s after "
                                             f"the hang; action {action}; run exit {code}"))
         rows.append(("  detection", hangs[0].get("message", "")[:160]))
