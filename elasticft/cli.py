@@ -46,9 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
+    from elasticft.extras import MissingExtra
+
     try:
         return int(args.handler(args) or 0)
-    except CliError as e:
+    except (CliError, MissingExtra) as e:
         print(f"elasticft {args.command}: error: {e}", file=sys.stderr)
         return 2
 

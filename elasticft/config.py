@@ -77,7 +77,8 @@ class AgentConfig:
     run_dir: Path | None = option(
         None,
         "Directory for this run's event log and agent files. Default: <log-dir>/<run-id> when "
-        "--log-dir is given, else ./elasticft-runs/<run-id>.",
+        "--log-dir is given, else ./elasticft-runs/<run-id> (with the workers' logs in "
+        "<run-dir>/logs).",
     )
     event_dir: Path | None = option(
         None,
@@ -188,8 +189,9 @@ class DiagConfig:
     diag_auto_install: bool = option(
         True,
         "Record gloo collectives, DDP buckets and optimizer steps in scripts that do not call "
-        "elasticft.init(), through a sitecustomize bootstrap put first on the worker's "
-        "PYTHONPATH (it runs the site's own sitecustomize too).")
+        "elasticft.init(), through the sitecustomize bootstrap put first on every worker's "
+        "PYTHONPATH (it also writes the step records of `elasticft report`, and runs the "
+        "site's own sitecustomize).")
     diag_nccl_shim: Literal["auto", "on", "off"] = option(
         "auto",
         "Time NCCL calls with the LD_PRELOAD shim. auto: when this node has an NVIDIA GPU.")

@@ -105,7 +105,7 @@ def default_collaborators(
         collaborators.append(layout)
     from elasticft.report.steps import StepLogEnv
 
-    collaborators.append(StepLogEnv())
+    collaborators.append(StepLogEnv(os.environ))
     from elasticft.diag.monitor import monitor_from_options
 
     diag = monitor_from_options(options, config, os.environ)
@@ -129,6 +129,20 @@ def default_collaborators(
     if slurm is not None:
         collaborators.append(slurm)
     return collaborators
+
+
+def sweep_leftovers(options: ElasticftConfig) -> None:
+    """Removes what agents of this user that are gone (SIGKILLed) left in shared memory: their
+    progress rings and checkpoint segments. Every start does it, whichever subsystems it runs;
+    another user's files and those of live processes are never touched."""
+    from elasticft.ckpt import shm
+    from elasticft.diag.workerenv import default_ring_base, sweep_dead_ring_dirs
+
+    rings = sweep_dead_ring_dirs(Path(options.diag.diag_ring_dir or default_ring_base()))
+    if rings:
+        logger.info("removed %d ring directories of agents that are gone", len(rings))
+    if shm.SHM_DIR.is_dir():
+        shm.sweep_orphans(shm.SHM_DIR)
 
 
 def _master_addr_and_port(params: RendezvousParameters) -> tuple[str | None, int | None]:
@@ -160,6 +174,7 @@ def launch(
     node_id = options.agent.node_id or socket.gethostname()
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)
+    sweep_leftovers(options)
     if options.agent.event_dir is not None:
         require_writable_dir("--event-dir", Path(options.agent.event_dir))
     event_log = EventLog(options.agent.event_dir or run_dir, node_id)

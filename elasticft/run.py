@@ -11,6 +11,8 @@ first, before anything from torch's launcher is imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -19,6 +21,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from elasticft import config as elasticft_config
@@ -121,6 +124,62 @@ def _capture_stderr(args: argparse.Namespace) -> None:
         args.tee = "2"
 
 
+def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig
+                     ) -> tuple[ElasticftConfig, list[Path]]:
+    """Without --log-dir, torch writes the workers' log files to a new /tmp/torchelastic_*
+    directory that nobody removes; elasticft writes them to ``<run-dir>/logs`` instead, with the
+    rest of the run's files. Returns the options and the directories this created (removed
+    again if the command line turns out to be unusable)."""
+    if args.log_dir:
+        return options, []
+    run_dir = Path(options.agent.run_dir or Path("elasticft-runs") / str(args.rdzv_id))
+    logs = run_dir / "logs"
+    created = []
+    for path in (logs, *logs.parents):
+        if path.exists():
+            break
+        created.append(path)
+    try:
+        elasticft_config.require_writable_dir("--run-dir", run_dir, mode=0o700)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    args.log_dir = str(logs)
+    options = dataclasses.replace(options, agent=dataclasses.replace(options.agent,
+                                                                     run_dir=run_dir))
+    return options, created
+
+
+def _remove_empty(directories: Sequence[Path]) -> None:
+    for directory in directories:  # deepest first
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+def _check_extras(args: argparse.Namespace, options: ElasticftConfig) -> None:
+    """Every optional package the run will need is installed (one line naming the extra if not,
+    before anything starts; never a traceback from deep inside, nor a feature quietly off)."""
+    from elasticft import extras
+
+    try:
+        if args.rdzv_backend == "etcd-v3":
+            extras.require_etcd()
+        diag = options.diag
+        if diag.diag_enabled and diag.hang_stacks:
+            from elasticft.diag.stacks import py_spy_path
+
+            if py_spy_path() is None:
+                raise extras.MissingExtra("the stacks of hung workers (--hang-stacks)", "py-spy",
+                                          "diag", "or --hang-stacks false")
+        if diag.diag_enabled:
+            from elasticft.diag.health import gpu_devices_present
+
+            if gpu_devices_present():
+                extras.require(extras.NVML, "GPU health checks on this GPU node", "gpu",
+                               "or --diag-enabled false")
+    except extras.MissingExtra as e:
+        raise UsageError(str(e)) from None
+
+
 def _slurm_allocation(options: ElasticftConfig) -> slurm.SlurmEnv | None:
     """The Slurm allocation whose nodes fill the flags the user left out (see elasticft.slurm)."""
     try:
@@ -176,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return USAGE_ERROR
+    created: list[Path] = []
     try:
         args, options = parse(argv)
         raw_argv = list(sys.argv[1:] if argv is None else argv)
@@ -187,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             slurm.run_id_default(args, raw_argv, os.environ, allocation)
         if options.agent.capture_stderr:
             _capture_stderr(args)
+        _check_extras(args, options)
+        options, created = _logs_in_run_dir(args, options)
         torch_run_logger = logging.getLogger("torch.distributed.run")
         level = torch_run_logger.level
         # Its INFO lines ("Using nproc_per_node=...") would precede our one-line errors.
@@ -197,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch_run_logger.setLevel(level)
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        _remove_empty(created)
         return USAGE_ERROR
 
     from elasticft.launcher import default_collaborators, launch
@@ -205,11 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         collaborators = default_collaborators(options, launch_config)
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        _remove_empty(created)
         return USAGE_ERROR
     try:
         result = launch(launch_config, cmd, cmd_args, options, collaborators=collaborators)
     except ConfigError as e:  # e.g. a bad --rdzv-conf value, found when the handler is built
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        _remove_empty(created)
         return USAGE_ERROR
     print(result.summary(), file=sys.stderr)
     return result.exit_code

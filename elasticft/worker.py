@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from elasticft.diag import shimcheck
 from elasticft.diag.recorder import RING_DIR_ENV, Recorder, install, installed
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,10 @@ def init(model: Any = None, *, env: Mapping[str, str] | None = None) -> Diagnost
     env = os.environ if env is None else env
     recorder = installed()
     if recorder is None and env.get(RING_DIR_ENV):
+        shim = shimcheck.report(Path(env[RING_DIR_ENV]), int(env.get("RANK", "0")), env)
         try:
             recorder = install(Path(env[RING_DIR_ENV]), int(env.get("RANK", "0")))
+            recorder.nccl_timed_by_shim = shim is not None and shim.active
         except Exception:
             logger.warning("elasticft diagnostics unavailable in this worker", exc_info=True)
     handle = Diagnostics(recorder)

@@ -15,7 +15,9 @@ Slurm's pre-time-limit signal (--save-signal, USR1 by default), forwarded by the
 every rank stop at the next step boundary; rank 0 saves and all exit 0. A sigwait thread receives
 it (a Python signal handler would wait until a blocking gloo collective returns); the ranks agree
 on the stop step with a one-element all_reduce per step. When ELASTICFT_STEP_LOG is set (by
-elasticft-run), each rank appends one JSON line per step for `elasticft report`.
+elasticft-run), each rank appends one JSON line per step for `elasticft report`. That is optional:
+without it elasticft-run counts the optimizer's steps itself; these lines add the time each step
+spent saving a checkpoint, which the report then shows as checkpoint stall.
 """
 
 from __future__ import annotations

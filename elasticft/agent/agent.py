@@ -56,7 +56,7 @@ WORKER_ENV_NAMES = frozenset(
        "ELASTICFT_CKPT_SECRET", "ELASTICFT_CKPT_CONTROL"}
     # Diagnostics rings, NCCL shim switch and library override (elasticft.diag.workerenv).
     | {"ELASTICFT_DIAG_RING_DIR", "ELASTICFT_DIAG_SHIM", "ELASTICFT_DIAG_OWNER_PID",
-       "ELASTICFT_DIAG_CUDART"}
+       "ELASTICFT_DIAG_CUDART", "ELASTICFT_DIAG_AUTO"}
     # The 3D-parallel layout chosen for the round (elasticft.plan).
     | {"ELASTICFT_TP", "ELASTICFT_PP", "ELASTICFT_DP", "ELASTICFT_GRAD_ACCUM"}
     # Where a worker appends its step records for `elasticft report` (elasticft.report.steps).

@@ -1,11 +1,13 @@
-"""Installs the diagnostics recorder when ``torch`` is imported, for scripts that never call
-:func:`elasticft.init`.
+"""Installs the diagnostics recorder and the automatic step records when ``torch`` is imported,
+for scripts that never call :func:`elasticft.init`.
 
 :func:`arm` runs at interpreter start (from the bootstrap ``sitecustomize``) and must stay cheap:
 it only adds an import hook. When the script imports ``torch``, the hook lets the import finish
-and then installs the recorder (:func:`elasticft.diag.recorder.install`). Child processes (data
-loader workers started with *spawn*) inherit the environment and so run the bootstrap too; the
-recorder's owner pid, exported at install, keeps them from recording as if they were the rank.
+and then installs the recorder (:func:`elasticft.diag.recorder.install`) when the worker has a
+ring directory, and the optimizer-step recorder (:class:`elasticft.report.steps.AutoStepRecorder`)
+when it has a step log. Child processes (data loader workers started with *spawn*) inherit the
+environment and so run the bootstrap too; the owner pid, exported at install, keeps them from
+recording as if they were the rank.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from pathlib import Path
 from types import ModuleType
 
 from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
+
+# Literal copies: this runs at every worker's start-up and imports nothing it does not need.
+AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"  # elasticft.diag.workerenv
+STEP_LOG_ENV = "ELASTICFT_STEP_LOG"  # elasticft.report.steps
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +68,41 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def should_install(env: Mapping[str, str], pid: int) -> bool:
+def wanted(env: Mapping[str, str], pid: int) -> tuple[bool, bool]:
+    """(install the diagnostics recorder, install the step recorder) in process ``pid``."""
     owner = env.get(OWNER_PID_ENV)
-    return bool(env.get(RING_DIR_ENV)) and (not owner or owner == str(pid))
+    if owner and owner != str(pid):
+        return False, False
+    diag = bool(env.get(RING_DIR_ENV)) and env.get(AUTO_INSTALL_ENV, "1") != "0"
+    return diag, bool(env.get(STEP_LOG_ENV))
+
+
+def should_install(env: Mapping[str, str], pid: int) -> bool:
+    return any(wanted(env, pid))
 
 
 def arm(env: Mapping[str, str]) -> bool:
-    """Arranges for the recorder to be installed once torch is imported; True if armed."""
-    if not should_install(env, os.getpid()):
+    """Arranges for the recorders to be installed once torch is imported; True if armed."""
+    diag, steps = wanted(env, os.getpid())
+    if not (diag or steps):
         return False
-    directory = Path(env[RING_DIR_ENV])
     rank = int(env.get("RANK", "0"))
+    ring_dir = Path(env[RING_DIR_ENV]) if diag else None
+    step_log = Path(env[STEP_LOG_ENV]) if steps else None
 
     def install(_torch: ModuleType) -> None:
-        from elasticft.diag import recorder
+        if ring_dir is not None:
+            from elasticft.diag import recorder, shimcheck
 
-        recorder.install(directory, rank)
+            # torch has loaded NCCL and the script has made no NCCL call yet.
+            shim = shimcheck.report(ring_dir, rank, env)
+            installed = recorder.install(ring_dir, rank)
+            installed.nccl_timed_by_shim = shim is not None and shim.active
+        if step_log is not None:
+            from elasticft.report.steps import AutoStepRecorder, auto_step_path
+
+            AutoStepRecorder(auto_step_path(step_log)).install()
+            os.environ[OWNER_PID_ENV] = str(os.getpid())
 
     if "torch" in sys.modules:
         install(sys.modules["torch"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import glob
 import json
 import logging
 import os
@@ -177,6 +178,14 @@ class GpuHealth:
         except Exception:
             pass
         return issues
+
+
+GPU_DEVICE_GLOB = "/dev/nvidia[0-9]*"
+"""The device files of NVIDIA GPUs (a node with any has GPUs, whether NVML can be loaded)."""
+
+
+def gpu_devices_present() -> bool:
+    return bool(glob.glob(GPU_DEVICE_GLOB))
 
 
 def gpu_present() -> bool:

@@ -38,7 +38,7 @@ from elasticft import procs
 from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureClass
 from elasticft.config import DiagConfig
-from elasticft.diag import detectors, exchange, health, stacks
+from elasticft.diag import detectors, exchange, health, shimcheck, stacks
 from elasticft.diag.logscan import LogScanner
 from elasticft.diag.metrics import DiagMetrics
 from elasticft.diag.ring import Op, Record, RingReader, create_ring, ring_path
@@ -76,6 +76,7 @@ class _RankTrack:
         self.step_ns = 0
         self.heartbeat_ns = 0
         self.started_ns = 0
+        self.shim_reported = False
 
     def close(self) -> None:
         for reader in self.readers.values():
@@ -164,6 +165,7 @@ class DiagMonitor(AgentCollaborator):
         for source in ("py", "nccl"):
             create_ring(ring_path(self._ring_dir, worker.global_rank, source),
                         worker.global_rank, source, self.config.diag_ring_capacity)
+        shimcheck.status_path(self._ring_dir, worker.global_rank).unlink(missing_ok=True)
         return diag_worker_env(self._ring_dir, auto_install=self.config.diag_auto_install,
                                shim=self._shim, base_env=self._base_env)
 
@@ -229,17 +231,21 @@ class DiagMonitor(AgentCollaborator):
                 self._pending = None
 
     def close(self) -> None:
-        self._health_stop.set()
-        if self.metrics is not None:
-            self.metrics.close()
-        self._exchange.close()
-        for track in self._tracks.values():
-            track.close()
-        self._tracks = {}
-        if self._ring_dir is not None:
-            shutil.rmtree(self._ring_dir, ignore_errors=True)
-        if self._events is not None:
-            self._events.close()
+        # The rings go whatever else fails here: they are memory, and nothing else removes them
+        # until the next agent on this host starts.
+        try:
+            self._health_stop.set()
+            if self.metrics is not None:
+                self.metrics.close()
+            self._exchange.close()
+            for track in self._tracks.values():
+                track.close()
+            self._tracks = {}
+        finally:
+            if self._ring_dir is not None:
+                shutil.rmtree(self._ring_dir, ignore_errors=True)
+            if self._events is not None:
+                self._events.close()
 
     # -- node health ----------------------------------------------------------------------------
 
@@ -292,6 +298,8 @@ class DiagMonitor(AgentCollaborator):
                 self._check_slow(now, busy, job) or self._check_logs(group, now))
 
     def _poll(self, track: _RankTrack, now: int) -> None:
+        if self._shim is not None and not track.shim_reported:
+            self._report_shim(track)
         for source, reader in track.readers.items():
             header, records = reader.poll()
             if header is None:
@@ -308,6 +316,24 @@ class DiagMonitor(AgentCollaborator):
                     self._completed(track, fresh)
             for record in records:
                 self._new_record(track, source, record)
+
+    def _report_shim(self, track: _RankTrack) -> None:
+        """The worker's NCCL shim self-check, once per rank and start; one log line per node."""
+        assert self._ring_dir is not None
+        status = shimcheck.read_status(self._ring_dir, track.rank)
+        if status is None:
+            return
+        track.shim_reported = True
+        message = str(status.get("message", ""))
+        if self._events is not None:
+            self._events.emit(shimcheck.EVENT_KIND, **status)
+        if message not in self._reported:
+            self._reported.add(message)
+            if status.get("active"):
+                logger.info("rank %d: %s", track.rank, message)
+            else:
+                logger.warning("rank %d: %s; hangs are still detected from the Python recorder, "
+                               "heartbeats and process state", track.rank, message)
 
     def _new_record(self, track: _RankTrack, source: str, record: Record) -> None:
         op = record.op

@@ -97,6 +97,10 @@ class Recorder:
         self._hook_handles: list[Any] = []
         self._ddp_seen: set[int] = set()
         self._failed_once = False
+        # Set when the NCCL shim's self-check found it active: it times NCCL collectives on
+        # the GPU, so the Python wrappers leave NCCL groups alone (microseconds a call).
+        self.nccl_timed_by_shim = False
+        self._nccl_groups: dict[int, tuple[Any, bool]] = {}
 
     @classmethod
     def open(cls, directory: Path, rank: int) -> Recorder:
@@ -214,6 +218,8 @@ class Recorder:
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
+            if recorder.nccl_timed_by_shim and recorder.on_nccl(group):
+                return original(*args, **kwargs)
             peer = kwargs.get("dst", kwargs.get("src", -1))
             seq = recorder.begin(op_number, recorder.comm_key(group), _nbytes(args, kwargs),
                                  peer if isinstance(peer, int) else -1)
@@ -227,6 +233,21 @@ class Recorder:
 
         collective.__elasticft_original__ = original  # type: ignore[attr-defined]
         return collective
+
+    def on_nccl(self, group: Any) -> bool:
+        """``group`` (None: the default group) runs on NCCL; cached per process group."""
+        try:
+            import torch.distributed as dist
+
+            pg = group if group is not None else dist.group.WORLD
+            cached = self._nccl_groups.get(id(pg))
+            if cached is None or cached[0] is not pg:
+                # The group is kept referenced, so its id cannot name another group later.
+                cached = (pg, pg is not None and dist.get_backend(pg) == "nccl")
+                self._nccl_groups[id(pg)] = cached
+            return cached[1]
+        except Exception:
+            return False
 
     def _complete_when_done(self, seq: int, result: Any) -> None:
         if result is None or not hasattr(result, "get_future"):
@@ -308,15 +329,14 @@ class Recorder:
                     logger.warning("could not time DDP buckets", exc_info=True)
 
         forward_handle = register_module_forward_pre_hook(on_forward)
-        step_handle: list[Any] = []
 
         def remove_after_first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            # Only the forward hook: torch is iterating over the step hooks right now, and
+            # removing one of them would break that loop for the hooks registered after it.
             forward_handle.remove()
-            if step_handle:
-                step_handle.pop().remove()
 
-        step_handle.append(register_optimizer_step_post_hook(remove_after_first_step))
-        self._hook_handles.extend([forward_handle])
+        step_handle = register_optimizer_step_post_hook(remove_after_first_step)
+        self._hook_handles.extend([forward_handle, step_handle])
 
     def close(self) -> None:
         self._stop.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +21,9 @@ from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
 
 SHIM_ENV = "ELASTICFT_DIAG_SHIM"
 CUDART_ENV = "ELASTICFT_DIAG_CUDART"
-WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV})
+AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"
+"""``0``: the bootstrap (there for step records) must not install the recorder in this worker."""
+WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV, AUTO_INSTALL_ENV})
 """Variables diagnostics adds to (or reads in) workers."""
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -42,6 +45,11 @@ def _prepend(value: str, existing: str | None, sep: str) -> str:
     return sep.join([value, *parts])
 
 
+def bootstrap_pythonpath(base_env: Mapping[str, str]) -> str:
+    """``PYTHONPATH`` with the bootstrap directory first (the user's entries kept after it)."""
+    return _prepend(str(bootstrap_dir()), base_env.get("PYTHONPATH"), os.pathsep)
+
+
 def diag_worker_env(
     ring_dir: Path,
     *,
@@ -55,7 +63,10 @@ def diag_worker_env(
     """
     env = {RING_DIR_ENV: str(ring_dir)}
     if auto_install:
-        env["PYTHONPATH"] = _prepend(str(bootstrap_dir()), base_env.get("PYTHONPATH"), os.pathsep)
+        env["PYTHONPATH"] = bootstrap_pythonpath(base_env)
+    else:
+        # The bootstrap may still be there for the step records (elasticft.report.steps).
+        env[AUTO_INSTALL_ENV] = "0"
     if shim is not None:
         env[SHIM_ENV] = "1"
         # The dynamic linker accepts spaces or colons; keep the user's entries after ours.
@@ -77,12 +88,19 @@ def ring_dir(base: Path, agent_pid: int, tag: str) -> Path:
 
 def sweep_dead_ring_dirs(base: Path) -> list[Path]:
     """Removes this user's ring directories whose agent is gone: an agent killed with SIGKILL
-    never closes its monitor, and its rings (hundreds of KB per rank) would stay in memory."""
+    never closes its monitor, and its rings (hundreds of KB per rank) would stay in memory.
+    A directory another user owns is left alone, whatever its name says."""
     pattern = re.compile(rf"^elasticft-{os.getuid()}-(\d+)-[0-9a-f]+$")
     removed = []
     for path in base.glob(f"elasticft-{os.getuid()}-*"):
         match = pattern.match(path.name)
-        if match is not None and path.is_dir() and procs.gone(int(match.group(1))):
+        if match is None or not procs.gone(int(match.group(1))):
+            continue
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -179,6 +179,26 @@ def format_detections(detections: list[dict[str, Any]], run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def nccl_timings(run_dir: Path) -> dict[tuple[str, str], list[int]]:
+    """Each node's newest NCCL shim self-check messages, with the ranks that reported them."""
+    newest: dict[tuple[str, int], str] = {}
+    for event in read_events(run_dir):
+        if event.get("kind") == "nccl_timings":
+            newest[(str(event.get("node", "?")), int(event.get("rank", -1)))] = str(
+                event.get("message", ""))
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for (node, rank), message in sorted(newest.items()):
+        grouped.setdefault((node, message), []).append(rank)
+    return grouped
+
+
+def format_nccl_timings(grouped: dict[tuple[str, str], list[int]]) -> str:
+    if not grouped:
+        return "NCCL timings: no report (no NCCL shim in this run)"
+    return "\n".join(f"{message} ({node}, rank {','.join(map(str, ranks))})"
+                     for (node, message), ranks in grouped.items())
+
+
 def _status(args: argparse.Namespace) -> int:
     if not args.rdzv_id and args.run_dir is None:
         raise CliError("no job id; give --rdzv-id (the job's --rdzv-id) or set PET_RDZV_ID, "
@@ -203,5 +223,9 @@ def _status(args: argparse.Namespace) -> int:
             {k: e.get(k) for k in ("time", "node", "detector", "message")} for e in detections
         ]
         text.append(format_detections(detections, args.run_dir))
+        timings = nccl_timings(args.run_dir)
+        output["nccl_timings"] = [{"node": node, "message": message, "ranks": ranks}
+                                  for (node, message), ranks in timings.items()]
+        text.append(format_nccl_timings(timings))
     print(json.dumps(output, indent=2) if args.json else "\n".join(text))
     return 0

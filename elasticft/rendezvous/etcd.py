@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft.config import ConfigError
+from elasticft.extras import require_etcd
 from elasticft.torch_compat import RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class EtcdSettings:
 
     def connect(self) -> Any:
         """A pyetcd client over all endpoints (failing over between them); authenticates now."""
+        require_etcd()
         import grpc
         from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
@@ -243,6 +245,7 @@ def describe_error(error: BaseException) -> str:
 @contextlib.contextmanager
 def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[None]:
     """Turns any client failure into a one-line :class:`RendezvousConnectionError`."""
+    require_etcd()
     import grpc
     import pyetcd.exceptions
 

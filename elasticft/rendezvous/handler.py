@@ -34,6 +34,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from elasticft.extras import require_etcd
 from elasticft.rendezvous.backend import EtcdRendezvousBackend
 from elasticft.rendezvous.etcd import (
     EtcdConfigError,
@@ -315,6 +316,7 @@ def create_handler(
     elasticft-run from ``--node-id``), ``connect_timeout`` (default: the join timeout),
     ``store_timeout`` (agent store reads, default 300 s), ``share_tcp_store`` (default 0).
     """
+    require_etcd()
     settings = EtcdSettings.from_conf(params.endpoint, params.config)
     if not params.run_id or params.run_id == "none":
         raise EtcdConfigError("the etcd-v3 rendezvous needs a job id; give --rdzv-id NAME")

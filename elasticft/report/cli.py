@@ -12,10 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from elasticft import extras
 from elasticft.events import read_events
 from elasticft.report import whatif
+from elasticft.report.eventsonly import EventSummary, format_summary, summarize
 from elasticft.report.steps import read_steps
-from elasticft.report.tor import ReportError, analyze, format_report
+from elasticft.report.tor import ReportError, StepsUnknown, analyze, format_report
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -28,8 +30,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise CliError(f"run directory {run_dir} does not exist; give the --run-dir of the run")
+    if args.plot:
+        extras.require(extras.MATPLOTLIB, "elasticft report --plot", "report")
+    events = read_events(run_dir)
     try:
-        analysis = analyze(read_events(run_dir), read_steps(run_dir))
+        analysis = analyze(events, read_steps(run_dir))
+    except StepsUnknown as e:
+        if not any(event["kind"] == "run_start" for event in events):
+            raise CliError(f"{run_dir}: no run_start event in the event log; is this a run "
+                           "directory?") from None
+        return _events_only(args, summarize(events, str(e)))
     except ReportError as e:
         raise CliError(f"{run_dir}: {e}") from None
     if args.plot:
@@ -42,6 +52,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(format_report(analysis))
         if args.plot:
             print(f"\n  timeline: {args.plot}")
+    return 0
+
+
+def _events_only(args: argparse.Namespace, summary: EventSummary) -> int:
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=2))
+    else:
+        print(format_summary(summary))
+        if args.plot:
+            print(f"\n  no timeline drawn: {summary.why_no_tor}")
     return 0
 
 

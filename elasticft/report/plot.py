@@ -30,8 +30,10 @@ SHADED = ("checkpoint_stall", "detection", "repair", "rollback", "startup", "slo
 
 
 def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
-    import matplotlib
+    """Draws the timeline; :class:`elasticft.extras.MissingExtra` without matplotlib."""
+    from elasticft import extras
 
+    (matplotlib,) = extras.require(extras.MATPLOTLIB, "the report's timeline plot", "report")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch

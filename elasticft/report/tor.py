@@ -109,6 +109,14 @@ class Analysis:
     end_state: str
 
     @property
+    def step_source(self) -> str:
+        """explicit (the script's records), optimizer (counted by elasticft), or counted (the
+        optimizer keeps no step number: steps redone after a restart look like progress)."""
+        if not self.steps or not self.steps[0].automatic:
+            return "explicit"
+        return "counted" if any(r.counted for r in self.steps) else "optimizer"
+
+    @property
     def optimal_s(self) -> float:
         return self.steps_done * self.healthy_step_s
 
@@ -142,6 +150,7 @@ class Analysis:
             "last_step": self.last_step,
             "allocations": self.allocations,
             "reference_rank": self.reference_rank,
+            "step_source": self.step_source,
             "phases_s": dict(self.phases),
             "faults": [f.to_json() for f in self.faults],
         }
@@ -159,6 +168,11 @@ def _cause_rank(failure_class: str) -> int:
 
 class ReportError(ValueError):
     """The run directory has too little to report on; the message says what is missing."""
+
+
+class StepsUnknown(ReportError):
+    """Too few step records to tell the healthy step time; the event log still has the rest
+    (:mod:`elasticft.report.eventsonly`)."""
 
 
 @dataclasses.dataclass
@@ -189,9 +203,9 @@ def _segments(events: Sequence[dict[str, Any]], node: str) -> list[_Segment]:
 def _reference(steps: dict[int, list[StepRecord]]) -> int:
     ranks = [r for r, records in steps.items() if records]
     if not ranks:
-        raise ReportError(
-            "no step records under <run_dir>/steps; the workers must append them to "
-            "$ELASTICFT_STEP_LOG (see elasticft.report.steps)"
+        raise StepsUnknown(
+            "no step records under <run_dir>/steps (the workers stepped no torch optimizer and "
+            "wrote none to $ELASTICFT_STEP_LOG)"
         )
     return min(ranks)
 
@@ -214,8 +228,8 @@ def healthy_step_time(records: Sequence[StepRecord], attempt_of: Sequence[int]) 
         if attempt_of[i] == attempt_of[i + 1] and b.step == a.step + 1
     ]
     if not durations:
-        raise ReportError("fewer than two consecutive steps recorded; cannot tell the healthy "
-                          "step time")
+        raise StepsUnknown("fewer than two consecutive steps recorded; cannot tell the healthy "
+                           "step time")
     return statistics.median(durations)
 
 
@@ -404,6 +418,15 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
     )
 
 
+_STEP_SOURCE_NOTES = {
+    "explicit": [],
+    "optimizer": ["  steps: counted at each optimizer.step() (the script writes no step records)"],
+    "counted": ["  steps: counted at each optimizer.step(); this optimizer keeps no step number, "
+                "so steps redone after a restart count as progress (write step records to "
+                "$ELASTICFT_STEP_LOG for exact rollback)"],
+}
+
+
 def format_report(a: Analysis) -> str:
     lines = [
         f"elasticft report: run {a.run_id} ({a.end_state}), {a.allocations} allocation(s), "
@@ -412,6 +435,7 @@ def format_report(a: Analysis) -> str:
         f"{a.healthy_step_s * 1000:.1f} ms",
         f"  observed {a.observed_s:.1f} s, optimal {a.optimal_s:.1f} s"
         + (f", queued between allocations {a.queued_s:.1f} s (not counted)" if a.queued_s else ""),
+        *_STEP_SOURCE_NOTES[a.step_source],
         "",
         f"  TOR   {a.tor:.3f}   (optimal / observed time)",
         f"  ETTR  {a.ettr:.3f}   (time in steps that counted / wall time)",

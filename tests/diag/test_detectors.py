@@ -74,4 +74,4 @@ def test_worker_env_extends_paths_without_duplicates():
     again = diag_worker_env(Path("/r"), auto_install=True, shim=shim, base_env=env)
     assert again["LD_PRELOAD"] == env["LD_PRELOAD"]
     plain = diag_worker_env(Path("/r"), auto_install=False, shim=None, base_env={})
-    assert set(plain) == {"ELASTICFT_DIAG_RING_DIR"}
+    assert set(plain) == {"ELASTICFT_DIAG_RING_DIR", "ELASTICFT_DIAG_AUTO"}

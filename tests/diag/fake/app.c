@@ -13,6 +13,7 @@ int ncclGroupStart(void);
 int ncclGroupEnd(void);
 int ncclCommInitRank(ncclComm_t *, int, ncclUniqueId, int);
 int ncclCommDestroy(ncclComm_t);
+int ncclCommSplit(ncclComm_t, int, int, ncclComm_t *, void *);
 
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 3;
@@ -22,8 +23,13 @@ int main(int argc, char **argv) {
     ncclComm_t comm = NULL;
     void *stream = (void *)0x1234;
     printf("init=%d", ncclCommInitRank(&comm, 4, id, 3));
-    for (int i = 0; i < n; i++)  /* float32 (type 7) */
+    /* FAKE_CALL_GAP_US paces the calls like a training loop (the shim's thread polls every
+     * 200 us while events are outstanding). */
+    const char *gap = getenv("FAKE_CALL_GAP_US");
+    for (int i = 0; i < n; i++) {  /* float32 (type 7) */
         printf(" allreduce=%d", ncclAllReduce(NULL, NULL, 1000 + i, 7, 0, comm, stream));
+        if (gap) usleep(atoi(gap));
+    }
     printf(" bad=%d", ncclAllReduce(NULL, NULL, 13, 7, 0, comm, stream));
     printf(" bcast=%d", ncclBroadcast(NULL, NULL, 256, 9 /* bf16 */, 2, comm, stream));
     printf(" gstart=%d", ncclGroupStart());
@@ -31,6 +37,14 @@ int main(int argc, char **argv) {
     printf(" recv=%d", ncclRecv(NULL, 10, 4, 1, comm, stream));
     printf(" gend=%d", ncclGroupEnd());
     usleep(300 * 1000); /* let the shim's poller see the completions */
+    if (getenv("FAKE_SPLIT")) {  /* a sub-group: colour 5, then two calls on it */
+        ncclComm_t child = NULL;
+        printf(" split=%d", ncclCommSplit(comm, 5, 0, &child, NULL));
+        for (int i = 0; i < 2; i++)
+            printf(" child_allreduce=%d", ncclAllReduce(NULL, NULL, 8, 7, 0, child, stream));
+        usleep(100 * 1000);
+        printf(" child_destroy=%d", ncclCommDestroy(child));
+    }
     printf(" destroy=%d\n", ncclCommDestroy(comm));
     return 0;
 }

@@ -1,0 +1,281 @@
+"""The GPU check: what the NCCL shim and elasticft do on a real GPU, printed as one table.
+
+    bash bench/gpu_check.sh            (installs elasticft into the machine's torch, then this)
+    python bench/gpu_check.py [--dry-run] [--torchrun-hang-s 90]
+
+With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the script):
+
+1. ``elasticft-run`` with default options starts an NCCL job: the shim's self-check ("NCCL
+   timings active/inactive") from the event log, and the ring's record of each collective with
+   its GPU time;
+2. per-call host cost of 10,000 all_reduce calls of 4 bytes: plain ``torchrun``, ``torchrun``
+   with only the shim preloaded, and ``elasticft-run`` (shim and Python recorder); two rounds,
+   alternating, median per call;
+3. a hang found through the NCCL path: ``torch.cuda._sleep`` of minutes queued before an
+   all_reduce. Detection time and action under ``elasticft-run`` (default options), against plain
+   ``torchrun`` on the same script within ``--torchrun-hang-s``;
+4. bench/ckpt_gpu.py, the GPU checkpoint figures, when that script exists.
+
+Without a CUDA device (or with ``--dry-run``) it checks what it can (the shim is built, the worker
+script compiles, the launchers are found) and says so in one line. The table also goes to
+``$OUT/gpu_check.json`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import py_compile
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "gpu_check_worker.py"
+CKPT_BENCH = ROOT / "bench" / "ckpt_gpu.py"
+RUN_LIMIT_S = 300
+
+
+def launcher(name: str) -> list[str]:
+    """elasticft-run or torchrun of this interpreter (module form when not installed)."""
+    module = {"elasticft-run": "elasticft.run", "torchrun": "torch.distributed.run"}[name]
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+# Every process this check starts carries this mark in its environment, so that workers left
+# behind by a stopped launcher (in sessions of their own, a GPU kernel of minutes queued) can be
+# found and ended by their pid.
+RUN_MARK = f"GPU_CHECK_RUN={os.getpid()}-{time.time_ns()}"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_")) and k != "LD_PRELOAD"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    key, _, value = RUN_MARK.partition("=")
+    return {**env, key: value, **extra}
+
+
+def end_leftovers() -> int:
+    """SIGKILLs the processes that carry this run's mark; returns how many."""
+    mark = RUN_MARK.encode()
+    ended = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                ended += 1
+        except (OSError, ValueError):
+            continue
+    return ended
+
+
+def run(cmd: list[str], env: dict[str, str], limit_s: float = RUN_LIMIT_S
+        ) -> tuple[int | None, str]:
+    """Exit code (None: stopped at the limit) and the end of the output.
+
+    At the limit the launcher gets SIGTERM, so that it stops its workers (elasticft-run's and
+    torchrun's workers run in sessions of their own), then SIGKILL 30 s later. The output goes
+    to a file: a pipe would also wait for any worker left behind."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        code: int | None
+        try:
+            code = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        end_leftovers()
+        log.seek(0)
+        return code, log.read()[-2000:]
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:160] if lines else ""
+
+
+def elasticft_run(run_dir: Path, mode: str, out: Path, *extra: str) -> list[str]:
+    return [*launcher("elasticft-run"), "--standalone", "--nproc-per-node", "1",
+            "--run-dir", str(run_dir), *extra, str(WORKER), mode, str(out)]
+
+
+def torchrun(mode: str, out: Path) -> list[str]:
+    return [*launcher("torchrun"), "--standalone", "--nproc-per-node", "1", str(WORKER), mode,
+            str(out)]
+
+
+def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    from elasticft.events import read_events
+
+    return [e for e in read_events(run_dir) if e.get("kind") == kind]
+
+
+def check_ops(tmp: Path, rows: list[tuple[str, str]]) -> None:
+    run_dir, out = tmp / "ops-run", tmp / "ops.json"
+    code, text = run(elasticft_run(run_dir, "ops", out), child_env())
+    rows.append(("elasticft-run, default options, NCCL job",
+                 "started and finished" if code == 0 else f"exit {code}: {last_line(text)}"))
+    timings = events(run_dir, "nccl_timings") if run_dir.exists() else []
+    rows.append(("shim self-check (event log)",
+                 timings[-1]["message"] if timings else "no nccl_timings event"))
+    if not out.exists():
+        return
+    found = json.loads(out.read_text())
+    for r in found["records"]:
+        gpu = f"GPU {r['gpu_ms'] * 1e3:.1f} us" if r["timed"] else "no GPU time"
+        state = "complete" if r["complete"] else "IN FLIGHT"
+        rows.append((f"  record: {r['op']}", f"{r['bytes']} B, {gpu}, {state}, "
+                                             f"NCCL result {r['nccl_result']}"))
+    if not found["records"]:
+        rows.append(("  records", "none in the NCCL ring"))
+
+
+def check_overhead(tmp: Path, rows: list[tuple[str, str]]) -> None:
+    from elasticft.diag.workerenv import shim_library
+
+    shim = shim_library()
+    rings = tmp / "rings"
+    rings.mkdir()
+    settings: dict[str, tuple[list[str], dict[str, str]]] = {
+        "torchrun": (torchrun("overhead", tmp / "o.json"), child_env()),
+        "torchrun + shim only": (torchrun("overhead", tmp / "o.json"), child_env(
+            LD_PRELOAD=str(shim), ELASTICFT_DIAG_SHIM="1", ELASTICFT_DIAG_RING_DIR=str(rings))),
+        "elasticft-run (shim + recorder)": (
+            elasticft_run(tmp / "overhead-run", "overhead", tmp / "o.json"), child_env()),
+    }
+    medians: dict[str, list[float]] = {name: [] for name in settings}
+    detail: dict[str, dict[str, Any]] = {}
+    for _ in range(2):
+        for name, (cmd, env) in settings.items():
+            (tmp / "o.json").unlink(missing_ok=True)
+            code, text = run(cmd, env)
+            if code != 0 or not (tmp / "o.json").exists():
+                detail[name] = {"error": f"exit {code}: {last_line(text)}"}
+                continue
+            found = json.loads((tmp / "o.json").read_text())
+            medians[name].append(found["median_us"])
+            detail[name] = found
+    base = statistics.median(medians["torchrun"]) if medians["torchrun"] else None
+    for name in settings:
+        if not medians[name]:
+            rows.append((f"10,000 all_reduce: {name}", detail[name].get("error", "no result")))
+            continue
+        median = statistics.median(medians[name])
+        added = "" if base is None or name == "torchrun" else f", {median - base:+.2f} us a call"
+        found = detail[name]
+        ring = ""
+        if found.get("ring_head"):
+            ring = (f"; ring head {found['ring_head']}, {found['records_with_gpu_time']}/"
+                    f"{found['records_kept']} kept records with GPU time (median "
+                    f"{found['gpu_median_ms'] or 0:.4f} ms)")
+        rows.append((f"10,000 all_reduce: {name}",
+                     f"median {median:.2f} us a call (rounds "
+                     f"{', '.join(f'{m:.2f}' for m in medians[name])}){added}{ring}"))
+
+
+def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) -> None:
+    run_dir, marker = tmp / "hang-run", tmp / "hang.json"
+    limit_s = 240.0  # the whole check must fit in the 10 minutes a lent GPU machine allows
+    code, text = run(elasticft_run(run_dir, "hang", marker, "--max-restarts", "1"), child_env(),
+                     limit_s=limit_s)
+    hang_at = json.loads(marker.read_text())["hang_at"] if marker.exists() else None
+    hangs = [e for e in events(run_dir, "detection") if e.get("detector") == "hang"] \
+        if run_dir.exists() else []
+    decisions = events(run_dir, "decision") if run_dir.exists() else []
+    if hang_at is None:
+        rows.append(("hang, elasticft-run", f"the hang was not reached: exit {code}: "
+                                            f"{last_line(text)}"))
+    elif not hangs:
+        rows.append(("hang, elasticft-run", f"not detected within {limit_s:.0f} s (stopped)"
+                     if code is None else f"not detected; exit {code}: {last_line(text)}"))
+    else:
+        after = [d for d in decisions if d.get("time", 0) >= hangs[0]["time"]]
+        action = (f"{after[0].get('action', '?')} ({after[0].get('reason', '')})"[:100] if after
+                  else "no decision event")
+        rows.append(("hang, elasticft-run", f"detected {hangs[0]['time'] - hang_at:.1f} s after "
+                                            f"the hang; action {action}; run exit {code}"))
+        rows.append(("  detection", hangs[0].get("message", "")[:160]))
+    marker.unlink(missing_ok=True)
+    started = time.monotonic()
+    code, text = run(torchrun("hang", marker), child_env(), limit_s=torchrun_limit_s)
+    result = (f"not recovered within {torchrun_limit_s:.0f} s (killed)" if code is None
+              else f"exit {code} after {time.monotonic() - started:.0f} s: {last_line(text)}")
+    rows.append(("hang, plain torchrun", result))
+
+
+def check_ckpt(rows: list[tuple[str, str]]) -> None:
+    if not CKPT_BENCH.exists():
+        rows.append(("GPU checkpoints (bench/ckpt_gpu.py)", "not in this tree yet"))
+        return
+    code, text = run([sys.executable, str(CKPT_BENCH)], child_env())
+    rows.append(("GPU checkpoints (bench/ckpt_gpu.py)", f"exit {code}"))
+    rows.extend(("  ckpt", line[:160]) for line in text.strip().splitlines()[-12:])
+
+
+def dry_run(reason: str) -> int:
+    from elasticft.diag.workerenv import shim_library
+
+    py_compile.compile(str(WORKER), doraise=True)
+    shim = shim_library()
+    launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
+    print(f"gpu_check: dry run, {reason}: shim {'built' if shim else 'NOT BUILT'}, worker script "
+          f"compiles, launchers {launchers[0]!r} and {launchers[1]!r}; nothing measured")
+    return 0 if shim else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="check the set-up only")
+    parser.add_argument("--torchrun-hang-s", type=float, default=90.0,
+                        help="how long plain torchrun is given to get out of the hang")
+    args = parser.parse_args()
+    try:
+        import torch
+    except ImportError:
+        return dry_run("no torch")
+    if not torch.cuda.is_available():
+        return dry_run(f"no CUDA device (torch {torch.__version__})")
+    if args.dry_run:
+        return dry_run("--dry-run")
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    rows: list[tuple[str, str]] = [
+        ("machine", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}, "
+                    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"),
+        ("cc", shutil.which("cc") or "none"),
+    ]
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for check in (lambda: check_ops(tmp, rows), lambda: check_overhead(tmp, rows),
+                      lambda: check_hang(tmp, rows, args.torchrun_hang_s),
+                      lambda: check_ckpt(rows)):
+            try:
+                check()
+            except Exception as e:  # one broken check must not hide the others' rows
+                rows.append(("check failed", f"{type(e).__name__}: {e}"[:160]))
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

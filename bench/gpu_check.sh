@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: installs elasticft into the torch already there and prints the
+# GPU check's table (bench/gpu_check.py: NCCL shim self-check, a record per NCCL op with its GPU
+# time, per-call overhead with and without the shim, a hang found through NCCL against plain
+# torchrun, the GPU checkpoint figures when bench/ckpt_gpu.py exists).
+#
+#   bash bench/gpu_check.sh [--torchrun-hang-s 90]        (PYTHON=... to pick the interpreter)
+#
+# Without a CUDA device it installs nothing, checks the set-up and says so in one line.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  if ! compgen -G "elasticft/diag/_nccl_shim*.so" >/dev/null && command -v cc >/dev/null; then
+    cc -O2 -std=gnu11 -fvisibility=hidden -Wall -shared -fPIC -o elasticft/diag/_nccl_shim.so \
+      elasticft/diag/shim/nccl_shim.c -ldl -lpthread
+  fi
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" bench/gpu_check.py --dry-run "$@"
+fi
+
+# elasticft without its dependencies (the torch pin must not replace the machine's torch), then
+# whichever of its light dependencies are missing.
+if ! "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >/tmp/gpu_check_install.log 2>&1; then
+  echo "gpu_check: pip install -e . failed (see /tmp/gpu_check_install.log); building the shim with cc and running from the tree"
+  cc -O2 -std=gnu11 -fvisibility=hidden -Wall -shared -fPIC -o elasticft/diag/_nccl_shim.so \
+    elasticft/diag/shim/nccl_shim.c -ldl -lpthread || { echo "gpu_check: cannot build the shim" >&2; exit 1; }
+fi
+missing=$("$PYTHON" - <<'PY'
+import importlib.util
+wanted = {"numpy": "numpy", "yaml": "pyyaml", "psutil": "psutil", "tenacity": "tenacity",
+          "prometheus_client": "prometheus-client"}
+print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  "$PYTHON" -m pip install -q $missing || echo "gpu_check: could not install: $missing"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" bench/gpu_check.py "$@"

@@ -1,0 +1,116 @@
+"""The training script of bench/gpu_check.py: one NCCL rank (world size 1) on one GPU.
+
+    python gpu_check_worker.py ops|overhead|hang OUT_JSON
+
+* ``ops``: one call of each collective torch issues through NCCL; then reads its own NCCL ring
+  (the shim's records, when the shim is there) and the shim's self-check;
+* ``overhead``: 10,000 all_reduce calls of 4 bytes, each timed on the host;
+* ``hang``: 50 ordinary steps, then a ``torch.cuda._sleep`` of minutes queued before an
+  all_reduce, then a wait for it (the first start only: a restarted worker finishes at once).
+
+Writes its findings to OUT_JSON (``ops`` and ``overhead``) or the time of the hang (``hang``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def init() -> torch.device:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
+def own_ring() -> dict[str, object]:
+    """This rank's NCCL records and the shim's self-check (empty without diagnostics)."""
+    from elasticft.diag import shimcheck
+    from elasticft.diag.ring import FLAG_TIMED, RingReader, ring_path
+
+    found: dict[str, object] = {"probe": shimcheck.probe().to_json(), "records": [], "head": 0}
+    ring_dir = os.environ.get("ELASTICFT_DIAG_RING_DIR")
+    if not ring_dir:
+        return found
+    time.sleep(0.3)  # the shim's thread polls its events every 2 ms
+    header, records = RingReader(ring_path(Path(ring_dir), int(os.environ.get("RANK", "0")),
+                                           "nccl")).poll()
+    found["head"] = header.head if header else 0
+    found["records"] = [{"op": r.op_name, "bytes": r.nbytes, "gpu_ms": r.value,
+                         "timed": bool(r.flags & FLAG_TIMED), "nccl_result": (r.flags >> 8) & 0xFF,
+                         "complete": not r.in_flight, "comm_seq": r.comm_seq} for r in records]
+    return found
+
+
+def ops(out: Path) -> None:
+    device = init()
+    x = torch.ones(1 << 20, device=device)
+    dist.all_reduce(x)
+    dist.broadcast(x, src=0)
+    gathered = torch.empty(1 << 20, device=device)
+    dist.all_gather_into_tensor(gathered, x)
+    dist.reduce_scatter_tensor(x, gathered)
+    dist.all_to_all_single(gathered, x)
+    dist.barrier()
+    torch.cuda.synchronize()
+    out.write_text(json.dumps(own_ring()))
+    dist.destroy_process_group()
+
+
+def overhead(out: Path, calls: int = 10_000) -> None:
+    device = init()
+    x = torch.ones(1, device=device)
+    for _ in range(500):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    host_ns = []
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        start = clock()
+        dist.all_reduce(x)
+        host_ns.append(clock() - start)
+    torch.cuda.synchronize()
+    ring = own_ring()
+    records = [r for r in ring["records"] if r["op"] == "all_reduce"]  # type: ignore[union-attr]
+    gpu_ms = [r["gpu_ms"] for r in records if r["timed"] and r["complete"]]
+    out.write_text(json.dumps({
+        "calls": calls, "median_us": statistics.median(host_ns) / 1e3,
+        "mean_us": statistics.fmean(host_ns) / 1e3, "ring_head": ring["head"],
+        "records_kept": len(records), "records_with_gpu_time": len(gpu_ms),
+        "gpu_median_ms": statistics.median(gpu_ms) if gpu_ms else None,
+        "probe": ring["probe"]}))
+    dist.destroy_process_group()
+
+
+def hang(out: Path, sleep_s: float = 600.0) -> None:
+    device = init()
+    model = torch.nn.Linear(256, 256, device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, 256, device=device)
+    for _ in range(50):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        # ~1.4-2 GHz: cycles for sleep_s seconds; the all_reduce waits behind it on the GPU.
+        torch.cuda._sleep(int(sleep_s * 2e9))
+        out.write_text(json.dumps({"hang_at": time.time()}))
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    {"ops": ops, "overhead": overhead, "hang": hang}[sys.argv[1]](Path(sys.argv[2]))

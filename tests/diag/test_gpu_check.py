@@ -1,0 +1,27 @@
+"""bench/gpu_check.sh where no GPU is: the shell parses, and the dry run says so in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+
+
+def test_the_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.timeout(120)
+def test_without_a_gpu_it_installs_nothing_and_says_so_in_one_line():
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: dry run, no CUDA device"), lines
+    assert "shim built" in lines[0] and "nothing measured" in lines[0]
