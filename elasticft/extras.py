@@ -12,6 +12,9 @@ etcd-v3 rendezvous        grpcio, pyetcd      ``elasticft[etcd]``
 hang stacks               py-spy (program)    ``elasticft[diag]``
 GPU health (NVML)         nvidia-ml-py        ``elasticft[gpu]``
 ========================  ==================  ========================================
+
+py-spy and nvidia-ml-py are also base dependencies, because the features that use them are on
+by default: their checks catch an install made with ``--no-deps`` or a package removed later.
 """
 
 from __future__ import annotations
