@@ -1,6 +1,6 @@
 """The per-rank progress ring: one fixed-layout record stream in shared memory per producer.
 
-Every worker has up to two producers: the NCCL shim (C, :file:`shim/nccl_shim.c`) and the Python
+Every worker has up to two producers: the NCCL shim (C, :file:`shim/` (ring.c)) and the Python
 recorder (:mod:`elasticft.diag.recorder`, gloo collectives, DDP buckets, step marks, losses).
 Each writes its own file ``rank-<global rank>.<source>.ring`` under the ring directory (on
 ``/dev/shm``), so the two never need a lock between languages. The agent maps the files
