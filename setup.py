@@ -13,7 +13,11 @@ setup(
     ext_modules=[
         Extension(
             "elasticft.diag._nccl_shim",
-            sources=["elasticft/diag/shim/nccl_shim.c"],
+            sources=[
+                f"elasticft/diag/shim/{part}.c"
+                for part in ("resolve", "ring", "events", "comms", "entry", "probe")
+            ],
+            depends=["elasticft/diag/shim/shim.h"],
             libraries=["dl", "pthread"],
             extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden", "-Wall"],
         )

@@ -23,6 +23,7 @@ from typing import Any
 
 from elasticft.diag import shimcheck
 from elasticft.diag.recorder import RING_DIR_ENV, Recorder, install, installed
+from elasticft.diag.ring import RingUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ def init(model: Any = None, *, env: Mapping[str, str] | None = None) -> Diagnost
         try:
             recorder = install(Path(env[RING_DIR_ENV]), int(env.get("RANK", "0")))
             recorder.nccl_timed_by_shim = shim is not None and shim.active
+        except RingUnavailable as e:
+            logger.warning("%s; rank %s records no Python diagnostics", e.strerror,
+                           env.get("RANK", "0"))
         except Exception:
             logger.warning("elasticft diagnostics unavailable in this worker", exc_info=True)
     handle = Diagnostics(recorder)

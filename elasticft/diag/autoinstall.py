@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
+from elasticft.diag.ring import RingUnavailable
 
 # Literal copies: this runs at every worker's start-up and imports nothing it does not need.
 AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"  # elasticft.diag.workerenv
@@ -96,8 +97,12 @@ def arm(env: Mapping[str, str]) -> bool:
 
             # torch has loaded NCCL and the script has made no NCCL call yet.
             shim = shimcheck.report(ring_dir, rank, env)
-            installed = recorder.install(ring_dir, rank)
-            installed.nccl_timed_by_shim = shim is not None and shim.active
+            try:
+                installed = recorder.install(ring_dir, rank)
+                installed.nccl_timed_by_shim = shim is not None and shim.active
+            except RingUnavailable as e:
+                # One line, and training goes on without this rank's Python recording.
+                logger.warning("%s; rank %d records no Python diagnostics", e.strerror, rank)
         if step_log is not None:
             from elasticft.report.steps import AutoStepRecorder, auto_step_path
 

@@ -1,6 +1,6 @@
 """The per-rank progress ring: one fixed-layout record stream in shared memory per producer.
 
-Every worker has up to two producers: the NCCL shim (C, :file:`shim/nccl_shim.c`) and the Python
+Every worker has up to two producers: the NCCL shim (C, :file:`shim/` (ring.c)) and the Python
 recorder (:mod:`elasticft.diag.recorder`, gloo collectives, DDP buckets, step marks, losses).
 Each writes its own file ``rank-<global rank>.<source>.ring`` under the ring directory (on
 ``/dev/shm``), so the two never need a lock between languages. The agent maps the files
@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
+import logging
 import mmap
 import os
 import struct
@@ -56,6 +58,26 @@ assert _HEADER.size == 80 and _RECORD.size == RECORD_SIZE
 FLAG_TIMED = 1
 FLAG_HOST_COMPLETION = 2
 RING_FLAG_TIMED = 1
+
+logger = logging.getLogger(__name__)
+
+
+class RingUnavailable(OSError):
+    """The ring's pages cannot be reserved (a full /dev/shm): that ring records nothing."""
+
+
+def reserve_pages(fd: int, size: int, path: Path) -> None:
+    """Backs every page of the ring file now: a store into an unbacked page of a full tmpfs
+    raises SIGBUS, which would kill the process that maps it. File systems without fallocate
+    back pages on write as before (the same rule as the C shim's ring.c)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        raise RingUnavailable(e.errno, f"diagnostics ring {path} cannot reserve {size} bytes "
+                                       f"({e.strerror}); free /dev/shm or lower "
+                                       "diag_ring_capacity") from None
 
 
 class Op(enum.IntEnum):
@@ -92,17 +114,29 @@ def ring_path(directory: Path, rank: int, source: str) -> Path:
     return Path(directory) / f"rank-{rank}.{source}.ring"
 
 
-def create_ring(path: Path, rank: int, source: str, capacity: int = DEFAULT_CAPACITY) -> None:
-    """Creates (or resets) an owner-only ring file with an empty header, pre-faulted."""
+def create_ring(path: Path, rank: int, source: str, capacity: int = DEFAULT_CAPACITY) -> bool:
+    """Creates (or resets) an owner-only ring file with an empty header, its pages reserved.
+
+    False, after one warning line, when its pages cannot be reserved: the file is removed and
+    that ring records nothing (its producer finds no ring or cannot reserve one either), while
+    training goes on.
+    """
     size = ring_size(capacity)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
+        try:
+            reserve_pages(fd, size, path)
+        except RingUnavailable as e:
+            logger.warning("%s; rank %d records no %s diagnostics", e.strerror, rank, source)
+            os.unlink(path)
+            return False
         with mmap.mmap(fd, size) as m:
             _HEADER.pack_into(m, 0, MAGIC, VERSION, capacity, RECORD_SIZE, 0, rank, 0, 0, 0, 0, 0,
                               source.encode()[:16])
     finally:
         os.close(fd)
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +181,26 @@ class RingHeader:
 
 
 class RingWriter:
-    """Appends records to one ring (the Python producer; not thread-safe, callers lock)."""
+    """Appends records to one ring (the Python producer; not thread-safe, callers lock).
+
+    Raises :class:`RingUnavailable` when the ring's pages cannot be reserved.
+    """
 
     def __init__(self, path: Path, rank: int, source: str = "py",
                  capacity: int = DEFAULT_CAPACITY) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             size = os.fstat(fd).st_size
-            if size < HEADER_SIZE:
+            created = size < HEADER_SIZE
+            if created:
                 os.ftruncate(fd, ring_size(capacity))
                 size = ring_size(capacity)
+            try:
+                reserve_pages(fd, size, path)
+            except RingUnavailable:
+                if created:
+                    os.unlink(path)
+                raise
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)

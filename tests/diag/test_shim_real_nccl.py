@@ -33,7 +33,7 @@ from tests.conftest import BIN, ROOT
 
 HERE = Path(__file__).parent
 WORKER = HERE / "workers" / "nccl_calls.py"
-SHIM_SOURCE = ROOT / "elasticft" / "diag" / "shim" / "nccl_shim.c"
+SHIM_SOURCE = ROOT / "elasticft" / "diag" / "shim" / "entry.c"
 
 NCCL_INVALID_ARGUMENT = 4
 NCCL_INTERNAL_ERROR = 3
