@@ -14,7 +14,7 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   if ! compgen -G "elasticft/diag/_nccl_shim*.so" >/dev/null && command -v cc >/dev/null; then
     cc -O2 -std=gnu11 -fvisibility=hidden -Wall -shared -fPIC -o elasticft/diag/_nccl_shim.so \
-      elasticft/diag/shim/nccl_shim.c -ldl -lpthread
+      elasticft/diag/shim/*.c -ldl -lpthread
   fi
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" bench/gpu_check.py --dry-run "$@"
 fi
@@ -24,17 +24,26 @@ fi
 if ! "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >/tmp/gpu_check_install.log 2>&1; then
   echo "gpu_check: pip install -e . failed (see /tmp/gpu_check_install.log); building the shim with cc and running from the tree"
   cc -O2 -std=gnu11 -fvisibility=hidden -Wall -shared -fPIC -o elasticft/diag/_nccl_shim.so \
-    elasticft/diag/shim/nccl_shim.c -ldl -lpthread || { echo "gpu_check: cannot build the shim" >&2; exit 1; }
+    elasticft/diag/shim/*.c -ldl -lpthread || { echo "gpu_check: cannot build the shim" >&2; exit 1; }
 fi
 missing=$("$PYTHON" - <<'PY'
 import importlib.util
+import shutil
 wanted = {"numpy": "numpy", "yaml": "pyyaml", "psutil": "psutil", "tenacity": "tenacity",
-          "prometheus_client": "prometheus-client"}
-print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
+          "prometheus_client": "prometheus-client", "pynvml": "nvidia-ml-py"}
+missing = [pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None]
+print(" ".join(missing + ([] if shutil.which("py-spy") else ["py-spy"])))
 PY
 )
 if [ -n "$missing" ]; then
-  "$PYTHON" -m pip install -q $missing || echo "gpu_check: could not install: $missing"
+  # A machine without a package index: wheels brought along in .whl/ (pip download ... -d .whl).
+  if [ -d .whl ]; then
+    "$PYTHON" -m pip install -q --no-index --find-links .whl $missing \
+      || echo "gpu_check: could not install from .whl/: $missing"
+  else
+    "$PYTHON" -m pip install -q $missing \
+      || echo "gpu_check: could not install: $missing (no index? put their wheels in .whl/)"
+  fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" bench/gpu_check.py "$@"
