@@ -480,8 +480,9 @@ class DiagMonitor(AgentCollaborator):
                           verdict=judged.to_json())
         elif judged.kind != "working":
             self._reported = {k for k in self._reported if not k.startswith("waiting:")}
-        if not judged.hang:
-            return None
+        local = {v.rank for v in views}
+        if not judged.hang or not local & {*judged.waiting, *judged.culprits}:
+            return None  # a hang none of this node's ranks takes part in is its nodes' to act on
         finding = detectors.HangFinding(judged.waiting, judged.what, judged.waited_s,
                                         judged.timeout_s or 0.0)
         coll_timeout = verdict.collective_timeout(tuple(self._coll_history), self._limits_hang)
