@@ -476,8 +476,11 @@ class DiagMonitor(AgentCollaborator):
             if key not in self._reported:
                 # Not a hang: say once who the others wait for and what it is doing.
                 self._reported.add(key)
-                self.emit("hang_verdict", f"not a hang: {judged.what}",
-                          verdict=judged.to_json())
+                stacks_now = self._stack_tops(views, judged.culprits)
+                doing = "".join(f"; rank {rank} is at {top}" for rank, top in stacks_now.items())
+                self.emit("hang_verdict", f"not a hang: {judged.what}{doing}",
+                          verdict=judged.to_json(),
+                          stacks={str(rank): top for rank, top in stacks_now.items()})
         elif judged.kind != "working":
             self._reported = {k for k in self._reported if not k.startswith("waiting:")}
         local = {v.rank for v in views}
@@ -534,6 +537,16 @@ class DiagMonitor(AgentCollaborator):
         self.emit("hang", message, **evidence)
         ranks = tuple(c.rank for c in culprits) or finding.ranks_waiting
         return Detection(FailureClass.HANG, ranks, "hang", message, evidence=evidence)
+
+    def _stack_tops(self, views: list[detectors.RankView], ranks: tuple[int, ...]
+                    ) -> dict[int, str]:
+        """The innermost frames of this node's ``ranks`` (what the others wait for)."""
+        pids = {v.rank: v.pid for v in views if v.pid and v.rank in ranks}
+        if not pids or not self.config.hang_stacks:
+            return {}
+        signatures = {rank: detectors.stack_signature(text)
+                      for rank, text in self._dump_stacks(pids).items()}
+        return {rank: sig.splitlines()[0] for rank, sig in signatures.items() if sig}
 
     @staticmethod
     def _node_of(rank: int, views: list[detectors.RankView]) -> str:
