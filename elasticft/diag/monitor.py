@@ -421,7 +421,8 @@ class DiagMonitor(AgentCollaborator):
                     # since None there may also mean a process that is gone.
                     state = procs.state(view.pid) if late and view.pid else "S"
                 result.append(verdict.RankEvidence(
-                    view.rank, state, view.heartbeat_age_s, track.cpu_fraction, None, gpu, call))
+                    view.rank, state, view.heartbeat_age_s, track.cpu_fraction, None, gpu, call,
+                    step_age_s=view.step_age_s if view.steps else None))
                 continue
             remote_call = min(view.in_flight, key=lambda c: -c.age_s, default=None)
             result.append(verdict.RankEvidence(

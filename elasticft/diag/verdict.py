@@ -63,6 +63,8 @@ class RankEvidence:
     call: Call | None = None
     stack_top: str = ""
     """The innermost frame of the main thread, when sampled (for ``elasticft status``)."""
+    step_age_s: float | None = None
+    """Seconds since this rank last completed a step (None before its first)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +169,27 @@ def judge(snapshot: JobSnapshot, limits: HangLimits) -> Verdict:
     ranks = snapshot.ranks
     evidence = {r.rank: _describe(r) for r in ranks}
     waiting = tuple(sorted(r.rank for r in ranks if r.call is not None))
+    frozen = {r.rank: why for r in ranks if (why := frozen_reason(r, limits)) is not None}
+    # Peers blocked outside recorded collectives (a checkpoint barrier, a store wait) show it
+    # by completing no step since the rank froze. Only for a process that is still there: at
+    # the end of a run ranks exit one by one, and the agent sees an exit itself.
+    stalled = [r.rank for r in ranks if r.rank not in frozen and r.call is None
+               and r.step_age_s is not None and r.step_age_s > limits.heartbeat_stale_s]
+    held = {rank: why for rank, why in frozen.items()
+            if next(r for r in ranks if r.rank == rank).state not in (None, *EXITED)}
+    if held and stalled and len(frozen) < len(ranks):
+        for rank, why in held.items():
+            evidence[rank] = f"{why}; {evidence[rank]}"
+        what = "; ".join(f"rank {rank} frozen: {why}" for rank, why in sorted(held.items()))
+        return Verdict("frozen", True, tuple(sorted(held)), tuple(stalled),
+                       f"{what}; ranks {stalled} completed no step for more than "
+                       f"{limits.heartbeat_stale_s:g} s", 0.0, limits.heartbeat_stale_s,
+                       evidence)
     if not waiting:
         return Verdict("healthy", False, evidence=evidence)
     longest = max((r for r in ranks if r.call is not None), key=lambda r: r.call.age_s)  # type: ignore[union-attr]
     assert longest.call is not None
     waited = longest.call.age_s
-    frozen = {r.rank: why for r in ranks if (why := frozen_reason(r, limits)) is not None}
     # Peers must already wait (past the heartbeat's staleness) for a frozen rank to matter: at
     # the end of a run ranks exit one by one, and the last may still finish a call.
     waited_on_frozen = [r.rank for r in ranks
