@@ -487,7 +487,9 @@ class DiagMonitor(AgentCollaborator):
         local = {v.rank for v in views}
         if not judged.hang or not local & {*judged.waiting, *judged.culprits}:
             return None  # a hang none of this node's ranks takes part in is its nodes' to act on
-        finding = detectors.HangFinding(judged.waiting, judged.what, judged.waited_s,
+        # This node's ranks that wait (the verdict names the job's in its own evidence).
+        finding = detectors.HangFinding(tuple(r for r in judged.waiting if r in local),
+                                        judged.what, judged.waited_s,
                                         judged.timeout_s or 0.0)
         coll_timeout = verdict.collective_timeout(tuple(self._coll_history), self._limits_hang)
         step_timeout = self._limits_hang.busy_ceiling_s
