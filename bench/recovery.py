@@ -101,9 +101,8 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
     else:
         cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "3", "--run-dir", str(run_dir), "--monitor-interval", "0.1",
-               "--shutdown-timeout", "5", "--hang-floor-s", str(args.hang_floor),
-               "--hang-min-samples", "5", "--ckpt-persist-every", str(persist_every(args)),
-               *train]
+               "--shutdown-timeout", "5", *hang_flags(args),
+               "--ckpt-persist-every", str(persist_every(args)), *train]
     log = (work / f"{tag}.out").open("wb")
     proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -220,6 +219,12 @@ def fmt(value: object, unit: str = "") -> str:
     return str(value)
 
 
+def hang_flags(args: argparse.Namespace) -> list[str]:
+    if args.hang_floor is None:
+        return []
+    return ["--hang-collective-floor-s", str(args.hang_floor)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
@@ -228,7 +233,9 @@ def main() -> None:
     parser.add_argument("--persist-every", type=int, default=0,
                         help="elasticft-run's --ckpt-persist-every (default: --ckpt-every)")
     parser.add_argument("--step-time", type=float, default=0.05)
-    parser.add_argument("--hang-floor", type=float, default=5.0, help="elasticft's --hang-floor-s")
+    parser.add_argument("--hang-floor", type=float, default=None,
+                        help="elasticft's --hang-collective-floor-s (default: elasticft's "
+                        "default; hang detection uses default options)")
     parser.add_argument("--hang-cap", type=float, default=60.0)
     parser.add_argument("--tor-minutes", type=float, default=10.0,
                         help="length of the TOR run with periodic faults")
@@ -250,7 +257,7 @@ def main() -> None:
           f"python {platform.python_version()}")
     print(f"# 2 gloo workers, {args.steps} steps of ~{args.step_time} s extra, fault after step "
           f"{args.fault_step}; plain script saves every {args.ckpt_every} steps; elasticft "
-          f"--hang-floor-s {args.hang_floor}")
+          f"hang options {' '.join(hang_flags(args)) or 'default'}")
     print(f"{'run':34} {'fault':6} {'first step':>11} {'recomputed':>10} {'past fault':>11}")
     runs = [("torchrun", PLAIN), ("elasticft-run", PLAIN), ("elasticft-run", API)]
     results: dict[tuple[str, str], dict[str, object]] = {}

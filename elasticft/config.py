@@ -197,11 +197,20 @@ class DiagConfig:
         "Time NCCL calls with the LD_PRELOAD shim. auto: when this node has an NVIDIA GPU.")
     diag_check_interval_s: float = option(
         0.2, "Seconds between two evaluations of the detectors (at most).", minimum=0.05)
-    hang_floor_s: float = option(
-        30.0, "A collective or step is never called hung before this many seconds.", minimum=0.1)
-    hang_multiple: float = option(
-        5.0, "Hang timeout = max(floor, multiple x the percentile of recent durations).",
+    hang_collective_floor_s: float = option(
+        3.0, "Once collective history exists, ranks all waiting in collectives with nothing "
+        "progressing are never called stuck before this many seconds.", minimum=0.1)
+    hang_busy_ceiling_s: float = option(
+        1800.0, "Peers may wait this long for a rank that is alive and busy outside collectives "
+        "(evaluation, a slow save) before it is called hung (torch's process-group timeout).",
         minimum=1.0)
+    hang_floor_s: float | None = option(
+        None, "Deprecated: use --hang-collective-floor-s (this value is mapped onto it, with a "
+        "warning). Frozen ranks are recovered at once and busy ranks up to "
+        "--hang-busy-ceiling-s.", minimum=0.1)
+    hang_multiple: float = option(
+        5.0, "Stuck-collective timeout = max(floor, multiple x the percentile of recent "
+        "durations).", minimum=1.0)
     hang_percentile: float = option(
         99.0, "Percentile of recent collective/step durations the hang timeout scales.",
         minimum=1.0)
@@ -210,9 +219,11 @@ class DiagConfig:
     hang_min_samples: int = option(
         10, "Durations needed before the adaptive timeout replaces the initial one.", minimum=1)
     hang_initial_timeout_s: float = option(
-        600.0, "Hang timeout before enough history exists (start-up, first steps).", minimum=1.0)
+        600.0, "Stuck-collective timeout before enough history exists (first compile, warm-up, "
+        "first steps).", minimum=1.0)
     hang_heartbeat_stale_s: float = option(
-        2.0, "A worker whose recorder thread has not beaten for this long is called frozen.",
+        2.0, "A worker stopped, exited or in D state without CPU whose recorder thread has not "
+        "beaten for this long, while peers wait on it, is called frozen.",
         minimum=0.2)
     hang_stacks: bool = option(
         True, "On a hang, collect every local rank's stack with py-spy and report outliers.")

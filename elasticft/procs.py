@@ -31,6 +31,17 @@ def state(pid: int | None) -> str | None:
         return None
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User plus system CPU time of every thread of the process, or None when it is gone."""
+    if not pid:
+        return None
+    try:
+        fields = _stat_fields(pid)
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def exists(pid: int | None) -> bool:
     """The process has not exited (it may be stopped, still holding its sockets and memory)."""
     current = state(pid)

@@ -38,7 +38,7 @@ from elasticft import procs
 from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureClass
 from elasticft.config import DiagConfig
-from elasticft.diag import detectors, exchange, health, shimcheck, stacks
+from elasticft.diag import detectors, exchange, health, shimcheck, stacks, verdict
 from elasticft.diag.logscan import LogScanner
 from elasticft.diag.metrics import DiagMetrics
 from elasticft.diag.ring import Op, Record, RingReader, create_ring, ring_path
@@ -58,6 +58,11 @@ _NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
 # late, has its process state read (stopped, zombie).
 _STATE_AFTER_S = 0.5
 _STATE_AFTER_BEAT_S = 0.3
+# CPU use is measured over about this long (a tick is 10 ms); GPU kernels count as completing
+# when an NCCL call ended this recently; a wait longer than this that is not a hang is reported.
+_CPU_WINDOW_S = 1.0
+_GPU_RECENT_S = 2.0
+_REPORT_WAIT_S = 5.0
 
 
 class _RankTrack:
@@ -77,6 +82,12 @@ class _RankTrack:
         self.heartbeat_ns = 0
         self.started_ns = 0
         self.shim_reported = False
+        # CPU time sampled about once a second: (monotonic ns, CPU seconds) of the reference
+        # sample, and the use per wall second measured against it.
+        self.cpu_ref: tuple[int, float] | None = None
+        self.cpu_fraction: float | None = None
+        self.gpu_completed_ns = 0
+        self.gpu_seen = False
 
     def close(self) -> None:
         for reader in self.readers.values():
@@ -131,6 +142,8 @@ class DiagMonitor(AgentCollaborator):
                                         config.diag_log_window_s)
         # Other nodes' ranks, read from the round's store (multi-node jobs only).
         self._exchange = views_exchange or exchange.ViewExchange()
+        self._limits_hang = hang_limits(config)
+        self.last_verdict: verdict.Verdict | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -364,6 +377,8 @@ class DiagMonitor(AgentCollaborator):
                     track.loss_finding = (finding, int(record.peer))
                     track.losses.clear()
             return
+        if source == "nccl":
+            track.gpu_seen = True
         if record.comm and record.comm_seq:
             track.comm_seqs[record.comm] = max(track.comm_seqs.get(record.comm, 0),
                                                record.comm_seq)
@@ -375,6 +390,8 @@ class DiagMonitor(AgentCollaborator):
     def _completed(self, track: _RankTrack, record: Record) -> None:
         if record.op in _NOT_HANG_OPS:
             return
+        if record.complete_ns > track.gpu_completed_ns and track.gpu_seen:
+            track.gpu_completed_ns = max(track.gpu_completed_ns, record.complete_ns)
         # A communicator's first call absorbs the start-up skew between ranks (nodes start
         # seconds apart): learning from it would stretch the hang timeout for a hundred calls.
         if record.comm_seq != 1:
@@ -383,11 +400,65 @@ class DiagMonitor(AgentCollaborator):
         if self.metrics is not None:
             self.metrics.collective(self._coll_history[-1])
 
-    def _timeouts(self) -> tuple[float, float]:
-        c = self.config
-        rule = detectors.AdaptiveTimeout(c.hang_floor_s, c.hang_multiple, c.hang_percentile,
-                                         c.hang_min_samples, c.hang_initial_timeout_s)
-        return rule.timeout(self._coll_history), rule.timeout(self._step_history)
+    def _sample_cpu(self, track: _RankTrack, pid: int | None, now: int) -> None:
+        cpu = procs.cpu_seconds(pid)
+        if cpu is None:
+            track.cpu_ref, track.cpu_fraction = None, None
+            return
+        if track.cpu_ref is None:
+            track.cpu_ref = (now, cpu)
+            return
+        ref_ns, ref_cpu = track.cpu_ref
+        elapsed = (now - ref_ns) / 1e9
+        if elapsed >= _CPU_WINDOW_S:
+            track.cpu_fraction = max(0.0, (cpu - ref_cpu) / elapsed)
+            track.cpu_ref = (now, cpu)
+
+    def evidence(self, views: list[detectors.RankView], now: int) -> list[verdict.RankEvidence]:
+        """Each rank's evidence for the hang verdict; other nodes' ranks without CPU or GPU
+        measurements (their own node judges those)."""
+        result = []
+        for view in views:
+            track = self._tracks.get(view.rank) if view.node == self._node() else None
+            call = None
+            if track is not None:
+                oldest = min((item for item in track.in_flight.items()
+                              if item[1].op not in _NOT_HANG_OPS),
+                             key=lambda item: item[1].enqueue_ns, default=None)
+                if oldest is not None:
+                    (source, _), record = oldest
+                    call = verdict.Call(record.op_name, record.comm, record.comm_seq,
+                                        (now - record.enqueue_ns) / 1e9,
+                                        "nccl" if source == "nccl" else "py")
+                stuck = view.process_state is not None or call is not None
+                if stuck:
+                    self._sample_cpu(track, view.pid, now)
+                else:
+                    track.cpu_ref, track.cpu_fraction = None, None
+                gpu = None
+                if track.gpu_seen:
+                    gpu = track.gpu_completed_ns > 0 and \
+                        (now - track.gpu_completed_ns) / 1e9 < _GPU_RECENT_S
+                state = view.process_state
+                late = view.heartbeat_age_s is None or \
+                    view.heartbeat_age_s > self._limits_hang.heartbeat_stale_s
+                if state is None:
+                    # Not read while the rank beats (see views()); read again when it is late,
+                    # since None there may also mean a process that is gone.
+                    state = procs.state(view.pid) if late and view.pid else "S"
+                result.append(verdict.RankEvidence(
+                    view.rank, state, view.heartbeat_age_s, track.cpu_fraction, None, gpu, call,
+                    step_age_s=view.step_age_s if view.steps else None))
+                continue
+            remote_call = min(view.in_flight, key=lambda c: -c.age_s, default=None)
+            result.append(verdict.RankEvidence(
+                view.rank, view.process_state or "S", view.heartbeat_age_s, None, None, None,
+                None if remote_call is None else verdict.Call(
+                    remote_call.op, remote_call.comm, remote_call.comm_seq, remote_call.age_s)))
+        return result
+
+    def _node(self) -> str:
+        return self._group.node_id if self._group is not None else ""
 
     def views(self, group: GroupInfo, now: int) -> list[detectors.RankView]:
         pids = {w.global_rank: w.pid for w in group.workers}
@@ -422,14 +493,37 @@ class DiagMonitor(AgentCollaborator):
 
     def _check_hang(self, group: GroupInfo, now: int, views: list[detectors.RankView],
                     job: exchange.JobView) -> Detection | None:
-        coll_timeout, step_timeout = self._timeouts()
-        # This node's own ranks decide whether it hangs; every fresh rank of the job is
-        # evidence for who causes it.
-        finding = detectors.find_hang(views, coll_timeout, step_timeout)
-        if finding is None:
-            return None
+        # Every fresh rank of the job is evidence; this node acts on what its own ranks show.
         job_views = [*views, *job.views]
-        culprits = detectors.localise(job_views, self.config.hang_heartbeat_stale_s)
+        judged = verdict.judge(verdict.JobSnapshot(tuple(self.evidence(job_views, now)),
+                                                   tuple(self._coll_history)), self._limits_hang)
+        self.last_verdict = judged
+        if judged.kind == "working" and judged.waited_s > _REPORT_WAIT_S:
+            key = f"waiting:{judged.culprits}"
+            if key not in self._reported:
+                # Not a hang: say once who the others wait for and what it is doing.
+                self._reported.add(key)
+                stacks_now = self._stack_tops(views, judged.culprits)
+                doing = "".join(f"; rank {rank} is at {top}" for rank, top in stacks_now.items())
+                self.emit("hang_verdict", f"not a hang: {judged.what}{doing}",
+                          verdict=judged.to_json(),
+                          stacks={str(rank): top for rank, top in stacks_now.items()})
+        elif judged.kind != "working":
+            self._reported = {k for k in self._reported if not k.startswith("waiting:")}
+        local = {v.rank for v in views}
+        if not judged.hang or not local & {*judged.waiting, *judged.culprits}:
+            return None  # a hang none of this node's ranks takes part in is its nodes' to act on
+        # This node's ranks that wait (the verdict names the job's in its own evidence).
+        finding = detectors.HangFinding(tuple(r for r in judged.waiting if r in local),
+                                        judged.what, judged.waited_s,
+                                        judged.timeout_s or 0.0)
+        coll_timeout = verdict.collective_timeout(tuple(self._coll_history), self._limits_hang)
+        step_timeout = self._limits_hang.busy_ceiling_s
+        culprits = [detectors.Culprit(rank, self._node_of(rank, job_views),
+                                      judged.evidence.get(rank, ""))
+                    for rank in judged.culprits]
+        if not culprits:
+            culprits = detectors.localise(job_views, self.config.hang_heartbeat_stale_s)
         if (not culprits and self._exchange.active and
                 finding.waited_s < finding.timeout_s + self._exchange.stale_after_s):
             # Another node's summary may not show the culprit yet: give it a few publications.
@@ -448,8 +542,9 @@ class DiagMonitor(AgentCollaborator):
         if not culprits and job.silent:
             names += " (silent: " + ", ".join(
                 f"{n.node} for {n.age_s:.0f} s" for n in job.silent) + ")"
-        message = f"hang: {finding.what}; culprit: {names}"
+        message = f"hang ({judged.kind}): {finding.what}; culprit: {names}"
         evidence: dict[str, Any] = {
+            "verdict": judged.to_json(),
             "what": finding.what,
             "waited_s": round(finding.waited_s, 3),
             "timeout_s": round(finding.timeout_s, 3),
@@ -471,6 +566,20 @@ class DiagMonitor(AgentCollaborator):
         self.emit("hang", message, **evidence)
         ranks = tuple(c.rank for c in culprits) or finding.ranks_waiting
         return Detection(FailureClass.HANG, ranks, "hang", message, evidence=evidence)
+
+    def _stack_tops(self, views: list[detectors.RankView], ranks: tuple[int, ...]
+                    ) -> dict[int, str]:
+        """The innermost frames of this node's ``ranks`` (what the others wait for)."""
+        pids = {v.rank: v.pid for v in views if v.pid and v.rank in ranks}
+        if not pids or not self.config.hang_stacks:
+            return {}
+        signatures = {rank: detectors.stack_signature(text)
+                      for rank, text in self._dump_stacks(pids).items()}
+        return {rank: sig.splitlines()[0] for rank, sig in signatures.items() if sig}
+
+    @staticmethod
+    def _node_of(rank: int, views: list[detectors.RankView]) -> str:
+        return next((v.node for v in views if v.rank == rank), "")
 
     def _check_loss(self) -> Detection | None:
         for rank, track in self._tracks.items():
@@ -537,6 +646,23 @@ class DiagMonitor(AgentCollaborator):
                       errors=burst.errors_in_window, first_node=burst.first_node,
                       first_line=burst.first_line)
         return None
+
+
+def hang_limits(config: DiagConfig) -> verdict.HangLimits:
+    """The verdict's limits from the options; the deprecated --hang-floor-s maps onto the
+    stuck-collective floor (with one warning)."""
+    floor = config.hang_collective_floor_s
+    if config.hang_floor_s is not None:
+        logger.warning("--hang-floor-s is deprecated: its %g s is used as "
+                       "--hang-collective-floor-s; frozen ranks are now recovered within seconds "
+                       "and busy ranks wait up to --hang-busy-ceiling-s (%g s)",
+                       config.hang_floor_s, config.hang_busy_ceiling_s)
+        floor = config.hang_floor_s
+    return verdict.HangLimits(
+        heartbeat_stale_s=config.hang_heartbeat_stale_s, busy_ceiling_s=config.hang_busy_ceiling_s,
+        collective_floor_s=floor, multiple=config.hang_multiple,
+        percentile=config.hang_percentile, min_samples=config.hang_min_samples,
+        startup_s=config.hang_initial_timeout_s)
 
 
 def _view_json(view: detectors.RankView) -> dict[str, Any]:

@@ -216,10 +216,11 @@ def two_nodes(tmp_path: Path, job_env: dict[str, str], etcd_server: EtcdServer):
 @pytest.mark.timeout(150)
 def test_stopped_worker_is_named_with_its_node_by_the_node_that_only_waits(two_nodes):
     # Node b sees its own rank stopped and would judge (and stop the job) as soon as node a;
-    # its long floor leaves the judgement to node a, which knows rank 3 only from the exchange.
+    # its long staleness leaves the judgement to node a, which knows rank 3 only from the
+    # exchange.
     job = two_nodes(["--hang-multiple", "3", "--hang-min-samples", "3", "--hang-stacks", "false"],
                     ["--steps", "400", "--step-sleep", "0.05"],
-                    node_flags={"a": ["--hang-floor-s", "3"], "b": ["--hang-floor-s", "120"]})
+                    node_flags={"b": ["--hang-heartbeat-stale-s", "120"]})
     job.wait_for("steady training on both nodes",
                  lambda: all(len(job.pids(n)) == 2 for n in "ab") and
                  (job.tmp / "state").exists() and int((job.tmp / "state").read_text()) >= 25,

@@ -57,7 +57,7 @@ def _detections(run_dir: Path, detector: str) -> list[dict]:
 def test_sigstopped_worker_is_detected_named_and_the_group_recovers(tmp_path, job_env):
     marker = tmp_path / "marker"
     proc, run_dir, log = _launch(
-        tmp_path, job_env, ["--hang-floor-s", "2"],
+        tmp_path, job_env, [],
         ["--steps", "90", "--marker-at", "25", "--marker", str(marker)])
     _wait(marker.exists, 120, "steady state marker", proc, log)
     victim = current_worker_pids(run_dir)[1]
@@ -74,6 +74,12 @@ def test_sigstopped_worker_is_detected_named_and_the_group_recovers(tmp_path, jo
     assert [rank for rank, _ in culprits] == [1], hang
     assert culprits[0][1] == hang["node"]
     assert "state T" in hang["culprits"][0]["reason"]
+    # Default options: the verdict is "frozen" from the evidence, not from a clock.
+    assert hang["verdict"]["kind"] == "frozen", hang
+    assert "stopped (state T)" in hang["verdict"]["evidence"]["1"]
+    assert "heartbeat" in hang["verdict"]["evidence"]["1"]
+    assert 0 in hang["verdict"]["waiting"]
+    assert ", in ddp_bucket #" in hang["verdict"]["evidence"]["0"]  # where rank 0 waits
     # gloo's own timeout is 30 minutes; a generous bound that still proves the point.
     assert latency < 60, latency
     assert proc.wait(timeout=150) == 0, log.read_text()[-3000:]
@@ -106,3 +112,24 @@ def test_nan_loss_is_detected_and_restarted(tmp_path, job_env):
     assert "nan" in nan["message"]
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     assert any(e["kind"] == "restart" for e in read_events(run_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_busy_rank_and_slow_first_step_are_not_hangs(tmp_path, job_env):
+    """Default options. Rank 0 sleeps before its first step (slow data), then computes 35 s
+    outside collectives (longer than the 30 s floor this replaced) while rank 1 waits in the
+    next all-reduce: neither is a hang, and the wait is reported with who is waited for."""
+    proc, run_dir, log = _launch(
+        tmp_path, job_env, [],
+        ["--steps", "20", "--first-step-sleep", "8", "--busy-at", "12", "--busy-s", "35"])
+    assert proc.wait(timeout=200) == 0, log.read_text()[-3000:]
+    assert "finished 20 steps" in log.read_text()
+    events = read_events(run_dir)
+    assert not _detections(run_dir, "hang"), log.read_text()[-3000:]
+    assert not [e for e in events if e["kind"] in ("restart", "failure")]
+    waits = _detections(run_dir, "hang_verdict")
+    assert waits and all(w["verdict"]["kind"] == "working" for w in waits), waits
+    assert any(w["verdict"]["culprits"] == [0] and "outside collectives" in
+               w["verdict"]["evidence"]["0"] and w["verdict"]["waiting"] == [1] for w in waits)
+    assert all("stacks" in w for w in waits)  # py-spy's frames, where it can read them

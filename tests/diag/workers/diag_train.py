@@ -27,6 +27,11 @@ def main() -> None:
     parser.add_argument("--marker-at", type=int, default=-1)
     parser.add_argument("--marker", type=Path)
     parser.add_argument("--use-init", action="store_true")
+    parser.add_argument("--first-step-sleep", type=float, default=0.0,
+                        help="rank 0 sleeps this long before its first step (slow data)")
+    parser.add_argument("--busy-at", type=int, default=-1,
+                        help="at this step rank 0 computes outside collectives (evaluation)")
+    parser.add_argument("--busy-s", type=float, default=0.0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -42,6 +47,12 @@ def main() -> None:
     start = int(args.state.read_text()) if args.state.exists() else 0
     for step in range(start, args.steps):
         x = torch.randn(16, 64)
+        if rank == 0 and step == start and start == 0:
+            time.sleep(args.first_step_sleep)
+        if rank == 0 and step == args.busy_at:
+            until = time.monotonic() + args.busy_s
+            while time.monotonic() < until:
+                sum(i * i for i in range(10_000))
         if rank == args.slow_rank:
             time.sleep(args.slow_sleep)
         time.sleep(args.step_sleep)

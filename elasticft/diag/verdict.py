@@ -1,0 +1,246 @@
+"""The hang verdict: evidence about every rank weighed into frozen, stuck, working or healthy.
+
+One clock cannot tell a hang from a pause: a stopped process is certain within a second, while a
+rank computing for a minute outside any collective (an evaluation pass, a slow ``torch.save`` on
+rank 0) is only busy. :func:`judge` is a pure function from a :class:`JobSnapshot` (each rank's
+process state, CPU use, heartbeat, stack sample, in-flight collective, GPU completion progress,
+and the recent durations of collectives) to a :class:`Verdict` that names its evidence:
+
+* **frozen**: a rank stopped (T), exited (Z, gone), or uninterruptible (D) using no CPU, with a
+  stale heartbeat, while its peers wait in a collective: a hang at once.
+* **working**: peers wait for a rank that is alive outside collectives (its CPU time advancing,
+  its stack changing, its GPU kernels completing, or simply its recorder beating): never a hang
+  until the generous ceiling (torch's process-group timeout by default).
+* **stuck**: every rank is inside a collective and nothing progresses (no CPU in the waiting
+  calls, no NCCL end event reached): a hang after ``max(floor, multiple x percentile)`` of the
+  recent collective durations, or after the start-up timeout before that history exists.
+* **healthy**: nobody waits, or a wait is still within its timeout.
+
+A rank that progresses but slower than its peers is the slow-rank detector's
+(:func:`elasticft.diag.detectors.find_slow`), never a restart from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+from elasticft.diag.detectors import percentile
+
+STOPPED = frozenset({"T", "t"})
+EXITED = frozenset({"Z", "X"})
+
+Kind = Literal["healthy", "working", "frozen", "stuck", "busy_too_long"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A rank's oldest unfinished collective."""
+
+    op: str
+    comm: int
+    comm_seq: int
+    age_s: float
+    source: Literal["py", "nccl"] = "py"
+    """py: a gloo/Python-side call (blocks the main thread); nccl: enqueued on a GPU stream, its
+    end event not reached yet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankEvidence:
+    """What is known about one rank at one instant; None means not measured."""
+
+    rank: int
+    state: str | None
+    """The kernel's state letter (R, S, D, T, Z); None when no process has the pid any more."""
+    heartbeat_age_s: float | None = None
+    cpu_fraction: float | None = None
+    """CPU seconds per wall second over the last second or so (every thread of the process)."""
+    stack_changed: bool | None = None
+    gpu_completing: bool | None = None
+    """An NCCL call of this rank reached its end event recently; None without a GPU ring."""
+    call: Call | None = None
+    stack_top: str = ""
+    """The innermost frame of the main thread, when sampled (for ``elasticft status``)."""
+    step_age_s: float | None = None
+    """Seconds since this rank last completed a step (None before its first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HangLimits:
+    heartbeat_stale_s: float = 2.0
+    busy_cpu_fraction: float = 0.1
+    """CPU use above this (of one core) is progress; the recorder's beat uses far less."""
+    busy_ceiling_s: float = 1800.0
+    collective_floor_s: float = 3.0
+    multiple: float = 5.0
+    percentile: float = 99.0
+    min_samples: int = 10
+    startup_s: float = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSnapshot:
+    ranks: tuple[RankEvidence, ...]
+    collective_history: Sequence[float] = ()
+    """Recent durations (seconds) of completed collectives."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    kind: Kind
+    hang: bool
+    culprits: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+    what: str = ""
+    waited_s: float = 0.0
+    timeout_s: float | None = None
+    evidence: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Rank -> the facts that decided its part in the verdict."""
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "hang": self.hang, "culprits": list(self.culprits),
+                "waiting": list(self.waiting), "what": self.what,
+                "waited_s": round(self.waited_s, 3),
+                "timeout_s": None if self.timeout_s is None else round(self.timeout_s, 3),
+                "evidence": {str(r): e for r, e in sorted(self.evidence.items())}}
+
+
+def collective_timeout(history: Sequence[float], limits: HangLimits) -> float:
+    """``max(floor, multiple x percentile)`` once enough durations exist, else the start-up one."""
+    if len(history) < limits.min_samples:
+        return limits.startup_s
+    return max(limits.collective_floor_s,
+               limits.multiple * percentile(history, limits.percentile))
+
+
+def _describe(r: RankEvidence) -> str:
+    parts = [f"state {r.state or 'gone'}"]
+    if r.heartbeat_age_s is not None:
+        parts.append(f"heartbeat {r.heartbeat_age_s:.1f} s old")
+    if r.cpu_fraction is not None:
+        parts.append(f"CPU {100 * r.cpu_fraction:.0f}%")
+    if r.stack_changed is not None:
+        parts.append("stack changing" if r.stack_changed else "stack unchanged")
+    if r.gpu_completing is not None:
+        parts.append("GPU kernels completing" if r.gpu_completing else "no GPU completion")
+    if r.call is not None:
+        parts.append(f"in {r.call.op} #{r.call.comm_seq} on comm {r.call.comm:x} for "
+                     f"{r.call.age_s:.1f} s ({r.call.source})")
+    else:
+        parts.append("outside collectives")
+    if r.stack_top:
+        parts.append(f"at {r.stack_top}")
+    return ", ".join(parts)
+
+
+def frozen_reason(r: RankEvidence, limits: HangLimits) -> str | None:
+    """Why this rank cannot be making progress, or None when it may be."""
+    stale = r.heartbeat_age_s is None or r.heartbeat_age_s > limits.heartbeat_stale_s
+    if r.state is None:
+        return "its process is gone"
+    if r.state in EXITED:
+        return f"its process has exited (state {r.state})"
+    if r.state in STOPPED and stale:
+        return f"its process is stopped (state {r.state})"
+    no_cpu = r.cpu_fraction is not None and r.cpu_fraction < limits.busy_cpu_fraction
+    if r.state == "D" and stale and no_cpu:
+        return "its process is in uninterruptible sleep (D) using no CPU"
+    return None
+
+
+def progressing(r: RankEvidence, limits: HangLimits) -> bool:
+    """Positive evidence of work: CPU time, a changing stack, or GPU kernels completing.
+
+    A call on a GPU stream says nothing through the CPU (a host waiting on the stream spins),
+    so there only the NCCL end events count.
+    """
+    if r.gpu_completing:
+        return True
+    if r.call is not None and r.call.source == "nccl":
+        return False
+    return bool(r.stack_changed) or (r.cpu_fraction is not None
+                                     and r.cpu_fraction >= limits.busy_cpu_fraction)
+
+
+def judge(snapshot: JobSnapshot, limits: HangLimits) -> Verdict:
+    """The verdict on the job as it stands; ``hang`` is true only when it should be recovered."""
+    ranks = snapshot.ranks
+    evidence = {r.rank: _describe(r) for r in ranks}
+    waiting = tuple(sorted(r.rank for r in ranks if r.call is not None))
+    frozen = {r.rank: why for r in ranks if (why := frozen_reason(r, limits)) is not None}
+    # Peers blocked outside recorded collectives (a checkpoint barrier, a store wait) show it
+    # by completing no step since the rank froze. Only for a process that is still there: at
+    # the end of a run ranks exit one by one, and the agent sees an exit itself.
+    stalled = [r.rank for r in ranks if r.rank not in frozen and r.call is None
+               and r.step_age_s is not None and r.step_age_s > limits.heartbeat_stale_s]
+    held = {rank: why for rank, why in frozen.items()
+            if next(r for r in ranks if r.rank == rank).state not in (None, *EXITED)}
+    if held and stalled and len(frozen) < len(ranks):
+        for rank, why in held.items():
+            evidence[rank] = f"{why}; {evidence[rank]}"
+        what = "; ".join(f"rank {rank} frozen: {why}" for rank, why in sorted(held.items()))
+        return Verdict("frozen", True, tuple(sorted(held)), tuple(stalled),
+                       f"{what}; ranks {stalled} completed no step for more than "
+                       f"{limits.heartbeat_stale_s:g} s", 0.0, limits.heartbeat_stale_s,
+                       evidence)
+    if not waiting:
+        return Verdict("healthy", False, evidence=evidence)
+    longest = max((r for r in ranks if r.call is not None), key=lambda r: r.call.age_s)  # type: ignore[union-attr]
+    assert longest.call is not None
+    waited = longest.call.age_s
+    # Peers must already wait (past the heartbeat's staleness) for a frozen rank to matter: at
+    # the end of a run ranks exit one by one, and the last may still finish a call.
+    waited_on_frozen = [r.rank for r in ranks
+                        if r.call is not None and r.rank not in frozen
+                        and r.call.age_s > limits.heartbeat_stale_s]
+    if frozen and waited_on_frozen:
+        for rank, why in frozen.items():
+            evidence[rank] = f"{why}; {evidence[rank]}"
+        culprits = tuple(sorted(frozen))
+        what = "; ".join(f"rank {rank} frozen: {why}" for rank, why in sorted(frozen.items()))
+        return Verdict("frozen", True, culprits, tuple(waited_on_frozen),
+                       f"{what}; ranks {list(waited_on_frozen)} wait in "
+                       f"{longest.call.op} for {waited:.1f} s", waited,
+                       limits.heartbeat_stale_s, evidence)
+    outside = [r for r in ranks if r.call is None and r.rank not in frozen]
+    if outside:
+        # Peers wait for ranks that are alive and outside collectives: busy, not hung.
+        names = ", ".join(f"rank {r.rank} ({evidence[r.rank]})" for r in outside)
+        culprits = tuple(r.rank for r in outside)
+        if waited > limits.busy_ceiling_s:
+            return Verdict("busy_too_long", True, culprits, waiting,
+                           f"ranks {list(waiting)} waited {waited:.1f} s (ceiling "
+                           f"{limits.busy_ceiling_s:.0f} s) for {names}", waited,
+                           limits.busy_ceiling_s, evidence)
+        return Verdict("working", False, culprits, waiting,
+                       f"ranks {list(waiting)} wait for {names}", waited,
+                       limits.busy_ceiling_s, evidence)
+    # Every live rank is inside a collective.
+    moving = [r for r in ranks if r.call is not None and progressing(r, limits)]
+    timeout = collective_timeout(snapshot.collective_history, limits)
+    if moving:
+        names = ", ".join(f"rank {r.rank} ({evidence[r.rank]})" for r in moving)
+        if waited > limits.busy_ceiling_s:
+            return Verdict("busy_too_long", True, tuple(r.rank for r in moving), waiting,
+                           f"collectives in flight {waited:.1f} s (ceiling "
+                           f"{limits.busy_ceiling_s:.0f} s) while {names} progress", waited,
+                           limits.busy_ceiling_s, evidence)
+        return Verdict("working", False, tuple(r.rank for r in moving), waiting,
+                       f"every rank is in a collective, {names} still progressing", waited,
+                       limits.busy_ceiling_s, evidence)
+    calls = {(r.call.comm, r.call.comm_seq) for r in ranks if r.call is not None}
+    same = "the same collective" if len(calls) == 1 else f"{len(calls)} different collectives"
+    basis = (f"{limits.multiple:g} x p{limits.percentile:g} of {len(snapshot.collective_history)}"
+             f" recent durations, floor {limits.collective_floor_s:g} s"
+             if len(snapshot.collective_history) >= limits.min_samples
+             else "start-up timeout, no history yet")
+    what = (f"every rank in {same}, nothing completing: {longest.call.op} "
+            f"#{longest.call.comm_seq} on comm {longest.call.comm:x} in flight {waited:.1f} s "
+            f"(timeout {timeout:.1f} s: {basis})")
+    if waited <= timeout:
+        return Verdict("healthy", False, (), waiting, what, waited, timeout, evidence)
+    # Ranks behind on the communicator of the oldest call are the likeliest culprits; when all
+    # are in the same call none is singled out.
+    return Verdict("stuck", True, (), waiting, what, waited, timeout, evidence)

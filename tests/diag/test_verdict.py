@@ -1,0 +1,120 @@
+"""The hang verdict as a table: each row a job snapshot and the verdict it must give."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticft.diag.verdict import Call, HangLimits, JobSnapshot, RankEvidence, judge
+
+LIMITS = HangLimits()
+HISTORY = [0.01] * 50  # 5 x p99 = 0.05 s: the 3 s floor rules
+AR = "all_reduce"
+
+
+def waiting(rank: int, age: float, cpu: float = 0.01, source: str = "py", seq: int = 31,
+            gpu: bool | None = None) -> RankEvidence:
+    return RankEvidence(rank, "S", 0.1, cpu, None, gpu, Call(AR, 0x1A, seq, age, source))  # type: ignore[arg-type]
+
+
+CASES = [
+    # (name, ranks, history, kind, hang, culprits)
+    ("nobody waits", [RankEvidence(0, "R", 0.1, 1.0), RankEvidence(1, "R", 0.1, 1.0)],
+     HISTORY, "healthy", False, ()),
+    ("SIGSTOP: stopped, stale heartbeat, peer waits",
+     [RankEvidence(0, "T", 2.5, 0.0), waiting(1, 2.4)], HISTORY, "frozen", True, (0,)),
+    ("stopped but peer has not waited past staleness yet",
+     [RankEvidence(0, "T", 2.5, 0.0), waiting(1, 1.0)], HISTORY, "healthy", False, ()),
+    ("stopped inside the collective itself",
+     [RankEvidence(0, "T", 3.0, 0.0, call=Call(AR, 0x1A, 31, 3.0)), waiting(1, 3.0)],
+     HISTORY, "frozen", True, (0,)),
+    ("zombie while peer waits", [RankEvidence(0, "Z", 5.0), waiting(1, 2.5)],
+     HISTORY, "frozen", True, (0,)),
+    ("process gone while peer waits", [RankEvidence(0, None, 5.0), waiting(1, 2.5)],
+     HISTORY, "frozen", True, (0,)),
+    ("D without CPU, stale heartbeat", [RankEvidence(0, "D", 4.0, 0.0), waiting(1, 3.0)],
+     HISTORY, "frozen", True, (0,)),
+    ("D but CPU advancing (page-cache writeback of torch.save)",
+     [RankEvidence(0, "D", 4.0, 0.6), waiting(1, 40.0)], HISTORY, "working", False, (0,)),
+    ("busy 40 s outside collectives at 100% CPU",
+     [RankEvidence(0, "R", 0.1, 1.0, stack_top="evaluate (train.py)"), waiting(1, 40.0)],
+     HISTORY, "working", False, (0,)),
+    ("rank 0 in torch.save 60 s, GIL held so heartbeat stale, CPU busy",
+     [RankEvidence(0, "R", 60.0, 0.9), waiting(1, 60.0)], HISTORY, "working", False, (0,)),
+    ("data loader stalled 30 s: sleeping, beating, no CPU",
+     [RankEvidence(0, "S", 0.1, 0.0), waiting(1, 30.0)], HISTORY, "working", False, (0,)),
+    ("stopped while the peer blocks outside recorded collectives (no step for 3 s)",
+     [RankEvidence(0, "T", 2.5, 0.0), RankEvidence(1, "S", 0.1, 0.0, step_age_s=3.0)],
+     HISTORY, "frozen", True, (0,)),
+    ("stopped, peer still stepping", [RankEvidence(0, "T", 2.5, 0.0),
+                                      RankEvidence(1, "R", 0.1, 1.0, step_age_s=0.5)],
+     HISTORY, "healthy", False, ()),
+    ("end of run: rank 0 exited, rank 1 finishing outside collectives",
+     [RankEvidence(0, "Z", 5.0), RankEvidence(1, "R", 0.1, 1.0, step_age_s=4.0)],
+     HISTORY, "healthy", False, ()),
+    ("busy past the ceiling", [RankEvidence(0, "R", 0.1, 1.0), waiting(1, 1801.0)],
+     HISTORY, "busy_too_long", True, (0,)),
+    ("all in the same collective, idle, past the floor", [waiting(0, 3.5), waiting(1, 3.5)],
+     HISTORY, "stuck", True, ()),
+    ("all in the same collective, within the floor", [waiting(0, 2.5), waiting(1, 2.5)],
+     HISTORY, "healthy", False, ()),
+    ("adaptive: slow collectives stretch the timeout", [waiting(0, 20.0), waiting(1, 20.0)],
+     [5.0] * 50, "healthy", False, ()),
+    ("adaptive: 5 x p99 passed", [waiting(0, 26.0), waiting(1, 26.0)],
+     [5.0] * 50, "stuck", True, ()),
+    ("first step: no history, 60 s in the first collective", [waiting(0, 60.0), waiting(1, 60.0)],
+     [], "healthy", False, ()),
+    ("first step: no history, past the start-up timeout", [waiting(0, 601.0), waiting(1, 601.0)],
+     [], "stuck", True, ()),
+    ("all in a collective but one burns CPU (gloo side still working)",
+     [waiting(0, 10.0, cpu=0.9), waiting(1, 10.0)], HISTORY, "working", False, (0,)),
+    # GPU: the recorder beats while the stream is stuck, and a host spinning on the stream shows
+    # CPU: only the NCCL end events count.
+    ("GPU: NCCL kernel end event not reached, host spinning",
+     [waiting(0, 5.0, cpu=1.0, source="nccl", gpu=False)], HISTORY, "stuck", True, ()),
+    ("GPU: kernels still completing", [waiting(0, 5.0, cpu=1.0, source="nccl", gpu=True)],
+     HISTORY, "working", False, (0,)),
+    ("GPU: first compile, no history", [waiting(0, 60.0, cpu=1.0, source="nccl", gpu=False)],
+     [], "healthy", False, ()),
+    ("different collectives, nothing completing", [waiting(0, 4.0, seq=30), waiting(1, 4.0)],
+     HISTORY, "stuck", True, ()),
+]
+
+
+@pytest.mark.parametrize("name,ranks,history,kind,hang,culprits", CASES, ids=[c[0] for c in CASES])
+def test_verdict_table(name: str, ranks: list[RankEvidence], history: list[float], kind: str,
+                       hang: bool, culprits: tuple[int, ...]) -> None:
+    verdict = judge(JobSnapshot(tuple(ranks), history), LIMITS)
+    assert (verdict.kind, verdict.hang, verdict.culprits) == (kind, hang, culprits), verdict.what
+    assert set(verdict.evidence) == {r.rank for r in ranks}
+
+
+def test_frozen_verdict_names_its_evidence() -> None:
+    verdict = judge(JobSnapshot((RankEvidence(0, "T", 2.5, 0.0), waiting(1, 2.4)), HISTORY),
+                    LIMITS)
+    assert "stopped (state T)" in verdict.evidence[0]
+    assert "heartbeat 2.5 s old" in verdict.evidence[0]
+    assert "in all_reduce #31" in verdict.evidence[1]
+    assert verdict.to_json()["culprits"] == [0]
+
+
+def test_working_verdict_says_what_the_busy_rank_does() -> None:
+    verdict = judge(JobSnapshot((RankEvidence(0, "R", 0.1, 1.0, stack_top="evaluate (t.py)"),
+                                 waiting(1, 40.0)), HISTORY), LIMITS)
+    assert "rank 0" in verdict.what and "evaluate (t.py)" in verdict.what
+    assert "CPU 100%" in verdict.what
+
+
+def test_deprecated_hang_floor_still_parses_and_maps_onto_the_collective_floor(
+        tmp_path, caplog) -> None:
+    from elasticft.diag.monitor import hang_limits
+    from elasticft.run import parse
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    _, config = parse(["--standalone", "--hang-floor-s", "8", str(script)])
+    assert config.diag.hang_floor_s == 8.0
+    assert hang_limits(config.diag).collective_floor_s == 8.0
+    assert "--hang-floor-s is deprecated" in caplog.text
+    _, config = parse(["--standalone", str(script)])
+    assert hang_limits(config.diag).collective_floor_s == 3.0
+    assert hang_limits(config.diag).busy_ceiling_s == 1800.0
