@@ -135,7 +135,8 @@ def bench_hang() -> float | None:
         run_dir, marker = t / "run", t / "marker"
         cmd = [str(Path(sys.executable).parent / "elasticft-run"), "--standalone",
                "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
-               "--run-dir", str(run_dir), "--hang-floor-s", "2", "--shutdown-timeout", "5",
+               "--run-dir", str(run_dir), "--hang-heartbeat-stale-s", "2",
+               "--hang-collective-floor-s", "2", "--shutdown-timeout", "5",
                str(ROOT / "tests" / "diag" / "workers" / "diag_train.py"), "--steps", "60",
                "--state", str(t / "state"), "--marker-at", "25", "--marker", str(marker)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -177,7 +178,8 @@ def main() -> int:
           f"{(watched / plain - 1) * 100:+.2f}%")
     if not args.skip_hang:
         latency = bench_hang()
-        print("\nhang (worker SIGSTOPped, --hang-floor-s 2): detected after "
+        print("\nhang (worker SIGSTOPped, --hang-heartbeat-stale-s 2 "
+              "--hang-collective-floor-s 2): detected after "
               f"{latency:.2f} s vs gloo default timeout {GLOO_DEFAULT_TIMEOUT_S:.0f} s "
               f"({GLOO_DEFAULT_TIMEOUT_S / latency:.0f}x sooner)" if latency else
               "\nhang: not detected")

@@ -32,7 +32,7 @@ unknown `ELASTICFT_*` variable is also an error. Every torchrun flag keeps its m
 agent:
   restart_on_user_error: 1
 diag:
-  hang_floor_s: 10
+  hang_collective_floor_s: 10
 ckpt:
   ckpt_remote_dir: /mnt/shared/ckpt
 ```

@@ -1,15 +1,18 @@
 """The detectors: pure functions from what the rings and the node show to findings.
 
-Nothing here reads a clock, a file or a process; :mod:`elasticft.diag.monitor` gathers the facts
-(:class:`RankView`) and calls these, so every rule is unit-tested with made-up facts.
+Nothing here reads a clock, a file or a process; :mod:`elasticft.diag.hangcheck` gathers the
+facts (:class:`RankView`) and :mod:`elasticft.diag.monitor` calls these, so every rule is
+unit-tested with made-up facts.
 
-* **Hang** (Resilio): a collective or a step in flight longer than an adaptive timeout,
-  ``max(floor, multiple x percentile(recent durations))``; before enough history, a long initial
-  timeout covers start-up (compilation, data loading, the first checkpoint load).
-* **Culprits** (the ranks others wait for): a rank whose process is stopped or whose recorder
-  stopped beating; a rank that never reached the collective its peers wait in (its count of calls
-  on that communicator is behind theirs); stack outliers (ByteRobust's aggregation: the majority
-  stack is healthy, the rest are suspects, with the parallel group they share).
+* **Hang**: not decided here. :func:`elasticft.diag.verdict.judge` weighs each rank's evidence
+  (process state, CPU use, heartbeat, in-flight call, GPU completions) into frozen, stuck,
+  working or healthy; see docs/hang-detection.md. :class:`HangFinding` and :class:`Culprit`
+  describe the hang it found in the event.
+* **Culprits** (the ranks others wait for, when the verdict names none): a rank whose process
+  is stopped or whose recorder stopped beating; a rank that never reached the collective its
+  peers wait in (its count of calls on that communicator is behind theirs); stack outliers
+  (ByteRobust's aggregation: the majority stack is healthy, the rest are suspects, with the
+  parallel group they share).
 * **Slow rank** (TRANSOM's neighbour comparison, made robust): each rank's *busy* time per step
   (step time minus time spent in collectives) against the median of its peers.
 * **Loss**: NaN/inf, or a value ``spike_factor`` times the recent median (ByteRobust's x5).
@@ -23,21 +26,7 @@ import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
-from elasticft.procs import EXITED_STATES, STOPPED_STATES
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptiveTimeout:
-    floor_s: float
-    multiple: float
-    percentile: float
-    min_samples: int
-    initial_s: float
-
-    def timeout(self, history: Sequence[float]) -> float:
-        if len(history) < self.min_samples:
-            return max(self.initial_s, self.floor_s)
-        return max(self.floor_s, self.multiple * percentile(history, self.percentile))
+from elasticft.procs import STOPPED_STATES
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
@@ -95,47 +84,6 @@ class HangFinding:
     """e.g. 'all_reduce on comm 1a2b #41 in flight 7.3 s (timeout 5.0 s)'."""
     waited_s: float
     timeout_s: float
-
-
-def find_hang(
-    views: Iterable[RankView], collective_timeout_s: float, step_timeout_s: float
-) -> HangFinding | None:
-    """The longest wait past its timeout among all ranks' in-flight collectives and steps.
-
-    A long step alone is not a hang (evaluation, a checkpoint, the end of training): it counts
-    only while some rank is inside a collective or some rank is frozen (stopped, or its recorder
-    silent for longer than a step timeout while another's runs). A rank whose process has
-    exited (a zombie not yet reaped) is not in a step: its end is the agent's to see, and at the
-    end of a run the ranks leave one by one, each still showing its last step mark.
-    """
-    views = [v for v in views if v.process_state not in EXITED_STATES]
-    worst: tuple[float, str, float, int] | None = None  # (excess, what, waited, rank)
-    waiting: list[int] = []
-    silent = [(v.heartbeat_age_s or 0.0) > step_timeout_s for v in views]
-    # A silent recorder is a frozen rank only while another rank's recorder still runs: when
-    # all are silent and none is in a collective, nobody waits (the interpreters are exiting).
-    blocked = any(v.in_flight or v.process_state in STOPPED_STATES for v in views) or (
-        any(silent) and not all(silent))
-    for view in views:
-        for call in view.in_flight:
-            if call.age_s > collective_timeout_s:
-                waiting.append(view.rank)
-                what = (f"{call.op} on comm {call.comm:x} #{call.comm_seq} in flight "
-                        f"{call.age_s:.1f} s (timeout {collective_timeout_s:.1f} s)")
-                candidate = (call.age_s - collective_timeout_s, what, call.age_s, view.rank)
-                worst = candidate if worst is None or candidate[0] > worst[0] else worst
-        if blocked and view.steps > 0 and view.step_age_s > step_timeout_s:
-            waiting.append(view.rank)
-            what = (f"step {view.steps + 1} in flight {view.step_age_s:.1f} s "
-                    f"(timeout {step_timeout_s:.1f} s)")
-            candidate = (view.step_age_s - step_timeout_s, what, view.step_age_s, view.rank)
-            worst = candidate if worst is None or candidate[0] > worst[0] else worst
-    if worst is None:
-        return None
-    return HangFinding(tuple(sorted(set(waiting))), worst[1], worst[2],
-                       collective_timeout_s if "step" not in worst[1] else step_timeout_s)
-
-
 
 
 def localise(views: Sequence[RankView], heartbeat_stale_s: float) -> list[Culprit]:

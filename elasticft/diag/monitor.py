@@ -6,8 +6,10 @@ on ``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU
 first start it runs the pre-flight check. Then, every monitor interval,
 :meth:`DiagMonitor.check` polls the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
 
-* a hang returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks, with the
-  evidence (every rank's position per communicator, process states, py-spy stack groups);
+* a hang (:func:`elasticft.diag.verdict.judge`, over the evidence :mod:`elasticft.diag.hangcheck`
+  gathers) returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks, with the
+  evidence (the verdict, every rank's position per communicator, process states, py-spy stack
+  groups);
 * a NaN/inf loss or a loss spike returns one too (``diag_loss_action=restart``, the default);
 * a slow rank, an error-line burst in the logs and non-critical node issues are reported;
 * a critical node issue (vanished GPU, ECC errors, full disk, memory exhausted) returns a
@@ -38,10 +40,11 @@ from elasticft import procs
 from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureClass
 from elasticft.config import DiagConfig
-from elasticft.diag import detectors, exchange, health, shimcheck, stacks, verdict
+from elasticft.diag import detectors, exchange, hangcheck, health, shimcheck, stacks, verdict
+from elasticft.diag.hangcheck import NOT_HANG_OPS, RankTrack, hang_limits
 from elasticft.diag.logscan import LogScanner
 from elasticft.diag.metrics import DiagMetrics
-from elasticft.diag.ring import Op, Record, RingReader, create_ring, ring_path
+from elasticft.diag.ring import Op, Record, create_ring, ring_path
 from elasticft.diag.workerenv import (
     default_ring_base,
     diag_worker_env,
@@ -53,45 +56,8 @@ from elasticft.events import EventLog
 
 logger = logging.getLogger(__name__)
 
-_NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
-# A rank without progress for this long, or whose recorder's heartbeat (every 0.1 s) is this
-# late, has its process state read (stopped, zombie).
-_STATE_AFTER_S = 0.5
-_STATE_AFTER_BEAT_S = 0.3
-# CPU use is measured over about this long (a tick is 10 ms); GPU kernels count as completing
-# when an NCCL call ended this recently; a wait longer than this that is not a hang is reported.
-_CPU_WINDOW_S = 1.0
-_GPU_RECENT_S = 2.0
+# A wait longer than this that is not a hang is reported (once per wait).
 _REPORT_WAIT_S = 5.0
-
-
-class _RankTrack:
-    """What has been read so far from one rank's rings."""
-
-    def __init__(self, rank: int, ring_dir: Path, window: int) -> None:
-        self.rank = rank
-        self.readers = {src: RingReader(ring_path(ring_dir, rank, src)) for src in ("py", "nccl")}
-        self.in_flight: dict[tuple[str, int], Record] = {}
-        self.comm_seqs: dict[int, int] = {}
-        self.spans: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
-        self.busy: collections.deque[float] = collections.deque(maxlen=window)
-        self.losses: collections.deque[float] = collections.deque(maxlen=64)
-        self.loss_finding: tuple[detectors.LossFinding, int] | None = None
-        self.steps = 0
-        self.step_ns = 0
-        self.heartbeat_ns = 0
-        self.started_ns = 0
-        self.shim_reported = False
-        # CPU time sampled about once a second: (monotonic ns, CPU seconds) of the reference
-        # sample, and the use per wall second measured against it.
-        self.cpu_ref: tuple[int, float] | None = None
-        self.cpu_fraction: float | None = None
-        self.gpu_completed_ns = 0
-        self.gpu_seen = False
-
-    def close(self) -> None:
-        for reader in self.readers.values():
-            reader.close()
 
 
 class DiagMonitor(AgentCollaborator):
@@ -123,7 +89,7 @@ class DiagMonitor(AgentCollaborator):
                                            config.health_max_gpu_temp_c)
         self._events: EventLog | None = None
         self._ring_dir: Path | None = None
-        self._tracks: dict[int, _RankTrack] = {}
+        self._tracks: dict[int, RankTrack] = {}
         self._coll_history: collections.deque[float] = collections.deque(
             maxlen=config.hang_history)
         self._step_history: collections.deque[float] = collections.deque(
@@ -214,7 +180,7 @@ class DiagMonitor(AgentCollaborator):
         now = self._clock_ns()
         self._tracks = {}
         for w in group.workers:
-            track = _RankTrack(w.global_rank, self._ring_dir, self.config.slow_window)
+            track = RankTrack(w.global_rank, self._ring_dir, self.config.slow_window)
             track.started_ns = now
             self._tracks[w.global_rank] = track
         self._slow_since.clear()
@@ -310,7 +276,7 @@ class DiagMonitor(AgentCollaborator):
         return (self._check_hang(group, now, views, job) or self._check_loss() or
                 self._check_slow(now, busy, job) or self._check_logs(group, now))
 
-    def _poll(self, track: _RankTrack, now: int) -> None:
+    def _poll(self, track: RankTrack, now: int) -> None:
         if self._shim is not None and not track.shim_reported:
             self._report_shim(track)
         for source, reader in track.readers.items():
@@ -330,7 +296,7 @@ class DiagMonitor(AgentCollaborator):
             for record in records:
                 self._new_record(track, source, record)
 
-    def _report_shim(self, track: _RankTrack) -> None:
+    def _report_shim(self, track: RankTrack) -> None:
         """The worker's NCCL shim self-check, once per rank and start; one log line per node."""
         assert self._ring_dir is not None
         status = shimcheck.read_status(self._ring_dir, track.rank)
@@ -348,7 +314,7 @@ class DiagMonitor(AgentCollaborator):
                 logger.warning("rank %d: %s; hangs are still detected from the Python recorder, "
                                "heartbeats and process state", track.rank, message)
 
-    def _new_record(self, track: _RankTrack, source: str, record: Record) -> None:
+    def _new_record(self, track: RankTrack, source: str, record: Record) -> None:
         op = record.op
         if op == Op.STEP:
             track.steps = int(record.value)
@@ -387,8 +353,8 @@ class DiagMonitor(AgentCollaborator):
         else:
             self._completed(track, record)
 
-    def _completed(self, track: _RankTrack, record: Record) -> None:
-        if record.op in _NOT_HANG_OPS:
+    def _completed(self, track: RankTrack, record: Record) -> None:
+        if record.op in NOT_HANG_OPS:
             return
         if record.complete_ns > track.gpu_completed_ns and track.gpu_seen:
             track.gpu_completed_ns = max(track.gpu_completed_ns, record.complete_ns)
@@ -400,96 +366,16 @@ class DiagMonitor(AgentCollaborator):
         if self.metrics is not None:
             self.metrics.collective(self._coll_history[-1])
 
-    def _sample_cpu(self, track: _RankTrack, pid: int | None, now: int) -> None:
-        cpu = procs.cpu_seconds(pid)
-        if cpu is None:
-            track.cpu_ref, track.cpu_fraction = None, None
-            return
-        if track.cpu_ref is None:
-            track.cpu_ref = (now, cpu)
-            return
-        ref_ns, ref_cpu = track.cpu_ref
-        elapsed = (now - ref_ns) / 1e9
-        if elapsed >= _CPU_WINDOW_S:
-            track.cpu_fraction = max(0.0, (cpu - ref_cpu) / elapsed)
-            track.cpu_ref = (now, cpu)
-
     def evidence(self, views: list[detectors.RankView], now: int) -> list[verdict.RankEvidence]:
-        """Each rank's evidence for the hang verdict; other nodes' ranks without CPU or GPU
-        measurements (their own node judges those)."""
-        result = []
-        for view in views:
-            track = self._tracks.get(view.rank) if view.node == self._node() else None
-            call = None
-            if track is not None:
-                oldest = min((item for item in track.in_flight.items()
-                              if item[1].op not in _NOT_HANG_OPS),
-                             key=lambda item: item[1].enqueue_ns, default=None)
-                if oldest is not None:
-                    (source, _), record = oldest
-                    call = verdict.Call(record.op_name, record.comm, record.comm_seq,
-                                        (now - record.enqueue_ns) / 1e9,
-                                        "nccl" if source == "nccl" else "py")
-                stuck = view.process_state is not None or call is not None
-                if stuck:
-                    self._sample_cpu(track, view.pid, now)
-                else:
-                    track.cpu_ref, track.cpu_fraction = None, None
-                gpu = None
-                if track.gpu_seen:
-                    gpu = track.gpu_completed_ns > 0 and \
-                        (now - track.gpu_completed_ns) / 1e9 < _GPU_RECENT_S
-                state = view.process_state
-                late = view.heartbeat_age_s is None or \
-                    view.heartbeat_age_s > self._limits_hang.heartbeat_stale_s
-                if state is None:
-                    # Not read while the rank beats (see views()); read again when it is late,
-                    # since None there may also mean a process that is gone.
-                    state = procs.state(view.pid) if late and view.pid else "S"
-                result.append(verdict.RankEvidence(
-                    view.rank, state, view.heartbeat_age_s, track.cpu_fraction, None, gpu, call,
-                    step_age_s=view.step_age_s if view.steps else None))
-                continue
-            remote_call = min(view.in_flight, key=lambda c: -c.age_s, default=None)
-            result.append(verdict.RankEvidence(
-                view.rank, view.process_state or "S", view.heartbeat_age_s, None, None, None,
-                None if remote_call is None else verdict.Call(
-                    remote_call.op, remote_call.comm, remote_call.comm_seq, remote_call.age_s)))
-        return result
+        """Each rank's evidence for the hang verdict (:func:`hangcheck.rank_evidence`)."""
+        return hangcheck.rank_evidence(views, self._tracks, self._node(), now, self._limits_hang)
 
     def _node(self) -> str:
         return self._group.node_id if self._group is not None else ""
 
     def views(self, group: GroupInfo, now: int) -> list[detectors.RankView]:
-        pids = {w.global_rank: w.pid for w in group.workers}
-        views = []
-        for rank, track in sorted(self._tracks.items()):
-            oldest: dict[int, Record] = {}
-            for record in track.in_flight.values():
-                if record.op in _NOT_HANG_OPS:
-                    continue
-                best = oldest.get(record.comm)
-                if best is None or record.enqueue_ns < best.enqueue_ns:
-                    oldest[record.comm] = record
-            in_flight = tuple(
-                detectors.InFlight(r.op_name, r.comm, r.comm_seq, (now - r.enqueue_ns) / 1e9,
-                                   "ring") for r in oldest.values())
-            since = track.step_ns if track.steps else track.started_ns
-            step_age_s = (now - since) / 1e9
-            heartbeat_age_s = (now - track.heartbeat_ns) / 1e9 if track.heartbeat_ns else None
-            # /proc is read only for a rank that may be stuck: at every check it would be a
-            # quarter of the monitor's cost, for a state that matters only to a hang. A stopped
-            # process misses its next heartbeat at once, so it is seen within a few tenths.
-            stuck = (heartbeat_age_s is None or heartbeat_age_s > _STATE_AFTER_BEAT_S or
-                     step_age_s > _STATE_AFTER_S or
-                     any(c.age_s > _STATE_AFTER_S for c in in_flight))
-            views.append(detectors.RankView(
-                rank=rank, node=group.node_id, pid=pids.get(rank),
-                process_state=procs.state(pids.get(rank)) if stuck else None,
-                heartbeat_age_s=heartbeat_age_s,
-                in_flight=in_flight, comm_seqs=dict(track.comm_seqs), steps=track.steps,
-                step_age_s=step_age_s))
-        return views
+        """This node's ranks as the detectors see them (:func:`hangcheck.rank_views`)."""
+        return hangcheck.rank_views(self._tracks, group, now)
 
     def _check_hang(self, group: GroupInfo, now: int, views: list[detectors.RankView],
                     job: exchange.JobView) -> Detection | None:
@@ -519,9 +405,7 @@ class DiagMonitor(AgentCollaborator):
                                         judged.timeout_s or 0.0)
         coll_timeout = verdict.collective_timeout(tuple(self._coll_history), self._limits_hang)
         step_timeout = self._limits_hang.busy_ceiling_s
-        culprits = [detectors.Culprit(rank, self._node_of(rank, job_views),
-                                      judged.evidence.get(rank, ""))
-                    for rank in judged.culprits]
+        culprits = hangcheck.verdict_culprits(judged, job_views)
         if not culprits:
             culprits = detectors.localise(job_views, self.config.hang_heartbeat_stale_s)
         if (not culprits and self._exchange.active and
@@ -543,26 +427,8 @@ class DiagMonitor(AgentCollaborator):
             names += " (silent: " + ", ".join(
                 f"{n.node} for {n.age_s:.0f} s" for n in job.silent) + ")"
         message = f"hang ({judged.kind}): {finding.what}; culprit: {names}"
-        evidence: dict[str, Any] = {
-            "verdict": judged.to_json(),
-            "what": finding.what,
-            "waited_s": round(finding.waited_s, 3),
-            "timeout_s": round(finding.timeout_s, 3),
-            "collective_timeout_s": round(coll_timeout, 3),
-            "step_timeout_s": round(step_timeout, 3),
-            "ranks_waiting": list(finding.ranks_waiting),
-            "culprits": [{"rank": c.rank, "node": c.node, "reason": c.reason} for c in culprits],
-            "ranks": [_view_json(v) for v in job_views],
-        }
-        if job.silent:
-            evidence["silent_nodes"] = job.silent_json()
-        if stack_groups is not None:
-            evidence["stacks"] = {
-                "healthy": list(stack_groups.healthy),
-                "outliers": {str(r): f for r, f in stack_groups.outliers.items()},
-                "shared_comm": (f"{stack_groups.shared_comm:x}"
-                                if stack_groups.shared_comm else None),
-            }
+        evidence = hangcheck.hang_event_evidence(judged, finding, coll_timeout, step_timeout,
+                                                 culprits, job_views, job, stack_groups)
         self.emit("hang", message, **evidence)
         ranks = tuple(c.rank for c in culprits) or finding.ranks_waiting
         return Detection(FailureClass.HANG, ranks, "hang", message, evidence=evidence)
@@ -576,10 +442,6 @@ class DiagMonitor(AgentCollaborator):
         signatures = {rank: detectors.stack_signature(text)
                       for rank, text in self._dump_stacks(pids).items()}
         return {rank: sig.splitlines()[0] for rank, sig in signatures.items() if sig}
-
-    @staticmethod
-    def _node_of(rank: int, views: list[detectors.RankView]) -> str:
-        return next((v.node for v in views if v.rank == rank), "")
 
     def _check_loss(self) -> Detection | None:
         for rank, track in self._tracks.items():
@@ -646,39 +508,6 @@ class DiagMonitor(AgentCollaborator):
                       errors=burst.errors_in_window, first_node=burst.first_node,
                       first_line=burst.first_line)
         return None
-
-
-def hang_limits(config: DiagConfig) -> verdict.HangLimits:
-    """The verdict's limits from the options; the deprecated --hang-floor-s maps onto the
-    stuck-collective floor (with one warning)."""
-    floor = config.hang_collective_floor_s
-    if config.hang_floor_s is not None:
-        logger.warning("--hang-floor-s is deprecated: its %g s is used as "
-                       "--hang-collective-floor-s; frozen ranks are now recovered within seconds "
-                       "and busy ranks wait up to --hang-busy-ceiling-s (%g s)",
-                       config.hang_floor_s, config.hang_busy_ceiling_s)
-        floor = config.hang_floor_s
-    return verdict.HangLimits(
-        heartbeat_stale_s=config.hang_heartbeat_stale_s, busy_ceiling_s=config.hang_busy_ceiling_s,
-        collective_floor_s=floor, multiple=config.hang_multiple,
-        percentile=config.hang_percentile, min_samples=config.hang_min_samples,
-        startup_s=config.hang_initial_timeout_s)
-
-
-def _view_json(view: detectors.RankView) -> dict[str, Any]:
-    return {
-        "rank": view.rank,
-        "node": view.node,
-        "pid": view.pid,
-        "state": view.process_state,
-        "heartbeat_age_s": None if view.heartbeat_age_s is None else round(view.heartbeat_age_s, 3),
-        "steps": view.steps,
-        "step_age_s": round(view.step_age_s, 3),
-        "in_flight": [{"op": c.op, "comm": f"{c.comm:x}", "comm_seq": c.comm_seq,
-                       "age_s": round(c.age_s, 3)} for c in view.in_flight],
-        "comm_seqs": {f"{k:x}": v for k, v in view.comm_seqs.items()},
-        "view_age_s": round(view.view_age_s, 3),
-    }
 
 
 def monitor_from_options(options: Any, launch_config: Any, env: Mapping[str, str]

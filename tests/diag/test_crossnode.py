@@ -277,34 +277,6 @@ def test_rank_slowed_3x_is_named_with_its_node(two_nodes):
     assert latency < 60, latency
 
 
-def test_an_exited_rank_at_the_end_of_a_run_is_not_a_hang():
-    # The first rank to finish is a zombie for a moment; its peers' last step looks long.
-    exited = _view(0, "a", pid=5, process_state="Z", heartbeat_age_s=9.0, steps=31,
-                   step_age_s=9.0)
-    finishing = _view(1, "b", pid=6, process_state="R", heartbeat_age_s=0.1, steps=31,
-                      step_age_s=9.0)
-    assert d.find_hang([exited, finishing], collective_timeout_s=8, step_timeout_s=8) is None
-    # In a collective its peers wait in, an exited rank is still the culprit.
-    waiting = dataclasses.replace(
-        finishing, in_flight=(d.InFlight("all_reduce", 7, 3, 9.0, "ring"),), comm_seqs={7: 3})
-    found = d.find_hang([dataclasses.replace(exited, comm_seqs={7: 2}), waiting], 8, 8)
-    assert found is not None and found.ranks_waiting == (1,)
-    assert [c.rank for c in d.localise([dataclasses.replace(exited, comm_seqs={7: 2}), waiting],
-                                       2)] == [0]
-
-
-def test_all_recorders_silent_without_a_collective_is_an_exit_not_a_hang():
-    # After the last step every interpreter finalizes: recorders stop, nobody waits.
-    exiting = [_view(r, "a", pid=5 + r, process_state="R", heartbeat_age_s=8.2, steps=34,
-                     step_age_s=8.3) for r in range(2)]
-    assert d.find_hang(exiting, collective_timeout_s=8, step_timeout_s=8) is None
-    # One rank frozen while its peer's recorder still runs: the long step is a hang.
-    alive = dataclasses.replace(exiting[1], heartbeat_age_s=0.1)
-    found = d.find_hang([exiting[0], alive], 8, 8)
-    assert found is not None
-    assert [c.rank for c in d.localise([exiting[0], alive], 2)] == [0]
-
-
 class _CountingStore:
     """A real store that counts the exchange's calls to it."""
 

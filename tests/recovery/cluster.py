@@ -26,7 +26,7 @@ PLAIN = EXAMPLES / "train_plain.py"
 FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 AGENT_FLAGS = [
     "--max-restarts", "3", "--monitor-interval", "0.1", "--shutdown-timeout", "5",
-    "--hang-floor-s", "8", "--hang-min-samples", "3", "--hang-initial-timeout-s", "10",
+    "--hang-collective-floor-s", "8", "--hang-min-samples", "3", "--hang-initial-timeout-s", "10",
     "--ckpt-persist-every", "2",
 ]
 
