@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elasticft.rendezvous.backend import EtcdRendezvousBackend
 from elasticft.rendezvous.handler import create_handler
 from elasticft.rendezvous.health import HealthReport
 from tests.servers import EtcdServer
@@ -47,6 +48,22 @@ def etcd_cpu_s(server: EtcdServer) -> float:
     return (int(fields[11]) + int(fields[12])) / 100.0
 
 
+CAS_COUNTS = {"won": 0, "lost": 0}
+
+
+def count_cas_outcomes() -> None:
+    """Count won and lost compare-and-set writes of the rendezvous state (a wrapper, bench only)."""
+    real_set_state = EtcdRendezvousBackend.set_state
+
+    def counted(self, state, token=None):
+        result = real_set_state(self, state, token)
+        if result is not None:
+            CAS_COUNTS["won" if result[2] else "lost"] += 1
+        return result
+
+    EtcdRendezvousBackend.set_state = counted  # type: ignore[method-assign]
+
+
 def healthy() -> HealthReport:
     return HealthReport(ok=True, detail="", seconds=0.0)
 
@@ -63,6 +80,7 @@ def one_n(server: EtcdServer, n: int, steady_s: float, timeout_s: float) -> str:
     done: list[float] = []
     errors: list[str] = []
     req0, cpu0 = etcd_requests(server), etcd_cpu_s(server)
+    won0, lost0 = CAS_COUNTS["won"], CAS_COUNTS["lost"]
     start = time.monotonic()
 
     def join(h) -> None:
@@ -79,6 +97,7 @@ def one_n(server: EtcdServer, n: int, steady_s: float, timeout_s: float) -> str:
         t.join(max(0.0, start + timeout_s - time.monotonic()))
     round_s = max(done) if len(done) == n else float("nan")
     req1, cpu1 = etcd_requests(server), etcd_cpu_s(server)
+    won, lost = CAS_COUNTS["won"] - won0, CAS_COUNTS["lost"] - lost0
     time.sleep(steady_s)
     req2, cpu2 = etcd_requests(server), etcd_cpu_s(server)
     for h in handlers:
@@ -88,7 +107,8 @@ def one_n(server: EtcdServer, n: int, steady_s: float, timeout_s: float) -> str:
         except Exception:
             pass
     line = (f"N={n:5d}  round {round_s:7.2f} s  completed {len(done)}/{n}  "
-            f"round requests/node {(req1 - req0) / n:7.1f}  round etcd CPU {cpu1 - cpu0:6.2f} s  "
+            f"round requests/node {(req1 - req0) / n:7.1f}  CAS won {won} lost {lost}  "
+            f"round etcd CPU {cpu1 - cpu0:6.2f} s  "
             f"steady requests/node/s {(req2 - req1) / n / steady_s:6.3f}  "
             f"steady etcd CPU {100 * (cpu2 - cpu1) / steady_s:5.1f}%")
     if errors:
@@ -102,6 +122,7 @@ def main() -> int:
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args()
+    count_cas_outcomes()
     if any(n < 2 for n in args.nodes):
         print("--nodes: every N must be at least 2", file=sys.stderr)
         return 2
