@@ -7,7 +7,8 @@ the time until every agent has completed the first round, the etcd requests the 
 node (etcd's own ``grpc_server_handled_total``) and the etcd process's CPU seconds (/proc), then
 the steady-state request rate per node while the agents only keep their leases alive.
 
-Usage: ``nice -n 10 python bench/scale.py --nodes 16 64`` (bounded: every round has a timeout and
+Usage: ``nice -n 10 python bench/scale.py --nodes 16 64`` (``--no-cas-backoff`` for the baseline:
+a lost CAS retried at once, as before the back-off) (bounded: every round has a timeout and
 the steady-state window is ``--steady-s`` seconds; the bench stops by itself).
 
 Not measured yet (see docs/scale.md): the 3-member cluster, rounds after a node or the leader
@@ -29,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elasticft.rendezvous import backend as backend_module
 from elasticft.rendezvous.backend import EtcdRendezvousBackend
 from elasticft.rendezvous.handler import create_handler
 from elasticft.rendezvous.health import HealthReport
@@ -121,7 +123,11 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--no-cas-backoff", action="store_true",
+                        help="retry a lost rendezvous CAS at once (baseline, torch's behaviour)")
     args = parser.parse_args()
+    if args.no_cas_backoff:
+        backend_module.cas_backoff_s = lambda *_args, **_kwargs: 0.0
     count_cas_outcomes()
     if any(n < 2 for n in args.nodes):
         print("--nodes: every N must be at least 2", file=sys.stderr)
@@ -132,7 +138,9 @@ def main() -> int:
         server = EtcdServer(data, Path(tmp) / "etcd.log")
         server.start()
         try:
-            print(f"etcd {server.endpoint} (one member), {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+            backoff = "off" if args.no_cas_backoff else "on"
+            print(f"etcd {server.endpoint} (one member), CAS back-off {backoff}, "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
             for n in args.nodes:
                 print(one_n(server, n, args.steady_s, args.timeout_s), flush=True)
         finally:
