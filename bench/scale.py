@@ -70,10 +70,11 @@ def healthy() -> HealthReport:
     return HealthReport(ok=True, detail="", seconds=0.0)
 
 
-def one_n(server: EtcdServer, n: int, steady_s: float, timeout_s: float) -> str:
+def one_n(server: EtcdServer, n: int, steady_s: float, timeout_s: float,
+          keep_alive_s: int) -> str:
     run_id = f"scale{n}-{int(time.time())}"
     conf = {"node_id": "", "join_timeout": str(int(timeout_s)), "last_call_timeout": "1",
-            "rpc_timeout": "10"}
+            "rpc_timeout": "10", "keep_alive_interval": str(keep_alive_s)}
     handlers = []
     for i in range(n):
         params = RendezvousParameters("etcd-v3", server.endpoint, run_id, n, n,
@@ -123,6 +124,8 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--keep-alive-s", type=int, default=5,
+                        help="torch keep_alive_interval: each agent rewrites the state this often")
     parser.add_argument("--no-cas-backoff", action="store_true",
                         help="retry a lost rendezvous CAS at once (baseline, torch's behaviour)")
     args = parser.parse_args()
@@ -140,9 +143,11 @@ def main() -> int:
         try:
             backoff = "off" if args.no_cas_backoff else "on"
             print(f"etcd {server.endpoint} (one member), CAS back-off {backoff}, "
+                  f"keep-alive every {args.keep_alive_s} s, "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
             for n in args.nodes:
-                print(one_n(server, n, args.steady_s, args.timeout_s), flush=True)
+                line = one_n(server, n, args.steady_s, args.timeout_s, args.keep_alive_s)
+                print(line, flush=True)
         finally:
             server.stop()
     return 0
