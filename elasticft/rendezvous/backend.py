@@ -13,11 +13,24 @@ token is the key's ``mod_revision`` and the write is one etcd transaction::
 The new token comes from the same transaction, so a writer can never pair a value with the
 wrong revision, and a writer holding a stale token (a node that was partitioned away, a
 zombie agent) can never overwrite newer state.
+
+**Back-off after a lost write.** torch retries a lost CAS at once: it decodes the state this
+backend returns, re-applies its change and writes again. When N agents join together every won
+write makes the other N-1 lose, so a round costs O(N²) writes and as many decode/re-encode
+cycles (docs/scale.md). After a lost write this backend therefore sleeps a random time drawn
+from ``[0, min(cap, base * 2**(losses-1))]`` ("full jitter"; ``losses`` counts consecutive lost
+writes of this agent and resets on a won one), then returns a fresh read of the state, which is
+what torch's contract asks for a lost write (the current state and its token). A first loss
+waits at most ``base`` (10 ms), so rounds of a few nodes are not slowed; the cap (0.5 s) bounds
+the added latency of a crowded round. :func:`cas_backoff_s` is the policy, a pure function.
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors
@@ -27,14 +40,46 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
 
+CAS_BACKOFF_BASE_S = 0.01
+CAS_BACKOFF_CAP_S = 0.5
+
+
+def cas_backoff_s(
+    consecutive_losses: int,
+    draw: float,
+    base_s: float = CAS_BACKOFF_BASE_S,
+    cap_s: float = CAS_BACKOFF_CAP_S,
+) -> float:
+    """Seconds to wait after the ``consecutive_losses``-th lost CAS in a row (0: none lost).
+
+    ``draw`` is a uniform random number in [0, 1): the wait is ``draw`` times a ceiling that
+    doubles with every loss from ``base_s`` up to ``cap_s`` (full jitter, so that writers that
+    lost together spread out instead of colliding again).
+    """
+    if consecutive_losses <= 0:
+        return 0.0
+    # The exponent is bounded so that a long losing streak cannot overflow the float.
+    ceiling = min(cap_s, base_s * 2.0 ** min(consecutive_losses - 1, 32))
+    return min(max(draw, 0.0), 1.0) * ceiling
+
 
 class EtcdRendezvousBackend(RendezvousBackend):
     """Rendezvous state in etcd key ``key``; see the module docstring for the CAS contract."""
 
-    def __init__(self, client: Any, key: str, settings: EtcdSettings) -> None:
+    def __init__(
+        self,
+        client: Any,
+        key: str,
+        settings: EtcdSettings,
+        sleep: Callable[[float], None] = time.sleep,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
         self._client = client
         self._key = key
         self._settings = settings
+        self._sleep = sleep
+        self._draw = draw
+        self._consecutive_losses = 0
 
     @property
     def name(self) -> str:
@@ -73,6 +118,20 @@ class EtcdRendezvousBackend(RendezvousBackend):
             # The key vanished (deleted by hand): the caller starts from a fresh state.
             return None
         value, meta = current[0]
-        if not succeeded:
-            logger.debug("rendezvous CAS lost (token %s, now %s)", token, meta.mod_revision)
-        return value, meta.mod_revision, bool(succeeded)
+        if succeeded:
+            self._consecutive_losses = 0
+            return value, meta.mod_revision, True
+        self._consecutive_losses += 1
+        delay_s = cas_backoff_s(self._consecutive_losses, self._draw())
+        logger.debug(
+            "rendezvous CAS lost (token %s, now %s, %d in a row): waiting %.3f s",
+            token, meta.mod_revision, self._consecutive_losses, delay_s,
+        )
+        if delay_s <= 0:
+            return value, meta.mod_revision, False
+        self._sleep(delay_s)
+        # Others wrote while we waited: hand back the state as it is now, not as it was.
+        fresh = self.get_state()
+        if fresh is None:
+            return None
+        return fresh[0], fresh[1], False

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elasticft.rendezvous.backend import EtcdRendezvousBackend
+from elasticft.rendezvous.backend import CAS_BACKOFF_BASE_S, EtcdRendezvousBackend
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.handler import create_handler
 from elasticft.rendezvous.membership import Blacklist, MemberRecord, MembershipPublisher
@@ -63,6 +63,32 @@ def test_concurrent_writers_exactly_one_wins_per_token(etcd_server: EtcdServer) 
     for t in threads:
         t.join()
     assert sorted(results) == [False] * 7 + [True]
+
+
+def test_lost_cas_backs_off_more_each_time_and_returns_the_state_after_the_wait(
+    etcd_server: EtcdServer,
+) -> None:
+    client, settings = connect(etcd_server)
+    other = EtcdRendezvousBackend(client, "/t/backoff", settings)
+    _, stale, _ = other.set_state(b"first", None)
+    _, current, _ = other.set_state(b"second", stale)
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        # Another node writes while this one waits: the lost write must report that state.
+        waits.append(seconds)
+        other.set_state(f"written during wait {len(waits)}".encode(), other.get_state()[1])
+
+    backend = EtcdRendezvousBackend(client, "/t/backoff", settings, sleep=sleep, draw=lambda: 1.0)
+    value, token, ok = backend.set_state(b"loser", stale)
+    assert (value, ok) == (b"written during wait 1", False)
+    assert (b"written during wait 1", token) == other.get_state() and token > current
+    assert backend.set_state(b"loser", stale)[:3:2] == (b"written during wait 2", False)
+    assert waits == [CAS_BACKOFF_BASE_S, 2 * CAS_BACKOFF_BASE_S]
+    # A won write resets the streak: the next loss waits the base again.
+    assert backend.set_state(b"winner", other.get_state()[1])[::2] == (b"winner", True)
+    backend.set_state(b"loser", stale)
+    assert waits[-1] == CAS_BACKOFF_BASE_S
 
 
 def test_unreachable_etcd_is_a_connection_error(etcd_server: EtcdServer) -> None:
