@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.servers import EtcdServer, etcd_server  # noqa: F401  (real etcd for tests)
@@ -39,3 +42,23 @@ def clean_job_env() -> dict[str, str]:
 def job_env() -> dict[str, str]:
     """The environment a launched job gets (:func:`clean_job_env`)."""
     return clean_job_env()
+
+
+def communicate_or_explain(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout)``; when it times out, the failure shows why the process hung:
+    the Python stacks of it and its children (py-spy) and the end of its stderr."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = []
+        for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]:
+            dump = subprocess.run([str(BIN / "py-spy"), "dump", "--pid", str(process.pid)],
+                                  capture_output=True, text=True, timeout=30)
+            stacks.append(f"--- pid {process.pid} {process.cmdline()[:3]}\n"
+                          f"{dump.stdout}{dump.stderr}")
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        raise AssertionError(
+            f"{proc.args[:2]} still running after {timeout} s\n" + "\n".join(stacks)
+            + f"\n--- stderr (end)\n{stderr[-6000:]}"
+        ) from None

@@ -23,10 +23,10 @@ from typing import Any
 
 from elasticft import torch_compat
 from elasticft.agent.api import (
+    MUST_PROPAGATE,
     AgentCollaborator,
     Detection,
     GroupInfo,
-    StopRun,
     WorkerInfo,
 )
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
@@ -140,8 +140,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         for collaborator in self.collaborators:
             try:
                 results.append(getattr(collaborator, hook)(*args))
-            except StopRun:
-                raise  # a collaborator ends the run on purpose (e.g. a Slurm requeue)
+            except MUST_PROPAGATE:
+                raise  # a collaborator ends the run on purpose, or the launcher was signalled
             except Exception:
                 # A collaborator is an add-on: its failure must never cost the training run.
                 logger.exception("collaborator %s failed in %s", type(collaborator).__name__, hook)

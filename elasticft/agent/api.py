@@ -15,6 +15,7 @@ from typing import Any
 
 from elasticft.agent.classify import FailureClass, FailureRecord
 from elasticft.agent.policy import Action
+from elasticft.torch_compat import SignalException
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,13 @@ class StopRun(Exception):
         self.state = state
         self.reason = reason
         self.exit_code = exit_code
+
+
+#: What a hook's error handling must let through: a deliberate end of the run, and the launcher's
+#: own SIGTERM/SIGINT, which torch's handler raises as ``SignalException`` in whatever code the
+#: agent's main thread runs at that moment (often a hook). Swallowed, it would leave the launcher
+#: and its workers running after ``kill`` or ``scancel``.
+MUST_PROPAGATE = (StopRun, SignalException)
 
 
 class AgentCollaborator:

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.agent.api import MUST_PROPAGATE, AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
@@ -166,6 +166,8 @@ class CheckpointService(AgentCollaborator):
             return
         try:
             self._setup_peers(group, store)
+        except MUST_PROPAGATE:
+            raise
         except Exception:
             logger.exception("peer backup unavailable this round")
             self._backup_addr = self._holder_addr = self._replica_addr = None

@@ -16,7 +16,7 @@ import pytest
 
 from elasticft.chaos import current_worker_pids, signal_rank
 from elasticft.events import read_events
-from tests.conftest import BIN, EXAMPLES
+from tests.conftest import BIN, EXAMPLES, communicate_or_explain
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -161,7 +161,7 @@ def test_sigterm_to_launcher_stops_workers_within_shutdown_timeout(
     workers = [int(p.read_text()) for p in pid_dir.glob("pid-*")]
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = communicate_or_explain(proc, 60)
     elapsed = time.monotonic() - sent
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "received SIGTERM" in stderr
@@ -202,3 +202,36 @@ sys.exit(result.exit_code)
                           timeout=100, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 1, proc.stderr
     assert "no restarts left" in proc.stderr and "rank 1 (hang)" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_inside_a_collaborator_hook_still_stops_the_launcher(tmp_path: Path) -> None:
+    """torch raises SIGTERM as an exception wherever the agent's main thread is; a hook that
+    catches its own errors must not swallow it (the launcher and workers would run on)."""
+    code = f"""
+import os, signal, sys, time
+from torch.distributed.launcher.api import LaunchConfig
+from elasticft.agent.api import AgentCollaborator
+from elasticft.config import AgentConfig, ElasticftConfig
+from elasticft.launcher import launch
+
+class SignalledWhileChecking(AgentCollaborator):
+    def check(self, group):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # the handler raises here, inside the hook
+        return None
+
+config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="term-in-hook",
+                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=3,
+                      monitor_interval=0.2)
+options = ElasticftConfig(agent=AgentConfig(run_dir={str(tmp_path / 'run')!r}))
+result = launch(config, sys.executable, ["-u", {str(HERE / 'workers' / 'sleep_forever.py')!r}],
+                options, collaborators=[SignalledWhileChecking()])
+print(result.summary(), file=sys.stderr)
+sys.exit(result.exit_code)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "received SIGTERM" in proc.stderr
+    assert "failed in check" not in proc.stderr
