@@ -223,6 +223,58 @@ def find_slow(busy: Mapping[int, float], ratio: float, min_excess_s: float) -> l
     return sorted(slow, key=lambda s: -s.ratio)
 
 
+@dataclasses.dataclass(frozen=True)
+class BusyStats:
+    """The middle of the job's busy times, for a view that lists only some ranks' values.
+
+    ``window`` holds the sorted values at positions ``offset`` .. ``offset + len(window) - 1``
+    of all ``count`` values: enough to compute the median of all values but one, whichever.
+    """
+
+    count: int
+    offset: int
+    window: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> BusyStats:
+        ordered = sorted(values)
+        count = len(ordered)
+        low, high = max(0, (count - 2) // 2), min(count - 1, (count - 1) // 2 + 1)
+        return cls(count, low, tuple(ordered[low:high + 1]))
+
+    def median_without(self, value: float) -> float | None:
+        """The median of all values but one copy of ``value`` (None when no other is left).
+
+        Exact when ``value`` is one of them; else within one position of it.
+        """
+        remaining = self.count - 1
+        if remaining <= 0 or not self.window:
+            return None
+
+        def at(position: int) -> float:
+            index = min(max(position - self.offset, 0), len(self.window) - 1)
+            return self.window[index]
+
+        def kept(j: int) -> float:  # the j-th smallest value once ``value`` is removed
+            return at(j) if at(j) < value else at(j + 1)
+
+        return (kept((remaining - 1) // 2) + kept(remaining // 2)) / 2
+
+
+def find_slow_among(busy: Mapping[int, float], stats: BusyStats, ratio: float,
+                    min_excess_s: float) -> list[SlowRank]:
+    """:func:`find_slow` for the ranks in ``busy``, each against the median of all the job's
+    other ranks (``stats``), when only some ranks' values are at hand."""
+    slow = []
+    for rank, value in busy.items():
+        median = stats.median_without(value)
+        if median is None:
+            continue
+        if value > ratio * median and value - median > min_excess_s:
+            slow.append(SlowRank(rank, value, median, value / median if median > 0 else math.inf))
+    return sorted(slow, key=lambda s: -s.ratio)
+
+
 # -- loss --------------------------------------------------------------------------------------
 
 

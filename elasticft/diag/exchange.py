@@ -3,145 +3,63 @@
 A node's monitor reads only its own workers' progress rings. On a job of several nodes that is
 not enough: the node whose workers only *wait* in a collective cannot see that the rank they wait
 for is stopped on another node, and a slow rank can only be compared with the few peers of its
-own node (with one worker per node, with none). So each agent publishes a compact JSON summary of
-its ranks into the rendezvous round's store (the store every agent of the round shares), and
-reads the other nodes' summaries back:
+own node (with one worker per node, with none). So every agent publishes a compact summary of its
+ranks (:mod:`elasticft.diag.summary`) into the rendezvous round's store, once per
+:attr:`ViewExchange.interval_s` and at once when a rank of its node is newly seen stopped.
 
-* per rank: node, pid, process state, heartbeat age, steps, the oldest call in flight per
-  communicator (op, communicator key, its number there, age), the newest call number per
-  communicator, and the median busy time per step;
-* the communicator key is the same number on every member of a group (the recorder hashes the
-  group's name and ranks, the NCCL shim the unique id), so positions compare across nodes.
+Reading every summary at every node would be O(N^2) reads and bytes across the job. Instead the
+round's leader (group rank 0) reads them all and publishes one job digest
+(:mod:`elasticft.diag.digest`) per poll: the ranks that decide a verdict or name a culprit, capped,
+whatever N. Every other node reads only the digest. Per node and poll that is one read (two
+store calls per interval with the summary's write); the leader's reads grow with N, so the job's
+traffic grows with N, not N^2.
 
-A background thread does all store traffic: it publishes the newest summary the monitor offered
-about once per :attr:`ViewExchange.interval_s` (at once when a rank of this node is newly seen
-stopped, so the waiting nodes learn it before their own hang timeout), and polls the other
-nodes' keys with ``check`` before ``get`` so that nothing ever waits on a missing key. The
-monitor's ``check`` only hands over an object and reads a snapshot: it never touches the store.
+If the digest stops changing (the leader's agent or host is gone, or stopped), group rank ``k``
+takes the leader's place after ``k`` x :attr:`ViewExchange.stale_after_s` without a new digest,
+and hands it back as soon as it reads a digest written by a lower group rank. Meanwhile the
+others judge on their own ranks and report the leader's node as silent: nobody is judged on old
+facts.
 
-Freshness is judged without comparing clocks of different machines: a summary carries a counter
-its publisher increments, and the reader notes on its own monotonic clock when the counter last
-changed. A node whose summary has not changed for :attr:`ViewExchange.stale_after_s` is *silent*:
-its ranks are not judged on old facts, and the silence is reported as evidence itself (its agent
-or host may be gone). Ages inside a summary are as the publisher measured them; each remote
-:class:`~elasticft.diag.detectors.RankView` carries ``view_age_s``, how long ago that was.
+A background thread does all store traffic, reading a key with ``check`` until it exists (keys
+of a round's store are never removed, so afterwards ``multi_get`` never waits). The monitor's
+``check`` only hands over an object and reads a snapshot: it never touches the store.
+
+Freshness is judged without comparing clocks of different machines: a summary and a digest each
+carry a counter their publisher increments, and a reader notes on its own monotonic clock when it
+last changed. A node whose summary has not changed for :attr:`ViewExchange.stale_after_s` is
+*silent*: its ranks are not judged on old facts, and the silence is reported as evidence itself.
+Ages inside a summary are as the publisher measured them; each remote
+:class:`~elasticft.diag.detectors.RankView` carries ``view_age_s``, how long ago that was (the
+leader's age of the summary plus the reader's age of the digest).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from elasticft.diag.detectors import InFlight, RankView
+from elasticft.diag import digest as job_digest
+from elasticft.diag.detectors import RankView
+from elasticft.diag.summary import (
+    KEY_PREFIX,
+    SCHEMA,
+    JobView,
+    NodeSummary,
+    RemoteNode,
+    decode_summary,
+    encode_summary,
+    summary_key,
+)
 from elasticft.procs import STOPPED_STATES
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = 1
-KEY_PREFIX = "elasticft.diag.summary."
-"""Store key of a node's summary: this prefix and the node's group rank."""
-
-
-def summary_key(group_rank: int) -> str:
-    return f"{KEY_PREFIX}{group_rank}"
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeSummary:
-    """What one node's monitor published about its ranks."""
-
-    node: str
-    group_rank: int
-    seq: int
-    """Incremented by the publisher at every publication (freshness without clocks)."""
-    views: tuple[RankView, ...]
-    busy: Mapping[int, float]
-    """Rank -> median busy seconds per recent step (ranks with enough steps only)."""
-
-
-def _round(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def encode_summary(node: str, group_rank: int, seq: int, views: Iterable[RankView],
-                   busy: Mapping[int, float]) -> bytes:
-    """The JSON a node publishes (a few hundred bytes per rank)."""
-    ranks = []
-    for v in views:
-        ranks.append({
-            "rank": v.rank,
-            "pid": v.pid,
-            "state": v.process_state,
-            "hb": _round(v.heartbeat_age_s),
-            "steps": v.steps,
-            "step_age": _round(v.step_age_s),
-            "in_flight": [[c.op, f"{c.comm:x}", c.comm_seq, round(c.age_s, 3), c.source]
-                          for c in v.in_flight],
-            "comm_seqs": {f"{comm:x}": n for comm, n in v.comm_seqs.items()},
-            "busy": _round(busy.get(v.rank), 6),
-        })
-    return json.dumps({"v": SCHEMA, "node": node, "group_rank": group_rank, "seq": seq,
-                       "ranks": ranks}, separators=(",", ":")).encode()
-
-
-def decode_summary(data: bytes | str) -> NodeSummary:
-    """Parses a published summary; raises ValueError on anything malformed."""
-    try:
-        doc = json.loads(data)
-        if doc.get("v") != SCHEMA:
-            raise ValueError(f"summary schema {doc.get('v')!r}, expected {SCHEMA}")
-        node = str(doc["node"])
-        views, busy = [], {}
-        for r in doc["ranks"]:
-            rank = int(r["rank"])
-            views.append(RankView(
-                rank=rank, node=node, pid=r.get("pid"), process_state=r.get("state"),
-                heartbeat_age_s=r.get("hb"), steps=int(r.get("steps", 0)),
-                step_age_s=float(r.get("step_age") or 0.0),
-                in_flight=tuple(InFlight(str(op), int(comm, 16), int(n), float(age), str(src))
-                                for op, comm, n, age, src in r.get("in_flight", ())),
-                comm_seqs={int(c, 16): int(n) for c, n in r.get("comm_seqs", {}).items()}))
-            if r.get("busy") is not None:
-                busy[rank] = float(r["busy"])
-        return NodeSummary(node, int(doc["group_rank"]), int(doc["seq"]), tuple(views), busy)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"malformed diagnostics summary: {e}") from e
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteNode:
-    """Another node of the round, as this node last read it."""
-
-    group_rank: int
-    summary: NodeSummary | None
-    """None: nothing read from it yet in this round."""
-    age_s: float
-    """Seconds since its summary last changed (or since this round began, if none yet)."""
-    fresh: bool
-
-    @property
-    def node(self) -> str:
-        return self.summary.node if self.summary is not None else f"group rank {self.group_rank}"
-
-
-@dataclasses.dataclass(frozen=True)
-class JobView:
-    """The other nodes' fresh ranks, and the silent nodes, at one instant."""
-
-    views: tuple[RankView, ...] = ()
-    busy: Mapping[int, float] = dataclasses.field(default_factory=dict)
-    node_of: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    silent: tuple[RemoteNode, ...] = ()
-    """Nodes of the round whose summary is missing or older than the staleness limit."""
-
-    def silent_json(self) -> list[dict[str, Any]]:
-        return [{"node": n.node, "group_rank": n.group_rank, "silent_s": round(n.age_s, 1),
-                 "published": n.summary is not None} for n in self.silent]
+__all__ = ["KEY_PREFIX", "SCHEMA", "JobView", "NodeSummary", "RemoteNode", "ViewExchange",
+           "decode_summary", "encode_summary", "summary_key"]
 
 
 @dataclasses.dataclass
@@ -154,7 +72,8 @@ class _Round:
 
 
 class ViewExchange:
-    """Publishes this node's summary and reads the others' through the round's store."""
+    """Publishes this node's summary; the leader gathers all of them into the job digest, the
+    others read the digest."""
 
     def __init__(
         self,
@@ -163,11 +82,13 @@ class ViewExchange:
         poll_s: float = 0.5,
         stale_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        digest_limits: job_digest.DigestLimits | None = None,
     ) -> None:
         self.interval_s = interval_s
         self.poll_s = poll_s
         self.stale_after_s = stale_after_s if stale_after_s is not None else max(
             3.0, 3 * interval_s)
+        self.digest_limits = digest_limits or job_digest.DigestLimits()
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -178,7 +99,14 @@ class ViewExchange:
         self._offer_alarm: frozenset[int] = frozenset()
         self._published_alarm: frozenset[int] = frozenset()
         self._seq = 0
+        self._digest_seq = 0
+        # Gatherer only: every node's summary and when it last changed; keys seen to exist.
         self._remote: dict[int, tuple[NodeSummary, float]] = {}
+        self._present: set[int] = set()
+        # The newest digest (read, or built here) and when its token last changed.
+        self._digest: tuple[job_digest.Digest, float] | None = None
+        self._digest_present = False
+        self._acting = False
         self._threads: list[threading.Thread] = []
         self._warned: set[str] = set()
 
@@ -187,17 +115,25 @@ class ViewExchange:
         current = self._round
         return current is not None and current.group_world_size > 1
 
+    @property
+    def gathering(self) -> bool:
+        """Whether this node reads every summary and publishes the digest now."""
+        current = self._round
+        return current is not None and (current.group_rank == 0 or self._acting)
+
     def attach(self, store: Any, node_id: str, group_rank: int, group_world_size: int) -> None:
         """A new round: forget the old round's views and exchange through ``store``.
 
         Every round gets its own thread; a thread still blocked in the old round's store (its
-        host gone) exits when it returns, instead of delaying the new round.
+        host gone) exits when it returns, instead of delaying the new round. The new round's
+        group rank 0 leads, whoever led before.
         """
         with self._lock:
             self._generation += 1
             generation = self._generation
             self._round = _Round(store, node_id, group_rank, group_world_size, self._clock())
-            self._remote = {}
+            self._remote, self._present = {}, set()
+            self._digest, self._digest_present, self._acting = None, False, False
             self._offer = None
             self._offer_alarm = self._published_alarm = frozenset()
         if store is None or group_world_size <= 1:
@@ -218,34 +154,29 @@ class ViewExchange:
             self._wake.set()
 
     def job_view(self) -> JobView:
-        """The other nodes' fresh ranks (``view_age_s`` set) and the silent nodes."""
+        """The other nodes' fresh ranks (``view_age_s`` set) and the silent nodes, from the
+        newest digest."""
         current = self._round
         if current is None or current.group_world_size <= 1:
             return JobView()
         now = self._clock()
         with self._lock:
-            remote = dict(self._remote)
-        views: list[RankView] = []
-        busy: dict[int, float] = {}
-        node_of: dict[int, str] = {}
-        silent: list[RemoteNode] = []
-        for group_rank in range(current.group_world_size):
-            if group_rank == current.group_rank:
-                continue
-            entry = remote.get(group_rank)
-            if entry is None:
-                silent.append(RemoteNode(group_rank, None, now - current.started, False))
-                continue
-            summary, changed = entry
-            age = now - changed
-            if age > self.stale_after_s:
-                silent.append(RemoteNode(group_rank, summary, age, False))
-                continue
-            for view in summary.views:
-                views.append(dataclasses.replace(view, view_age_s=round(age, 3)))
-                node_of[view.rank] = summary.node
-            busy.update(summary.busy)
-        return JobView(tuple(views), busy, node_of, tuple(silent))
+            entry = self._digest
+        if entry is None:  # nothing yet this round: every other node is silent since its start
+            return JobView(silent=tuple(
+                RemoteNode(g, None, now - current.started, False)
+                for g in range(current.group_world_size) if g != current.group_rank))
+        digest, changed = entry
+        age = now - changed
+        if age <= self.stale_after_s:
+            return job_digest.job_view(digest, current.group_rank, round(age, 3))
+        # The digest went stale: its publisher is silent, and nobody's old facts are judged.
+        if digest.publisher != current.group_rank:
+            return JobView(silent=(RemoteNode(digest.publisher, None, age, False,
+                                              name=digest.publisher_node, published=True),))
+        return JobView(silent=tuple(
+            RemoteNode(g, None, age, False) for g in range(current.group_world_size)
+            if g != current.group_rank))
 
     def detach(self, timeout_s: float = 3.0) -> None:
         """Stops using the round's store (the workers stopped) and waits for the thread.
@@ -271,6 +202,7 @@ class ViewExchange:
         self._stop.set()
         self.detach()
 
+
     # -- the background thread ------------------------------------------------------------------
 
     def _warn_once(self, what: str, error: BaseException) -> None:
@@ -281,15 +213,19 @@ class ViewExchange:
         else:
             logger.debug("diagnostics exchange: %s: %s", what, error)
 
+    def _current(self, generation: int) -> bool:
+        return generation == self._generation and self._round is not None
+
     def _run(self, generation: int) -> None:
         next_publish = 0.0
         while not self._stop.is_set():
             self._wake.wait(self.poll_s)
             self._wake.clear()
             with self._lock:
-                if generation != self._generation or self._round is None:
+                if not self._current(generation):
                     return
                 current = self._round
+                assert current is not None
                 offer, alarm = self._offer, self._offer_alarm
                 now = self._clock()
                 due = offer is not None and (now >= next_publish or
@@ -302,55 +238,116 @@ class ViewExchange:
             if due and offer is not None:
                 next_publish = now + self.interval_s
                 payload = encode_summary(current.node_id, current.group_rank, seq, *offer)
-                if generation != self._generation:
+                if not self._current(generation):
                     return
                 try:
                     current.store.set(summary_key(current.group_rank), payload)
                 except Exception as e:
                     self._warn_once("publishing this node's summary failed", e)
-            self._read_others(generation, current)
-
-    def _read_others(self, generation: int, current: _Round) -> None:
-        payloads = self._fetch_others(generation, current)
-        now = self._clock()
-        for group_rank, payload in payloads.items():
-            try:
-                summary = decode_summary(payload)
-            except ValueError as e:
-                self._warn_once(f"summary of group rank {group_rank} unreadable", e)
+            if current.group_rank == 0:
+                self._gather(generation, current)
                 continue
-            with self._lock:
-                if generation != self._generation:
-                    return
+            self._read_digest(generation, current)
+            if self._acting:
+                self._gather(generation, current)
+
+    # -- every node but the gatherer: the digest --------------------------------------------------
+
+    def _read_digest(self, generation: int, current: _Round) -> None:
+        """Reads the digest (one store call once it exists); takes the leader's place when it
+        has been stale for ``group rank`` x the staleness limit, hands it back when a lower
+        group rank publishes again."""
+        payload = None
+        if self._current(generation):
+            try:
+                if self._digest_present or current.store.check([job_digest.DIGEST_KEY]):
+                    self._digest_present = True
+                    payload = current.store.multi_get([job_digest.DIGEST_KEY])[0]
+            except Exception as e:
+                self._warn_once("reading the job digest failed", e)
+        now = self._clock()
+        with self._lock:
+            if not self._current(generation):
+                return
+            if payload is not None:
+                try:
+                    digest = job_digest.decode_digest(payload)
+                except ValueError as e:
+                    self._warn_once("the job digest is unreadable", e)
+                else:
+                    previous = self._digest
+                    if previous is None or previous[0].token != digest.token:
+                        if self._acting and digest.publisher < current.group_rank:
+                            logger.info("diagnostics digest: group rank %d publishes again; "
+                                        "group rank %d stops gathering", digest.publisher,
+                                        current.group_rank)
+                            self._acting = False
+                        if not (self._acting and digest.publisher == current.group_rank):
+                            self._digest = (digest, now)
+            changed = self._digest[1] if self._digest is not None else current.started
+            if not self._acting and now - changed > current.group_rank * self.stale_after_s:
+                logger.warning("diagnostics digest unchanged for %.1f s: group rank %d gathers "
+                               "the nodes' summaries in the leader's place", now - changed,
+                               current.group_rank)
+                self._acting = True
+
+    # -- the gatherer (the leader, or a successor standing in) ------------------------------------
+
+    def _gather(self, generation: int, current: _Round) -> None:
+        """Reads every node's summary (its own included) and publishes the job digest."""
+        payloads = self._fetch_summaries(generation, current)
+        now = self._clock()
+        with self._lock:
+            if not self._current(generation):
+                return
+            for group_rank, payload in payloads.items():
+                try:
+                    summary = decode_summary(payload)
+                except ValueError as e:
+                    self._warn_once(f"summary of group rank {group_rank} unreadable", e)
+                    continue
                 previous = self._remote.get(group_rank)
                 if previous is None or previous[0].seq != summary.seq:
                     self._remote[group_rank] = (summary, now)
+            nodes = []
+            for group_rank in range(current.group_world_size):
+                entry = self._remote.get(group_rank)
+                if entry is None:
+                    nodes.append(RemoteNode(group_rank, None, now - current.started, False))
+                else:
+                    age = now - entry[1]
+                    nodes.append(RemoteNode(group_rank, entry[0], age, age <= self.stale_after_s))
+            self._digest_seq += 1
+            digest = job_digest.build_digest(nodes, current.group_rank, self._digest_seq,
+                                             self.digest_limits, current.node_id)
+            self._digest = (digest, now)
+        try:
+            if self._current(generation):
+                current.store.set(job_digest.DIGEST_KEY, job_digest.encode_digest(digest))
+        except Exception as e:
+            self._warn_once("publishing the job digest failed", e)
 
-    def _fetch_others(self, generation: int, current: _Round) -> dict[int, bytes]:
-        """The other nodes' published summaries, by group rank.
+    def _fetch_summaries(self, generation: int, current: _Round) -> dict[int, bytes]:
+        """Every node's published summary, by group rank.
 
-        ``get`` waits for a key not written yet, so keys are checked first. Once every node has
-        published (the steady state), one check and one ``multi_get`` fetch them all: on etcd
-        two requests per poll, whatever the number of nodes (:class:`EtcdStore` batches them).
+        ``get`` waits for a key not written yet, so a key is checked until it exists; keys of a
+        round's store are never removed, so from then on one ``multi_get`` reads them all (on
+        etcd one transaction per 128 keys).
         """
-        keys = {group_rank: summary_key(group_rank)
-                for group_rank in range(current.group_world_size)
-                if group_rank != current.group_rank}
-        if generation != self._generation or not keys:
+        for group_rank in range(current.group_world_size):
+            if group_rank in self._present or not self._current(generation):
+                continue
+            try:
+                if current.store.check([summary_key(group_rank)]):
+                    self._present.add(group_rank)
+            except Exception as e:
+                self._warn_once(f"checking the summary of group rank {group_rank} failed", e)
+        present = sorted(self._present)
+        if not present or not self._current(generation):
             return {}
         try:
-            if current.store.check(list(keys.values())):
-                return dict(zip(keys, current.store.multi_get(list(keys.values())),
-                                strict=True))
+            values = current.store.multi_get([summary_key(g) for g in present])
         except Exception as e:
-            self._warn_once("reading the other nodes' summaries at once failed", e)
-        payloads = {}
-        for group_rank, key in keys.items():
-            if generation != self._generation:
-                return payloads
-            try:
-                if current.store.check([key]):
-                    payloads[group_rank] = current.store.get(key)
-            except Exception as e:
-                self._warn_once(f"reading the summary of group rank {group_rank} failed", e)
-        return payloads
+            self._warn_once("reading the nodes' summaries failed", e)
+            return {}
+        return dict(zip(present, values, strict=True))

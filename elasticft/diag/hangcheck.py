@@ -208,6 +208,10 @@ def hang_event_evidence(judged: verdict.Verdict, finding: detectors.HangFinding,
     }
     if job.silent:
         evidence["silent_nodes"] = job.silent_json()
+    if job.digest is not None:
+        # Other nodes' ranks came from the job digest: which ones it left out, and where the
+        # job stands per communicator.
+        evidence["digest"] = dict(job.digest)
     if stack_groups is not None:
         evidence["stacks"] = {
             "healthy": list(stack_groups.healthy),

@@ -466,12 +466,17 @@ class DiagMonitor(AgentCollaborator):
                     ) -> Detection | None:
         # Every rank of the job is compared with every other, whatever its node.
         busy = {**job.busy, **local_busy}
-        if len(busy) < 2:
+        if not busy or (len(busy) < 2 and job.busy_stats is None):
             return None
         here = self._group.node_id if self._group else ""
         node_of = {**job.node_of, **dict.fromkeys(local_busy, here)}
         leader = self._group is None or self._group.group_rank == 0
-        slow = detectors.find_slow(busy, self.config.slow_ratio, self.config.slow_min_excess_s)
+        if job.busy_stats is None:
+            slow = detectors.find_slow(busy, self.config.slow_ratio,
+                                       self.config.slow_min_excess_s)
+        else:  # a large job's digest: this node's ranks and the busiest, against all the job's
+            slow = detectors.find_slow_among(busy, job.busy_stats, self.config.slow_ratio,
+                                             self.config.slow_min_excess_s)
         slow_ranks = {s.rank for s in slow}
         for rank in list(self._slow_since):
             if rank not in slow_ranks:
@@ -492,7 +497,9 @@ class DiagMonitor(AgentCollaborator):
             self.emit("slow_rank", message, rank=finding.rank, node=node,
                       busy_s=finding.busy_s, peers_median_s=finding.peers_median_s,
                       ratio=finding.ratio, busy_by_rank={str(r): v for r, v in busy.items()},
-                      node_by_rank={str(r): n for r, n in node_of.items()}, reported_by=here)
+                      node_by_rank={str(r): n for r, n in node_of.items()}, reported_by=here,
+                      ranks_compared=(len(busy) if job.busy_stats is None
+                                      else job.busy_stats.count))
             # Only the rank's own node acts on it: its restart restarts the whole job anyway.
             if self.config.slow_action == "restart" and local:
                 return Detection(FailureClass.SLOW, (finding.rank,), "slow_rank", message)
