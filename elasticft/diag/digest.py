@@ -139,7 +139,9 @@ def _positions(views: Sequence[RankView], limits: DigestLimits
             "at_lowest": len(at_lowest),
             "longest": {"rank": waiter, "comm_seq": seq, "age_s": round(age, 3)},
         }
-        keep += [waiter, newest_in_flight[comm][1], *at_lowest[:limits.per_comm]]
+        keep += [waiter, newest_in_flight[comm][1]]
+        if lowest < positions[comm]["newest"]:  # ranks behind the others: never reached
+            keep += at_lowest[:limits.per_comm]
     return positions, keep
 
 
