@@ -99,6 +99,7 @@ class ViewExchange:
         self._offer_alarm: frozenset[int] = frozenset()
         self._published_alarm: frozenset[int] = frozenset()
         self._seq = 0
+        self._next_publish = 0.0
         self._digest_seq = 0
         # Gatherer only: every node's summary and when it last changed; keys seen to exist.
         self._remote: dict[int, tuple[NodeSummary, float]] = {}
@@ -121,7 +122,8 @@ class ViewExchange:
         current = self._round
         return current is not None and (current.group_rank == 0 or self._acting)
 
-    def attach(self, store: Any, node_id: str, group_rank: int, group_world_size: int) -> None:
+    def attach(self, store: Any, node_id: str, group_rank: int, group_world_size: int, *,
+               background: bool = True) -> None:
         """A new round: forget the old round's views and exchange through ``store``.
 
         Every round gets its own thread; a thread still blocked in the old round's store (its
@@ -136,7 +138,8 @@ class ViewExchange:
             self._digest, self._digest_present, self._acting = None, False, False
             self._offer = None
             self._offer_alarm = self._published_alarm = frozenset()
-        if store is None or group_world_size <= 1:
+            self._next_publish = 0.0
+        if store is None or group_world_size <= 1 or not background:
             return
         thread = threading.Thread(target=self._run, args=(generation,), daemon=True,
                                   name=f"elasticft-diag-exchange-{generation}")
@@ -217,39 +220,50 @@ class ViewExchange:
         return generation == self._generation and self._round is not None
 
     def _run(self, generation: int) -> None:
-        next_publish = 0.0
         while not self._stop.is_set():
             self._wake.wait(self.poll_s)
             self._wake.clear()
-            with self._lock:
-                if not self._current(generation):
-                    return
-                current = self._round
-                assert current is not None
-                offer, alarm = self._offer, self._offer_alarm
-                now = self._clock()
-                due = offer is not None and (now >= next_publish or
-                                             bool(alarm - self._published_alarm))
-                if due:
-                    self._offer = None
-                    self._seq += 1
-                    self._published_alarm = alarm
-                    seq = self._seq
-            if due and offer is not None:
-                next_publish = now + self.interval_s
-                payload = encode_summary(current.node_id, current.group_rank, seq, *offer)
-                if not self._current(generation):
-                    return
-                try:
-                    current.store.set(summary_key(current.group_rank), payload)
-                except Exception as e:
-                    self._warn_once("publishing this node's summary failed", e)
-            if current.group_rank == 0:
-                self._gather(generation, current)
-                continue
-            self._read_digest(generation, current)
-            if self._acting:
-                self._gather(generation, current)
+            if not self._poll(generation):
+                return
+
+    def poll_once(self) -> None:
+        """One poll of the store, as the background thread does every :attr:`poll_s` (for a
+        round attached with ``background=False``: benches drive many nodes from one thread)."""
+        self._poll(self._generation)
+
+    def _poll(self, generation: int) -> bool:
+        """Publishes this node's summary when due, then gathers or reads the digest; False when
+        the round is over."""
+        with self._lock:
+            if not self._current(generation):
+                return False
+            current = self._round
+            assert current is not None
+            offer, alarm = self._offer, self._offer_alarm
+            now = self._clock()
+            due = offer is not None and (now >= self._next_publish or
+                                         bool(alarm - self._published_alarm))
+            if due:
+                self._offer = None
+                self._seq += 1
+                self._published_alarm = alarm
+                seq = self._seq
+                self._next_publish = now + self.interval_s
+        if due and offer is not None:
+            payload = encode_summary(current.node_id, current.group_rank, seq, *offer)
+            if not self._current(generation):
+                return False
+            try:
+                current.store.set(summary_key(current.group_rank), payload)
+            except Exception as e:
+                self._warn_once("publishing this node's summary failed", e)
+        if current.group_rank == 0:
+            self._gather(generation, current)
+            return True
+        self._read_digest(generation, current)
+        if self._acting:
+            self._gather(generation, current)
+        return True
 
     # -- every node but the gatherer: the digest --------------------------------------------------
 
