@@ -104,6 +104,7 @@ class ViewExchange:
         # Gatherer only: every node's summary and when it last changed; keys seen to exist.
         self._remote: dict[int, tuple[NodeSummary, float]] = {}
         self._present: set[int] = set()
+        self._payloads: dict[int, bytes] = {}
         # The newest digest (read, or built here) and when its token last changed.
         self._digest: tuple[job_digest.Digest, float] | None = None
         self._digest_present = False
@@ -134,7 +135,7 @@ class ViewExchange:
             self._generation += 1
             generation = self._generation
             self._round = _Round(store, node_id, group_rank, group_world_size, self._clock())
-            self._remote, self._present = {}, set()
+            self._remote, self._present, self._payloads = {}, set(), {}
             self._digest, self._digest_present, self._acting = None, False, False
             self._offer = None
             self._offer_alarm = self._published_alarm = frozenset()
@@ -315,6 +316,9 @@ class ViewExchange:
             if not self._current(generation):
                 return
             for group_rank, payload in payloads.items():
+                if self._payloads.get(group_rank) == payload:
+                    continue  # not republished since the last poll: nothing to decode
+                self._payloads[group_rank] = payload
                 try:
                     summary = decode_summary(payload)
                 except ValueError as e:
