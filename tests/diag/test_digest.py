@@ -15,6 +15,7 @@ import pytest
 from elasticft.diag import detectors as d
 from elasticft.diag import verdict
 from elasticft.diag.digest import (
+    Digest,
     DigestLimits,
     build_digest,
     decode_digest,
@@ -49,7 +50,7 @@ def _job(views: list[d.RankView], per_node: int = 8, busy: dict[int, float] | No
     return nodes
 
 
-def _kept(views: list[d.RankView], **kwargs) -> tuple[list[int], object]:
+def _kept(views: list[d.RankView], **kwargs) -> tuple[list[int], Digest]:
     digest = build_digest(_job(views, **kwargs), 0, 1)
     return sorted(v.rank for n in digest.nodes for v in n.views), digest
 
