@@ -382,3 +382,24 @@ def test_a_successor_gathers_when_the_leader_is_gone_and_hands_back(store):
     finally:
         for exchange in nodes:
             exchange.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_new_rounds_group_rank_0_leads_whoever_led_before(store):
+    a = ViewExchange(interval_s=0.1, poll_s=0.05)
+    b = ViewExchange(interval_s=0.1, poll_s=0.05)
+    try:
+        for round_, (rank_a, rank_b) in enumerate([(0, 1), (1, 0)], start=1):
+            round_store = dist.PrefixStore(f"round.{round_}", store)
+            a.attach(round_store, "a", rank_a, 2)
+            b.attach(round_store, "b", rank_b, 2)
+            a.offer([_view(0, "a", steps=round_)], {})
+            b.offer([_view(1, "b", steps=round_)], {})
+            seen = _wait(lambda: a.job_view().views and b.job_view().views and
+                         (a.job_view().views, b.job_view().views))
+            assert (a.gathering, b.gathering) == (rank_a == 0, rank_b == 0)
+            assert [(v.rank, v.steps) for v in seen[0]] == [(1, round_)]
+            assert [(v.rank, v.steps) for v in seen[1]] == [(0, round_)]
+    finally:
+        a.close()
+        b.close()
