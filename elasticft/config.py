@@ -226,7 +226,8 @@ class DiagConfig:
         "beaten for this long, while peers wait on it, is called frozen.",
         minimum=0.2)
     hang_stacks: bool = option(
-        True, "On a hang, collect every local rank's stack with py-spy and report outliers.")
+        True, "Sample local ranks' stacks with py-spy: before calling a collective stuck (a "
+        "moving stack is work), and on a hang to report outliers.")
     slow_ratio: float = option(
         2.0, "A rank is slow when its busy time per step exceeds this multiple of its peers' "
         "median.", minimum=1.0)
