@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 ENV_PREFIX = "ELASTICFT_"
+RUNS_DIR = Path("elasticft-runs")
+"""Where runs go without --run-dir or --log-dir: ``RUNS_DIR/<run id>``, relative to the cwd."""
 
 
 class ConfigError(ValueError):

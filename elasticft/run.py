@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from elasticft import options as elasticft_options
 from elasticft import slurm
-from elasticft.config import ConfigError, ElasticftConfig, require_writable_dir
+from elasticft.config import RUNS_DIR, ConfigError, ElasticftConfig, require_writable_dir
 
 PROG = "elasticft-run"
 USAGE_ERROR = 2
@@ -132,7 +132,7 @@ def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig
     again if the command line turns out to be unusable)."""
     if args.log_dir:
         return options, []
-    run_dir = Path(options.agent.run_dir or Path("elasticft-runs") / str(args.rdzv_id))
+    run_dir = Path(options.agent.run_dir or RUNS_DIR / str(args.rdzv_id))
     logs = run_dir / "logs"
     created = []
     for path in (logs, *logs.parents):
