@@ -32,7 +32,7 @@ from elasticft.agent.api import AgentCollaborator, StopRun
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
-from elasticft.config import ElasticftConfig, require_writable_dir
+from elasticft.config import RUNS_DIR, ElasticftConfig, require_writable_dir
 from elasticft.events import EventLog
 from elasticft.torch_compat import (
     LaunchConfig,
@@ -87,7 +87,7 @@ def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
         return Path(options.agent.run_dir)
     log_dir = getattr(config.logs_specs, "root_log_dir", None) if config.logs_specs else None
     base = Path(log_dir) if log_dir and not str(log_dir).startswith("/tmp/torchelastic_") else None
-    return (base or Path("elasticft-runs")) / str(config.run_id)
+    return (base or RUNS_DIR) / str(config.run_id)
 
 
 def default_collaborators(

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from elasticft import config as elasticft_config
+from elasticft import options as elasticft_options
 from elasticft import slurm
-from elasticft.config import ConfigError, ElasticftConfig
+from elasticft.config import RUNS_DIR, ConfigError, ElasticftConfig, require_writable_dir
 
 PROG = "elasticft-run"
 USAGE_ERROR = 2
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Fault-tolerant drop-in for torchrun: same flags and PET_* variables, plus elasticft's "
         "options below (flags, ELASTICFT_* variables or --config FILE.yaml)."
     )
-    elasticft_config.add_options(parser)
+    elasticft_options.add_options(parser)
 
     def one_line_error(message: str) -> NoReturn:
         raise UsageError(f"{message} (see {PROG} --help)")
@@ -132,7 +132,7 @@ def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig
     again if the command line turns out to be unusable)."""
     if args.log_dir:
         return options, []
-    run_dir = Path(options.agent.run_dir or Path("elasticft-runs") / str(args.rdzv_id))
+    run_dir = Path(options.agent.run_dir or RUNS_DIR / str(args.rdzv_id))
     logs = run_dir / "logs"
     created = []
     for path in (logs, *logs.parents):
@@ -140,7 +140,7 @@ def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig
             break
         created.append(path)
     try:
-        elasticft_config.require_writable_dir("--run-dir", run_dir, mode=0o700)
+        require_writable_dir("--run-dir", run_dir, mode=0o700)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     args.log_dir = str(logs)
@@ -197,8 +197,8 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConf
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        options = elasticft_config.from_namespace(args, os.environ)
-        elasticft_config.check_unknown_env(os.environ, set(WORKER_ENV_NAMES))
+        options = elasticft_options.from_namespace(args, os.environ)
+        elasticft_options.check_unknown_env(os.environ, set(WORKER_ENV_NAMES))
     except ConfigError as e:
         raise UsageError(str(e)) from None
     if not args.training_script:

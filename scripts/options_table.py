@@ -10,7 +10,7 @@ import argparse
 from datetime import timedelta
 from pathlib import Path
 
-from elasticft.config import option_specs
+from elasticft.options import option_specs
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "options.md"
 REGENERATE = "python scripts/options_table.py"

@@ -126,18 +126,20 @@ def localise(views: Sequence[RankView], heartbeat_stale_s: float) -> list[Culpri
 _LINE_NO = re.compile(r":\d+\)")
 
 
-def stack_signature(dump: str) -> str:
-    """The main thread's frames from a ``py-spy dump``, without line numbers.
+def stack_signature(dump: str, line_numbers: bool = False) -> str:
+    """The main thread's frames from a ``py-spy dump``, without line numbers unless asked.
 
     The main thread is the one named "MainThread", else the first one listed. An empty
-    signature means no stack could be read.
+    signature means no stack could be read. With line numbers two samples of the same process
+    tell whether its Python is moving.
     """
     blocks: list[tuple[str, list[str]]] = []
     for line in dump.splitlines():
         if line.startswith("Thread "):
             blocks.append((line, []))
         elif blocks and line.startswith(" ") and line.strip():
-            blocks[-1][1].append(_LINE_NO.sub(")", line.strip()))
+            frame = line.strip()
+            blocks[-1][1].append(frame if line_numbers else _LINE_NO.sub(")", frame))
     if not blocks:
         return ""
     main = next((b for b in blocks if '"MainThread"' in b[0]), blocks[0])

@@ -8,14 +8,18 @@ job's views into the :class:`~elasticft.diag.verdict.RankEvidence` that
 :func:`~elasticft.diag.verdict.judge` weighs: process state, heartbeat, CPU use per wall second
 (measured over about a second with :func:`elasticft.procs.cpu_seconds`), the oldest in-flight
 call and whether GPU kernels still complete. Other nodes' ranks come without CPU or GPU
-measurements: their own node judges those. :func:`hang_limits` maps the options onto the
-verdict's limits, the deprecated ``--hang-floor-s`` included.
+measurements: their own node judges those. :func:`stacks_moving` samples the Python stacks of
+ranks twice, the costly evidence asked for only before a collective is called stuck.
+:func:`hang_limits` maps the options onto the verdict's limits, the deprecated
+``--hang-floor-s`` included.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +166,24 @@ def _local_evidence(view: detectors.RankView, track: RankTrack, now: int,
     return verdict.RankEvidence(view.rank, state, view.heartbeat_age_s, track.cpu_fraction,
                                 None, gpu, call,
                                 step_age_s=view.step_age_s if view.steps else None)
+
+
+def stacks_moving(pids: Mapping[int, int],
+                  dump: Callable[[Mapping[int, int]], dict[int, str]],
+                  apart_s: float = 0.5) -> dict[int, bool]:
+    """Rank -> whether its main thread's Python stack (frames and line numbers) changed between
+    two samples ``apart_s`` apart. Ranks whose stack could not be read are left out: no stack is
+    no evidence either way."""
+    first = dump(pids)
+    time.sleep(apart_s)
+    second = dump(pids)
+    moving = {}
+    for rank in pids:
+        before = detectors.stack_signature(first.get(rank, ""), line_numbers=True)
+        after = detectors.stack_signature(second.get(rank, ""), line_numbers=True)
+        if before and after:
+            moving[rank] = before != after
+    return moving
 
 
 def hang_limits(config: DiagConfig) -> verdict.HangLimits:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 # A wait longer than this that is not a hang is reported (once per wait).
 _REPORT_WAIT_S = 5.0
+# How long two stack samples stand as evidence that a rank's Python moves.
+_STACK_MOTION_TTL_S = 5.0
 
 
 class DiagMonitor(AgentCollaborator):
@@ -110,6 +113,7 @@ class DiagMonitor(AgentCollaborator):
         self._exchange = views_exchange or exchange.ViewExchange()
         self._limits_hang = hang_limits(config)
         self.last_verdict: verdict.Verdict | None = None
+        self._stack_motion: tuple[float, dict[int, bool]] | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -381,8 +385,12 @@ class DiagMonitor(AgentCollaborator):
                     job: exchange.JobView) -> Detection | None:
         # Every fresh rank of the job is evidence; this node acts on what its own ranks show.
         job_views = [*views, *job.views]
-        judged = verdict.judge(verdict.JobSnapshot(tuple(self.evidence(job_views, now)),
-                                                   tuple(self._coll_history)), self._limits_hang)
+        judged = self._judge(job_views, now)
+        if judged.kind == "stuck" and self.config.hang_stacks:
+            # The costly evidence last: a rank whose Python still moves is working, not stuck.
+            moving = self._stacks_moving(views)
+            if any(moving.values()):
+                judged = self._judge(job_views, now, moving)
         self.last_verdict = judged
         if judged.kind == "working" and judged.waited_s > _REPORT_WAIT_S:
             key = f"waiting:{judged.culprits}"
@@ -432,6 +440,25 @@ class DiagMonitor(AgentCollaborator):
         self.emit("hang", message, **evidence)
         ranks = tuple(c.rank for c in culprits) or finding.ranks_waiting
         return Detection(FailureClass.HANG, ranks, "hang", message, evidence=evidence)
+
+    def _judge(self, job_views: list[detectors.RankView], now: int,
+               stacks_moving: Mapping[int, bool] | None = None) -> verdict.Verdict:
+        evidence = self.evidence(job_views, now)
+        if stacks_moving:
+            evidence = [dataclasses.replace(e, stack_changed=stacks_moving[e.rank])
+                        if e.rank in stacks_moving else e for e in evidence]
+        return verdict.judge(verdict.JobSnapshot(tuple(evidence), tuple(self._coll_history)),
+                             self._limits_hang)
+
+    def _stacks_moving(self, views: list[detectors.RankView]) -> dict[int, bool]:
+        """This node's ranks in a call -> whether their stacks move; sampled at most every
+        ``_STACK_MOTION_TTL_S`` (two py-spy runs per rank)."""
+        at = time.monotonic()
+        if self._stack_motion is None or at - self._stack_motion[0] >= _STACK_MOTION_TTL_S:
+            pids = {v.rank: v.pid for v in views if v.pid and v.in_flight}
+            self._stack_motion = (at, hangcheck.stacks_moving(pids, self._dump_stacks)
+                                  if pids else {})
+        return self._stack_motion[1]
 
     def _stack_tops(self, views: list[detectors.RankView], ranks: tuple[int, ...]
                     ) -> dict[int, str]:

@@ -174,32 +174,41 @@ def test_sigterm_to_launcher_stops_workers_within_shutdown_timeout(
     assert "restart" not in kinds and kinds[-1] == "run_end"
 
 
-@pytest.mark.timeout(120)
-def test_unhealthy_group_with_no_restarts_left_exits_non_zero(tmp_path: Path) -> None:
-    """torch's launcher exits 0 here (its RunResult is UNHEALTHY, not FAILED)."""
+def launch_with_collaborator(tmp_path: Path, collaborator: str, nproc: int, max_restarts: int,
+                             timeout: float) -> subprocess.CompletedProcess[str]:
+    """Runs elasticft's launch() in a fresh interpreter over sleeping workers, with the class
+    ``Scripted`` defined by ``collaborator`` (source code) as the agent's only collaborator."""
     code = f"""
-import sys
+import os, signal, sys, time
 from torch.distributed.launcher.api import LaunchConfig
 from elasticft.agent.api import AgentCollaborator, Detection
 from elasticft.agent.classify import FailureClass
 from elasticft.config import AgentConfig, ElasticftConfig
 from elasticft.launcher import launch
 
-class DeclaresHang(AgentCollaborator):
-    def check(self, group):
-        return Detection(FailureClass.HANG, (1,), "scripted", "rank 1 made no progress")
+{collaborator}
 
-config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="unhealthy",
-                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                      monitor_interval=0.2)
+config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node={nproc}, run_id="scripted",
+                      rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+                      max_restarts={max_restarts}, monitor_interval=0.2)
 options = ElasticftConfig(agent=AgentConfig(run_dir={str(tmp_path / 'run')!r}))
 result = launch(config, sys.executable, ["-u", {str(HERE / 'workers' / 'sleep_forever.py')!r}],
-                options, collaborators=[DeclaresHang()])
+                options, collaborators=[Scripted()])
 print(result.summary(), file=sys.stderr)
 sys.exit(result.exit_code)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=100, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.timeout(120)
+def test_unhealthy_group_with_no_restarts_left_exits_non_zero(tmp_path: Path) -> None:
+    """torch's launcher exits 0 here (its RunResult is UNHEALTHY, not FAILED)."""
+    proc = launch_with_collaborator(tmp_path, """
+class Scripted(AgentCollaborator):  # declares a hang
+    def check(self, group):
+        return Detection(FailureClass.HANG, (1,), "scripted", "rank 1 made no progress")
+""", nproc=2, max_restarts=0, timeout=100)
     assert proc.returncode == 1, proc.stderr
     assert "no restarts left" in proc.stderr and "rank 1 (hang)" in proc.stderr
 
@@ -208,30 +217,13 @@ sys.exit(result.exit_code)
 def test_sigterm_inside_a_collaborator_hook_still_stops_the_launcher(tmp_path: Path) -> None:
     """torch raises SIGTERM as an exception wherever the agent's main thread is; a hook that
     catches its own errors must not swallow it (the launcher and workers would run on)."""
-    code = f"""
-import os, signal, sys, time
-from torch.distributed.launcher.api import LaunchConfig
-from elasticft.agent.api import AgentCollaborator
-from elasticft.config import AgentConfig, ElasticftConfig
-from elasticft.launcher import launch
-
-class SignalledWhileChecking(AgentCollaborator):
+    proc = launch_with_collaborator(tmp_path, """
+class Scripted(AgentCollaborator):  # signalled while checking
     def check(self, group):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.5)  # the handler raises here, inside the hook
         return None
-
-config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="term-in-hook",
-                      rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=3,
-                      monitor_interval=0.2)
-options = ElasticftConfig(agent=AgentConfig(run_dir={str(tmp_path / 'run')!r}))
-result = launch(config, sys.executable, ["-u", {str(HERE / 'workers' / 'sleep_forever.py')!r}],
-                options, collaborators=[SignalledWhileChecking()])
-print(result.summary(), file=sys.stderr)
-sys.exit(result.exit_code)
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+""", nproc=1, max_restarts=3, timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "received SIGTERM" in proc.stderr
     assert "failed in check" not in proc.stderr

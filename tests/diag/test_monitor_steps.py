@@ -3,7 +3,12 @@ the collective history it keeps for it stays small."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from elasticft.agent.api import GroupInfo, WorkerInfo
 from elasticft.config import DiagConfig
@@ -105,6 +110,49 @@ def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) 
     finally:
         sleeper.kill()
         sleeper.wait()
+        writer.close()
+        monitor.on_workers_stopped(group)
+        monitor.close()
+
+
+_WALKER = """
+import itertools, time
+def walk(depth):
+    if depth:
+        return walk(depth - 1)
+    time.sleep(0.05)  # little CPU: only the stack shows that this process moves
+for depth in itertools.cycle(range(40)):
+    walk(depth)
+"""
+
+
+@pytest.mark.parametrize("program, kind", [(_WALKER, "working"),
+                                           ("import time; time.sleep(600)", "stuck")])
+def test_a_collective_past_its_timeout_is_stuck_only_if_the_stack_stands_still(
+        tmp_path: Path, program: str, kind: str) -> None:
+    """Every rank in a call past the start-up timeout, no CPU measured yet: two py-spy samples
+    of the real process decide between working (its Python moves) and stuck (it does not)."""
+    now = [10**12]
+    config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
+    monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, clock_ns=lambda: now[0])
+    worker = subprocess.Popen([sys.executable, "-c", program])
+    group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1, worker.pid),))
+    env = monitor.worker_env(group, group.workers[0])
+    monitor.on_workers_started(group)
+    writer = RingWriter(ring_path(Path(env["ELASTICFT_DIAG_RING_DIR"]), 0, "py"), 0)
+    try:
+        time.sleep(1.0)  # the interpreter is up and in its loop
+        writer.append(Op.ALL_REDUCE, comm=1, comm_seq=1, enqueue_ns=now[0])
+        now[0] += int((config.hang_initial_timeout_s + 10) * 1e9)
+        writer.heartbeat(now[0])
+        detection = monitor.check(group)
+        assert monitor.last_verdict is not None and monitor.last_verdict.kind == kind
+        assert (detection is None) == (kind == "working")
+        if kind == "working":
+            assert "stack changing" in monitor.last_verdict.evidence[0]
+    finally:
+        worker.kill()
+        worker.wait()
         writer.close()
         monitor.on_workers_stopped(group)
         monitor.close()

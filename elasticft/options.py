@@ -1,0 +1,295 @@
+"""How elasticft's options are read: flags, ``ELASTICFT_*`` variables and the YAML file.
+
+The options themselves are declared in :mod:`elasticft.config`, one frozen dataclass per
+subsystem. This module derives from those declarations the spec of every option
+(:func:`option_specs`), adds them to a parser (:func:`add_options`), converts and checks values
+from each source (:func:`convert`), and merges the sources with the precedence CLI flag >
+``ELASTICFT_*`` env > YAML file > default (:func:`resolve`, :func:`from_namespace`). A value
+that cannot be used raises :class:`~elasticft.config.ConfigError` in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from elasticft.config import ENV_PREFIX, ConfigError, ElasticftConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    """One field of one section, with the names it is known by."""
+
+    section: str
+    name: str
+    type: Any
+    default: Any
+    help: str
+    minimum: float | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def yaml_key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(ElasticftConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ElasticftConfig)}
+
+
+def option_specs() -> list[OptionSpec]:
+    """Every option of every section, in declaration order."""
+    specs = []
+    for section, cls in _section_types().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            specs.append(
+                OptionSpec(
+                    section=section,
+                    name=f.name,
+                    type=hints[f.name],
+                    default=f.default,
+                    help=f.metadata.get("help", ""),
+                    minimum=f.metadata.get("minimum"),
+                )
+            )
+    return specs
+
+
+def _describe(tp: Any) -> str:
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "a whole number"
+    if tp is float:
+        return "a number"
+    if tp is timedelta:
+        return "a duration in seconds"
+    if tp is Path:
+        return "a path"
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if typing.get_origin(tp) in (list, tuple):
+        return "a comma-separated list"
+    return "a string"
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def convert(spec: OptionSpec, value: Any, source: str) -> Any:
+    """Turns a raw value (a string from CLI/env, or a YAML scalar) into the field's type."""
+    tp, optional = _strip_optional(spec.type)
+    fix = f"set it to {_describe(tp)}"
+
+    def bad(why: str = "") -> ConfigError:
+        detail = f" ({why})" if why else ""
+        return ConfigError(f"{source}={value!r} is not valid{detail}; {fix}", reason="bad_option")
+
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none")):
+        if optional:
+            return None
+        raise bad("a value is required")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad()
+    if tp in (int, float, timedelta):
+        if isinstance(value, bool):
+            raise bad()
+        try:
+            number = int(value) if tp is int else float(value)
+        except (TypeError, ValueError):
+            raise bad() from None
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise bad()
+        if spec.minimum is not None and number < spec.minimum:
+            raise ConfigError(
+                f"{source}={value!r} is below the minimum {spec.minimum:g}; "
+                f"set it to {spec.minimum:g} or more",
+                reason="out_of_range",
+            )
+        return timedelta(seconds=number) if tp is timedelta else number
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise bad()
+        return value
+    if typing.get_origin(tp) in (list, tuple):
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        (item_tp, *_) = typing.get_args(tp) or (str,)
+        try:
+            return tuple(item_tp(v) for v in items)
+        except (TypeError, ValueError):
+            raise bad() from None
+    if tp is Path:
+        if not isinstance(value, str | Path):
+            raise bad()
+        return Path(value).expanduser()
+    if tp is str:
+        if not isinstance(value, str | int | float):
+            raise bad()
+        return str(value)
+    raise AssertionError(f"unsupported option type {tp!r} for {spec.yaml_key}")
+
+
+def read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+    """Reads a ``--config`` file: a mapping of section name to a mapping of option to value."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(
+            f"--config {path}: cannot read it ({e.strerror}); give the path of a YAML file",
+            reason="config_unreadable",
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "not valid YAML"
+        raise ConfigError(
+            f"--config {path}: malformed YAML{where}: {problem}; fix the file's syntax",
+            reason="config_malformed",
+        ) from None
+    if data is None:
+        return {}
+    sections = _section_types()
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--config {path}: the top level must be a mapping of sections "
+            f"({', '.join(sections)}); got {type(data).__name__}",
+            reason="config_malformed",
+        )
+    known = {(s.section, s.name) for s in option_specs()}
+    for section, values in data.items():
+        if section not in sections:
+            raise ConfigError(
+                f"--config {path}: unknown section {section!r}; "
+                f"use one of {', '.join(sections)}",
+                reason="config_unknown_key",
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"--config {path}: section {section!r} must be a mapping of option: value",
+                reason="config_malformed",
+            )
+        for name in values:
+            if (section, name) not in known:
+                names = sorted(n for s, n in known if s == section)
+                raise ConfigError(
+                    f"--config {path}: unknown option {section}.{name}; "
+                    f"options of {section!r} are {', '.join(names)}",
+                    reason="config_unknown_key",
+                )
+    return data
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--config`` and one flag per option to a (torchrun) parser.
+
+    Flags default to ``argparse.SUPPRESS`` so :func:`resolve` can tell "given" from "absent".
+    """
+    group = parser.add_argument_group(
+        "elasticft options",
+        "Each also reads ELASTICFT_<NAME> from the environment and <section>.<name> from "
+        "--config. Precedence: flag > env > YAML > default.",
+    )
+    group.add_argument(
+        "--config",
+        dest="elasticft_config",
+        default=argparse.SUPPRESS,
+        metavar="FILE.yaml",
+        help="YAML file of elasticft options, by section (env: ELASTICFT_CONFIG).",
+    )
+    for spec in option_specs():
+        default = "none" if spec.default is None else spec.default
+        group.add_argument(
+            spec.flag,
+            dest=f"elasticft_{spec.name}",
+            default=argparse.SUPPRESS,
+            metavar=spec.name.upper(),
+            # argparse %-formats help text: a literal % in an option's help must be doubled.
+            help=f"{spec.help} [{_describe(_strip_optional(spec.type)[0])}; "
+            f"env {spec.env}; YAML {spec.yaml_key}; default {default}]".replace("%", "%%"),
+        )
+
+
+def resolve(
+    cli: Mapping[str, Any], env: Mapping[str, str], yaml_path: Path | None = None
+) -> ElasticftConfig:
+    """Builds the config from CLI values (by option name), the environment and a YAML file."""
+    if yaml_path is None and env.get(ENV_PREFIX + "CONFIG"):
+        yaml_path = Path(env[ENV_PREFIX + "CONFIG"])
+    from_yaml = read_yaml(yaml_path) if yaml_path is not None else {}
+    values: dict[str, dict[str, Any]] = {s: {} for s in _section_types()}
+    for spec in option_specs():
+        if spec.name in cli:
+            value = convert(spec, cli[spec.name], spec.flag)
+        elif spec.env in env:
+            value = convert(spec, env[spec.env], spec.env)
+        elif spec.name in from_yaml.get(spec.section, {}):
+            raw = from_yaml[spec.section][spec.name]
+            value = convert(spec, raw, f"{yaml_path}:{spec.yaml_key}")
+        else:
+            continue
+        values[spec.section][spec.name] = value
+    sections = {name: cls(**values[name]) for name, cls in _section_types().items()}
+    return ElasticftConfig(**sections)
+
+
+def from_namespace(args: argparse.Namespace, env: Mapping[str, str]) -> ElasticftConfig:
+    """Resolves the config from a namespace parsed by a parser that went through add_options."""
+    cli = {
+        spec.name: getattr(args, f"elasticft_{spec.name}")
+        for spec in option_specs()
+        if hasattr(args, f"elasticft_{spec.name}")
+    }
+    path = getattr(args, "elasticft_config", None)
+    return resolve(cli, env, Path(path) if path else None)
+
+
+def known_env_names() -> set[str]:
+    return {spec.env for spec in option_specs()} | {ENV_PREFIX + "CONFIG"}
+
+
+def check_unknown_env(env: Mapping[str, str], extra_names: set[str] = frozenset()) -> None:
+    """A misspelt ``ELASTICFT_*`` variable is an error, not something silently ignored.
+
+    ``extra_names`` are variables elasticft itself sets for workers (they are not options).
+    """
+    known = known_env_names() | set(extra_names)
+    for name in env:
+        if name.startswith(ENV_PREFIX) and name not in known:
+            raise ConfigError(
+                f"unknown environment variable {name}; unset it or use one of "
+                f"{', '.join(sorted(known_env_names()))}",
+                reason="unknown_env",
+            )
