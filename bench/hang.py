@@ -27,6 +27,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from jobenv import clean_job_env  # bench/, beside this script
+
 from elasticft.events import read_events
 
 BIN = Path(sys.executable).parent
@@ -93,9 +95,7 @@ def main() -> None:
     parser.add_argument("--stall", type=float, default=30.0)
     parser.add_argument("--soak-minutes", type=float, default=10.0)
     args = parser.parse_args()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_"))}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = clean_job_env()
     work = Path(tempfile.mkdtemp(prefix="elasticft-hang-bench-"))
     print(f"# hang bench  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  "
           f"{os.cpu_count()} cores  python {platform.python_version()}  default options")

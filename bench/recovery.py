@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hoststeal import cpu_times, steal_share  # noqa: E402  (bench/, beside this script)
+from jobenv import clean_job_env  # noqa: E402  (bench/, beside this script)
 
 from elasticft import chaos  # noqa: E402
 from elasticft.events import read_events  # noqa: E402
@@ -248,9 +249,7 @@ def main() -> None:
                         help="comma-separated faults of the per-fault table (kill, hang)")
     args = parser.parse_args()
 
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_"))}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = clean_job_env()
     work = Path(tempfile.mkdtemp(prefix="elasticft-recovery-bench-"))
     print(f"# recovery benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  "
           f"{os.cpu_count()} cores  {platform.processor() or platform.machine()}  "
