@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from elasticft import procs
-from elasticft.agent.api import MUST_PROPAGATE, AgentCollaborator, GroupInfo, StopRun
+from elasticft.agent.api import AgentCollaborator, GroupInfo, StopRun, run_ending_errors
 from elasticft.agent.classify import FailureClass
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.config import ConfigError, SlurmConfig
@@ -446,7 +446,7 @@ class SlurmHandler(AgentCollaborator):
                 # No snapshot to persist: a plain script (no worker API); it saves on the signal.
                 logger.info("the checkpoint service holds no snapshot; forwarding %s instead",
                             self.signal.name)
-            except MUST_PROPAGATE:
+            except run_ending_errors():
                 raise
             except Exception:
                 logger.exception("checkpoint service failed; forwarding the signal instead")
@@ -460,7 +460,7 @@ class SlurmHandler(AgentCollaborator):
             return True
         try:
             return newest(group) is not None
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception:
             logger.debug("checkpoint service could not tell its newest snapshot", exc_info=True)

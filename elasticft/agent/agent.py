@@ -23,11 +23,11 @@ from typing import Any
 
 from elasticft import torch_compat
 from elasticft.agent.api import (
-    MUST_PROPAGATE,
     AgentCollaborator,
     Detection,
     GroupInfo,
     WorkerInfo,
+    run_ending_errors,
 )
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
 from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
@@ -140,7 +140,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         for collaborator in self.collaborators:
             try:
                 results.append(getattr(collaborator, hook)(*args))
-            except MUST_PROPAGATE:
+            except run_ending_errors():
                 raise  # a collaborator ends the run on purpose, or the launcher was signalled
             except Exception:
                 # A collaborator is an add-on: its failure must never cost the training run.

@@ -15,7 +15,6 @@ from typing import Any
 
 from elasticft.agent.classify import FailureClass, FailureRecord
 from elasticft.agent.policy import Action
-from elasticft.torch_compat import SignalException
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +84,17 @@ class StopRun(Exception):
         self.exit_code = exit_code
 
 
-#: What a hook's error handling must let through: a deliberate end of the run, and the launcher's
-#: own SIGTERM/SIGINT, which torch's handler raises as ``SignalException`` in whatever code the
-#: agent's main thread runs at that moment (often a hook). Swallowed, it would leave the launcher
-#: and its workers running after ``kill`` or ``scancel``.
-MUST_PROPAGATE = (StopRun, SignalException)
+def run_ending_errors() -> tuple[type[Exception], ...]:
+    """What a hook's error handling must let through (``except run_ending_errors(): raise``): a
+    deliberate end of the run, and the launcher's own SIGTERM/SIGINT, which torch's handler raises
+    as ``SignalException`` in whatever code the agent's main thread runs at that moment (often a
+    hook). Swallowed, it would leave the launcher and its workers running after ``kill`` or
+    ``scancel``. torch is imported here, not with this module: ``elasticft-run`` checks the torch
+    version before anything of torch's launcher is loaded, and a hook only runs inside the agent.
+    """
+    from elasticft.torch_compat import SignalException
+
+    return (StopRun, SignalException)
 
 
 class AgentCollaborator:

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from elasticft.agent.api import MUST_PROPAGATE, AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo, run_ending_errors
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
@@ -166,7 +166,7 @@ class CheckpointService(AgentCollaborator):
             return
         try:
             self._setup_peers(group, store)
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception:
             logger.exception("peer backup unavailable this round")

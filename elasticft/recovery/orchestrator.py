@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs
-from elasticft.agent.api import MUST_PROPAGATE, AgentCollaborator, GroupInfo
+from elasticft.agent.api import AgentCollaborator, GroupInfo, run_ending_errors
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import (
     Action,
@@ -183,7 +183,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         try:
             store.set(_KNOWN_ROUND_KEY.format(group.group_rank), json.dumps(record))
             store.set(_NODE_KEY.format(group.group_rank), group.node_id)
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception as e:
             logger.warning("could not record this node in round %d: %s", group.round, e)
@@ -206,7 +206,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                           for r in range(group.group_world_size))
             known = [json.loads(store.get(_KNOWN_ROUND_KEY.format(r)))
                      for r in range(group.group_world_size)]
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception as e:
             logger.warning("could not read the nodes of round %d: %s", group.round, e)
@@ -236,7 +236,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                 try:
                     alive = membership.alive(node)
                     blacklisted = membership.is_blacklisted(node)
-                except MUST_PROPAGATE:
+                except run_ending_errors():
                     raise
                 except Exception as e:
                     logger.warning("membership of %s unknown: %s", node, e)
@@ -251,7 +251,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             try:
                 membership.blacklist(eviction.node_id, eviction.reason,
                                      f"leader {self.node_id}, round {group.round}")
-            except MUST_PROPAGATE:
+            except run_ending_errors():
                 raise
             except Exception as e:
                 logger.error("could not blacklist node %s: %s", eviction.node_id, e)
@@ -321,7 +321,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         that answers a JIT request); a plain script never does, and asking it would only wait."""
         try:
             return self.checkpoints.newest_common_step(group) is not None
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception:
             return False
@@ -339,7 +339,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             return False
         try:
             return self.membership.standbys() > 0
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception as e:
             logger.warning("standbys unknown: %s", e)
@@ -412,7 +412,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                               "cause": cause[:300], "round": group.round, "time": time.time()})
         try:
             held = store.compare_set(_JIT_REQUEST_KEY, "", request)
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception as e:
             logger.warning("could not ask the other nodes for a JIT checkpoint: %s", e)
@@ -435,7 +435,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             try:
                 found = _wait_key(store, key, deadline, self._closing)
                 reports[str(rank)] = json.loads(_text(store.get(key))) if found else None
-            except MUST_PROPAGATE:
+            except run_ending_errors():
                 raise
             except Exception:
                 reports[str(rank)] = None  # gone with the failure, or too slow
@@ -470,7 +470,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                       "ranks": {str(r): s for r, s in (record.ranks if record else {}).items()}}
             try:
                 store.set(_JIT_DONE_KEY.format(group.group_rank), json.dumps(report))
-            except MUST_PROPAGATE:
+            except run_ending_errors():
                 raise
             except Exception as e:
                 logger.warning("could not report this node's JIT checkpoint: %s", e)
@@ -504,7 +504,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                 self.membership.blacklist(self.node_id, action.reason,
                                           f"node {self.node_id} itself (pid {os.getpid()})")
                 blacklisted = True
-            except MUST_PROPAGATE:
+            except run_ending_errors():
                 raise
             except Exception as e:
                 logger.error("could not blacklist node %s: %s", self.node_id, e)
@@ -547,7 +547,7 @@ def _wait_key(store: Any, key: str, deadline: float, closing: threading.Event) -
         try:
             store.wait([key], timedelta(seconds=min(left, _WATCH_WAKE_S)))
             return True
-        except MUST_PROPAGATE:
+        except run_ending_errors():
             raise
         except Exception:
             if store.check([key]):
