@@ -225,13 +225,31 @@ class MembershipPublisher:
 
     def publish(self, key: str, record: Any) -> None:
         """Writes ``record`` at ``key`` on this agent's lease (kept until close or death)."""
-        data = _dump(record)
+        data = record if isinstance(record, bytes) else _dump(record)
         with self._lock:
             self._records[key] = data
             self._ensure_lease()
             with etcd_errors(self._settings, f"publishing {key} to"):
                 self._client.put(key, data, lease=self._lease)
         self._start_refresher()
+
+    def lease(self) -> Any:
+        """This agent's lease (granted now if it has none), kept alive until :meth:`close`."""
+        with self._lock:
+            self._ensure_lease()
+            lease = self._lease
+        self._start_refresher()
+        return lease
+
+    def remember(self, key: str, data: bytes) -> None:
+        """``key`` was written on :meth:`lease` by the caller: write it again with the
+        records if the lease is ever lost."""
+        with self._lock:
+            self._records[key] = data
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._records.pop(key, None)
 
     def _ensure_lease(self) -> None:
         if self._lease is None:
