@@ -285,7 +285,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return 0
             self._waiting_answer = restart_needed(
                 self._round, self._round_size, view.last_round, view.restart_requested,
-                view.next_round_joined, self.max_nodes)
+                view.next_round_joined, self.max_nodes, view.round_remaining)
             return self._waiting_answer
 
     def is_closed(self) -> bool:

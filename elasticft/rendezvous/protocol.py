@@ -167,18 +167,21 @@ def restart_needed(
     restart_requested: bool,
     next_round_joined: int,
     max_nodes: int,
+    round_remaining: int | None = None,
 ) -> int:
     """``num_nodes_waiting`` for a participant of round ``round_`` (``round_size`` nodes):
     above 0 when the running group should stop and rendezvous again.
 
     Yes when a participant of the round came back to rendezvous (``restart_requested``), when a
-    later round closed without this node, or when nodes wait for the next round and this one
-    has room for them. A standby waiting for a full job is not a reason.
+    later round closed without this node, or when nodes wait for the next round and there is
+    room for them: the round had fewer than ``max_nodes``, or one of its participants was lost
+    (``round_remaining``, the round's live join keys, is below its size: a standby then takes
+    its place, as torch's dynamic rendezvous does). A standby waiting for a full job whose
+    nodes are all alive is not a reason.
     """
-    if last_round > round_:
+    if last_round > round_ or restart_requested:
         return max(1, next_round_joined)
-    if restart_requested:
-        return max(1, next_round_joined)
-    if round_size < max_nodes:
+    lost = round_remaining is not None and round_remaining < round_size
+    if round_size < max_nodes or lost:
         return next_round_joined
     return 0

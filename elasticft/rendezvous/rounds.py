@@ -60,6 +60,8 @@ class RunningView:
     restart_requested: bool
     next_round_joined: int
     job_closed: bool
+    round_remaining: int
+    """Live join keys of the round (a lost participant's expired with its lease)."""
 
 
 def parse_result(value: bytes | None) -> tuple[str, ...] | None:
@@ -213,10 +215,12 @@ class RoundStore:
                 range_request(c, k.restart(round_), count_only=True),
                 range_request(c, k.joins(round_ + 1), prefix=True, count_only=True),
                 range_request(c, k.closed, count_only=True),
+                range_request(c, k.joins(round_), prefix=True, count_only=True),
             ])
         return RunningView(
             last_round=_int(_value(responses[0]), -1),
             restart_requested=_count(responses[1]) > 0,
             next_round_joined=_count(responses[2]),
             job_closed=_count(responses[3]) > 0,
+            round_remaining=_count(responses[4]),
         )
