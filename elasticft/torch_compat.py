@@ -1,7 +1,8 @@
 """The one place elasticft touches torch's private or version-dependent launcher API.
 
 elasticft extends torchrun from the inside: it subclasses torch's ``LocalElasticAgent``, its
-worker process context and handler, and its dynamic rendezvous handler, and it calls torchrun's
+worker process context and handler, implements torch's rendezvous handler interface (and reads
+the round of torch's own dynamic handler under c10d), and it calls torchrun's
 own argument parsing. None of that is a stable API, and it changes between torch releases (2.10
 and 2.11 have no shutdown timeout in ``LaunchConfig``, the agent or its ``_shutdown``; 2.12 added
 them).
@@ -406,9 +407,8 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "RendezvousInfo(store, rank, world_size, bootstrap_store_info)":
         lambda: list(_parameters(RendezvousInfo.__init__))[1:5]
         == ["store", "rank", "world_size", "bootstrap_store_info"],
-    "DynamicRendezvousHandler internals (_stop_heartbeats, _state_holder, _this_node)":
+    "DynamicRendezvousHandler internals for c10d (_stop_heartbeats, _state_holder)":
         lambda: hasattr(DynamicRendezvousHandler, "_stop_heartbeats") and "_state_holder"
-        in inspect.getsource(DynamicRendezvousHandler.__init__) and "_this_node"
         in inspect.getsource(DynamicRendezvousHandler.__init__),
     "RendezvousTimeout(join, last_call, close, heartbeat)":
         lambda: list(_parameters(RendezvousTimeout.__init__))[1:5]

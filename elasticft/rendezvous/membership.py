@@ -1,20 +1,20 @@
 """Who is in the job, who waits, who leads, who is banned: JSON records in etcd.
 
-torch's rendezvous state is an opaque pickle meant for the handler alone; elasticft publishes
-what people and other subsystems need to know next to it, as JSON (never pickle across
-machines):
+The rendezvous rounds' own keys (:mod:`elasticft.rendezvous.rounds`) are what the handlers
+need to agree on ranks; elasticft publishes what people and other subsystems need to know next
+to them, as JSON (never pickle across machines):
 
 * **members** — one record per live agent (``waiting`` before a round, ``participant`` with its
   round and group rank after), bound to that agent's etcd *lease*: when the agent dies, its
   record disappears within the lease TTL, with no one cleaning up.
 * **leader** — the group-rank-0 agent of the latest round writes itself here (also on its
-  lease) together with the **round** record. torch assigns group ranks afresh every round, so a
+  lease) together with the **round** record. Group ranks are assigned afresh every round, so a
   dead leader is replaced at the next round without a separate election.
 * **blacklist** — cluster-wide verdicts ``node_id -> reason``, with no lease: they survive agent
   and etcd restarts until ``elasticft blacklist remove``.
 
 A waiting member is a *standby* when the latest round already has its maximum number of nodes
-(torch parks it in the redundancy list), and *joining* otherwise.
+(it waits for the next round without a join timeout), and *joining* otherwise.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ This module holds the decisions, with no I/O (tests/rendezvous/test_protocol.py 
   for a full job never start a round of their own; :func:`waits_as_standby` says when a wait
   has no join timeout.
 * :func:`select_participants` — who the closer admits: the previous round's participants
-  first, in their old rank order (ranks stay stable), then the others in join order, at most
-  ``max_nodes``.
+  first, in their old rank order (ranks stay stable), then the others first come, first served
+  (ranked by node id), at most ``max_nodes``.
 * :func:`restart_needed` — the running participants' question (``num_nodes_waiting``).
 """
 
@@ -152,12 +152,17 @@ def waits_as_standby(previous_size: int | None, previous_restarted: bool, max_no
 def select_participants(
     joined: Sequence[str], previous: Sequence[str], max_nodes: int
 ) -> tuple[str, ...]:
-    """The closed round's participants in rank order: ``joined`` is in join order."""
+    """The closed round's participants in rank order (``joined`` is in join order).
+
+    The previous round's participants come first, in their old rank order, so that ranks stay
+    where they were; places left up to ``max_nodes`` go to the others first come, first
+    served, ranked by node id (deterministic, like torch's ordering by address and pid).
+    """
     here = set(joined)
     kept = [node for node in previous if node in here]
     kept_set = set(kept)
-    new = [node for node in joined if node not in kept_set]
-    return tuple((kept + new)[:max_nodes])
+    new = [node for node in joined if node not in kept_set][:max(0, max_nodes - len(kept))]
+    return tuple(kept[:max_nodes] + sorted(new))
 
 
 def restart_needed(

@@ -88,10 +88,13 @@ def test_waits_as_standby(size: int | None, restarted: bool, expected: bool) -> 
 SELECT_CASES = [
     # (joined in join order, previous participants in rank order, max, expected ranks)
     (["a", "b", "c"], [], 4, ("a", "b", "c")),
-    (["a", "b", "c"], [], 2, ("a", "b")),
+    (["c", "a", "b"], [], 4, ("a", "b", "c")),  # newcomers ranked by node id
+    (["c", "a", "b"], [], 2, ("a", "c")),  # ... after first come, first served
     (["s", "b", "a"], ["a", "b"], 4, ("a", "b", "s")),  # old ranks kept, newcomer last
+    (["s", "b", "a"], ["b", "a"], 4, ("b", "a", "s")),
     (["s", "b"], ["a", "b"], 2, ("b", "s")),  # a is gone: the standby takes its place
-    (["s", "t", "b", "a"], ["a", "b"], 3, ("a", "b", "s")),  # previous first, then join order
+    (["t", "s", "b", "a"], ["a", "b"], 3, ("a", "b", "t")),  # previous first, then join order
+    (["a", "b", "c"], ["a", "b", "c"], 2, ("a", "b")),
     ([], ["a"], 2, ()),
 ]
 
