@@ -269,6 +269,16 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+def lease_lost(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is etcd saying that a lease no longer exists."""
+    import grpc
+
+    for e in (error, error.__cause__):
+        if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+            return bool(e.code() == grpc.StatusCode.NOT_FOUND)
+    return False
+
+
 @contextlib.contextmanager
 def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[None]:
     """Turns any client failure into a one-line :class:`RendezvousConnectionError`."""

@@ -54,6 +54,7 @@ from elasticft.rendezvous.etcd import (
     LazyClient,
     describe_error,
     etcd_errors,
+    lease_lost,
 )
 from elasticft.rendezvous.health import HealthCheck, basic_health_check
 from elasticft.rendezvous.membership import (
@@ -227,10 +228,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         m = self._membership
         started = time.monotonic()
         join_deadline = started + self.timeout.join.total_seconds()
-        self._wait_for_etcd(min(join_deadline, time.monotonic() + m.connect_timeout_s))
-        entry = m.blacklist.get(m.node_id)
+        blacklisted, last_round = self._wait_for_etcd(
+            min(join_deadline, time.monotonic() + m.connect_timeout_s))
+        entry = Blacklist.parse(blacklisted)
         if entry is not None:
-            self.leave()  # refused: drop out at once instead of lingering in the last round
             raise NodeBlacklistedError(
                 f"node {m.node_id!r} is blacklisted: {entry.reason} (added"
                 f"{' by ' + entry.added_by if entry.added_by else ''}); after fixing it run "
@@ -239,21 +240,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 reason=entry.reason,
             )
         report = m.health_check()
-        self._publish_member("waiting", health_ok=report.ok, health_detail=report.detail)
+        member = self._member_record("waiting", health_ok=report.ok,
+                                     health_detail=report.detail)
         if not report.ok:
-            self.leave()
+            m.publisher.publish(m.keys.member(m.node_id), member)
             raise NodeUnhealthyError(
                 f"node {m.node_id!r} failed its health check: {report.detail}"
             )
         while True:
             try:
-                round_, participants = self._join_and_wait(started, join_deadline)
+                round_, participants = self._join_and_wait(started, join_deadline, last_round,
+                                                           json_bytes(member))
                 break
             except RendezvousConnectionError as e:
                 if time.monotonic() >= join_deadline:
                     raise
+                if lease_lost(e):
+                    m.publisher.lease_lost()
                 logger.warning("rendezvous interrupted by an etcd outage (%s); retrying", e)
-                self._wait_for_etcd(join_deadline)
+                _, last_round = self._wait_for_etcd(join_deadline)
         rank, world_size = participants.index(m.node_id), len(participants)
         self._round, self._round_size = round_, world_size
         with self._waiting_lock:
@@ -317,12 +322,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # -- the round protocol -----------------------------------------------------------------
 
-    def _join_and_wait(self, started: float, join_deadline: float) -> tuple[int, tuple[str, ...]]:
-        """Joins the next round and polls until this node is a participant of a closed round."""
+    def _join_and_wait(self, started: float, join_deadline: float, last_round: int,
+                       member: bytes) -> tuple[int, tuple[str, ...]]:
+        """Joins the round after ``last_round`` (writing the ``member`` record with it) and
+        polls until this node is a participant of a closed round."""
         m = self._membership
         was_participant = self._joined_round is not None and self._joined_round == self._round
-        round_ = self._rounds.last_round() + 1
-        previous_size = self._join(round_, was_participant)
+        round_ = last_round + 1
+        previous_size = self._join(round_, was_participant, {m.keys.member(m.node_id): member})
         coordinating, quorum_since, standby = False, None, False
         while True:
             if self._left:
@@ -379,18 +386,22 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 pause = min(pause, max(0.0, join_deadline - time.monotonic()))
             time.sleep(pause)
 
-    def _join(self, round_: int, was_participant: bool) -> int | None:
-        """Writes this node's join key of ``round_`` (leaving its previous round); returns the
-        size of round ``round_ - 1``."""
+    def _join(self, round_: int, was_participant: bool,
+              also: dict[str, bytes] | None = None) -> int | None:
+        """Writes this node's join key of ``round_`` (leaving its previous round, writing the
+        keys in ``also`` on the lease in the same request); returns the size of round
+        ``round_ - 1``."""
         m = self._membership
         record = json.dumps({"node_id": m.node_id, "addr": self.addr, "pid": os.getpid(),
                              "joined_at": time.time()}).encode()
         leaving = self._joined_round
         previous_size = self._rounds.join(round_, record, m.publisher.lease(), leaving,
-                                          was_participant)
+                                          was_participant, also)
         if leaving is not None and leaving != round_:
             m.publisher.forget(m.keys.join(leaving, m.node_id))
         m.publisher.remember(m.keys.join(round_, m.node_id), record)
+        for key, data in (also or {}).items():
+            m.publisher.remember(key, data)
         self._joined_round = round_
         return previous_size
 
@@ -411,18 +422,19 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _wait_for_etcd(self, deadline: float) -> None:
+    def _wait_for_etcd(self, deadline: float) -> tuple[bytes | None, int]:
+        """Waits until etcd answers; returns this node's blacklist entry (raw) and the last
+        completed round, read by the same request."""
         m = self._membership
         started = time.monotonic()
         last_said = -math.inf
         while True:
             try:
-                with etcd_errors(m.settings, "connecting to"):
-                    m.client.get(m.keys.last_round)
+                found = self._rounds.probe(m.blacklist.key(m.node_id))
                 if last_said > -math.inf:
                     logger.warning("etcd at %s answers after %.0f s", m.settings.endpoint_text,
                                    time.monotonic() - started)
-                return
+                return found
             except RendezvousConnectionError as e:
                 now = time.monotonic()
                 cause = describe_error(e.__cause__) if e.__cause__ else str(e)
@@ -442,10 +454,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         m.settings.endpoint_text, cause, deadline - now)
                 time.sleep(min(0.5, max(0.0, deadline - now)))
 
-    def _publish_member(self, state: str, **fields: Any) -> None:
+    def _member_record(self, state: str, **fields: Any) -> MemberRecord:
         m = self._membership
         view = self._round_view
-        record = MemberRecord(
+        return MemberRecord(
             node_id=m.node_id,
             state=state,
             addr=self.addr,
@@ -456,7 +468,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             updated_at=time.time(),
             **fields,
         )
-        m.publisher.publish(m.keys.member(m.node_id), record)
+
+    def _publish_member(self, state: str, **fields: Any) -> None:
+        m = self._membership
+        m.publisher.publish(m.keys.member(m.node_id), self._member_record(state, **fields))
 
     def _publish_round(self, view: RoundView) -> None:
         """Records the round; membership records are advisory, so a failure here only logs."""
@@ -485,8 +500,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
 
 def json_bytes(record: Any) -> bytes:
-    import json
-
     return json.dumps(dataclasses.asdict(record), sort_keys=True).encode()
 
 

@@ -26,7 +26,14 @@ import threading
 import time
 from typing import Any
 
-from elasticft.rendezvous.etcd import EtcdSettings, Keys, blacklist_prefix, etcd_errors
+from elasticft.rendezvous.etcd import (
+    EtcdSettings,
+    Keys,
+    blacklist_prefix,
+    etcd_errors,
+    lease_lost,
+)
+from elasticft.torch_compat import RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +82,13 @@ class Blacklist:
         self._client = client
         self._prefix = blacklist_prefix(root)
         self._settings = settings
+
+    def key(self, node_id: str) -> str:
+        return self._prefix + node_id
+
+    @staticmethod
+    def parse(value: bytes | None) -> BlacklistEntry | None:
+        return _from_dict(BlacklistEntry, _load(value))
 
     def get(self, node_id: str) -> BlacklistEntry | None:
         with etcd_errors(self._settings, "reading the blacklist from"):
@@ -226,12 +240,29 @@ class MembershipPublisher:
     def publish(self, key: str, record: Any) -> None:
         """Writes ``record`` at ``key`` on this agent's lease (kept until close or death)."""
         data = record if isinstance(record, bytes) else _dump(record)
-        with self._lock:
-            self._records[key] = data
-            self._ensure_lease()
-            with etcd_errors(self._settings, f"publishing {key} to"):
-                self._client.put(key, data, lease=self._lease)
+        for attempt in (1, 2):
+            try:
+                with self._lock:
+                    self._records[key] = data
+                    self._ensure_lease()
+                    with etcd_errors(self._settings, f"publishing {key} to"):
+                        self._client.put(key, data, lease=self._lease)
+                break
+            except RendezvousConnectionError as e:
+                if attempt == 2 or not lease_lost(e):
+                    raise
+                self.lease_lost()
         self._start_refresher()
+
+    def lease_lost(self) -> None:
+        """etcd said this agent's lease is gone (it expired while this process could not
+        refresh it): the next :meth:`lease` or :meth:`publish` grants a new one and writes the
+        records again."""
+        with self._lock:
+            if self._lease is not None:
+                logger.warning("etcd lease %x of this node expired; granting a new one",
+                               self._lease.id)
+            self._lease = None
 
     def lease(self) -> Any:
         """This agent's lease (granted now if it has none), kept alive until :meth:`close`."""
@@ -252,9 +283,13 @@ class MembershipPublisher:
             self._records.pop(key, None)
 
     def _ensure_lease(self) -> None:
+        """Grants a lease if there is none; records kept from a lost lease are written again
+        on the new one (the caller holds the lock)."""
         if self._lease is None:
             with etcd_errors(self._settings, "granting a lease from"):
                 self._lease = self._client.lease(self._ttl_s)
+                for key, data in self._records.items():
+                    self._client.put(key, data, lease=self._lease)
 
     def _start_refresher(self) -> None:
         if self._thread is None:
@@ -282,8 +317,6 @@ class MembershipPublisher:
                         self._lease.id)
             self._lease = None
             self._ensure_lease()
-            for key, data in self._records.items():
-                self._client.put(key, data, lease=self._lease)
 
     def close(self) -> None:
         """Stops refreshing and revokes the lease, so the records vanish now."""

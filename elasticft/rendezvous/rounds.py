@@ -102,6 +102,15 @@ class RoundStore:
         self._settings = settings
         self._node_id = node_id
 
+    def probe(self, blacklist_key: str) -> tuple[bytes | None, int]:
+        """One request that proves etcd answers and reads what a join starts from: this node's
+        blacklist entry (raw) and the last completed round."""
+        c = self._client
+        with etcd_errors(self._settings, "connecting to"):
+            _, responses = raw_txn(c, [], [range_request(c, blacklist_key),
+                                           range_request(c, self._keys.last_round)])
+        return _value(responses[0]), _int(_value(responses[1]), -1)
+
     def last_round(self) -> int:
         """The last completed round (-1 before the first)."""
         with etcd_errors(self._settings, "reading the rendezvous round from"):
@@ -123,11 +132,12 @@ class RoundStore:
         return parse_result(value)
 
     def join(self, round_: int, record: bytes, lease: Any, leaving: int | None,
-             was_participant: bool) -> int | None:
-        """Joins ``round_`` (leaving round ``leaving``); returns the size of round
-        ``round_ - 1`` (None if it has no result)."""
+             was_participant: bool, also: dict[str, bytes] | None = None) -> int | None:
+        """Joins ``round_`` (leaving round ``leaving``; ``also`` are more keys to write on the
+        lease, such as the member record); returns the size of round ``round_ - 1`` (None if
+        it has no result)."""
         c, k = self._client, self._keys
-        ops = []
+        ops = [put_request(c, key, data, lease) for key, data in (also or {}).items()]
         if leaving is not None and leaving != round_:
             ops.append(delete_request(c, k.join(leaving, self._node_id)))
             if was_participant:

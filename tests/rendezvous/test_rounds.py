@@ -139,3 +139,18 @@ def test_a_standby_does_not_restart_a_full_job_and_leaves_when_it_closes(
     assert a.shutdown()  # the job is over: the standby is let go
     assert isinstance(standby.result(), RendezvousGracefulExitError)
     assert b.is_closed()
+
+
+def test_a_node_whose_lease_expired_while_waiting_joins_again_on_a_new_lease(
+    make: Callable[..., EtcdRendezvousHandler],
+) -> None:
+    a, b = make("a", (2, 2)), make("b", (2, 2))
+    waiting = Joiner(a)
+    keys, client = a.keys, a._membership.client
+    wait_until(lambda: client.get(keys.join(0, "a"))[0] is not None)
+    client.revoke_lease(a._membership.publisher.lease().id)  # as if it had expired
+    assert client.get(keys.join(0, "a"))[0] is None
+    other = Joiner(b)
+    assert sorted([waiting.result(), other.result()]) == [(0, 2, 0), (1, 2, 0)]
+    status = read_status(client, keys, a._membership.settings)
+    assert sorted(m.node_id for m in status.participants) == ["a", "b"]
