@@ -135,6 +135,7 @@ class Fleet:
 
     def __init__(self, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float):
         self.n = n
+        self.run_id = run_id
         share = math.ceil(n / procs)
         self.procs = []
         self.owner: dict[str, Any] = {}
@@ -192,6 +193,19 @@ class Fleet:
                 proc.kill()
 
 
+def closed_at(endpoint: str, run_id: str, round_: int) -> float:
+    """When round ``round_``'s result was written (its closer's clock), 0 if it has none."""
+    from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
+
+    settings = EtcdSettings.from_conf(endpoint, {})
+    client = LazyClient(settings)
+    try:
+        value, _ = client.get(Keys(settings.root, run_id).result(round_))
+    finally:
+        client.close()
+    return float(json.loads(value)["at"]) if value else 0.0
+
+
 def measure_round(fleet: Fleet, endpoint: str, etcd_pid: int, expected: int,
                   during: Any = None) -> tuple[str, float]:
     req0, cpu0 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
@@ -204,7 +218,9 @@ def measure_round(fleet: Fleet, endpoint: str, etcd_pid: int, expected: int,
     rounds = sorted({x for r in reports for x in r["rounds"]})
     req1, cpu1 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
     round_s = max(done) if len(done) == expected else float("nan")
-    line = (f"round {round_s:6.2f} s  completed {len(done)}/{expected} (round {rounds})  "
+    closed_s = closed_at(endpoint, fleet.run_id, max(rounds)) - t0 if rounds else float("nan")
+    line = (f"round {round_s:6.2f} s (closed at {closed_s:5.2f} s)  "
+            f"completed {len(done)}/{expected} (round {rounds})  "
             f"requests/node {(req1 - req0) / expected:5.1f}  etcd CPU {cpu1 - cpu0:5.2f} s")
     if errors:
         line += f"  errors {len(errors)} (first: {errors[0]})"

@@ -63,6 +63,7 @@ from elasticft.rendezvous.membership import (
     MemberRecord,
     MembershipPublisher,
     RoundRecord,
+    dump_record,
     read_leader,
 )
 from elasticft.rendezvous.protocol import (
@@ -96,7 +97,9 @@ _OUTAGE_LOG_EVERY_S = 10.0
 COORDINATOR_POLL_S = 0.1
 """The coordinator of a round that may close polls this often (its decision is the latency)."""
 WAITER_POLL_S = (0.5, 1.5)
-"""Everyone else polls at a random interval in this range (about 1 request per second)."""
+"""Everyone else polls at a random interval in this range: about one request a second. (An etcd
+watch of the result between slower polls costs each node a watcher thread and stream; at 1,024
+agents on two cores that thrashed the bench, docs/scale.md.)"""
 RUNNING_POLL_S = 2.0
 """``num_nodes_waiting`` asks etcd at most this often (the agent's monitor asks more often);
 with the lease refresh every TTL/3 (5 s) a running node costs etcd 0.7 requests a second."""
@@ -250,7 +253,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         while True:
             try:
                 round_, participants = self._join_and_wait(started, join_deadline, last_round,
-                                                           json_bytes(member))
+                                                           dump_record(member))
                 break
             except RendezvousConnectionError as e:
                 if time.monotonic() >= join_deadline:
@@ -264,7 +267,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._waiting_lock:
             self._waiting_checked, self._waiting_answer = time.monotonic(), 0
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
-        info = RendezvousInfo(store, rank, world_size, self._store_info(rank, store))
+        while True:
+            try:
+                info = RendezvousInfo(store, rank, world_size, self._store_info(rank, store))
+                break
+            except RendezvousConnectionError as e:
+                # The round is closed; only the workers' address is missing: retry just that.
+                if time.monotonic() >= join_deadline:
+                    raise
+                logger.warning("reading round %d's worker address interrupted (%s); retrying",
+                               round_, e)
+                self._wait_for_etcd(join_deadline)
         logger.info("node %s joined round %d of rendezvous %s as rank %d of %d", m.node_id,
                     round_, self._run_id, rank, world_size)
         view = RoundView(round_, rank, world_size)
@@ -492,15 +505,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 completed_at=now,
             )
             with etcd_errors(m.settings, "recording the round in"):
-                m.client.put(m.keys.round, json_bytes(record))
+                m.client.put(m.keys.round, dump_record(record))
             logger.info("node %s leads round %d (%d nodes)", m.node_id, view.round,
                         view.group_world_size)
         except RendezvousConnectionError as e:
             logger.warning("could not publish round %d membership: %s", view.round, e)
-
-
-def json_bytes(record: Any) -> bytes:
-    return json.dumps(dataclasses.asdict(record), sort_keys=True).encode()
 
 
 def _conf_int(params: RendezvousParameters, key: str, default: int) -> int:

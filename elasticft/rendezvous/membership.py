@@ -48,7 +48,8 @@ def _load(value: bytes | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _dump(record: Any) -> bytes:
+def dump_record(record: Any) -> bytes:
+    """A record (a dataclass) as the JSON bytes kept in etcd."""
     return json.dumps(dataclasses.asdict(record), sort_keys=True).encode()
 
 
@@ -98,7 +99,7 @@ class Blacklist:
     def add(self, node_id: str, reason: str, added_by: str = "") -> BlacklistEntry:
         entry = BlacklistEntry(node_id, reason, added_by, time.time())
         with etcd_errors(self._settings, "writing the blacklist to"):
-            self._client.put(self._prefix + node_id, _dump(entry))
+            self._client.put(self._prefix + node_id, dump_record(entry))
         logger.info("node %s blacklisted: %s", node_id, reason)
         return entry
 
@@ -239,7 +240,7 @@ class MembershipPublisher:
 
     def publish(self, key: str, record: Any) -> None:
         """Writes ``record`` at ``key`` on this agent's lease (kept until close or death)."""
-        data = record if isinstance(record, bytes) else _dump(record)
+        data = record if isinstance(record, bytes) else dump_record(record)
         for attempt in (1, 2):
             try:
                 with self._lock:
