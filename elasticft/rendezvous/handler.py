@@ -340,9 +340,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Joins the round after ``last_round`` (writing the ``member`` record with it) and
         polls until this node is a participant of a closed round."""
         m = self._membership
-        was_participant = self._joined_round is not None and self._joined_round == self._round
         round_ = last_round + 1
-        previous_size = self._join(round_, was_participant, {m.keys.member(m.node_id): member})
+        previous_size = self._join(round_, {m.keys.member(m.node_id): member})
         coordinating, quorum_since, standby = False, None, False
         while True:
             if self._left:
@@ -374,11 +373,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                             max(round_, view.last_round) + 1,
                             " as a standby" if verdict is Verdict.STANDBY else "")
                 round_ = max(round_, view.last_round) + 1
-                previous_size = self._join(round_, False)
+                previous_size = self._join(round_)
                 coordinating, quorum_since = False, None
                 continue
             if verdict is Verdict.REJOIN:
-                previous_size = self._join(round_, False)
+                previous_size = self._join(round_)
                 continue
             if verdict is Verdict.CLOSE:
                 participants = self._rounds.close(round_, self.max_nodes)
@@ -399,15 +398,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 pause = min(pause, max(0.0, join_deadline - time.monotonic()))
             time.sleep(pause)
 
-    def _join(self, round_: int, was_participant: bool,
-              also: dict[str, bytes] | None = None) -> int | None:
-        """Writes this node's join key of ``round_`` (leaving its previous round, writing the
-        keys in ``also`` on the lease in the same request); returns the size of round
-        ``round_ - 1``."""
+    def _join(self, round_: int, also: dict[str, bytes] | None = None) -> int | None:
+        """Writes this node's join key of ``round_`` (leaving its previous round, and saying so
+        with that round's ``restart`` key if it was a participant; the keys in ``also`` go on
+        the lease in the same request); returns the size of round ``round_ - 1``."""
         m = self._membership
         record = json.dumps({"node_id": m.node_id, "addr": self.addr, "pid": os.getpid(),
                              "joined_at": time.time()}).encode()
         leaving = self._joined_round
+        was_participant = leaving is not None and leaving == self._round
         previous_size = self._rounds.join(round_, record, m.publisher.lease(), leaving,
                                           was_participant, also)
         if leaving is not None and leaving != round_:

@@ -33,7 +33,7 @@ from elasticft.rendezvous.etcd import (
     etcd_errors,
     lease_lost,
 )
-from elasticft.torch_compat import RendezvousConnectionError
+from elasticft.torch_compat import RendezvousClosedError, RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +287,9 @@ class MembershipPublisher:
         """Grants a lease if there is none; records kept from a lost lease are written again
         on the new one (the caller holds the lock)."""
         if self._lease is None:
+            if self._stop.is_set():
+                # Closed (the node left): a new lease would bring its records back.
+                raise RendezvousClosedError("this node has left the rendezvous")
             with etcd_errors(self._settings, "granting a lease from"):
                 self._lease = self._client.lease(self._ttl_s)
                 for key, data in self._records.items():
