@@ -1,153 +1,314 @@
-"""Control-plane scale bench: N simulated agents rendezvous through one real etcd server.
+"""Control-plane scale bench: N agents rendezvous through one real etcd server.
 
 Each agent is the project's real etcd-v3 rendezvous handler (``create_handler``: its own etcd
-client, membership lease and keep-alive, torch's dynamic rendezvous over the etcd backend and
-store), run in a thread of this process; no workers are started. For each N the bench measures
-the time until every agent has completed the first round, the etcd requests the round cost per
-node (etcd's own ``grpc_server_handled_total``) and the etcd process's CPU seconds (/proc), then
-the steady-state request rate per node while the agents only keep their leases alive.
+client, lease and keep-alive, the round protocol over per-node keys, the agents' ``EtcdStore``),
+run as a thread; the agents are spread over ``--procs`` worker processes (default: one per 256
+agents) so that one Python interpreter's lock is not the limit. No training workers are started.
 
-Usage: ``nice -n 10 python bench/scale.py --nodes 16 64`` (``--no-cas-backoff`` for the baseline:
-a lost CAS retried at once, as before the back-off) (bounded: every round has a timeout and
-the steady-state window is ``--steady-s`` seconds; the bench stops by itself).
+For each N the bench measures:
 
-Not measured yet (see docs/scale.md): the 3-member cluster, rounds after a node or the leader
-is lost, fault injection, and torch's c10d (TCPStore) rendezvous for comparison.
+* **round**: from the moment every agent calls ``next_rendezvous`` until the last one has its
+  rank; the etcd requests that round cost per node (etcd's own ``grpc_server_handled_total``)
+  and etcd's CPU seconds (/proc);
+* **steady**: the request rate per node while the agents only run: each calls
+  ``num_nodes_waiting`` every 0.1 s as torch's agent monitor does (the handler asks etcd at most
+  every 2 s) and keeps its lease alive;
+* with ``--faults``: the round after 5% of the agents are lost (their leases revoked; the
+  others rendezvous again, as they do when their workers fail), and the round after that with
+  its coordinator lost mid-round (lease revoked as soon as it holds the coordinator key).
+
+Usage: ``nice -n 10 python bench/scale.py --nodes 64 256 1024 --faults`` (bounded: every round
+has ``--timeout-s``; the bench stops by itself). Not measured here: a 3-member etcd cluster, and
+torch's c10d (TCPStore) rendezvous at the same N.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import re
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
-
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elasticft.rendezvous import backend as backend_module
-from elasticft.rendezvous.backend import EtcdRendezvousBackend
-from elasticft.rendezvous.handler import create_handler
-from elasticft.rendezvous.health import HealthReport
-from tests.servers import EtcdServer
+AGENTS_PER_PROC = 256
+MONITOR_INTERVAL_S = 0.1
 
 
-def etcd_requests(server: EtcdServer) -> float:
-    """Unary gRPC requests etcd has handled (KV, Lease, Watch, ...), from its /metrics."""
-    text = urllib.request.urlopen(f"http://{server.endpoint}/metrics", timeout=5).read().decode()
+# ---------------------------------------------------------------------------------------------
+# Worker process: a share of the agents, driven by one-line commands on stdin.
+
+def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s: float) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elasticft.rendezvous.handler import create_handler
+    from elasticft.rendezvous.health import HealthReport
+
+    def healthy() -> HealthReport:
+        return HealthReport(ok=True, detail="", seconds=0.0)
+
+    min_nodes = max(1, math.floor(0.9 * n))
+    conf = {"join_timeout": str(int(timeout_s)), "last_call_timeout": "1", "rpc_timeout": "10",
+            "local_addr": "127.0.0.1"}
+    handlers = {}
+    for i in range(first, first + count):
+        node = f"node{i:05d}"
+        params = RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, n,
+                                      **{**conf, "node_id": node})
+        handlers[node] = create_handler(params, health_check=healthy)
+    alive = dict(handlers)
+    monitor_stop = threading.Event()
+    say = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
+    say(ready=count)
+
+    def rendezvous(t0: float) -> None:
+        done: list[float] = []
+        errors: list[str] = []
+
+        def join(h: Any) -> None:
+            try:
+                h.next_rendezvous()
+                done.append(time.time() - t0)
+            except Exception as e:  # reported, not raised: the bench prints what failed
+                errors.append(f"{type(e).__name__}: {e}"[:160])
+
+        time.sleep(max(0.0, t0 - time.time()))
+        threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in alive.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, t0 + timeout_s - time.time()))
+        say(done=done, errors=errors, rounds=sorted({h.round for h in alive.values()}))
+
+    def monitor() -> None:
+        while not monitor_stop.wait(MONITOR_INTERVAL_S):
+            for h in list(alive.values()):
+                h.num_nodes_waiting()
+
+    for line in sys.stdin:
+        command, *rest = line.split()
+        if command == "go":  # in a thread: a "lose" may come during the round
+            threading.Thread(target=rendezvous, args=(float(rest[0]),), daemon=True).start()
+        elif command == "monitor":
+            monitor_stop.clear()
+            threading.Thread(target=monitor, daemon=True).start()
+            say(monitoring=True)
+        elif command == "unmonitor":
+            monitor_stop.set()
+            say(monitoring=False)
+        elif command == "lose":
+            for node in rest:
+                alive.pop(node).leave()
+            say(lost=len(rest))
+        elif command == "stop":
+            break
+    monitor_stop.set()
+    for h in alive.values():
+        h.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: etcd, the worker processes, the measurements.
+
+def etcd_requests(endpoint: str) -> float:
+    """Unary gRPC requests etcd has handled (KV, Lease, ...), from its /metrics."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
     return sum(float(m.group(1)) for m in re.finditer(
         r'^grpc_server_handled_total\{[^}]*\} (\S+)$', text, re.M))
 
 
-def etcd_cpu_s(server: EtcdServer) -> float:
-    assert server.process is not None
-    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+def etcd_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / 100.0
 
 
-CAS_COUNTS = {"won": 0, "lost": 0}
+class Fleet:
+    """The worker processes holding N agents."""
+
+    def __init__(self, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float):
+        self.n = n
+        self.run_id = run_id
+        share = math.ceil(n / procs)
+        self.procs = []
+        self.owner: dict[str, Any] = {}
+        for first in range(0, n, share):
+            count = min(share, n - first)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--child", endpoint, run_id, str(n), str(first),
+                 str(count), str(timeout_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self.procs.append(proc)
+            for i in range(first, first + count):
+                self.owner[f"node{i:05d}"] = proc
+        for proc in self.procs:
+            self._read(proc, "ready")
+
+    def _read(self, proc: Any, key: str) -> dict[str, Any]:
+        """The next reply of ``proc`` that carries ``key`` (others answer commands sent
+        without waiting)."""
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("a bench worker process exited; see its stderr above")
+            reply = json.loads(line)
+            if key in reply:
+                return reply
+
+    def send(self, line: str, key: str, procs: list[Any] | None = None) -> list[dict[str, Any]]:
+        targets = self.procs if procs is None else procs
+        for proc in targets:
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+        return [self._read(proc, key) for proc in targets]
+
+    def go(self, t0: float) -> list[dict[str, Any]]:
+        return self.send(f"go {t0}", "done")
+
+    def lose(self, nodes: list[str]) -> None:
+        by_proc: dict[Any, list[str]] = {}
+        for node in nodes:
+            by_proc.setdefault(self.owner[node], []).append(node)
+        for proc, mine in by_proc.items():
+            self.send("lose " + " ".join(mine), "lost", [proc])
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.stdin.write("stop\n")
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
-def count_cas_outcomes() -> None:
-    """Count won and lost compare-and-set writes of the rendezvous state (a wrapper, bench only)."""
-    real_set_state = EtcdRendezvousBackend.set_state
+def closed_at(endpoint: str, run_id: str, round_: int) -> float:
+    """When round ``round_``'s result was written (its closer's clock), 0 if it has none."""
+    from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 
-    def counted(self, state, token=None):
-        result = real_set_state(self, state, token)
-        if result is not None:
-            CAS_COUNTS["won" if result[2] else "lost"] += 1
-        return result
-
-    EtcdRendezvousBackend.set_state = counted  # type: ignore[method-assign]
-
-
-def healthy() -> HealthReport:
-    return HealthReport(ok=True, detail="", seconds=0.0)
+    settings = EtcdSettings.from_conf(endpoint, {})
+    client = LazyClient(settings)
+    try:
+        value, _ = client.get(Keys(settings.root, run_id).result(round_))
+    finally:
+        client.close()
+    return float(json.loads(value)["at"]) if value else 0.0
 
 
-def one_n(server: EtcdServer, n: int, steady_s: float, timeout_s: float,
-          keep_alive_s: int) -> str:
-    run_id = f"scale{n}-{int(time.time())}"
-    conf = {"node_id": "", "join_timeout": str(int(timeout_s)), "last_call_timeout": "1",
-            "rpc_timeout": "10", "keep_alive_interval": str(keep_alive_s)}
-    handlers = []
-    for i in range(n):
-        params = RendezvousParameters("etcd-v3", server.endpoint, run_id, n, n,
-                                      **{**conf, "node_id": f"node{i:05d}"})
-        handlers.append(create_handler(params, health_check=healthy))
-    done: list[float] = []
-    errors: list[str] = []
-    req0, cpu0 = etcd_requests(server), etcd_cpu_s(server)
-    won0, lost0 = CAS_COUNTS["won"], CAS_COUNTS["lost"]
-    start = time.monotonic()
-
-    def join(h) -> None:
-        try:
-            h.next_rendezvous()
-            done.append(time.monotonic() - start)
-        except Exception as e:  # reported, not raised: the bench prints what failed
-            errors.append(f"{type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, start + timeout_s - time.monotonic()))
-    round_s = max(done) if len(done) == n else float("nan")
-    req1, cpu1 = etcd_requests(server), etcd_cpu_s(server)
-    won, lost = CAS_COUNTS["won"] - won0, CAS_COUNTS["lost"] - lost0
-    time.sleep(steady_s)
-    req2, cpu2 = etcd_requests(server), etcd_cpu_s(server)
-    for h in handlers:
-        try:
-            h.shutdown()
-            h.close_membership()
-        except Exception:
-            pass
-    line = (f"N={n:5d}  round {round_s:7.2f} s  completed {len(done)}/{n}  "
-            f"round requests/node {(req1 - req0) / n:7.1f}  CAS won {won} lost {lost}  "
-            f"round etcd CPU {cpu1 - cpu0:6.2f} s  "
-            f"steady requests/node/s {(req2 - req1) / n / steady_s:6.3f}  "
-            f"steady etcd CPU {100 * (cpu2 - cpu1) / steady_s:5.1f}%")
+def measure_round(fleet: Fleet, endpoint: str, etcd_pid: int, expected: int,
+                  during: Any = None) -> tuple[str, float]:
+    req0, cpu0 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
+    t0 = time.time() + 0.5
+    if during is not None:
+        threading.Thread(target=during, args=(t0,), daemon=True).start()
+    reports = fleet.go(t0)
+    done = [d for r in reports for d in r["done"]]
+    errors = [e for r in reports for e in r["errors"]]
+    rounds = sorted({x for r in reports for x in r["rounds"]})
+    req1, cpu1 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
+    round_s = max(done) if len(done) == expected else float("nan")
+    closed_s = closed_at(endpoint, fleet.run_id, max(rounds)) - t0 if rounds else float("nan")
+    line = (f"round {round_s:6.2f} s (closed at {closed_s:5.2f} s)  "
+            f"completed {len(done)}/{expected} (round {rounds})  "
+            f"requests/node {(req1 - req0) / expected:5.1f}  etcd CPU {cpu1 - cpu0:5.2f} s")
     if errors:
-        line += f"  errors {len(errors)} (first: {errors[0][:160]})"
-    return line
+        line += f"  errors {len(errors)} (first: {errors[0]})"
+    return line, round_s
+
+
+def one_n(endpoint: str, etcd_pid: int, n: int, procs: int, steady_s: float, timeout_s: float,
+          faults: bool) -> None:
+    run_id = f"scale{n}-{int(time.time())}"
+    fleet = Fleet(endpoint, run_id, n, procs, timeout_s)
+    try:
+        line, _ = measure_round(fleet, endpoint, etcd_pid, n)
+        print(f"N={n:5d} ({len(fleet.procs)} procs)  first {line}", flush=True)
+        fleet.send("monitor", "monitoring")
+        time.sleep(1.0)
+        req1, cpu1 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
+        time.sleep(steady_s)
+        req2, cpu2 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
+        fleet.send("unmonitor", "monitoring")
+        print(f"N={n:5d}  steady requests/node/s {(req2 - req1) / n / steady_s:6.3f}  "
+              f"etcd CPU {100 * (cpu2 - cpu1) / steady_s:5.1f}%", flush=True)
+        if not faults:
+            return
+        lost = [f"node{i:05d}" for i in range(0, n, 20)]  # 5%
+        fleet.lose(lost)
+        alive = n - len(lost)
+        line, _ = measure_round(fleet, endpoint, etcd_pid, alive)
+        print(f"N={n:5d}  after losing {len(lost)} agents: {line}", flush=True)
+
+        from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
+
+        settings = EtcdSettings.from_conf(endpoint, {})
+        client, keys = LazyClient(settings), Keys(settings.root, run_id)
+        next_round = int(client.get(keys.last_round)[0]) + 1
+        victim: list[str] = []
+
+        def lose_coordinator(t0: float) -> None:
+            time.sleep(max(0.0, t0 - time.time()))
+            while time.time() < t0 + timeout_s:
+                value, _ = client.get(keys.coordinator(next_round))
+                if value:
+                    victim.append(value.decode())
+                    fleet.owner[victim[0]].stdin.write(f"lose {victim[0]}\n")
+                    fleet.owner[victim[0]].stdin.flush()
+                    return
+                time.sleep(0.05)
+
+        line, _ = measure_round(fleet, endpoint, etcd_pid, alive - 1, during=lose_coordinator)
+        print(f"N={n:5d}  coordinator {victim[0] if victim else '?'} lost mid-round: {line}",
+              flush=True)
+        client.close()
+    finally:
+        fleet.stop()
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        endpoint, run_id, n, first, count, timeout_s = sys.argv[2:8]
+        child(endpoint, run_id, int(n), int(first), int(count), float(timeout_s))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--procs", type=int, default=0,
+                        help=f"worker processes (default: one per {AGENTS_PER_PROC} agents)")
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
-    parser.add_argument("--keep-alive-s", type=int, default=5,
-                        help="torch keep_alive_interval: each agent rewrites the state this often")
-    parser.add_argument("--no-cas-backoff", action="store_true",
-                        help="retry a lost rendezvous CAS at once (baseline, torch's behaviour)")
+    parser.add_argument("--faults", action="store_true",
+                        help="also measure the rounds after losing 5%% of the agents and after "
+                             "losing the coordinator mid-round")
     args = parser.parse_args()
-    if args.no_cas_backoff:
-        backend_module.cas_backoff_s = lambda *_args, **_kwargs: 0.0
-    count_cas_outcomes()
     if any(n < 2 for n in args.nodes):
         print("--nodes: every N must be at least 2", file=sys.stderr)
         return 2
+    from tests.servers import EtcdServer
+
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         data.mkdir(mode=0o700)
         server = EtcdServer(data, Path(tmp) / "etcd.log")
         server.start()
+        assert server.process is not None
         try:
-            backoff = "off" if args.no_cas_backoff else "on"
-            print(f"etcd {server.endpoint} (one member), CAS back-off {backoff}, "
-                  f"keep-alive every {args.keep_alive_s} s, "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+            print(f"etcd {server.endpoint} (one member), "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
             for n in args.nodes:
-                line = one_n(server, n, args.steady_s, args.timeout_s, args.keep_alive_s)
-                print(line, flush=True)
+                procs = args.procs or max(1, math.ceil(n / AGENTS_PER_PROC))
+                one_n(server.endpoint, server.process.pid, n, procs, args.steady_s,
+                      args.timeout_s, args.faults)
         finally:
             server.stop()
     return 0

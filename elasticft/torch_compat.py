@@ -1,7 +1,8 @@
 """The one place elasticft touches torch's private or version-dependent launcher API.
 
 elasticft extends torchrun from the inside: it subclasses torch's ``LocalElasticAgent``, its
-worker process context and handler, and its dynamic rendezvous handler, and it calls torchrun's
+worker process context and handler, implements torch's rendezvous handler interface (and reads
+the round of torch's own dynamic handler under c10d), and it calls torchrun's
 own argument parsing. None of that is a stable API, and it changes between torch releases (2.10
 and 2.11 have no shutdown timeout in ``LaunchConfig``, the agent or its ``_shutdown``; 2.12 added
 them).
@@ -46,15 +47,18 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
     RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
-    RendezvousBackend,
     RendezvousTimeout,
-    Token,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.elastic.utils import macros
@@ -62,22 +66,23 @@ from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
     "CONTRACTS",
-    "DynamicRendezvousHandler",
     "LaunchConfig",
     "LocalElasticAgent",
     "LogsSpecs",
     "ProcessFailure",
-    "RendezvousBackend",
+    "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
     "RendezvousTimeout",
+    "RendezvousTimeoutError",
     "RunResult",
     "SignalException",
     "SubprocessContext",
     "SubprocessHandler",
-    "Token",
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
@@ -303,18 +308,36 @@ def numa_options_of(context: Any) -> Any:
 # Rendezvous and checkpoint internals.
 
 def rendezvous_round(handler: Any, default: int) -> int:
-    """The round the dynamic rendezvous handler last completed (``default`` if it has none)."""
+    """The round ``handler`` last completed (``default`` if it has none).
+
+    elasticft's etcd-v3 handler says so itself (``round``, -1 before its first); torch's
+    dynamic handler (c10d) keeps it in its private state.
+    """
+    own = getattr(handler, "round", None)
+    if isinstance(own, int) and not isinstance(own, bool):
+        return own if own >= 0 else default
     state = getattr(getattr(handler, "_state_holder", None), "state", None)
     return getattr(state, "round", default)
 
 
 def stop_rendezvous_heartbeats(handler: Any) -> bool:
-    """Stops this node's keep-alives without closing the rendezvous for everyone."""
-    stop = getattr(handler, "_stop_heartbeats", None)
+    """This node leaves the rendezvous without closing it for everyone: elasticft's etcd-v3
+    handler withdraws its records (``leave()``); torch's dynamic handler stops its keep-alives,
+    so the others drop the node after the keep-alive timeout."""
+    leave = getattr(handler, "leave", None)
+    stop = leave if callable(leave) else getattr(handler, "_stop_heartbeats", None)
     if not callable(stop):
         return False
     stop()
     return True
+
+
+def bootstrap_store_info(
+    rank: int, store: Any, local_addr: str | None, server_port: int | None = None
+) -> RendezvousStoreInfo:
+    """The workers' ``MASTER_ADDR``/``MASTER_PORT`` for a round, agreed through ``store`` (rank
+    0 publishes its address and a free port, or ``server_port``), as torch's own handlers do."""
+    return RendezvousStoreInfo.build(rank, store, local_addr=local_addr, server_port=server_port)
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
@@ -371,12 +394,21 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: warm_start_unavailable() is None,
     "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval
         == signal.SIGTERM,
-    "DynamicRendezvousHandler.from_backend(keep_alive_interval, keep_alive_max_attempt)":
-        lambda: {"keep_alive_interval", "keep_alive_max_attempt"}
-        <= set(_parameters(DynamicRendezvousHandler.from_backend)),
-    "DynamicRendezvousHandler internals (_stop_heartbeats, _state_holder, _this_node)":
+    "RendezvousHandler abstract methods (the etcd-v3 handler implements them)":
+        lambda: set(RendezvousHandler.__abstractmethods__) <= {
+            "get_backend", "next_rendezvous", "is_closed", "set_closed", "num_nodes_waiting",
+            "get_run_id", "shutdown"},
+    "RendezvousHandler.use_agent_store (a property)":
+        lambda: isinstance(inspect.getattr_static(RendezvousHandler, "use_agent_store"),
+                           property),
+    "RendezvousStoreInfo.build(rank, store, local_addr, server_port)":
+        lambda: list(_parameters(RendezvousStoreInfo.build))[:4]
+        == ["rank", "store", "local_addr", "server_port"],
+    "RendezvousInfo(store, rank, world_size, bootstrap_store_info)":
+        lambda: list(_parameters(RendezvousInfo.__init__))[1:5]
+        == ["store", "rank", "world_size", "bootstrap_store_info"],
+    "DynamicRendezvousHandler internals for c10d (_stop_heartbeats, _state_holder)":
         lambda: hasattr(DynamicRendezvousHandler, "_stop_heartbeats") and "_state_holder"
-        in inspect.getsource(DynamicRendezvousHandler.__init__) and "_this_node"
         in inspect.getsource(DynamicRendezvousHandler.__init__),
     "RendezvousTimeout(join, last_call, close, heartbeat)":
         lambda: list(_parameters(RendezvousTimeout.__init__))[1:5]

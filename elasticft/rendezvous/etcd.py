@@ -8,8 +8,12 @@ maintained ``etcd-sdk-python`` (module ``pyetcd``), over gRPC.
 Keys, under a root prefix (``/elasticft`` unless ``prefix=`` says otherwise)::
 
     <root>/blacklist/<node_id>           JSON verdict; cluster-wide, survives every restart
-    <root>/jobs/<run_id>/rdzv/state      torch's rendezvous state (the fencing token is its
-                                         mod_revision)
+    <root>/jobs/<run_id>/rdzv/round      the last completed rendezvous round (decimal)
+    <root>/jobs/<run_id>/rdzv/closed     present once the job is closed (no more rounds)
+    <root>/jobs/<run_id>/rdzv/r/<T>/join/<node>   a node's join of round T, on its lease
+    <root>/jobs/<run_id>/rdzv/r/<T>/coordinator   who decides when T closes, on its lease
+    <root>/jobs/<run_id>/rdzv/r/<T>/result        round T's participants, written once
+    <root>/jobs/<run_id>/rdzv/r/<T>/restart       a participant of T came back to rendezvous
     <root>/jobs/<run_id>/store/<key>     the agents' c10d store (rank assignment, MASTER_ADDR)
     <root>/jobs/<run_id>/members/<node>  JSON, bound to the node's lease (gone when it dies)
     <root>/jobs/<run_id>/leader          JSON, bound to the leader's lease
@@ -196,8 +200,31 @@ class Keys:
         return f"{self.root}/jobs/{self.run_id}"
 
     @property
-    def state(self) -> str:
-        return f"{self.job}/rdzv/state"
+    def rdzv(self) -> str:
+        return f"{self.job}/rdzv/"
+
+    @property
+    def last_round(self) -> str:
+        return f"{self.rdzv}round"
+
+    @property
+    def closed(self) -> str:
+        return f"{self.rdzv}closed"
+
+    def joins(self, round_: int) -> str:
+        return f"{self.rdzv}r/{round_}/join/"
+
+    def join(self, round_: int, node_id: str) -> str:
+        return f"{self.joins(round_)}{node_id}"
+
+    def coordinator(self, round_: int) -> str:
+        return f"{self.rdzv}r/{round_}/coordinator"
+
+    def result(self, round_: int) -> str:
+        return f"{self.rdzv}r/{round_}/result"
+
+    def restart(self, round_: int) -> str:
+        return f"{self.rdzv}r/{round_}/restart"
 
     @property
     def store(self) -> str:
@@ -242,6 +269,16 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+def lease_lost(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is etcd saying that a lease no longer exists."""
+    import grpc
+
+    for e in (error, error.__cause__):
+        if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+            return bool(e.code() == grpc.StatusCode.NOT_FOUND)
+    return False
+
+
 @contextlib.contextmanager
 def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[None]:
     """Turns any client failure into a one-line :class:`RendezvousConnectionError`."""
@@ -257,6 +294,52 @@ def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[N
             f"etcd at {settings.endpoint_text} failed while {doing} it ({describe_error(e)}); "
             "check that etcd is running and --rdzv-endpoint/--rdzv-conf are right"
         ) from e
+
+
+def range_request(client: Any, key: str, *, prefix: bool = False, **options: Any) -> Any:
+    """A transaction operation reading ``key`` (or every key under it, with ``prefix``) with
+    etcd's range options (``count_only``, ``keys_only``, ``limit``, ``sort_order``,
+    ``sort_target``), which pyetcd's own transaction builder does not pass on."""
+    from pyetcd import etcdrpc, utils
+
+    if prefix:
+        options["range_end"] = utils.prefix_range_end(utils.to_bytes(key))
+    return etcdrpc.RequestOp(request_range=client._build_get_range_request(key, **options))
+
+
+def put_request(client: Any, key: str, value: bytes, lease: Any = None) -> Any:
+    """A transaction operation writing ``key`` (on ``lease`` if given)."""
+    from pyetcd import etcdrpc
+
+    return etcdrpc.RequestOp(request_put=client._build_put_request(key, value, lease))
+
+
+def delete_request(client: Any, key: str) -> Any:
+    from pyetcd import etcdrpc
+
+    return etcdrpc.RequestOp(request_delete_range=client._build_delete_request(key))
+
+
+def raw_txn(
+    client: Any, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+) -> tuple[bool, list[Any]]:
+    """One etcd transaction of prebuilt operations (:func:`range_request`, :func:`put_request`,
+    :func:`delete_request`; ``compare`` from ``client.transactions``): one round trip whatever
+    their number. Returns whether the comparisons held and etcd's responses of the branch that
+    ran (``.response_range.count`` / ``.kvs`` for reads). Failures go through pyetcd's own
+    handling (endpoint failover, its exceptions)."""
+    import grpc
+    from pyetcd import etcdrpc
+
+    try:
+        response = client.kvstub.Txn(
+            etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=success,
+                               failure=failure or []),
+            client.timeout, credentials=client.call_credentials, metadata=client.metadata)
+    except grpc.RpcError as e:
+        client._manage_grpc_errors(e)
+        raise
+    return response.succeeded, list(response.responses)
 
 
 class LazyClient:

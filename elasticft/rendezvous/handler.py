@@ -1,23 +1,30 @@
-"""The ``etcd-v3`` rendezvous handler: torch's dynamic rendezvous plus the membership features
-fault tolerance needs.
+"""The ``etcd-v3`` rendezvous handler: torch's rendezvous interface over per-node etcd keys,
+plus the membership features fault tolerance needs.
 
-It *is* torch's :class:`DynamicRendezvousHandler` (same join/last-call/keep-alive protocol,
-same redundancy list), built over :class:`EtcdRendezvousBackend` and :class:`EtcdStore`, with
-these additions around each ``next_rendezvous``:
+A *round* is the set of nodes that train together until the next one. Each node joins a round
+by writing its own key, one coordinator closes it by writing the participant list once, and
+everyone else polls a few small keys about once a second: a round costs O(1) etcd requests per
+node (:mod:`elasticft.rendezvous.protocol` has the decisions, :mod:`elasticft.rendezvous.rounds`
+the requests; docs/rendezvous.md the protocol, docs/scale.md what it costs at 1,024 nodes).
+torch's own dynamic rendezvous keeps all of this in one blob that every node rewrites by
+compare-and-set, O(N²) writes a round.
+
+Around each ``next_rendezvous``:
 
 1. **etcd reachable?** Probed until the join deadline (``connect_timeout``); if not, one
    :class:`RendezvousConnectionError` line naming the endpoints.
 2. **Blacklist.** A node whose ``node_id`` has a verdict is refused with
    :class:`NodeBlacklistedError`, whose message carries the reason.
 3. **Health check** (torch is already imported by then): a failing node is refused with
-   :class:`NodeUnhealthyError`. A node that passes and finds the job full waits in torch's
-   redundancy list, a *warm standby*, and is admitted at the next round after a loss.
+   :class:`NodeUnhealthyError`. A node that passes and finds the job full waits for the next
+   round, a *warm standby* without join timeout, and is admitted after a loss.
 4. **Membership records and the leader** (:mod:`elasticft.rendezvous.membership`): the agent
    with group rank 0 of the round is the leader; ask :meth:`is_leader` or :meth:`leader`.
 
 An etcd outage while training runs costs nothing: :meth:`num_nodes_waiting` answers 0 (no one
-can join through an unreachable store) instead of failing the agent's monitor loop, keep-alives
-resume when etcd is back, and a rendezvous that meets the outage retries until its deadline.
+can join through an unreachable store) instead of failing the agent's monitor loop, the lease
+is kept or granted again when etcd is back, and a rendezvous that meets the outage retries until
+its deadline.
 
 Registered for ``torchrun --rdzv-backend etcd-v3`` through the ``torchrun.handlers`` entry
 point (:mod:`elasticft.rendezvous.registration`); ``elasticft-run`` uses the same one.
@@ -26,16 +33,20 @@ point (:mod:`elasticft.rendezvous.registration`); ``elasticft-run`` uses the sam
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
+import random
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from elasticft.extras import require_etcd
-from elasticft.rendezvous.backend import EtcdRendezvousBackend
 from elasticft.rendezvous.etcd import (
     EtcdConfigError,
     EtcdSettings,
@@ -43,6 +54,7 @@ from elasticft.rendezvous.etcd import (
     LazyClient,
     describe_error,
     etcd_errors,
+    lease_lost,
 )
 from elasticft.rendezvous.health import HealthCheck, basic_health_check
 from elasticft.rendezvous.membership import (
@@ -51,23 +63,46 @@ from elasticft.rendezvous.membership import (
     MemberRecord,
     MembershipPublisher,
     RoundRecord,
+    dump_record,
     read_leader,
 )
+from elasticft.rendezvous.protocol import (
+    RoundPoll,
+    Verdict,
+    decide,
+    restart_needed,
+    round_may_close,
+    waits_as_standby,
+)
+from elasticft.rendezvous.rounds import RoundStore
 from elasticft.rendezvous.store import EtcdStore
 from elasticft.torch_compat import (
-    DynamicRendezvousHandler,
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousTimeout,
-    rendezvous_round,
+    RendezvousTimeoutError,
+    bootstrap_store_info,
 )
 
 logger = logging.getLogger(__name__)
 
+BACKEND_NAME = "etcd-v3"
 DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _OUTAGE_LOG_EVERY_S = 10.0
+COORDINATOR_POLL_S = 0.1
+"""The coordinator of a round that may close polls this often (its decision is the latency)."""
+WAITER_POLL_S = (0.5, 1.5)
+"""Everyone else polls at a random interval in this range: about one request a second. (An etcd
+watch of the result between slower polls costs each node a watcher thread and stream; at 1,024
+agents on two cores that thrashed the bench, docs/scale.md.)"""
+RUNNING_POLL_S = 2.0
+"""``num_nodes_waiting`` asks etcd at most this often (the agent's monitor asks more often);
+with the lease refresh every TTL/3 (5 s) a running node costs etcd 0.7 requests a second."""
 
 
 class NodeBlacklistedError(RendezvousError):
@@ -109,15 +144,43 @@ class _Membership:
     connect_timeout_s: float
 
 
-class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous over etcd v3 with blacklist, standbys and a leader."""
+class EtcdRendezvousHandler(RendezvousHandler):
+    """torch's ``RendezvousHandler`` over etcd v3: rounds, blacklist, standbys and a leader."""
 
-    _membership: _Membership
-    _round_view: RoundView | None = None
-    _last_outage_log: float = 0.0
-
-    def attach(self, membership: _Membership) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        addr: str,
+        timeout: RendezvousTimeout,
+        store: EtcdStore,
+        membership: _Membership,
+    ) -> None:
+        if min_nodes < 1 or max_nodes < min_nodes:
+            raise EtcdConfigError(
+                f"--nnodes {min_nodes}:{max_nodes} is not a valid range; give MIN:MAX with "
+                "1 <= MIN <= MAX")
+        self._run_id = run_id
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.addr = addr
+        self.timeout = timeout
+        self._store = store
         self._membership = membership
+        self._rounds = RoundStore(membership.client, membership.keys, membership.settings,
+                                  membership.node_id)
+        self._round = -1
+        self._round_size = 0
+        self._joined_round: int | None = None
+        self._round_view: RoundView | None = None
+        self._last_outage_log = 0.0
+        self._waiting_lock = threading.Lock()
+        self._waiting_checked = -math.inf
+        self._waiting_answer = 0
+        self._shared_tcp_store: Any = None
+        self._bootstrap: Any = None
+        self._left = False
 
     # -- what other subsystems ask ------------------------------------------------------------
 
@@ -135,6 +198,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         return self._membership.blacklist
 
     @property
+    def round(self) -> int:
+        """The round this node last completed as a participant (-1 before its first)."""
+        return self._round
+
+    @property
     def round_view(self) -> RoundView | None:
         return self._round_view
 
@@ -149,14 +217,23 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     # -- torch's handler interface ----------------------------------------------------------
 
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return os.getenv(DISABLE_SHARED_STORE_ENV, "0") != "1"
+
     def next_rendezvous(self) -> RendezvousInfo:
         m = self._membership
-        # Heartbeats stop before any refusal below, so a refused node drops out of the
-        # rendezvous state like a dead one instead of lingering as a participant.
-        self._stop_heartbeats()
-        join_deadline = time.monotonic() + self.settings.timeout.join.total_seconds()
-        self._wait_for_etcd(min(join_deadline, time.monotonic() + m.connect_timeout_s))
-        entry = m.blacklist.get(m.node_id)
+        started = time.monotonic()
+        join_deadline = started + self.timeout.join.total_seconds()
+        blacklisted, last_round = self._wait_for_etcd(
+            min(join_deadline, time.monotonic() + m.connect_timeout_s))
+        entry = Blacklist.parse(blacklisted)
         if entry is not None:
             raise NodeBlacklistedError(
                 f"node {m.node_id!r} is blacklisted: {entry.reason} (added"
@@ -166,59 +243,210 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 reason=entry.reason,
             )
         report = m.health_check()
-        self._publish_member("waiting", health_ok=report.ok, health_detail=report.detail)
+        member = self._member_record("waiting", health_ok=report.ok,
+                                     health_detail=report.detail)
         if not report.ok:
+            m.publisher.publish(m.keys.member(m.node_id), member)
             raise NodeUnhealthyError(
                 f"node {m.node_id!r} failed its health check: {report.detail}"
             )
         while True:
             try:
-                info = super().next_rendezvous()
+                round_, participants = self._join_and_wait(started, join_deadline, last_round,
+                                                           dump_record(member))
                 break
             except RendezvousConnectionError as e:
                 if time.monotonic() >= join_deadline:
                     raise
+                if lease_lost(e):
+                    m.publisher.lease_lost()
                 logger.warning("rendezvous interrupted by an etcd outage (%s); retrying", e)
+                _, last_round = self._wait_for_etcd(join_deadline)
+        rank, world_size = participants.index(m.node_id), len(participants)
+        self._round, self._round_size = round_, world_size
+        with self._waiting_lock:
+            self._waiting_checked, self._waiting_answer = time.monotonic(), 0
+        store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
+        while True:
+            try:
+                info = RendezvousInfo(store, rank, world_size, self._store_info(rank, store))
+                break
+            except RendezvousConnectionError as e:
+                # The round is closed; only the workers' address is missing: retry just that.
+                if time.monotonic() >= join_deadline:
+                    raise
+                logger.warning("reading round %d's worker address interrupted (%s); retrying",
+                               round_, e)
                 self._wait_for_etcd(join_deadline)
-        view = RoundView(rendezvous_round(self, -1), info.rank, info.world_size)
+        logger.info("node %s joined round %d of rendezvous %s as rank %d of %d", m.node_id,
+                    round_, self._run_id, rank, world_size)
+        view = RoundView(round_, rank, world_size)
         self._round_view = view
         self._publish_round(view)
         return info
 
     def num_nodes_waiting(self) -> int:
-        try:
-            return super().num_nodes_waiting()
-        except RendezvousConnectionError as e:
-            # Nobody can join through an unreachable etcd; the workers keep training.
+        """Above 0 when this node's round should stop and rendezvous again; asks etcd at most
+        every :data:`RUNNING_POLL_S` (the agent's monitor calls it far more often)."""
+        with self._waiting_lock:
             now = time.monotonic()
-            if now - self._last_outage_log >= _OUTAGE_LOG_EVERY_S:
-                self._last_outage_log = now
-                logger.warning("etcd unreachable, training goes on: %s", e)
-            return 0
+            if self._round < 0 or now - self._waiting_checked < RUNNING_POLL_S:
+                return self._waiting_answer
+            self._waiting_checked = now
+            try:
+                view = self._rounds.running_view(self._round)
+            except RendezvousConnectionError as e:
+                # Nobody can join through an unreachable etcd; the workers keep training.
+                if now - self._last_outage_log >= _OUTAGE_LOG_EVERY_S:
+                    self._last_outage_log = now
+                    logger.warning("etcd unreachable, training goes on: %s", e)
+                return 0
+            self._waiting_answer = restart_needed(
+                self._round, self._round_size, view.last_round, view.restart_requested,
+                view.next_round_joined, self.max_nodes, view.round_remaining)
+            return self._waiting_answer
+
+    def is_closed(self) -> bool:
+        return self._rounds.is_closed()
+
+    def set_closed(self) -> None:
+        self._rounds.set_closed()
 
     def shutdown(self) -> bool:
-        closed = super().shutdown()
-        self.close_membership()
+        """Closes the job (no more rounds: the run succeeded or failed for good) and leaves."""
+        try:
+            self.set_closed()
+            closed = True
+        except RendezvousConnectionError as e:
+            logger.warning("could not close the rendezvous: %s", e)
+            closed = False
+        self.leave()
         return closed
+
+    def leave(self) -> None:
+        """This node leaves without closing the job: its lease is revoked, so its join key
+        and records vanish now (the others see it gone) instead of after the lease TTL."""
+        self._left = True
+        self.close_membership()
 
     def close_membership(self) -> None:
         """Withdraws this node's records now (they would expire with its lease anyway)."""
         self._membership.publisher.close()
 
+    # -- the round protocol -----------------------------------------------------------------
+
+    def _join_and_wait(self, started: float, join_deadline: float, last_round: int,
+                       member: bytes) -> tuple[int, tuple[str, ...]]:
+        """Joins the round after ``last_round`` (writing the ``member`` record with it) and
+        polls until this node is a participant of a closed round."""
+        m = self._membership
+        round_ = last_round + 1
+        previous_size = self._join(round_, {m.keys.member(m.node_id): member})
+        coordinating, quorum_since, standby = False, None, False
+        while True:
+            if self._left:
+                raise RendezvousClosedError(f"node {m.node_id} left rendezvous {self._run_id}")
+            lease = m.publisher.lease()
+            view = self._rounds.poll(round_, lease, coordinating)
+            now = time.monotonic()
+            coordinating = view.coordinator == m.node_id
+            quorum_since = (quorum_since or now) if view.joined >= self.min_nodes else None
+            standby = waits_as_standby(previous_size, view.previous_restarted, self.max_nodes)
+            decision = decide(RoundPoll(
+                round=round_, node_id=m.node_id, min_nodes=self.min_nodes,
+                max_nodes=self.max_nodes, job_closed=view.job_closed, result=view.result,
+                last_round=view.last_round, joined_present=view.joined_present,
+                coordinator=view.coordinator, joined=view.joined,
+                previous_remaining=view.previous_remaining,
+                may_close=round_may_close(round_, previous_size, view.previous_restarted,
+                                          view.previous_remaining, self.max_nodes),
+                quorum_for_s=None if quorum_since is None else now - quorum_since,
+                last_call_s=self.timeout.last_call.total_seconds(),
+                waited_s=now - started, join_timeout_s=join_deadline - started, standby=standby,
+            ))
+            verdict = decision.verdict
+            if verdict is Verdict.PARTICIPANT:
+                assert view.result is not None
+                return round_, view.result
+            if verdict in (Verdict.STANDBY, Verdict.LATE):
+                logger.info("%s; node %s waits for round %d%s", decision.reason, m.node_id,
+                            max(round_, view.last_round) + 1,
+                            " as a standby" if verdict is Verdict.STANDBY else "")
+                round_ = max(round_, view.last_round) + 1
+                previous_size = self._join(round_)
+                coordinating, quorum_since = False, None
+                continue
+            if verdict is Verdict.REJOIN:
+                previous_size = self._join(round_)
+                continue
+            if verdict is Verdict.CLOSE:
+                participants = self._rounds.close(round_, self.max_nodes)
+                logger.info("node %s closed round %d: %s (%s)", m.node_id, round_,
+                            decision.reason, "written" if participants else "already closed")
+                continue
+            if verdict is Verdict.TIMEOUT:
+                self._rounds.leave(round_)
+                raise RendezvousTimeoutError(f"rendezvous {self._run_id}: {decision.reason}")
+            if verdict is Verdict.CLOSED:
+                self._rounds.leave(round_)
+                if standby:
+                    raise RendezvousGracefulExitError(
+                        f"rendezvous {self._run_id} is closed; standby {m.node_id} leaves")
+                raise RendezvousClosedError(f"rendezvous {self._run_id} is closed")
+            pause = COORDINATOR_POLL_S if decision.fast else random.uniform(*WAITER_POLL_S)
+            if not standby:
+                pause = min(pause, max(0.0, join_deadline - time.monotonic()))
+            time.sleep(pause)
+
+    def _join(self, round_: int, also: dict[str, bytes] | None = None) -> int | None:
+        """Writes this node's join key of ``round_`` (leaving its previous round, and saying so
+        with that round's ``restart`` key if it was a participant; the keys in ``also`` go on
+        the lease in the same request); returns the size of round ``round_ - 1``."""
+        m = self._membership
+        record = json.dumps({"node_id": m.node_id, "addr": self.addr, "pid": os.getpid(),
+                             "joined_at": time.time()}).encode()
+        leaving = self._joined_round
+        was_participant = leaving is not None and leaving == self._round
+        previous_size = self._rounds.join(round_, record, m.publisher.lease(), leaving,
+                                          was_participant, also)
+        if leaving is not None and leaving != round_:
+            m.publisher.forget(m.keys.join(leaving, m.node_id))
+        m.publisher.remember(m.keys.join(round_, m.node_id), record)
+        for key, data in (also or {}).items():
+            m.publisher.remember(key, data)
+        self._joined_round = round_
+        return previous_size
+
+    def _store_info(self, rank: int, store: Any) -> Any:
+        """``MASTER_ADDR``/``MASTER_PORT`` for the workers, as torch's dynamic handler makes
+        them: a free port on rank 0 per round, or (``share_tcp_store=1``) the port of a TCPStore
+        this agent hosts for the workers."""
+        if not self.use_agent_store:
+            return bootstrap_store_info(rank, store, self.addr)
+        if self._bootstrap is None or (rank == 0 and self._shared_tcp_store is None):
+            server_port = 0
+            if rank == 0:
+                self._shared_tcp_store = dist.TCPStore(
+                    host_name=self.addr, port=0, is_master=True, multi_tenant=True)
+                server_port = self._shared_tcp_store.port
+            self._bootstrap = bootstrap_store_info(rank, store, self.addr, server_port)
+        return self._bootstrap
+
     # -- helpers ----------------------------------------------------------------------------
 
-    def _wait_for_etcd(self, deadline: float) -> None:
+    def _wait_for_etcd(self, deadline: float) -> tuple[bytes | None, int]:
+        """Waits until etcd answers; returns this node's blacklist entry (raw) and the last
+        completed round, read by the same request."""
         m = self._membership
         started = time.monotonic()
         last_said = -math.inf
         while True:
             try:
-                with etcd_errors(m.settings, "connecting to"):
-                    m.client.get(m.keys.state)
+                found = self._rounds.probe(m.blacklist.key(m.node_id))
                 if last_said > -math.inf:
                     logger.warning("etcd at %s answers after %.0f s", m.settings.endpoint_text,
                                    time.monotonic() - started)
-                return
+                return found
             except RendezvousConnectionError as e:
                 now = time.monotonic()
                 cause = describe_error(e.__cause__) if e.__cause__ else str(e)
@@ -238,13 +466,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                         m.settings.endpoint_text, cause, deadline - now)
                 time.sleep(min(0.5, max(0.0, deadline - now)))
 
-    def _publish_member(self, state: str, **fields: Any) -> None:
+    def _member_record(self, state: str, **fields: Any) -> MemberRecord:
         m = self._membership
         view = self._round_view
-        record = MemberRecord(
+        return MemberRecord(
             node_id=m.node_id,
             state=state,
-            addr=self._this_node.addr,
+            addr=self.addr,
             pid=os.getpid(),
             round=view.round if view else -1,
             group_rank=view.group_rank if view else -1,
@@ -252,7 +480,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             updated_at=time.time(),
             **fields,
         )
-        m.publisher.publish(m.keys.member(m.node_id), record)
+
+    def _publish_member(self, state: str, **fields: Any) -> None:
+        m = self._membership
+        m.publisher.publish(m.keys.member(m.node_id), self._member_record(state, **fields))
 
     def _publish_round(self, view: RoundView) -> None:
         """Records the round; membership records are advisory, so a failure here only logs."""
@@ -263,29 +494,21 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 return
             now = time.time()
             m.publisher.publish(
-                m.keys.leader,
-                LeaderRecord(m.node_id, view.round, self._this_node.addr, os.getpid(), now),
-            )
+                m.keys.leader, LeaderRecord(m.node_id, view.round, self.addr, os.getpid(), now))
             record = RoundRecord(
                 round=view.round,
                 leader=m.node_id,
                 world_size=view.group_world_size,
-                min_nodes=self.settings.min_nodes,
-                max_nodes=self.settings.max_nodes,
+                min_nodes=self.min_nodes,
+                max_nodes=self.max_nodes,
                 completed_at=now,
             )
             with etcd_errors(m.settings, "recording the round in"):
-                m.client.put(m.keys.round, json_bytes(record))
+                m.client.put(m.keys.round, dump_record(record))
             logger.info("node %s leads round %d (%d nodes)", m.node_id, view.round,
                         view.group_world_size)
         except RendezvousConnectionError as e:
             logger.warning("could not publish round %d membership: %s", view.round, e)
-
-
-def json_bytes(record: Any) -> bytes:
-    import json
-
-    return json.dumps(dataclasses.asdict(record), sort_keys=True).encode()
 
 
 def _conf_int(params: RendezvousParameters, key: str, default: int) -> int:
@@ -331,46 +554,43 @@ def create_handler(
 
     keep_alive_interval = _conf_int(params, "keep_alive_interval", 5)
     keep_alive_max_attempt = _conf_int(params, "keep_alive_max_attempt", 3)
-    timeout = RendezvousTimeout(
-        _timeout(params, "join"),
-        _timeout(params, "last_call"),
-        _timeout(params, "close"),
-        _timeout(params, "heartbeat"),
-    )
+    if keep_alive_interval < 1 or keep_alive_max_attempt < 1:
+        raise EtcdConfigError(
+            "--rdzv-conf keep_alive_interval and keep_alive_max_attempt must be at least 1 "
+            "(their product is the lease TTL: how soon a dead node is noticed)")
+    try:
+        timeout = RendezvousTimeout(
+            _timeout(params, "join"),
+            _timeout(params, "last_call"),
+            _timeout(params, "close"),
+            _timeout(params, "heartbeat"),
+        )
+    except ValueError as e:
+        raise EtcdConfigError(f"--rdzv-conf: {e}; give a positive number of seconds") from None
     client = LazyClient(settings)
-    backend = EtcdRendezvousBackend(client, keys.state, settings)
     store = EtcdStore(
         client, keys.store, settings, timedelta(seconds=_conf_int(params, "store_timeout", 300))
     )
-    handler = EtcdRendezvousHandler.from_backend(
+    join_s = timeout.join.total_seconds()
+    connect_timeout = _conf_int(params, "connect_timeout", int(join_s))
+    membership = _Membership(
+        client=client,
+        settings=settings,
+        keys=keys,
+        node_id=node_id,
+        blacklist=Blacklist(client, settings.root, settings),
+        publisher=MembershipPublisher(
+            client, keys, settings, ttl_s=keep_alive_interval * keep_alive_max_attempt
+        ),
+        health_check=health_check,
+        connect_timeout_s=float(connect_timeout),
+    )
+    return EtcdRendezvousHandler(
         params.run_id,
-        store,
-        backend,
         params.min_nodes,
         params.max_nodes,
-        params.local_addr,
+        params.local_addr or socket.getfqdn(),
         timeout,
-        keep_alive_interval=keep_alive_interval,
-        keep_alive_max_attempt=keep_alive_max_attempt,
+        store,
+        membership,
     )
-    connect_timeout = _conf_int(
-        params, "connect_timeout", int(handler.settings.timeout.join.total_seconds())
-    )
-    handler.attach(
-        _Membership(
-            client=client,
-            settings=settings,
-            keys=keys,
-            node_id=node_id,
-            blacklist=Blacklist(client, settings.root, settings),
-            publisher=MembershipPublisher(
-                client, keys, settings, ttl_s=keep_alive_interval * keep_alive_max_attempt
-            ),
-            health_check=health_check,
-            connect_timeout_s=float(connect_timeout),
-        )
-    )
-    return handler
-
-
-

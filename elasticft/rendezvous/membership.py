@@ -1,20 +1,20 @@
 """Who is in the job, who waits, who leads, who is banned: JSON records in etcd.
 
-torch's rendezvous state is an opaque pickle meant for the handler alone; elasticft publishes
-what people and other subsystems need to know next to it, as JSON (never pickle across
-machines):
+The rendezvous rounds' own keys (:mod:`elasticft.rendezvous.rounds`) are what the handlers
+need to agree on ranks; elasticft publishes what people and other subsystems need to know next
+to them, as JSON (never pickle across machines):
 
 * **members** — one record per live agent (``waiting`` before a round, ``participant`` with its
   round and group rank after), bound to that agent's etcd *lease*: when the agent dies, its
   record disappears within the lease TTL, with no one cleaning up.
 * **leader** — the group-rank-0 agent of the latest round writes itself here (also on its
-  lease) together with the **round** record. torch assigns group ranks afresh every round, so a
+  lease) together with the **round** record. Group ranks are assigned afresh every round, so a
   dead leader is replaced at the next round without a separate election.
 * **blacklist** — cluster-wide verdicts ``node_id -> reason``, with no lease: they survive agent
   and etcd restarts until ``elasticft blacklist remove``.
 
 A waiting member is a *standby* when the latest round already has its maximum number of nodes
-(torch parks it in the redundancy list), and *joining* otherwise.
+(it waits for the next round without a join timeout), and *joining* otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ import threading
 import time
 from typing import Any
 
-from elasticft.rendezvous.etcd import EtcdSettings, Keys, blacklist_prefix, etcd_errors
+from elasticft.rendezvous.etcd import (
+    EtcdSettings,
+    Keys,
+    blacklist_prefix,
+    etcd_errors,
+    lease_lost,
+)
+from elasticft.torch_compat import RendezvousClosedError, RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +48,8 @@ def _load(value: bytes | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _dump(record: Any) -> bytes:
+def dump_record(record: Any) -> bytes:
+    """A record (a dataclass) as the JSON bytes kept in etcd."""
     return json.dumps(dataclasses.asdict(record), sort_keys=True).encode()
 
 
@@ -76,6 +84,13 @@ class Blacklist:
         self._prefix = blacklist_prefix(root)
         self._settings = settings
 
+    def key(self, node_id: str) -> str:
+        return self._prefix + node_id
+
+    @staticmethod
+    def parse(value: bytes | None) -> BlacklistEntry | None:
+        return _from_dict(BlacklistEntry, _load(value))
+
     def get(self, node_id: str) -> BlacklistEntry | None:
         with etcd_errors(self._settings, "reading the blacklist from"):
             value, _ = self._client.get(self._prefix + node_id)
@@ -84,7 +99,7 @@ class Blacklist:
     def add(self, node_id: str, reason: str, added_by: str = "") -> BlacklistEntry:
         entry = BlacklistEntry(node_id, reason, added_by, time.time())
         with etcd_errors(self._settings, "writing the blacklist to"):
-            self._client.put(self._prefix + node_id, _dump(entry))
+            self._client.put(self._prefix + node_id, dump_record(entry))
         logger.info("node %s blacklisted: %s", node_id, reason)
         return entry
 
@@ -225,18 +240,60 @@ class MembershipPublisher:
 
     def publish(self, key: str, record: Any) -> None:
         """Writes ``record`` at ``key`` on this agent's lease (kept until close or death)."""
-        data = _dump(record)
-        with self._lock:
-            self._records[key] = data
-            self._ensure_lease()
-            with etcd_errors(self._settings, f"publishing {key} to"):
-                self._client.put(key, data, lease=self._lease)
+        data = record if isinstance(record, bytes) else dump_record(record)
+        for attempt in (1, 2):
+            try:
+                with self._lock:
+                    self._records[key] = data
+                    self._ensure_lease()
+                    with etcd_errors(self._settings, f"publishing {key} to"):
+                        self._client.put(key, data, lease=self._lease)
+                break
+            except RendezvousConnectionError as e:
+                if attempt == 2 or not lease_lost(e):
+                    raise
+                self.lease_lost()
         self._start_refresher()
 
+    def lease_lost(self) -> None:
+        """etcd said this agent's lease is gone (it expired while this process could not
+        refresh it): the next :meth:`lease` or :meth:`publish` grants a new one and writes the
+        records again."""
+        with self._lock:
+            if self._lease is not None:
+                logger.warning("etcd lease %x of this node expired; granting a new one",
+                               self._lease.id)
+            self._lease = None
+
+    def lease(self) -> Any:
+        """This agent's lease (granted now if it has none), kept alive until :meth:`close`."""
+        with self._lock:
+            self._ensure_lease()
+            lease = self._lease
+        self._start_refresher()
+        return lease
+
+    def remember(self, key: str, data: bytes) -> None:
+        """``key`` was written on :meth:`lease` by the caller: write it again with the
+        records if the lease is ever lost."""
+        with self._lock:
+            self._records[key] = data
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._records.pop(key, None)
+
     def _ensure_lease(self) -> None:
+        """Grants a lease if there is none; records kept from a lost lease are written again
+        on the new one (the caller holds the lock)."""
         if self._lease is None:
+            if self._stop.is_set():
+                # Closed (the node left): a new lease would bring its records back.
+                raise RendezvousClosedError("this node has left the rendezvous")
             with etcd_errors(self._settings, "granting a lease from"):
                 self._lease = self._client.lease(self._ttl_s)
+                for key, data in self._records.items():
+                    self._client.put(key, data, lease=self._lease)
 
     def _start_refresher(self) -> None:
         if self._thread is None:
@@ -264,8 +321,6 @@ class MembershipPublisher:
                         self._lease.id)
             self._lease = None
             self._ensure_lease()
-            for key, data in self._records.items():
-                self._client.put(key, data, lease=self._lease)
 
     def close(self) -> None:
         """Stops refreshing and revokes the lease, so the records vanish now."""

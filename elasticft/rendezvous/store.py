@@ -108,12 +108,14 @@ class EtcdStore(dist.Store):
                 for key, value in zip(keys, values, strict=True)]
 
     def get(self, key: str) -> bytes:
-        self._wait_for(key, self._deadline(None))
-        with etcd_errors(self._settings, f"reading store key {key!r} from"):
-            value, _ = self._client.get(self._key(key))
-        if value is None:  # deleted between the wait and the read
-            return self.get(key)
-        return value
+        deadline = self._deadline(None)
+        while True:
+            # Read first: a key that is there (the common case) costs one request.
+            with etcd_errors(self._settings, f"reading store key {key!r} from"):
+                value, _ = self._client.get(self._key(key))
+            if value is not None:
+                return value
+            self._wait_for(key, deadline)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         deadline = self._deadline(timeout)

@@ -1,5 +1,5 @@
-"""The etcd-v3 backend's compare-and-set contract, the etcd store and the membership records,
-against a real etcd server."""
+"""The etcd-v3 rendezvous' building blocks against a real etcd server: connection errors, the
+etcd store, the blacklist and membership records, and one-line config errors."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elasticft.rendezvous.backend import CAS_BACKOFF_BASE_S, EtcdRendezvousBackend
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.handler import create_handler
 from elasticft.rendezvous.membership import Blacklist, MemberRecord, MembershipPublisher
+from elasticft.rendezvous.rounds import RoundStore
 from elasticft.rendezvous.store import EtcdStore
 from tests.servers import EtcdServer
 
@@ -27,75 +27,11 @@ def connect(server: EtcdServer) -> tuple[LazyClient, EtcdSettings]:
     return LazyClient(settings), settings
 
 
-def test_cas_create_update_and_stale_token_is_fenced(etcd_server: EtcdServer) -> None:
-    client, settings = connect(etcd_server)
-    backend = EtcdRendezvousBackend(client, "/t/state", settings)
-    assert backend.name == "etcd-v3"
-    assert backend.get_state() is None
-
-    value, t1, ok = backend.set_state(b"A", None)
-    assert (value, ok) == (b"A", True)
-    # A second create loses and reads the winner's state and token.
-    assert backend.set_state(b"B", None) == (b"A", t1, False)
-    assert backend.get_state() == (b"A", t1)
-
-    value, t2, ok = backend.set_state(b"C", t1)
-    assert (value, ok) == (b"C", True) and t2 > t1
-    # A writer holding the old token (a zombie node) cannot overwrite newer state.
-    assert backend.set_state(b"D", t1) == (b"C", t2, False)
-    # Tokens this backend never handed out lose too.
-    assert backend.set_state(b"E", "not-a-revision") == (b"C", t2, False)
-    assert backend.get_state() == (b"C", t2)
-
-
-def test_concurrent_writers_exactly_one_wins_per_token(etcd_server: EtcdServer) -> None:
-    client, settings = connect(etcd_server)
-    backend = EtcdRendezvousBackend(client, "/t/race", settings)
-    _, token, _ = backend.set_state(b"0", None)
-    results: list[bool] = []
-
-    def write(i: int) -> None:
-        results.append(backend.set_state(str(i).encode(), token)[2])
-
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(results) == [False] * 7 + [True]
-
-
-def test_lost_cas_backs_off_more_each_time_and_returns_the_state_after_the_wait(
-    etcd_server: EtcdServer,
-) -> None:
-    client, settings = connect(etcd_server)
-    other = EtcdRendezvousBackend(client, "/t/backoff", settings)
-    _, stale, _ = other.set_state(b"first", None)
-    _, current, _ = other.set_state(b"second", stale)
-    waits: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        # Another node writes while this one waits: the lost write must report that state.
-        waits.append(seconds)
-        other.set_state(f"written during wait {len(waits)}".encode(), other.get_state()[1])
-
-    backend = EtcdRendezvousBackend(client, "/t/backoff", settings, sleep=sleep, draw=lambda: 1.0)
-    value, token, ok = backend.set_state(b"loser", stale)
-    assert (value, ok) == (b"written during wait 1", False)
-    assert (b"written during wait 1", token) == other.get_state() and token > current
-    assert backend.set_state(b"loser", stale)[:3:2] == (b"written during wait 2", False)
-    assert waits == [CAS_BACKOFF_BASE_S, 2 * CAS_BACKOFF_BASE_S]
-    # A won write resets the streak: the next loss waits the base again.
-    assert backend.set_state(b"winner", other.get_state()[1])[::2] == (b"winner", True)
-    backend.set_state(b"loser", stale)
-    assert waits[-1] == CAS_BACKOFF_BASE_S
-
-
 def test_unreachable_etcd_is_a_connection_error(etcd_server: EtcdServer) -> None:
     settings = EtcdSettings.from_conf("127.0.0.1:1", {"rpc_timeout": "1"})
-    backend = EtcdRendezvousBackend(LazyClient(settings), "/t/x", settings)
+    rounds = RoundStore(LazyClient(settings), Keys("/t", "x"), settings, "n1")
     with pytest.raises(RendezvousConnectionError, match=r"etcd at 127\.0\.0\.1:1 failed"):
-        backend.get_state()
+        rounds.last_round()
 
 
 def test_store_set_get_add_compare_set_and_watch_wait(etcd_server: EtcdServer) -> None:

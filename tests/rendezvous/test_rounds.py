@@ -1,0 +1,156 @@
+"""Rendezvous rounds against a real etcd server: several real etcd-v3 handlers (each with its own
+client and lease), run as threads of the test, join, close and leave rounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+)
+
+from elasticft.rendezvous import handler as handler_module
+from elasticft.rendezvous.handler import EtcdRendezvousHandler, create_handler
+from elasticft.rendezvous.health import HealthReport
+from elasticft.rendezvous.membership import read_status
+from tests.servers import EtcdServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+def healthy() -> HealthReport:
+    return HealthReport(ok=True, detail="", seconds=0.0)
+
+
+class Joiner:
+    """``handler.next_rendezvous()`` in a thread; its outcome (rank, world, round) or error."""
+
+    def __init__(self, handler: EtcdRendezvousHandler) -> None:
+        self.handler = handler
+        self.outcome: Any = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name=handler.node_id)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            info = self.handler.next_rendezvous()
+            self.outcome = (info.rank, info.world_size, self.handler.round)
+        except Exception as e:
+            self.outcome = e
+
+    def result(self, timeout: float = 30.0) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.handler.node_id} still waits"
+        return self.outcome
+
+
+@pytest.fixture
+def make(etcd_server: EtcdServer, request: pytest.FixtureRequest,
+         monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., EtcdRendezvousHandler]]:
+    # The running nodes ask etcd every 0.2 s instead of every 2 s, to keep the test short.
+    monkeypatch.setattr(handler_module, "RUNNING_POLL_S", 0.2)
+    made: list[EtcdRendezvousHandler] = []
+    job = request.node.name[-40:].replace("[", "_").replace("]", "_")
+
+    def make(node_id: str, nnodes: tuple[int, int], last_call: int = 1) -> EtcdRendezvousHandler:
+        params = RendezvousParameters(
+            "etcd-v3", etcd_server.endpoint, job, *nnodes, node_id=node_id,
+            last_call_timeout=str(last_call), join_timeout="60", keep_alive_interval="2",
+            local_addr="127.0.0.1")
+        handler = create_handler(params, health_check=healthy)
+        made.append(handler)
+        return handler
+
+    yield make
+    for handler in made:
+        handler.leave()
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def test_late_joiner_waits_for_the_next_round_and_gets_the_running_nodes_to_make_room(
+    make: Callable[..., EtcdRendezvousHandler],
+) -> None:
+    a, b, c = make("a", (2, 3)), make("b", (2, 3)), make("c", (2, 3))
+    first = [Joiner(a), Joiner(b)]
+    assert sorted(j.result() for j in first) == [(0, 2, 0), (1, 2, 0)]
+    assert a.num_nodes_waiting() == 0
+    late = Joiner(c)  # round 0 is closed: c waits in round 1
+    assert wait_until(a.num_nodes_waiting) == 1  # the job has room and c waits for it
+    assert wait_until(b.num_nodes_waiting) == 1
+    ranks_before = {h.node_id: h.round_view.group_rank for h in (a, b)}
+    again = [Joiner(a), Joiner(b)]
+    outcomes = [j.result() for j in again] + [late.result()]
+    assert [o[1:] for o in outcomes] == [(3, 1)] * 3
+    # the running nodes keep their ranks; the newcomer comes after them
+    assert {h.node_id: h.round_view.group_rank for h in (a, b)} == ranks_before
+    assert c.round_view.group_rank == 2
+    assert a.num_nodes_waiting() == 0
+
+
+def test_round_still_closes_after_its_coordinator_is_lost(
+    make: Callable[..., EtcdRendezvousHandler],
+) -> None:
+    a, b, c, d = (make(n, (3, 4)) for n in "abcd")
+    first = Joiner(a)
+    keys, client = a.keys, a._membership.client
+    wait_until(lambda: client.get(keys.coordinator(0))[0] == b"a")
+    waiting_b = Joiner(b)
+    wait_until(lambda: client.get(keys.join(0, "b"))[0] is not None)
+    a.leave()  # the coordinator is lost: its lease is revoked, its keys vanish
+    assert isinstance(first.result(), RendezvousClosedError)
+    assert client.get(keys.coordinator(0))[0] in (None, b"b")
+    others = [Joiner(c), Joiner(d)]
+    outcomes = sorted([waiting_b.result()] + [j.result() for j in others])
+    assert outcomes == [(0, 3, 0), (1, 3, 0), (2, 3, 0)]  # closed at min after the last call
+    status = read_status(client, keys, a._membership.settings)
+    assert sorted(m.node_id for m in status.participants) == ["b", "c", "d"]
+
+
+def test_a_standby_does_not_restart_a_full_job_and_leaves_when_it_closes(
+    make: Callable[..., EtcdRendezvousHandler],
+) -> None:
+    a, b, c = make("a", (2, 2)), make("b", (2, 2)), make("c", (2, 2))
+    joiners = [Joiner(a), Joiner(b)]
+    assert sorted(j.result() for j in joiners) == [(0, 2, 0), (1, 2, 0)]
+    standby = Joiner(c)
+    keys, client = a.keys, a._membership.client
+    wait_until(lambda: client.get(keys.join(1, "c"))[0] is not None)
+    status = read_status(client, keys, a._membership.settings)
+    assert [m.node_id for m in status.standbys] == ["c"]
+    for _ in range(8):  # well past the 0.2 s between etcd queries, the standby polling too
+        assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
+        time.sleep(0.25)
+    assert standby.thread.is_alive()
+    assert a.shutdown()  # the job is over: the standby is let go
+    assert isinstance(standby.result(), RendezvousGracefulExitError)
+    assert b.is_closed()
+
+
+def test_a_node_whose_lease_expired_while_waiting_joins_again_on_a_new_lease(
+    make: Callable[..., EtcdRendezvousHandler],
+) -> None:
+    a, b = make("a", (2, 2)), make("b", (2, 2))
+    waiting = Joiner(a)
+    keys, client = a.keys, a._membership.client
+    wait_until(lambda: client.get(keys.join(0, "a"))[0] is not None)
+    client.revoke_lease(a._membership.publisher.lease().id)  # as if it had expired
+    assert client.get(keys.join(0, "a"))[0] is None
+    other = Joiner(b)
+    assert sorted([waiting.result(), other.result()]) == [(0, 2, 0), (1, 2, 0)]
+    status = read_status(client, keys, a._membership.settings)
+    assert sorted(m.node_id for m in status.participants) == ["a", "b"]
