@@ -170,10 +170,10 @@ def _local_evidence(view: detectors.RankView, track: RankTrack, now: int,
 
 def stacks_moving(pids: Mapping[int, int],
                   dump: Callable[[Mapping[int, int]], dict[int, str]],
-                  apart_s: float = 0.5) -> dict[int, bool]:
+                  apart_s: float = 0.5) -> tuple[dict[int, bool], dict[int, str]]:
     """Rank -> whether its main thread's Python stack (frames and line numbers) changed between
-    two samples ``apart_s`` apart. Ranks whose stack could not be read are left out: no stack is
-    no evidence either way."""
+    two samples ``apart_s`` apart, and the second sample (the stacks as they are now). Ranks
+    whose stack could not be read are left out: no stack is no evidence either way."""
     first = dump(pids)
     time.sleep(apart_s)
     second = dump(pids)
@@ -183,7 +183,7 @@ def stacks_moving(pids: Mapping[int, int],
         after = detectors.stack_signature(second.get(rank, ""), line_numbers=True)
         if before and after:
             moving[rank] = before != after
-    return moving
+    return moving, second
 
 
 def hang_limits(config: DiagConfig) -> verdict.HangLimits:

@@ -386,9 +386,10 @@ class DiagMonitor(AgentCollaborator):
         # Every fresh rank of the job is evidence; this node acts on what its own ranks show.
         job_views = [*views, *job.views]
         judged = self._judge(job_views, now)
+        sampled: dict[int, str] = {}  # stacks dumped during this check, reused below
         if judged.kind == "stuck" and self.config.hang_stacks:
             # The costly evidence last: a rank whose Python still moves is working, not stuck.
-            moving = self._stacks_moving(views)
+            moving, sampled = self._stacks_moving(views)
             if any(moving.values()):
                 judged = self._judge(job_views, now, moving)
         self.last_verdict = judged
@@ -397,7 +398,7 @@ class DiagMonitor(AgentCollaborator):
             if key not in self._reported:
                 # Not a hang: say once who the others wait for and what it is doing.
                 self._reported.add(key)
-                stacks_now = self._stack_tops(views, judged.culprits)
+                stacks_now = self._stack_tops(views, judged.culprits, sampled)
                 doing = "".join(f"; rank {rank} is at {top}" for rank, top in stacks_now.items())
                 self.emit("hang_verdict", f"not a hang: {judged.what}{doing}",
                           verdict=judged.to_json(),
@@ -423,7 +424,7 @@ class DiagMonitor(AgentCollaborator):
         stack_groups = None
         if self.config.hang_stacks:
             pids = {v.rank: v.pid for v in views if v.pid}
-            dumps = self._dump_stacks(pids)
+            dumps = self._stacks_of(pids, sampled)
             signatures = {rank: detectors.stack_signature(text) for rank, text in dumps.items()}
             stack_groups = detectors.group_stacks(signatures, views)
             if not culprits:
@@ -450,24 +451,34 @@ class DiagMonitor(AgentCollaborator):
         return verdict.judge(verdict.JobSnapshot(tuple(evidence), tuple(self._coll_history)),
                              self._limits_hang)
 
-    def _stacks_moving(self, views: list[detectors.RankView]) -> dict[int, bool]:
-        """This node's ranks in a call -> whether their stacks move; sampled at most every
-        ``_STACK_MOTION_TTL_S`` (two py-spy runs per rank)."""
+    def _stacks_moving(self, views: list[detectors.RankView]
+                       ) -> tuple[dict[int, bool], dict[int, str]]:
+        """This node's ranks in a call -> whether their stacks move, sampled at most every
+        ``_STACK_MOTION_TTL_S`` (two py-spy runs per rank); and the stacks dumped by this call
+        (none when the answer came from that window)."""
         at = time.monotonic()
-        if self._stack_motion is None or at - self._stack_motion[0] >= _STACK_MOTION_TTL_S:
-            pids = {v.rank: v.pid for v in views if v.pid and v.in_flight}
-            self._stack_motion = (at, hangcheck.stacks_moving(pids, self._dump_stacks)
-                                  if pids else {})
-        return self._stack_motion[1]
+        if self._stack_motion is not None and at - self._stack_motion[0] < _STACK_MOTION_TTL_S:
+            return self._stack_motion[1], {}
+        pids = {v.rank: v.pid for v in views if v.pid and v.in_flight}
+        moving, latest = hangcheck.stacks_moving(pids, self._dump_stacks) if pids else ({}, {})
+        self._stack_motion = (at, moving)
+        return moving, latest
 
-    def _stack_tops(self, views: list[detectors.RankView], ranks: tuple[int, ...]
+    def _stacks_of(self, pids: Mapping[int, int], sampled: Mapping[int, str]) -> dict[int, str]:
+        """py-spy dumps of ``pids``, taken from ``sampled`` (this check's) when it has them all."""
+        if pids and all(rank in sampled for rank in pids):
+            return {rank: sampled[rank] for rank in pids}
+        return self._dump_stacks(pids)
+
+    def _stack_tops(self, views: list[detectors.RankView], ranks: tuple[int, ...],
+                    sampled: Mapping[int, str]
                     ) -> dict[int, str]:
         """The innermost frames of this node's ``ranks`` (what the others wait for)."""
         pids = {v.rank: v.pid for v in views if v.pid and v.rank in ranks}
         if not pids or not self.config.hang_stacks:
             return {}
         signatures = {rank: detectors.stack_signature(text)
-                      for rank, text in self._dump_stacks(pids).items()}
+                      for rank, text in self._stacks_of(pids, sampled).items()}
         return {rank: sig.splitlines()[0] for rank, sig in signatures.items() if sig}
 
     def _check_loss(self) -> Detection | None:
