@@ -15,7 +15,7 @@ from typing import Any
 from elasticft import extras
 from elasticft.events import read_events
 from elasticft.report import whatif
-from elasticft.report.eventsonly import EventSummary, format_summary, summarize
+from elasticft.report.eventsonly import format_summary, summarize
 from elasticft.report.steps import read_steps
 from elasticft.report.tor import ReportError, StepsUnknown, analyze, format_report
 
@@ -39,29 +39,26 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if not any(event["kind"] == "run_start" for event in events):
             raise CliError(f"{run_dir}: no run_start event in the event log; is this a run "
                            "directory?") from None
-        return _events_only(args, summarize(events, str(e)))
+        summary = summarize(events, str(e))
+        return _print(args, summary.to_json(), format_summary(summary),
+                      f"no timeline drawn: {summary.why_no_tor}")
     except ReportError as e:
         raise CliError(f"{run_dir}: {e}") from None
     if args.plot:
         from elasticft.report.plot import plot_timeline
 
         plot_timeline(analysis, args.plot)
-    if args.json:
-        print(json.dumps(analysis.to_json(), indent=2))
-    else:
-        print(format_report(analysis))
-        if args.plot:
-            print(f"\n  timeline: {args.plot}")
-    return 0
+    return _print(args, analysis.to_json(), format_report(analysis), f"timeline: {args.plot}")
 
 
-def _events_only(args: argparse.Namespace, summary: EventSummary) -> int:
+def _print(args: argparse.Namespace, as_json: Any, text: str, plot_line: str) -> int:
+    """The report as JSON (``--json``) or as text, with a line about the ``--plot`` asked for."""
     if args.json:
-        print(json.dumps(summary.to_json(), indent=2))
+        print(json.dumps(as_json, indent=2))
     else:
-        print(format_summary(summary))
+        print(text)
         if args.plot:
-            print(f"\n  no timeline drawn: {summary.why_no_tor}")
+            print(f"\n  {plot_line}")
     return 0
 
 
