@@ -156,6 +156,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         timeout: RendezvousTimeout,
         store: EtcdStore,
         membership: _Membership,
+        rejoin_timeout: timedelta = timedelta(seconds=60),
     ) -> None:
         if min_nodes < 1 or max_nodes < min_nodes:
             raise EtcdConfigError(
@@ -166,6 +167,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.max_nodes = max_nodes
         self.addr = addr
         self.timeout = timeout
+        self.rejoin_timeout = rejoin_timeout
         self._store = store
         self._membership = membership
         self._rounds = RoundStore(membership.client, membership.keys, membership.settings,
@@ -343,6 +345,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         round_ = last_round + 1
         previous_size = self._join(round_, {m.keys.member(m.node_id): member})
         coordinating, quorum_since, standby = False, None, False
+        announced = -1
         while True:
             if self._left:
                 raise RendezvousClosedError(f"node {m.node_id} left rendezvous {self._run_id}")
@@ -362,6 +365,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                           view.previous_remaining, self.max_nodes),
                 quorum_for_s=None if quorum_since is None else now - quorum_since,
                 last_call_s=self.timeout.last_call.total_seconds(),
+                rejoin_s=self.rejoin_timeout.total_seconds(),
                 waited_s=now - started, join_timeout_s=join_deadline - started, standby=standby,
             ))
             verdict = decision.verdict
@@ -393,6 +397,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     raise RendezvousGracefulExitError(
                         f"rendezvous {self._run_id} is closed; standby {m.node_id} leaves")
                 raise RendezvousClosedError(f"rendezvous {self._run_id} is closed")
+            if decision.announce and announced != round_:
+                logger.info("node %s keeps round %d open: %s", m.node_id, round_, decision.reason)
+                announced = round_
             pause = COORDINATOR_POLL_S if decision.fast else random.uniform(*WAITER_POLL_S)
             if not standby:
                 pause = min(pause, max(0.0, join_deadline - time.monotonic()))
@@ -537,7 +544,9 @@ def create_handler(
     ``heartbeat_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``), the connection
     keys of :meth:`EtcdSettings.from_conf`, and ``node_id`` (default: the host name; set by
     elasticft-run from ``--node-id``), ``connect_timeout`` (default: the join timeout),
-    ``store_timeout`` (agent store reads, default 300 s), ``share_tcp_store`` (default 0).
+    ``store_timeout`` (agent store reads, default 300 s), ``share_tcp_store`` (default 0),
+    ``rejoin_timeout`` (how long past the last call a round waits for the previous round's live
+    participants, default 60 s).
     """
     require_etcd()
     settings = EtcdSettings.from_conf(params.endpoint, params.config)
@@ -558,6 +567,10 @@ def create_handler(
         raise EtcdConfigError(
             "--rdzv-conf keep_alive_interval and keep_alive_max_attempt must be at least 1 "
             "(their product is the lease TTL: how soon a dead node is noticed)")
+    rejoin_s = _conf_int(params, "rejoin_timeout", 60)
+    if rejoin_s < 0:
+        raise EtcdConfigError(f"--rdzv-conf rejoin_timeout={rejoin_s} is negative; give the "
+                              "seconds a round waits for the previous round's nodes (0 or more)")
     try:
         timeout = RendezvousTimeout(
             _timeout(params, "join"),
@@ -593,4 +606,5 @@ def create_handler(
         timeout,
         store,
         membership,
+        timedelta(seconds=rejoin_s),
     )

@@ -52,6 +52,8 @@ class Decision:
     reason: str
     fast: bool = False
     """Poll again soon (the coordinator of a round that may close); else at the slow pace."""
+    announce: bool = False
+    """A wait worth a log line (once a round): one that outlasts the last call."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +77,13 @@ class RoundPoll:
     """:func:`round_may_close` for this round."""
     previous_remaining: int | None = None
     """(coordinator) Live participants of the previous round that have not joined this one
-    yet: a full round does not close without them before the last call, so a standby does
-    not take the place of a healthy node that is on its way."""
+    yet. They are on their way (every live participant is told to come back once a new round
+    forms), so a round does not close without them: a full round not before the last call,
+    so that a standby does not take the place of a healthy node; any round not before
+    ``rejoin_s`` after the last call, so that two nodes do not take turns closing alone."""
+    rejoin_s: float = 60.0
+    """How long after the last call a round still waits for ``previous_remaining`` (an agent
+    whose lease is alive but that never comes back, a hung one, is left behind then)."""
     quorum_for_s: float | None = None
     """How long the coordinator has seen at least ``min_nodes`` joined (None: not now)."""
     last_call_s: float = 30.0
@@ -115,6 +122,14 @@ def decide(poll: RoundPoll) -> Decision:
     if poll.joined >= poll.max_nodes and not poll.previous_remaining:
         return Decision(Verdict.CLOSE, f"{poll.joined} nodes joined (max {poll.max_nodes})")
     if poll.quorum_for_s is not None and poll.quorum_for_s >= poll.last_call_s:
+        if poll.previous_remaining and poll.quorum_for_s < poll.last_call_s + poll.rejoin_s:
+            # A live participant of the previous round was told to come back and is stopping
+            # its workers, which can outlast a short last call. Closing without it would make
+            # it a late joiner that stops this round in turn: two nodes taking turns to close
+            # a round alone, for ever.
+            return Decision(Verdict.WAIT, f"{poll.previous_remaining} live participant(s) of "
+                            f"round {poll.round - 1} on their way (up to {poll.rejoin_s:g} s "
+                            "after the last call)", fast=True, announce=True)
         return Decision(Verdict.CLOSE, f"{poll.joined} nodes joined (min {poll.min_nodes}) "
                         f"and the last call of {poll.last_call_s:g} s is over")
     return Decision(Verdict.WAIT, f"{poll.joined} of {poll.min_nodes}..{poll.max_nodes} joined",

@@ -27,9 +27,18 @@ DECIDE_CASES = [
     ({"joined": 5}, Verdict.CLOSE, False),
     ({"joined": 2, "quorum_for_s": 10.0}, Verdict.WAIT, True),
     ({"joined": 2, "quorum_for_s": 30.0}, Verdict.CLOSE, False),
-    # a full round waits for a live participant of the previous round, until the last call
+    # a full round waits for a live participant of the previous round, past the last call
     ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 1.0}, Verdict.WAIT, True),
-    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 30.0}, Verdict.CLOSE, False),
+    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 30.0}, Verdict.WAIT, True),
+    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 90.0}, Verdict.CLOSE, False),
+    # any round waits past the last call for a live participant of the previous round that is
+    # stopping its workers, else two nodes take turns closing a round alone; not for ever
+    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 30.0}, Verdict.WAIT, True),
+    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 89.0}, Verdict.WAIT, True),
+    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 90.0}, Verdict.CLOSE, False),
+    ({"joined": 2, "previous_remaining": 0, "quorum_for_s": 30.0}, Verdict.CLOSE, False),
+    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 35.0, "rejoin_s": 5.0},
+     Verdict.CLOSE, False),
     # the gate: the previous round is full and running, so no round of standbys
     ({"joined": 4, "may_close": False}, Verdict.WAIT, False),
     # not the coordinator: only waits, slowly

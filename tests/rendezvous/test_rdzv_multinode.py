@@ -69,7 +69,7 @@ class Node:
 def start_node(
     name: str, tmp: Path, env: dict[str, str], endpoint: str, nnodes: str, job: str,
     train_args: list[str], rdzv_conf: str = FAST_RDZV, tool: str = "elasticft-run",
-    nproc: int = 2,
+    nproc: int = 2, script: str = TRAIN,
 ) -> Node:
     log = tmp / f"{name}.log"
     args = [
@@ -81,7 +81,7 @@ def start_node(
         args += ["--node-id", name, "--run-dir", str(tmp / f"run-{name}")]
     with log.open("w") as out:
         process = subprocess.Popen(
-            [str(BIN / tool), *args, TRAIN, *train_args],
+            [str(BIN / tool), *args, script, *train_args],
             env=env, cwd=tmp, stdout=out, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )
@@ -235,6 +235,49 @@ def test_etcd_restart_mid_run_then_survivor_re_rendezvouses_alone(
     assert "Traceback" not in "\n".join(
         line for line in a.output().splitlines() if not line.startswith("[default")
     )
+
+
+# Runs train_plain.py, but a SIGTERM (the agent stopping its workers) takes 3 s to act on,
+# longer than the 1 s last call: as a real job's workers do when they flush or save on exit.
+SLOW_TO_STOP = f"""
+import runpy, signal, sys, time
+def stop(signum, frame):
+    time.sleep(3)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+sys.argv[0] = {TRAIN!r}
+runpy.run_path({TRAIN!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_late_node_and_a_slow_to_stop_node_meet_in_one_round(
+    etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    """a trains alone (--nnodes 1:2); b arrives, so a must stop its workers and join b's round.
+    Stopping takes 3 s, longer than the last call: b's round waits for a instead of closing
+    alone, which would make a a late joiner that stops b's round in turn, for ever."""
+    endpoint, job = etcd_server.endpoint, "late-job"
+    script = tmp_path / "slow_to_stop.py"
+    script.write_text(SLOW_TO_STOP)
+    args = train_args(tmp_path, steps=40, step_time=0.25)
+    a = start_node("a", tmp_path, job_env, endpoint, "1:2", job, args, nproc=1,
+                   script=str(script))
+    wait_until("a training alone", lambda: a.events("steady"), 90, [a])
+    b = start_node("b", tmp_path, job_env, endpoint, "1:2", job, args, nproc=1,
+                   script=str(script))
+
+    def together() -> bool:
+        return all(n.events("rendezvous") and n.events("rendezvous")[-1]["group_world_size"] == 2
+                   for n in (a, b))
+
+    wait_until("a and b in one round", together, 60, [a, b])
+    assert a.wait(120) == 0, a.output()[-3000:]
+    assert b.wait(60) == 0, b.output()[-3000:]
+    # a: round 0 alone, then one round with b; no rounds closed alone in between.
+    assert [e["group_world_size"] for e in a.events("rendezvous")] == [1, 2]
+    assert [e["group_world_size"] for e in b.events("rendezvous")] == [2]
+    assert "keeps round 1 open: 1 live participant(s) of round 0 on their way" in b.output()
 
 
 @pytest.mark.timeout(90)
