@@ -211,24 +211,33 @@ class Keys:
     def closed(self) -> str:
         return f"{self.rdzv}closed"
 
+    def round_keys(self, round_: int) -> str:
+        """Every key of round ``round_`` (its joins, coordinator, result, restart)."""
+        return f"{self.rdzv}r/{round_}/"
+
     def joins(self, round_: int) -> str:
-        return f"{self.rdzv}r/{round_}/join/"
+        return f"{self.round_keys(round_)}join/"
 
     def join(self, round_: int, node_id: str) -> str:
         return f"{self.joins(round_)}{node_id}"
 
     def coordinator(self, round_: int) -> str:
-        return f"{self.rdzv}r/{round_}/coordinator"
+        return f"{self.round_keys(round_)}coordinator"
 
     def result(self, round_: int) -> str:
-        return f"{self.rdzv}r/{round_}/result"
+        return f"{self.round_keys(round_)}result"
 
     def restart(self, round_: int) -> str:
-        return f"{self.rdzv}r/{round_}/restart"
+        return f"{self.round_keys(round_)}restart"
 
     @property
     def store(self) -> str:
         return f"{self.job}/store/"
+
+    def round_store(self, round_: int) -> str:
+        """The prefix of round ``round_``'s workers' store within :attr:`store` (torch's name
+        for it, so the keys read as they do under torch's own rendezvous)."""
+        return f"torch.rendezvous.{self.run_id}.{round_}"
 
     @property
     def members(self) -> str:
@@ -314,10 +323,13 @@ def put_request(client: Any, key: str, value: bytes, lease: Any = None) -> Any:
     return etcdrpc.RequestOp(request_put=client._build_put_request(key, value, lease))
 
 
-def delete_request(client: Any, key: str) -> Any:
-    from pyetcd import etcdrpc
+def delete_request(client: Any, key: str, *, prefix: bool = False) -> Any:
+    """A transaction operation deleting ``key`` (or every key under it, with ``prefix``)."""
+    from pyetcd import etcdrpc, utils
 
-    return etcdrpc.RequestOp(request_delete_range=client._build_delete_request(key))
+    range_end = utils.prefix_range_end(utils.to_bytes(key)) if prefix else None
+    return etcdrpc.RequestOp(
+        request_delete_range=client._build_delete_request(key, range_end=range_end))
 
 
 def raw_txn(

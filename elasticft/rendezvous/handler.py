@@ -268,7 +268,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._round, self._round_size = round_, world_size
         with self._waiting_lock:
             self._waiting_checked, self._waiting_answer = time.monotonic(), 0
-        store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
+        store = dist.PrefixStore(self._membership.keys.round_store(round_), self._store)
         while True:
             try:
                 info = RendezvousInfo(store, rank, world_size, self._store_info(rank, store))

@@ -35,6 +35,9 @@ from elasticft.rendezvous.etcd import (
 )
 from elasticft.rendezvous.protocol import select_participants
 
+PRUNE_BEHIND = 2
+"""Closing round T deletes the keys of round T - 2."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PollView:
@@ -214,8 +217,20 @@ class RoundStore:
             written, _ = raw_txn(
                 c, [t.version(k.result(round_)) == 0, t.version(k.closed) == 0],
                 [put_request(c, k.result(round_), record),
-                 put_request(c, k.last_round, str(round_).encode())])
+                 put_request(c, k.last_round, str(round_).encode()),
+                 *self._prune(round_ - PRUNE_BEHIND)])
         return participants if written else None
+
+    def _prune(self, round_: int) -> list[Any]:
+        """Deletes round ``round_``'s keys and its workers' store (every rank's addresses: at
+        thousands of ranks, thousands of keys a round). By the time round ``round_ + 2``
+        closes nobody reads them: the protocol looks one round back, and a node still
+        waiting in ``round_`` finds ``round`` past it and moves on."""
+        if round_ < 0:
+            return []
+        c, k = self._client, self._keys
+        return [delete_request(c, k.round_keys(round_), prefix=True),
+                delete_request(c, f"{k.store}{k.round_store(round_)}/", prefix=True)]
 
     def running_view(self, round_: int) -> RunningView:
         c, k = self._client, self._keys

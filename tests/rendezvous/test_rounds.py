@@ -154,3 +154,30 @@ def test_a_node_whose_lease_expired_while_waiting_joins_again_on_a_new_lease(
     assert sorted([waiting.result(), other.result()]) == [(0, 2, 0), (1, 2, 0)]
     status = read_status(client, keys, a._membership.settings)
     assert sorted(m.node_id for m in status.participants) == ["a", "b"]
+
+
+def test_closing_a_round_deletes_the_keys_and_store_of_the_round_two_before(
+    make: Callable[..., EtcdRendezvousHandler],
+) -> None:
+    a, b = make("a", (2, 2)), make("b", (2, 2))
+    keys, client = a.keys, a._membership.client
+
+    def keys_of(round_: int) -> list[str]:
+        prefixes = (keys.round_keys(round_), f"{keys.store}{keys.round_store(round_)}/")
+        return [meta.key.decode() for prefix in prefixes
+                for _, meta in client.get_prefix(prefix, keys_only=True)]
+
+    for round_ in range(4):
+        joiners = [Joiner(a), Joiner(b)]
+        assert sorted(j.result() for j in joiners) == [(0, 2, round_), (1, 2, round_)]
+        # what the round's workers write in its store (their addresses)
+        client.put(f"{keys.store}{keys.round_store(round_)}/rank0", b"127.0.0.1:1")
+        if round_ >= 2:
+            assert keys_of(round_ - 2) == [], f"round {round_ - 2} left behind"
+        if round_ >= 1:
+            assert keys_of(round_ - 1), "the previous round is still read"
+    # a key of a later round's store does not share a prefix with round 1's ("...1/" not "...1")
+    client.put(f"{keys.store}{keys.round_store(11)}/rank0", b"x")
+    joiners = [Joiner(a), Joiner(b)]
+    assert sorted(j.result() for j in joiners) == [(0, 2, 4), (1, 2, 4)]
+    assert keys_of(11) and not keys_of(2)
