@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.servers import EtcdServer, etcd_server  # noqa: F401  (real etcd for tests)
+from tests.servers import EtcdServer, etcd_cluster, etcd_server  # noqa: F401  (real etcd)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

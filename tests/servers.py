@@ -39,41 +39,50 @@ def _free_port() -> int:
 
 
 class EtcdServer:
-    """One etcd member on loopback; start/stop/restart keep the same data dir and ports."""
+    """One etcd member on loopback; start/stop/restart keep the same data dir and ports.
 
-    def __init__(self, data_dir: Path, log_path: Path) -> None:
+    Alone it is a one-member cluster; :class:`EtcdCluster` sets ``initial_cluster`` to make it
+    one member of several."""
+
+    def __init__(self, data_dir: Path, log_path: Path, name: str = "test") -> None:
         self.binary = find_etcd()
+        self.name = name
         self.data_dir = data_dir
         self.log_path = log_path
         self.client_port = _free_port()
         self.peer_port = _free_port()
+        self.initial_cluster = f"{name}={self.peer_url}"
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def start(self, timeout_s: float = 30.0, wait: bool = True) -> None:
         client_url = f"http://{self.endpoint}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             [
                 self.binary,
-                "--name", "test",
+                "--name", self.name,
                 "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client_url,
                 "--advertise-client-urls", client_url,
-                "--listen-peer-urls", peer_url,
-                "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", f"test={peer_url}",
+                "--listen-peer-urls", self.peer_url,
+                "--initial-advertise-peer-urls", self.peer_url,
+                "--initial-cluster", self.initial_cluster,
                 "--log-level", "warn",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         log.close()
-        self.wait_ready(timeout_s)
+        if wait:
+            self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:
         import pyetcd
@@ -114,6 +123,70 @@ class EtcdServer:
         self.stop()
         time.sleep(down_s)
         self.start()
+
+
+class EtcdCluster:
+    """Several etcd members on loopback forming one cluster (a member per process, each with
+    its own data dir, as on separate hosts)."""
+
+    def __init__(self, base: Path, size: int = 3) -> None:
+        self.members = []
+        for i in range(size):
+            data_dir = base / f"m{i}"
+            data_dir.mkdir(mode=0o700)
+            self.members.append(EtcdServer(data_dir, base / f"m{i}.log", name=f"m{i}"))
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = cluster
+
+    @property
+    def endpoint(self) -> str:
+        """Every member's client address, as ``--rdzv-endpoint`` takes them."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        for member in self.members:  # a member waits for the others to form a quorum
+            member.start(wait=False)
+        for member in self.members:
+            member.wait_ready(timeout_s)
+        self.leader(timeout_s)
+
+    def leader(self, timeout_s: float = 30.0) -> EtcdServer:
+        """The member that leads now (once one is elected)."""
+        import pyetcd
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for member in self.members:
+                if member.process is None:
+                    continue
+                client = pyetcd.client(host="127.0.0.1", port=member.client_port, timeout=2)
+                try:
+                    leader = client.status().leader
+                    if leader is not None:
+                        return next(m for m in self.members if m.name == leader.name)
+                except Exception:
+                    pass
+                finally:
+                    client.close()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no etcd leader after {timeout_s} s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """A fresh 3-member etcd cluster on free loopback ports."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd-cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

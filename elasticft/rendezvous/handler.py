@@ -252,6 +252,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             raise NodeUnhealthyError(
                 f"node {m.node_id!r} failed its health check: {report.detail}"
             )
+        previous_round = self._round
         while True:
             try:
                 round_, participants = self._join_and_wait(started, join_deadline, last_round,
@@ -264,6 +265,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     m.publisher.lease_lost()
                 logger.warning("rendezvous interrupted by an etcd outage (%s); retrying", e)
                 _, last_round = self._wait_for_etcd(join_deadline)
+                if self._joined_round is not None and self._joined_round > previous_round:
+                    # Back to the round this node had joined: it may have closed, with this
+                    # node in it, during the outage. Joining the round after it would leave
+                    # this node waiting alone while the others train without it.
+                    last_round = min(last_round, self._joined_round - 1)
         rank, world_size = participants.index(m.node_id), len(participants)
         self._round, self._round_size = round_, world_size
         with self._waiting_lock:

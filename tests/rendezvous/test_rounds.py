@@ -3,8 +3,10 @@ client and lease), run as threads of the test, join, close and leave rounds."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousGracefulExitError,
 )
 
@@ -46,7 +49,10 @@ class Joiner:
 
     def result(self, timeout: float = 30.0) -> Any:
         self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"{self.handler.node_id} still waits"
+        if self.thread.is_alive():  # say where it waits
+            frame = sys._current_frames().get(self.thread.ident or 0)
+            stack = "".join(traceback.format_stack(frame)) if frame else ""
+            raise AssertionError(f"{self.handler.node_id} still waits after {timeout} s:\n{stack}")
         return self.outcome
 
 
@@ -181,3 +187,24 @@ def test_closing_a_round_deletes_the_keys_and_store_of_the_round_two_before(
     joiners = [Joiner(a), Joiner(b)]
     assert sorted(j.result() for j in joiners) == [(0, 2, 4), (1, 2, 4)]
     assert keys_of(11) and not keys_of(2)
+
+
+def test_a_node_whose_round_closed_during_an_etcd_outage_takes_its_rank_in_it(
+    make: Callable[..., EtcdRendezvousHandler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outage is injected at the worst moment: the poll that would have seen the result
+    fails. Retrying from the round after the last closed one would leave a waiting alone
+    while b trains without it (what a leader change of a 3-member cluster did)."""
+    a, b = make("a", (2, 2)), make("b", (2, 2))
+    real_poll, failed = a._rounds.poll, []
+
+    def poll_failing_once_the_result_is_out(round_: int, lease: Any, coordinating: bool) -> Any:
+        view = real_poll(round_, lease, coordinating)
+        if view.result is not None and not failed:
+            failed.append(round_)
+            raise RendezvousConnectionError("etcd failed while polling (injected)")
+        return view
+
+    monkeypatch.setattr(a._rounds, "poll", poll_failing_once_the_result_is_out)
+    assert sorted(j.result() for j in [Joiner(a), Joiner(b)]) == [(0, 2, 0), (1, 2, 0)]
+    assert failed == [0]
