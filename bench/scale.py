@@ -15,19 +15,25 @@ For each N the bench measures:
   every 2 s) and keeps its lease alive;
 * with ``--faults``: the round after 5% of the agents are lost (their leases revoked; the
   others rendezvous again, as they do when their workers fail), and the round after that with
-  its coordinator lost mid-round (lease revoked as soon as it holds the coordinator key).
+  its coordinator lost mid-round (lease revoked as soon as it holds the coordinator key); with
+  ``--etcd-members 3`` also a round during which an etcd follower restarts, and one during
+  which the etcd leader is killed (and restarted after the round). ``--cycles K`` repeats that
+  sequence K times and counts the rounds that failed (an agent left without a rank, or an
+  error other than the lost coordinator's own).
 
 Usage: ``nice -n 10 python bench/scale.py --nodes 64 256 1024 --faults`` (bounded: every round
-has ``--timeout-s``; the bench stops by itself). Not measured here: a 3-member etcd cluster, and
-torch's c10d (TCPStore) rendezvous at the same N.
+has ``--timeout-s``; the bench stops by itself). Not measured here: torch's c10d (TCPStore)
+rendezvous at the same N.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +52,8 @@ MONITOR_INTERVAL_S = 0.1
 # ---------------------------------------------------------------------------------------------
 # Worker process: a share of the agents, driven by one-line commands on stdin.
 
-def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s: float) -> None:
+def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s: float,
+          min_fraction: float) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from elasticft.rendezvous.handler import create_handler
@@ -55,7 +62,7 @@ def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s:
     def healthy() -> HealthReport:
         return HealthReport(ok=True, detail="", seconds=0.0)
 
-    min_nodes = max(1, math.floor(0.9 * n))
+    min_nodes = max(1, math.floor(min_fraction * n))
     conf = {"join_timeout": str(int(timeout_s)), "last_call_timeout": "1", "rpc_timeout": "10",
             "local_addr": "127.0.0.1"}
     handlers = {}
@@ -118,24 +125,71 @@ def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s:
 # ---------------------------------------------------------------------------------------------
 # The driver: etcd, the worker processes, the measurements.
 
-def etcd_requests(endpoint: str) -> float:
-    """Unary gRPC requests etcd has handled (KV, Lease, ...), from its /metrics."""
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^grpc_server_handled_total\{[^}]*\} (\S+)$', text, re.M))
+class Etcd:
+    """The etcd under test: one member, or a cluster of several on loopback."""
 
+    def __init__(self, tmp: Path, members: int) -> None:
+        from tests.servers import EtcdCluster, EtcdServer
 
-def etcd_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0
+        if members == 1:
+            data = tmp / "data"
+            data.mkdir(mode=0o700)
+            self.cluster = None
+            self.members = [EtcdServer(data, tmp / "etcd.log")]
+        else:
+            self.cluster = EtcdCluster(tmp, members)
+            self.members = self.cluster.members
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> None:
+        if self.cluster is not None:
+            self.cluster.start()
+        else:
+            self.members[0].start()
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
+
+    def leader(self) -> Any:
+        return self.cluster.leader() if self.cluster is not None else self.members[0]
+
+    def requests(self) -> float:
+        """Unary gRPC requests the members have handled (KV, Lease, ...), from their /metrics
+        (nan while one is down: a restarted member starts counting again)."""
+        total = 0.0
+        for member in self.members:
+            try:
+                text = urllib.request.urlopen(
+                    f"http://{member.endpoint}/metrics", timeout=5).read().decode()
+            except OSError:
+                return float("nan")
+            total += sum(float(m.group(1)) for m in re.finditer(
+                r'^grpc_server_handled_total\{[^}]*\} (\S+)$', text, re.M))
+        return total
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for member in self.members:
+            if member.process is None:
+                return float("nan")
+            stat = Path(f"/proc/{member.process.pid}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / 100.0
+        return total
 
 
 class Fleet:
     """The worker processes holding N agents."""
 
-    def __init__(self, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float):
+    def __init__(self, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float,
+                 min_fraction: float):
         self.n = n
         self.run_id = run_id
+        self.alive = {f"node{i:05d}" for i in range(n)}
         share = math.ceil(n / procs)
         self.procs = []
         self.owner: dict[str, Any] = {}
@@ -143,7 +197,7 @@ class Fleet:
             count = min(share, n - first)
             proc = subprocess.Popen(
                 [sys.executable, __file__, "--child", endpoint, run_id, str(n), str(first),
-                 str(count), str(timeout_s)],
+                 str(count), str(timeout_s), str(min_fraction)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self.procs.append(proc)
             for i in range(first, first + count):
@@ -172,12 +226,17 @@ class Fleet:
     def go(self, t0: float) -> list[dict[str, Any]]:
         return self.send(f"go {t0}", "done")
 
-    def lose(self, nodes: list[str]) -> None:
+    def lose(self, nodes: list[str], wait: bool = True) -> None:
         by_proc: dict[Any, list[str]] = {}
+        self.alive -= set(nodes)
         for node in nodes:
             by_proc.setdefault(self.owner[node], []).append(node)
         for proc, mine in by_proc.items():
-            self.send("lose " + " ".join(mine), "lost", [proc])
+            if wait:
+                self.send("lose " + " ".join(mine), "lost", [proc])
+            else:  # from a thread during a round: the reply is skipped by the next read
+                proc.stdin.write("lose " + " ".join(mine) + "\n")
+                proc.stdin.flush()
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -200,117 +259,202 @@ def closed_at(endpoint: str, run_id: str, round_: int) -> float:
     settings = EtcdSettings.from_conf(endpoint, {})
     client = LazyClient(settings)
     try:
-        value, _ = client.get(Keys(settings.root, run_id).result(round_))
+        for attempt in range(10):  # the client moves to the next endpoint after a failure
+            try:
+                value, _ = client.get(Keys(settings.root, run_id).result(round_))
+                break
+            except Exception:
+                if attempt == 9:
+                    raise
+                time.sleep(0.5)
     finally:
         client.close()
     return float(json.loads(value)["at"]) if value else 0.0
 
 
-def measure_round(fleet: Fleet, endpoint: str, etcd_pid: int, expected: int,
-                  during: Any = None) -> tuple[str, float]:
-    req0, cpu0 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
+@dataclasses.dataclass
+class Round:
+    line: str
+    seconds: float
+    failed: bool
+
+
+def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors: int = 0
+                  ) -> Round:
+    """One rendezvous round of the agents alive now (``during(t0)`` runs alongside, in a
+    thread: the fault); failed when an agent still alive ends without a rank or with an error
+    beyond the ``expected_errors`` (a lost coordinator's own)."""
+    req0, cpu0 = etcd.requests(), etcd.cpu_s()
     t0 = time.time() + 0.5
     if during is not None:
         threading.Thread(target=during, args=(t0,), daemon=True).start()
     reports = fleet.go(t0)
+    expected = len(fleet.alive)  # after the fault, which may have lost an agent
     done = [d for r in reports for d in r["done"]]
     errors = [e for r in reports for e in r["errors"]]
     rounds = sorted({x for r in reports for x in r["rounds"]})
-    req1, cpu1 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
-    round_s = max(done) if len(done) == expected else float("nan")
-    closed_s = closed_at(endpoint, fleet.run_id, max(rounds)) - t0 if rounds else float("nan")
+    req1, cpu1 = etcd.requests(), etcd.cpu_s()
+    round_s = max(done) if len(done) >= expected and done else float("nan")
+    closed_s = closed_at(etcd.endpoint, fleet.run_id, max(rounds)) - t0 if rounds else math.nan
     line = (f"round {round_s:6.2f} s (closed at {closed_s:5.2f} s)  "
             f"completed {len(done)}/{expected} (round {rounds})  "
             f"requests/node {(req1 - req0) / expected:5.1f}  etcd CPU {cpu1 - cpu0:5.2f} s")
     if errors:
         line += f"  errors {len(errors)} (first: {errors[0]})"
-    return line, round_s
+    failed = len(done) < expected or len(errors) > expected_errors
+    return Round(line, round_s, failed)
 
 
-def one_n(endpoint: str, etcd_pid: int, n: int, procs: int, steady_s: float, timeout_s: float,
-          faults: bool) -> None:
-    run_id = f"scale{n}-{int(time.time())}"
-    fleet = Fleet(endpoint, run_id, n, procs, timeout_s)
-    try:
-        line, _ = measure_round(fleet, endpoint, etcd_pid, n)
-        print(f"N={n:5d} ({len(fleet.procs)} procs)  first {line}", flush=True)
-        fleet.send("monitor", "monitoring")
-        time.sleep(1.0)
-        req1, cpu1 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
-        time.sleep(steady_s)
-        req2, cpu2 = etcd_requests(endpoint), etcd_cpu_s(etcd_pid)
-        fleet.send("unmonitor", "monitoring")
-        print(f"N={n:5d}  steady requests/node/s {(req2 - req1) / n / steady_s:6.3f}  "
-              f"etcd CPU {100 * (cpu2 - cpu1) / steady_s:5.1f}%", flush=True)
-        if not faults:
-            return
-        lost = [f"node{i:05d}" for i in range(0, n, 20)]  # 5%
-        fleet.lose(lost)
-        alive = n - len(lost)
-        line, _ = measure_round(fleet, endpoint, etcd_pid, alive)
-        print(f"N={n:5d}  after losing {len(lost)} agents: {line}", flush=True)
+def lose_coordinator(fleet: Fleet, etcd: Etcd, timeout_s: float, victim: list[str]) -> Any:
+    """A fault for :func:`measure_round`: the agent that holds the coordinator key of the next
+    round is lost as soon as it holds it."""
+    from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 
-        from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
+    settings = EtcdSettings.from_conf(etcd.endpoint, {})
+    client, keys = LazyClient(settings), Keys(settings.root, fleet.run_id)
+    next_round = int(client.get(keys.last_round)[0]) + 1
 
-        settings = EtcdSettings.from_conf(endpoint, {})
-        client, keys = LazyClient(settings), Keys(settings.root, run_id)
-        next_round = int(client.get(keys.last_round)[0]) + 1
-        victim: list[str] = []
-
-        def lose_coordinator(t0: float) -> None:
+    def fault(t0: float) -> None:
+        try:
             time.sleep(max(0.0, t0 - time.time()))
             while time.time() < t0 + timeout_s:
                 value, _ = client.get(keys.coordinator(next_round))
                 if value:
                     victim.append(value.decode())
-                    fleet.owner[victim[0]].stdin.write(f"lose {victim[0]}\n")
-                    fleet.owner[victim[0]].stdin.flush()
+                    fleet.lose(victim, wait=False)
                     return
                 time.sleep(0.05)
+        finally:
+            client.close()
 
-        line, _ = measure_round(fleet, endpoint, etcd_pid, alive - 1, during=lose_coordinator)
-        print(f"N={n:5d}  coordinator {victim[0] if victim else '?'} lost mid-round: {line}",
+    return fault
+
+
+def restart_member(member: Any, after_s: float, down_s: float) -> Any:
+    """A fault for :func:`measure_round`: an etcd member stops ``after_s`` into the round and
+    comes back ``down_s`` later."""
+    def fault(t0: float) -> None:
+        time.sleep(max(0.0, t0 + after_s - time.time()))
+        member.stop()
+        time.sleep(down_s)
+        member.start(wait=False)
+
+    return fault
+
+
+def kill_member(member: Any, after_s: float) -> Any:
+    """A fault for :func:`measure_round`: an etcd member is SIGKILLed ``after_s`` into the
+    round (the caller starts it again after the round)."""
+    def fault(t0: float) -> None:
+        time.sleep(max(0.0, t0 + after_s - time.time()))
+        member.stop(signal.SIGKILL)
+
+    return fault
+
+
+def fault_rounds(fleet: Fleet, etcd: Etcd, n: int, timeout_s: float) -> list[Round]:
+    """One sequence of fault rounds (see the module docstring)."""
+    results = []
+    lost = sorted(fleet.alive)[::20]  # 5%
+    fleet.lose(lost)
+    result = measure_round(fleet, etcd)
+    print(f"N={n:5d}  after losing {len(lost)} agents: {result.line}", flush=True)
+    results.append(result)
+
+    victim: list[str] = []
+    result = measure_round(fleet, etcd, lose_coordinator(fleet, etcd, timeout_s, victim),
+                           expected_errors=1)
+    print(f"N={n:5d}  coordinator {victim[0] if victim else '?'} lost mid-round: "
+          f"{result.line}", flush=True)
+    results.append(result)
+    if etcd.cluster is None:
+        return results
+
+    leader = etcd.leader()
+    follower = next(m for m in etcd.members if m is not leader)
+    result = measure_round(fleet, etcd, restart_member(follower, 0.3, 1.0))
+    follower.wait_ready(30)
+    print(f"N={n:5d}  etcd follower {follower.name} restarted mid-round: {result.line}",
+          flush=True)
+    results.append(result)
+
+    leader = etcd.leader()
+    result = measure_round(fleet, etcd, kill_member(leader, 0.3))
+    leader.start()
+    print(f"N={n:5d}  etcd leader {leader.name} killed mid-round (new leader "
+          f"{etcd.leader().name}): {result.line}", flush=True)
+    results.append(result)
+    return results
+
+
+def one_n(etcd: Etcd, n: int, procs: int, steady_s: float, timeout_s: float, faults: bool,
+          cycles: int, min_fraction: float) -> None:
+    run_id = f"scale{n}-{int(time.time())}"
+    fleet = Fleet(etcd.endpoint, run_id, n, procs, timeout_s, min_fraction)
+    try:
+        result = measure_round(fleet, etcd)
+        print(f"N={n:5d} ({len(fleet.procs)} procs)  first {result.line}", flush=True)
+        fleet.send("monitor", "monitoring")
+        time.sleep(1.0)
+        req1, cpu1 = etcd.requests(), etcd.cpu_s()
+        time.sleep(steady_s)
+        req2, cpu2 = etcd.requests(), etcd.cpu_s()
+        fleet.send("unmonitor", "monitoring")
+        print(f"N={n:5d}  steady requests/node/s {(req2 - req1) / n / steady_s:6.3f}  "
+              f"etcd CPU {100 * (cpu2 - cpu1) / steady_s:5.1f}%", flush=True)
+        if not faults:
+            return
+        results = []
+        for _ in range(cycles):
+            results += fault_rounds(fleet, etcd, n, timeout_s)
+        failed = sum(r.failed for r in results)
+        print(f"N={n:5d}  fault rounds: {len(results)}, failed: {failed}, slowest "
+              f"{max(r.seconds for r in results):.2f} s, {len(fleet.alive)} agents left",
               flush=True)
-        client.close()
     finally:
         fleet.stop()
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        endpoint, run_id, n, first, count, timeout_s = sys.argv[2:8]
-        child(endpoint, run_id, int(n), int(first), int(count), float(timeout_s))
+        endpoint, run_id, n, first, count, timeout_s, min_fraction = sys.argv[2:9]
+        child(endpoint, run_id, int(n), int(first), int(count), float(timeout_s),
+              float(min_fraction))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--procs", type=int, default=0,
                         help=f"worker processes (default: one per {AGENTS_PER_PROC} agents)")
+    parser.add_argument("--etcd-members", type=int, default=1, choices=(1, 3, 5))
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--faults", action="store_true",
-                        help="also measure the rounds after losing 5%% of the agents and after "
-                             "losing the coordinator mid-round")
+                        help="also measure rounds with faults (see the module docstring)")
+    parser.add_argument("--cycles", type=int, default=1,
+                        help="with --faults: how many times to run the sequence of faults")
+    parser.add_argument("--min-fraction", type=float, default=0.9,
+                        help="--nnodes is floor(F*N):N (lower it for many --cycles: every "
+                             "cycle loses 5%% of the agents and a coordinator)")
     args = parser.parse_args()
     if any(n < 2 for n in args.nodes):
         print("--nodes: every N must be at least 2", file=sys.stderr)
         return 2
-    from tests.servers import EtcdServer
+    if not 0 < args.min_fraction <= 1:
+        print("--min-fraction: give a fraction in (0, 1]", file=sys.stderr)
+        return 2
 
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        data.mkdir(mode=0o700)
-        server = EtcdServer(data, Path(tmp) / "etcd.log")
-        server.start()
-        assert server.process is not None
+        etcd = Etcd(Path(tmp), args.etcd_members)
+        etcd.start()
         try:
-            print(f"etcd {server.endpoint} (one member), "
+            print(f"etcd {etcd.endpoint} ({args.etcd_members} member(s)), "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
             for n in args.nodes:
                 procs = args.procs or max(1, math.ceil(n / AGENTS_PER_PROC))
-                one_n(server.endpoint, server.process.pid, n, procs, args.steady_s,
-                      args.timeout_s, args.faults)
+                one_n(etcd, n, procs, args.steady_s, args.timeout_s, args.faults, args.cycles,
+                      args.min_fraction)
         finally:
-            server.stop()
+            etcd.stop()
     return 0
 
 

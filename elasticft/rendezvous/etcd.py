@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Iterator, Mapping
@@ -163,7 +164,7 @@ class EtcdSettings:
         """A pyetcd client over all endpoints (failing over between them); authenticates now."""
         require_etcd()
         import grpc
-        from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+        from pyetcd.client import Endpoint
 
         creds = None
         if self.ca_cert is not None:
@@ -178,7 +179,7 @@ class EtcdSettings:
             for host, port in self.endpoints
         ]
         with etcd_errors(self):
-            client = MultiEndpointEtcd3Client(
+            client = _failover_client_class()(
                 endpoints=endpoints,
                 timeout=self.rpc_timeout_s,
                 user=self.user,
@@ -186,6 +187,33 @@ class EtcdSettings:
                 failover=True,
             )
         return client
+
+
+@functools.cache
+def _failover_client_class() -> type:
+    """pyetcd's multi-endpoint client, made to stay off an endpoint that failed.
+
+    pyetcd marks a failed endpoint and moves to another only when the failed one is asked for
+    again within its retry pause (:data:`ENDPOINT_RETRY_S`); past the pause it uses the dead
+    member again, since it is still the endpoint in use. A node polling every second then
+    failed every poll while one member of a 3-member cluster was down. Here the client moves
+    to a working endpoint as soon as one fails, and goes back only when that one fails too.
+    """
+    from pyetcd.client import MultiEndpointEtcd3Client
+
+    class StayOffFailedEndpoints(MultiEndpointEtcd3Client):  # type: ignore[misc]
+        def _manage_grpc_errors(self, exc: Any) -> None:
+            try:
+                super()._manage_grpc_errors(exc)
+            finally:
+                current = self.endpoint_in_use
+                if current is not None and current.is_failed():
+                    working = [label for label, endpoint in self.endpoints.items()
+                               if not endpoint.is_failed()]
+                    if working:
+                        self._current_endpoint_label = working[0]
+
+    return StayOffFailedEndpoints
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elasticft.rendezvous import handler as handler_module
+from elasticft.rendezvous.etcd import EtcdSettings, LazyClient
 from elasticft.rendezvous.handler import EtcdRendezvousHandler, create_handler
 from elasticft.rendezvous.membership import read_status
 from tests.rendezvous.test_rounds import Joiner, healthy, wait_until
@@ -78,3 +79,24 @@ def test_rounds_survive_a_member_restart_and_the_leader_killed_mid_round(
     status = read_status(client, keys, a._membership.settings)
     assert status.round is not None and status.round.round == 2
     assert sorted(m.node_id for m in status.participants) == ["a", "b", "c"]
+
+
+def test_the_client_stays_off_a_dead_member(etcd_cluster: EtcdCluster) -> None:
+    """One request may fail when the member in use dies; the ones after it, a second apart
+    (longer than the client's pause before it tries a failed endpoint again), all succeed."""
+    client = LazyClient(EtcdSettings.from_conf(etcd_cluster.endpoint, {}))
+    try:
+        client.put("/probe", b"1")
+        in_use = client.endpoint_in_use.netloc
+        dead = next(m for m in etcd_cluster.members if m.endpoint == in_use)
+        dead.stop(signal.SIGKILL)
+        failures = 0
+        for _ in range(6):
+            try:
+                assert client.get("/probe")[0] == b"1"
+            except Exception:
+                failures += 1
+            time.sleep(1.0)
+        assert failures <= 1, f"{failures} of 6 requests failed with one member of 3 down"
+    finally:
+        client.close()
