@@ -21,9 +21,11 @@ For each N the bench measures:
   sequence K times and counts the rounds that failed (an agent left without a rank, or an
   error other than the lost coordinator's own).
 
-Usage: ``nice -n 10 python bench/scale.py --nodes 64 256 1024 --faults`` (bounded: every round
-has ``--timeout-s``; the bench stops by itself). Not measured here: torch's c10d (TCPStore)
-rendezvous at the same N.
+With ``--c10d``, torch's own c10d rendezvous (a TCPStore served by the driver, as torchrun's
+host serves it) runs the first round with the same N agents in the same worker processes.
+
+Usage: ``nice -n 10 python bench/scale.py --nodes 64 256 1024 --faults --c10d`` (bounded: every
+round has ``--timeout-s``; the bench stops by itself).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ MONITOR_INTERVAL_S = 0.1
 # ---------------------------------------------------------------------------------------------
 # Worker process: a share of the agents, driven by one-line commands on stdin.
 
-def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s: float,
-          min_fraction: float) -> None:
+def child(backend: str, endpoint: str, run_id: str, n: int, first: int, count: int,
+          timeout_s: float, min_fraction: float) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from elasticft.rendezvous.handler import create_handler
     from elasticft.rendezvous.health import HealthReport
@@ -63,14 +66,19 @@ def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s:
         return HealthReport(ok=True, detail="", seconds=0.0)
 
     min_nodes = max(1, math.floor(min_fraction * n))
-    conf = {"join_timeout": str(int(timeout_s)), "last_call_timeout": "1", "rpc_timeout": "10",
+    conf = {"join_timeout": str(int(timeout_s)), "last_call_timeout": "1",
             "local_addr": "127.0.0.1"}
     handlers = {}
     for i in range(first, first + count):
         node = f"node{i:05d}"
-        params = RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, n,
-                                      **{**conf, "node_id": node})
-        handlers[node] = create_handler(params, health_check=healthy)
+        if backend == "c10d":  # torch's own, over the driver's TCPStore
+            params = RendezvousParameters("c10d", endpoint, run_id, min_nodes, n,
+                                          **conf, is_host="false")
+            handlers[node] = get_rendezvous_handler(params)
+        else:
+            params = RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, n,
+                                          **conf, rpc_timeout="10", node_id=node)
+            handlers[node] = create_handler(params, health_check=healthy)
     alive = dict(handlers)
     monitor_stop = threading.Event()
     say = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
@@ -93,7 +101,8 @@ def child(endpoint: str, run_id: str, n: int, first: int, count: int, timeout_s:
             t.start()
         for t in threads:
             t.join(max(0.0, t0 + timeout_s - time.time()))
-        say(done=done, errors=errors, rounds=sorted({h.round for h in alive.values()}))
+        say(done=done, errors=errors,
+            rounds=sorted({getattr(h, "round", -1) for h in alive.values()}))
 
     def monitor() -> None:
         while not monitor_stop.wait(MONITOR_INTERVAL_S):
@@ -186,7 +195,7 @@ class Fleet:
     """The worker processes holding N agents."""
 
     def __init__(self, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float,
-                 min_fraction: float):
+                 min_fraction: float, backend: str = "etcd-v3"):
         self.n = n
         self.run_id = run_id
         self.alive = {f"node{i:05d}" for i in range(n)}
@@ -196,7 +205,8 @@ class Fleet:
         for first in range(0, n, share):
             count = min(share, n - first)
             proc = subprocess.Popen(
-                [sys.executable, __file__, "--child", endpoint, run_id, str(n), str(first),
+                [sys.executable, __file__, "--child", backend, endpoint, run_id, str(n),
+                 str(first),
                  str(count), str(timeout_s), str(min_fraction)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self.procs.append(proc)
@@ -294,6 +304,8 @@ def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors:
     errors = [e for r in reports for e in r["errors"]]
     rounds = sorted({x for r in reports for x in r["rounds"]})
     req1, cpu1 = etcd.requests(), etcd.cpu_s()
+    if req1 < req0 or cpu1 < cpu0:  # a member restarted during the round: counters restarted
+        req1 = cpu1 = math.nan
     round_s = max(done) if len(done) >= expected and done else float("nan")
     closed_s = closed_at(etcd.endpoint, fleet.run_id, max(rounds)) - t0 if rounds else math.nan
     line = (f"round {round_s:6.2f} s (closed at {closed_s:5.2f} s)  "
@@ -415,10 +427,32 @@ def one_n(etcd: Etcd, n: int, procs: int, steady_s: float, timeout_s: float, fau
         fleet.stop()
 
 
+def c10d_round(n: int, procs: int, timeout_s: float, min_fraction: float) -> None:
+    """The first round of torch's c10d rendezvous with the same N agents (threads of the same
+    worker processes), over a TCPStore served by this process, as torchrun's host serves it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    fleet = Fleet(f"127.0.0.1:{store.port}", f"c10d{n}-{int(time.time())}", n, procs,
+                  timeout_s, min_fraction, backend="c10d")
+    try:
+        t0 = time.time() + 0.5
+        reports = fleet.go(t0)
+        done = [d for r in reports for d in r["done"]]
+        errors = [e for r in reports for e in r["errors"]]
+        round_s = max(done) if len(done) == n else float("nan")
+        line = f"N={n:5d}  c10d first round {round_s:6.2f} s  completed {len(done)}/{n}"
+        if errors:
+            line += f"  errors {len(errors)} (first: {errors[0]})"
+        print(line, flush=True)
+    finally:
+        fleet.stop()
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        endpoint, run_id, n, first, count, timeout_s, min_fraction = sys.argv[2:9]
-        child(endpoint, run_id, int(n), int(first), int(count), float(timeout_s),
+        backend, endpoint, run_id, n, first, count, timeout_s, min_fraction = sys.argv[2:10]
+        child(backend, endpoint, run_id, int(n), int(first), int(count), float(timeout_s),
               float(min_fraction))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -432,6 +466,8 @@ def main() -> int:
                         help="also measure rounds with faults (see the module docstring)")
     parser.add_argument("--cycles", type=int, default=1,
                         help="with --faults: how many times to run the sequence of faults")
+    parser.add_argument("--c10d", action="store_true",
+                        help="also time torch's c10d rendezvous (TCPStore) at each N")
     parser.add_argument("--min-fraction", type=float, default=0.9,
                         help="--nnodes is floor(F*N):N (lower it for many --cycles: every "
                              "cycle loses 5%% of the agents and a coordinator)")
@@ -453,6 +489,8 @@ def main() -> int:
                 procs = args.procs or max(1, math.ceil(n / AGENTS_PER_PROC))
                 one_n(etcd, n, procs, args.steady_s, args.timeout_s, args.faults, args.cycles,
                       args.min_fraction)
+                if args.c10d:
+                    c10d_round(n, procs, args.timeout_s, args.min_fraction)
         finally:
             etcd.stop()
     return 0
