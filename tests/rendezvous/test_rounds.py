@@ -176,7 +176,9 @@ def test_closing_a_round_deletes_the_keys_and_store_of_the_round_two_before(
     for round_ in range(4):
         joiners = [Joiner(a), Joiner(b)]
         assert sorted(j.result() for j in joiners) == [(0, 2, round_), (1, 2, round_)]
-        # what the round's workers write in its store (their addresses)
+        # the handler wrote the workers' address in the round's store; the workers would
+        # write theirs there too
+        assert any(key.endswith("/MASTER_ADDR") for key in keys_of(round_)), keys_of(round_)
         client.put(f"{keys.store}{keys.round_store(round_)}/rank0", b"127.0.0.1:1")
         if round_ >= 2:
             assert keys_of(round_ - 2) == [], f"round {round_ - 2} left behind"
