@@ -10,13 +10,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elasticft.rendezvous import handler as handler_module
 from elasticft.rendezvous.etcd import EtcdSettings, LazyClient
-from elasticft.rendezvous.handler import EtcdRendezvousHandler, create_handler
+from elasticft.rendezvous.handler import EtcdRendezvousHandler
 from elasticft.rendezvous.membership import read_status
-from tests.rendezvous.test_rounds import Joiner, healthy, wait_until
+from tests.rendezvous.test_rounds import Joiner, handlers_on, wait_until
 from tests.servers import EtcdCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -24,28 +23,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 @pytest.fixture
 def make(etcd_cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch
-         ) -> Iterator[Callable[[str], EtcdRendezvousHandler]]:
+         ) -> Iterator[Callable[..., EtcdRendezvousHandler]]:
     monkeypatch.setattr(handler_module, "RUNNING_POLL_S", 0.2)
-    made: list[EtcdRendezvousHandler] = []
-
-    def make(node_id: str) -> EtcdRendezvousHandler:
-        params = RendezvousParameters(
-            "etcd-v3", etcd_cluster.endpoint, "cluster-job", 3, 3, node_id=node_id,
-            last_call_timeout="1", join_timeout="60", keep_alive_interval="2",
-            local_addr="127.0.0.1")
-        handler = create_handler(params, health_check=healthy)
-        made.append(handler)
-        return handler
-
-    yield make
-    for handler in made:
-        handler.leave()
+    with handlers_on(etcd_cluster.endpoint, "cluster-job") as make:
+        yield make
 
 
 def test_rounds_survive_a_member_restart_and_the_leader_killed_mid_round(
-    etcd_cluster: EtcdCluster, make: Callable[[str], EtcdRendezvousHandler]
+    etcd_cluster: EtcdCluster, make: Callable[..., EtcdRendezvousHandler]
 ) -> None:
-    nodes = [make(n) for n in "abc"]
+    nodes = [make(n, (3, 3)) for n in "abc"]
     assert sorted(j.result() for j in [Joiner(h) for h in nodes]) == [
         (0, 3, 0), (1, 3, 0), (2, 3, 0)]
 

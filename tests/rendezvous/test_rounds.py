@@ -3,6 +3,7 @@ client and lease), run as threads of the test, join, close and leave rounds."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -56,26 +57,35 @@ class Joiner:
         return self.outcome
 
 
-@pytest.fixture
-def make(etcd_server: EtcdServer, request: pytest.FixtureRequest,
-         monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., EtcdRendezvousHandler]]:
-    # The running nodes ask etcd every 0.2 s instead of every 2 s, to keep the test short.
-    monkeypatch.setattr(handler_module, "RUNNING_POLL_S", 0.2)
+@contextlib.contextmanager
+def handlers_on(endpoint: str, job: str) -> Iterator[Callable[..., EtcdRendezvousHandler]]:
+    """``make(node_id, (min, max))`` builds a real handler of ``job``; all leave at the end."""
     made: list[EtcdRendezvousHandler] = []
-    job = request.node.name[-40:].replace("[", "_").replace("]", "_")
 
     def make(node_id: str, nnodes: tuple[int, int], last_call: int = 1) -> EtcdRendezvousHandler:
         params = RendezvousParameters(
-            "etcd-v3", etcd_server.endpoint, job, *nnodes, node_id=node_id,
+            "etcd-v3", endpoint, job, *nnodes, node_id=node_id,
             last_call_timeout=str(last_call), join_timeout="60", keep_alive_interval="2",
             local_addr="127.0.0.1")
         handler = create_handler(params, health_check=healthy)
         made.append(handler)
         return handler
 
-    yield make
-    for handler in made:
-        handler.leave()
+    try:
+        yield make
+    finally:
+        for handler in made:
+            handler.leave()
+
+
+@pytest.fixture
+def make(etcd_server: EtcdServer, request: pytest.FixtureRequest,
+         monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., EtcdRendezvousHandler]]:
+    # The running nodes ask etcd every 0.2 s instead of every 2 s, to keep the test short.
+    monkeypatch.setattr(handler_module, "RUNNING_POLL_S", 0.2)
+    job = request.node.name[-40:].replace("[", "_").replace("]", "_")
+    with handlers_on(etcd_server.endpoint, job) as make:
+        yield make
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
