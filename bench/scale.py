@@ -442,6 +442,8 @@ def c10d_round(n: int, procs: int, timeout_s: float, min_fraction: float) -> Non
         errors = [e for r in reports for e in r["errors"]]
         round_s = max(done) if len(done) == n else float("nan")
         line = f"N={n:5d}  c10d first round {round_s:6.2f} s  completed {len(done)}/{n}"
+        if done and len(done) < n:
+            line += f" (the last of them at {max(done):.2f} s)"
         if errors:
             line += f"  errors {len(errors)} (first: {errors[0]})"
         print(line, flush=True)
