@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import random
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -210,8 +211,8 @@ def _failover_client_class() -> type:
                 if current is not None and current.is_failed():
                     working = [label for label, endpoint in self.endpoints.items()
                                if not endpoint.is_failed()]
-                    if working:
-                        self._current_endpoint_label = working[0]
+                    if working:  # at random, as pyetcd picks the first: nodes spread out
+                        self._current_endpoint_label = random.choice(working)
 
     return StayOffFailedEndpoints
 
