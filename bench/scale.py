@@ -59,7 +59,7 @@ def child(backend: str, endpoint: str, run_id: str, n: int, first: int, count: i
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from elasticft.rendezvous.handler import create_handler
+    from elasticft.rendezvous.factory import create_handler
     from elasticft.rendezvous.health import HealthReport
 
     def healthy() -> HealthReport:

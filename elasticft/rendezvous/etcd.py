@@ -268,6 +268,11 @@ class Keys:
         for it, so the keys read as they do under torch's own rendezvous)."""
         return f"torch.rendezvous.{self.run_id}.{round_}"
 
+    def round_store_keys(self, round_: int) -> str:
+        """Every key of round ``round_``'s workers' store (the trailing ``/`` keeps round 1
+        from matching round 11)."""
+        return f"{self.store}{self.round_store(round_)}/"
+
     @property
     def members(self) -> str:
         return f"{self.job}/members/"

@@ -23,7 +23,7 @@ def handler_factory() -> Callable[[Any], Any]:
         from elasticft.extras import MissingExtra
 
         try:
-            from elasticft.rendezvous.handler import create_handler
+            from elasticft.rendezvous.factory import create_handler
 
             return create_handler(params)
         except MissingExtra as e:

@@ -230,7 +230,7 @@ class RoundStore:
             return []
         c, k = self._client, self._keys
         return [delete_request(c, k.round_keys(round_), prefix=True),
-                delete_request(c, f"{k.store}{k.round_store(round_)}/", prefix=True)]
+                delete_request(c, k.round_store_keys(round_), prefix=True)]
 
     def running_view(self, round_: int) -> RunningView:
         c, k = self._client, self._keys

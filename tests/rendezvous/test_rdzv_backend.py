@@ -13,7 +13,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
-from elasticft.rendezvous.handler import create_handler
+from elasticft.rendezvous.factory import create_handler
 from elasticft.rendezvous.membership import Blacklist, MemberRecord, MembershipPublisher
 from elasticft.rendezvous.rounds import RoundStore
 from elasticft.rendezvous.store import EtcdStore

@@ -20,7 +20,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elasticft.rendezvous import handler as handler_module
-from elasticft.rendezvous.handler import EtcdRendezvousHandler, create_handler
+from elasticft.rendezvous.factory import create_handler
+from elasticft.rendezvous.handler import EtcdRendezvousHandler
 from elasticft.rendezvous.health import HealthReport
 from elasticft.rendezvous.membership import read_status
 from tests.servers import EtcdServer
@@ -179,7 +180,7 @@ def test_closing_a_round_deletes_the_keys_and_store_of_the_round_two_before(
     keys, client = a.keys, a._membership.client
 
     def keys_of(round_: int) -> list[str]:
-        prefixes = (keys.round_keys(round_), f"{keys.store}{keys.round_store(round_)}/")
+        prefixes = (keys.round_keys(round_), keys.round_store_keys(round_))
         return [meta.key.decode() for prefix in prefixes
                 for _, meta in client.get_prefix(prefix, keys_only=True)]
 
@@ -189,13 +190,13 @@ def test_closing_a_round_deletes_the_keys_and_store_of_the_round_two_before(
         # the handler wrote the workers' address in the round's store; the workers would
         # write theirs there too
         assert any(key.endswith("/MASTER_ADDR") for key in keys_of(round_)), keys_of(round_)
-        client.put(f"{keys.store}{keys.round_store(round_)}/rank0", b"127.0.0.1:1")
+        client.put(f"{keys.round_store_keys(round_)}rank0", b"127.0.0.1:1")
         if round_ >= 2:
             assert keys_of(round_ - 2) == [], f"round {round_ - 2} left behind"
         if round_ >= 1:
             assert keys_of(round_ - 1), "the previous round is still read"
     # a key of a later round's store does not share a prefix with round 1's ("...1/" not "...1")
-    client.put(f"{keys.store}{keys.round_store(11)}/rank0", b"x")
+    client.put(f"{keys.round_store_keys(11)}rank0", b"x")
     joiners = [Joiner(a), Joiner(b)]
     assert sorted(j.result() for j in joiners) == [(0, 2, 4), (1, 2, 4)]
     assert keys_of(11) and not keys_of(2)
