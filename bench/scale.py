@@ -96,12 +96,13 @@ def child(backend: str, endpoint: str, run_id: str, n: int, first: int, count: i
                 errors.append(f"{type(e).__name__}: {e}"[:160])
 
         time.sleep(max(0.0, t0 - time.time()))
+        cpu0 = time.process_time()
         threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in alive.values()]
         for t in threads:
             t.start()
         for t in threads:
             t.join(max(0.0, t0 + timeout_s - time.time()))
-        say(done=done, errors=errors,
+        say(done=done, errors=errors, cpu_s=time.process_time() - cpu0,
             rounds=sorted({getattr(h, "round", -1) for h in alive.values()}))
 
     def monitor() -> None:
@@ -303,6 +304,7 @@ def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors:
     done = [d for r in reports for d in r["done"]]
     errors = [e for r in reports for e in r["errors"]]
     rounds = sorted({x for r in reports for x in r["rounds"]})
+    agents_cpu = sum(r["cpu_s"] for r in reports)
     req1, cpu1 = etcd.requests(), etcd.cpu_s()
     if req1 < req0 or cpu1 < cpu0:  # a member restarted during the round: counters restarted
         req1 = cpu1 = math.nan
@@ -310,7 +312,8 @@ def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors:
     closed_s = closed_at(etcd.endpoint, fleet.run_id, max(rounds)) - t0 if rounds else math.nan
     line = (f"round {round_s:6.2f} s (closed at {closed_s:5.2f} s)  "
             f"completed {len(done)}/{expected} (round {rounds})  "
-            f"requests/node {(req1 - req0) / expected:5.1f}  etcd CPU {cpu1 - cpu0:5.2f} s")
+            f"requests/node {(req1 - req0) / expected:5.1f}  etcd CPU {cpu1 - cpu0:5.2f} s  "
+            f"agents CPU {agents_cpu:5.1f} s")
     if errors:
         line += f"  errors {len(errors)} (first: {errors[0]})"
     failed = len(done) < expected or len(errors) > expected_errors

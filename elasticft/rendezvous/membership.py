@@ -296,11 +296,13 @@ class MembershipPublisher:
                     self._client.put(key, data, lease=self._lease)
 
     def _start_refresher(self) -> None:
-        if self._thread is None:
+        with self._lock:
+            if self._thread is not None:
+                return
             self._thread = threading.Thread(
                 target=self._refresh_loop, name="elasticft-etcd-lease", daemon=True
             )
-            self._thread.start()
+        self._thread.start()
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._ttl_s / 3):
@@ -311,14 +313,19 @@ class MembershipPublisher:
                 logger.debug("lease refresh failed: %s", e)
 
     def _refresh_once(self) -> None:
+        # The refresh runs outside the lock: under load it can take seconds, and the
+        # rendezvous asks for the lease on every poll.
         with self._lock:
-            if self._lease is None:
+            lease = self._lease
+        if lease is None:
+            return
+        responses = list(self._client.refresh_lease(lease.id))
+        if responses and responses[-1].TTL > 0:
+            return
+        with self._lock:
+            if self._lease is not lease:  # lost and granted again meanwhile
                 return
-            responses = list(self._client.refresh_lease(self._lease.id))
-            if responses and responses[-1].TTL > 0:
-                return
-            logger.info("etcd lease %x expired; publishing this node's records again",
-                        self._lease.id)
+            logger.info("etcd lease %x expired; publishing this node's records again", lease.id)
             self._lease = None
             self._ensure_lease()
 

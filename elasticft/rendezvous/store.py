@@ -6,9 +6,9 @@ keeps the same keys in etcd under ``<root>/jobs/<run_id>/store/``: any node can 
 others still find everything. Workers keep torch's own per-attempt TCPStore (hosted by worker
 rank 0 and recreated every attempt), which is not job-critical: the next round makes a new one.
 
-Blocking reads (``get``, ``wait``) use etcd watches started at the revision of the read that
-found the key missing, so no write between the read and the watch can be missed and nothing
-polls. Values are bytes; counters (``add``) are decimal text as in TCPStore.
+Blocking reads (``get``, ``wait``) read a missing key again a few times over 1.5 s, then wait
+on an etcd watch started at the revision of the read that found it missing, so no write in
+between can be missed. Values are bytes; counters (``add``) are decimal text as in TCPStore.
 """
 
 from __future__ import annotations
@@ -28,6 +28,14 @@ logger = logging.getLogger(__name__)
 
 _TXN_MAX_OPS = 128
 """etcd's default ``--max-txn-ops``: a transaction may hold no more operations."""
+
+REREAD_PAUSES_S = (0.1, 0.2, 0.4, 0.8)
+"""A key read as missing is read again after each of these pauses before a watch is started.
+The key every node of a round reads, ``MASTER_ADDR``, is written by rank 0 as soon as it learns
+the round's result, within a poll period of the others: a re-read costs one request, where a
+watch costs a stream and its create and cancel requests (and in Python's gRPC, three threads,
+one of which wakes ten times a second): at 1,024 agents on two cores the watches alone slowed
+the round by seconds."""
 
 
 def _as_bytes(value: str | bytes | bytearray) -> bytes:
@@ -108,14 +116,8 @@ class EtcdStore(dist.Store):
                 for key, value in zip(keys, values, strict=True)]
 
     def get(self, key: str) -> bytes:
-        deadline = self._deadline(None)
-        while True:
-            # Read first: a key that is there (the common case) costs one request.
-            with etcd_errors(self._settings, f"reading store key {key!r} from"):
-                value, _ = self._client.get(self._key(key))
-            if value is not None:
-                return value
-            self._wait_for(key, deadline)
+        # A key that is there (the common case) costs one request.
+        return self._wait_for(key, self._deadline(None))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         deadline = self._deadline(timeout)
@@ -146,33 +148,43 @@ class EtcdStore(dist.Store):
         span = timeout if timeout is not None else self.timeout
         return time.monotonic() + span.total_seconds()
 
-    def _wait_for(self, key: str, deadline: float) -> None:
-        """Returns once ``key`` exists; raises torch's DistStoreError at ``deadline``."""
+    def _wait_for(self, key: str, deadline: float) -> bytes:
+        """``key``'s value once it exists; raises torch's DistStoreError at ``deadline``."""
         full = self._key(key)
+        pauses = iter(REREAD_PAUSES_S)
         while True:
-            with etcd_errors(self._settings, f"waiting for store key {key!r} in"):
+            with etcd_errors(self._settings, f"reading store key {key!r} from"):
                 response = self._client.get_response(full)
             if response.count > 0:
-                return
+                return bytes(response.kvs[0].value)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise dist.DistStoreError(
                     f"timed out waiting for store key {key!r} in etcd "
                     f"({self._settings.endpoint_text})"
                 )
-            events: queue.Queue[Any] = queue.Queue()
-            with etcd_errors(self._settings, f"watching store key {key!r} in"):
-                watch_id = self._client.add_watch_callback(
-                    full, events.put, start_revision=response.header.revision + 1
-                )
-            try:
+            pause = next(pauses, None)
+            if pause is not None:
+                time.sleep(min(pause, remaining))
+            else:
                 # Wake at least every few seconds: a watch can die silently with its stream
-                # (etcd restart), and the re-read above then finds the key.
-                events.get(timeout=min(remaining, 5.0))
-            except queue.Empty:
-                pass
-            finally:
-                try:
-                    self._client.cancel_watch(watch_id)
-                except Exception:
-                    logger.debug("cancelling watch on %s failed", full, exc_info=True)
+                # (etcd restart), and the read above then finds the key.
+                self._watch_once(key, response.header.revision + 1, min(remaining, 5.0))
+
+    def _watch_once(self, key: str, start_revision: int, timeout_s: float) -> None:
+        """Returns when ``key`` changes at or after ``start_revision``, or after
+        ``timeout_s``."""
+        full = self._key(key)
+        events: queue.Queue[Any] = queue.Queue()
+        with etcd_errors(self._settings, f"watching store key {key!r} in"):
+            watch_id = self._client.add_watch_callback(
+                full, events.put, start_revision=start_revision)
+        try:
+            events.get(timeout=timeout_s)
+        except queue.Empty:
+            pass
+        finally:
+            try:
+                self._client.cancel_watch(watch_id)
+            except Exception:
+                logger.debug("cancelling watch on %s failed", full, exc_info=True)

@@ -47,11 +47,14 @@ def test_store_set_get_add_compare_set_and_watch_wait(etcd_server: EtcdServer) -
     assert prefixed.check(["k", "n"]) and not prefixed.check(["missing"])
     assert prefixed.multi_get(["k", "n"]) == [b"v2", b"3"]
 
-    # A blocked get wakes when another writer sets the key (watch, not polling).
-    threading.Timer(0.5, lambda: store.set("round.1/late", b"x")).start()
+    # A blocked get finds a key written soon by a re-read, and one written after the re-reads
+    # (1.5 s) through its watch, at once: the watch's own wake-up would come 5 s later.
+    threading.Timer(0.5, lambda: store.set("round.1/soon", b"s")).start()
+    assert prefixed.get("soon") == b"s"
+    threading.Timer(2.5, lambda: store.set("round.1/late", b"x")).start()
     started = time.monotonic()
     assert prefixed.get("late") == b"x"
-    assert time.monotonic() - started < 4.5
+    assert time.monotonic() - started < 4.0
 
     with pytest.raises(dist.DistStoreError, match="timed out"):
         prefixed.wait(["never"], timedelta(seconds=0.5))
