@@ -388,6 +388,32 @@ def raw_txn(
     return response.succeeded, list(response.responses)
 
 
+def watch_once(client: Any, key: str, start_revision: int, timeout_s: float) -> None:
+    """Returns at the first change of ``key`` at or after ``start_revision``, or after
+    ``timeout_s``. The watch has a stream of its own, closed on return: pyetcd's shared watcher
+    keeps its stream open for the client's life, with a thread that wakes ten times a second,
+    which at hundreds of agents in one process costs more than all their requests."""
+    import grpc
+    from pyetcd import etcdrpc, utils
+
+    create = etcdrpc.WatchCreateRequest(key=utils.to_bytes(key), start_revision=start_revision)
+    call = etcdrpc.WatchStub(client.channel).Watch(
+        iter([etcdrpc.WatchRequest(create_request=create)]), timeout_s,
+        credentials=client.call_credentials, metadata=client.metadata)
+    try:
+        for response in call:
+            # An event, or the watch cancelled (its revision compacted): read the key again.
+            if response.events or response.canceled:
+                return
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return
+        client._manage_grpc_errors(e)
+        raise
+    finally:
+        call.cancel()
+
+
 class LazyClient:
     """Connects on first use, so building a handler never talks to etcd (torch builds handlers
     before its error handling starts); an unreachable etcd then fails inside the rendezvous,

@@ -13,8 +13,6 @@ between can be missed. Values are bytes; counters (``add``) are decimal text as 
 
 from __future__ import annotations
 
-import logging
-import queue
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,9 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors
-
-logger = logging.getLogger(__name__)
+from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors, watch_once
 
 _TXN_MAX_OPS = 128
 """etcd's default ``--max-txn-ops``: a transaction may hold no more operations."""
@@ -33,9 +29,8 @@ REREAD_PAUSES_S = (0.1, 0.2, 0.4, 0.8)
 """A key read as missing is read again after each of these pauses before a watch is started.
 The key every node of a round reads, ``MASTER_ADDR``, is written by rank 0 as soon as it learns
 the round's result, within a poll period of the others: a re-read costs one request, where a
-watch costs a stream and its create and cancel requests (and in Python's gRPC, three threads,
-one of which wakes ten times a second): at 1,024 agents on two cores the watches alone slowed
-the round by seconds."""
+watch costs a stream (and in Python's gRPC, threads that wake ten times a second while it is
+open): at 1,024 agents on two cores the watches alone slowed the round by seconds."""
 
 
 def _as_bytes(value: str | bytes | bytearray) -> bytes:
@@ -169,22 +164,6 @@ class EtcdStore(dist.Store):
             else:
                 # Wake at least every few seconds: a watch can die silently with its stream
                 # (etcd restart), and the read above then finds the key.
-                self._watch_once(key, response.header.revision + 1, min(remaining, 5.0))
-
-    def _watch_once(self, key: str, start_revision: int, timeout_s: float) -> None:
-        """Returns when ``key`` changes at or after ``start_revision``, or after
-        ``timeout_s``."""
-        full = self._key(key)
-        events: queue.Queue[Any] = queue.Queue()
-        with etcd_errors(self._settings, f"watching store key {key!r} in"):
-            watch_id = self._client.add_watch_callback(
-                full, events.put, start_revision=start_revision)
-        try:
-            events.get(timeout=timeout_s)
-        except queue.Empty:
-            pass
-        finally:
-            try:
-                self._client.cancel_watch(watch_id)
-            except Exception:
-                logger.debug("cancelling watch on %s failed", full, exc_info=True)
+                with etcd_errors(self._settings, f"watching store key {key!r} in"):
+                    watch_once(self._client, full, response.header.revision + 1,
+                               min(remaining, 5.0))

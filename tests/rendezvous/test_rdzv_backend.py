@@ -51,10 +51,18 @@ def test_store_set_get_add_compare_set_and_watch_wait(etcd_server: EtcdServer) -
     # (1.5 s) through its watch, at once: the watch's own wake-up would come 5 s later.
     threading.Timer(0.5, lambda: store.set("round.1/soon", b"s")).start()
     assert prefixed.get("soon") == b"s"
-    threading.Timer(2.5, lambda: store.set("round.1/late", b"x")).start()
+    threads_before = threading.active_count()
+    writer = threading.Timer(2.5, lambda: store.set("round.1/late", b"x"))
+    writer.start()
     started = time.monotonic()
     assert prefixed.get("late") == b"x"
     assert time.monotonic() - started < 4.0
+    # ... and the watch's stream and threads end with it (hundreds of agents in a process).
+    writer.join()
+    settle = time.monotonic() + 2.0
+    while threading.active_count() > threads_before and time.monotonic() < settle:
+        time.sleep(0.05)
+    assert threading.active_count() == threads_before
 
     with pytest.raises(dist.DistStoreError, match="timed out"):
         prefixed.wait(["never"], timedelta(seconds=0.5))
