@@ -55,7 +55,7 @@ MONITOR_INTERVAL_S = 0.1
 # Worker process: a share of the agents, driven by one-line commands on stdin.
 
 def child(backend: str, endpoint: str, run_id: str, n: int, first: int, count: int,
-          timeout_s: float, min_fraction: float) -> None:
+          timeout_s: float, min_fraction: float, switch_interval_s: float) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
@@ -65,6 +65,10 @@ def child(backend: str, endpoint: str, run_id: str, n: int, first: int, count: i
     def healthy() -> HealthReport:
         return HealthReport(ok=True, detail="", seconds=0.0)
 
+    # Up to 256 agents share this interpreter (a real agent is alone in its process): with
+    # Python's default 5 ms its threads hand the interpreter lock around so often that the
+    # hand-offs, not the agents, take most of the CPU (docs/scale.md).
+    sys.setswitchinterval(switch_interval_s)
     min_nodes = max(1, math.floor(min_fraction * n))
     conf = {"join_timeout": str(int(timeout_s)), "last_call_timeout": "1",
             "local_addr": "127.0.0.1"}
@@ -196,7 +200,7 @@ class Fleet:
     """The worker processes holding N agents."""
 
     def __init__(self, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float,
-                 min_fraction: float, backend: str = "etcd-v3"):
+                 min_fraction: float, switch_interval_s: float, backend: str = "etcd-v3"):
         self.n = n
         self.run_id = run_id
         self.alive = {f"node{i:05d}" for i in range(n)}
@@ -208,7 +212,7 @@ class Fleet:
             proc = subprocess.Popen(
                 [sys.executable, __file__, "--child", backend, endpoint, run_id, str(n),
                  str(first),
-                 str(count), str(timeout_s), str(min_fraction)],
+                 str(count), str(timeout_s), str(min_fraction), str(switch_interval_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self.procs.append(proc)
             for i in range(first, first + count):
@@ -403,9 +407,9 @@ def fault_rounds(fleet: Fleet, etcd: Etcd, n: int, timeout_s: float) -> list[Rou
 
 
 def one_n(etcd: Etcd, n: int, procs: int, steady_s: float, timeout_s: float, faults: bool,
-          cycles: int, min_fraction: float) -> None:
+          cycles: int, min_fraction: float, switch_interval_s: float) -> None:
     run_id = f"scale{n}-{int(time.time())}"
-    fleet = Fleet(etcd.endpoint, run_id, n, procs, timeout_s, min_fraction)
+    fleet = Fleet(etcd.endpoint, run_id, n, procs, timeout_s, min_fraction, switch_interval_s)
     try:
         result = measure_round(fleet, etcd)
         print(f"N={n:5d} ({len(fleet.procs)} procs)  first {result.line}", flush=True)
@@ -430,14 +434,15 @@ def one_n(etcd: Etcd, n: int, procs: int, steady_s: float, timeout_s: float, fau
         fleet.stop()
 
 
-def c10d_round(n: int, procs: int, timeout_s: float, min_fraction: float) -> None:
+def c10d_round(n: int, procs: int, timeout_s: float, min_fraction: float,
+               switch_interval_s: float) -> None:
     """The first round of torch's c10d rendezvous with the same N agents (threads of the same
     worker processes), over a TCPStore served by this process, as torchrun's host serves it."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     fleet = Fleet(f"127.0.0.1:{store.port}", f"c10d{n}-{int(time.time())}", n, procs,
-                  timeout_s, min_fraction, backend="c10d")
+                  timeout_s, min_fraction, switch_interval_s, backend="c10d")
     try:
         t0 = time.time() + 0.5
         reports = fleet.go(t0)
@@ -456,9 +461,9 @@ def c10d_round(n: int, procs: int, timeout_s: float, min_fraction: float) -> Non
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        backend, endpoint, run_id, n, first, count, timeout_s, min_fraction = sys.argv[2:10]
+        backend, endpoint, run_id, n, first, count, timeout_s, min_fraction, switch = sys.argv[2:11]
         child(backend, endpoint, run_id, int(n), int(first), int(count), float(timeout_s),
-              float(min_fraction))
+              float(min_fraction), float(switch))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256])
@@ -476,6 +481,9 @@ def main() -> int:
     parser.add_argument("--min-fraction", type=float, default=0.9,
                         help="--nnodes is floor(F*N):N (lower it for many --cycles: every "
                              "cycle loses 5%% of the agents and a coordinator)")
+    parser.add_argument("--switch-interval", type=float, default=0.05,
+                        help="Python's thread switch interval in the worker processes, seconds "
+                             "(default 0.05; Python's own is 0.005): see docs/scale.md")
     args = parser.parse_args()
     if any(n < 2 for n in args.nodes):
         print("--nodes: every N must be at least 2", file=sys.stderr)
@@ -493,9 +501,10 @@ def main() -> int:
             for n in args.nodes:
                 procs = args.procs or max(1, math.ceil(n / AGENTS_PER_PROC))
                 one_n(etcd, n, procs, args.steady_s, args.timeout_s, args.faults, args.cycles,
-                      args.min_fraction)
+                      args.min_fraction, args.switch_interval)
                 if args.c10d:
-                    c10d_round(n, procs, args.timeout_s, args.min_fraction)
+                    c10d_round(n, procs, args.timeout_s, args.min_fraction,
+                               args.switch_interval)
         finally:
             etcd.stop()
     return 0

@@ -98,6 +98,11 @@ WAITER_POLL_S = (0.5, 1.5)
 """Everyone else polls at a random interval in this range: about one request a second. (An etcd
 watch of the result between slower polls costs each node a watcher thread and stream; at 1,024
 agents on two cores that thrashed the bench, docs/scale.md.)"""
+OUTAGE_RETRY_S = (0.5, 4.0)
+"""While etcd does not answer, a node asks again after a pause that doubles from the first value
+to the second, times a random factor in [0.5, 1]: when etcd is overloaded rather than down
+(thousands of nodes at once), nodes retrying at a fixed pace add load exactly when it hurts,
+and spread out they let it recover."""
 RUNNING_POLL_S = 2.0
 """``num_nodes_waiting`` asks etcd at most this often (the agent's monitor asks more often);
 with the lease refresh every TTL/3 (5 s) a running node costs etcd 0.7 requests a second."""
@@ -451,6 +456,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         m = self._membership
         started = time.monotonic()
         last_said = -math.inf
+        pause_s = OUTAGE_RETRY_S[0]
         while True:
             try:
                 found = self._rounds.probe(m.blacklist.key(m.node_id))
@@ -475,7 +481,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         "waiting for etcd at %s (%s); giving up in %.0f s (set "
                         "--rdzv-conf connect_timeout=SECONDS to wait less or more)",
                         m.settings.endpoint_text, cause, deadline - now)
-                time.sleep(min(0.5, max(0.0, deadline - now)))
+                time.sleep(min(pause_s * random.uniform(0.5, 1.0), max(0.0, deadline - now)))
+                pause_s = min(2 * pause_s, OUTAGE_RETRY_S[1])
 
     def _member_record(self, state: str, **fields: Any) -> MemberRecord:
         m = self._membership

@@ -6,9 +6,9 @@ keeps the same keys in etcd under ``<root>/jobs/<run_id>/store/``: any node can 
 others still find everything. Workers keep torch's own per-attempt TCPStore (hosted by worker
 rank 0 and recreated every attempt), which is not job-critical: the next round makes a new one.
 
-Blocking reads (``get``, ``wait``) read a missing key again a few times over 1.5 s, then wait
-on an etcd watch started at the revision of the read that found it missing, so no write in
-between can be missed. Values are bytes; counters (``add``) are decimal text as in TCPStore.
+Blocking reads (``get``, ``wait``) read a missing key again for a few seconds, then wait on an
+etcd watch started at the revision of the read that found it missing, so no write in between
+can be missed. Values are bytes; counters (``add``) are decimal text as in TCPStore.
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors, watch_once
 _TXN_MAX_OPS = 128
 """etcd's default ``--max-txn-ops``: a transaction may hold no more operations."""
 
-REREAD_PAUSES_S = (0.1, 0.2, 0.4, 0.8)
-"""A key read as missing is read again after each of these pauses before a watch is started.
-The key every node of a round reads, ``MASTER_ADDR``, is written by rank 0 as soon as it learns
-the round's result, within a poll period of the others: a re-read costs one request, where a
-watch costs a stream (and in Python's gRPC, threads that wake ten times a second while it is
-open): at 1,024 agents on two cores the watches alone slowed the round by seconds."""
+REREAD_PAUSE_S = (0.1, 1.0)
+REREAD_FOR_S = 10.0
+"""A key read as missing is read again after a pause that doubles from 0.1 s to 1 s, for up to
+10 s, and only then waited for with an etcd watch. The key every node of a round reads,
+``MASTER_ADDR``, is written by rank 0 as soon as it learns the round's result, about a poll
+period after the others: a re-read costs one request, where a watch costs a stream, and in
+Python's gRPC a thread that wakes ten times a second while it waits. With 1,024 agents on two
+cores, a thousand such threads waiting for rank 0 kept rank 0 itself from running for seconds
+(docs/scale.md). Long waits (the exit barrier) still end up on a watch."""
 
 
 def _as_bytes(value: str | bytes | bytearray) -> bytes:
@@ -146,24 +149,25 @@ class EtcdStore(dist.Store):
     def _wait_for(self, key: str, deadline: float) -> bytes:
         """``key``'s value once it exists; raises torch's DistStoreError at ``deadline``."""
         full = self._key(key)
-        pauses = iter(REREAD_PAUSES_S)
+        reread_until = time.monotonic() + REREAD_FOR_S
+        pause_s = REREAD_PAUSE_S[0]
         while True:
             with etcd_errors(self._settings, f"reading store key {key!r} from"):
                 response = self._client.get_response(full)
             if response.count > 0:
                 return bytes(response.kvs[0].value)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 raise dist.DistStoreError(
                     f"timed out waiting for store key {key!r} in etcd "
                     f"({self._settings.endpoint_text})"
                 )
-            pause = next(pauses, None)
-            if pause is not None:
-                time.sleep(min(pause, remaining))
+            if now < reread_until:
+                time.sleep(min(pause_s, deadline - now))
+                pause_s = min(2 * pause_s, REREAD_PAUSE_S[1])
             else:
                 # Wake at least every few seconds: a watch can die silently with its stream
                 # (etcd restart), and the read above then finds the key.
                 with etcd_errors(self._settings, f"watching store key {key!r} in"):
                     watch_once(self._client, full, response.header.revision + 1,
-                               min(remaining, 5.0))
+                               min(deadline - now, 5.0))

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elasticft.rendezvous import store as store_module
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.factory import create_handler
 from elasticft.rendezvous.membership import Blacklist, MemberRecord, MembershipPublisher
@@ -34,7 +35,10 @@ def test_unreachable_etcd_is_a_connection_error(etcd_server: EtcdServer) -> None
         rounds.last_round()
 
 
-def test_store_set_get_add_compare_set_and_watch_wait(etcd_server: EtcdServer) -> None:
+def test_store_set_get_add_compare_set_and_watch_wait(
+    etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "REREAD_FOR_S", 1.5)
     client, settings = connect(etcd_server)
     store = EtcdStore(client, "/t/store/", settings, timeout=timedelta(seconds=5))
     prefixed = dist.PrefixStore("round.1", store)  # how torch's handler hands it out
@@ -48,7 +52,7 @@ def test_store_set_get_add_compare_set_and_watch_wait(etcd_server: EtcdServer) -
     assert prefixed.multi_get(["k", "n"]) == [b"v2", b"3"]
 
     # A blocked get finds a key written soon by a re-read, and one written after the re-reads
-    # (1.5 s) through its watch, at once: the watch's own wake-up would come 5 s later.
+    # (1.5 s here) through its watch, at once: the watch's own wake-up would come 5 s later.
     threading.Timer(0.5, lambda: store.set("round.1/soon", b"s")).start()
     assert prefixed.get("soon") == b"s"
     threads_before = threading.active_count()
