@@ -6,9 +6,9 @@ keeps the same keys in etcd under ``<root>/jobs/<run_id>/store/``: any node can 
 others still find everything. Workers keep torch's own per-attempt TCPStore (hosted by worker
 rank 0 and recreated every attempt), which is not job-critical: the next round makes a new one.
 
-Blocking reads (``get``, ``wait``) read a missing key again for a few seconds, then wait on an
-etcd watch started at the revision of the read that found it missing, so no write in between
-can be missed. Values are bytes; counters (``add``) are decimal text as in TCPStore.
+Blocking reads wait on an etcd watch started at the revision of the read that found the key
+missing, so no write in between can be missed (``get`` first reads it again for a few seconds,
+see :data:`REREAD_FOR_S`). Values are bytes; counters (``add``) are decimal text as in TCPStore.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ _TXN_MAX_OPS = 128
 
 REREAD_PAUSE_S = (0.1, 1.0)
 REREAD_FOR_S = 10.0
-"""A key read as missing is read again after a pause that doubles from 0.1 s to 1 s, for up to
-10 s, and only then waited for with an etcd watch. The key every node of a round reads,
+"""``get`` of a missing key reads it again after a pause that doubles from 0.1 s to 1 s, for up
+to 10 s, and only then waits with an etcd watch. The key every node of a round gets,
 ``MASTER_ADDR``, is written by rank 0 as soon as it learns the round's result, about a poll
 period after the others: a re-read costs one request, where a watch costs a stream, and in
 Python's gRPC a thread that wakes ten times a second while it waits. With 1,024 agents on two
 cores, a thousand such threads waiting for rank 0 kept rank 0 itself from running for seconds
-(docs/scale.md). Long waits (the exit barrier) still end up on a watch."""
+(docs/scale.md). ``wait`` (the JIT request watcher, the exit barrier: long waits, in slices)
+goes to the watch at once."""
 
 
 def _as_bytes(value: str | bytes | bytearray) -> bytes:
@@ -115,12 +116,12 @@ class EtcdStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         # A key that is there (the common case) costs one request.
-        return self._wait_for(key, self._deadline(None))
+        return self._wait_for(key, self._deadline(None), REREAD_FOR_S)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         deadline = self._deadline(timeout)
         for key in keys:
-            self._wait_for(key, deadline)
+            self._wait_for(key, deadline, reread_for_s=0.0)
 
     def num_keys(self) -> int:
         with etcd_errors(self._settings, "counting store keys in"):
@@ -146,10 +147,11 @@ class EtcdStore(dist.Store):
         span = timeout if timeout is not None else self.timeout
         return time.monotonic() + span.total_seconds()
 
-    def _wait_for(self, key: str, deadline: float) -> bytes:
-        """``key``'s value once it exists; raises torch's DistStoreError at ``deadline``."""
+    def _wait_for(self, key: str, deadline: float, reread_for_s: float) -> bytes:
+        """``key``'s value once it exists (read again for ``reread_for_s``, then watched);
+        raises torch's DistStoreError at ``deadline``."""
         full = self._key(key)
-        reread_until = time.monotonic() + REREAD_FOR_S
+        reread_until = time.monotonic() + reread_for_s
         pause_s = REREAD_PAUSE_S[0]
         while True:
             with etcd_errors(self._settings, f"reading store key {key!r} from"):

@@ -68,6 +68,11 @@ def test_store_set_get_add_compare_set_and_watch_wait(
         time.sleep(0.05)
     assert threading.active_count() == threads_before
 
+    # wait (long waits in slices: the JIT watcher) goes to its watch at once.
+    threading.Timer(0.5, lambda: store.set("round.1/waited", b"w")).start()
+    started = time.monotonic()
+    prefixed.wait(["waited"], timedelta(seconds=4))
+    assert time.monotonic() - started < 1.5
     with pytest.raises(dist.DistStoreError, match="timed out"):
         prefixed.wait(["never"], timedelta(seconds=0.5))
 
