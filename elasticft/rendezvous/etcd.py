@@ -406,7 +406,9 @@ def watch_once(client: Any, key: str, start_revision: int, timeout_s: float) -> 
             if response.events or response.canceled:
                 return
     except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        # The deadline ends the watch; when etcd sees it first, it says so as UNKNOWN.
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
+                e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in str(e.details())):
             return
         client._manage_grpc_errors(e)
         raise
