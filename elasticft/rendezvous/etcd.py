@@ -388,11 +388,13 @@ def raw_txn(
     return response.succeeded, list(response.responses)
 
 
-def watch_once(client: Any, key: str, start_revision: int, timeout_s: float) -> None:
-    """Returns at the first change of ``key`` at or after ``start_revision``, or after
-    ``timeout_s``. The watch has a stream of its own, closed on return: pyetcd's shared watcher
-    keeps its stream open for the client's life, with a thread that wakes ten times a second,
-    which at hundreds of agents in one process costs more than all their requests."""
+def watch_once(client: Any, key: str, start_revision: int, timeout_s: float) -> bool:
+    """Waits for the first change of ``key`` at or after ``start_revision`` (True), or
+    ``timeout_s`` (False); True also when etcd cancels the watch (the revision compacted).
+
+    The watch has a stream of its own, closed on return: pyetcd's shared watcher keeps its
+    stream open for the client's life, with a thread that wakes ten times a second, which at
+    hundreds of agents in one process costs more than all their requests."""
     import grpc
     from pyetcd import etcdrpc, utils
 
@@ -404,16 +406,17 @@ def watch_once(client: Any, key: str, start_revision: int, timeout_s: float) -> 
         for response in call:
             # An event, or the watch cancelled (its revision compacted): read the key again.
             if response.events or response.canceled:
-                return
+                return True
     except grpc.RpcError as e:
         # The deadline ends the watch; when etcd sees it first, it says so as UNKNOWN.
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
                 e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in str(e.details())):
-            return
+            return False
         client._manage_grpc_errors(e)
         raise
     finally:
         call.cancel()
+    return False
 
 
 class LazyClient:

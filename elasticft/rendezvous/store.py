@@ -25,6 +25,9 @@ from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors, watch_once
 _TXN_MAX_OPS = 128
 """etcd's default ``--max-txn-ops``: a transaction may hold no more operations."""
 
+_MISSING_REMEMBERED = 256
+"""At most this many waited-for keys are remembered as missing (see ``_wait_for``)."""
+
 REREAD_PAUSE_S = (0.1, 1.0)
 REREAD_FOR_S = 10.0
 """``get`` of a missing key reads it again after a pause that doubles from 0.1 s to 1 s, for up
@@ -55,6 +58,7 @@ class EtcdStore(dist.Store):
         self._client = client
         self._prefix = prefix
         self._settings = settings
+        self._missing_at: dict[str, int] = {}
         self.set_timeout(timeout)
 
     def _key(self, key: str) -> str:
@@ -149,17 +153,28 @@ class EtcdStore(dist.Store):
 
     def _wait_for(self, key: str, deadline: float, reread_for_s: float) -> bytes:
         """``key``'s value once it exists (read again for ``reread_for_s``, then watched);
-        raises torch's DistStoreError at ``deadline``."""
+        raises torch's DistStoreError at ``deadline``.
+
+        A key still missing when a wait times out is remembered with the revision it was
+        missing at, and the next wait for it watches from there without reading it first: the
+        JIT watcher waits in 1 s slices for a whole round, one watch stream a second instead
+        of two reads and a stream."""
         full = self._key(key)
         reread_until = time.monotonic() + reread_for_s
         pause_s = REREAD_PAUSE_S[0]
+        missing_at = self._missing_at.pop(full, None)
         while True:
-            with etcd_errors(self._settings, f"reading store key {key!r} from"):
-                response = self._client.get_response(full)
-            if response.count > 0:
-                return bytes(response.kvs[0].value)
+            if missing_at is None:
+                with etcd_errors(self._settings, f"reading store key {key!r} from"):
+                    response = self._client.get_response(full)
+                if response.count > 0:
+                    return bytes(response.kvs[0].value)
+                missing_at = response.header.revision
             now = time.monotonic()
             if now >= deadline:
+                if len(self._missing_at) >= _MISSING_REMEMBERED:
+                    self._missing_at.clear()
+                self._missing_at[full] = missing_at
                 raise dist.DistStoreError(
                     f"timed out waiting for store key {key!r} in etcd "
                     f"({self._settings.endpoint_text})"
@@ -167,9 +182,10 @@ class EtcdStore(dist.Store):
             if now < reread_until:
                 time.sleep(min(pause_s, deadline - now))
                 pause_s = min(2 * pause_s, REREAD_PAUSE_S[1])
-            else:
-                # Wake at least every few seconds: a watch can die silently with its stream
-                # (etcd restart), and the read above then finds the key.
-                with etcd_errors(self._settings, f"watching store key {key!r} in"):
-                    watch_once(self._client, full, response.header.revision + 1,
-                               min(deadline - now, 5.0))
+                missing_at = None
+                continue
+            # Wake at least every few seconds: a watch can die silently with its stream (etcd
+            # restart); on a change (or a compacted revision) the key is read again.
+            with etcd_errors(self._settings, f"watching store key {key!r} in"):
+                if watch_once(self._client, full, missing_at + 1, min(deadline - now, 5.0)):
+                    missing_at = None
