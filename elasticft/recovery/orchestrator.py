@@ -54,6 +54,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from elasticft import procs
 from elasticft.agent.api import AgentCollaborator, GroupInfo, run_ending_errors
 from elasticft.agent.classify import FailureRecord
@@ -84,6 +86,10 @@ _WATCH_WAKE_S = 1.0
 """A blocking store wait wakes this often to see whether its round (or the agent) is over: a
 thread must not be inside a store call when the interpreter exits (the store's C++ side calls
 back into Python, which crashes the exiting agent)."""
+_INTERRUPTIBLE_WAKE_S = 60.0
+"""The JIT watcher's wait on a store that can end it on demand (the etcd store's
+``interrupt_waits``): the watcher is interrupted when its round or the agent ends, so it need not
+wake every second, which on etcd costs a request a second a node."""
 
 
 @dataclasses.dataclass
@@ -127,6 +133,8 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._round_jit: dict[int, _RoundJit] = {}
         self._round_store: Any = None
         self._watch_stop = threading.Event()
+        self._watcher: tuple[threading.Thread, Any] | None = None
+        """The JIT watcher thread and its store's ``interrupt_waits`` (None: it has none)."""
         self._closing = threading.Event()
         self._started: GroupInfo | None = None
         """The group as of its workers' start (with their pids), for the JIT watcher."""
@@ -167,15 +175,19 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._group = group
         if self._events is None:
             self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
-        self._watch_stop.set()  # the previous round's JIT watcher
+        self._stop_jit_watcher()  # the previous round's
         self._round_store = store
         if store is None:
             return
         if group.group_world_size > 1:
             self._watch_stop = threading.Event()
+            watch_store = _own_connection(store)
+            interrupt = _interrupter(watch_store)
+            wake_s = _INTERRUPTIBLE_WAKE_S if interrupt is not None else _WATCH_WAKE_S
             watcher = threading.Thread(target=self._watch_jit,
-                                       args=(group, _own_connection(store), self._watch_stop),
+                                       args=(group, watch_store, self._watch_stop, wake_s),
                                        daemon=True, name="elasticft-recovery-jit-watch")
+            self._watcher = (watcher, interrupt)
             watcher.start()
             self._threads.append(watcher)
         known = max((r for r in self._round_nodes if r < group.round), default=None)
@@ -446,13 +458,22 @@ class RecoveryOrchestrator(AgentCollaborator):
                    newest_common_step=min(steps) if steps and len(steps) == len(reports)
                    else None, seconds=round(time.monotonic() - started, 3))
 
-    def _watch_jit(self, group: GroupInfo, store: Any, stop: threading.Event) -> None:
-        """Waits (blocking on the store) for a JIT request of this round from another node;
-        answers it with this node's JIT checkpoint and reports the step."""
+    def _stop_jit_watcher(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None:
+            thread, interrupt = self._watcher
+            if interrupt is not None:
+                interrupt(thread)
+            self._watcher = None
+
+    def _watch_jit(self, group: GroupInfo, store: Any, stop: threading.Event,
+                   wake_s: float) -> None:
+        """Waits (blocking on the store, ``wake_s`` at a time) for a JIT request of this round
+        from another node; answers it with this node's JIT checkpoint and reports the step."""
         while not stop.is_set() and not self._closing.is_set():
             started = time.monotonic()
             try:
-                store.wait([_JIT_REQUEST_KEY], timedelta(seconds=_WATCH_WAKE_S))
+                store.wait([_JIT_REQUEST_KEY], timedelta(seconds=wake_s))
                 request = json.loads(_text(store.get(_JIT_REQUEST_KEY)))
             except Exception:
                 if time.monotonic() - started < _WATCH_WAKE_S / 2:
@@ -512,8 +533,8 @@ class RecoveryOrchestrator(AgentCollaborator):
                    round=group.round, blacklisted=blacklisted)
 
     def close(self) -> None:
-        self._watch_stop.set()
         self._closing.set()
+        self._stop_jit_watcher()
         for thread in self._threads:
             thread.join(timeout=2 * _WATCH_WAKE_S + 1)
         close = getattr(self.membership, "close", None)
@@ -536,6 +557,15 @@ def _own_connection(store: Any) -> Any:
         return store.clone()
     except Exception:
         return store
+
+
+def _interrupter(store: Any) -> Any:
+    """The ``interrupt_waits`` of the store under ``store``'s prefixes, or None: only a store
+    written in Python (the etcd store) can end a thread's wait on demand."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    interrupt = getattr(store, "interrupt_waits", None)
+    return interrupt if callable(interrupt) else None
 
 
 def _wait_key(store: Any, key: str, deadline: float, closing: threading.Event) -> bool:

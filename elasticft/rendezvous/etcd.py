@@ -31,7 +31,7 @@ import functools
 import logging
 import random
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -388,9 +388,11 @@ def raw_txn(
     return response.succeeded, list(response.responses)
 
 
-def watch_once(client: Any, key: str, start_revision: int, timeout_s: float) -> bool:
+def watch_once(client: Any, key: str, start_revision: int, timeout_s: float,
+               on_call: Callable[[Any], None] | None = None) -> bool:
     """Waits for the first change of ``key`` at or after ``start_revision`` (True), or
     ``timeout_s`` (False); True also when etcd cancels the watch (the revision compacted).
+    ``on_call`` gets the gRPC call as soon as it exists: cancelling it ends the wait (False).
 
     The watch has a stream of its own, closed on return: pyetcd's shared watcher keeps its
     stream open for the client's life, with a thread that wakes ten times a second, which at
@@ -403,13 +405,15 @@ def watch_once(client: Any, key: str, start_revision: int, timeout_s: float) -> 
         iter([etcdrpc.WatchRequest(create_request=create)]), timeout_s,
         credentials=client.call_credentials, metadata=client.metadata)
     try:
+        if on_call is not None:
+            on_call(call)
         for response in call:
             # An event, or the watch cancelled (its revision compacted): read the key again.
             if response.events or response.canceled:
                 return True
     except grpc.RpcError as e:
         # The deadline ends the watch; when etcd sees it first, it says so as UNKNOWN.
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
+        if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) or (
                 e.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in str(e.details())):
             return False
         client._manage_grpc_errors(e)

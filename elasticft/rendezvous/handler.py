@@ -95,9 +95,10 @@ _OUTAGE_LOG_EVERY_S = 10.0
 COORDINATOR_POLL_S = 0.1
 """The coordinator of a round that may close polls this often (its decision is the latency)."""
 WAITER_POLL_S = (0.5, 1.5)
-"""Everyone else polls at a random interval in this range: about one request a second. (An etcd
-watch of the result between slower polls costs each node a watcher thread and stream; at 1,024
-agents on two cores that thrashed the bench, docs/scale.md.)"""
+"""Everyone else polls at a random interval in this range: about one request a second. (A
+watch of the result instead would hold a gRPC stream per waiting node, whose Python thread wakes
+ten times a second: at 1,024 agents on two cores that costs more than the polls,
+docs/scale.md.)"""
 OUTAGE_RETRY_S = (0.5, 4.0)
 """While etcd does not answer, a node asks again after a pause that doubles from the first value
 to the second, times a random factor in [0.5, 1]: when etcd is overloaded rather than down
@@ -105,7 +106,8 @@ to the second, times a random factor in [0.5, 1]: when etcd is overloaded rather
 and spread out they let it recover."""
 RUNNING_POLL_S = 2.0
 """``num_nodes_waiting`` asks etcd at most this often (the agent's monitor asks more often);
-with the lease refresh every TTL/3 (5 s) a running node costs etcd 0.7 requests a second."""
+with the lease refresh every TTL/3 (5 s) the rendezvous costs a running node 0.7 etcd requests
+a second."""
 
 
 class NodeBlacklistedError(RendezvousError):

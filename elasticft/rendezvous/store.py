@@ -13,7 +13,9 @@ see :data:`REREAD_FOR_S`). Values are bytes; counters (``add``) are decimal text
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -59,6 +61,9 @@ class EtcdStore(dist.Store):
         self._prefix = prefix
         self._settings = settings
         self._missing_at: dict[str, int] = {}
+        self._watches: dict[threading.Thread, Any] = {}  # a thread's watch call in flight
+        # Threads, not their ids: an id is reused by a later thread, which must not inherit it.
+        self._interrupted: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self.set_timeout(timeout)
 
     def _key(self, key: str) -> str:
@@ -127,6 +132,16 @@ class EtcdStore(dist.Store):
         for key in keys:
             self._wait_for(key, deadline, reread_for_s=0.0)
 
+    def interrupt_waits(self, thread: threading.Thread) -> None:
+        """Ends the blocking read of ``thread`` in this store now (or its next one, at once)
+        with DistStoreError. A thread that waits for a key a whole round long (the JIT
+        request watcher) then needs no short slices to notice it should stop: on etcd each
+        slice costs a request."""
+        self._interrupted.add(thread)
+        call = self._watches.get(thread)
+        if call is not None:
+            call.cancel()
+
     def num_keys(self) -> int:
         with etcd_errors(self._settings, "counting store keys in"):
             return sum(1 for _ in self._client.get_prefix(self._prefix, keys_only=True))
@@ -163,7 +178,11 @@ class EtcdStore(dist.Store):
         reread_until = time.monotonic() + reread_for_s
         pause_s = REREAD_PAUSE_S[0]
         missing_at = self._missing_at.pop(full, None)
+        me = threading.current_thread()
         while True:
+            if me in self._interrupted:
+                self._interrupted.discard(me)
+                raise dist.DistStoreError(f"waiting for store key {key!r} was interrupted")
             if missing_at is None:
                 with etcd_errors(self._settings, f"reading store key {key!r} from"):
                     response = self._client.get_response(full)
@@ -186,6 +205,15 @@ class EtcdStore(dist.Store):
                 continue
             # Wake at least every few seconds: a watch can die silently with its stream (etcd
             # restart); on a change (or a compacted revision) the key is read again.
-            with etcd_errors(self._settings, f"watching store key {key!r} in"):
-                if watch_once(self._client, full, missing_at + 1, min(deadline - now, 5.0)):
-                    missing_at = None
+            try:
+                with etcd_errors(self._settings, f"watching store key {key!r} in"):
+                    if watch_once(self._client, full, missing_at + 1, min(deadline - now, 5.0),
+                                  on_call=lambda call: self._watching(me, call)):
+                        missing_at = None
+            finally:
+                self._watches.pop(me, None)
+
+    def _watching(self, thread: threading.Thread, call: Any) -> None:
+        self._watches[thread] = call
+        if thread in self._interrupted:  # interrupted just before the call existed
+            call.cancel()

@@ -136,3 +136,41 @@ def test_handler_config_errors_are_one_line() -> None:
         create_handler(RendezvousParameters("etcd-v3", "host:notaport", "job", 1, 2))
     handler = create_handler(params(node_id="n1"))  # builds without contacting etcd
     assert handler.get_backend() == "etcd-v3" and handler.node_id == "n1"
+
+
+def test_store_wait_of_one_thread_is_interrupted_on_demand(etcd_server: EtcdServer) -> None:
+    """The JIT watcher waits a whole round on one key; stopping it must not take its timeout,
+    nor touch another thread's wait."""
+    client, settings = connect(etcd_server)
+    etcd_store = EtcdStore(client, "/t/interrupt/", settings, timeout=timedelta(seconds=30))
+    store = dist.PrefixStore("round.1", etcd_store)
+    outcome: dict[str, str] = {}
+
+    def wait(name: str) -> None:
+        try:
+            store.wait(["request"], timedelta(seconds=20))
+            outcome[name] = "found"
+        except Exception as e:  # torch raises its DistStoreError through the C++ store
+            outcome[name] = f"{type(e).__name__}: {e}"
+
+    watcher = threading.Thread(target=wait, args=("watcher",))
+    other = threading.Thread(target=wait, args=("other",))
+    watcher.start()
+    other.start()
+    time.sleep(1.0)  # both inside their etcd watch
+    started = time.monotonic()
+    etcd_store.interrupt_waits(watcher)
+    watcher.join(timeout=5)
+    assert not watcher.is_alive() and time.monotonic() - started < 2.0
+    assert "interrupted" in outcome["watcher"]
+    assert other.is_alive()  # still waiting, and it finds the key once written
+    store.set("request", b"r")
+    other.join(timeout=5)
+    assert outcome["other"] == "found"
+
+    # Interrupted between two waits: the next one ends at once.
+    late = threading.Thread(target=lambda: (time.sleep(0.5), wait("late")))
+    late.start()
+    etcd_store.interrupt_waits(late)
+    late.join(timeout=5)
+    assert "interrupted" in outcome["late"]
