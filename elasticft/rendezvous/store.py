@@ -38,8 +38,8 @@ to 10 s, and only then waits with an etcd watch. The key every node of a round g
 period after the others: a re-read costs one request, where a watch costs a stream, and in
 Python's gRPC a thread that wakes ten times a second while it waits. With 1,024 agents on two
 cores, a thousand such threads waiting for rank 0 kept rank 0 itself from running for seconds
-(docs/scale.md). ``wait`` (the JIT request watcher, the exit barrier: long waits, in slices)
-goes to the watch at once."""
+(docs/scale.md). ``wait`` (the JIT request watcher, the exit barrier: long waits) goes to the
+watch at once."""
 
 
 def _as_bytes(value: str | bytes | bytearray) -> bytes:
@@ -171,9 +171,9 @@ class EtcdStore(dist.Store):
         raises torch's DistStoreError at ``deadline``.
 
         A key still missing when a wait times out is remembered with the revision it was
-        missing at, and the next wait for it watches from there without reading it first: the
-        JIT watcher waits in 1 s slices for a whole round, one watch stream a second instead
-        of two reads and a stream."""
+        missing at, and the next wait for it watches from there without reading it first: a
+        caller that waits in slices (the JIT reports, 1 s each) pays one watch stream a slice
+        instead of two reads and a stream."""
         full = self._key(key)
         reread_until = time.monotonic() + reread_for_s
         pause_s = REREAD_PAUSE_S[0]
