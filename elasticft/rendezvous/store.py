@@ -27,9 +27,6 @@ from elasticft.rendezvous.etcd import EtcdSettings, etcd_errors, watch_once
 _TXN_MAX_OPS = 128
 """etcd's default ``--max-txn-ops``: a transaction may hold no more operations."""
 
-_MISSING_REMEMBERED = 256
-"""At most this many waited-for keys are remembered as missing (see ``_wait_for``)."""
-
 REREAD_PAUSE_S = (0.1, 1.0)
 REREAD_FOR_S = 10.0
 """``get`` of a missing key reads it again after a pause that doubles from 0.1 s to 1 s, for up
@@ -60,7 +57,6 @@ class EtcdStore(dist.Store):
         self._client = client
         self._prefix = prefix
         self._settings = settings
-        self._missing_at: dict[str, int] = {}
         self._watches: dict[threading.Thread, Any] = {}  # a thread's watch call in flight
         # Threads, not their ids: an id is reused by a later thread, which must not inherit it.
         self._interrupted: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
@@ -168,16 +164,12 @@ class EtcdStore(dist.Store):
 
     def _wait_for(self, key: str, deadline: float, reread_for_s: float) -> bytes:
         """``key``'s value once it exists (read again for ``reread_for_s``, then watched);
-        raises torch's DistStoreError at ``deadline``.
-
-        A key still missing when a wait times out is remembered with the revision it was
-        missing at, and the next wait for it watches from there without reading it first: a
-        caller that waits in slices (the JIT reports, 1 s each) pays one watch stream a slice
-        instead of two reads and a stream."""
+        raises torch's DistStoreError at ``deadline``. A watch that ends without a change
+        needs no read after it: the key is still missing at the revision watched from."""
         full = self._key(key)
         reread_until = time.monotonic() + reread_for_s
         pause_s = REREAD_PAUSE_S[0]
-        missing_at = self._missing_at.pop(full, None)
+        missing_at: int | None = None  # the revision a read found the key missing at
         me = threading.current_thread()
         while True:
             if me in self._interrupted:
@@ -191,9 +183,6 @@ class EtcdStore(dist.Store):
                 missing_at = response.header.revision
             now = time.monotonic()
             if now >= deadline:
-                if len(self._missing_at) >= _MISSING_REMEMBERED:
-                    self._missing_at.clear()
-                self._missing_at[full] = missing_at
                 raise dist.DistStoreError(
                     f"timed out waiting for store key {key!r} in etcd "
                     f"({self._settings.endpoint_text})"
