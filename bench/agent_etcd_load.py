@@ -14,30 +14,19 @@ fixed number of steps and every wait has a limit).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def handled_by_method(endpoint: str) -> collections.Counter[str]:
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-    counts: collections.Counter[str] = collections.Counter()
-    for labels, value in re.findall(r'^grpc_server_handled_total\{([^}]*)\} (\S+)$', text, re.M):
-        method = re.search(r'grpc_method="([^"]+)"', labels)
-        counts[method.group(1) if method else "?"] += float(value)
-    return counts
-
-
 def main() -> int:
+    from bench.scale import handled_by_method
     from tests.servers import EtcdServer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,6 +45,7 @@ def main() -> int:
         etcd = EtcdServer(tmp / "data", tmp / "etcd.log")
         etcd.start()
         agents = []
+        logs = [open(tmp / f"agent{i}.log", "w") for i in range(args.agents)]  # noqa: SIM115
         try:
             for i in range(args.agents):
                 env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -67,8 +57,7 @@ def main() -> int:
                      "--run-dir", str(tmp / f"run{i}"),
                      str(ROOT / "examples" / "train_elasticft.py"), "--steps", str(steps),
                      "--step-time", "0.1", "--ckpt-dir", str(tmp / f"ckpt{i}")],
-                    cwd=tmp, env=env, stdout=subprocess.DEVNULL,
-                    stderr=open(tmp / f"agent{i}.log", "w")))  # noqa: SIM115 (closed with tmp)
+                    cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=logs[i]))
             time.sleep(args.warmup_s)
             if any(a.poll() is not None for a in agents):
                 print("an agent exited before the window; its log:", file=sys.stderr)
@@ -87,6 +76,8 @@ def main() -> int:
                     agent.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     agent.kill()
+            for log in logs:
+                log.close()
             etcd.stop()
     delta = after - before
     total = sum(delta.values())

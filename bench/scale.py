@@ -31,6 +31,7 @@ round has ``--timeout-s``; the bench stops by itself).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -139,6 +140,18 @@ def child(backend: str, endpoint: str, run_id: str, n: int, first: int, count: i
 # ---------------------------------------------------------------------------------------------
 # The driver: etcd, the worker processes, the measurements.
 
+def handled_by_method(endpoint: str) -> collections.Counter[str]:
+    """gRPC requests the etcd member at ``endpoint`` has finished, by method (Range, Txn,
+    LeaseKeepAlive, ...), from its ``grpc_server_handled_total`` (a stream counts once, when
+    it ends)."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    counts: collections.Counter[str] = collections.Counter()
+    for labels, value in re.findall(r'^grpc_server_handled_total\{([^}]*)\} (\S+)$', text, re.M):
+        method = re.search(r'grpc_method="([^"]+)"', labels)
+        counts[method.group(1) if method else "?"] += float(value)
+    return counts
+
+
 class Etcd:
     """The etcd under test: one member, or a cluster of several on loopback."""
 
@@ -177,12 +190,9 @@ class Etcd:
         total = 0.0
         for member in self.members:
             try:
-                text = urllib.request.urlopen(
-                    f"http://{member.endpoint}/metrics", timeout=5).read().decode()
+                total += sum(handled_by_method(member.endpoint).values())
             except OSError:
                 return float("nan")
-            total += sum(float(m.group(1)) for m in re.finditer(
-                r'^grpc_server_handled_total\{[^}]*\} (\S+)$', text, re.M))
         return total
 
     def cpu_s(self) -> float:
@@ -211,8 +221,8 @@ class Fleet:
             count = min(share, n - first)
             proc = subprocess.Popen(
                 [sys.executable, __file__, "--child", backend, endpoint, run_id, str(n),
-                 str(first),
-                 str(count), str(timeout_s), str(min_fraction), str(switch_interval_s)],
+                 str(first), str(count), str(timeout_s), str(min_fraction),
+                 str(switch_interval_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self.procs.append(proc)
             for i in range(first, first + count):
