@@ -4,7 +4,7 @@ A node's monitor reads only its own workers' progress rings. On a job of several
 not enough: the node whose workers only *wait* in a collective cannot see that the rank they wait
 for is stopped on another node, and a slow rank can only be compared with the few peers of its
 own node (with one worker per node, with none). So every agent publishes a compact summary of its
-ranks (:mod:`elasticft.diag.summary`) into the rendezvous round's store, once per
+ranks (:mod:`elasticft.diag.summary`) for the round, once per
 :attr:`ViewExchange.interval_s` and at once when a rank of its node is newly seen stopped.
 
 Reading every summary at every node would be O(N^2) reads and bytes across the job. Instead the
@@ -14,9 +14,21 @@ whatever N. Every other node reads only the digest. Per node and poll that is on
 store calls per interval with the summary's write); the leader's reads grow with N, so the job's
 traffic grows with N, not N^2.
 
-If the digest stops changing (the leader's agent or host is gone, or stopped), group rank ``k``
-takes the leader's place after ``k`` x :attr:`ViewExchange.stale_after_s` without a new digest,
-and hands it back as soon as it reads a digest written by a lower group rank. Meanwhile the
+**The leader's hub.** That traffic (a write a second and two reads per node) would be most of
+what a job asks of etcd. So the leader serves the exchange itself: a TCPStore of its own (the
+*hub*), whose address it writes once into the round's store (:data:`HUB_KEY`). The others read
+the address once per round and then write and read only through the hub; etcd sees three
+requests a node a round. The hub lives and dies with the leader's agent, which is what the
+round's membership follows anyway. TCPStore's client waits without end for an answer from a
+server that is stopped (SIGSTOP, a frozen host), so every hub call has a deadline
+(:class:`_HubClient`); a node whose hub call fails exchanges through the round's store instead
+and tries the hub again after :attr:`ViewExchange.hub_retry_s`. A leader that cannot serve a
+hub writes an empty address: everyone exchanges through the round's store, as before the hub.
+
+If the digest stops changing (the leader's agent or host is gone, or stopped; its hub with it,
+so the others are on the round's store by then), group rank ``k`` takes the leader's place after
+``k`` x :attr:`ViewExchange.stale_after_s` without a new digest, and hands it back as soon as it
+reads a digest written by a lower group rank. Meanwhile the
 others judge on their own ranks and report the leader's node as silent: nobody is judged on old
 facts.
 
@@ -35,11 +47,16 @@ leader's age of the summary plus the reader's age of the digest).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import logging
+import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 from elasticft.diag import digest as job_digest
@@ -58,8 +75,98 @@ from elasticft.procs import STOPPED_STATES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_PREFIX", "SCHEMA", "JobView", "NodeSummary", "RemoteNode", "ViewExchange",
-           "decode_summary", "encode_summary", "summary_key"]
+__all__ = ["HUB_KEY", "KEY_PREFIX", "SCHEMA", "HubUnavailable", "JobView", "NodeSummary",
+           "RemoteNode", "ViewExchange", "decode_summary", "encode_summary", "summary_key"]
+
+HUB_KEY = "diag/hub"
+"""Key in the round's store: ``host:port`` of the leader's hub, or empty when it serves none."""
+
+
+class HubUnavailable(Exception):
+    """A call to the leader's hub failed, or got no answer in time."""
+
+
+class _Hub:
+    """The round leader's hub as one node uses it, counting the calls by kind.
+
+    The leader uses its own TCPStore server directly. Any other node holds a connection whose
+    calls run on a thread of its own, and waits for each at most ``timeout_s``: a TCPStore
+    client waits without end for the answer of a stopped server (``check`` and ``multi_get``
+    outright; ``get`` after its own timeout, when it cancels the wait and waits for the
+    cancel's answer). A failed or overdue call gives the connection up; a thread stuck in it
+    ends when the server answers or goes.
+    """
+
+    def __init__(self, connect: Callable[[], Any], timeout_s: float | None) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._timeout_s = timeout_s
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._given_up = False
+        if timeout_s is not None:
+            # A daemon thread, not an executor's: the interpreter joins those at exit, and one
+            # stuck in a call to a vanished host would keep the agent from ever exiting.
+            threading.Thread(target=self._serve_calls, daemon=True,
+                             name="elasticft-diag-hub-client").start()
+        self._store = self._call("connecting", connect)
+
+    def _serve_calls(self) -> None:
+        while (request := self._requests.get()) is not None:
+            fn, future = request
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        if self._timeout_s is None:
+            return fn()
+        if self._given_up:
+            raise HubUnavailable(f"{what}: the connection was given up")
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._requests.put((fn, future))
+        try:
+            return future.result(timeout=self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.close()
+            raise HubUnavailable(f"{what}: no answer within {self._timeout_s:g} s") from None
+        except Exception as e:
+            self.close()
+            raise HubUnavailable(f"{what}: {e}") from e
+
+    def set(self, key: str, value: bytes) -> None:
+        self.calls["set"] += 1
+        self._call("writing", lambda: self._store.set(key, value))
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls[f"check{len(keys)}"] += 1
+        return bool(self._call("checking", lambda: self._store.check(keys)))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls[f"multi_get{len(keys)}"] += 1
+        return list(self._call("reading", lambda: self._store.multi_get(keys)))
+
+    def close(self) -> None:
+        if self._timeout_s is not None and not self._given_up:
+            self._given_up = True
+            self._requests.put(None)
+
+
+def _serve(host: str, timeout_s: float) -> tuple[_Hub, str]:
+    """A hub served by this agent, and its address."""
+    from torch import distributed as dist  # the launcher checks torch's version before this
+
+    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s))
+    return _Hub(lambda: server, None), f"{host}:{server.port}"
+
+
+def _connect(address: str, timeout_s: float) -> _Hub:
+    """A connection to the hub at ``host:port``."""
+    from torch import distributed as dist
+
+    host, _, port = address.rpartition(":")
+    return _Hub(lambda: dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                      timeout=timedelta(seconds=timeout_s)), timeout_s)
 
 
 @dataclasses.dataclass
@@ -69,6 +176,12 @@ class _Round:
     group_rank: int
     group_world_size: int
     started: float
+    hub_host: str = ""
+    hub: _Hub | None = None
+    hub_address: str | None = None
+    """The leader: its hub's (empty: none); the others: the one they read (None: not yet)."""
+    hub_written: bool = False
+    hub_retry_at: float = 0.0
 
 
 class ViewExchange:
@@ -83,9 +196,16 @@ class ViewExchange:
         stale_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         digest_limits: job_digest.DigestLimits | None = None,
+        hub: bool = True,
+        hub_timeout_s: float = 2.0,
+        hub_retry_s: float = 10.0,
     ) -> None:
         self.interval_s = interval_s
         self.poll_s = poll_s
+        self.hub = hub
+        """Whether the leader serves the exchange (off: everyone uses the round's store)."""
+        self.hub_timeout_s = hub_timeout_s
+        self.hub_retry_s = hub_retry_s
         self.stale_after_s = stale_after_s if stale_after_s is not None else max(
             3.0, 3 * interval_s)
         self.digest_limits = digest_limits or job_digest.DigestLimits()
@@ -108,7 +228,9 @@ class ViewExchange:
         # The newest digest (read, or built here) and when its token last changed.
         self._digest: tuple[job_digest.Digest, float] | None = None
         self._digest_present = False
+        self._names: dict[int, str] = {}  # group rank -> node, as digests named them
         self._acting = False
+        self._via: Any = None  # the store the last poll exchanged through
         self._threads: list[threading.Thread] = []
         self._warned: set[str] = set()
 
@@ -123,23 +245,36 @@ class ViewExchange:
         current = self._round
         return current is not None and (current.group_rank == 0 or self._acting)
 
+    @property
+    def hub_calls(self) -> collections.Counter[str]:
+        """This round's calls to the hub by kind (``set``, ``check1``, ``multi_get4``...)."""
+        current = self._round
+        return collections.Counter() if current is None or current.hub is None else \
+            current.hub.calls
+
     def attach(self, store: Any, node_id: str, group_rank: int, group_world_size: int, *,
-               background: bool = True) -> None:
-        """A new round: forget the old round's views and exchange through ``store``.
+               background: bool = True, hub_host: str | None = None) -> None:
+        """A new round: forget the old round's views and exchange for it, through the leader's
+        hub or ``store`` (the round's).
 
         Every round gets its own thread; a thread still blocked in the old round's store (its
         host gone) exits when it returns, instead of delaying the new round. The new round's
-        group rank 0 leads, whoever led before.
+        group rank 0 leads, whoever led before, and serves the hub at ``hub_host`` (default:
+        this host's name), an address the other nodes reach it at.
         """
         with self._lock:
             self._generation += 1
             generation = self._generation
-            self._round = _Round(store, node_id, group_rank, group_world_size, self._clock())
+            previous = self._round
+            self._round = _Round(store, node_id, group_rank, group_world_size, self._clock(),
+                                 hub_host or socket.getfqdn())
             self._remote, self._present, self._payloads = {}, set(), {}
             self._digest, self._digest_present, self._acting = None, False, False
+            self._via, self._names = None, {}
             self._offer = None
             self._offer_alarm = self._published_alarm = frozenset()
             self._next_publish = 0.0
+        _close_hub(previous)
         if store is None or group_world_size <= 1 or not background:
             return
         thread = threading.Thread(target=self._run, args=(generation,), daemon=True,
@@ -192,8 +327,9 @@ class ViewExchange:
         """
         with self._lock:
             self._generation += 1
-            self._round = None
+            previous, self._round = self._round, None
         self._wake.set()
+        _close_hub(previous)
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -205,7 +341,6 @@ class ViewExchange:
     def close(self) -> None:
         self._stop.set()
         self.detach()
-
 
     # -- the background thread ------------------------------------------------------------------
 
@@ -240,6 +375,12 @@ class ViewExchange:
                 return False
             current = self._round
             assert current is not None
+        store = self._exchange_store(generation, current)
+        if store is None:  # the leader's address is not known yet: nowhere to publish
+            return self._current(generation)
+        with self._lock:
+            if not self._current(generation):
+                return False
             offer, alarm = self._offer, self._offer_alarm
             now = self._clock()
             due = offer is not None and (now >= self._next_publish or
@@ -255,31 +396,101 @@ class ViewExchange:
             if not self._current(generation):
                 return False
             try:
-                current.store.set(summary_key(current.group_rank), payload)
+                store.set(summary_key(current.group_rank), payload)
             except Exception as e:
-                self._warn_once("publishing this node's summary failed", e)
+                self._failed(current, "publishing this node's summary failed", e)
         if current.group_rank == 0:
-            self._gather(generation, current)
+            self._gather(generation, current, store)
             return True
-        self._read_digest(generation, current)
+        self._read_digest(generation, current, store)
         if self._acting:
-            self._gather(generation, current)
+            self._gather(generation, current, store)
         return True
+
+    # -- where to exchange: the leader's hub, or the round's store ------------------------------
+
+    def _exchange_store(self, generation: int, current: _Round) -> Any:
+        """The store this poll exchanges through: the leader's hub when this node has it, else
+        the round's store; None while the leader's address is still unknown (for up to the
+        staleness limit after the round began)."""
+        if not self.hub:
+            return self._switch(current.store)
+        if current.group_rank == 0:
+            return self._switch(self._served_hub(generation, current) or current.store)
+        if current.hub is not None:
+            return self._switch(current.hub)
+        now = self._clock()
+        if now < current.hub_retry_at:
+            return self._switch(current.store)
+        if current.hub_address is None:
+            try:
+                if self._current(generation) and current.store.check([HUB_KEY]):
+                    current.hub_address = current.store.multi_get([HUB_KEY])[0].decode()
+            except Exception as e:
+                self._warn_once("reading the leader's hub address failed", e)
+            if current.hub_address is None:
+                waited = now - current.started > self.stale_after_s
+                return self._switch(current.store) if waited else None
+        if not current.hub_address:
+            return self._switch(current.store)  # the leader serves no hub this round
+        try:
+            current.hub = _connect(current.hub_address, self.hub_timeout_s)
+        except Exception as e:
+            self._failed(current, f"connecting to the leader's hub at {current.hub_address} "
+                         "failed", e)
+            return self._switch(current.store)
+        logger.info("diagnostics exchange through the leader's hub at %s", current.hub_address)
+        return self._switch(current.hub)
+
+    def _served_hub(self, generation: int, current: _Round) -> _Hub | None:
+        """The leader's hub, served once per round; its address (empty when it cannot serve
+        one) is written to the round's store until that succeeds."""
+        if current.hub_address is None:
+            try:
+                current.hub, current.hub_address = _serve(current.hub_host, self.hub_timeout_s)
+            except Exception as e:
+                self._warn_once("serving the diagnostics hub failed; the exchange goes through "
+                                "the round's store", e)
+                current.hub_address = ""
+        if not current.hub_written and self._current(generation):
+            try:
+                current.store.set(HUB_KEY, current.hub_address.encode())
+                current.hub_written = True
+            except Exception as e:
+                self._warn_once("writing the diagnostics hub's address failed", e)
+        return current.hub
+
+    def _switch(self, store: Any) -> Any:
+        """``store``, forgetting what the last poll learnt of another store's keys."""
+        if store is not self._via:
+            self._via = store
+            self._present, self._payloads, self._digest_present = set(), {}, False
+        return store
+
+    def _failed(self, current: _Round, what: str, error: BaseException) -> None:
+        """A store call failed: a failed hub is given up until :attr:`hub_retry_s` from now
+        (its address read again then: a leader back from a stop serves a new one)."""
+        self._warn_once(what, error)
+        if isinstance(error, HubUnavailable) and current.group_rank != 0:
+            hub, current.hub, current.hub_address = current.hub, None, None
+            current.hub_retry_at = self._clock() + self.hub_retry_s
+            if hub is not None:
+                hub.close()
 
     # -- every node but the gatherer: the digest --------------------------------------------------
 
-    def _read_digest(self, generation: int, current: _Round) -> None:
+    def _read_digest(self, generation: int, current: _Round, store: Any) -> None:
         """Reads the digest (one store call once it exists); takes the leader's place when it
         has been stale for ``group rank`` x the staleness limit, hands it back when a lower
         group rank publishes again."""
         payload = None
         if self._current(generation):
             try:
-                if self._digest_present or current.store.check([job_digest.DIGEST_KEY]):
+                if self._digest_present or store.check([job_digest.DIGEST_KEY]):
                     self._digest_present = True
-                    payload = current.store.multi_get([job_digest.DIGEST_KEY])[0]
+                    payload = store.multi_get([job_digest.DIGEST_KEY])[0]
             except Exception as e:
-                self._warn_once("reading the job digest failed", e)
+                self._failed(current, "reading the job digest failed", e)
         now = self._clock()
         with self._lock:
             if not self._current(generation):
@@ -291,6 +502,8 @@ class ViewExchange:
                     self._warn_once("the job digest is unreadable", e)
                 else:
                     previous = self._digest
+                    self._names[digest.publisher] = digest.publisher_node
+                    self._names.update((n.group_rank, n.node) for n in digest.nodes)
                     if previous is None or previous[0].token != digest.token:
                         if self._acting and digest.publisher < current.group_rank:
                             logger.info("diagnostics digest: group rank %d publishes again; "
@@ -308,9 +521,9 @@ class ViewExchange:
 
     # -- the gatherer (the leader, or a successor standing in) ------------------------------------
 
-    def _gather(self, generation: int, current: _Round) -> None:
+    def _gather(self, generation: int, current: _Round, store: Any) -> None:
         """Reads every node's summary (its own included) and publishes the job digest."""
-        payloads = self._fetch_summaries(generation, current)
+        payloads = self._fetch_summaries(generation, current, store)
         now = self._clock()
         with self._lock:
             if not self._current(generation):
@@ -330,8 +543,10 @@ class ViewExchange:
             nodes = []
             for group_rank in range(current.group_world_size):
                 entry = self._remote.get(group_rank)
-                if entry is None:
-                    nodes.append(RemoteNode(group_rank, None, now - current.started, False))
+                if entry is None:  # named when a digest named it (a successor, the hub gone)
+                    name = self._names.get(group_rank, "")
+                    nodes.append(RemoteNode(group_rank, None, now - current.started, False,
+                                            name=name, published=True if name else None))
                 else:
                     age = now - entry[1]
                     nodes.append(RemoteNode(group_rank, entry[0], age, age <= self.stale_after_s))
@@ -341,11 +556,12 @@ class ViewExchange:
             self._digest = (digest, now)
         try:
             if self._current(generation):
-                current.store.set(job_digest.DIGEST_KEY, job_digest.encode_digest(digest))
+                store.set(job_digest.DIGEST_KEY, job_digest.encode_digest(digest))
         except Exception as e:
-            self._warn_once("publishing the job digest failed", e)
+            self._failed(current, "publishing the job digest failed", e)
 
-    def _fetch_summaries(self, generation: int, current: _Round) -> dict[int, bytes]:
+    def _fetch_summaries(self, generation: int, current: _Round, store: Any
+                         ) -> dict[int, bytes]:
         """Every node's published summary, by group rank.
 
         ``get`` waits for a key not written yet, so a key is checked until it exists; keys of a
@@ -356,16 +572,26 @@ class ViewExchange:
             if group_rank in self._present or not self._current(generation):
                 continue
             try:
-                if current.store.check([summary_key(group_rank)]):
+                if store.check([summary_key(group_rank)]):
                     self._present.add(group_rank)
             except Exception as e:
-                self._warn_once(f"checking the summary of group rank {group_rank} failed", e)
+                self._failed(current, f"checking the summary of group rank {group_rank} failed",
+                             e)
+                return {}
         present = sorted(self._present)
         if not present or not self._current(generation):
             return {}
         try:
-            values = current.store.multi_get([summary_key(g) for g in present])
+            values = store.multi_get([summary_key(g) for g in present])
         except Exception as e:
-            self._warn_once("reading the nodes' summaries failed", e)
+            self._failed(current, "reading the nodes' summaries failed", e)
             return {}
         return dict(zip(present, values, strict=True))
+
+
+def _close_hub(current: _Round | None) -> None:
+    """Gives up a round's hub: a connection is closed, a served hub stops once no call holds
+    it."""
+    if current is not None and current.hub is not None:
+        hub, current.hub = current.hub, None
+        hub.close()

@@ -171,7 +171,8 @@ class DiagMonitor(AgentCollaborator):
         return [group.run_dir, *(Path(d) for d in self.config.health_dirs)]
 
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
-        self._exchange.attach(store, group.node_id, group.group_rank, group.group_world_size)
+        self._exchange.attach(store, group.node_id, group.group_rank, group.group_world_size,
+                              hub_host=group.master_addr or None)
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._open(group)

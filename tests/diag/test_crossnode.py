@@ -8,11 +8,13 @@ with its node by the other node, whose workers only wait; a rank slowed 3x is na
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
 import signal
 import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -313,8 +315,10 @@ def _steady(nodes: list[ViewExchange], window_s: float,
 
 @pytest.mark.timeout(90)
 def test_store_calls_per_node_stay_constant_and_the_jobs_grow_with_n(store):
-    """N simulated nodes over a real TCPStore, each with its own counting view of it: a node
-    other than the leader reads one key per poll whatever N; only the leader reads N keys."""
+    """N simulated nodes, each with its own counting view of a real round store: in the steady
+    state the round's store sees no call at all (everything goes through the leader's hub); on
+    the hub, a node other than the leader reads one key per poll whatever N, and only the
+    leader reads N keys."""
     poll_s, window_s = 0.1, 1.5
     polls = window_s / poll_s
     keys_read_per_node: dict[int, float] = {}
@@ -324,27 +328,36 @@ def test_store_calls_per_node_stay_constant_and_the_jobs_grow_with_n(store):
         nodes = [ViewExchange(interval_s=0.2, poll_s=poll_s) for _ in range(n)]
         try:
             for group_rank, exchange in enumerate(nodes):
-                exchange.attach(counting[group_rank], f"n{group_rank}", group_rank, n)
+                exchange.attach(counting[group_rank], f"n{group_rank}", group_rank, n,
+                                hub_host="127.0.0.1")
             _steady(nodes, window_s=0.5)  # every key exists: the steady state
             _wait(lambda nodes=nodes, n=n: all(len(e.job_view().views) == n - 1
                                                for e in nodes))
+            # Setting up: the leader wrote its hub's address, each other node read it once
+            # (after a check or more while the leader had not written it yet).
+            assert counting[0].calls == ["set"]
+            for c in counting[1:]:
+                assert c.calls[-1] == "multi_get1" and set(c.calls[:-1]) == {"check1"}, c.calls
+            before = [collections.Counter(e.hub_calls) for e in nodes]
             for c in counting:
                 c.calls.clear()
             _steady(nodes, window_s=window_s)
-            calls = [list(c.calls) for c in counting]
+            on_hub = [e.hub_calls - b for e, b in zip(nodes, before, strict=True)]
+            on_store = [list(c.calls) for c in counting]
         finally:
             for exchange in nodes:
                 exchange.close()
-        leader, others = calls[0], calls[1:]
+        assert on_store == [[]] * n
+        leader, others = on_hub[0], on_hub[1:]
         # The leader: one multi_get of every node's key, and its writes (summary, digest).
         assert set(leader) == {"set", f"multi_get{n}"}, leader
-        for reads in others:
+        for calls in others:
             # Any other node: its summary, and one read of one key (the digest) per poll.
-            assert set(reads) <= {"set", "multi_get1"}, reads
-            assert 0 < reads.count("multi_get1") <= polls + 2, reads
-            assert reads.count("set") <= window_s / 0.2 + 2, reads
-        keys = [sum(int(c.removeprefix("multi_get")) for c in node if c != "set")
-                for node in calls]
+            assert set(calls) <= {"set", "multi_get1"}, calls
+            assert 0 < calls["multi_get1"] <= polls + 2, calls
+            assert calls["set"] <= window_s / 0.2 + 2, calls
+        keys = [sum(int(kind.removeprefix("multi_get")) * count
+                    for kind, count in calls.items() if kind != "set") for calls in on_hub]
         keys_read_per_node[n] = sum(keys) / n
         # The job's keys read per poll: N (the leader) + N - 1 (one each), not N x (N - 1).
         assert sum(keys) <= 2 * n * (polls + 2), keys
@@ -353,14 +366,16 @@ def test_store_calls_per_node_stay_constant_and_the_jobs_grow_with_n(store):
 
 @pytest.mark.timeout(60)
 def test_a_successor_gathers_when_the_leader_is_gone_and_hands_back(store):
-    nodes = [ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=0.6) for _ in range(3)]
+    nodes = [ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=0.6, hub_retry_s=0.5)
+             for _ in range(3)]
     try:
         for group_rank, exchange in enumerate(nodes):
-            exchange.attach(store, f"n{group_rank}", group_rank, 3)
+            exchange.attach(store, f"n{group_rank}", group_rank, 3, hub_host="127.0.0.1")
         _steady(nodes, window_s=0.6)
         assert [e.gathering for e in nodes] == [True, False, False]
-        # The leader's agent is gone: after 1 x the staleness limit group rank 1 gathers, and
-        # group rank 2 still sees group rank 1's ranks and learns that n0 went silent.
+        # The leader's agent is gone, its hub with it: the others exchange through the round's
+        # store, where after 1 x the staleness limit group rank 1 gathers, and group rank 2
+        # still sees group rank 1's ranks and learns that n0 went silent.
         nodes[0].detach()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (
@@ -375,13 +390,75 @@ def test_a_successor_gathers_when_the_leader_is_gone_and_hands_back(store):
         view = nodes[2].job_view()
         assert [n.node for n in view.silent] == ["n0"] and view.silent[0].published is not False
         assert [(v.rank, v.node, v.process_state) for v in view.views] == [(1, "n1", "T")]
-        # The leader is back (a new attach of the same round's store): group rank 1 hands back.
-        nodes[0].attach(store, "n0", 0, 3)
+        # The leader is back (a new attach of the same round's store) with a new hub: the
+        # others find it when they try the hub again, and group rank 1 hands back.
+        nodes[0].attach(store, "n0", 0, 3, hub_host="127.0.0.1")
         _steady(nodes, window_s=1.0)
         _wait(lambda: not nodes[1].gathering, timeout_s=5)
     finally:
         for exchange in nodes:
             exchange.close()
+
+
+_LEADER_PROCESS = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from elasticft.diag.detectors import RankView
+from elasticft.diag.exchange import ViewExchange
+store = dist.PrefixStore(sys.argv[2], dist.TCPStore(
+    "127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30)))
+leader = ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=0.6)
+leader.attach(store, "n0", 0, 3, hub_host="127.0.0.1")
+while True:
+    leader.offer([RankView(0, "n0", steps=1)], {})
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_leaders_hub_costs_nobody_a_hang(job_env: dict[str, str]):
+    """The leader is a process of its own, SIGSTOPped: its hub then answers nothing, and a
+    TCPStore client would wait for it forever. The others' hub calls end at their deadline;
+    they exchange through the round's store, where group rank 1 gathers and group rank 2
+    sees its ranks and the leader's node silent."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    store = dist.PrefixStore("round.7", server)
+    leader = subprocess.Popen([sys.executable, "-c", _LEADER_PROCESS, str(server.port),
+                               "round.7"], env=job_env)
+    nodes = [ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=0.6, hub_timeout_s=0.5,
+                          hub_retry_s=60.0) for _ in range(2)]
+    try:
+        for group_rank, exchange in enumerate(nodes, start=1):
+            exchange.attach(store, f"n{group_rank}", group_rank, 3, hub_host="127.0.0.1")
+
+        def offer() -> None:
+            for group_rank, exchange in enumerate(nodes, start=1):
+                exchange.offer([_view(group_rank, f"n{group_rank}",
+                                      process_state="T" if group_rank == 1 else None)], {})
+
+        def sees(*ranks: int) -> bool:
+            offer()
+            return sorted(v.rank for v in nodes[1].job_view().views) == list(ranks)
+
+        _wait(lambda: sees(0, 1), timeout_s=20)  # through the leader's digest on its hub
+        assert nodes[1].hub_calls["multi_get1"] > 0
+        os.kill(leader.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _wait(lambda: sees(1) and nodes[0].gathering, timeout_s=10)
+        print(f"group rank 1 gathers {time.monotonic() - stopped_at:.2f} s after the stop")
+        view = nodes[1].job_view()
+        assert [n.node for n in view.silent] == ["n0"]
+        assert [(v.rank, v.node, v.process_state) for v in view.views] == [(1, "n1", "T")]
+        assert nodes[1].hub_calls == collections.Counter()  # given up
+        assert not nodes[1].gathering
+    finally:
+        for exchange in nodes:
+            exchange.close()
+        os.kill(leader.pid, signal.SIGCONT)
+        leader.kill()
+        leader.wait()
 
 
 @pytest.mark.timeout(60)
