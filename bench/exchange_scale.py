@@ -11,11 +11,15 @@ the same process, one after the other, for the same N:
   summary (``check`` then ``multi_get``; ``EtcdStore`` puts 128 keys in one transaction);
 * ``new``: :class:`elasticft.diag.exchange.ViewExchange` itself, driven one poll at a time
   (``poll_once``) on a simulated clock: every node publishes its summary, the leader reads them
-  all and publishes the digest, every other node reads the digest.
+  all and publishes the digest, every other node reads the digest; all through etcd (the
+  exchange with its hub off);
+* ``hub``: the same, as the exchange runs by default: through the hub the leader serves (a
+  TCPStore in the bench's process), etcd holding only the hub's address.
 
 The old design's reads are the same at every node, so they are measured at ``--sample`` nodes
 (every node publishes); the new design runs every node. Printed per N: etcd requests, keys read,
-bytes read and written per node per interval (the leader apart), the job's totals per interval,
+bytes read and written per node per interval (the leader apart; for ``hub``, calls to the hub
+too), the job's totals per interval,
 and the ratio old/new. Bytes are the values etcd returned or stored (keys and framing not
 counted); time is the wall time of the node's exchange work (etcd round trips, and encoding and
 decoding summaries and digests, as each design does at every poll).
@@ -56,6 +60,7 @@ class Traffic:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    hub_calls: float = 0.0
 
     def add(self, other: Traffic) -> None:
         for field in dataclasses.fields(self):
@@ -172,16 +177,18 @@ def run_old(client: Any, settings: EtcdSettings, prefix: str, views: list[list[R
 
 
 def run_new(client: Any, settings: EtcdSettings, prefix: str, views: list[list[RankView]],
-            busy: list[dict[int, float]], intervals: int) -> tuple[Traffic, Traffic, int]:
-    """(the leader per interval, every other node per interval, the digest's size)."""
+            busy: list[dict[int, float]], intervals: int, hub: bool
+            ) -> tuple[Traffic, Traffic, int]:
+    """(the leader per interval, every other node per interval, the digest's size in etcd)."""
     n = len(views)
     now = [0.0]
     traffic = [Traffic() for _ in range(n)]
-    nodes = [ViewExchange(interval_s=INTERVAL_S, poll_s=POLL_S, clock=lambda: now[0])
+    nodes = [ViewExchange(interval_s=INTERVAL_S, poll_s=POLL_S, clock=lambda: now[0], hub=hub)
              for _ in range(n)]
     for g, exchange in enumerate(nodes):
         exchange.attach(EtcdStore(CountingClient(client, traffic[g]), prefix, settings,
-                                  timedelta(seconds=30)), f"node{g}", g, n, background=False)
+                                  timedelta(seconds=30)), f"node{g}", g, n, background=False,
+                        hub_host="127.0.0.1")
 
     def one_interval() -> None:
         for _ in range(round(INTERVAL_S / POLL_S)):
@@ -194,13 +201,16 @@ def run_new(client: Any, settings: EtcdSettings, prefix: str, views: list[list[R
     one_interval()  # every key exists and every node has read a digest: the steady state
     for t in traffic:
         t.__init__()  # type: ignore[misc]
+    hub_before = [sum(e.hub_calls.values()) for e in nodes]
     for _ in range(intervals):
         one_interval()
+    for t, e, before in zip(traffic, nodes, hub_before, strict=True):
+        t.hub_calls = sum(e.hub_calls.values()) - before
     others = Traffic()
     for t in traffic[1:]:
         others.add(t)
     assert all(len(e.job_view().views) > 0 for e in nodes[1:]), "a node saw no other rank"
-    size = len(client.get(prefix + "elasticft.diag.digest")[0])
+    size = len(client.get(prefix + "elasticft.diag.digest")[0] or b"")
     for exchange in nodes:
         exchange.close()
     return traffic[0].scaled(1 / intervals), others.scaled(1 / ((n - 1) * intervals)), size
@@ -209,7 +219,8 @@ def run_new(client: Any, settings: EtcdSettings, prefix: str, views: list[list[R
 def fmt(t: Traffic) -> str:
     return (f"requests {t.requests:7.1f}  keys read {t.keys_read:7.1f}  read "
             f"{t.bytes_read / 1e3:9.1f} KB  written {t.bytes_written / 1e3:5.1f} KB  "
-            f"time {t.seconds * 1e3:7.1f} ms")
+            f"time {t.seconds * 1e3:7.1f} ms" +
+            (f"  hub calls {t.hub_calls:5.1f}" if t.hub_calls else ""))
 
 
 def main() -> int:
@@ -241,7 +252,9 @@ def main() -> int:
                 old_reader, old_publisher = run_old(client, settings, f"/bench/old{n}/", views,
                                                     busy, args.intervals, args.sample)
                 leader, other, digest = run_new(client, settings, f"/bench/new{n}/", views,
-                                                busy, args.intervals)
+                                                busy, args.intervals, hub=False)
+                hub_leader, hub_other, _ = run_new(client, settings, f"/bench/hub{n}/", views,
+                                                   busy, args.intervals, hub=True)
                 old_job = old_reader.scaled(n)
                 new_job = Traffic()
                 new_job.add(leader)
@@ -250,6 +263,8 @@ def main() -> int:
                 print(f"  old  every node   {fmt(old_reader)}")
                 print(f"  new  other nodes  {fmt(other)}")
                 print(f"  new  leader       {fmt(leader)}")
+                print(f"  hub  other nodes  {fmt(hub_other)}")
+                print(f"  hub  leader       {fmt(hub_leader)}")
                 print(f"  job per interval: old requests {old_job.requests:9.0f} read "
                       f"{old_job.bytes_read / 1e6:9.2f} MB   new requests {new_job.requests:7.0f}"
                       f" read {new_job.bytes_read / 1e6:7.2f} MB   ratio old/new: requests "

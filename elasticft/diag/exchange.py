@@ -21,8 +21,9 @@ the address once per round and then write and read only through the hub; etcd se
 requests a node a round. The hub lives and dies with the leader's agent, which is what the
 round's membership follows anyway. TCPStore's client waits without end for an answer from a
 server that is stopped (SIGSTOP, a frozen host), so every hub call has a deadline
-(:class:`_HubClient`); a node whose hub call fails exchanges through the round's store instead
-and tries the hub again after :attr:`ViewExchange.hub_retry_s`. A leader that cannot serve a
+(:class:`_Hub`). While a call is overdue a node exchanges through the round's store, and is
+back on the hub once it answers; a node whose hub call fails gives the connection up, and reads
+the address again and connects after :attr:`ViewExchange.hub_retry_s`. A leader that cannot serve a
 hub writes an empty address: everyone exchanges through the round's store, as before the hub.
 
 If the digest stops changing (the leader's agent or host is gone, or stopped; its hub with it,
@@ -75,7 +76,7 @@ from elasticft.procs import STOPPED_STATES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HUB_KEY", "KEY_PREFIX", "SCHEMA", "HubUnavailable", "JobView", "NodeSummary",
+__all__ = ["HUB_KEY", "KEY_PREFIX", "SCHEMA", "HubBusy", "HubUnavailable", "JobView", "NodeSummary",
            "RemoteNode", "ViewExchange", "decode_summary", "encode_summary", "summary_key"]
 
 HUB_KEY = "diag/hub"
@@ -83,18 +84,24 @@ HUB_KEY = "diag/hub"
 
 
 class HubUnavailable(Exception):
-    """A call to the leader's hub failed, or got no answer in time."""
+    """A call to the leader's hub failed: the connection is given up."""
+
+
+class HubBusy(HubUnavailable):
+    """A call to the leader's hub got no answer in time; the connection is kept for it."""
 
 
 class _Hub:
     """The round leader's hub as one node uses it, counting the calls by kind.
 
     The leader uses its own TCPStore server directly. Any other node holds a connection whose
-    calls run on a thread of its own, and waits for each at most ``timeout_s``: a TCPStore
-    client waits without end for the answer of a stopped server (``check`` and ``multi_get``
-    outright; ``get`` after its own timeout, when it cancels the wait and waits for the
-    cancel's answer). A failed or overdue call gives the connection up; a thread stuck in it
-    ends when the server answers or goes.
+    calls run one at a time on a thread of its own, and waits for each at most ``timeout_s``:
+    a TCPStore client waits without end for the answer of a stopped server (``check`` and
+    ``multi_get`` outright; ``get`` after its own timeout, when it cancels the wait and waits
+    for the cancel's answer). A call that has not answered in time leaves the hub *busy* until
+    it does; nothing is sent after it meanwhile, so the connection stays in step and is kept
+    (a server also stalls for seconds on its own: it looks up every new client's address in
+    the DNS, one at a time). A call that fails gives the connection up.
     """
 
     def __init__(self, connect: Callable[[], Any], timeout_s: float | None) -> None:
@@ -102,12 +109,21 @@ class _Hub:
         self._timeout_s = timeout_s
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._given_up = False
-        if timeout_s is not None:
-            # A daemon thread, not an executor's: the interpreter joins those at exit, and one
-            # stuck in a call to a vanished host would keep the agent from ever exiting.
-            threading.Thread(target=self._serve_calls, daemon=True,
-                             name="elasticft-diag-hub-client").start()
-        self._store = self._call("connecting", connect)
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._overdue = False
+        if timeout_s is None:
+            self._store = connect()
+            return
+        # A daemon thread, not an executor's: the interpreter joins those at exit, and one
+        # stuck in a call to a vanished host would keep the agent from ever exiting.
+        threading.Thread(target=self._serve_calls, daemon=True,
+                         name="elasticft-diag-hub-client").start()
+        self._pending = self._submit(lambda: setattr(self, "_store", connect()))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call has had no answer in time and still has none."""
+        return self._overdue and self._pending is not None and not self._pending.done()
 
     def _serve_calls(self) -> None:
         while (request := self._requests.get()) is not None:
@@ -117,21 +133,36 @@ class _Hub:
             except Exception as e:
                 future.set_exception(e)
 
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._requests.put((fn, future))
+        return future
+
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         if self._timeout_s is None:
             return fn()
         if self._given_up:
             raise HubUnavailable(f"{what}: the connection was given up")
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._requests.put((fn, future))
+        if self.busy:
+            raise HubBusy(f"{what}: an earlier call has had no answer yet")
+        deadline = time.monotonic() + self._timeout_s
+        if self._pending is not None:  # connecting, or an overdue call that has answered
+            self._settle(what, deadline)
+        self._pending = self._submit(fn)
+        return self._settle(what, deadline)
+
+    def _settle(self, what: str, deadline: float) -> Any:
+        assert self._pending is not None
         try:
-            return future.result(timeout=self._timeout_s)
+            result = self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            self.close()
-            raise HubUnavailable(f"{what}: no answer within {self._timeout_s:g} s") from None
+            self._overdue = True
+            raise HubBusy(f"{what}: no answer within {self._timeout_s:g} s") from None
         except Exception as e:
             self.close()
             raise HubUnavailable(f"{what}: {e}") from e
+        self._pending, self._overdue = None, False
+        return result
 
     def set(self, key: str, value: bytes) -> None:
         self.calls["set"] += 1
@@ -151,22 +182,28 @@ class _Hub:
             self._requests.put(None)
 
 
-def _serve(host: str, timeout_s: float) -> tuple[_Hub, str]:
+_HUB_STORE_TIMEOUT = timedelta(seconds=60)
+"""TCPStore's own limit on connecting and on waiting inside a call: long, because a call that
+outlives it does not end there (it cancels, then waits for the cancel's answer) and then fails,
+which gives the connection up; the exchange's deadlines are :class:`_Hub`'s."""
+
+
+def _serve(host: str) -> tuple[_Hub, str]:
     """A hub served by this agent, and its address."""
     from torch import distributed as dist  # the launcher checks torch's version before this
 
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=timeout_s))
+                           timeout=_HUB_STORE_TIMEOUT)
     return _Hub(lambda: server, None), f"{host}:{server.port}"
 
 
 def _connect(address: str, timeout_s: float) -> _Hub:
-    """A connection to the hub at ``host:port``."""
+    """A connection to the hub at ``host:port`` (made by the first call)."""
     from torch import distributed as dist
 
     host, _, port = address.rpartition(":")
     return _Hub(lambda: dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                      timeout=timedelta(seconds=timeout_s)), timeout_s)
+                                      timeout=_HUB_STORE_TIMEOUT), timeout_s)
 
 
 @dataclasses.dataclass
@@ -418,7 +455,7 @@ class ViewExchange:
         if current.group_rank == 0:
             return self._switch(self._served_hub(generation, current) or current.store)
         if current.hub is not None:
-            return self._switch(current.hub)
+            return self._switch(current.store if current.hub.busy else current.hub)
         now = self._clock()
         if now < current.hub_retry_at:
             return self._switch(current.store)
@@ -433,12 +470,7 @@ class ViewExchange:
                 return self._switch(current.store) if waited else None
         if not current.hub_address:
             return self._switch(current.store)  # the leader serves no hub this round
-        try:
-            current.hub = _connect(current.hub_address, self.hub_timeout_s)
-        except Exception as e:
-            self._failed(current, f"connecting to the leader's hub at {current.hub_address} "
-                         "failed", e)
-            return self._switch(current.store)
+        current.hub = _connect(current.hub_address, self.hub_timeout_s)
         logger.info("diagnostics exchange through the leader's hub at %s", current.hub_address)
         return self._switch(current.hub)
 
@@ -447,7 +479,7 @@ class ViewExchange:
         one) is written to the round's store until that succeeds."""
         if current.hub_address is None:
             try:
-                current.hub, current.hub_address = _serve(current.hub_host, self.hub_timeout_s)
+                current.hub, current.hub_address = _serve(current.hub_host)
             except Exception as e:
                 self._warn_once("serving the diagnostics hub failed; the exchange goes through "
                                 "the round's store", e)
@@ -468,10 +500,12 @@ class ViewExchange:
         return store
 
     def _failed(self, current: _Round, what: str, error: BaseException) -> None:
-        """A store call failed: a failed hub is given up until :attr:`hub_retry_s` from now
-        (its address read again then: a leader back from a stop serves a new one)."""
+        """A store call failed. A busy hub is kept (the next polls use the round's store until
+        it answers); a failed one is given up until :attr:`hub_retry_s` from now (its address
+        read again then: a leader back from a stop serves a new one)."""
         self._warn_once(what, error)
-        if isinstance(error, HubUnavailable) and current.group_rank != 0:
+        if isinstance(error, HubUnavailable) and not isinstance(error, HubBusy) \
+                and current.group_rank != 0:
             hub, current.hub, current.hub_address = current.hub, None, None
             current.hub_retry_at = self._clock() + self.hub_retry_s
             if hub is not None:
