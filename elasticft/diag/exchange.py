@@ -470,9 +470,14 @@ class ViewExchange:
                 return self._switch(current.store) if waited else None
         if not current.hub_address:
             return self._switch(current.store)  # the leader serves no hub this round
-        current.hub = _connect(current.hub_address, self.hub_timeout_s)
+        hub = _connect(current.hub_address, self.hub_timeout_s)
+        with self._lock:
+            if not self._current(generation):  # detached meanwhile: nobody would close it
+                hub.close()
+                return None
+            current.hub = hub
         logger.info("diagnostics exchange through the leader's hub at %s", current.hub_address)
-        return self._switch(current.hub)
+        return self._switch(hub)
 
     def _served_hub(self, generation: int, current: _Round) -> _Hub | None:
         """The leader's hub, served once per round; its address (empty when it cannot serve
