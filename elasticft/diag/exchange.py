@@ -22,16 +22,15 @@ requests a node a round. The hub lives and dies with the leader's agent, which i
 round's membership follows anyway. TCPStore's client waits without end for an answer from a
 server that is stopped (SIGSTOP, a frozen host), so every hub call has a deadline
 (:class:`_Hub`). While a call is overdue a node exchanges through the round's store, and is
-back on the hub once it answers; a node whose hub call fails gives the connection up, and reads
-the address again and connects after :attr:`ViewExchange.hub_retry_s`. A leader that cannot serve a
-hub writes an empty address: everyone exchanges through the round's store, as before the hub.
+back on the hub once it answers; a node whose hub call fails gives the connection up, and
+reads the address again and connects after :attr:`ViewExchange.hub_retry_s`. A leader that
+cannot serve a hub writes an empty address: everyone exchanges through the round's store.
 
 If the digest stops changing (the leader's agent or host is gone, or stopped; its hub with it,
 so the others are on the round's store by then), group rank ``k`` takes the leader's place after
 ``k`` x :attr:`ViewExchange.stale_after_s` without a new digest, and hands it back as soon as it
-reads a digest written by a lower group rank. Meanwhile the
-others judge on their own ranks and report the leader's node as silent: nobody is judged on old
-facts.
+reads a digest written by a lower group rank. Meanwhile the others judge on their own ranks and
+report the leader's node as silent: nobody is judged on old facts.
 
 A background thread does all store traffic, reading a key with ``check`` until it exists (keys
 of a round's store are never removed, so afterwards ``multi_get`` never waits). The monitor's
@@ -76,8 +75,9 @@ from elasticft.procs import STOPPED_STATES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HUB_KEY", "KEY_PREFIX", "SCHEMA", "HubBusy", "HubUnavailable", "JobView", "NodeSummary",
-           "RemoteNode", "ViewExchange", "decode_summary", "encode_summary", "summary_key"]
+__all__ = ["HUB_KEY", "KEY_PREFIX", "SCHEMA", "HubBusy", "HubUnavailable", "JobView",
+           "NodeSummary", "RemoteNode", "ViewExchange", "decode_summary", "encode_summary",
+           "summary_key"]
 
 HUB_KEY = "diag/hub"
 """Key in the round's store: ``host:port`` of the leader's hub, or empty when it serves none."""
@@ -506,8 +506,8 @@ class ViewExchange:
 
     def _failed(self, current: _Round, what: str, error: BaseException) -> None:
         """A store call failed. A busy hub is kept (the next polls use the round's store until
-        it answers); a failed one is given up until :attr:`hub_retry_s` from now (its address
-        read again then: a leader back from a stop serves a new one)."""
+        it answers); a failed one is given up until :attr:`hub_retry_s` from now, when the
+        address is read again (a leader attached again serves a new hub)."""
         self._warn_once(what, error)
         if isinstance(error, HubUnavailable) and not isinstance(error, HubBusy) \
                 and current.group_rank != 0:

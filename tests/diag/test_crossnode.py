@@ -25,12 +25,13 @@ import pytest
 import torch.distributed as dist
 
 from elasticft.diag import detectors as d
-from elasticft.diag.exchange import ViewExchange, decode_summary, encode_summary
+from elasticft.diag.exchange import HUB_KEY, ViewExchange, decode_summary, encode_summary
 from elasticft.events import read_events
 from tests.conftest import BIN
 from tests.servers import EtcdServer
 
 WORKER = Path(__file__).parent / "workers" / "diag_train.py"
+LOOPBACK = "127.0.0.1"  # where a leader serves its hub: this host's name may not resolve
 
 
 def _view(rank: int, node: str, **kwargs: Any) -> d.RankView:
@@ -82,8 +83,8 @@ def test_two_nodes_see_each_others_ranks_and_a_silent_node(store):
     a = ViewExchange(interval_s=0.2, poll_s=0.1, stale_after_s=1.0)
     b = ViewExchange(interval_s=0.2, poll_s=0.1, stale_after_s=1.0)
     try:
-        a.attach(store, "a", 0, 2)
-        b.attach(store, "b", 1, 2)
+        a.attach(store, "a", 0, 2, hub_host=LOOPBACK)
+        b.attach(store, "b", 1, 2, hub_host=LOOPBACK)
         assert [n.node for n in a.job_view().silent] == ["group rank 1"]  # nothing yet
         a.offer([_view(0, "a", steps=3), _view(1, "a", steps=3)], {0: 0.1, 1: 0.1})
         b.offer([_view(2, "b", steps=3), _view(3, "b", steps=3, comm_seqs={7: 4})],
@@ -112,8 +113,8 @@ def test_a_newly_stopped_rank_is_published_at_once(store):
     a = ViewExchange(interval_s=30.0, poll_s=0.05)
     b = ViewExchange(interval_s=30.0, poll_s=0.05)
     try:
-        a.attach(store, "a", 0, 2)
-        b.attach(store, "b", 1, 2)
+        a.attach(store, "a", 0, 2, hub_host=LOOPBACK)
+        b.attach(store, "b", 1, 2, hub_host=LOOPBACK)
         b.offer([_view(2, "b", process_state="S")], {})
         _wait(lambda: a.job_view().views)
         # The regular interval (30 s) is far off; a stopped rank goes out at the next poll.
@@ -329,7 +330,7 @@ def test_store_calls_per_node_stay_constant_and_the_jobs_grow_with_n(store):
         try:
             for group_rank, exchange in enumerate(nodes):
                 exchange.attach(counting[group_rank], f"n{group_rank}", group_rank, n,
-                                hub_host="127.0.0.1")
+                                hub_host=LOOPBACK)
             _steady(nodes, window_s=0.5)  # every key exists: the steady state
             _wait(lambda nodes=nodes, n=n: all(len(e.job_view().views) == n - 1
                                                for e in nodes))
@@ -370,7 +371,7 @@ def test_a_successor_gathers_when_the_leader_is_gone_and_hands_back(store):
              for _ in range(3)]
     try:
         for group_rank, exchange in enumerate(nodes):
-            exchange.attach(store, f"n{group_rank}", group_rank, 3, hub_host="127.0.0.1")
+            exchange.attach(store, f"n{group_rank}", group_rank, 3, hub_host=LOOPBACK)
         _steady(nodes, window_s=0.6)
         assert [e.gathering for e in nodes] == [True, False, False]
         # The leader's agent is gone, its hub with it: the others exchange through the round's
@@ -392,7 +393,7 @@ def test_a_successor_gathers_when_the_leader_is_gone_and_hands_back(store):
         assert [(v.rank, v.node, v.process_state) for v in view.views] == [(1, "n1", "T")]
         # The leader is back (a new attach of the same round's store) with a new hub: the
         # others find it when they try the hub again, and group rank 1 hands back.
-        nodes[0].attach(store, "n0", 0, 3, hub_host="127.0.0.1")
+        nodes[0].attach(store, "n0", 0, 3, hub_host=LOOPBACK)
         _steady(nodes, window_s=1.0)
         _wait(lambda: not nodes[1].gathering, timeout_s=5)
     finally:
@@ -416,7 +417,7 @@ while True:
 """
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_stopped_leaders_hub_costs_nobody_a_hang(job_env: dict[str, str]):
     """The leader is a process of its own, SIGSTOPped: its hub then answers nothing, and a
     TCPStore client would wait for it forever. The others' hub calls end at their deadline;
@@ -431,7 +432,7 @@ def test_a_stopped_leaders_hub_costs_nobody_a_hang(job_env: dict[str, str]):
                           hub_retry_s=60.0) for _ in range(2)]
     try:
         for group_rank, exchange in enumerate(nodes, start=1):
-            exchange.attach(store, f"n{group_rank}", group_rank, 3, hub_host="127.0.0.1")
+            exchange.attach(store, f"n{group_rank}", group_rank, 3, hub_host=LOOPBACK)
 
         def offer() -> None:
             for group_rank, exchange in enumerate(nodes, start=1):
@@ -442,6 +443,7 @@ def test_a_stopped_leaders_hub_costs_nobody_a_hang(job_env: dict[str, str]):
             offer()
             return sorted(v.rank for v in nodes[1].job_view().views) == list(ranks)
 
+        store.wait([HUB_KEY], timedelta(seconds=60))  # the leader's process is up (torch)
         _wait(lambda: sees(0, 1), timeout_s=20)  # through the leader's digest on its hub
         assert nodes[1].hub_calls["multi_get1"] > 0
         os.kill(leader.pid, signal.SIGSTOP)
@@ -471,8 +473,8 @@ def test_a_new_rounds_group_rank_0_leads_whoever_led_before(store):
     try:
         for round_, (rank_a, rank_b) in enumerate([(0, 1), (1, 0)], start=1):
             round_store = dist.PrefixStore(f"round.{round_}", store)
-            a.attach(round_store, "a", rank_a, 2)
-            b.attach(round_store, "b", rank_b, 2)
+            a.attach(round_store, "a", rank_a, 2, hub_host=LOOPBACK)
+            b.attach(round_store, "b", rank_b, 2, hub_host=LOOPBACK)
             a.offer([_view(0, "a", steps=round_)], {})
             b.offer([_view(1, "b", steps=round_)], {})
             seen = _wait(lambda: a.job_view().views and b.job_view().views and
