@@ -8,9 +8,10 @@ agents) so that one Python interpreter's lock is not the limit. No training work
 For each N the bench measures:
 
 * **round**: from the moment every agent calls ``next_rendezvous`` until the last one has its
-  rank; the etcd requests that round cost per node (etcd's own ``grpc_server_handled_total``)
+  rank; the etcd requests that round cost per node (etcd's own ``grpc_server_handled_total``),
+  the bytes its clients exchanged with etcd per node (``etcd_network_client_grpc_*_bytes_total``)
   and etcd's CPU seconds (/proc);
-* **steady**: the request rate per node while the agents only run: each calls
+* **steady**: the request and byte rates per node while the agents only run: each calls
   ``num_nodes_waiting`` every 0.1 s as torch's agent monitor does (the handler asks etcd at most
   every 2 s) and keeps its lease alive;
 * with ``--faults``: the round after 5% of the agents are lost (their leases revoked; the
@@ -195,6 +196,20 @@ class Etcd:
                 return float("nan")
         return total
 
+    def client_bytes(self) -> float:
+        """Bytes the members have received from and sent to clients over gRPC (nan while one
+        is down)."""
+        total = 0.0
+        for member in self.members:
+            try:
+                text = urllib.request.urlopen(f"http://{member.endpoint}/metrics",
+                                              timeout=5).read().decode()
+            except OSError:
+                return float("nan")
+            total += sum(float(v) for v in re.findall(
+                r"^etcd_network_client_grpc_(?:received|sent)_bytes_total (\S+)$", text, re.M))
+        return total
+
     def cpu_s(self) -> float:
         total = 0.0
         for member in self.members:
@@ -309,7 +324,7 @@ def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors:
     """One rendezvous round of the agents alive now (``during(t0)`` runs alongside, in a
     thread: the fault); failed when an agent still alive ends without a rank or with an error
     beyond the ``expected_errors`` (a lost coordinator's own)."""
-    req0, cpu0 = etcd.requests(), etcd.cpu_s()
+    req0, bytes0, cpu0 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
     t0 = time.time() + 0.5
     if during is not None:
         threading.Thread(target=during, args=(t0,), daemon=True).start()
@@ -319,14 +334,15 @@ def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors:
     errors = [e for r in reports for e in r["errors"]]
     rounds = sorted({x for r in reports for x in r["rounds"]})
     agents_cpu = sum(r["cpu_s"] for r in reports)
-    req1, cpu1 = etcd.requests(), etcd.cpu_s()
+    req1, bytes1, cpu1 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
     if req1 < req0 or cpu1 < cpu0:  # a member restarted during the round: counters restarted
-        req1 = cpu1 = math.nan
+        req1 = bytes1 = cpu1 = math.nan
     round_s = max(done) if len(done) >= expected and done else float("nan")
     closed_s = closed_at(etcd.endpoint, fleet.run_id, max(rounds)) - t0 if rounds else math.nan
     line = (f"round {round_s:6.2f} s (closed at {closed_s:5.2f} s)  "
             f"completed {len(done)}/{expected} (round {rounds})  "
-            f"requests/node {(req1 - req0) / expected:5.1f}  etcd CPU {cpu1 - cpu0:5.2f} s  "
+            f"requests/node {(req1 - req0) / expected:5.1f}  "
+            f"KB/node {(bytes1 - bytes0) / expected / 1e3:6.1f}  etcd CPU {cpu1 - cpu0:5.2f} s  "
             f"agents CPU {agents_cpu:5.1f} s")
     if errors:
         line += f"  errors {len(errors)} (first: {errors[0]})"
@@ -425,11 +441,12 @@ def one_n(etcd: Etcd, n: int, procs: int, steady_s: float, timeout_s: float, fau
         print(f"N={n:5d} ({len(fleet.procs)} procs)  first {result.line}", flush=True)
         fleet.send("monitor", "monitoring")
         time.sleep(1.0)
-        req1, cpu1 = etcd.requests(), etcd.cpu_s()
+        req1, bytes1, cpu1 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
         time.sleep(steady_s)
-        req2, cpu2 = etcd.requests(), etcd.cpu_s()
+        req2, bytes2, cpu2 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
         fleet.send("unmonitor", "monitoring")
         print(f"N={n:5d}  steady requests/node/s {(req2 - req1) / n / steady_s:6.3f}  "
+              f"bytes/node/s {(bytes2 - bytes1) / n / steady_s:7.1f}  "
               f"etcd CPU {100 * (cpu2 - cpu1) / steady_s:5.1f}%", flush=True)
         if not faults:
             return
