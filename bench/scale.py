@@ -145,9 +145,17 @@ def handled_by_method(endpoint: str) -> collections.Counter[str]:
     """gRPC requests the etcd member at ``endpoint`` has finished, by method (Range, Txn,
     LeaseKeepAlive, ...), from its ``grpc_server_handled_total`` (a stream counts once, when
     it ends)."""
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    return _handled_in(_metrics(endpoint))
+
+
+def _metrics(endpoint: str) -> str:
+    return urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+
+
+def _handled_in(metrics: str) -> collections.Counter[str]:
     counts: collections.Counter[str] = collections.Counter()
-    for labels, value in re.findall(r'^grpc_server_handled_total\{([^}]*)\} (\S+)$', text, re.M):
+    for labels, value in re.findall(r'^grpc_server_handled_total\{([^}]*)\} (\S+)$', metrics,
+                                    re.M):
         method = re.search(r'grpc_method="([^"]+)"', labels)
         counts[method.group(1) if method else "?"] += float(value)
     return counts
@@ -185,30 +193,21 @@ class Etcd:
     def leader(self) -> Any:
         return self.cluster.leader() if self.cluster is not None else self.members[0]
 
-    def requests(self) -> float:
-        """Unary gRPC requests the members have handled (KV, Lease, ...), from their /metrics
-        (nan while one is down: a restarted member starts counting again)."""
-        total = 0.0
+    def traffic(self) -> tuple[float, float]:
+        """Unary gRPC requests the members have handled (KV, Lease, ...) and bytes they have
+        received from and sent to clients, from one read of each member's /metrics (nan while
+        one is down: a restarted member starts counting again)."""
+        requests = client_bytes = 0.0
         for member in self.members:
             try:
-                total += sum(handled_by_method(member.endpoint).values())
+                metrics = _metrics(member.endpoint)
             except OSError:
-                return float("nan")
-        return total
-
-    def client_bytes(self) -> float:
-        """Bytes the members have received from and sent to clients over gRPC (nan while one
-        is down)."""
-        total = 0.0
-        for member in self.members:
-            try:
-                text = urllib.request.urlopen(f"http://{member.endpoint}/metrics",
-                                              timeout=5).read().decode()
-            except OSError:
-                return float("nan")
-            total += sum(float(v) for v in re.findall(
-                r"^etcd_network_client_grpc_(?:received|sent)_bytes_total (\S+)$", text, re.M))
-        return total
+                return math.nan, math.nan
+            requests += sum(_handled_in(metrics).values())
+            client_bytes += sum(float(v) for v in re.findall(
+                r"^etcd_network_client_grpc_(?:received|sent)_bytes_total (\S+)$", metrics,
+                re.M))
+        return requests, client_bytes
 
     def cpu_s(self) -> float:
         total = 0.0
@@ -324,7 +323,7 @@ def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors:
     """One rendezvous round of the agents alive now (``during(t0)`` runs alongside, in a
     thread: the fault); failed when an agent still alive ends without a rank or with an error
     beyond the ``expected_errors`` (a lost coordinator's own)."""
-    req0, bytes0, cpu0 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
+    (req0, bytes0), cpu0 = etcd.traffic(), etcd.cpu_s()
     t0 = time.time() + 0.5
     if during is not None:
         threading.Thread(target=during, args=(t0,), daemon=True).start()
@@ -334,7 +333,7 @@ def measure_round(fleet: Fleet, etcd: Etcd, during: Any = None, expected_errors:
     errors = [e for r in reports for e in r["errors"]]
     rounds = sorted({x for r in reports for x in r["rounds"]})
     agents_cpu = sum(r["cpu_s"] for r in reports)
-    req1, bytes1, cpu1 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
+    (req1, bytes1), cpu1 = etcd.traffic(), etcd.cpu_s()
     if req1 < req0 or cpu1 < cpu0:  # a member restarted during the round: counters restarted
         req1 = bytes1 = cpu1 = math.nan
     round_s = max(done) if len(done) >= expected and done else float("nan")
@@ -441,9 +440,9 @@ def one_n(etcd: Etcd, n: int, procs: int, steady_s: float, timeout_s: float, fau
         print(f"N={n:5d} ({len(fleet.procs)} procs)  first {result.line}", flush=True)
         fleet.send("monitor", "monitoring")
         time.sleep(1.0)
-        req1, bytes1, cpu1 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
+        (req1, bytes1), cpu1 = etcd.traffic(), etcd.cpu_s()
         time.sleep(steady_s)
-        req2, bytes2, cpu2 = etcd.requests(), etcd.client_bytes(), etcd.cpu_s()
+        (req2, bytes2), cpu2 = etcd.traffic(), etcd.cpu_s()
         fleet.send("unmonitor", "monitoring")
         print(f"N={n:5d}  steady requests/node/s {(req2 - req1) / n / steady_s:6.3f}  "
               f"bytes/node/s {(bytes2 - bytes1) / n / steady_s:7.1f}  "

@@ -21,10 +21,11 @@ the address once per round and then write and read only through the hub; etcd se
 requests a node a round. The hub lives and dies with the leader's agent, which is what the
 round's membership follows anyway. TCPStore's client waits without end for an answer from a
 server that is stopped (SIGSTOP, a frozen host), so every hub call has a deadline
-(:class:`_Hub`). While a call is overdue a node exchanges through the round's store, and is
-back on the hub once it answers; a node whose hub call fails gives the connection up, and
-reads the address again and connects after :attr:`ViewExchange.hub_retry_s`. A leader that
-cannot serve a hub writes an empty address: everyone exchanges through the round's store.
+(:mod:`elasticft.diag.hub`). While a call is overdue a node exchanges through the round's
+store, and is back on the hub once it answers; a node whose hub call fails gives the
+connection up, and reads the address again and connects after
+:attr:`ViewExchange.hub_retry_s`. A leader that cannot serve a hub writes an empty address:
+everyone exchanges through the round's store.
 
 If the digest stops changing (the leader's agent or host is gone, or stopped; its hub with it,
 so the others are on the round's store by then), group rank ``k`` takes the leader's place after
@@ -48,19 +49,17 @@ leader's age of the summary plus the reader's age of the digest).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import logging
-import queue
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 from elasticft.diag import digest as job_digest
 from elasticft.diag.detectors import RankView
+from elasticft.diag.hub import Hub, HubBusy, HubUnavailable, connect, serve
 from elasticft.diag.summary import (
     KEY_PREFIX,
     SCHEMA,
@@ -75,135 +74,11 @@ from elasticft.procs import STOPPED_STATES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HUB_KEY", "KEY_PREFIX", "SCHEMA", "HubBusy", "HubUnavailable", "JobView",
-           "NodeSummary", "RemoteNode", "ViewExchange", "decode_summary", "encode_summary",
-           "summary_key"]
+__all__ = ["HUB_KEY", "KEY_PREFIX", "SCHEMA", "JobView", "NodeSummary", "RemoteNode",
+           "ViewExchange", "decode_summary", "encode_summary", "summary_key"]
 
 HUB_KEY = "diag/hub"
 """Key in the round's store: ``host:port`` of the leader's hub, or empty when it serves none."""
-
-
-class HubUnavailable(Exception):
-    """A call to the leader's hub failed: the connection is given up."""
-
-
-class HubBusy(HubUnavailable):
-    """A call to the leader's hub got no answer in time; the connection is kept for it."""
-
-
-class _Hub:
-    """The round leader's hub as one node uses it, counting the calls by kind.
-
-    The leader uses its own TCPStore server directly. Any other node holds a connection whose
-    calls run one at a time on a thread of its own, and waits for each at most ``timeout_s``:
-    a TCPStore client waits without end for the answer of a stopped server (``check`` and
-    ``multi_get`` outright; ``get`` after its own timeout, when it cancels the wait and waits
-    for the cancel's answer). A call that has not answered in time leaves the hub *busy* until
-    it does; nothing is sent after it meanwhile, so the connection stays in step and is kept
-    (a server also stalls for seconds on its own: it looks up every new client's address in
-    the DNS, one at a time). A call that fails gives the connection up.
-    """
-
-    def __init__(self, connect: Callable[[], Any], timeout_s: float | None) -> None:
-        self.calls: collections.Counter[str] = collections.Counter()
-        self._timeout_s = timeout_s
-        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._given_up = False
-        self._pending: concurrent.futures.Future[Any] | None = None
-        self._overdue = False
-        if timeout_s is None:
-            self._store = connect()
-            return
-        # A daemon thread, not an executor's: the interpreter joins those at exit, and one
-        # stuck in a call to a vanished host would keep the agent from ever exiting.
-        threading.Thread(target=self._serve_calls, daemon=True,
-                         name="elasticft-diag-hub-client").start()
-        self._pending = self._submit(lambda: setattr(self, "_store", connect()))
-
-    @property
-    def busy(self) -> bool:
-        """Whether a call has had no answer in time and still has none."""
-        return self._overdue and self._pending is not None and not self._pending.done()
-
-    def _serve_calls(self) -> None:
-        while (request := self._requests.get()) is not None:
-            fn, future = request
-            try:
-                future.set_result(fn())
-            except Exception as e:
-                future.set_exception(e)
-
-    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._requests.put((fn, future))
-        return future
-
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        if self._timeout_s is None:
-            return fn()
-        if self._given_up:
-            raise HubUnavailable(f"{what}: the connection was given up")
-        if self.busy:
-            raise HubBusy(f"{what}: an earlier call has had no answer yet")
-        deadline = time.monotonic() + self._timeout_s
-        if self._pending is not None:  # connecting, or an overdue call that has answered
-            self._settle(what, deadline)
-        self._pending = self._submit(fn)
-        return self._settle(what, deadline)
-
-    def _settle(self, what: str, deadline: float) -> Any:
-        assert self._pending is not None
-        try:
-            result = self._pending.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            self._overdue = True
-            raise HubBusy(f"{what}: no answer within {self._timeout_s:g} s") from None
-        except Exception as e:
-            self.close()
-            raise HubUnavailable(f"{what}: {e}") from e
-        self._pending, self._overdue = None, False
-        return result
-
-    def set(self, key: str, value: bytes) -> None:
-        self.calls["set"] += 1
-        self._call("writing", lambda: self._store.set(key, value))
-
-    def check(self, keys: list[str]) -> bool:
-        self.calls[f"check{len(keys)}"] += 1
-        return bool(self._call("checking", lambda: self._store.check(keys)))
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.calls[f"multi_get{len(keys)}"] += 1
-        return list(self._call("reading", lambda: self._store.multi_get(keys)))
-
-    def close(self) -> None:
-        if self._timeout_s is not None and not self._given_up:
-            self._given_up = True
-            self._requests.put(None)
-
-
-_HUB_STORE_TIMEOUT = timedelta(seconds=60)
-"""TCPStore's own limit on connecting and on waiting inside a call: long, because a call that
-outlives it does not end there (it cancels, then waits for the cancel's answer) and then fails,
-which gives the connection up; the exchange's deadlines are :class:`_Hub`'s."""
-
-
-def _serve(host: str) -> tuple[_Hub, str]:
-    """A hub served by this agent, and its address."""
-    from torch import distributed as dist  # the launcher checks torch's version before this
-
-    server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                           timeout=_HUB_STORE_TIMEOUT)
-    return _Hub(lambda: server, None), f"{host}:{server.port}"
-
-
-def _connect(address: str, timeout_s: float) -> _Hub:
-    """A connection to the hub at ``host:port`` (made by the first call)."""
-    from torch import distributed as dist
-
-    host, _, port = address.rpartition(":")
-    return _Hub(lambda: dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                      timeout=_HUB_STORE_TIMEOUT), timeout_s)
 
 
 @dataclasses.dataclass
@@ -213,8 +88,8 @@ class _Round:
     group_rank: int
     group_world_size: int
     started: float
-    hub_host: str = ""
-    hub: _Hub | None = None
+    hub_host: str | None = None
+    hub: Hub | None = None
     hub_address: str | None = None
     """The leader: its hub's (empty: none); the others: the one they read (None: not yet)."""
     hub_written: bool = False
@@ -304,7 +179,7 @@ class ViewExchange:
             generation = self._generation
             previous = self._round
             self._round = _Round(store, node_id, group_rank, group_world_size, self._clock(),
-                                 hub_host or socket.getfqdn())
+                                 hub_host)
             self._remote, self._present, self._payloads = {}, set(), {}
             self._digest, self._digest_present, self._acting = None, False, False
             self._via, self._names = None, {}
@@ -470,7 +345,7 @@ class ViewExchange:
                 return self._switch(current.store) if waited else None
         if not current.hub_address:
             return self._switch(current.store)  # the leader serves no hub this round
-        hub = _connect(current.hub_address, self.hub_timeout_s)
+        hub = connect(current.hub_address, self.hub_timeout_s)
         with self._lock:
             if not self._current(generation):  # detached meanwhile: nobody would close it
                 hub.close()
@@ -479,12 +354,14 @@ class ViewExchange:
         logger.info("diagnostics exchange through the leader's hub at %s", current.hub_address)
         return self._switch(hub)
 
-    def _served_hub(self, generation: int, current: _Round) -> _Hub | None:
+    def _served_hub(self, generation: int, current: _Round) -> Hub | None:
         """The leader's hub, served once per round; its address (empty when it cannot serve
         one) is written to the round's store until that succeeds."""
         if current.hub_address is None:
             try:
-                current.hub, current.hub_address = _serve(current.hub_host)
+                # The host name is looked up here, on the exchange's thread: a DNS lookup can
+                # take seconds, and only the leader needs it.
+                current.hub, current.hub_address = serve(current.hub_host or socket.getfqdn())
             except Exception as e:
                 self._warn_once("serving the diagnostics hub failed; the exchange goes through "
                                 "the round's store", e)
