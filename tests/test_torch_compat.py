@@ -211,7 +211,10 @@ def test_warm_started_workers_get_torch_s_log_line_prefix(tmp_path: Path) -> Non
     from tests.conftest import BIN, clean_job_env
 
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('hello from', os.environ['RANK'], flush=True)\n")
+    # One write per line: with PYTHONUNBUFFERED, print() writes the text and the newline apart,
+    # and torch's log tailer, reading between them, prints the half line with a prefix of its
+    # own (either launcher).
+    script.write_text("import os, sys\nsys.stdout.write(f\"hello from {os.environ['RANK']}\\n\")\n")
     env = {**clean_job_env(),
            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${hostname}|${role_name}|${rank}> "}
     lines = {}
