@@ -14,7 +14,8 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
 3. a hang found through the NCCL path: ``torch.cuda._sleep`` of minutes queued before an
    all_reduce. Detection time and action under ``elasticft-run`` (default options), against plain
    ``torchrun`` on the same script within ``--torchrun-hang-s``;
-4. bench/ckpt_gpu.py, the GPU checkpoint figures, when that script exists.
+4. bench/ckpt_gpu.py, the GPU checkpoint figures;
+5. the test suite's ``gpu``-marked tests (pytest must be installed).
 
 Without a CUDA device (or with ``--dry-run``) it checks what it can (the shim is built, the worker
 script compiles, the launchers are found) and says so in one line. The table also goes to
@@ -222,22 +223,32 @@ def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) 
 
 
 def check_ckpt(rows: list[tuple[str, str]]) -> None:
-    if not CKPT_BENCH.exists():
-        rows.append(("GPU checkpoints (bench/ckpt_gpu.py)", "not in this tree yet"))
-        return
     code, text = run([sys.executable, str(CKPT_BENCH)], child_env())
     rows.append(("GPU checkpoints (bench/ckpt_gpu.py)", f"exit {code}"))
     rows.extend(("  ckpt", line[:160]) for line in text.strip().splitlines()[-12:])
+
+
+def check_gpu_tests(rows: list[tuple[str, str]]) -> None:
+    """The test suite's ``gpu``-marked tests (the CUDA path of the checkpoint memory tier)."""
+    # Only the files with gpu tests: the others import extras this machine may not have.
+    files = [str(p) for p in sorted(ROOT.glob("tests/**/test_*.py")) if "mark.gpu" in p.read_text()]
+    code, text = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                      "gpu", "-rfs", *files], child_env())
+    lines = text.strip().splitlines()
+    rows.append(("pytest -m gpu", f"exit {code}: {lines[-1] if lines else 'no output'}"[:160]))
+    rows.extend(("  failed", line[:160]) for line in lines if line.startswith("FAILED"))
 
 
 def dry_run(reason: str) -> int:
     from elasticft.diag.workerenv import shim_library
 
     py_compile.compile(str(WORKER), doraise=True)
+    py_compile.compile(str(CKPT_BENCH), doraise=True)
     shim = shim_library()
     launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
     print(f"gpu_check: dry run, {reason}: shim {'built' if shim else 'NOT BUILT'}, worker script "
-          f"compiles, launchers {launchers[0]!r} and {launchers[1]!r}; nothing measured")
+          f"and bench/ckpt_gpu.py compile, launchers {launchers[0]!r} and {launchers[1]!r}; "
+          "nothing measured")
     return 0 if shim else 1
 
 
@@ -265,7 +276,7 @@ def main() -> int:
         tmp = Path(tmp_name)
         for check in (lambda: check_ops(tmp, rows), lambda: check_overhead(tmp, rows),
                       lambda: check_hang(tmp, rows, args.torchrun_hang_s),
-                      lambda: check_ckpt(rows)):
+                      lambda: check_ckpt(rows), lambda: check_gpu_tests(rows)):
             try:
                 check()
             except Exception as e:  # one broken check must not hide the others' rows

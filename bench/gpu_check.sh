@@ -2,7 +2,7 @@
 # One command on a GPU machine: installs elasticft into the torch already there and prints the
 # GPU check's table (bench/gpu_check.py: NCCL shim self-check, a record per NCCL op with its GPU
 # time, per-call overhead with and without the shim, a hang found through NCCL against plain
-# torchrun, the GPU checkpoint figures when bench/ckpt_gpu.py exists).
+# torchrun, bench/ckpt_gpu.py's GPU checkpoint figures, the `gpu`-marked tests).
 #
 #   bash bench/gpu_check.sh [--torchrun-hang-s 90]        (PYTHON=... to pick the interpreter)
 #
@@ -30,7 +30,8 @@ missing=$("$PYTHON" - <<'PY'
 import importlib.util
 import shutil
 wanted = {"numpy": "numpy", "yaml": "pyyaml", "psutil": "psutil", "tenacity": "tenacity",
-          "prometheus_client": "prometheus-client", "pynvml": "nvidia-ml-py"}
+          "prometheus_client": "prometheus-client", "pynvml": "nvidia-ml-py",
+          "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
 missing = [pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None]
 print(" ".join(missing + ([] if shutil.which("py-spy") else ["py-spy"])))
 PY

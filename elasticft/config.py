@@ -296,6 +296,11 @@ class CheckpointConfig:
     ckpt_memory_cap_mb: int = option(
         0, "Most shared memory per worker for snapshots, in MiB (0: no cap); the oldest "
         "snapshot is evicted first.", minimum=0)
+    ckpt_gpu_staging_mb: int = option(
+        0, "Device memory per worker, in MiB, that a snapshot of CUDA state may be staged in: "
+        "training then waits only for a device-to-device copy, and the copy to host memory "
+        "overlaps the next steps (0: no staging; training's next optimizer step waits on the "
+        "device for the copy to host).", minimum=0)
     ckpt_peer_backup: bool = option(
         True, "Copy each node's checkpoint shards to a backup node over TCP (multi-node jobs).")
     ckpt_peer_addr: str | None = option(

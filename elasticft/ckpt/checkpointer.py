@@ -44,6 +44,7 @@ import torch.distributed as dist
 from elasticft.ckpt import durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull, Tier
 from elasticft.ckpt.control import ControlWatcher
+from elasticft.ckpt.device import DeviceCopier, PendingCopy
 from elasticft.ckpt.peer import PeerClient, PeerTier
 from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
 from elasticft.ckpt.settings import WorkerSettings
@@ -86,6 +87,8 @@ class SaveRequest:
         """pending | memory (complete in shared memory) | skipped | failed."""
         self.error: BaseException | None = None
         self.guarded_done = threading.Event()
+        self.device: PendingCopy | None = None
+        """The CUDA part of the copy (see :mod:`elasticft.ckpt.device`), if any."""
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -119,6 +122,7 @@ class Checkpointer:
         rank: int | None = None,
         world_size: int | None = None,
         dedup_replicas: bool = False,
+        device_copier: DeviceCopier | None = None,
     ) -> None:
         self.settings = settings
         initialized = dist.is_available() and dist.is_initialized()
@@ -132,8 +136,11 @@ class Checkpointer:
         """Each rank stores only its share of the replicated state (see :meth:`save`)."""
         self._placements: dict[tuple[Any, ...], ReplicaPlacement] = {}
         self._prepared: tuple[Any, set[int], Layout, tuple[bool, ...]] | None = None
-        self.stall_s = 0.0
-        """Total time the training thread waited inside save() and the pre-step hook."""
+        self._host_stall_s = 0.0
+        self._device = device_copier
+        """Copies CUDA state (made on the first save that has some, unless injected)."""
+        self._device_off: str | None = None
+        """Why CUDA state is copied the plain way (synchronously), or None."""
         self.last_source: str | None = None
         """Tier the last successful load() came from."""
         self._slot_count = max(2, settings.slots)
@@ -190,6 +197,18 @@ class Checkpointer:
         return cls(WorkerSettings.from_env(**defaults), optimizers=optimizers,
                    dedup_replicas=dedup)
 
+    @property
+    def stall_s(self) -> float:
+        """What checkpointing has cost training so far, in seconds: time inside ``save()`` and
+        the pre-step hook, plus the time training's CUDA streams waited for snapshot copies
+        (counted once those waits have passed on the device)."""
+        if self._device is not None:
+            try:
+                self._host_stall_s += self._device.collect_stall_s()
+            except Exception:  # a figure must never fail training
+                logger.debug("reading the device stall failed", exc_info=True)
+        return self._host_stall_s
+
     # ------------------------------------------------------------------------------------------
     # Saving.
 
@@ -216,7 +235,7 @@ class Checkpointer:
                 raise
             logger.error("checkpoint of step %d failed: %s", step, e)
         finally:
-            self.stall_s += time.perf_counter() - started
+            self._host_stall_s += time.perf_counter() - started
         return request
 
     def _start_copy(self, request: SaveRequest, layout: Layout, step: int) -> None:
@@ -247,17 +266,47 @@ class Checkpointer:
         slot.write_header(header)
         slot.map[HEADER_BYTES : HEADER_BYTES + len(manifest)] = manifest
         later = []
+        on_device = []
+        device_type = self._device_type()
         views = self._views(slot, payload_at, layout)
         for entry, dst, only_by_step in zip(layout.tensors, views, guarded, strict=True):
             if dst is None:
                 continue
-            if only_by_step:
+            if entry.tensor.device.type == device_type:
+                on_device.append((dst, entry.tensor, only_by_step))
+            elif only_by_step:
                 later.append((dst, entry.tensor))
             else:
                 copy_bytes(dst, entry.tensor)  # may change before the next optimizer step
+        if on_device:
+            request.device = self._begin_device_copy(slot, on_device)
         self._inflight = request
         offsets = [e.offset for e in layout.tensors if e.replica_of is None]
         self._jobs.put((request, slot, header, later, offsets))
+
+    def _device_type(self) -> str | None:
+        """The device type whose tensors go through the device copier (None: no copier)."""
+        if self._device_off is not None:
+            return None
+        return self._device.backend.device_type if self._device is not None else "cuda"
+
+    def _begin_device_copy(
+        self, slot: Any, copies: list[tuple[torch.Tensor, torch.Tensor, bool]]
+    ) -> PendingCopy | None:
+        """Starts the CUDA copies (see :mod:`elasticft.ckpt.device`); if that path fails, says
+        so once and copies the plain way from then on, so no snapshot is lost to it."""
+        try:
+            if self._device is None:
+                self._device = DeviceCopier(self.settings.gpu_staging_bytes)
+            self._device.pin(slot)
+            return self._device.begin(copies)
+        except Exception as e:
+            self._device_off = f"{type(e).__name__}: {e}".splitlines()[0]
+            logger.warning("the CUDA snapshot path failed (%s); CUDA state is copied "
+                           "synchronously from now on", self._device_off)
+            for dst, src, _ in copies:
+                dst.copy_(src)
+            return None
 
     def _prepare(self, layout: Layout) -> tuple[Layout, tuple[bool, ...]]:
         """The layout to write (deduplicated if asked) and, per entry, whether only
@@ -346,9 +395,15 @@ class Checkpointer:
                 return
             request, slot, header, later, offsets = job
             try:
+                if request.device is not None:
+                    assert self._device is not None
+                    self._device.issue_rest(request.device)
                 for dst, src in later:
                     copy_bytes(dst, src)
                 request.guarded_done.set()
+                if request.device is not None:
+                    assert self._device is not None
+                    self._device.synchronize(request.device)
                 manifest = slot.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
                 seal = seal_of(header, manifest, slot.payload(header), offsets)
                 slot.write_header(dataclasses.replace(
@@ -364,17 +419,26 @@ class Checkpointer:
 
     def _before_optimizer_step(self, *_: Any) -> None:
         request = self._inflight
-        if request is not None and not request.guarded_done.is_set():
-            started = time.perf_counter()
-            request.guarded_done.wait()
-            self.stall_s += time.perf_counter() - started
+        if request is None or request.done():
+            return
+        started = time.perf_counter()
+        request.guarded_done.wait()
+        if request.device is not None and self._device is not None:
+            try:
+                self._device.before_step(request.device)
+            except Exception:
+                # Exact snapshot all the same: the step waits on the host for the copy.
+                logger.warning("ordering the optimizer step after the snapshot's CUDA copy "
+                               "failed; waiting for the copy on the host", exc_info=True)
+                request._done.wait()
+        self._host_stall_s += time.perf_counter() - started
 
     def _wait_inflight(self) -> None:
         request = self._inflight
         if request is not None and not request.done():
             started = time.perf_counter()
             request._done.wait()
-            self.stall_s += time.perf_counter() - started
+            self._host_stall_s += time.perf_counter() - started
 
     def newest_step(self) -> int | None:
         """Step of the newest complete memory snapshot of this rank."""

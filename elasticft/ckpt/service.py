@@ -215,6 +215,7 @@ class CheckpointService(AgentCollaborator):
             settings.ENV_MEMORY_CAP: str(cap),
             settings.ENV_LOCAL: str(self.local_dir(group)),
             settings.ENV_CONTROL: str(control),
+            settings.ENV_GPU_STAGING: str(self.config.ckpt_gpu_staging_mb * (1 << 20)),
         }
         if self.config.ckpt_remote_dir is not None:
             env[settings.ENV_REMOTE] = str(self.config.ckpt_remote_dir)

@@ -26,10 +26,11 @@ ENV_REPLICA_PEER = "ELASTICFT_CKPT_REPLICA_PEER"
 ENV_NODE_PEER = "ELASTICFT_CKPT_NODE_PEER"
 ENV_SECRET = "ELASTICFT_CKPT_SECRET"
 ENV_CONTROL = "ELASTICFT_CKPT_CONTROL"
+ENV_GPU_STAGING = "ELASTICFT_CKPT_GPU_STAGING"
 
 WORKER_ENV = frozenset(
     {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_REPLICA_PEER,
-     ENV_NODE_PEER, ENV_SECRET, ENV_CONTROL}
+     ENV_NODE_PEER, ENV_SECRET, ENV_CONTROL, ENV_GPU_STAGING}
 )
 """Worker variables the checkpoint service sets (listed in the agent's WORKER_ENV_NAMES)."""
 
@@ -62,6 +63,9 @@ class WorkerSettings:
     """Process-owned mode: persist every N saves' steps to the durable tiers (0: never)."""
     keep: int = 3
     owner_pid: int = 0
+    gpu_staging_bytes: int = 0
+    """Most device memory a CUDA snapshot may be staged in before its copy to the host (0: no
+    staging; see :mod:`elasticft.ckpt.device`)."""
 
     @classmethod
     def from_env(
@@ -74,6 +78,7 @@ class WorkerSettings:
         keep: int = 3,
         slots: int = 2,
         memory: bool = True,
+        gpu_staging_bytes: int = 0,
     ) -> WorkerSettings:
         """Agent-owned settings when the agent set them, else a process-owned memory tier.
 
@@ -96,6 +101,7 @@ class WorkerSettings:
                 control_dir=Path(env[ENV_CONTROL]) if env.get(ENV_CONTROL) else None,
                 agent_owned=True,
                 keep=keep,
+                gpu_staging_bytes=int(env.get(ENV_GPU_STAGING, "0")),
             )
         # Under torchrun the parent is torch's agent: segments named after it survive a worker
         # restart and are swept once that agent is gone. Alone, the process owns them.
@@ -111,4 +117,5 @@ class WorkerSettings:
             persist_every=persist_every,
             keep=keep,
             owner_pid=owner,
+            gpu_staging_bytes=gpu_staging_bytes,
         )

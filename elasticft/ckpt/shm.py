@@ -41,7 +41,7 @@ import re
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,8 @@ class Slot:
         self._fd = fd
         self.size = size
         self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.before_close: list[Callable[[], None]] = []
+        """Called before the mapping goes (e.g. to unpin memory registered with CUDA)."""
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -182,6 +184,9 @@ class Slot:
             raise
 
     def close(self) -> None:
+        callbacks, self.before_close = self.before_close, []
+        for callback in callbacks:
+            callback()
         with contextlib.suppress(BufferError, ValueError):
             self.map.close()
         with contextlib.suppress(OSError):

@@ -202,8 +202,10 @@ def flatten(state: Mapping[str, Any]) -> Layout:
             )
             continue
         tensor = obj.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()  # an accelerator copy: the snapshot is host memory
+        if tensor.device.type not in ("cpu", "cuda"):
+            # Another accelerator: a host copy now. CUDA tensors stay live; the checkpointer
+            # copies them off the training stream (elasticft.ckpt.device).
+            tensor = tensor.cpu()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         assert item.tensor_data is not None

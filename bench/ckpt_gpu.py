@@ -1,0 +1,292 @@
+"""What a checkpoint of GPU state costs training: torch.save, dcp.async_save, elasticft, the floor.
+
+One process, one GPU: an MLP with fused AdamW (about 4.8 GB of state at the default 400M
+parameters), trained for ``--steps`` steps with a checkpoint every ``--every`` steps, and the same
+steps without checkpoints just before each method (paired, so drift between methods cancels).
+Printed per method, in one run:
+
+* save(): median time the call took on the training thread;
+* extra/save: (steps with checkpoints - steps without) / saves, measured to the last step's end
+  on the device: what training really lost, the device included;
+* reported/save: what the method says it stalled (elasticft's ``stall_s``; for the others the
+  call time, which is all they report);
+* restore: from the method's own copy back into the live CUDA model and optimizer;
+* the floor: one device-to-host copy of the state into pinned memory (DMA), timed on the device.
+
+elasticft runs twice: event-ordered (the next optimizer step waits on the device for the copy)
+and with a staging buffer on the device (``gpu_staging_bytes``), when the GPU has room for it.
+
+    python bench/ckpt_gpu.py [--params 400e6 --steps 20 --every 5]
+
+bench/gpu_check.sh runs it. Without CUDA it says so and exits 0. The table also goes to
+``$OUT/ckpt_gpu.json`` when ``OUT`` is set. Not a test: the numbers are the machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings  # noqa: E402
+from elasticft.ckpt.shm import SHM_DIR, segment_prefix  # noqa: E402
+
+
+def build(params: float, width: int = 8192) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    layers = max(1, round(params / (width * width)))
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*blocks).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return model, optim
+
+
+def state_bytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for per_param in optim.state.values():
+        total += sum(v.numel() * v.element_size() for v in per_param.values()
+                     if isinstance(v, torch.Tensor))
+    return total
+
+
+def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int, every: int,
+          save: Callable[[int], None] | None, batch: torch.Tensor) -> float:
+    """Seconds for ``steps`` steps, measured to the end of the last one on the device."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        model(batch).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        if save is not None and step % every == 0:
+            save(step)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def pinned_floor(model: torch.nn.Module, optim: torch.optim.Optimizer) -> float:
+    tensors = [p.detach() for p in model.parameters()]
+    for per_param in optim.state.values():
+        tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.is_cuda]
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for host, t in zip(hosts, tensors, strict=True):
+            host.copy_(t, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return min(times)
+
+
+class Method:
+    name = ""
+
+    def __init__(self) -> None:
+        self.call_s: list[float] = []
+
+    def save(self, step: int) -> None:
+        started = time.perf_counter()
+        self._save(step)
+        self.call_s.append(time.perf_counter() - started)
+
+    def _save(self, step: int) -> None:
+        raise NotImplementedError
+
+    def reported_s(self) -> float:
+        return sum(self.call_s)
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class TorchSave(Method):
+    name = "torch.save"
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, tmp: Path) -> None:
+        super().__init__()
+        self.model, self.optim, self.path = model, optim, tmp / "torch_save.pt"
+
+    def _save(self, step: int) -> None:
+        torch.save({"model": self.model.state_dict(), "optim": self.optim.state_dict()},
+                   self.path)
+
+    def restore(self) -> None:
+        state = torch.load(self.path, map_location="cuda", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])
+
+
+class DcpAsyncSave(Method):
+    name = "dcp.async_save"
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, tmp: Path) -> None:
+        super().__init__()
+        self.model, self.optim, self.tmp = model, optim, tmp
+        self.future: Any = None
+        self.last: Path | None = None
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _save(self, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.future is not None:
+            self.future.result()
+        self.last = self.tmp / f"dcp_{step}"
+        self.future = dcp.async_save(self._state(), checkpoint_id=str(self.last))
+
+    def restore(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        self.close()
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(self.last))
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def close(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+
+
+class Elasticft(Method):
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer,
+                 staging_bytes: int) -> None:
+        super().__init__()
+        self.name = "elasticft, staged" if staging_bytes else "elasticft"
+        self.model, self.optim = model, optim
+        self.prefix = segment_prefix(os.getpid(), f"bench{staging_bytes}", 0)
+        settings = WorkerSettings(shm_prefix=self.prefix, agent_owned=True,
+                                  gpu_staging_bytes=staging_bytes)
+        self.ckpt = Checkpointer(settings, optimizers=[optim])
+        self.capture = StateCapture(model, optim, rng=False)
+        self.stall_before = 0.0
+
+    def _save(self, step: int) -> None:
+        self.ckpt.save(step, self.capture(extra={"step": step}))
+
+    def reported_s(self) -> float:
+        torch.cuda.synchronize()
+        self.ckpt._wait_inflight()
+        return self.ckpt.stall_s - self.stall_before
+
+    def restore(self) -> None:
+        self.ckpt._wait_inflight()
+        assert self.ckpt.restore(self.model, self.optim) is not None
+
+    def notes(self) -> str:
+        device = self.ckpt._device
+        if device is None:
+            return "device path off: " + (self.ckpt._device_off or "no CUDA state")
+        pinned = "pinned" if device.pin_refused is None else f"NOT pinned ({device.pin_refused})"
+        staged = "" if device.staging_refused is None else f", staging refused: " \
+            f"{device.staging_refused}"
+        return pinned + staged
+
+    def close(self) -> None:
+        self.ckpt.close()
+        for path in SHM_DIR.glob(f"{self.prefix}-s*"):
+            path.unlink(missing_ok=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=400e6)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=2048)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(f"ckpt_gpu: no CUDA device (torch {torch.__version__}); nothing measured")
+        return 0
+    model, optim = build(args.params)
+    batch = torch.randn(args.batch, model[0].in_features, device="cuda")
+    train(model, optim, 2, args.every, None, batch)  # optimizer state exists from here on
+    nbytes = state_bytes(model, optim)
+    shm_free = shutil.disk_usage(SHM_DIR).free
+    if 2 * nbytes + (64 << 20) > shm_free:
+        print(f"ckpt_gpu: {SHM_DIR} has {shm_free >> 20} MiB free, two snapshots of "
+              f"{nbytes >> 20} MiB need more; run with a smaller --params")
+        return 1
+    free_device, _ = torch.cuda.mem_get_info()
+    saves = args.steps // args.every
+    floor = pinned_floor(model, optim)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ckpt_gpu_") as tmp_name:
+        tmp = Path(tmp_name)
+        makers: list[Callable[[], Method]] = [
+            lambda: TorchSave(model, optim, tmp),
+            lambda: DcpAsyncSave(model, optim, tmp),
+            lambda: Elasticft(model, optim, 0),
+        ]
+        if free_device > nbytes + (2 << 30):
+            makers.append(lambda: Elasticft(model, optim, nbytes + (64 << 20)))
+        for make in makers:
+            method = make()
+            try:
+                plain = train(model, optim, args.steps, args.every, None, batch)
+                if isinstance(method, Elasticft):
+                    method.stall_before = method.ckpt.stall_s
+                with_saves = train(model, optim, args.steps, args.every, method.save, batch)
+                reported = method.reported_s()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                method.restore()
+                torch.cuda.synchronize()
+                restore_s = time.perf_counter() - started
+                rows.append({
+                    "method": method.name,
+                    "save_call_ms": 1000 * statistics.median(method.call_s),
+                    "extra_per_save_ms": 1000 * (with_saves - plain) / saves,
+                    "reported_per_save_ms": 1000 * reported / saves,
+                    "restore_s": restore_s,
+                    "step_ms": 1000 * plain / args.steps,
+                    "notes": method.notes() if isinstance(method, Elasticft) else "",
+                })
+            finally:
+                method.close()
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    print(f"ckpt_gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {when}; "
+          f"state {nbytes / 1e9:.2f} GB, {args.steps} steps, a save every {args.every}; "
+          f"pinned DMA floor {1000 * floor:.1f} ms ({nbytes / floor / 1e9:.0f} GB/s)")
+    print(f"{'method':<20} {'save()':>9} {'extra/save':>11} {'reported/save':>14} "
+          f"{'restore':>9} {'step':>8}  notes")
+    for r in rows:
+        print(f"{r['method']:<20} {r['save_call_ms']:>7.1f}ms {r['extra_per_save_ms']:>9.1f}ms "
+              f"{r['reported_per_save_ms']:>12.1f}ms {r['restore_s']:>8.3f}s "
+              f"{r['step_ms']:>6.1f}ms  {r['notes']}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "ckpt_gpu.json").write_text(json.dumps(
+            {"when": when, "state_bytes": nbytes, "floor_s": floor, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
