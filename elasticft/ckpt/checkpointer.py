@@ -304,6 +304,8 @@ class Checkpointer:
             self._device_off = f"{type(e).__name__}: {e}".splitlines()[0]
             logger.warning("the CUDA snapshot path failed (%s); CUDA state is copied "
                            "synchronously from now on", self._device_off)
+            if self._device is not None:
+                self._device.drain()  # no copy it issued may land after the ones below
             for dst, src, _ in copies:
                 dst.copy_(src)
             return None

@@ -269,6 +269,12 @@ class DeviceCopier:
             self._hold(self.backend.current_stream(d), copied)
         pending.step_waited = True
 
+    def drain(self) -> None:
+        """Waits on the host for every copy issued so far (before the copier is given up)."""
+        for stream in self._streams.values():
+            with contextlib.suppress(Exception):
+                stream.synchronize()
+
     def _issue(self, copies: Iterable[Copy], streams: dict[torch.device, Any]) -> None:
         by_device: dict[torch.device, list[Copy]] = {}
         for dst, src in copies:

@@ -34,6 +34,9 @@ class Stream:
     def wait_event(self, event: Event) -> None:
         self._trace.append(f"{self.name} waits {event.name}")
 
+    def synchronize(self) -> None:
+        self._trace.append(f"sync {self.name}")
+
 
 class Event:
     def __init__(self, name: str, trace: list[str], clock: list[float],
@@ -312,17 +315,31 @@ def test_checkpointer_snapshots_device_state_exactly_and_orders_the_step_after_i
 
 
 class _BrokenBackend(RecordingBackend):
+    def __init__(self, fails_in: str) -> None:
+        super().__init__()
+        self.fails_in = fails_in
+
     def new_stream(self, device: torch.device) -> Stream:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if self.fails_in == "new_stream":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().new_stream(device)
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: Stream) -> Iterator[None]:
+        if self.fails_in == "on_stream":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        yield
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("fails_in", ["new_stream", "on_stream"])
 def test_a_failing_device_path_is_said_once_and_no_snapshot_is_lost(
-    prefix: str, caplog: pytest.LogCaptureFixture
+    prefix: str, fails_in: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     model, optim = trained_model()
     settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
-    copier = DeviceCopier(0, _BrokenBackend())
+    backend = _BrokenBackend(fails_in)
+    copier = DeviceCopier(0, backend)
     with Checkpointer(settings, optimizers=[optim], device_copier=copier) as ckpt:
         for step in (1, 2, 3):
             assert ckpt.save(step, capture(model, optim, {"step": step})).wait(30).status \
@@ -334,4 +351,6 @@ def test_a_failing_device_path_is_said_once_and_no_snapshot_is_lost(
         assert torch.equal(value, expected[name]), name
     failures = [r for r in caplog.records if "CUDA snapshot path failed" in r.getMessage()]
     assert len(failures) == 1 and "illegal memory access" in failures[0].getMessage()
+    if fails_in == "on_stream":  # copies already issued were waited for before the plain ones
+        assert backend.trace[-1] == "sync copy"
     SlotSet(prefix, 2).close()
