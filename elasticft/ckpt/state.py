@@ -216,7 +216,8 @@ class LiveState:
     def target(self, item: Mapping[str, Any]) -> torch.Tensor | None:
         """The live tensor a snapshot item is copied into, if it fits exactly."""
         live = self.tensors.get(item["fqn"])
-        if (live is None or not live.is_contiguous() or live.device.type != "cpu"
+        # A CUDA tensor is copied into from host memory directly: no host copy in between.
+        if (live is None or not live.is_contiguous() or live.device.type not in ("cpu", "cuda")
                 or str(live.dtype).removeprefix("torch.") != item["dtype"]
                 or list(live.shape) != list(item["shape"])):
             return None
