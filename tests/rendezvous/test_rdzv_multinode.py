@@ -275,8 +275,9 @@ def test_late_node_and_a_slow_to_stop_node_meet_in_one_round(
     assert a.wait(120) == 0, a.output()[-3000:]
     assert b.wait(60) == 0, b.output()[-3000:]
     # a: round 0 alone, then one round with b; no rounds closed alone in between.
-    assert [e["group_world_size"] for e in a.events("rendezvous")] == [1, 2]
-    assert [e["group_world_size"] for e in b.events("rendezvous")] == [2]
+    why = "\n".join(f"--- {n.name}\n{n.output()[-4000:]}" for n in (a, b))
+    assert [e["group_world_size"] for e in a.events("rendezvous")] == [1, 2], why
+    assert [e["group_world_size"] for e in b.events("rendezvous")] == [2], why
     assert "keeps round 1 open: 1 live participant(s) of round 0 on their way" in b.output()
 
 
