@@ -282,6 +282,7 @@ def prefix() -> Iterator[str]:
     remove_segments(name)
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(60)
 def test_checkpointer_snapshots_device_state_exactly_and_orders_the_step_after_it(
     prefix: str,
