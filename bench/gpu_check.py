@@ -2,6 +2,7 @@
 
     bash bench/gpu_check.sh            (installs elasticft into the machine's torch, then this)
     python bench/gpu_check.py [--dry-run] [--torchrun-hang-s 90]
+                              [--parts ops,overhead,hang,ckpt,tests]
 
 With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the script):
 
@@ -252,12 +253,21 @@ def dry_run(reason: str) -> int:
     return 0 if shim else 1
 
 
+PARTS = ("ops", "overhead", "hang", "ckpt", "tests")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="check the set-up only")
     parser.add_argument("--torchrun-hang-s", type=float, default=90.0,
                         help="how long plain torchrun is given to get out of the hang")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which checks to run, comma-separated (default: all of {PARTS})")
     args = parser.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown --parts {unknown}; choose from {', '.join(PARTS)}")
     try:
         import torch
     except ImportError:
@@ -274,18 +284,29 @@ def main() -> int:
     ]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        for check in (lambda: check_ops(tmp, rows), lambda: check_overhead(tmp, rows),
-                      lambda: check_hang(tmp, rows, args.torchrun_hang_s),
-                      lambda: check_ckpt(rows), lambda: check_gpu_tests(rows)):
+        checks = {"ops": lambda: check_ops(tmp, rows),
+                  "overhead": lambda: check_overhead(tmp, rows),
+                  "hang": lambda: check_hang(tmp, rows, args.torchrun_hang_s),
+                  "ckpt": lambda: check_ckpt(rows), "tests": lambda: check_gpu_tests(rows)}
+        shown = 0
+        for part in parts:
             try:
-                check()
+                checks[part]()
             except Exception as e:  # one broken check must not hide the others' rows
-                rows.append(("check failed", f"{type(e).__name__}: {e}"[:160]))
-    width = max(len(name) for name, _ in rows)
-    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+                rows.append(("check failed", f"{part}: {type(e).__name__}: {e}"[:160]))
+            # Each part's rows as soon as it is done: a run stopped at its time limit keeps
+            # what it measured.
+            shown = show(rows, shown)
+    return 0
+
+
+def show(rows: list[tuple[str, str]], shown: int) -> int:
+    """Prints the rows not printed yet and saves them all to $OUT; returns how many are shown."""
+    width = max(36, *(len(name) for name, _ in rows))
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows[shown:]), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(rows, indent=1))
-    return 0
+    return len(rows)
 
 
 if __name__ == "__main__":
