@@ -25,3 +25,11 @@ def test_without_a_gpu_it_installs_nothing_and_says_so_in_one_line():
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: dry run, no CUDA device"), lines
     assert "shim built" in lines[0] and "nothing measured" in lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_part_is_a_usage_error_that_names_the_choices():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--parts",
+                           "ops,bogus"], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 2
+    assert "unknown --parts ['bogus']; choose from ops, overhead, hang, ckpt, tests" in done.stderr
