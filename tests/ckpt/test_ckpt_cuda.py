@@ -1,8 +1,8 @@
 """The memory tier's CUDA path on a real GPU (marked ``gpu``: skipped where CUDA is absent).
 
 The snapshot of every step must be bit-exact against the state after that step, although the
-copy to host memory overlaps the next forward (which changes BatchNorm's buffers) and the next
-optimizer step waits for it on the device only. The state is large enough (~200 MB) that the
+copy to host memory overlaps the next forward (which changes BatchNorm's buffers and a bf16
+buffer) and the next optimizer step waits for it on the device only. The state is large enough (~200 MB) that the
 copies are still in flight when the next step starts.
 """
 
@@ -33,12 +33,15 @@ def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.nn.Linear(1024, 4096), torch.nn.BatchNorm1d(4096), torch.nn.ReLU(),
         torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024),
     ).cuda()
+    # A bf16 buffer the next step changes in place, like BatchNorm's: copied at the save.
+    model.register_buffer("seen", torch.zeros(4096, dtype=torch.bfloat16, device="cuda"))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, optim
 
 
 def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
     x = torch.randn(256, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+    model.seen.add_(1.0)
     model(x).pow(2).mean().backward()
     optim.step()
     optim.zero_grad(set_to_none=True)

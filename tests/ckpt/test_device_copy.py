@@ -203,6 +203,24 @@ def _issued(copier: DeviceCopier, copies: list[tuple[torch.Tensor, torch.Tensor,
     return pending
 
 
+@pytest.mark.parametrize("staging_bytes", [0, 1 << 20])
+def test_every_dtype_lands_bit_exact_with_and_without_staging(staging_bytes: int) -> None:
+    sources = [
+        torch.randn(7, 3).to(torch.bfloat16),
+        torch.randn(5).to(torch.float16),
+        torch.randn(9).to(torch.float8_e4m3fn),
+        torch.arange(3, dtype=torch.int64),
+        torch.tensor(True),
+        torch.randn(2, 2, dtype=torch.float64),
+    ]
+    copies = [(torch.empty_like(src), src, index % 2 == 0) for index, src in enumerate(sources)]
+    copier = DeviceCopier(staging_bytes, RecordingBackend())
+    copier.synchronize(_issued(copier, copies))
+    for dst, src, _ in copies:
+        assert dst.dtype == src.dtype and torch.equal(dst.view(torch.uint8),
+                                                      src.view(torch.uint8))
+
+
 def test_a_copy_thread_that_fails_still_releases_the_step() -> None:
     backend = RecordingBackend()
     copier = DeviceCopier(0, backend)
