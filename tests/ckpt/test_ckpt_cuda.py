@@ -2,8 +2,8 @@
 
 The snapshot of every step must be bit-exact against the state after that step, although the
 copy to host memory overlaps the next forward (which changes BatchNorm's buffers and a bf16
-buffer) and the next optimizer step waits for it on the device only. The state is large enough (~200 MB) that the
-copies are still in flight when the next step starts.
+buffer) and the next optimizer step waits for it on the device only. The state is large
+enough (~300 MB) that the copies are still in flight when the next step starts.
 """
 
 from __future__ import annotations
