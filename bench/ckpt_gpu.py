@@ -18,7 +18,9 @@ and with a staging buffer on the device (``gpu_staging_bytes``), when the GPU ha
 
     python bench/ckpt_gpu.py [--params 400e6 --steps 20 --every 5]
 
-bench/gpu_check.sh runs it. Without CUDA it says so and exits 0. The table also goes to
+bench/gpu_check.sh runs it. Without CUDA it says so and exits 0. ``--device cpu`` runs the same
+code on the CPU (no floor, no staging), so that the script is known to work before GPU time is
+spent on it (``tests/ckpt/test_ckpt_gpu_bench.py``). The table also goes to
 ``$OUT/ckpt_gpu.json`` when ``OUT`` is set. Not a test: the numbers are the machine's.
 """
 
@@ -45,15 +47,21 @@ from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings  # noqa: E
 from elasticft.ckpt.shm import SHM_DIR, segment_prefix  # noqa: E402
 
 
-def build(params: float, width: int = 8192) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(params: float, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    width = 8192 if params >= 8192 * 8192 else 256
     layers = max(1, round(params / (width * width)))
     torch.manual_seed(0)
     blocks: list[torch.nn.Module] = []
     for _ in range(layers):
         blocks += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*blocks).cuda()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model = torch.nn.Sequential(*blocks).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     return model, optim
+
+
+def synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def state_bytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
@@ -67,7 +75,7 @@ def state_bytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> int:
 def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int, every: int,
           save: Callable[[int], None] | None, batch: torch.Tensor) -> float:
     """Seconds for ``steps`` steps, measured to the end of the last one on the device."""
-    torch.cuda.synchronize()
+    synchronize()
     started = time.perf_counter()
     for step in range(1, steps + 1):
         model(batch).float().pow(2).mean().backward()
@@ -75,7 +83,7 @@ def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int, ever
         optim.zero_grad(set_to_none=True)
         if save is not None and step % every == 0:
             save(step)
-    torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - started
 
 
@@ -132,7 +140,8 @@ class TorchSave(Method):
                    self.path)
 
     def restore(self) -> None:
-        state = torch.load(self.path, map_location="cuda", weights_only=True)
+        device = next(self.model.parameters()).device
+        state = torch.load(self.path, map_location=device, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optim.load_state_dict(state["optim"])
 
@@ -198,7 +207,7 @@ class Elasticft(Method):
         request = self.ckpt._inflight
         if request is not None:
             request.wait(600)
-        torch.cuda.synchronize()
+        synchronize()
         return self.ckpt.stall_s - self.stall_before
 
     def restore(self) -> None:
@@ -226,12 +235,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: the same code on the CPU, to check the script itself")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    on_gpu = args.device == "cuda"
+    if on_gpu and not torch.cuda.is_available():
         print(f"ckpt_gpu: no CUDA device (torch {torch.__version__}); nothing measured")
         return 0
-    model, optim = build(args.params)
-    batch = torch.randn(args.batch, model[0].in_features, device="cuda")
+    model, optim = build(args.params, args.device)
+    batch = torch.randn(args.batch, model[0].in_features, device=args.device)
     train(model, optim, 2, args.every, None, batch)  # optimizer state exists from here on
     nbytes = state_bytes(model, optim)
     shm_free = shutil.disk_usage(SHM_DIR).free
@@ -239,9 +251,9 @@ def main() -> int:
         print(f"ckpt_gpu: {SHM_DIR} has {shm_free >> 20} MiB free, two snapshots of "
               f"{nbytes >> 20} MiB need more; run with a smaller --params")
         return 1
-    free_device, _ = torch.cuda.mem_get_info()
+    free_device = torch.cuda.mem_get_info()[0] if on_gpu else 0
     saves = args.steps // args.every
-    floor = pinned_floor(model, optim)
+    floor = pinned_floor(model, optim) if on_gpu else None
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ckpt_gpu_") as tmp_name:
         tmp = Path(tmp_name)
@@ -250,7 +262,7 @@ def main() -> int:
             lambda: DcpAsyncSave(model, optim, tmp),
             lambda: Elasticft(model, optim, 0),
         ]
-        if free_device > nbytes + (2 << 30):
+        if on_gpu and free_device > nbytes + (2 << 30):
             makers.append(lambda: Elasticft(model, optim, nbytes + (64 << 20)))
         for make in makers:
             method = make()
@@ -260,10 +272,10 @@ def main() -> int:
                     method.stall_before = method.ckpt.stall_s
                 with_saves = train(model, optim, args.steps, args.every, method.save, batch)
                 reported = method.reported_s()
-                torch.cuda.synchronize()
+                synchronize()
                 started = time.perf_counter()
                 method.restore()
-                torch.cuda.synchronize()
+                synchronize()
                 restore_s = time.perf_counter() - started
                 rows.append({
                     "method": method.name,
@@ -277,9 +289,11 @@ def main() -> int:
             finally:
                 method.close()
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    print(f"ckpt_gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {when}; "
-          f"state {nbytes / 1e9:.2f} GB, {args.steps} steps, a save every {args.every}; "
-          f"pinned DMA floor {1000 * floor:.1f} ms ({nbytes / floor / 1e9:.0f} GB/s)")
+    where = torch.cuda.get_device_name(0) if on_gpu else "CPU (a check of the script)"
+    floor_text = (f"pinned DMA floor {1000 * floor:.1f} ms ({nbytes / floor / 1e9:.0f} GB/s)"
+                  if floor else "no DMA floor on the CPU")
+    print(f"ckpt_gpu: {where}, torch {torch.__version__}, {when}; state {nbytes / 1e6:.1f} MB, "
+          f"{args.steps} steps, a save every {args.every}; {floor_text}")
     print(f"{'method':<20} {'save()':>9} {'extra/save':>11} {'reported/save':>14} "
           f"{'restore':>9} {'step':>8}  notes")
     for r in rows:
