@@ -307,7 +307,7 @@ class Checkpointer:
             if self._device is not None:
                 self._device.drain()  # no copy it issued may land after the ones below
             for dst, src, _ in copies:
-                dst.copy_(src)
+                copy_bytes(dst, src)
             return None
 
     def _prepare(self, layout: Layout) -> tuple[Layout, tuple[bool, ...]]:
