@@ -9,7 +9,8 @@ next ``optimizer.step()`` wait for whatever part of it is still running, so the 
 exactly the state after the saved step. ``save`` returns a :class:`SaveRequest` (``wait()``,
 ``done()``, ``await``) that is complete once the snapshot is whole in shared memory. Under
 ``elasticft-run`` the agent then persists, replicates and, after a crash, flushes it; without an
-agent the checkpointer persists every ``persist_every``-th step itself, on a background thread.
+agent the checkpointer persists every ``persist_every``-th step itself, on a background thread
+(:mod:`elasticft.ckpt.persister`).
 
 Loading takes the newest step that *every* rank can restore (ranks agree over the default
 process group), each rank from its fastest verified source: its own shared memory, local disk,
@@ -35,7 +36,6 @@ import queue
 import threading
 import time
 from collections.abc import Generator, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull, Tier
 from elasticft.ckpt.control import ControlWatcher
 from elasticft.ckpt.device import DeviceCopier, PendingCopy
 from elasticft.ckpt.peer import PeerClient, PeerTier
+from elasticft.ckpt.persister import OwnPersister
 from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
 from elasticft.ckpt.settings import WorkerSettings
 from elasticft.ckpt.shm import (
@@ -57,8 +58,6 @@ from elasticft.ckpt.shm import (
     MemoryTier,
     SlotHeader,
     SlotSet,
-    StagingBuffer,
-    read_slot,
     seal_of,
 )
 from elasticft.ckpt.snapshot import (
@@ -73,10 +72,6 @@ from elasticft.ckpt.snapshot import (
 )
 
 logger = logging.getLogger(__name__)
-
-_COMMIT_RETRY_S = 0.2
-"""How often the committing rank looks again at a step that waits for other ranks' shards."""
-
 
 class SaveRequest:
     """One ``save``: complete when the snapshot is whole in shared memory (or was skipped)."""
@@ -148,28 +143,23 @@ class Checkpointer:
         self._ranks = RankGroup(self.rank, self.world_size)
         self._reassembler = ReplicaReassembler(self._ranks, prefix, self._slot_count)
         self._slots = SlotSet(prefix, self._slot_count) if prefix else None
-        # The persister reads through its own descriptors: flock is per open file.
+        # The persister reads through its own descriptors (flock is per open file).
         self._reader_slots = SlotSet(prefix, self._slot_count) if prefix else None
         self._generation = max((h.generation for h in self._slots.headers().values()),
                                default=0) if self._slots else 0
         self._manifest_room = 0
         self._flatten = Flattener()
-        self._staging = StagingBuffer()
         self._view_cache: dict[tuple[Any, ...], tuple[Any, list[torch.Tensor | None]]] = {}
         self._inflight: SaveRequest | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name="elasticft-ckpt-copy",
                                         daemon=True)
         self._copier.start()
-        self._persist_jobs: queue.Queue[Any] = queue.Queue()
-        self._uncommitted: set[int] = set()
-        self._uncommitted_in: dict[Path, set[int]] = {}
-        self._persister: threading.Thread | None = None
-        if (self._slots is not None and not settings.agent_owned and settings.persist_every > 0
-                and settings.local_dir):
-            self._persister = threading.Thread(target=self._persist_loop,
-                                               name="elasticft-ckpt-persist", daemon=True)
-            self._persister.start()
+        self._persister: OwnPersister | None = None
+        if (self._reader_slots is not None and not settings.agent_owned
+                and settings.persist_every > 0 and settings.local_dir):
+            self._persister = OwnPersister(settings, self._reader_slots, self.rank,
+                                           self.world_size)
         self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step)
                        for opt in self.optimizers]
         self._watcher = (
@@ -413,7 +403,8 @@ class Checkpointer:
                     completed_at=time.time()))
                 slot.unlock()
                 request._finish("memory")
-                self._maybe_persist(header.step)
+                if self._persister is not None:
+                    self._persister.offer(header.step)
             except BaseException as e:
                 slot.unlock()
                 logger.exception("memory snapshot of step %d failed", header.step)
@@ -453,74 +444,6 @@ class Checkpointer:
         logger.info("checkpoint requested by the agent (%s)", reason)
         self._wait_inflight()  # the copy thread finishes it even if the main thread is stuck
         return self.newest_step()
-
-    # ------------------------------------------------------------------------------------------
-    # Process-owned persistence (no agent).
-
-    def _maybe_persist(self, step: int) -> None:
-        every = self.settings.persist_every
-        if self._persister is None or every <= 0 or step % every:
-            return
-        if self._persist_jobs.empty():  # one waiting at most: a busy writer skips a step
-            self._persist_jobs.put(step)
-
-    def _persist_loop(self) -> None:
-        assert self._slots is not None and self.settings.local_dir is not None
-        durable.background_priority()
-        while True:
-            # A step whose other shards were not on disk yet when this rank wrote its own is
-            # looked at again until it commits: the next persist may never come (the run's
-            # last step, or a crash), and a step with every shard durable must not be lost.
-            waiting = any(self._uncommitted_in.values())
-            try:
-                step = self._persist_jobs.get(timeout=_COMMIT_RETRY_S if waiting else None)
-            except queue.Empty:
-                self._commit_pending()
-                continue
-            if step is None:
-                return
-            try:
-                self._persist(step)
-            except StorageFull as e:
-                logger.error("%s", e)
-            except Exception:
-                logger.exception("persisting step %d failed", step)
-
-    def _persist(self, step: int) -> None:
-        assert self.settings.shm_prefix is not None and self.settings.local_dir is not None
-        # Its own file descriptors: flock is per open file, so sharing the writer's would let
-        # the writer's exclusive lock silently convert this reader's shared one.
-        slots = self._reader_slots
-        for index, header in slots.complete().items():
-            if header.step != step:
-                continue
-            slot = slots.get(index)
-            if slot is None:
-                continue
-            with slot.shared() as locked:
-                if not locked:
-                    continue
-                snapshot = read_slot(slot, verify=False)
-                if snapshot.step != step:
-                    continue
-                # Hold the lock for one memory copy, not for the disk write.
-                snapshot = Snapshot(snapshot.manifest, self._staging.copy_of(snapshot.payload))
-            for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
-                durable.write_rank_shard(root, snapshot)
-            break
-        else:
-            return
-        if self.rank == 0:  # the committer
-            self._uncommitted.add(step)
-            self._commit_pending()
-
-    def _commit_pending(self) -> None:
-        for root in filter(None, (self.settings.local_dir, self.settings.remote_dir)):
-            pending = self._uncommitted_in.setdefault(root, set())
-            pending.update(self._uncommitted)
-            durable.commit_pending(root, pending, self.world_size, range(self.world_size),
-                                   self.settings.keep)
-        self._uncommitted.clear()
 
     # ------------------------------------------------------------------------------------------
     # Loading.
@@ -629,22 +552,11 @@ class Checkpointer:
         self._jobs.put(None)
         self._copier.join(timeout=10)
         if self._persister is not None:
-            self._persist_jobs.put(None)
-            self._persister.join(timeout=300)
-            if self.rank == 0:
-                self._final_commits(timeout_s=10.0)
+            self._persister.close()
         if self._slots is not None:
             self._slots.close()
         if self._reader_slots is not None:
             self._reader_slots.close()
-
-    def _final_commits(self, timeout_s: float) -> None:
-        """Gives the other ranks' last shards a bounded time to land, then commits them."""
-        deadline = time.monotonic() + timeout_s
-        while any(self._uncommitted_in.values()) and time.monotonic() < deadline:
-            self._commit_pending()
-            if any(self._uncommitted_in.values()):
-                time.sleep(0.1)
 
     def _remove_own_segments(self) -> None:
         self.close()
