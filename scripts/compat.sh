@@ -63,7 +63,7 @@ report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT
 set +e
 PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m smoke -rfEs \
-  --junitxml="$report/smoke.xml" "$@" tests
+  -n "${ELASTICFT_TEST_WORKERS:-2}" --dist loadfile --junitxml="$report/smoke.xml" "$@" tests
 status=$?
 set -e
 # A skipped or missing smoke test is a failure here: it would hide what the torch changed.

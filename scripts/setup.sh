@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, elasticft, nvidia.nccl" 2>/dev/null \
+if ! .venv/bin/python -c "import torch, elasticft, nvidia.nccl, xdist" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.elasticft-installed ] || [ setup.py -nt .venv/.elasticft-installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
