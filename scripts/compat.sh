@@ -5,6 +5,7 @@
 # installs elasticft into it with `pip install -e .[dev]`, then checks that pip kept that torch.
 # The environment is cached outside the repository, one per version, in
 #   ${ELASTICFT_COMPAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/elasticft/compat}/TORCH_VERSION
+# TEST_WORKERS: pytest-xdist workers (default 2, a test file each; 0 for one process).
 # Exit status: pytest's (non-zero when a test fails); 1 when the environment cannot be made or a
 # smoke test was skipped or none ran (a skipped smoke test would hide a broken torch).
 set -euo pipefail
@@ -63,7 +64,7 @@ report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT
 set +e
 PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m smoke -rfEs \
-  -n "${ELASTICFT_TEST_WORKERS:-2}" --dist loadfile --junitxml="$report/smoke.xml" "$@" tests
+  -n "${TEST_WORKERS:-2}" --dist loadfile --junitxml="$report/smoke.xml" "$@" tests
 status=$?
 set -e
 # A skipped or missing smoke test is a failure here: it would hide what the torch changed.

@@ -4,26 +4,27 @@
 # Extra arguments go to the first pytest run, e.g. `scripts/test.sh -m "not slow"`.
 # ELASTICFT_COMPAT_TORCH picks the second release (default 2.14.1, from the local pip index);
 # set it to "none" to leave that run out (it is then reported as left out, never passed).
-# ELASTICFT_TEST_WORKERS sets how many pytest-xdist workers share the runs (default 2; each
-# takes whole test files; 0 runs everything in one process). The multi-process tests mostly wait
-# on real timeouts, so two at a time fit on 2 cores.
+# TEST_WORKERS sets how many pytest-xdist workers share each run (default 2; each takes whole
+# test files; 0 runs everything in one process). The multi-process tests mostly wait on real
+# timeouts, so two at a time fit on 2 cores. (Not an ELASTICFT_* variable: elasticft-run refuses
+# ELASTICFT_* names it does not know, and the tests launch it.)
 # Exit status: non-zero when either run fails; each run's status is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 COMPAT_TORCH=${ELASTICFT_COMPAT_TORCH:-2.14.1}
-export ELASTICFT_TEST_WORKERS=${ELASTICFT_TEST_WORKERS:-2}
+TEST_WORKERS=${TEST_WORKERS:-2}
 bash scripts/setup.sh
 bash scripts/install-servers.sh
 .venv/bin/ruff check elasticft tests bench examples scripts
 set +e
 .venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 \
-  -n "$ELASTICFT_TEST_WORKERS" --dist loadfile "$@"
+  -n "$TEST_WORKERS" --dist loadfile "$@"
 suite=$?
 if [ "$COMPAT_TORCH" = "none" ]; then
   compat="left out (ELASTICFT_COMPAT_TORCH=none)"
   compat_status=0
 else
-  bash scripts/compat.sh "$COMPAT_TORCH"
+  TEST_WORKERS=$TEST_WORKERS bash scripts/compat.sh "$COMPAT_TORCH"
   compat_status=$?
   compat="exit $compat_status"
 fi

@@ -17,6 +17,21 @@ from tests.servers import EtcdServer, etcd_cluster, etcd_server  # noqa: F401  (
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
+TEST_NCCL_DIR = os.environ.get("ELASTICFT_TEST_NCCL_DIR")
+"""Another ``libnccl.so.2`` for the shim's tests; read here, before any test runs, because
+:func:`no_elasticft_variables_from_the_shell` hides it from the tests themselves."""
+
+
+@pytest.fixture(autouse=True)
+def no_elasticft_variables_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees an ``ELASTICFT_*`` variable of the shell that started pytest.
+
+    elasticft-run obeys the ones it knows and refuses the ones it does not, so a developer's
+    exported option, or a test-script knob such as ``ELASTICFT_COMPAT_TORCH``, would change or
+    fail what an in-process test checks. Tests set the variables they mean themselves.
+    """
+    for name in [n for n in os.environ if n.startswith("ELASTICFT_")]:
+        monkeypatch.delenv(name)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

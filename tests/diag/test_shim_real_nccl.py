@@ -29,7 +29,7 @@ from elasticft.diag.ring import FLAG_HOST_COMPLETION, Op, RingReader, create_rin
 from elasticft.diag.workerenv import bootstrap_dir, shim_library
 from elasticft.events import read_events
 from elasticft.rendezvous.cli import format_nccl_timings, nccl_timings
-from tests.conftest import BIN, ROOT
+from tests.conftest import BIN, ROOT, TEST_NCCL_DIR
 
 HERE = Path(__file__).parent
 WORKER = HERE / "workers" / "nccl_calls.py"
@@ -69,8 +69,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs the sy
 
 def nccl_lib_dir() -> Path:
     """The directory of libnccl.so.2: $ELASTICFT_TEST_NCCL_DIR, else the nvidia-nccl wheel's."""
-    if os.environ.get("ELASTICFT_TEST_NCCL_DIR"):
-        return Path(os.environ["ELASTICFT_TEST_NCCL_DIR"])
+    if TEST_NCCL_DIR:
+        return Path(TEST_NCCL_DIR)
     try:
         import nvidia.nccl  # type: ignore[import-not-found]
     except ImportError:
