@@ -141,6 +141,8 @@ def check_ops(tmp: Path, rows: list[tuple[str, str]]) -> None:
     if not out.exists():
         return
     found = json.loads(out.read_text())
+    rows.append(("torch's NCCL calls reach the shim",
+                 str(found.get("interception") or "not checked (no active shim)")))
     for r in found["records"]:
         gpu = f"GPU {r['gpu_ms'] * 1e3:.1f} us" if r["timed"] else "no GPU time"
         state = "complete" if r["complete"] else "IN FLIGHT"

@@ -34,9 +34,13 @@ def init() -> torch.device:
 def own_ring() -> dict[str, object]:
     """This rank's NCCL records and the shim's self-check (empty without diagnostics)."""
     from elasticft.diag import shimcheck
+    from elasticft.diag.recorder import installed
     from elasticft.diag.ring import FLAG_TIMED, RingReader, ring_path
 
-    found: dict[str, object] = {"probe": shimcheck.probe().to_json(), "records": [], "head": 0}
+    recorder = installed()
+    check = recorder.nccl_check if recorder is not None else None
+    found: dict[str, object] = {"probe": shimcheck.probe().to_json(), "records": [], "head": 0,
+                                "interception": check.verdict if check is not None else None}
     ring_dir = os.environ.get("ELASTICFT_DIAG_RING_DIR")
     if not ring_dir:
         return found

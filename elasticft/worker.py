@@ -63,10 +63,11 @@ def init(model: Any = None, *, env: Mapping[str, str] | None = None) -> Diagnost
     env = os.environ if env is None else env
     recorder = installed()
     if recorder is None and env.get(RING_DIR_ENV):
-        shim = shimcheck.report(Path(env[RING_DIR_ENV]), int(env.get("RANK", "0")), env)
+        ring_dir, rank = Path(env[RING_DIR_ENV]), int(env.get("RANK", "0"))
+        shim = shimcheck.report(ring_dir, rank, env)
         try:
-            recorder = install(Path(env[RING_DIR_ENV]), int(env.get("RANK", "0")))
-            recorder.nccl_timed_by_shim = shim is not None and shim.active
+            recorder = install(ring_dir, rank)
+            recorder.nccl_check = shimcheck.interception_check(ring_dir, rank, shim)
         except RingUnavailable as e:
             logger.warning("%s; rank %s records no Python diagnostics", e.strerror,
                            env.get("RANK", "0"))

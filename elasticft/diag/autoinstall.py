@@ -99,7 +99,7 @@ def arm(env: Mapping[str, str]) -> bool:
             shim = shimcheck.report(ring_dir, rank, env)
             try:
                 installed = recorder.install(ring_dir, rank)
-                installed.nccl_timed_by_shim = shim is not None and shim.active
+                installed.nccl_check = shimcheck.interception_check(ring_dir, rank, shim)
             except RingUnavailable as e:
                 # One line, and training goes on without this rank's Python recording.
                 logger.warning("%s; rank %d records no Python diagnostics", e.strerror, rank)

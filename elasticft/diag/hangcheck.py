@@ -58,7 +58,8 @@ class RankTrack:
         self.step_ns = 0
         self.heartbeat_ns = 0
         self.started_ns = 0
-        self.shim_reported = False
+        self.shim_status_version: tuple[int, int] | None = None
+        """(mtime ns, size) of the rank's NCCL shim status file when it was last reported."""
         # CPU time sampled about once a second: (monotonic ns, CPU seconds) of the reference
         # sample, and the use per wall second measured against it.
         self.cpu_ref: tuple[int, float] | None = None

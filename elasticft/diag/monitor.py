@@ -282,7 +282,7 @@ class DiagMonitor(AgentCollaborator):
                 self._check_slow(now, busy, job) or self._check_logs(group, now))
 
     def _poll(self, track: RankTrack, now: int) -> None:
-        if self._shim is not None and not track.shim_reported:
+        if self._shim is not None:
             self._report_shim(track)
         for source, reader in track.readers.items():
             header, records = reader.poll()
@@ -302,12 +302,20 @@ class DiagMonitor(AgentCollaborator):
                 self._new_record(track, source, record)
 
     def _report_shim(self, track: RankTrack) -> None:
-        """The worker's NCCL shim self-check, once per rank and start; one log line per node."""
+        """The worker's NCCL shim self-check, when it is written and each time the worker
+        rewrites it (it finds that torch's NCCL calls bypass the shim); one log line a node."""
         assert self._ring_dir is not None
+        try:
+            stat = shimcheck.status_path(self._ring_dir, track.rank).stat()
+        except OSError:
+            return
+        version = (stat.st_mtime_ns, stat.st_size)
+        if version == track.shim_status_version:
+            return
         status = shimcheck.read_status(self._ring_dir, track.rank)
         if status is None:
             return
-        track.shim_reported = True
+        track.shim_status_version = version
         message = str(status.get("message", ""))
         if self._events is not None:
             self._events.emit(shimcheck.EVENT_KIND, **status)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft.diag.ring import FLAG_HOST_COMPLETION, FLAG_TIMED, Op, RingWriter, ring_path
+from elasticft.diag.shimcheck import THROUGH_SHIM, UNVERIFIED, InterceptionCheck
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,10 @@ class Recorder:
         self._hook_handles: list[Any] = []
         self._ddp_seen: set[int] = set()
         self._failed_once = False
-        # Set when the NCCL shim's self-check found it active: it times NCCL collectives on
-        # the GPU, so the Python wrappers leave NCCL groups alone (microseconds a call).
-        self.nccl_timed_by_shim = False
+        self.nccl_check: InterceptionCheck | None = None
+        """Set when the NCCL shim's self-check found it active. Once it has seen torch's NCCL
+        calls reach the shim (which times them on the GPU), the Python wrappers leave NCCL
+        groups alone (microseconds a call); until then, and if they never do, they time them."""
         self._nccl_groups: dict[int, tuple[Any, bool]] = {}
 
     @classmethod
@@ -218,8 +220,12 @@ class Recorder:
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            if recorder.nccl_timed_by_shim and recorder.on_nccl(group):
-                return original(*args, **kwargs)
+            check = recorder.nccl_check
+            settling = False
+            if check is not None and recorder.on_nccl(group):
+                if check.verdict == THROUGH_SHIM:
+                    return original(*args, **kwargs)
+                settling = check.verdict == UNVERIFIED
             peer = kwargs.get("dst", kwargs.get("src", -1))
             seq = recorder.begin(op_number, recorder.comm_key(group), _nbytes(args, kwargs),
                                  peer if isinstance(peer, int) else -1)
@@ -229,10 +235,23 @@ class Recorder:
                 recorder.end(seq)
                 raise
             recorder._complete_when_done(seq, result)
+            if settling:
+                recorder._settle(check)
             return result
 
         collective.__elasticft_original__ = original  # type: ignore[attr-defined]
         return collective
+
+    def _settle(self, check: InterceptionCheck) -> None:
+        try:
+            check.after_nccl_call()
+        except Exception:
+            self._dropped()
+
+    @property
+    def nccl_timed_by_shim(self) -> bool:
+        """The shim times this process's NCCL calls (seen on the calls themselves)."""
+        return self.nccl_check is not None and self.nccl_check.verdict == THROUGH_SHIM
 
     def on_nccl(self, group: Any) -> bool:
         """``group`` (None: the default group) runs on NCCL; cached per process group."""

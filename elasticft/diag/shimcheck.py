@@ -8,20 +8,38 @@ the answer next to the rank's rings as ``rank-<rank>.nccl.status`` (JSON). The a
 reads it, writes it to the event log (kind ``nccl_timings``) and logs one line; ``elasticft
 status --run-dir`` shows the newest per node. A shim that is inactive changes nothing in NCCL's
 behaviour; the agent keeps detecting with the Python recorder, heartbeats and process state.
+
+The probe proves that the shim is loaded and that NCCL is in the process, not that torch's NCCL
+calls pass through the shim: an NCCL linked into ``libtorch_cuda.so`` can call itself without
+the dynamic linker, and the shim would then see nothing. So the recorder keeps timing NCCL
+groups in Python until the calls themselves settle it (:class:`InterceptionCheck`): the shim's
+record counter moved (torch's calls reach it; the Python wrappers step aside), or
+:data:`BYPASS_AFTER_CALLS` NCCL collectives went by with the counter still (the status file is
+rewritten as inactive, with the reason, and the Python wrappers go on timing NCCL groups).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 EVENT_KIND = "nccl_timings"
 _PROBE = "elasticft_shim_probe"
+_RECORDS = "elasticft_shim_records"
+
+UNVERIFIED, THROUGH_SHIM, BYPASSED = "unverified", "through_shim", "bypassed"
+BYPASS_AFTER_CALLS = 8
+"""NCCL collectives torch must issue, with the shim's record counter not moved since the
+self-check, before the worker concludes that torch's NCCL calls do not reach the shim. Any NCCL
+call through the shim moves it (communicator creation included), so one is enough the other way."""
+BYPASS_REASON = ("torch's NCCL calls do not reach the shim (NCCL linked into another library "
+                 "calls itself directly); collectives on NCCL groups are timed in Python")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +108,53 @@ def probe() -> ShimStatus:
                       cudart=found["cudart"])
 
 
+def interception(records_now: int, records_at_check: int, nccl_calls: int) -> str:
+    """Whether torch's NCCL calls reach the shim: :data:`THROUGH_SHIM` once its record counter
+    has moved since the self-check, :data:`BYPASSED` when ``nccl_calls`` NCCL collectives
+    (at least :data:`BYPASS_AFTER_CALLS`) left it still, else :data:`UNVERIFIED`."""
+    if records_now > records_at_check:
+        return THROUGH_SHIM
+    if nccl_calls >= BYPASS_AFTER_CALLS:
+        return BYPASSED
+    return UNVERIFIED
+
+
+def records_counter() -> Callable[[], int] | None:
+    """The preloaded shim's record counter (``elasticft_shim_records``); None without one."""
+    try:
+        function = getattr(ctypes.CDLL(None), _RECORDS)
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_uint64
+    function.argtypes = []
+    return lambda: int(function())
+
+
+class InterceptionCheck:
+    """Settles, from the first NCCL collectives, whether the shim sees torch's NCCL calls.
+
+    The recorder calls :meth:`after_nccl_call` after each collective it wraps on an NCCL group
+    while :attr:`verdict` is :data:`UNVERIFIED`; ``on_bypass`` runs once if the verdict is
+    :data:`BYPASSED`. The counter's value at construction (right after the self-check, before
+    the script's first NCCL call) is the reference.
+    """
+
+    def __init__(self, counter: Callable[[], int], on_bypass: Callable[[], None]) -> None:
+        self._counter = counter
+        self._on_bypass = on_bypass
+        self._at_check = counter()
+        self._nccl_calls = 0
+        self.verdict = UNVERIFIED
+
+    def after_nccl_call(self) -> None:
+        if self.verdict != UNVERIFIED:
+            return
+        self._nccl_calls += 1
+        self.verdict = interception(self._counter(), self._at_check, self._nccl_calls)
+        if self.verdict == BYPASSED:
+            self._on_bypass()
+
+
 def status_path(ring_dir: Path, rank: int) -> Path:
     return Path(ring_dir) / f"rank-{rank}.nccl.status"
 
@@ -106,12 +171,35 @@ def report(ring_dir: Path, rank: int, env: Mapping[str, str]) -> ShimStatus | No
         if not expected(env) or path.exists():
             return None
         status = probe()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({**status.to_json(), "pid": os.getpid(), "rank": rank}))
-        os.replace(tmp, path)
+        write_status(ring_dir, rank, status)
         return status
     except Exception:  # diagnostics never stop a training script
         return None
+
+
+def write_status(ring_dir: Path, rank: int, status: ShimStatus) -> None:
+    """Replaces the rank's status file at once (the agent's monitor reads it on change)."""
+    path = status_path(ring_dir, rank)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**status.to_json(), "pid": os.getpid(), "rank": rank}))
+    os.replace(tmp, path)
+
+
+def interception_check(ring_dir: Path, rank: int, status: ShimStatus | None
+                       ) -> InterceptionCheck | None:
+    """The check for a worker whose self-check found the shim active (else None): on a bypass
+    the status file is rewritten as inactive, with :data:`BYPASS_REASON`."""
+    counter = records_counter() if status is not None and status.active else None
+    if counter is None or status is None:
+        return None
+
+    def bypassed() -> None:
+        # The agent's monitor picks the new status up and says it in one line.
+        with contextlib.suppress(OSError):  # diagnostics never stop a training script
+            write_status(ring_dir, rank, dataclasses.replace(status, recording=False,
+                                                             reason=BYPASS_REASON))
+
+    return InterceptionCheck(counter, bypassed)
 
 
 def read_status(ring_dir: Path, rank: int) -> dict[str, Any] | None:

@@ -362,8 +362,9 @@ def test_first_calls_from_many_threads_all_reach_nccl(user_library, shim, tmp_pa
 @pytest.mark.timeout(120)
 def test_with_the_shim_active_the_recorder_still_records_gloo_groups(user_library, shim,
                                                                      tmp_path):
-    """The bootstrap's self-check tells the Python recorder that the shim times NCCL groups
-    (their Python wrappers then step aside); other groups are recorded as before."""
+    """The bootstrap's self-check gives the Python recorder a check that settles, on NCCL
+    groups' calls, whether the shim times them (test_interception.py); other groups are
+    recorded as before and count for nothing in it."""
     script = textwrap.dedent("""
         import ctypes, json, sys
         ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_LOCAL)  # NCCL in a local scope, as torch's
@@ -371,7 +372,7 @@ def test_with_the_shim_active_the_recorder_still_records_gloo_groups(user_librar
         from elasticft.diag.recorder import installed
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         dist.all_reduce(torch.ones(10))
-        print(json.dumps({"timed_by_shim": installed().nccl_timed_by_shim,
+        print(json.dumps({"check": installed().nccl_check.verdict,
                           "world_on_nccl": installed().on_nccl(None)}))
     """)
     env = calls_env(shim, tmp_path)
@@ -381,7 +382,7 @@ def test_with_the_shim_active_the_recorder_still_records_gloo_groups(user_librar
     assert done.returncode == 0, done.stderr
     # The report is the last line: torch 2.10's gloo prints its connections to stdout first.
     report = done.stdout.strip().splitlines()[-1]
-    assert json.loads(report) == {"timed_by_shim": True, "world_on_nccl": False}
+    assert json.loads(report) == {"check": "unverified", "world_on_nccl": False}
     status = json.loads((tmp_path / "rank-0.nccl.status").read_text())
     assert status["active"] and status["rank"] == 0
     _header, records = RingReader(ring_path(tmp_path, 0, "py")).poll()

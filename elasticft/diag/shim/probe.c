@@ -70,3 +70,11 @@ EXPORT int elasticft_shim_probe(char *out, size_t n) {
     if (n) out[w < n ? w : n - 1] = 0;
     return version;
 }
+
+/* How many calls the shim has recorded so far in this process (its record counter). The worker
+ * reads it around the collectives torch issues on NCCL process groups: NCCL found by the probe
+ * does not prove that torch's calls reach the shim (an NCCL linked into libtorch_cuda.so calls
+ * itself without the dynamic linker), a counter that moves does (shimcheck.interception). */
+EXPORT uint64_t elasticft_shim_records(void) {
+    return __atomic_load_n(&g_seq, __ATOMIC_RELAXED);
+}

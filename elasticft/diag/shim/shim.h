@@ -2,8 +2,8 @@
  * The NCCL shim's private header: what its parts share. The NCCL and CUDA types the shim needs
  * (ABI-compatible with nccl.h), the ring's layout (keep in step with elasticft/diag/ring.py), the
  * state each part owns and the functions each part offers the others. Everything here is hidden
- * (-fvisibility=hidden); only the EXPORT-marked NCCL entry points and elasticft_shim_probe leave
- * the library.
+ * (-fvisibility=hidden); only the EXPORT-marked NCCL entry points, elasticft_shim_probe and
+ * elasticft_shim_records leave the library.
  *
  * The parts: resolve.c (finding the real NCCL), ring.c (this rank's ring of records in shared
  * memory), events.c (the CUDA event pool and the completion polling thread), comms.c
