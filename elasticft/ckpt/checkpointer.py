@@ -12,13 +12,8 @@ exactly the state after the saved step. ``save`` returns a :class:`SaveRequest` 
 agent the checkpointer persists every ``persist_every``-th step itself, on a background thread
 (:mod:`elasticft.ckpt.persister`).
 
-Loading takes the newest step that *every* rank can restore (ranks agree over the default
-process group), each rank from its fastest verified source: its own shared memory, local disk,
-its own node's agent (a replica taken under another rank, before a new round renumbered the
-ranks), a data-parallel replica's node (when a layout puts the backup elsewhere), the backup
-peer, the remote directory. A torn, uncommitted or corrupt source falls through to
-the next; if some rank cannot restore a step after all, every rank moves to an older one
-(see :mod:`elasticft.ckpt.reassembly`, which also fetches deduplicated replicas).
+Loading takes the newest step that *every* rank can restore, each rank from its fastest verified
+source (:mod:`elasticft.ckpt.loader`).
 
 ``load()`` returns ``(step, state)`` with the state in the nested form it was saved in;
 :func:`elasticft.ckpt.state.restore` applies it to a model and optimizer.
@@ -28,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import dataclasses
 import logging
 import os
@@ -41,13 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticft.ckpt import durable
-from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull, Tier
+from elasticft.ckpt.api import CheckpointError, StorageFull, Tier
 from elasticft.ckpt.control import ControlWatcher
 from elasticft.ckpt.device import DeviceCopier, PendingCopy
-from elasticft.ckpt.peer import PeerClient, PeerTier
+from elasticft.ckpt.loader import SnapshotLoader
 from elasticft.ckpt.persister import OwnPersister
-from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
 from elasticft.ckpt.settings import WorkerSettings
 from elasticft.ckpt.shm import (
     COMPLETE,
@@ -55,7 +47,6 @@ from elasticft.ckpt.shm import (
     SEAL_NONE,
     SEAL_SAMPLED,
     WRITING,
-    MemoryTier,
     SlotHeader,
     SlotSet,
     seal_of,
@@ -68,7 +59,6 @@ from elasticft.ckpt.snapshot import (
     copy_bytes,
     deduplicated,
     place_replicas,
-    unflatten,
 )
 
 logger = logging.getLogger(__name__)
@@ -136,12 +126,9 @@ class Checkpointer:
         """Copies CUDA state (made on the first save that has some, unless injected)."""
         self._device_off: str | None = None
         """Why CUDA state is copied the plain way (synchronously), or None."""
-        self.last_source: str | None = None
-        """Tier the last successful load() came from."""
         self._slot_count = max(2, settings.slots)
         prefix = settings.shm_prefix
-        self._ranks = RankGroup(self.rank, self.world_size)
-        self._reassembler = ReplicaReassembler(self._ranks, prefix, self._slot_count)
+        self._loader = SnapshotLoader(settings, self.rank, self.world_size, self._slot_count)
         self._slots = SlotSet(prefix, self._slot_count) if prefix else None
         # The persister reads through its own descriptors (flock is per open file).
         self._reader_slots = SlotSet(prefix, self._slot_count) if prefix else None
@@ -449,30 +436,21 @@ class Checkpointer:
     # Loading.
 
     def tiers(self) -> list[Tier]:
-        """Sources in load order: own memory, local disk, this node's agent, a replica's node,
-        the backup node, the remote directory."""
-        s = self.settings
-        tiers: list[Tier] = []
-        if self.settings.shm_prefix:
-            tiers.append(MemoryTier(SlotSet(self.settings.shm_prefix, self._slot_count)))
-        if s.local_dir is not None:
-            tiers.append(durable.DurableTier(s.local_dir, "local"))
-        if s.node_peer_addr and s.secret:
-            tiers.append(PeerTier(PeerClient(s.node_peer_addr, s.secret), "node"))
-        if s.replica_peer_addr and s.secret:
-            tiers.append(PeerTier(PeerClient(s.replica_peer_addr, s.secret), "replica"))
-        if s.peer_addr and s.secret:
-            tiers.append(PeerTier(PeerClient(s.peer_addr, s.secret)))
-        if s.remote_dir is not None:
-            tiers.append(durable.DurableTier(s.remote_dir, "remote"))
-        return tiers
+        """Sources in load order (:meth:`SnapshotLoader.tiers`)."""
+        return self._loader.tiers()
+
+    @property
+    def last_source(self) -> str | None:
+        """Tier the last successful load() came from."""
+        return self._loader.last_source
 
     def load(self) -> tuple[int, dict[str, Any]] | None:
         """The newest step every rank can restore, and this rank's state of it; None if none.
 
         Collective when a process group is initialized: call it on every rank.
         """
-        return self._load(None)
+        self._wait_inflight()
+        return self._loader.load()
 
     def restore(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -484,57 +462,8 @@ class Checkpointer:
         """
         from elasticft.ckpt.state import LiveState
 
-        return self._load(LiveState(model, optimizer))
-
-    def _load(self, live: Any) -> Any:
         self._wait_inflight()
-        tiers = self.tiers()
-        held: dict[str, list[int]] = {}
-        for tier in tiers:
-            try:
-                held[tier.name] = tier.steps(self.rank, self.world_size)
-            except (OSError, CheckpointError) as e:
-                logger.warning("checkpoint tier %s unavailable: %s", tier.name, e)
-                held[tier.name] = []
-        candidates = sorted({s for steps in held.values() for s in steps}, reverse=True)
-        excluded: set[int] = set()
-        while True:
-            step = self._ranks.agree([s for s in candidates if s not in excluded])
-            if step is None:
-                logger.info("no checkpoint that every rank can load")
-                return None
-            with contextlib.ExitStack() as stack:
-                snapshot, source = self._read_step(step, tiers, held, stack,
-                                                   in_place=live is not None)
-                if self._ranks.all_ok(snapshot is not None):
-                    assert snapshot is not None
-                    replicas = self._reassembler.reassemble(step, snapshot, live)
-                    if self._ranks.all_ok(replicas is not None):
-                        assert replicas is not None
-                        self.last_source = source
-                        logger.info("restored step %d from %s", step, source)
-                        if live is None:
-                            return step, unflatten(snapshot.manifest, snapshot.payload,
-                                                   copy=False, replicas=replicas)
-                        return step, live.apply(snapshot.manifest, snapshot.payload, replicas)
-            excluded.add(step)
-
-    def _read_step(
-        self, step: int, tiers: list[Tier], held: Mapping[str, list[int]],
-        stack: contextlib.ExitStack, in_place: bool,
-    ) -> tuple[Snapshot | None, str | None]:
-        for tier in tiers:
-            if step not in held.get(tier.name, ()):
-                continue
-            try:
-                if in_place and isinstance(tier, MemoryTier):
-                    return stack.enter_context(tier.open(step, self.rank, self.world_size)), \
-                        tier.name
-                return tier.read(step, self.rank, self.world_size), tier.name
-            except (OSError, CheckpointError) as e:
-                logger.warning("step %d from %s unusable, trying the next source: %s", step,
-                               tier.name, e)
-        return None, None
+        return self._loader.load(LiveState(model, optimizer))
 
     # ------------------------------------------------------------------------------------------
 

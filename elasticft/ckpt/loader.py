@@ -1,0 +1,113 @@
+"""Loading: the newest step every rank can restore, each rank from its fastest verified source.
+
+The sources, in the order they are tried (:meth:`SnapshotLoader.tiers`): the rank's own shared
+memory, local disk, its own node's agent (a replica taken under another rank, before a new round
+renumbered the ranks), a data-parallel replica's node (when a layout puts the backup elsewhere),
+the backup peer, the remote directory. The ranks agree on the newest step they all hold; a torn,
+uncommitted or corrupt source falls through to the next, and if some rank cannot restore the step
+after all, every rank moves to an older one (:mod:`elasticft.ckpt.reassembly`, which also fetches
+deduplicated replicas). From shared memory a restore copies straight into the live tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from elasticft.ckpt import durable
+from elasticft.ckpt.api import CheckpointError, Snapshot, Tier
+from elasticft.ckpt.peer import PeerClient, PeerTier
+from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
+from elasticft.ckpt.settings import WorkerSettings
+from elasticft.ckpt.shm import MemoryTier, SlotSet
+from elasticft.ckpt.snapshot import unflatten
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotLoader:
+    """Finds, agrees on and reads the step to restore, for one rank."""
+
+    def __init__(self, settings: WorkerSettings, rank: int, world_size: int,
+                 slot_count: int) -> None:
+        self.settings = settings
+        self.rank = rank
+        self.world_size = world_size
+        self._slot_count = slot_count
+        self._ranks = RankGroup(rank, world_size)
+        self._reassembler = ReplicaReassembler(self._ranks, settings.shm_prefix, slot_count)
+        self.last_source: str | None = None
+        """Tier the last successful load came from."""
+
+    def tiers(self) -> list[Tier]:
+        """Sources in load order: own memory, local disk, this node's agent, a replica's node,
+        the backup node, the remote directory."""
+        s = self.settings
+        tiers: list[Tier] = []
+        if s.shm_prefix:
+            tiers.append(MemoryTier(SlotSet(s.shm_prefix, self._slot_count)))
+        if s.local_dir is not None:
+            tiers.append(durable.DurableTier(s.local_dir, "local"))
+        if s.node_peer_addr and s.secret:
+            tiers.append(PeerTier(PeerClient(s.node_peer_addr, s.secret), "node"))
+        if s.replica_peer_addr and s.secret:
+            tiers.append(PeerTier(PeerClient(s.replica_peer_addr, s.secret), "replica"))
+        if s.peer_addr and s.secret:
+            tiers.append(PeerTier(PeerClient(s.peer_addr, s.secret)))
+        if s.remote_dir is not None:
+            tiers.append(durable.DurableTier(s.remote_dir, "remote"))
+        return tiers
+
+    def load(self, live: Any = None) -> Any:
+        """``(step, state)`` of the newest step every rank can restore, or None; with ``live``
+        (a :class:`~elasticft.ckpt.state.LiveState`) the state is applied to it instead and
+        ``(step, extras)`` returned. Collective when a process group is initialized."""
+        tiers = self.tiers()
+        held: dict[str, list[int]] = {}
+        for tier in tiers:
+            try:
+                held[tier.name] = tier.steps(self.rank, self.world_size)
+            except (OSError, CheckpointError) as e:
+                logger.warning("checkpoint tier %s unavailable: %s", tier.name, e)
+                held[tier.name] = []
+        candidates = sorted({s for steps in held.values() for s in steps}, reverse=True)
+        excluded: set[int] = set()
+        while True:
+            step = self._ranks.agree([s for s in candidates if s not in excluded])
+            if step is None:
+                logger.info("no checkpoint that every rank can load")
+                return None
+            with contextlib.ExitStack() as stack:
+                snapshot, source = self._read_step(step, tiers, held, stack,
+                                                   in_place=live is not None)
+                if self._ranks.all_ok(snapshot is not None):
+                    assert snapshot is not None
+                    replicas = self._reassembler.reassemble(step, snapshot, live)
+                    if self._ranks.all_ok(replicas is not None):
+                        assert replicas is not None
+                        self.last_source = source
+                        logger.info("restored step %d from %s", step, source)
+                        if live is None:
+                            return step, unflatten(snapshot.manifest, snapshot.payload,
+                                                   copy=False, replicas=replicas)
+                        return step, live.apply(snapshot.manifest, snapshot.payload, replicas)
+            excluded.add(step)
+
+    def _read_step(
+        self, step: int, tiers: list[Tier], held: Mapping[str, list[int]],
+        stack: contextlib.ExitStack, in_place: bool,
+    ) -> tuple[Snapshot | None, str | None]:
+        for tier in tiers:
+            if step not in held.get(tier.name, ()):
+                continue
+            try:
+                if in_place and isinstance(tier, MemoryTier):
+                    return stack.enter_context(tier.open(step, self.rank, self.world_size)), \
+                        tier.name
+                return tier.read(step, self.rank, self.world_size), tier.name
+            except (OSError, CheckpointError) as e:
+                logger.warning("step %d from %s unusable, trying the next source: %s", step,
+                               tier.name, e)
+        return None, None
