@@ -63,6 +63,7 @@ from elasticft.ckpt.snapshot import (
 
 logger = logging.getLogger(__name__)
 
+
 class SaveRequest:
     """One ``save``: complete when the snapshot is whole in shared memory (or was skipped)."""
 
