@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Sets up everything and runs the whole test suite (unit, multi-process, real etcd and Slurm) on
 # the local torch (.venv), then the smoke subset on a second torch release (scripts/compat.sh).
-# Extra arguments go to the first pytest run, e.g. `scripts/test.sh -m "not slow"`.
+# Extra arguments go to the full suite's pytest runs, e.g. `scripts/test.sh -m "not slow"`.
 # ELASTICFT_COMPAT_TORCH picks the second release (default 2.14.1, from the local pip index);
 # set it to "none" to leave that run out (it is then reported as left out, never passed).
 # TEST_WORKERS sets how many pytest-xdist workers share each run (default 2; each takes whole
 # test files; 0 runs everything in one process). The multi-process tests mostly wait on real
-# timeouts, so two at a time fit on 2 cores. (Not an ELASTICFT_* variable: elasticft-run refuses
-# ELASTICFT_* names it does not know, and the tests launch it.)
+# timeouts, so two at a time fit on 2 cores; the tests marked `serial` then run alone. (Not an
+# ELASTICFT_* variable: elasticft-run refuses ELASTICFT_* names it does not know, and the tests
+# launch it.)
 # Exit status: non-zero when either run fails; each run's status is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +18,16 @@ bash scripts/setup.sh
 bash scripts/install-servers.sh
 .venv/bin/ruff check elasticft tests bench examples scripts
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 \
+TEST_PHASE=parallel .venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 \
   -n "$TEST_WORKERS" --dist loadfile "$@"
-suite=$?
+parallel=$?
+# Tests marked `serial` judge thread timing in the pytest process: they run alone, afterwards.
+TEST_PHASE=serial .venv/bin/python -m pytest -p no:cacheprovider -q "$@"
+serial=$?
+# Exit 5 is pytest's "no test selected": fine for one phase, not for both.
+if [ "$parallel" -eq 5 ] && [ "$serial" -ne 5 ]; then parallel=0; fi
+if [ "$serial" -eq 5 ] && [ "$parallel" -eq 0 ]; then serial=0; fi
+suite=$(( parallel != 0 ? parallel : serial ))
 if [ "$COMPAT_TORCH" = "none" ]; then
   compat="left out (ELASTICFT_COMPAT_TORCH=none)"
   compat_status=0

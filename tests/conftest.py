@@ -35,7 +35,16 @@ def no_elasticft_variables_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run where CUDA is; elsewhere they show as skipped, with the reason."""
+    """Tests marked ``gpu`` run where CUDA is; elsewhere they show as skipped, with the reason.
+
+    ``TEST_PHASE`` (set by scripts/test.sh) splits a run in two: ``parallel`` leaves out the
+    tests marked ``serial``, ``serial`` keeps only them; unset, every test runs.
+    """
+    phase = os.environ.get("TEST_PHASE")
+    if phase in ("parallel", "serial"):
+        keep = [item for item in items if ("serial" in item.keywords) == (phase == "serial")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     import torch
 
     if torch.cuda.is_available():

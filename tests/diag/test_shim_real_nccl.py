@@ -373,7 +373,8 @@ def test_with_the_shim_active_the_recorder_still_records_gloo_groups(user_librar
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         dist.all_reduce(torch.ones(10))
         print(json.dumps({"check": installed().nccl_check.verdict,
-                          "world_on_nccl": installed().on_nccl(None)}))
+                          "world_on_nccl": installed().on_nccl(None)}), flush=True)
+        dist.destroy_process_group()  # a process group torn down at exit can abort the process
     """)
     env = calls_env(shim, tmp_path)
     env["PYTHONPATH"] = f"{bootstrap_dir()}:{ROOT}"
