@@ -42,9 +42,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     phase = os.environ.get("TEST_PHASE")
     if phase in ("parallel", "serial"):
-        keep = [item for item in items if ("serial" in item.keywords) == (phase == "serial")]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
+        wanted = phase == "serial"
+        config.hook.pytest_deselected(
+            items=[item for item in items if ("serial" in item.keywords) != wanted])
+        items[:] = [item for item in items if ("serial" in item.keywords) == wanted]
     import torch
 
     if torch.cuda.is_available():

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticft.ckpt.api import CheckpointError, StorageFull, Tier
+from elasticft.ckpt.api import CheckpointError, StorageFull
 from elasticft.ckpt.control import ControlWatcher
 from elasticft.ckpt.device import DeviceCopier, PendingCopy
 from elasticft.ckpt.loader import SnapshotLoader
@@ -435,10 +435,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------
     # Loading.
-
-    def tiers(self) -> list[Tier]:
-        """Sources in load order (:meth:`SnapshotLoader.tiers`)."""
-        return self._loader.tiers()
 
     @property
     def last_source(self) -> str | None:
