@@ -82,7 +82,9 @@ class AgentConfig:
     )
     node_id: str | None = option(
         None,
-        "This node's name in events, the blacklist and the rendezvous. Default: the host name.",
+        "This node's name in events, the blacklist and the rendezvous; unique among the job's "
+        "agents. Default: the host name, <host>-2, -3, ... for more agents of the job on one "
+        "host.",
     )
     capture_stderr: bool = option(
         True,

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
 from elasticft.config import RUNS_DIR, ElasticftConfig, require_writable_dir
 from elasticft.events import EventLog
+from elasticft.rendezvous.identity import claim_node_id
 from elasticft.torch_compat import (
     LaunchConfig,
     RendezvousError,
@@ -171,7 +171,10 @@ def launch(
     started = time.monotonic()
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
-    node_id = options.agent.node_id or socket.gethostname()
+    # A name no other live agent of this job on this host holds (elasticft-run has claimed it
+    # already; claiming again in the same process is a no-op).
+    claim = claim_node_id(str(config.run_id), options.agent.node_id)
+    node_id = claim.node_id
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)
     sweep_leftovers(options)
@@ -287,6 +290,7 @@ def launch(
         wall_time_s=wall,
     )
     event_log.close()
+    claim.release()
     return LaunchResult(
         exit_code=exit_code,
         state=state,

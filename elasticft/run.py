@@ -263,8 +263,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
 
     from elasticft.launcher import default_collaborators, launch
+    from elasticft.rendezvous.identity import claim_node_id
 
     try:
+        # Claimed before the add-ons are built, so that all of them know this agent by it.
+        claim = claim_node_id(str(launch_config.run_id or ""), options.agent.node_id)
+        options = dataclasses.replace(
+            options, agent=dataclasses.replace(options.agent, node_id=claim.node_id))
         collaborators = default_collaborators(options, launch_config)
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -277,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _remove_empty(created)
         return USAGE_ERROR
     print(result.summary(), file=sys.stderr)
+    claim.release()
     return result.exit_code
 
 

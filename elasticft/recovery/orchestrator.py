@@ -173,6 +173,7 @@ class RecoveryOrchestrator(AgentCollaborator):
 
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
+        self.node_id = group.node_id  # the name the agent claimed (unique on its host)
         if self._events is None:
             self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         self._stop_jit_watcher()  # the previous round's

@@ -17,6 +17,7 @@ from elasticft.rendezvous.handler import (
     Membership,
 )
 from elasticft.rendezvous.health import HealthCheck, basic_health_check
+from elasticft.rendezvous.identity import claim_node_id
 from elasticft.rendezvous.membership import Blacklist, MembershipPublisher
 from elasticft.rendezvous.store import EtcdStore
 from elasticft.torch_compat import RendezvousParameters, RendezvousTimeout
@@ -46,8 +47,10 @@ def create_handler(
 
     ``--rdzv-conf`` keys: torch's (``join_timeout``, ``last_call_timeout``, ``close_timeout``,
     ``heartbeat_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``), the connection
-    keys of :meth:`EtcdSettings.from_conf`, and ``node_id`` (default: the host name; set by
-    elasticft-run from ``--node-id``), ``connect_timeout`` (default: the join timeout),
+    keys of :meth:`EtcdSettings.from_conf`, and ``node_id`` (default: the host name for the
+    job's first agent on a host, ``<host>-2`` for a second, see
+    :mod:`~elasticft.rendezvous.identity`; set by elasticft-run from ``--node-id``),
+    ``connect_timeout`` (default: the join timeout),
     ``store_timeout`` (agent store reads, default 300 s), ``share_tcp_store`` (default 0),
     ``rejoin_timeout`` (how long past the last call a round waits for the previous round's live
     participants, default 60 s).
@@ -57,9 +60,11 @@ def create_handler(
     if not params.run_id or params.run_id == "none":
         raise EtcdConfigError("the etcd-v3 rendezvous needs a job id; give --rdzv-id NAME")
     keys = Keys(settings.root, params.run_id)
-    node_id = str(params.get("node_id") or socket.gethostname())
-    if "/" in node_id or not node_id.strip():
-        raise EtcdConfigError(f"node id {node_id!r} is not usable; give a name without '/'")
+    explicit = params.get("node_id")
+    if explicit is not None and ("/" in str(explicit) or not str(explicit).strip()):
+        raise EtcdConfigError(f"node id {explicit!r} is not usable; give a name without '/'")
+    # Unique among this job's live agents on this host (elasticft-run has claimed it already).
+    claim = claim_node_id(params.run_id, str(explicit) if explicit else None)
     if not params.get_as_bool("share_tcp_store", False):
         # Workers then get a fresh store every attempt: the shared one deadlocks when a node
         # (a standby) joins a running job and keeps stale gloo addresses (pytorch#135712).
@@ -94,7 +99,9 @@ def create_handler(
         client=client,
         settings=settings,
         keys=keys,
-        node_id=node_id,
+        node_id=claim.node_id,
+        host=claim.host,
+        claim=claim,
         blacklist=Blacklist(client, settings.root, settings),
         publisher=MembershipPublisher(
             client, keys, settings, ttl_s=keep_alive_interval * keep_alive_max_attempt

@@ -45,6 +45,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 
 from elasticft.rendezvous.etcd import (
@@ -56,6 +57,7 @@ from elasticft.rendezvous.etcd import (
     lease_lost,
 )
 from elasticft.rendezvous.health import HealthCheck
+from elasticft.rendezvous.identity import DuplicateNodeIdError, NodeClaim
 from elasticft.rendezvous.membership import (
     Blacklist,
     LeaderRecord,
@@ -73,7 +75,7 @@ from elasticft.rendezvous.protocol import (
     round_may_close,
     waits_as_standby,
 )
-from elasticft.rendezvous.rounds import RoundStore
+from elasticft.rendezvous.rounds import ProbeView, RoundStore
 from elasticft.rendezvous.store import EtcdStore
 from elasticft.torch_compat import (
     RendezvousClosedError,
@@ -105,6 +107,11 @@ to the second, times a random factor in [0.5, 1]: when etcd is overloaded rather
 (thousands of nodes at once), nodes retrying at a fixed pace add load exactly when it hurts,
 and spread out they let it recover."""
 RUNNING_POLL_S = 2.0
+DUPLICATE_POLL_S = 1.0
+"""How often a node whose id another agent's member record holds looks again."""
+DUPLICATE_GRACE_S = 2.0
+"""How long past a lease's TTL a foreign member record may stay before its agent counts as
+alive (records of a dead agent vanish when its lease expires)."""
 """``num_nodes_waiting`` asks etcd at most this often (the agent's monitor asks more often);
 with the lease refresh every TTL/3 (5 s) the rendezvous costs a running node 0.7 etcd requests
 a second."""
@@ -143,6 +150,10 @@ class Membership:
     settings: EtcdSettings
     keys: Keys
     node_id: str
+    host: str
+    """The machine's name: an operator's blacklist entry for it refuses every agent on it."""
+    claim: NodeClaim | None
+    """Holds ``node_id`` against other live agents of the job on this host."""
     blacklist: Blacklist
     publisher: MembershipPublisher
     health_check: HealthCheck
@@ -238,9 +249,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         m = self._membership
         started = time.monotonic()
         join_deadline = started + self.timeout.join.total_seconds()
-        blacklisted, last_round = self._wait_for_etcd(
-            min(join_deadline, time.monotonic() + m.connect_timeout_s))
-        entry = Blacklist.parse(blacklisted)
+        probe = self._wait_for_etcd(min(join_deadline, time.monotonic() + m.connect_timeout_s))
+        probe = self._wait_for_duplicate(probe, join_deadline)
+        last_round = probe.last_round
+        entry = Blacklist.parse(probe.blacklisted)
         if entry is not None:
             raise NodeBlacklistedError(
                 f"node {m.node_id!r} is blacklisted: {entry.reason} (added"
@@ -269,7 +281,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if lease_lost(e):
                     m.publisher.lease_lost()
                 logger.warning("rendezvous interrupted by an etcd outage (%s); retrying", e)
-                _, last_round = self._wait_for_etcd(join_deadline)
+                last_round = self._wait_for_etcd(join_deadline).last_round
                 if self._joined_round is not None and self._joined_round > previous_round:
                     # Back to the round this node had joined: it may have closed, with this
                     # node in it, during the outage. Joining the round after it would leave
@@ -452,16 +464,36 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _wait_for_etcd(self, deadline: float) -> tuple[bytes | None, int]:
-        """Waits until etcd answers; returns this node's blacklist entry (raw) and the last
-        completed round, read by the same request."""
+    def _wait_for_duplicate(self, probe: ProbeView, deadline: float) -> ProbeView:
+        """Waits while another agent's member record holds this node's id (an agent that died
+        leaves one until its lease expires); raises :class:`DuplicateNodeIdError` naming both
+        agents when the other is alive (its record outlives a lease) or the join time is up."""
+        m = self._membership
+        ttl_deadline = min(deadline, time.monotonic() + m.publisher.ttl_s + DUPLICATE_GRACE_S)
+        while (other := _other_agent(probe.member, self.addr)) is not None:
+            if time.monotonic() >= ttl_deadline:
+                raise DuplicateNodeIdError(
+                    f"node id {m.node_id!r} of job {self._run_id!r} is taken by another live "
+                    f"agent ({other.addr}, pid {other.pid}); this agent is ({self.addr}, pid "
+                    f"{os.getpid()}): give each agent its own --node-id, or leave --node-id "
+                    "out for a unique default")
+            logger.info("node id %s is held by the record of (%s, pid %d); waiting for it to "
+                        "expire", m.node_id, other.addr, other.pid)
+            time.sleep(DUPLICATE_POLL_S)
+            probe = self._wait_for_etcd(deadline)
+        return probe
+
+    def _wait_for_etcd(self, deadline: float) -> ProbeView:
+        """Waits until etcd answers; returns what the probe read (this node's blacklist
+        entries, the last completed round, its member record) in the same request."""
         m = self._membership
         started = time.monotonic()
         last_said = -math.inf
         pause_s = OUTAGE_RETRY_S[0]
         while True:
             try:
-                found = self._rounds.probe(m.blacklist.key(m.node_id))
+                names = (m.node_id,) if m.host == m.node_id else (m.node_id, m.host)
+                found = self._rounds.probe(tuple(m.blacklist.key(n) for n in names))
                 if last_said > -math.inf:
                     logger.warning("etcd at %s answers after %.0f s", m.settings.endpoint_text,
                                    time.monotonic() - started)
@@ -529,3 +561,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         view.group_world_size)
         except RendezvousConnectionError as e:
             logger.warning("could not publish round %d membership: %s", view.round, e)
+
+
+def _other_agent(raw_member: bytes | None, addr: str) -> MemberRecord | None:
+    """The member record ``raw_member`` when it belongs to another live agent: not this
+    process, and not a process of this host that is gone (a killed agent this one replaces)."""
+    record = MemberRecord.parse(raw_member)
+    if record is None or (record.addr == addr and record.pid == os.getpid()):
+        return None
+    if record.addr == addr and not psutil.pid_exists(record.pid):
+        return None
+    return record

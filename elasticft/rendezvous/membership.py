@@ -128,6 +128,10 @@ class MemberRecord:
     health_detail: str = ""
     updated_at: float = 0.0
 
+    @staticmethod
+    def parse(value: bytes | None) -> MemberRecord | None:
+        return _from_dict(MemberRecord, _load(value))
+
 
 @dataclasses.dataclass(frozen=True)
 class LeaderRecord:
@@ -202,7 +206,7 @@ def read_status(client: Any, keys: Keys, settings: EtcdSettings) -> JobStatus:
         members_raw = list(client.get_prefix(keys.members))
         leader_raw, _ = client.get(keys.leader)
         round_raw, _ = client.get(keys.round)
-    members = [_from_dict(MemberRecord, _load(v)) for v, _ in members_raw]
+    members = [MemberRecord.parse(v) for v, _ in members_raw]
     return JobStatus(
         run_id=keys.run_id,
         round=_from_dict(RoundRecord, _load(round_raw)),
@@ -231,7 +235,7 @@ class MembershipPublisher:
         self._client = client
         self._keys = keys
         self._settings = settings
-        self._ttl_s = max(2, int(ttl_s))
+        self.ttl_s = max(2, int(ttl_s))
         self._lease: Any = None
         self._records: dict[str, bytes] = {}
         self._lock = threading.Lock()
@@ -291,7 +295,7 @@ class MembershipPublisher:
                 # Closed (the node left): a new lease would bring its records back.
                 raise RendezvousClosedError("this node has left the rendezvous")
             with etcd_errors(self._settings, "granting a lease from"):
-                self._lease = self._client.lease(self._ttl_s)
+                self._lease = self._client.lease(self.ttl_s)
                 for key, data in self._records.items():
                     self._client.put(key, data, lease=self._lease)
 
@@ -305,7 +309,7 @@ class MembershipPublisher:
         self._thread.start()
 
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self._ttl_s / 3):
+        while not self._stop.wait(self.ttl_s / 3):
             try:
                 self._refresh_once()
             except Exception as e:

@@ -96,6 +96,16 @@ def _count(response: Any) -> int:
     return int(response.response_range.count)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeView:
+    """What a join starts from (:meth:`RoundStore.probe`)."""
+
+    blacklisted: bytes | None
+    last_round: int
+    member: bytes | None
+    """The member record under this node's id: another live agent's if the id is taken."""
+
+
 class RoundStore:
     """One node's requests against the rounds of one job."""
 
@@ -105,14 +115,21 @@ class RoundStore:
         self._settings = settings
         self._node_id = node_id
 
-    def probe(self, blacklist_key: str) -> tuple[bytes | None, int]:
-        """One request that proves etcd answers and reads what a join starts from: this node's
-        blacklist entry (raw) and the last completed round."""
-        c = self._client
+    def probe(self, blacklist_keys: tuple[str, ...]) -> ProbeView:
+        """One request that proves etcd answers and reads what a join starts from: the
+        blacklist entries (raw) of this node's names, the last completed round and the member
+        record (raw) under this node's id."""
+        c, k = self._client, self._keys
+        reads = [range_request(c, key) for key in blacklist_keys]
+        reads += [range_request(c, k.last_round), range_request(c, k.member(self._node_id))]
         with etcd_errors(self._settings, "connecting to"):
-            _, responses = raw_txn(c, [], [range_request(c, blacklist_key),
-                                           range_request(c, self._keys.last_round)])
-        return _value(responses[0]), _int(_value(responses[1]), -1)
+            _, responses = raw_txn(c, [], reads)
+        entries = [_value(r) for r in responses[:len(blacklist_keys)]]
+        return ProbeView(
+            blacklisted=next((e for e in entries if e is not None), None),
+            last_round=_int(_value(responses[-2]), -1),
+            member=_value(responses[-1]),
+        )
 
     def last_round(self) -> int:
         """The last completed round (-1 before the first)."""

@@ -69,8 +69,10 @@ class Node:
 def start_node(
     name: str, tmp: Path, env: dict[str, str], endpoint: str, nnodes: str, job: str,
     train_args: list[str], rdzv_conf: str = FAST_RDZV, tool: str = "elasticft-run",
-    nproc: int = 2, script: str = TRAIN,
+    nproc: int = 2, script: str = TRAIN, node_id: str | None = "",
 ) -> Node:
+    """Starts one agent; elasticft-run gets ``--node-id name`` unless ``node_id`` says
+    otherwise (None: no --node-id, the agent's default)."""
     log = tmp / f"{name}.log"
     args = [
         "--nnodes", nnodes, "--nproc-per-node", str(nproc),
@@ -78,7 +80,9 @@ def start_node(
         "--rdzv-conf", rdzv_conf, "--local-addr", "127.0.0.1", "--max-restarts", "3",
     ]
     if tool == "elasticft-run":
-        args += ["--node-id", name, "--run-dir", str(tmp / f"run-{name}")]
+        args += ["--run-dir", str(tmp / f"run-{name}")]
+        if node_id is not None:
+            args += ["--node-id", node_id or name]
     with log.open("w") as out:
         process = subprocess.Popen(
             [str(BIN / tool), *args, script, *train_args],
