@@ -64,9 +64,7 @@ def test_checkpoint_now_reaches_workers_stuck_in_a_collective(tmp_path: Path, jo
             time.sleep(0.1)
         time.sleep(0.5)  # rank 0 is now blocked inside all_reduce
         assert service.newest_common_step(group) == 3
-        started = time.monotonic()
         assert service.checkpoint_now("test", timeout=30)
-        assert time.monotonic() - started < 20
         local = service.local_dir(group)
         info = durable.commit_info(durable.step_dir(local, 3))
         assert info is not None and info["ranks"] == [0, 1] and info["dcp"]

@@ -35,6 +35,8 @@ def test_unreachable_etcd_is_a_connection_error(etcd_server: EtcdServer) -> None
         rounds.last_round()
 
 
+# Judges how soon a watch wakes a thread of this process: run alone (scripts/test.sh).
+@pytest.mark.serial
 def test_store_set_get_add_compare_set_and_watch_wait(
     etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,6 +140,8 @@ def test_handler_config_errors_are_one_line() -> None:
     assert handler.get_backend() == "etcd-v3" and handler.node_id == "n1"
 
 
+# Judges how soon a watch wakes a thread of this process: run alone (scripts/test.sh).
+@pytest.mark.serial
 def test_store_wait_of_one_thread_is_interrupted_on_demand(etcd_server: EtcdServer) -> None:
     """The JIT watcher waits a whole round on one key; stopping it must not take its timeout,
     nor touch another thread's wait."""
