@@ -78,10 +78,6 @@ def wanted(env: Mapping[str, str], pid: int) -> tuple[bool, bool]:
     return diag, bool(env.get(STEP_LOG_ENV))
 
 
-def should_install(env: Mapping[str, str], pid: int) -> bool:
-    return any(wanted(env, pid))
-
-
 def arm(env: Mapping[str, str]) -> bool:
     """Arranges for the recorders to be installed once torch is imported; True if armed."""
     diag, steps = wanted(env, os.getpid())

@@ -317,8 +317,3 @@ class LogBurst:
     window_s: float
     first_node: str
     first_line: str
-
-
-def first_error(errors: Iterable[tuple[float, str, str]]) -> tuple[float, str, str] | None:
-    """The earliest (time, node, line) error; the node that logged first is the likely cause."""
-    return min(errors, default=None, key=lambda e: e[0])

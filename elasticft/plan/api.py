@@ -261,10 +261,6 @@ class Layout:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str) -> Layout:
-        return cls(**{k: int(v) for k, v in json.loads(text).items()})
-
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
