@@ -10,8 +10,11 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    timings active/inactive") from the event log, and the ring's record of each collective with
    its GPU time;
 2. per-call host cost of 10,000 all_reduce calls of 4 bytes: plain ``torchrun``, ``torchrun``
-   with only the shim preloaded, and ``elasticft-run`` (shim and Python recorder); two rounds,
-   alternating, median per call;
+   with only the shim preloaded, and ``elasticft-run`` (shim and Python recorder, whose wrappers
+   leave NCCL groups to the shim once its calls are seen to reach it); two rounds, alternating,
+   median per call; then (``gloo``) the same on a CPU tensor over gloo, plain ``torchrun``
+   against ``elasticft-run``, whose Python recorder times gloo calls (this part alone,
+   ``--parts gloo``, runs without a GPU too);
 3. a hang found through the NCCL path: ``torch.cuda._sleep`` of minutes queued before an
    all_reduce. Detection time and action under ``elasticft-run`` (default options), against plain
    ``torchrun`` on the same script within ``--torchrun-hang-s``;
@@ -157,40 +160,61 @@ def check_overhead(tmp: Path, rows: list[tuple[str, str]]) -> None:
 
     shim = shim_library()
     rings = tmp / "rings"
-    rings.mkdir()
-    settings: dict[str, tuple[list[str], dict[str, str]]] = {
-        "torchrun": (torchrun("overhead", tmp / "o.json"), child_env()),
-        "torchrun + shim only": (torchrun("overhead", tmp / "o.json"), child_env(
+    rings.mkdir(exist_ok=True)
+    out = tmp / "o.json"
+    measure_calls(tmp, rows, "all_reduce", {
+        "torchrun": (torchrun("overhead", out), child_env()),
+        "torchrun + shim only": (torchrun("overhead", out), child_env(
             LD_PRELOAD=str(shim), ELASTICFT_DIAG_SHIM="1", ELASTICFT_DIAG_RING_DIR=str(rings))),
         "elasticft-run (shim + recorder)": (
-            elasticft_run(tmp / "overhead-run", "overhead", tmp / "o.json"), child_env()),
-    }
+            elasticft_run(tmp / "overhead-run", "overhead", out), child_env()),
+    })
+
+
+def check_gloo_overhead(tmp: Path, rows: list[tuple[str, str]]) -> None:
+    """The Python recorder's cost a call where it times (gloo: no shim there); no GPU needed."""
+    out = tmp / "o.json"
+    measure_calls(tmp, rows, "gloo all_reduce", {
+        "torchrun": (torchrun("overhead-gloo", out), child_env()),
+        "elasticft-run (Python timing)": (
+            elasticft_run(tmp / "overhead-gloo-run", "overhead-gloo", out), child_env()),
+    })
+
+
+def measure_calls(tmp: Path, rows: list[tuple[str, str]], what: str,
+                  settings: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+    """Two rounds of every setting, alternating; one row each: the median host time of a call
+    and what it adds to the first setting's."""
+    out = tmp / "o.json"
     medians: dict[str, list[float]] = {name: [] for name in settings}
     detail: dict[str, dict[str, Any]] = {}
     for _ in range(2):
         for name, (cmd, env) in settings.items():
-            (tmp / "o.json").unlink(missing_ok=True)
+            out.unlink(missing_ok=True)
             code, text = run(cmd, env)
-            if code != 0 or not (tmp / "o.json").exists():
+            if code != 0 or not out.exists():
                 detail[name] = {"error": f"exit {code}: {last_line(text)}"}
                 continue
-            found = json.loads((tmp / "o.json").read_text())
+            found = json.loads(out.read_text())
             medians[name].append(found["median_us"])
             detail[name] = found
-    base = statistics.median(medians["torchrun"]) if medians["torchrun"] else None
+    base_name = next(iter(settings))
+    base = statistics.median(medians[base_name]) if medians[base_name] else None
     for name in settings:
         if not medians[name]:
-            rows.append((f"10,000 all_reduce: {name}", detail[name].get("error", "no result")))
+            rows.append((f"10,000 {what}: {name}", detail[name].get("error", "no result")))
             continue
         median = statistics.median(medians[name])
-        added = "" if base is None or name == "torchrun" else f", {median - base:+.2f} us a call"
+        added = "" if base is None or name == base_name else f", {median - base:+.2f} us a call"
         found = detail[name]
         ring = ""
         if found.get("ring_head"):
             ring = (f"; ring head {found['ring_head']}, {found['records_with_gpu_time']}/"
                     f"{found['records_kept']} kept records with GPU time (median "
                     f"{found['gpu_median_ms'] or 0:.4f} ms)")
-        rows.append((f"10,000 all_reduce: {name}",
+        if found.get("python_wrappers") is not None:
+            ring += f"; Python wrappers {'on' if found['python_wrappers'] else 'off'}"
+        rows.append((f"10,000 {what}: {name}",
                      f"median {median:.2f} us a call (rounds "
                      f"{', '.join(f'{m:.2f}' for m in medians[name])}){added}{ring}"))
 
@@ -255,7 +279,9 @@ def dry_run(reason: str) -> int:
     return 0 if shim else 1
 
 
-PARTS = ("ops", "overhead", "hang", "ckpt", "tests")
+PARTS = ("ops", "overhead", "gloo", "hang", "ckpt", "tests")
+CPU_PARTS = ("gloo",)
+"""Parts that need no GPU: asked for alone (``--parts gloo``), they run on a CPU machine too."""
 
 
 def main() -> int:
@@ -274,20 +300,26 @@ def main() -> int:
         import torch
     except ImportError:
         return dry_run("no torch")
-    if not torch.cuda.is_available():
+    cpu_only = set(parts) <= set(CPU_PARTS)
+    if not torch.cuda.is_available() and not (cpu_only and not args.dry_run):
         return dry_run(f"no CUDA device (torch {torch.__version__})")
     if args.dry_run:
         return dry_run("--dry-run")
-    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}"
+    else:
+        machine = f"no CUDA device, {os.cpu_count()} CPUs, torch {torch.__version__}"
     rows: list[tuple[str, str]] = [
-        ("machine", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}, "
-                    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"),
+        ("machine", f"{machine}, {when}"),
         ("cc", shutil.which("cc") or "none"),
     ]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         checks = {"ops": lambda: check_ops(tmp, rows),
                   "overhead": lambda: check_overhead(tmp, rows),
+                  "gloo": lambda: check_gloo_overhead(tmp, rows),
                   "hang": lambda: check_hang(tmp, rows, args.torchrun_hang_s),
                   "ckpt": lambda: check_ckpt(rows), "tests": lambda: check_gpu_tests(rows)}
         shown = 0
