@@ -18,8 +18,11 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
 3. a hang found through the NCCL path: ``torch.cuda._sleep`` of minutes queued before an
    all_reduce. Detection time and action under ``elasticft-run`` (default options), against plain
    ``torchrun`` on the same script within ``--torchrun-hang-s``;
-4. bench/ckpt_gpu.py, the GPU checkpoint figures;
-5. the test suite's ``gpu``-marked tests (pytest must be installed).
+4. (``restart``) the plain DDP script examples/train_plain.py (NCCL on GPU 0, torch.save every 20
+   steps): its worker SIGKILLed, then SIGSTOPped (a hang), at step 30; seconds to the first step
+   after, under ``elasticft-run`` (targets 1.5 s and 5 s) and plain ``torchrun``;
+5. bench/ckpt_gpu.py, the GPU checkpoint figures;
+6. the test suite's ``gpu``-marked tests (pytest must be installed).
 
 Without a CUDA device (or with ``--dry-run``) it checks what it can (the shim is built, the worker
 script compiles, the launchers are found) and says so in one line. The table also goes to
@@ -29,6 +32,7 @@ script compiles, the launchers are found) and says so in one line. The table als
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -219,6 +223,83 @@ def measure_calls(tmp: Path, rows: list[tuple[str, str]], what: str,
                      f"{', '.join(f'{m:.2f}' for m in medians[name])}){added}{ring}"))
 
 
+PLAIN = ROOT / "examples" / "train_plain.py"
+RESTART_TARGETS_S = {"crash": 1.5, "hang": 5.0}
+
+
+def logged_steps(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def script_worker(mark_pid: int) -> int | None:
+    """The pid of this check's running train_plain.py worker (not its launcher)."""
+    mark = RUN_MARK.encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == mark_pid:
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if (mark in (entry / "environ").read_bytes().split(b"\0") and str(PLAIN).encode()
+                    in argv and b"-u" in argv[1:2]):
+                return int(entry.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def fault_to_step(tmp: Path, name: str, fault: str, fault_step: int = 30,
+                  cap_s: float = 60.0) -> str:
+    """Runs examples/train_plain.py on one rank (NCCL on GPU 0 where there is one), SIGKILLs
+    (``crash``) or SIGSTOPs (``hang``) its worker once it has logged ``fault_step`` steps;
+    seconds from the signal to the first step logged after it."""
+    log, ckpt = tmp / f"{fault}-{name}.log", tmp / f"{fault}-{name}-ckpt"
+    script = [str(PLAIN), "--steps", "100000", "--ckpt-every", "20", "--ckpt-dir", str(ckpt),
+              "--loss-log", str(log)]
+    cmd = ([*launcher("elasticft-run"), "--run-dir", str(tmp / f"{fault}-run")]
+           if name == "elasticft-run" else launcher("torchrun"))
+    cmd += ["--standalone", "--nproc-per-node", "1", "--max-restarts", "3", *script]
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + RUN_LIMIT_S
+            while logged_steps(log) < fault_step and proc.poll() is None:
+                if time.monotonic() > deadline:
+                    return f"step {fault_step} not reached in {RUN_LIMIT_S} s"
+                time.sleep(0.05)
+            worker = script_worker(proc.pid)
+            if worker is None:
+                output.seek(0)
+                return f"no worker to signal: {last_line(output.read())}"
+            before = logged_steps(log)
+            signalled = time.monotonic()
+            os.kill(worker, signal.SIGKILL if fault == "crash" else signal.SIGSTOP)
+            while logged_steps(log) == before:
+                if time.monotonic() - signalled > cap_s:
+                    return f"no step within {cap_s:.0f} s"
+                time.sleep(0.02)
+            return f"{time.monotonic() - signalled:.2f} s"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            end_leftovers()
+
+
+def check_restart(tmp: Path, rows: list[tuple[str, str]]) -> None:
+    """The plain DDP script, a crash and a hang at step 30: first step after, both launchers."""
+    for fault, target in RESTART_TARGETS_S.items():
+        found = {name: fault_to_step(tmp, name, fault) for name in ("torchrun", "elasticft-run")}
+        what = "SIGKILL" if fault == "crash" else "SIGSTOP (hang)"
+        rows.append((f"plain DDP script, {what} -> first step",
+                     f"elasticft-run {found['elasticft-run']} (target <= {target} s on a GPU); "
+                     f"torchrun {found['torchrun']}"))
+
+
 def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) -> None:
     run_dir, marker = tmp / "hang-run", tmp / "hang.json"
     limit_s = 240.0  # the whole check must fit in the 10 minutes a lent GPU machine allows
@@ -279,9 +360,10 @@ def dry_run(reason: str) -> int:
     return 0 if shim else 1
 
 
-PARTS = ("ops", "overhead", "gloo", "hang", "ckpt", "tests")
-CPU_PARTS = ("gloo",)
-"""Parts that need no GPU: asked for alone (``--parts gloo``), they run on a CPU machine too."""
+PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "tests")
+CPU_PARTS = ("gloo", "restart")
+"""Parts that need no GPU: asked for alone (``--parts gloo,restart``), they run on a CPU machine
+too (gloo)."""
 
 
 def main() -> int:
@@ -321,6 +403,7 @@ def main() -> int:
                   "overhead": lambda: check_overhead(tmp, rows),
                   "gloo": lambda: check_gloo_overhead(tmp, rows),
                   "hang": lambda: check_hang(tmp, rows, args.torchrun_hang_s),
+                  "restart": lambda: check_restart(tmp, rows),
                   "ckpt": lambda: check_ckpt(rows), "tests": lambda: check_gpu_tests(rows)}
         shown = 0
         for part in parts:
