@@ -267,7 +267,12 @@ def fault_to_step(tmp: Path, name: str, fault: str, fault_step: int = 30,
                 if time.monotonic() > deadline:
                     return f"step {fault_step} not reached in {RUN_LIMIT_S} s"
                 time.sleep(0.05)
-            worker = script_worker(proc.pid)
+            if name == "elasticft-run":  # as `elasticft chaos` finds it (not the warm server)
+                from elasticft.chaos import current_worker_pids
+
+                worker: int | None = current_worker_pids(tmp / f"{fault}-run").get(0)
+            else:
+                worker = script_worker(proc.pid)
             if worker is None:
                 output.seek(0)
                 return f"no worker to signal: {last_line(output.read())}"
