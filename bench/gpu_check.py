@@ -10,13 +10,19 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    timings active/inactive") from the event log, and the ring's record of each collective with
    its GPU time;
 2. per-call host cost of 10,000 all_reduce calls of 4 bytes: plain ``torchrun``, ``torchrun``
-   with only the shim preloaded, and ``elasticft-run`` (shim and Python recorder); two rounds,
-   alternating, median per call;
+   with only the shim preloaded, and ``elasticft-run`` (shim and Python recorder, whose wrappers
+   leave NCCL groups to the shim once its calls are seen to reach it); two rounds, alternating,
+   median per call; then (``gloo``) the same on a CPU tensor over gloo, plain ``torchrun``
+   against ``elasticft-run``, whose Python recorder times gloo calls (this part alone,
+   ``--parts gloo``, runs without a GPU too);
 3. a hang found through the NCCL path: ``torch.cuda._sleep`` of minutes queued before an
    all_reduce. Detection time and action under ``elasticft-run`` (default options), against plain
    ``torchrun`` on the same script within ``--torchrun-hang-s``;
-4. bench/ckpt_gpu.py, the GPU checkpoint figures;
-5. the test suite's ``gpu``-marked tests (pytest must be installed).
+4. (``restart``) the plain DDP script examples/train_plain.py (NCCL on GPU 0, torch.save every 20
+   steps): its worker SIGKILLed, then SIGSTOPped (a hang), at step 30; seconds to the first step
+   after, under ``elasticft-run`` (targets 1.5 s and 5 s) and plain ``torchrun``;
+5. bench/ckpt_gpu.py, the GPU checkpoint figures;
+6. the test suite's ``gpu``-marked tests (pytest must be installed).
 
 Without a CUDA device (or with ``--dry-run``) it checks what it can (the shim is built, the worker
 script compiles, the launchers are found) and says so in one line. The table also goes to
@@ -26,6 +32,7 @@ script compiles, the launchers are found) and says so in one line. The table als
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -157,42 +164,145 @@ def check_overhead(tmp: Path, rows: list[tuple[str, str]]) -> None:
 
     shim = shim_library()
     rings = tmp / "rings"
-    rings.mkdir()
-    settings: dict[str, tuple[list[str], dict[str, str]]] = {
-        "torchrun": (torchrun("overhead", tmp / "o.json"), child_env()),
-        "torchrun + shim only": (torchrun("overhead", tmp / "o.json"), child_env(
+    rings.mkdir(exist_ok=True)
+    out = tmp / "o.json"
+    measure_calls(tmp, rows, "all_reduce", {
+        "torchrun": (torchrun("overhead", out), child_env()),
+        "torchrun + shim only": (torchrun("overhead", out), child_env(
             LD_PRELOAD=str(shim), ELASTICFT_DIAG_SHIM="1", ELASTICFT_DIAG_RING_DIR=str(rings))),
         "elasticft-run (shim + recorder)": (
-            elasticft_run(tmp / "overhead-run", "overhead", tmp / "o.json"), child_env()),
-    }
+            elasticft_run(tmp / "overhead-run", "overhead", out), child_env()),
+    })
+
+
+def check_gloo_overhead(tmp: Path, rows: list[tuple[str, str]]) -> None:
+    """The Python recorder's cost a call where it times (gloo: no shim there); no GPU needed."""
+    out = tmp / "o.json"
+    measure_calls(tmp, rows, "gloo all_reduce", {
+        "torchrun": (torchrun("overhead-gloo", out), child_env()),
+        "elasticft-run (Python timing)": (
+            elasticft_run(tmp / "overhead-gloo-run", "overhead-gloo", out), child_env()),
+    })
+
+
+def measure_calls(tmp: Path, rows: list[tuple[str, str]], what: str,
+                  settings: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+    """Two rounds of every setting, alternating; one row each: the median host time of a call
+    and what it adds to the first setting's."""
+    out = tmp / "o.json"
     medians: dict[str, list[float]] = {name: [] for name in settings}
     detail: dict[str, dict[str, Any]] = {}
     for _ in range(2):
         for name, (cmd, env) in settings.items():
-            (tmp / "o.json").unlink(missing_ok=True)
+            out.unlink(missing_ok=True)
             code, text = run(cmd, env)
-            if code != 0 or not (tmp / "o.json").exists():
+            if code != 0 or not out.exists():
                 detail[name] = {"error": f"exit {code}: {last_line(text)}"}
                 continue
-            found = json.loads((tmp / "o.json").read_text())
+            found = json.loads(out.read_text())
             medians[name].append(found["median_us"])
             detail[name] = found
-    base = statistics.median(medians["torchrun"]) if medians["torchrun"] else None
+    base_name = next(iter(settings))
+    base = statistics.median(medians[base_name]) if medians[base_name] else None
     for name in settings:
         if not medians[name]:
-            rows.append((f"10,000 all_reduce: {name}", detail[name].get("error", "no result")))
+            rows.append((f"10,000 {what}: {name}", detail[name].get("error", "no result")))
             continue
         median = statistics.median(medians[name])
-        added = "" if base is None or name == "torchrun" else f", {median - base:+.2f} us a call"
+        added = "" if base is None or name == base_name else f", {median - base:+.2f} us a call"
         found = detail[name]
         ring = ""
         if found.get("ring_head"):
             ring = (f"; ring head {found['ring_head']}, {found['records_with_gpu_time']}/"
                     f"{found['records_kept']} kept records with GPU time (median "
                     f"{found['gpu_median_ms'] or 0:.4f} ms)")
-        rows.append((f"10,000 all_reduce: {name}",
+        if found.get("python_wrappers") is not None:
+            ring += f"; Python wrappers {'on' if found['python_wrappers'] else 'off'}"
+        rows.append((f"10,000 {what}: {name}",
                      f"median {median:.2f} us a call (rounds "
                      f"{', '.join(f'{m:.2f}' for m in medians[name])}){added}{ring}"))
+
+
+PLAIN = ROOT / "examples" / "train_plain.py"
+RESTART_TARGETS_S = {"crash": 1.5, "hang": 5.0}
+
+
+def logged_steps(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def script_worker(mark_pid: int) -> int | None:
+    """The pid of this check's running train_plain.py worker (not its launcher)."""
+    mark = RUN_MARK.encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == mark_pid:
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if (mark in (entry / "environ").read_bytes().split(b"\0") and str(PLAIN).encode()
+                    in argv and b"-u" in argv[1:2]):
+                return int(entry.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def fault_to_step(tmp: Path, name: str, fault: str, fault_step: int = 30,
+                  cap_s: float = 60.0) -> str:
+    """Runs examples/train_plain.py on one rank (NCCL on GPU 0 where there is one), SIGKILLs
+    (``crash``) or SIGSTOPs (``hang``) its worker once it has logged ``fault_step`` steps;
+    seconds from the signal to the first step logged after it."""
+    log, ckpt = tmp / f"{fault}-{name}.log", tmp / f"{fault}-{name}-ckpt"
+    script = [str(PLAIN), "--steps", "100000", "--ckpt-every", "20", "--ckpt-dir", str(ckpt),
+              "--loss-log", str(log)]
+    cmd = ([*launcher("elasticft-run"), "--run-dir", str(tmp / f"{fault}-run")]
+           if name == "elasticft-run" else launcher("torchrun"))
+    cmd += ["--standalone", "--nproc-per-node", "1", "--max-restarts", "3", *script]
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + RUN_LIMIT_S
+            while logged_steps(log) < fault_step and proc.poll() is None:
+                if time.monotonic() > deadline:
+                    return f"step {fault_step} not reached in {RUN_LIMIT_S} s"
+                time.sleep(0.05)
+            if name == "elasticft-run":  # as `elasticft chaos` finds it (not the warm server)
+                from elasticft.chaos import current_worker_pids
+
+                worker: int | None = current_worker_pids(tmp / f"{fault}-run").get(0)
+            else:
+                worker = script_worker(proc.pid)
+            if worker is None:
+                output.seek(0)
+                return f"no worker to signal: {last_line(output.read())}"
+            before = logged_steps(log)
+            signalled = time.monotonic()
+            os.kill(worker, signal.SIGKILL if fault == "crash" else signal.SIGSTOP)
+            while logged_steps(log) == before:
+                if time.monotonic() - signalled > cap_s:
+                    return f"no step within {cap_s:.0f} s"
+                time.sleep(0.02)
+            return f"{time.monotonic() - signalled:.2f} s"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            end_leftovers()
+
+
+def check_restart(tmp: Path, rows: list[tuple[str, str]]) -> None:
+    """The plain DDP script, a crash and a hang at step 30: first step after, both launchers."""
+    for fault, target in RESTART_TARGETS_S.items():
+        found = {name: fault_to_step(tmp, name, fault) for name in ("torchrun", "elasticft-run")}
+        what = "SIGKILL" if fault == "crash" else "SIGSTOP (hang)"
+        rows.append((f"plain DDP script, {what} -> first step",
+                     f"elasticft-run {found['elasticft-run']} (target <= {target} s on a GPU); "
+                     f"torchrun {found['torchrun']}"))
 
 
 def check_hang(tmp: Path, rows: list[tuple[str, str]], torchrun_limit_s: float) -> None:
@@ -255,7 +365,10 @@ def dry_run(reason: str) -> int:
     return 0 if shim else 1
 
 
-PARTS = ("ops", "overhead", "hang", "ckpt", "tests")
+PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "tests")
+CPU_PARTS = ("gloo", "restart")
+"""Parts that need no GPU: asked for alone (``--parts gloo,restart``), they run on a CPU machine
+too (gloo)."""
 
 
 def main() -> int:
@@ -274,21 +387,28 @@ def main() -> int:
         import torch
     except ImportError:
         return dry_run("no torch")
-    if not torch.cuda.is_available():
+    cpu_only = set(parts) <= set(CPU_PARTS)
+    if not torch.cuda.is_available() and not (cpu_only and not args.dry_run):
         return dry_run(f"no CUDA device (torch {torch.__version__})")
     if args.dry_run:
         return dry_run("--dry-run")
-    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}"
+    else:
+        machine = f"no CUDA device, {os.cpu_count()} CPUs, torch {torch.__version__}"
     rows: list[tuple[str, str]] = [
-        ("machine", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}, "
-                    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"),
+        ("machine", f"{machine}, {when}"),
         ("cc", shutil.which("cc") or "none"),
     ]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         checks = {"ops": lambda: check_ops(tmp, rows),
                   "overhead": lambda: check_overhead(tmp, rows),
+                  "gloo": lambda: check_gloo_overhead(tmp, rows),
                   "hang": lambda: check_hang(tmp, rows, args.torchrun_hang_s),
+                  "restart": lambda: check_restart(tmp, rows),
                   "ckpt": lambda: check_ckpt(rows), "tests": lambda: check_gpu_tests(rows)}
         shown = 0
         for part in parts:

@@ -1,10 +1,12 @@
 """The training script of bench/gpu_check.py: one NCCL rank (world size 1) on one GPU.
 
-    python gpu_check_worker.py ops|overhead|hang OUT_JSON
+    python gpu_check_worker.py ops|overhead|overhead-gloo|hang OUT_JSON
 
 * ``ops``: one call of each collective torch issues through NCCL; then reads its own NCCL ring
   (the shim's records, when the shim is there) and the shim's self-check;
 * ``overhead``: 10,000 all_reduce calls of 4 bytes, each timed on the host;
+* ``overhead-gloo``: the same on a CPU tensor over gloo (no GPU needed): the Python recorder's
+  cost where there is no shim;
 * ``hang``: 50 ordinary steps, then a ``torch.cuda._sleep`` of minutes queued before an
   all_reduce, then a wait for it (the first start only: a restarted worker finishes at once).
 
@@ -69,20 +71,34 @@ def ops(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def overhead(out: Path, calls: int = 10_000) -> None:
-    device = init()
+def python_wrappers() -> bool | None:
+    """Whether the recorder's Python wrappers are on the public collectives (None: none)."""
+    from elasticft.diag.recorder import installed
+
+    recorder = installed()
+    return None if recorder is None else recorder.collectives_wrapped
+
+
+def overhead(out: Path, calls: int = 10_000, backend: str = "nccl") -> None:
+    if backend == "nccl":
+        device = init()
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     x = torch.ones(1, device=device)
     for _ in range(500):
         dist.all_reduce(x)
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     host_ns = []
     clock = time.perf_counter_ns
     for _ in range(calls):
         start = clock()
         dist.all_reduce(x)
         host_ns.append(clock() - start)
-    torch.cuda.synchronize()
-    ring = own_ring()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ring = own_ring() if device.type == "cuda" else {"records": [], "head": 0, "probe": None}
     records = [r for r in ring["records"] if r["op"] == "all_reduce"]  # type: ignore[union-attr]
     gpu_ms = [r["gpu_ms"] for r in records if r["timed"] and r["complete"]]
     out.write_text(json.dumps({
@@ -90,7 +106,7 @@ def overhead(out: Path, calls: int = 10_000) -> None:
         "mean_us": statistics.fmean(host_ns) / 1e3, "ring_head": ring["head"],
         "records_kept": len(records), "records_with_gpu_time": len(gpu_ms),
         "gpu_median_ms": statistics.median(gpu_ms) if gpu_ms else None,
-        "probe": ring["probe"]}))
+        "probe": ring["probe"], "python_wrappers": python_wrappers()}))
     dist.destroy_process_group()
 
 
@@ -117,4 +133,6 @@ def hang(out: Path, sleep_s: float = 600.0) -> None:
 
 
 if __name__ == "__main__":
-    {"ops": ops, "overhead": overhead, "hang": hang}[sys.argv[1]](Path(sys.argv[2]))
+    modes = {"ops": ops, "overhead": overhead, "hang": hang,
+             "overhead-gloo": lambda out: overhead(out, backend="gloo")}
+    modes[sys.argv[1]](Path(sys.argv[2]))

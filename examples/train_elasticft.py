@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_plain import VOCAB, TinyGPT, batch, record_step
+from train_plain import VOCAB, TinyGPT, batch, record_step, setup_device
 
 from elasticft.ckpt import Checkpointer, StateCapture
 
@@ -61,10 +61,10 @@ def main() -> None:
                         "(first attempt): an infrastructure fault, not a bug")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    device = setup_device()  # NCCL on the local rank's GPU when there is one, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DistributedDataParallel(TinyGPT(dim=args.dim, layers=args.layers))
+    model = DistributedDataParallel(TinyGPT(dim=args.dim, layers=args.layers).to(device))
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = Checkpointer.from_env(optimizers=[optim], ckpt_dir=args.ckpt_dir,
                                  persist_every=args.persist_every)
@@ -82,7 +82,7 @@ def main() -> None:
     for step in range(start, args.steps):
         if step + 1 == args.infra_error_at_step and rank == args.fault_rank and first_attempt():
             raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
-        x, y = batch(step, rank, args.batch_size)
+        x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         optim.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,7 +1,8 @@
 """A plain torchrun training script: no elasticft import.
 
-A small GPT-like language model trained on CPU with gloo and DDP on synthetic data that depends
-only on the step number, so a resumed run sees exactly the batches an uninterrupted one would.
+A small GPT-like language model trained with DDP on synthetic data that depends only on the
+step number, so a resumed run sees exactly the batches an uninterrupted one would; NCCL on the
+local rank's GPU when CUDA is available, gloo on CPU otherwise.
 Rank 0 writes a torch.save checkpoint every --ckpt-every steps (temporary file, fsync, rename)
 and every rank resumes from the newest one at start. Run it with torchrun or elasticft-run:
 
@@ -81,6 +82,18 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
+def setup_device() -> torch.device:
+    """Joins the process group: NCCL on the GPU of LOCAL_RANK when CUDA is available, else gloo
+    on CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def save_checkpoint(path: Path, step: int, model: nn.Module, optim: torch.optim.Optimizer) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
@@ -111,11 +124,11 @@ class SaveRequest:
         signal.sigwait({self.sig})
         self.event.set()
 
-    def agreed(self) -> bool:
+    def agreed(self, device: torch.device) -> bool:
         """True on every rank once any rank got the signal (a collective: call on all ranks)."""
         if self.sig is None:
             return False
-        flag = torch.tensor([1 if self.event.is_set() else 0])
+        flag = torch.tensor([1 if self.event.is_set() else 0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -152,18 +165,18 @@ def main() -> None:
 
     save_signal = (None if args.save_signal.lower() == "none"
                    else signal.Signals["SIG" + args.save_signal.upper().removeprefix("SIG")])
-    save_request = SaveRequest(save_signal)  # before init_process_group starts gloo's threads
-    dist.init_process_group("gloo")
+    save_request = SaveRequest(save_signal)  # before init_process_group starts its threads
+    device = setup_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DistributedDataParallel(TinyGPT())
+    model = DistributedDataParallel(TinyGPT().to(device))
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt_dir / "latest.pt"
     start = 0
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+        state = torch.load(ckpt, weights_only=True, map_location=device)
         model.module.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         start = state["step"]
@@ -182,7 +195,7 @@ def main() -> None:
                 save_checkpoint(ckpt, done, model.module, optim)
                 print(f"user-code error: saved step {done} before exiting", flush=True)
             raise
-        x, y = batch(step, rank, args.batch_size)
+        x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -204,7 +217,7 @@ def main() -> None:
         record_step(done, ckpt_s)
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"loss is {loss.item()} at step {done}")
-        if done < args.steps and save_request.agreed():
+        if done < args.steps and save_request.agreed(device):
             if rank == 0:
                 save_checkpoint(ckpt, done, model.module, optim)
                 print(f"{save_signal.name}: saved step {done}, exiting to be resumed", flush=True)

@@ -4,6 +4,9 @@ It starts ``elasticft-run --standalone --nproc-per-node 2`` on examples/train_pl
 torchrun script), waits until the job has written a checkpoint, SIGKILLs rank 1 with
 ``elasticft chaos kill``, lets the agent restart the group, and prints the run's summary and
 report when training completes. Exit code: the launcher's.
+
+``--gpu`` (the default when CUDA is available): one worker per GPU, on NCCL, and after the crash
+a hang too (``elasticft chaos stop`` at ``--hang-at-step``), found and recovered by the agent.
 """
 
 from __future__ import annotations
@@ -19,6 +22,21 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+def tool(name: str) -> list[str]:
+    """elasticft's command ``name`` of this interpreter (module form when not on its path)."""
+    script = BIN / name
+    module = {"elasticft-run": "elasticft.run", "elasticft": "elasticft.cli"}[name]
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+def cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -26,7 +44,19 @@ def main() -> int:
     parser.add_argument("--step-time", type=float, default=0.1)
     default_out = ROOT / "elasticft-runs" / f"demo-{int(time.time())}"
     parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
+                        help="NCCL on every GPU, and a hang after the crash "
+                             "(default: when CUDA is available)")
+    parser.add_argument("--hang-at-step", type=int, default=None,
+                        help="SIGSTOP a rank at this step (default: 24 with --gpu, else none)")
     args = parser.parse_args()
+    gpus = cuda_devices()
+    if args.gpu and not gpus:
+        parser.error("--gpu: torch sees no CUDA device here; run without --gpu (gloo on CPU)")
+    gpu = bool(gpus) if args.gpu is None else args.gpu
+    nproc = gpus if gpu else 2
+    hang_at = args.hang_at_step if args.hang_at_step is not None else (24 if gpu else None)
+    fault_rank = str(nproc - 1)
 
     out: Path = args.out
     run_dir, ckpt_dir, loss_log = out / "run", out / "ckpt", out / "losses.txt"
@@ -34,7 +64,8 @@ def main() -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("LOGLEVEL", "WARNING")
     command = [
-        str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
+        *tool("elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
+        "--max-restarts", "3",
         "--run-dir", str(run_dir), str(ROOT / "examples" / "train_plain.py"),
         "--steps", str(args.steps), "--ckpt-dir", str(ckpt_dir), "--ckpt-every", "5",
         "--step-time", str(args.step_time), "--loss-log", str(loss_log),
@@ -48,17 +79,19 @@ def main() -> int:
         lines = loss_log.read_text().split("\n")
         return max((int(line.split()[0]) for line in lines if line.strip()), default=0)
 
-    while job.poll() is None and latest_step() < args.kill_at_step:
-        time.sleep(0.1)
-    if job.poll() is None:
-        print(f"\n>>> demo: SIGKILL rank 1 at step {latest_step()}\n", flush=True)
-        subprocess.run(
-            [str(BIN / "elasticft"), "chaos", "kill", "--run-dir", str(run_dir), "--rank", "1"],
-            check=True,
-        )
+    faults = [(args.kill_at_step, "kill", "SIGKILL")]
+    if hang_at is not None:
+        faults.append((hang_at, "stop", "SIGSTOP (a hang)"))
+    for at_step, kind, what in faults:
+        while job.poll() is None and latest_step() < at_step:
+            time.sleep(0.1)
+        if job.poll() is None:
+            print(f"\n>>> demo: {what} rank {fault_rank} at step {latest_step()}\n", flush=True)
+            subprocess.run([*tool("elasticft"), "chaos", kind, "--run-dir", str(run_dir),
+                            "--rank", fault_rank], check=True)
     code = job.wait()
 
-    report = subprocess.run([str(BIN / "elasticft"), "report", str(run_dir)], capture_output=True,
+    report = subprocess.run([*tool("elasticft"), "report", str(run_dir)], capture_output=True,
                             text=True)
     if report.returncode == 0:
         print("\n" + report.stdout, flush=True)

@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# Sets up elasticft and runs the demo: 2 workers training, one SIGKILLed mid-run, recovery,
+# Sets up elasticft and runs the demo: workers training, one SIGKILLed mid-run, recovery,
 # completion, and the run's report.
+#
+#   bash scripts/demo.sh          CPU, gloo: makes .venv (torch for CPU) first
+#   bash scripts/demo.sh --gpu    GPU, NCCL: elasticft into the machine's own torch (PYTHON=...),
+#                                 one worker per GPU, a crash and then a hang, both recovered
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--gpu" ]; then
+  PYTHON=${PYTHON:-python3}
+  # Without its dependencies: the torch pin must not replace the machine's CUDA torch.
+  "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
+  "$PYTHON" -m pip install -q numpy pyyaml psutil tenacity prometheus-client py-spy nvidia-ml-py
+  exec "$PYTHON" scripts/demo.py "$@"
+fi
 bash scripts/setup.sh
 exec .venv/bin/python scripts/demo.py "$@"

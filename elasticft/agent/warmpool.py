@@ -33,7 +33,11 @@ How a warm interpreter is started and how a worker is forked from it:
 Only binary entrypoints that are a Python interpreter are warm-started; ``--no-python``, NUMA
 binding and function entrypoints (where ``--start-method`` applies) start cold. Nothing in the
 warm interpreter touches CUDA or starts a thread pool of its own: importing torch does neither,
-so forking it is as safe as a DataLoader's fork. A forked worker reseeds numpy's global
+so forking it is as safe as a DataLoader's fork. On a machine with NVIDIA GPUs it forks, after
+each start, that local rank's next worker early (a spare), which makes its CUDA context once the
+running worker has exited (:mod:`elasticft.agent.warm_bootstrap._elasticft_warm_device`): a
+restarted GPU worker finds CUDA initialised on its device, and no GPU memory is held while a
+worker runs. A forked worker reseeds numpy's global
 generator, as a cold start would have (Python's ``random`` reseeds itself on fork).
 """
 
@@ -68,6 +72,13 @@ FD_ENV = "ELASTICFT_WARM_FD"
 PRELOAD_ENV = "ELASTICFT_WARM_PRELOAD"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 """torch itself, and what the first DistributedDataParallel or torch.compile imports."""
+DEVICE_ENV = "ELASTICFT_WARM_DEVICE"
+
+
+def default_device_mode(nvidia_control: str = "/dev/nvidiactl") -> str:
+    """``auto`` (spares that prepare the GPU of a worker that used one) where the NVIDIA driver
+    is, else ``off`` (no spares). The agent must not ask CUDA itself: that would initialise it."""
+    return "auto" if os.path.exists(nvidia_control) else "off"
 
 # Variables a worker gets per attempt. Python and the preloaded imports do not read them at
 # start-up, so a pre-started interpreter may take them late; any other difference means cold.
@@ -185,10 +196,15 @@ class WarmInterpreter:
 
     @classmethod
     def spawn(
-        cls, argv: Sequence[str], env: Mapping[str, str], cwd: str, preload: Sequence[str]
+        cls, argv: Sequence[str], env: Mapping[str, str], cwd: str, preload: Sequence[str],
+        device: str = "off",
     ) -> WarmInterpreter:
+        """``device``: ``auto``/``always`` fork a spare after each start that prepares the
+        device (see the bootstrap's ``_elasticft_warm_device``); ``off``: none."""
         agent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         child_env = dict(env)
+        if device != "off":
+            child_env[DEVICE_ENV] = device
         path = child_env.get("PYTHONPATH")
         child_env["PYTHONPATH"] = str(bootstrap_dir()) + (os.pathsep + path if path else "")
         child_env[FD_ENV] = str(child_end.fileno())
@@ -286,8 +302,10 @@ class WarmInterpreter:
 class WarmPool:
     """Warm interpreters, one per local rank, each forking that local rank's workers."""
 
-    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD) -> None:
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, device: str | None = None
+                 ) -> None:
         self.preload = tuple(preload)
+        self.device = default_device_mode() if device is None else device
         self._lock = threading.Lock()
         self._interpreters: dict[int, WarmInterpreter] = {}
         self._spawning: dict[int, threading.Thread] = {}
@@ -351,7 +369,7 @@ class WarmPool:
         self, local_rank: int, argv: tuple[str, ...], env: dict[str, str], cwd: str
     ) -> None:
         try:
-            warm = WarmInterpreter.spawn(argv, env, cwd, self.preload)
+            warm = WarmInterpreter.spawn(argv, env, cwd, self.preload, self.device)
         except Exception:  # the pool is an optimisation: never let it cost the run
             logger.warning("could not start a warm interpreter for local rank %d", local_rank,
                            exc_info=True)

@@ -4,7 +4,12 @@ It writes the same ring records as the NCCL shim (:mod:`elasticft.diag.ring`), f
 
 * **collectives**: the public ``torch.distributed`` collective functions are replaced by thin
   wrappers that record enqueue and completion (the ``Work`` future's callback for
-  ``async_op=True``) and call the original unchanged;
+  ``async_op=True``) and call the original unchanged. Who times a collective is a pure function
+  of its group's backend and the NCCL interception verdict (:func:`who_times`): once the NCCL
+  shim is seen to time torch's NCCL calls, NCCL groups are left to it, and when every process
+  group is then left to the shim the original functions are put back, so that a collective
+  costs what it costs under the shim alone (:func:`wrappers_needed`; a group created later,
+  gloo for instance, puts the wrappers back);
 * **DDP buckets**: a communication hook doing exactly what DDP's default all-reduce hook does
   (divide, all-reduce, same future), timed per bucket. DDP's reducer calls collectives from C++,
   so this is the only way to see them. Gradients are bit-identical to the default hook;
@@ -22,16 +27,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from elasticft.diag.ring import FLAG_HOST_COMPLETION, FLAG_TIMED, Op, RingWriter, ring_path
-from elasticft.diag.shimcheck import THROUGH_SHIM, UNVERIFIED, InterceptionCheck
+from elasticft.diag.shimcheck import BYPASSED, THROUGH_SHIM, UNVERIFIED, InterceptionCheck
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,40 @@ WRAPPED_COLLECTIVES: dict[str, Op] = {
     "send": Op.SEND,
     "recv": Op.RECV,
 }
+
+
+PYTHON, SETTLING, SHIM = "python", "settling", "shim"
+"""Who times a collective: the Python wrapper; the Python wrapper, which also feeds the NCCL
+interception check; the NCCL shim alone (the wrapper calls the original at once, or is gone)."""
+
+
+def who_times(backend: str | None, verdict: str | None) -> str:
+    """Who times a collective on a group of ``backend`` given the NCCL interception verdict
+    (None: no active shim in this worker). Only a pure ``nccl`` group can be left to the shim:
+    a multi-device group (``cpu:gloo,cuda:nccl``) may run on gloo (pure)."""
+    if backend != "nccl" or verdict is None or verdict == BYPASSED:
+        return PYTHON
+    if verdict == THROUGH_SHIM:
+        return SHIM
+    return SETTLING
+
+
+def wrappers_needed(backends: Iterable[str | None], verdict: str | None,
+                    creation_seen: bool) -> bool:
+    """Whether the public collectives must stay wrapped: some process group is not left to the
+    shim, or groups created later could not be seen (then one may be gloo) (pure)."""
+    if not creation_seen:
+        return True
+    return any(who_times(backend, verdict) != SHIM for backend in backends)
+
+
+def _group_position(function: Callable[..., Any]) -> int:
+    """Index of the ``group`` parameter when passed positionally (-1: keyword only / none)."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return -1
+    return names.index("group") if "group" in names else -1
 
 
 def _nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -103,6 +143,11 @@ class Recorder:
         calls reach the shim (which times them on the GPU), the Python wrappers leave NCCL
         groups alone (microseconds a call); until then, and if they never do, they time them."""
         self._nccl_groups: dict[int, tuple[Any, bool]] = {}
+        self._dist: Any = None
+        self._wrappers: dict[str, Callable[..., Any]] = {}
+        self._creation_seen = False
+        self.collectives_wrapped = False
+        """The public collectives are this recorder's wrappers right now."""
 
     @classmethod
     def open(cls, directory: Path, rank: int) -> Recorder:
@@ -201,31 +246,92 @@ class Recorder:
 
     def wrap_collectives(self, dist_module: Any) -> None:
         """Replaces the public collectives of ``torch.distributed`` by recording wrappers."""
+        self._dist = dist_module
         for name, op in WRAPPED_COLLECTIVES.items():
-            original = getattr(dist_module, name, None)
-            if original is None or name in self._originals:
+            original = self._originals.get(name) or getattr(dist_module, name, None)
+            if original is None:
                 continue
             self._originals[name] = original
-            setattr(dist_module, name, self._wrapper(original, op))
+            if name not in self._wrappers:
+                self._wrappers[name] = self._wrapper(original, op)
+            setattr(dist_module, name, self._wrappers[name])
+        self.collectives_wrapped = True
 
     def unwrap_collectives(self, dist_module: Any) -> None:
+        """Puts the original collectives back (a wrapper another patch replaced stays replaced)."""
         for name, original in self._originals.items():
-            setattr(dist_module, name, original)
-        self._originals.clear()
+            if getattr(dist_module, name, None) is self._wrappers.get(name):
+                setattr(dist_module, name, original)
+        self.collectives_wrapped = False
+
+    def watch_group_creation(self, dist_module: Any) -> bool:
+        """Re-decides the wrapping after every process group torch creates (True: seen).
+
+        ``init_process_group`` and ``new_group`` (and the device meshes built on it) create
+        their groups through ``distributed_c10d._new_process_group_helper``; without it, or
+        without torch's group map, the wrappers are never all taken away."""
+        c10d = getattr(dist_module, "distributed_c10d", None)
+        helper = getattr(c10d, "_new_process_group_helper", None)
+        if helper is None or getattr(getattr(c10d, "_world", None), "pg_map", None) is None:
+            return False
+        if getattr(helper, "__elasticft_original__", None) is None:
+            recorder = self
+
+            @functools.wraps(helper)
+            def new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
+                result = helper(*args, **kwargs)
+                recorder.decide_wrapping()
+                return result
+
+            new_process_group_helper.__elasticft_original__ = helper  # type: ignore[attr-defined]
+            c10d._new_process_group_helper = new_process_group_helper
+        self._creation_seen = True
+        return True
+
+    def group_backends(self) -> list[str | None]:
+        """The backend of every process group this process has (torch's group map)."""
+        try:
+            groups = list(self._dist.distributed_c10d._world.pg_map)
+        except Exception:
+            return [None]  # unknown: the wrappers stay
+        return [self.backend_of(pg) for pg in groups]
+
+    def decide_wrapping(self) -> None:
+        """Wraps or unwraps the collectives as :func:`wrappers_needed` says (never raises)."""
+        if self._dist is None or not self._originals:
+            return
+        try:
+            check = self.nccl_check
+            needed = wrappers_needed(self.group_backends(),
+                                     check.verdict if check is not None else None,
+                                     self._creation_seen)
+            if needed and not self.collectives_wrapped:
+                self.wrap_collectives(self._dist)
+            elif not needed and self.collectives_wrapped:
+                self.unwrap_collectives(self._dist)
+                logger.debug("every process group is timed by the NCCL shim; "
+                             "the Python collective wrappers are off")
+        except Exception:
+            self._dropped()
 
     def _wrapper(self, original: Callable[..., Any], op: Op) -> Callable[..., Any]:
         recorder = self
         op_number = int(op)
+        group_at = _group_position(original)
 
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
+            if "group" in kwargs:
+                group = kwargs["group"]
+            else:
+                group = args[group_at] if 0 <= group_at < len(args) else None
             check = recorder.nccl_check
             settling = False
             if check is not None and recorder.on_nccl(group):
-                if check.verdict == THROUGH_SHIM:
+                verdict = check.verdict
+                if verdict == THROUGH_SHIM:
                     return original(*args, **kwargs)
-                settling = check.verdict == UNVERIFIED
+                settling = verdict == UNVERIFIED
             peer = kwargs.get("dst", kwargs.get("src", -1))
             seq = recorder.begin(op_number, recorder.comm_key(group), _nbytes(args, kwargs),
                                  peer if isinstance(peer, int) else -1)
@@ -247,11 +353,19 @@ class Recorder:
             check.after_nccl_call()
         except Exception:
             self._dropped()
+        if check.verdict == THROUGH_SHIM:
+            self.decide_wrapping()
 
     @property
     def nccl_timed_by_shim(self) -> bool:
         """The shim times this process's NCCL calls (seen on the calls themselves)."""
         return self.nccl_check is not None and self.nccl_check.verdict == THROUGH_SHIM
+
+    def backend_of(self, pg: Any) -> str | None:
+        """The backend of process group ``pg`` as ``dist.get_backend`` names it (None: none)."""
+        import torch.distributed as dist
+
+        return None if pg is None else str(dist.get_backend(pg))
 
     def on_nccl(self, group: Any) -> bool:
         """``group`` (None: the default group) runs on NCCL; cached per process group."""
@@ -262,7 +376,7 @@ class Recorder:
             cached = self._nccl_groups.get(id(pg))
             if cached is None or cached[0] is not pg:
                 # The group is kept referenced, so its id cannot name another group later.
-                cached = (pg, pg is not None and dist.get_backend(pg) == "nccl")
+                cached = (pg, self.backend_of(pg) == "nccl")
                 self._nccl_groups[id(pg)] = cached
             return cached[1]
         except Exception:
@@ -309,12 +423,18 @@ class Recorder:
         return timed_allreduce_hook
 
     def attach_ddp(self, model: Any) -> bool:
-        """Registers the timed hook on a DDP model unless it already has a comm hook."""
+        """Registers the timed hook on a DDP model unless it already has a comm hook, or its
+        group is on NCCL and the shim is seen to time NCCL (DDP's own C++ hook stays)."""
         if id(model) in self._ddp_seen:
             return False
         self._ddp_seen.add(id(model))
         if getattr(model, "_comm_hooks", None):
             logger.info("DDP model already has a comm hook; its buckets are not timed")
+            return False
+        check = self.nccl_check
+        if (check is not None and self.on_nccl(getattr(model, "process_group", None))
+                and check.peek() == THROUGH_SHIM):
+            self.decide_wrapping()
             return False
         model.register_comm_hook(None, self.ddp_comm_hook(getattr(model, "process_group", None)))
         return True
@@ -390,6 +510,7 @@ def install(
     recorder = Recorder.open(directory, rank)
     if wrap_collectives and dist.is_available():
         recorder.wrap_collectives(dist)
+        recorder.watch_group_creation(dist)
     if step_hook:
         recorder.install_step_hook()
     if ddp_autoattach and dist.is_available():

@@ -154,6 +154,13 @@ class InterceptionCheck:
         if self.verdict == BYPASSED:
             self._on_bypass()
 
+    def peek(self) -> str:
+        """Settles :data:`THROUGH_SHIM` if NCCL calls made from C++ (communicator creation,
+        DDP's parameter broadcast) already moved the counter; counts no call."""
+        if self.verdict == UNVERIFIED and self._counter() > self._at_check:
+            self.verdict = THROUGH_SHIM
+        return self.verdict
+
 
 def status_path(ring_dir: Path, rank: int) -> Path:
     return Path(ring_dir) / f"rank-{rank}.nccl.status"

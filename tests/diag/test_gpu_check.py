@@ -32,4 +32,5 @@ def test_an_unknown_part_is_a_usage_error_that_names_the_choices():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--parts",
                            "ops,bogus"], capture_output=True, text=True, timeout=50)
     assert done.returncode == 2
-    assert "unknown --parts ['bogus']; choose from ops, overhead, hang, ckpt, tests" in done.stderr
+    assert ("unknown --parts ['bogus']; choose from ops, overhead, gloo, hang, restart, ckpt, "
+            "tests") in done.stderr

@@ -20,6 +20,7 @@ from elasticft.agent.api import GroupInfo, WorkerInfo
 from elasticft.config import DiagConfig
 from elasticft.diag import shimcheck
 from elasticft.diag.monitor import DiagMonitor
+from elasticft.diag.recorder import PYTHON, SETTLING, SHIM, who_times, wrappers_needed
 from elasticft.diag.ring import Op, RingReader, ring_path
 from elasticft.diag.shimcheck import (
     BYPASS_AFTER_CALLS,
@@ -56,6 +57,50 @@ def test_verdict(records_now: int, records_at_check: int, nccl_calls: int, verdi
     assert interception(records_now, records_at_check, nccl_calls) == verdict
 
 
+@pytest.mark.parametrize(
+    ("backend", "verdict", "timer"),
+    [
+        ("gloo", None, PYTHON),                 # no shim in this worker
+        ("gloo", THROUGH_SHIM, PYTHON),         # the shim never sees gloo
+        ("nccl", None, PYTHON),                 # no active shim: Python times NCCL too
+        ("nccl", UNVERIFIED, SETTLING),         # timed, and the call feeds the check
+        ("nccl", BYPASSED, PYTHON),             # torch's calls do not reach the shim
+        ("nccl", THROUGH_SHIM, SHIM),
+        ("cpu:gloo,cuda:nccl", THROUGH_SHIM, PYTHON),  # a call may run on its gloo half
+        (None, THROUGH_SHIM, PYTHON),           # backend unknown
+    ],
+)
+def test_who_times_a_collective(backend: str | None, verdict: str | None, timer: str) -> None:
+    assert who_times(backend, verdict) == timer
+
+
+@pytest.mark.parametrize(
+    ("backends", "verdict", "creation_seen", "needed"),
+    [
+        (["nccl"], THROUGH_SHIM, True, False),           # the wrappers go
+        (["nccl", "nccl"], THROUGH_SHIM, True, False),
+        (["nccl"], THROUGH_SHIM, False, True),           # a later gloo group would be missed
+        (["nccl", "gloo"], THROUGH_SHIM, True, True),    # gloo keeps its Python timing
+        (["nccl"], UNVERIFIED, True, True),
+        (["nccl"], BYPASSED, True, True),
+        (["nccl"], None, True, True),
+        (["gloo"], None, True, True),
+        ([], THROUGH_SHIM, True, False),                 # no group: a new one re-decides
+    ],
+)
+def test_wrappers_needed(backends: list[str], verdict: str | None, creation_seen: bool,
+                         needed: bool) -> None:
+    assert wrappers_needed(backends, verdict, creation_seen) == needed
+
+
+def test_a_counter_moved_by_calls_from_cpp_settles_without_a_call() -> None:
+    counter = [2]
+    check = InterceptionCheck(lambda: counter[0], lambda: None)
+    assert check.peek() == UNVERIFIED
+    counter[0] = 3  # communicator creation, DDP's broadcast of the parameters
+    assert check.peek() == THROUGH_SHIM
+
+
 def test_the_check_settles_once_and_reports_a_bypass_once() -> None:
     counter = [5]
     bypasses: list[int] = []
@@ -81,14 +126,27 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     from elasticft.diag.recorder import installed
     recorder = installed()
-    recorder.on_nccl = lambda group: True  # the world group stands for an NCCL group
+    mode, calls = sys.argv[2], int(sys.argv[3])
+    # The world group stands for an NCCL group; any other group is what it is (gloo).
+    recorder.backend_of = lambda pg: "nccl" if pg is dist.group.WORLD else dist.get_backend(pg)
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    if sys.argv[2] == "through":
+    side = dist.new_group([0], backend="gloo") if mode == "mixed" else None
+    if mode != "bypass":
         library.all_reduce()  # a real NCCL call through the shim, as torch's own would be
-    for _ in range(int(sys.argv[3])):
+    for _ in range(calls):
         dist.all_reduce(torch.ones(4))
-    print(json.dumps({"verdict": recorder.nccl_check.verdict,
-                      "timed_by_shim": recorder.nccl_timed_by_shim}), flush=True)
+    report = {"verdict": recorder.nccl_check.verdict,
+              "timed_by_shim": recorder.nccl_timed_by_shim,
+              "wrapped": recorder.collectives_wrapped,
+              "public_is_original": dist.all_reduce is recorder._originals["all_reduce"]}
+    if mode == "late_gloo":  # a gloo group made once the wrappers are gone brings them back
+        side = dist.new_group([0], backend="gloo")
+        report["wrapped_after_gloo_group"] = recorder.collectives_wrapped
+    if side is not None:
+        dist.all_reduce(torch.ones(4), group=side)
+        dist.all_reduce(torch.ones(4), dist.ReduceOp.SUM, side)  # the group by position
+        dist.all_reduce(torch.ones(4))  # the world group: still the shim's
+    print(json.dumps(report), flush=True)
     dist.destroy_process_group()  # a process group torn down at exit can abort the process
 """)
 
@@ -113,7 +171,8 @@ def test_calls_that_bypass_the_shim_are_timed_in_python_and_the_status_says_so(
         user_library, shim, tmp_path):  # noqa: F811
     calls = N + 2
     report = run_worker(user_library, shim, tmp_path, "bypass", calls)
-    assert report == {"verdict": BYPASSED, "timed_by_shim": False}
+    assert report == {"verdict": BYPASSED, "timed_by_shim": False, "wrapped": True,
+                      "public_is_original": False}
     assert python_all_reduces(tmp_path) == calls  # every collective, before and after
     status = shimcheck.read_status(tmp_path, 0)
     assert status is not None and not status["active"] and status["loaded"]
@@ -124,13 +183,42 @@ def test_calls_that_bypass_the_shim_are_timed_in_python_and_the_status_says_so(
 @pytest.mark.timeout(120)
 def test_calls_that_reach_the_shim_are_left_to_it(user_library, shim, tmp_path):  # noqa: F811
     report = run_worker(user_library, shim, tmp_path, "through", N + 2)
-    assert report == {"verdict": THROUGH_SHIM, "timed_by_shim": True}
+    # Every group is left to the shim: torch's own functions are back in torch.distributed.
+    assert report == {"verdict": THROUGH_SHIM, "timed_by_shim": True, "wrapped": False,
+                      "public_is_original": True}
     # Only the collective that settled it was timed in Python; the shim recorded NCCL's call.
     assert python_all_reduces(tmp_path) == 1
     _header, records = RingReader(ring_path(tmp_path, 0, "nccl")).poll()
     assert [Op(r.op) for r in records] == [Op.ALL_REDUCE]
     status = shimcheck.read_status(tmp_path, 0)
     assert status is not None and status["active"]
+
+
+def python_all_reduce_comms(ring_dir: Path) -> list[int]:
+    _header, records = RingReader(ring_path(ring_dir, 0, "py")).poll()
+    return [r.comm for r in records if r.op == Op.ALL_REDUCE]
+
+
+@pytest.mark.timeout(120)
+def test_with_a_gloo_group_too_nccl_calls_are_left_to_the_shim_and_gloo_calls_timed(
+        user_library, shim, tmp_path):  # noqa: F811
+    report = run_worker(user_library, shim, tmp_path, "mixed", 3)
+    assert report == {"verdict": THROUGH_SHIM, "timed_by_shim": True, "wrapped": True,
+                      "public_is_original": False}
+    comms = python_all_reduce_comms(tmp_path)
+    # The settling world call, then the two gloo calls (keyword and positional group); the
+    # world calls around them are not timed in Python.
+    assert len(comms) == 3 and comms[1] == comms[2] != comms[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_gloo_group_created_after_the_wrappers_left_brings_them_back(
+        user_library, shim, tmp_path):  # noqa: F811
+    report = run_worker(user_library, shim, tmp_path, "late_gloo", 2)
+    assert report["public_is_original"] and not report["wrapped"]
+    assert report["wrapped_after_gloo_group"]
+    comms = python_all_reduce_comms(tmp_path)
+    assert len(comms) == 3 and comms[1] == comms[2] != comms[0]
 
 
 def test_the_monitor_reports_a_status_the_worker_rewrites(tmp_path: Path) -> None:

@@ -160,6 +160,19 @@ def _reseed_numpy():
         numpy.random.seed()
 
 
+def _warm_device():
+    """The spare-forking module (:mod:`_elasticft_warm_device`, beside this file) when the agent
+    asked for device preparation, with ``mode`` and ``local_rank`` set on it; else None."""
+    try:
+        import _elasticft_warm_device as device
+    except ImportError:
+        os.environ.pop("ELASTICFT_WARM_DEVICE", None)
+        return None
+    device.mode = device.mode_from_env(os.environ)
+    device.local_rank = device.local_rank_from_env(os.environ)
+    return None if device.mode == "off" else device
+
+
 def _main():
     fd = os.environ.pop(_FD_ENV, None)
     preload = [m for m in os.environ.pop(_PRELOAD_ENV, "").split(",") if m]
@@ -180,9 +193,11 @@ def _main():
         except BaseException as err:  # the script will meet it again, in a cold start
             preload_error = err
             break
+    device = _warm_device()
     # The agent may already have sent its request (it is buffered).
     with contextlib.suppress(OSError):
         sock.sendall(b"R")
+    spare = None
     while True:
         try:
             received = _receive(sock)
@@ -191,8 +206,12 @@ def _main():
         if received is None:
             os._exit(0)  # the agent is gone or discarded us; no user code has run
         request, fds = received
+        pid = -1
+        if spare is not None:  # the next worker is waiting, maybe with its device ready
+            pid, spare = spare.start(request, fds), None
         try:
-            pid = _fork_worker(sock, fds)
+            if pid == -1:
+                pid = _fork_worker(sock, fds)
         except OSError:  # no fork: the agent starts this worker cold
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -200,6 +219,11 @@ def _main():
             pid = -1
         if pid is None:
             break
+        if device is not None and pid > 0:
+            spare = device.fork_spare(pid, [sock], device.local_rank, device.mode)
+            if isinstance(spare, tuple):  # this process is the spare, asked to start
+                request, fds = spare
+                break
         try:
             sock.sendall(b"P" + struct.pack("!q", pid))
         except OSError:
