@@ -415,6 +415,12 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         == ["join", "last_call", "close", "heartbeat"],
     "torch.distributed.elastic.utils.macros.substitute(args, local_rank)":
         lambda: macros.substitute([macros.local_rank], "3") == ["3"],
+    # Read by the worker's recorder (diag/recorder.py), which cannot afford importing this
+    # module in every worker: it re-decides its wrapping after each process group is created.
+    "torch.distributed.distributed_c10d._new_process_group_helper and _world.pg_map":
+        lambda: callable(getattr(torch.distributed.distributed_c10d,
+                                 "_new_process_group_helper", None))
+        and hasattr(torch.distributed.distributed_c10d._world, "pg_map"),
     "torch.distributed.checkpoint.filesystem._StorageInfo(relative_path, offset, length)":
         lambda: [f.name for f in dataclasses.fields(dcp_filesystem._StorageInfo)][:3]
         == ["relative_path", "offset", "length"],
