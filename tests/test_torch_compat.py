@@ -220,6 +220,7 @@ def test_warm_started_workers_get_torch_s_log_line_prefix(tmp_path: Path) -> Non
     lines = {}
     for tool in ("torchrun", "elasticft-run"):
         done = subprocess.run([str(BIN / tool), "--standalone", "--nproc-per-node", "2",
+                               "--log-dir", str(tmp_path / f"logs-{tool}"),
                                "--tee", "3", str(script)], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=150)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -66,9 +66,12 @@ def test_worker_env_extends_paths_without_duplicates():
     again = diag_worker_env(files, auto_install=True, shim=shim, base_env=env)
     assert again["LD_PRELOAD"] == env["LD_PRELOAD"]
     plain = diag_worker_env(files, auto_install=False, shim=None, base_env={})
-    assert plain == {"ELASTICFT_DIAG_PY_RING": "/proc/1/fd/3",
+    assert plain == {"ELASTICFT_DIAG_RING_DIR": "", "ELASTICFT_DIAG_PY_RING": "/proc/1/fd/3",
                      "ELASTICFT_DIAG_NCCL_RING": "/proc/1/fd/4", "ELASTICFT_DIAG_AUTO": "0"}
     assert RingFiles.from_env(plain, 0) == files
+    # The agent could reserve no ring: the worker creates none by name, whatever it inherits.
+    assert RingFiles.from_env({**plain, "ELASTICFT_DIAG_PY_RING": "",
+                               "ELASTICFT_DIAG_NCCL_RING": ""}, 0) is None
     by_hand = RingFiles.from_env({"ELASTICFT_DIAG_RING_DIR": "/r"}, 2)
     assert by_hand == RingFiles.in_dir(Path("/r"), 2)
     assert RingFiles.from_env({"RANK": "0"}, 0) is None

@@ -79,6 +79,8 @@ def start_node(
     ]
     if tool == "elasticft-run":
         args += ["--node-id", name, "--run-dir", str(tmp / f"run-{name}")]
+    else:  # not torchrun's default, a new /tmp/torchelastic_* that nobody removes
+        args += ["--log-dir", str(tmp / f"logs-{name}")]
     with log.open("w") as out:
         process = subprocess.Popen(
             [str(BIN / tool), *args, script, *train_args],
