@@ -84,8 +84,6 @@ def test_what_older_versions_and_killed_agents_left_is_swept_by_the_next_start(t
     # another user's ring directory and segment, of a process that is gone, named as ours.
     stale = dead_pid()
     older = rings / f"elasticft-{os.getuid()}-{dead_pid()}-ba9876543210"
-    older.mkdir()
-    (older / "rank-0.py.ring").write_bytes(b"x")
     foreign = [rings / f"elasticft-{os.getuid()}-{stale}-0123456789ab",
                SHM_DIR / f"{NAME_PREFIX}-{stale}-job-l0-s0"]
     foreign[0].mkdir()
@@ -107,7 +105,9 @@ def test_what_older_versions_and_killed_agents_left_is_swept_by_the_next_start(t
         deadline = time.monotonic() + 30
         while not all(gone(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert older.exists()
+        # Planted now: the killed agent's own start swept the ring directory.
+        older.mkdir()
+        (older / "rank-0.py.ring").write_bytes(b"x")
 
         # Diagnostics off in the next run: the start itself sweeps, whatever subsystems run.
         nxt = launch(tmp_path, "next", 4, job_env, rings, ("--diag-enabled", "false"))
