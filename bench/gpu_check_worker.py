@@ -37,18 +37,17 @@ def own_ring() -> dict[str, object]:
     """This rank's NCCL records and the shim's self-check (empty without diagnostics)."""
     from elasticft.diag import shimcheck
     from elasticft.diag.recorder import installed
-    from elasticft.diag.ring import FLAG_TIMED, RingReader, ring_path
+    from elasticft.diag.ring import FLAG_TIMED, RingFiles, RingReader
 
     recorder = installed()
     check = recorder.nccl_check if recorder is not None else None
     found: dict[str, object] = {"probe": shimcheck.probe().to_json(), "records": [], "head": 0,
                                 "interception": check.verdict if check is not None else None}
-    ring_dir = os.environ.get("ELASTICFT_DIAG_RING_DIR")
-    if not ring_dir:
+    files = RingFiles.from_env(os.environ, int(os.environ.get("RANK", "0")))
+    if files is None or files.nccl is None:
         return found
     time.sleep(0.3)  # the shim's thread polls its events every 2 ms
-    header, records = RingReader(ring_path(Path(ring_dir), int(os.environ.get("RANK", "0")),
-                                           "nccl")).poll()
+    header, records = RingReader(files.nccl).poll()
     found["head"] = header.head if header else 0
     found["records"] = [{"op": r.op_name, "bytes": r.nbytes, "gpu_ms": r.value,
                          "timed": bool(r.flags & FLAG_TIMED), "nccl_result": (r.flags >> 8) & 0xFF,

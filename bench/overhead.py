@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
         return DistributedDataParallel(example.TinyGPT(args.dim, args.layers, args.heads))
 
     plain, watched = make(), make()
-    recorder = Recorder.open(Path(args.ring_dir), rank)
+    recorder = Recorder.open(Path(args.ring), rank)
     if not args.control:
         recorder.attach_ddp(watched)
     optims = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain, watched)}
@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     from elasticft.agent.api import GroupInfo, WorkerInfo
     from elasticft.config import DiagConfig
     from elasticft.diag.monitor import DiagMonitor
+    from elasticft.diag.ring import PY_RING_ENV
     from elasticft.events import read_events
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,11 +199,11 @@ def run(args: argparse.Namespace) -> int:
         workers = tuple(WorkerInfo(r, r, 2) for r in range(2))
         group = GroupInfo("overhead", "node0", run_dir, 0, 0, 1, 0, workers)
         envs = [monitor.worker_env(group, w) for w in workers]
-        ring_dir = envs[0]["ELASTICFT_DIAG_RING_DIR"]
         port = free_port()
         procs = [subprocess.Popen(
             [sys.executable, __file__, "--worker", "--rank", str(r), "--port", str(port),
-             "--ring-dir", ring_dir, "--phase-file", str(phase_file), "--out", str(t / f"{r}.txt"),
+             "--ring", envs[r][PY_RING_ENV], "--phase-file", str(phase_file),
+             "--out", str(t / f"{r}.txt"),
              "--steps", str(args.steps), "--block", str(args.block), "--dim", str(args.dim),
              "--layers", str(args.layers), "--heads", str(args.heads),
              "--batch-size", str(args.batch_size), *(["--control"] if args.control else [])],
@@ -317,7 +318,7 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--ring-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--ring", default="", help=argparse.SUPPRESS)
     parser.add_argument("--phase-file", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -181,7 +181,8 @@ class DiagConfig:
     diag_enabled: bool = option(
         True, "Watch workers for hangs, slow ranks, bad losses, error bursts and node health.")
     diag_ring_dir: Path | None = option(
-        None, "Directory for the per-rank progress rings (shared memory). Default: /dev/shm.")
+        None, "Directory whose file system holds the per-rank progress rings (shared memory; "
+        "files with no name, nothing to remove). Default: /dev/shm.")
     diag_ring_capacity: int = option(
         4096, "Records kept per rank and producer in the progress ring.", minimum=64)
     diag_auto_install: bool = option(

@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from elasticft.diag import shimcheck
-from elasticft.diag.recorder import RING_DIR_ENV, Recorder, install, installed
-from elasticft.diag.ring import RingUnavailable
+from elasticft.diag.recorder import Recorder, install, installed
+from elasticft.diag.ring import RingFiles, RingUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +61,15 @@ def init(model: Any = None, *, env: Mapping[str, str] | None = None) -> Diagnost
     """
     env = os.environ if env is None else env
     recorder = installed()
-    if recorder is None and env.get(RING_DIR_ENV):
-        ring_dir, rank = Path(env[RING_DIR_ENV]), int(env.get("RANK", "0"))
-        shim = shimcheck.report(ring_dir, rank, env)
+    rank = int(env.get("RANK", "0"))
+    files = RingFiles.from_env(env, rank)
+    if recorder is None and files is not None:
+        shim = shimcheck.report(files.status, rank, env)
         try:
-            recorder = install(ring_dir, rank)
-            recorder.nccl_check = shimcheck.interception_check(ring_dir, rank, shim)
+            # No Python ring: the agent could not reserve one, and said so.
+            if files.py is not None:
+                recorder = install(files.py, rank)
+                recorder.nccl_check = shimcheck.interception_check(files.status, rank, shim)
         except RingUnavailable as e:
             logger.warning("%s; rank %s records no Python diagnostics", e.strerror,
                            env.get("RANK", "0"))

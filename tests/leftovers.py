@@ -1,10 +1,15 @@
 """What a run may leave on its host, found from its run directory: shared-memory rings and
-checkpoint segments named after its agents, torch's temporary log directory, live processes."""
+checkpoint segments named after its agents, torch's temporary log directory, live processes,
+anything in /dev/shm or the temporary directory named after its processes or run; and what its
+live processes hold there by name (:func:`held_by_name`), which a SIGKILL would leave behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -52,3 +57,51 @@ def assert_nothing_left(run_dir: Path, marker: str | None = None,
     tmp = Path(tempfile.gettempdir())
     assert [p for p in tmp.glob("torchelastic_*/*") if p.name.split("_")[0] in run_ids] == []
     assert run_processes(run_dir, marker or str(run_dir.parent)) == []
+
+
+def shared_roots() -> tuple[Path, ...]:
+    return (SHM_DIR, Path(tempfile.gettempdir()))
+
+
+def held_by_name(pids: Iterable[int], allowed: Path) -> list[str]:
+    """Files in /dev/shm or the temporary directory that these processes hold open or mapped
+    under a name: what would stay if they were SIGKILLed now. Files with no name (unlinked,
+    ``O_TMPFILE``, memfd) go with their last holder. ``allowed`` (the test's own directory,
+    which holds the run directory) does not count."""
+    roots = [f"{root}/" for root in shared_roots()]
+    found = set()
+    for pid in pids:
+        paths = []
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    paths.append(os.readlink(fd))
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6:
+                    paths.append(fields[5])
+        for path in paths:
+            if path.endswith(" (deleted)") or not any(path.startswith(r) for r in roots):
+                continue
+            if not Path(path).is_relative_to(allowed):
+                found.add(f"pid {pid}: {path}")
+    return sorted(found)
+
+
+def held_without_name(pid: int, root: Path = SHM_DIR) -> list[str]:
+    """The files in ``root``'s file system that ``pid`` maps and that have no name there."""
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        return sorted({line.split(maxsplit=5)[5]
+                       for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                       if line.endswith(" (deleted)") and f" {root}/" in line})
+    return []
+
+
+def named_after(pids: Iterable[int], run_ids: Iterable[str]) -> list[Path]:
+    """Entries of /dev/shm and the temporary directory that name one of these processes (a word
+    of the name) or runs (anywhere in it), torch's log directories included (one level down)."""
+    words, ids = {str(pid) for pid in pids}, [str(r) for r in run_ids if r]
+    entries = [p for root in shared_roots() for p in root.iterdir()]
+    entries += [p for root in shared_roots() for p in root.glob("torchelastic_*/*")]
+    return sorted(p for p in entries if words & set(re.split(r"[^0-9A-Za-z]+", p.name))
+                  or any(r in p.name for r in ids))

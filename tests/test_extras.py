@@ -51,7 +51,9 @@ def assert_one_line(done: subprocess.CompletedProcess, prog: str, package: str,
                                             (("pyetcd",), "etcd-sdk-python")])
 def test_etcd_rendezvous_without_the_etcd_extra(prog, block, package, job_env, tmp_path):
     job_env.pop("LOGLEVEL")  # torchrun's own INFO lines would come first
-    done = run_blocked(prog, ETCD_ARGS, block, job_env, tmp_path)
+    # torchrun makes its log directory before it fails: here, not a new /tmp/torchelastic_*.
+    done = run_blocked(prog, ["--log-dir", str(tmp_path / "logs"), *ETCD_ARGS], block, job_env,
+                       tmp_path)
     assert_one_line(done, prog, package, "etcd")
 
 

@@ -93,11 +93,13 @@ def test_shutdown_timeout_reaches_the_launch_config_on_this_torch(
     script.write_text("")
     monkeypatch.delenv(torch_compat.SHUTDOWN_TIMEOUT_ENV, raising=False)
     parser = run.build_parser()
-    given = parser.parse_args(["--shutdown-timeout", "7", "--standalone", str(script)])
+    # A log directory of the test's own: torch's config would make a new /tmp/torchelastic_*.
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    given = parser.parse_args(["--shutdown-timeout", "7", "--standalone", *logs, str(script)])
     config, _, _ = torch_compat.config_from_args(given)
     assert torch_compat.shutdown_timeout_of(config) == 7
     monkeypatch.setenv(torch_compat.SHUTDOWN_TIMEOUT_ENV, "9")
-    default = run.build_parser().parse_args(["--standalone", str(script)])
+    default = run.build_parser().parse_args(["--standalone", *logs, str(script)])
     config, _, _ = torch_compat.config_from_args(default)
     assert torch_compat.shutdown_timeout_of(config) == 9
 
@@ -220,6 +222,7 @@ def test_warm_started_workers_get_torch_s_log_line_prefix(tmp_path: Path) -> Non
     lines = {}
     for tool in ("torchrun", "elasticft-run"):
         done = subprocess.run([str(BIN / tool), "--standalone", "--nproc-per-node", "2",
+                               "--log-dir", str(tmp_path / f"logs-{tool}"),
                                "--tee", "3", str(script)], env=env, cwd=tmp_path,
                               capture_output=True, text=True, timeout=150)
         assert done.returncode == 0, done.stderr[-3000:]

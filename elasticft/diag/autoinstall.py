@@ -3,11 +3,11 @@ for scripts that never call :func:`elasticft.init`.
 
 :func:`arm` runs at interpreter start (from the bootstrap ``sitecustomize``) and must stay cheap:
 it only adds an import hook. When the script imports ``torch``, the hook lets the import finish
-and then installs the recorder (:func:`elasticft.diag.recorder.install`) when the worker has a
-ring directory, and the optimizer-step recorder (:class:`elasticft.report.steps.AutoStepRecorder`)
-when it has a step log. Child processes (data loader workers started with *spawn*) inherit the
-environment and so run the bootstrap too; the owner pid, exported at install, keeps them from
-recording as if they were the rank.
+and then installs the recorder (:func:`elasticft.diag.recorder.install`) when the worker has
+diagnostics rings (:class:`elasticft.diag.ring.RingFiles`), and the optimizer-step recorder
+(:class:`elasticft.report.steps.AutoStepRecorder`) when it has a step log. Child processes (data
+loader workers started with *spawn*) inherit the environment and so run the bootstrap too; the
+owner pid, exported at install, keeps them from recording as if they were the rank.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
-from elasticft.diag.ring import RingUnavailable
+from elasticft.diag.recorder import OWNER_PID_ENV
+from elasticft.diag.ring import RingFiles, RingUnavailable
 
 # Literal copies: this runs at every worker's start-up and imports nothing it does not need.
 AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"  # elasticft.diag.workerenv
@@ -74,7 +74,7 @@ def wanted(env: Mapping[str, str], pid: int) -> tuple[bool, bool]:
     owner = env.get(OWNER_PID_ENV)
     if owner and owner != str(pid):
         return False, False
-    diag = bool(env.get(RING_DIR_ENV)) and env.get(AUTO_INSTALL_ENV, "1") != "0"
+    diag = (RingFiles.from_env(env, 0) is not None and env.get(AUTO_INSTALL_ENV, "1") != "0")
     return diag, bool(env.get(STEP_LOG_ENV))
 
 
@@ -84,18 +84,21 @@ def arm(env: Mapping[str, str]) -> bool:
     if not (diag or steps):
         return False
     rank = int(env.get("RANK", "0"))
-    ring_dir = Path(env[RING_DIR_ENV]) if diag else None
+    files = RingFiles.from_env(env, rank) if diag else None
     step_log = Path(env[STEP_LOG_ENV]) if steps else None
 
     def install(_torch: ModuleType) -> None:
-        if ring_dir is not None:
+        if files is not None:
             from elasticft.diag import recorder, shimcheck
 
             # torch has loaded NCCL and the script has made no NCCL call yet.
-            shim = shimcheck.report(ring_dir, rank, env)
+            shim = shimcheck.report(files.status, rank, env)
             try:
-                installed = recorder.install(ring_dir, rank)
-                installed.nccl_check = shimcheck.interception_check(ring_dir, rank, shim)
+                # No Python ring: the agent could not reserve one, and said so.
+                if files.py is not None:
+                    installed = recorder.install(files.py, rank)
+                    installed.nccl_check = shimcheck.interception_check(files.status, rank,
+                                                                        shim)
             except RingUnavailable as e:
                 # One line, and training goes on without this rank's Python recording.
                 logger.warning("%s; rank %d records no Python diagnostics", e.strerror, rank)

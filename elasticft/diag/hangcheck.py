@@ -20,14 +20,13 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from elasticft import procs
 from elasticft.agent.api import GroupInfo
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, verdict
-from elasticft.diag.ring import Op, Record, RingReader, ring_path
+from elasticft.diag.ring import Op, Record, RingFiles, RingReader
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +44,11 @@ _GPU_RECENT_S = 2.0
 class RankTrack:
     """What has been read so far from one rank's rings."""
 
-    def __init__(self, rank: int, ring_dir: Path, window: int) -> None:
+    def __init__(self, rank: int, files: RingFiles | None, window: int) -> None:
         self.rank = rank
-        self.readers = {src: RingReader(ring_path(ring_dir, rank, src)) for src in ("py", "nccl")}
+        self.files = files
+        rings = {} if files is None else {"py": files.py, "nccl": files.nccl}
+        self.readers = {src: RingReader(path) for src, path in rings.items() if path is not None}
         self.in_flight: dict[tuple[str, int], Record] = {}
         self.comm_seqs: dict[int, int] = {}
         self.spans: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)

@@ -1,7 +1,8 @@
 """The diagnostics monitor: the agent collaborator that watches this node's workers.
 
-Before workers start it prepares their progress rings (owner-only files on ``/dev/shm``) and
-computes their environment (:mod:`elasticft.diag.workerenv`: the ring directory, the bootstrap
+Before workers start it prepares their progress rings (owner-only files with no name on
+``/dev/shm``, which need no removal: :class:`elasticft.diag.workerenv.WorkerFiles`) and computes
+their environment (:mod:`elasticft.diag.workerenv`: the ring files, the bootstrap
 on ``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU nodes). On the
 first start it runs the pre-flight check. Then, every monitor interval,
 :meth:`DiagMonitor.check` polls the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
@@ -24,11 +25,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import re
-import shutil
 import signal
 import statistics
 import threading
@@ -45,11 +44,11 @@ from elasticft.diag import detectors, exchange, hangcheck, health, shimcheck, st
 from elasticft.diag.hangcheck import NOT_HANG_OPS, RankTrack, hang_limits
 from elasticft.diag.logscan import LogScanner
 from elasticft.diag.metrics import DiagMetrics
-from elasticft.diag.ring import Op, Record, create_ring, ring_path
+from elasticft.diag.ring import Op, Record
 from elasticft.diag.workerenv import (
+    WorkerFiles,
     default_ring_base,
     diag_worker_env,
-    ring_dir,
     shim_library,
     sweep_dead_ring_dirs,
 )
@@ -91,7 +90,8 @@ class DiagMonitor(AgentCollaborator):
                                            config.health_max_memory_percent,
                                            config.health_max_gpu_temp_c)
         self._events: EventLog | None = None
-        self._ring_dir: Path | None = None
+        self._ring_base: Path | None = None
+        self._files: dict[int, WorkerFiles] = {}  # by global rank
         self._tracks: dict[int, RankTrack] = {}
         self._coll_history: collections.deque[float] = collections.deque(
             maxlen=config.hang_history)
@@ -120,16 +120,12 @@ class DiagMonitor(AgentCollaborator):
     def _open(self, group: GroupInfo) -> None:
         if self._events is None:
             self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
-        if self._ring_dir is None:
+        if self._ring_base is None:
             base = Path(self.config.diag_ring_dir or default_ring_base())
             swept = sweep_dead_ring_dirs(base)
             if swept:
                 logger.info("removed %d ring directories of agents that are gone", len(swept))
-            tag = hashlib.blake2b(f"{group.run_dir.resolve()}|{group.node_id}".encode(),
-                                  digest_size=6).hexdigest()
-            self._ring_dir = ring_dir(base, os.getpid(), tag)
-            self._ring_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self._ring_dir, 0o700)
+            self._ring_base = base
 
     def emit(self, detector: str, message: str, **evidence: Any) -> None:
         logger.warning("detection (%s): %s", detector, message)
@@ -140,16 +136,19 @@ class DiagMonitor(AgentCollaborator):
 
     def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
         self._open(group)
-        assert self._ring_dir is not None
+        assert self._ring_base is not None
         if not self._preflight_done:
             self._preflight_done = True
             if self.config.diag_preflight:
                 self._run_preflight(group)
-        for source in ("py", "nccl"):
-            create_ring(ring_path(self._ring_dir, worker.global_rank, source),
-                        worker.global_rank, source, self.config.diag_ring_capacity)
-        shimcheck.status_path(self._ring_dir, worker.global_rank).unlink(missing_ok=True)
-        return diag_worker_env(self._ring_dir, auto_install=self.config.diag_auto_install,
+        # Fresh files for every start: the previous worker of this rank is gone.
+        previous = self._files.pop(worker.global_rank, None)
+        if previous is not None:
+            previous.close()
+        files = WorkerFiles(self._ring_base, worker.global_rank, self.config.diag_ring_capacity,
+                            status=self._shim is not None)
+        self._files[worker.global_rank] = files
+        return diag_worker_env(files.files, auto_install=self.config.diag_auto_install,
                                shim=self._shim, base_env=self._base_env)
 
     def _run_preflight(self, group: GroupInfo) -> None:
@@ -176,7 +175,6 @@ class DiagMonitor(AgentCollaborator):
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._open(group)
-        assert self._ring_dir is not None
         self._group = group
         if self.metrics is not None:
             self.metrics.group(group.restart_count, group.round, len(group.workers))
@@ -185,7 +183,9 @@ class DiagMonitor(AgentCollaborator):
         now = self._clock_ns()
         self._tracks = {}
         for w in group.workers:
-            track = RankTrack(w.global_rank, self._ring_dir, self.config.slow_window)
+            files = self._files.get(w.global_rank)
+            track = RankTrack(w.global_rank, None if files is None else files.files,
+                              self.config.slow_window)
             track.started_ns = now
             self._tracks[w.global_rank] = track
         self._slow_since.clear()
@@ -215,8 +215,8 @@ class DiagMonitor(AgentCollaborator):
                 self._pending = None
 
     def close(self) -> None:
-        # The rings go whatever else fails here: they are memory, and nothing else removes them
-        # until the next agent on this host starts.
+        # The rings go whatever else fails here (a SIGKILL frees them as well: they have no
+        # name, and the workers' mappings go with the workers).
         try:
             self._health_stop.set()
             if self.metrics is not None:
@@ -226,8 +226,9 @@ class DiagMonitor(AgentCollaborator):
                 track.close()
             self._tracks = {}
         finally:
-            if self._ring_dir is not None:
-                shutil.rmtree(self._ring_dir, ignore_errors=True)
+            for files in self._files.values():
+                files.close()
+            self._files = {}
             if self._events is not None:
                 self._events.close()
 
@@ -304,15 +305,17 @@ class DiagMonitor(AgentCollaborator):
     def _report_shim(self, track: RankTrack) -> None:
         """The worker's NCCL shim self-check, when it is written and each time the worker
         rewrites it (it finds that torch's NCCL calls bypass the shim); one log line a node."""
-        assert self._ring_dir is not None
+        path = track.files.status if track.files is not None else None
+        if path is None:
+            return
         try:
-            stat = shimcheck.status_path(self._ring_dir, track.rank).stat()
+            stat = path.stat()
         except OSError:
             return
         version = (stat.st_mtime_ns, stat.st_size)
         if version == track.shim_status_version:
             return
-        status = shimcheck.read_status(self._ring_dir, track.rank)
+        status = shimcheck.read_status(path)
         if status is None:
             return
         track.shim_status_version = version

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from elasticft.diag.ring import FLAG_HOST_COMPLETION, FLAG_TIMED, Op, RingWriter, ring_path
+from elasticft.diag.ring import FLAG_HOST_COMPLETION, FLAG_TIMED, Op, RingWriter
 from elasticft.diag.shimcheck import BYPASSED, THROUGH_SHIM, UNVERIFIED, InterceptionCheck
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ _STEP = int(Op.STEP)
 _LOSS = int(Op.LOSS)
 _SEQUENCES = (list, tuple)
 
-RING_DIR_ENV = "ELASTICFT_DIAG_RING_DIR"
 OWNER_PID_ENV = "ELASTICFT_DIAG_OWNER_PID"
 
 # Public torch.distributed collectives and the op each is recorded as.
@@ -150,8 +149,10 @@ class Recorder:
         """The public collectives are this recorder's wrappers right now."""
 
     @classmethod
-    def open(cls, directory: Path, rank: int) -> Recorder:
-        return cls(RingWriter(ring_path(directory, rank, "py"), rank, "py"), rank)
+    def open(cls, ring: Path, rank: int) -> Recorder:
+        """A recorder writing to the Python ring file ``ring``
+        (:class:`elasticft.diag.ring.RingFiles` ``.py``)."""
+        return cls(RingWriter(ring, rank, "py"), rank)
 
     # -- low level ----------------------------------------------------------------------------
 
@@ -494,20 +495,21 @@ def installed() -> Recorder | None:
 
 
 def install(
-    directory: Path,
+    ring: Path,
     rank: int,
     *,
     wrap_collectives: bool = True,
     step_hook: bool = True,
     ddp_autoattach: bool = True,
 ) -> Recorder:
-    """Installs the recorder in this process (idempotent); ``torch`` must be importable."""
+    """Installs the recorder, writing to the Python ring file ``ring``, in this process
+    (idempotent); ``torch`` must be importable."""
     global _installed
     if _installed is not None:
         return _installed
     import torch.distributed as dist
 
-    recorder = Recorder.open(directory, rank)
+    recorder = Recorder.open(ring, rank)
     if wrap_collectives and dist.is_available():
         recorder.wrap_collectives(dist)
         recorder.watch_group_creation(dist)

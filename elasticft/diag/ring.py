@@ -2,9 +2,16 @@
 
 Every worker has up to two producers: the NCCL shim (C, :file:`shim/` (ring.c)) and the Python
 recorder (:mod:`elasticft.diag.recorder`, gloo collectives, DDP buckets, step marks, losses).
-Each writes its own file ``rank-<global rank>.<source>.ring`` under the ring directory (on
-``/dev/shm``), so the two never need a lock between languages. The agent maps the files
-read-only and polls them (:class:`RingReader`); a ring costs a few hundred kilobytes.
+Each writes its own ring, so the two never need a lock between languages. The agent maps the
+rings read-only and polls them (:class:`RingReader`); a ring costs a few hundred kilobytes.
+
+Where a worker finds its rings (:class:`RingFiles`): under an agent, files that have no name.
+The agent creates each ring as an anonymous file (:func:`create_anonymous_ring`: ``O_TMPFILE``
+on ``/dev/shm``, or a ``memfd``), keeps its descriptor, and names it to the worker as
+``/proc/<agent pid>/fd/<n>``, which the worker opens at start. The memory goes with the last
+descriptor or mapping, whoever holds it and however it dies: a SIGKILLed agent and its workers
+leave nothing in ``/dev/shm``. Run by hand (benchmarks, tests), a worker is given a directory
+instead and creates ``rank-<global rank>.<source>.ring`` in it.
 
 Layout (little-endian, the C shim declares the same structs)::
 
@@ -38,6 +45,7 @@ import logging
 import mmap
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 MAGIC = 0x52544645  # b"EFTR" little-endian
@@ -54,6 +62,14 @@ _HEAD_OFFSET = 24
 _HEARTBEAT_OFFSET = 32
 _STEP_OFFSET = 48
 assert _HEADER.size == 80 and _RECORD.size == RECORD_SIZE
+
+RING_DIR_ENV = "ELASTICFT_DIAG_RING_DIR"
+"""A directory where the worker creates its named rings (a worker run by hand)."""
+PY_RING_ENV = "ELASTICFT_DIAG_PY_RING"
+NCCL_RING_ENV = "ELASTICFT_DIAG_NCCL_RING"
+NCCL_STATUS_ENV = "ELASTICFT_DIAG_NCCL_STATUS"
+"""The worker's own files, as the agent names them (``/proc/<agent pid>/fd/<n>``)."""
+FILE_ENV_NAMES = (PY_RING_ENV, NCCL_RING_ENV, NCCL_STATUS_ENV)
 
 FLAG_TIMED = 1
 FLAG_HOST_COMPLETION = 2
@@ -114,6 +130,53 @@ def ring_path(directory: Path, rank: int, source: str) -> Path:
     return Path(directory) / f"rank-{rank}.{source}.ring"
 
 
+@dataclasses.dataclass(frozen=True)
+class RingFiles:
+    """Where one worker's diagnostics files are: its two rings and its NCCL shim status file
+    (:mod:`elasticft.diag.shimcheck`). None: that file is not kept."""
+
+    py: Path | None
+    nccl: Path | None
+    status: Path | None
+
+    @classmethod
+    def in_dir(cls, directory: Path, rank: int) -> RingFiles:
+        """The named layout of a worker run by hand: ``rank-<rank>.{py,nccl}.ring`` and
+        ``rank-<rank>.nccl.status`` in ``directory``."""
+        directory = Path(directory)
+        return cls(ring_path(directory, rank, "py"), ring_path(directory, rank, "nccl"),
+                   directory / f"rank-{rank}.nccl.status")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], rank: int) -> RingFiles | None:
+        """This worker's files as its environment names them; None without diagnostics."""
+        if any(env.get(name) for name in FILE_ENV_NAMES):
+            py, nccl, status = (Path(env[n]) if env.get(n) else None for n in FILE_ENV_NAMES)
+            return cls(py, nccl, status)
+        if env.get(RING_DIR_ENV):
+            return cls.in_dir(Path(env[RING_DIR_ENV]), rank)
+        return None
+
+    def to_env(self) -> dict[str, str]:
+        return {name: str(path) for name, path in zip(FILE_ENV_NAMES, (self.py, self.nccl,
+                                                                        self.status), strict=True)
+                if path is not None}
+
+
+def _init_ring(fd: int, path: Path, rank: int, source: str, capacity: int) -> bool:
+    size = ring_size(capacity)
+    os.ftruncate(fd, size)
+    try:
+        reserve_pages(fd, size, path)
+    except RingUnavailable as e:
+        logger.warning("%s; rank %d records no %s diagnostics", e.strerror, rank, source)
+        return False
+    with mmap.mmap(fd, size) as m:
+        _HEADER.pack_into(m, 0, MAGIC, VERSION, capacity, RECORD_SIZE, 0, rank, 0, 0, 0, 0, 0,
+                          source.encode()[:16])
+    return True
+
+
 def create_ring(path: Path, rank: int, source: str, capacity: int = DEFAULT_CAPACITY) -> bool:
     """Creates (or resets) an owner-only ring file with an empty header, its pages reserved.
 
@@ -121,22 +184,43 @@ def create_ring(path: Path, rank: int, source: str, capacity: int = DEFAULT_CAPA
     that ring records nothing (its producer finds no ring or cannot reserve one either), while
     training goes on.
     """
-    size = ring_size(capacity)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.ftruncate(fd, size)
-        try:
-            reserve_pages(fd, size, path)
-        except RingUnavailable as e:
-            logger.warning("%s; rank %d records no %s diagnostics", e.strerror, rank, source)
+        if not _init_ring(fd, path, rank, source, capacity):
             os.unlink(path)
             return False
-        with mmap.mmap(fd, size) as m:
-            _HEADER.pack_into(m, 0, MAGIC, VERSION, capacity, RECORD_SIZE, 0, rank, 0, 0, 0, 0, 0,
-                              source.encode()[:16])
     finally:
         os.close(fd)
     return True
+
+
+def anonymous_file(directory: Path) -> int:
+    """An open, owner-only, read-write file that has no name: in ``directory``'s file system
+    (``O_TMPFILE``, so a size-limited ``/dev/shm`` still bounds it), or an anonymous memory file
+    where that file system cannot hold one. It is freed when its last descriptor or mapping
+    closes; nobody has to remove it. The descriptor is not inherited."""
+    try:
+        return os.open(directory, os.O_RDWR | os.O_TMPFILE, 0o600)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    return os.memfd_create("elasticft")
+
+
+def create_anonymous_ring(directory: Path, rank: int, source: str,
+                          capacity: int = DEFAULT_CAPACITY) -> int | None:
+    """A ring with an empty header and its pages reserved, as an :func:`anonymous_file`: its
+    open descriptor, or None, after one warning line, when its pages cannot be reserved (that
+    ring records nothing while training goes on)."""
+    fd = anonymous_file(directory)
+    try:
+        if _init_ring(fd, directory / f"rank-{rank}.{source}.ring", rank, source, capacity):
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

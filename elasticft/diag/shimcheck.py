@@ -4,7 +4,9 @@ The worker runs it once, right after ``import torch`` (which loads NCCL) and bef
 can make its first NCCL call (:mod:`elasticft.diag.autoinstall`, :func:`elasticft.init`). It asks
 the preloaded shim (its exported ``elasticft_shim_probe``) whether it records, which library
 defines NCCL and its version, and which of the shim's entry points that NCCL lacks, then writes
-the answer next to the rank's rings as ``rank-<rank>.nccl.status`` (JSON). The agent's monitor
+the answer to the rank's status file (JSON; :class:`elasticft.diag.ring.RingFiles` ``.status``:
+an anonymous file the agent holds, or ``rank-<rank>.nccl.status`` beside the rings of a worker
+run by hand), in place, so that it may have no name. The agent's monitor
 reads it, writes it to the event log (kind ``nccl_timings``) and logs one line; ``elasticft
 status --run-dir`` shows the newest per node. A shim that is inactive changes nothing in NCCL's
 behaviour; the agent keeps detecting with the Python recorder, heartbeats and process state.
@@ -163,6 +165,7 @@ class InterceptionCheck:
 
 
 def status_path(ring_dir: Path, rank: int) -> Path:
+    """The status file of a worker run by hand with a ring directory."""
     return Path(ring_dir) / f"rank-{rank}.nccl.status"
 
 
@@ -171,40 +174,52 @@ def expected(env: Mapping[str, str]) -> bool:
     return env.get("ELASTICFT_DIAG_SHIM") is not None or "_nccl_shim" in env.get("LD_PRELOAD", "")
 
 
-def report(ring_dir: Path, rank: int, env: Mapping[str, str]) -> ShimStatus | None:
-    """Runs the self-check once per worker process and writes its status file (never raises)."""
-    path = status_path(ring_dir, rank)
+def _written(path: Path) -> bool:
     try:
-        if not expected(env) or path.exists():
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def report(path: Path | None, rank: int, env: Mapping[str, str]) -> ShimStatus | None:
+    """Runs the self-check once per worker process and writes it to the status file ``path``
+    (never raises; None without a status file)."""
+    try:
+        if path is None or not expected(env) or _written(path):
             return None
         status = probe()
-        write_status(ring_dir, rank, status)
+        write_status(path, rank, status)
         return status
     except Exception:  # diagnostics never stop a training script
         return None
 
 
-def write_status(ring_dir: Path, rank: int, status: ShimStatus) -> None:
-    """Replaces the rank's status file at once (the agent's monitor reads it on change)."""
-    path = status_path(ring_dir, rank)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({**status.to_json(), "pid": os.getpid(), "rank": rank}))
-    os.replace(tmp, path)
+def write_status(path: Path, rank: int, status: ShimStatus) -> None:
+    """Rewrites the status file in place (it may be a file with no name, which cannot be
+    replaced): the content first, then the length. A reader that meets it half written finds
+    no JSON and reads it again at its next poll (:func:`read_status`)."""
+    data = json.dumps({**status.to_json(), "pid": os.getpid(), "rank": rank}).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
 
 
-def interception_check(ring_dir: Path, rank: int, status: ShimStatus | None
+def interception_check(path: Path | None, rank: int, status: ShimStatus | None
                        ) -> InterceptionCheck | None:
     """The check for a worker whose self-check found the shim active (else None): on a bypass
     the status file is rewritten as inactive, with :data:`BYPASS_REASON`."""
     counter = records_counter() if status is not None and status.active else None
-    if counter is None or status is None:
+    if counter is None or status is None or path is None:
         return None
 
     def bypassed() -> None:
         # The agent's monitor picks the new status up and says it in one line.
         with contextlib.suppress(OSError):  # diagnostics never stop a training script
-            write_status(ring_dir, rank, dataclasses.replace(status, recording=False,
-                                                             reason=BYPASS_REASON))
+            write_status(path, rank, dataclasses.replace(status, recording=False,
+                                                         reason=BYPASS_REASON))
 
     try:
         return InterceptionCheck(counter, bypassed)
@@ -212,9 +227,10 @@ def interception_check(ring_dir: Path, rank: int, status: ShimStatus | None
         return None
 
 
-def read_status(ring_dir: Path, rank: int) -> dict[str, Any] | None:
-    """The status a worker wrote, or None while there is none (agent side)."""
+def read_status(path: Path) -> dict[str, Any] | None:
+    """The status a worker wrote, or None while there is none, or it is half written (agent
+    side)."""
     try:
-        return json.loads(status_path(ring_dir, rank).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None

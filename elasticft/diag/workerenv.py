@@ -1,9 +1,14 @@
 """What a worker's environment needs for diagnostics, and where the pieces live.
 
-The agent hands every worker the directory of its progress rings; for unmodified scripts the
-bootstrap directory first on ``PYTHONPATH`` (its ``sitecustomize`` installs the recorder after
-``import torch``); and on GPU nodes the NCCL shim first in ``LD_PRELOAD``. The user's own
-entries are kept after ours, never replaced.
+The agent hands every worker its progress rings and shim status file (:class:`WorkerFiles`:
+files with no name, which the worker opens as ``/proc/<agent pid>/fd/<n>``); for unmodified
+scripts the bootstrap directory first on ``PYTHONPATH`` (its ``sitecustomize`` installs the
+recorder after ``import torch``); and on GPU nodes the NCCL shim first in ``LD_PRELOAD``. The
+user's own entries are kept after ours, never replaced.
+
+Older versions kept the rings in a named directory per agent (``elasticft-<uid>-<pid>-<tag>``),
+which an agent killed with SIGKILL left behind; every start still sweeps those
+(:func:`sweep_dead_ring_dirs`).
 """
 
 from __future__ import annotations
@@ -17,13 +22,21 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from elasticft import procs
-from elasticft.diag.recorder import OWNER_PID_ENV, RING_DIR_ENV
+from elasticft.diag.recorder import OWNER_PID_ENV
+from elasticft.diag.ring import (
+    FILE_ENV_NAMES,
+    RING_DIR_ENV,
+    RingFiles,
+    anonymous_file,
+    create_anonymous_ring,
+)
 
 SHIM_ENV = "ELASTICFT_DIAG_SHIM"
 CUDART_ENV = "ELASTICFT_DIAG_CUDART"
 AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"
 """``0``: the bootstrap (there for step records) must not install the recorder in this worker."""
-WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV, AUTO_INSTALL_ENV})
+WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, *FILE_ENV_NAMES, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV,
+                              AUTO_INSTALL_ENV})
 """Variables diagnostics adds to (or reads in) workers."""
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -51,7 +64,7 @@ def bootstrap_pythonpath(base_env: Mapping[str, str]) -> str:
 
 
 def diag_worker_env(
-    ring_dir: Path,
+    files: RingFiles,
     *,
     auto_install: bool,
     shim: Path | None,
@@ -61,7 +74,9 @@ def diag_worker_env(
 
     ``LD_PRELOAD`` and ``PYTHONPATH`` are extended, never replaced, and not duplicated.
     """
-    env = {RING_DIR_ENV: str(ring_dir)}
+    # Empty, not inherited: the launcher's --diag-ring-dir travels in a variable of this name,
+    # and a worker given a directory would create named rings there (a worker run by hand).
+    env = {RING_DIR_ENV: "", **files.to_env()}
     if auto_install:
         env["PYTHONPATH"] = bootstrap_pythonpath(base_env)
     else:
@@ -80,16 +95,47 @@ def default_ring_base() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+class WorkerFiles:
+    """One worker's rings and shim status file as the agent holds them: open descriptors of
+    files that have no name (:func:`elasticft.diag.ring.anonymous_file`, in ``base``'s file
+    system). The worker and the agent's own readers open them as ``/proc/<agent pid>/fd/<n>``
+    (same user); the memory goes with the last descriptor or mapping, so neither a finished nor
+    a SIGKILLed run leaves anything to remove. A ring whose pages cannot be reserved is left
+    out (one warning line): that producer records nothing."""
+
+    def __init__(self, base: Path, rank: int, capacity: int, *, status: bool) -> None:
+        self._fds: dict[str, int] = {}
+        try:
+            for source in ("py", "nccl"):
+                fd = create_anonymous_ring(base, rank, source, capacity)
+                if fd is not None:
+                    self._fds[source] = fd
+            if status:
+                self._fds["status"] = anonymous_file(base)
+        except BaseException:
+            self.close()
+            raise
+        pid = os.getpid()
+        path = {k: Path(f"/proc/{pid}/fd/{fd}") for k, fd in self._fds.items()}
+        self.files = RingFiles(path.get("py"), path.get("nccl"), path.get("status"))
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
 def ring_dir(base: Path, agent_pid: int, tag: str) -> Path:
-    """An agent's directory of progress rings: named after its user and process, so that a
-    later agent can tell whether the owner still runs (:func:`sweep_dead_ring_dirs`)."""
+    """The named ring directory older versions gave an agent (named after its user and
+    process, so that a later agent can tell whether the owner still runs)."""
     return base / f"elasticft-{os.getuid()}-{agent_pid}-{tag}"
 
 
 def sweep_dead_ring_dirs(base: Path) -> list[Path]:
-    """Removes this user's ring directories whose agent is gone: an agent killed with SIGKILL
-    never closes its monitor, and its rings (hundreds of KB per rank) would stay in memory.
-    A directory another user owns is left alone, whatever its name says."""
+    """Removes this user's ring directories, as older versions named them, whose agent is gone:
+    an agent killed with SIGKILL never closed its monitor, and its rings (hundreds of KB per
+    rank) would stay in memory. A directory another user owns is left alone, whatever its name
+    says."""
     pattern = re.compile(rf"^elasticft-{os.getuid()}-(\d+)-[0-9a-f]+$")
     removed = []
     for path in base.glob(f"elasticft-{os.getuid()}-*"):

@@ -24,8 +24,10 @@ TRAIN = str(EXAMPLES / "train_plain.py")
 
 
 def launcher(args: list[str], env: dict[str, str], cwd: Path, tool: str = "elasticft-run"):
+    # torchrun's default log directory is a new /tmp/torchelastic_* that nobody removes.
+    logs = ["--log-dir", str(cwd / "torchrun-logs")] if tool == "torchrun" else []
     return subprocess.Popen(
-        [str(BIN / tool), *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+        [str(BIN / tool), *logs, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
@@ -180,6 +182,7 @@ def launch_with_collaborator(tmp_path: Path, collaborator: str, nproc: int, max_
     ``Scripted`` defined by ``collaborator`` (source code) as the agent's only collaborator."""
     code = f"""
 import os, signal, sys, time
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig
 from elasticft.agent.api import AgentCollaborator, Detection
 from elasticft.agent.classify import FailureClass
@@ -190,7 +193,8 @@ from elasticft.launcher import launch
 
 config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node={nproc}, run_id="scripted",
                       rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-                      max_restarts={max_restarts}, monitor_interval=0.2)
+                      max_restarts={max_restarts}, monitor_interval=0.2,
+                      logs_specs=DefaultLogsSpecs(log_dir={str(tmp_path / 'logs')!r}))
 options = ElasticftConfig(agent=AgentConfig(run_dir={str(tmp_path / 'run')!r}))
 result = launch(config, sys.executable, ["-u", {str(HERE / 'workers' / 'sleep_forever.py')!r}],
                 options, collaborators=[Scripted()])

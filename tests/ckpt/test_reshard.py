@@ -17,7 +17,8 @@ JOB = Path(__file__).with_name("dist_job.py")
 
 def _torchrun(nproc: int, mode: str, root: Path, env: dict[str, str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(JOB), mode, str(root)]
+           f"--nproc-per-node={nproc}", "--log-dir", str(root / f"logs-{mode}"), str(JOB), mode,
+           str(root)]
     out = subprocess.run(cmd, cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)), timeout=170,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -174,7 +174,7 @@ def test_calls_that_bypass_the_shim_are_timed_in_python_and_the_status_says_so(
     assert report == {"verdict": BYPASSED, "timed_by_shim": False, "wrapped": True,
                       "public_is_original": False}
     assert python_all_reduces(tmp_path) == calls  # every collective, before and after
-    status = shimcheck.read_status(tmp_path, 0)
+    status = shimcheck.read_status(shimcheck.status_path(tmp_path, 0))
     assert status is not None and not status["active"] and status["loaded"]
     assert status["message"] == f"NCCL timings inactive: {BYPASS_REASON}"
     assert status["version"] > 0  # what the probe found is kept
@@ -190,7 +190,7 @@ def test_calls_that_reach_the_shim_are_left_to_it(user_library, shim, tmp_path):
     assert python_all_reduces(tmp_path) == 1
     _header, records = RingReader(ring_path(tmp_path, 0, "nccl")).poll()
     assert [Op(r.op) for r in records] == [Op.ALL_REDUCE]
-    status = shimcheck.read_status(tmp_path, 0)
+    status = shimcheck.read_status(shimcheck.status_path(tmp_path, 0))
     assert status is not None and status["active"]
 
 
@@ -227,14 +227,14 @@ def test_the_monitor_reports_a_status_the_worker_rewrites(tmp_path: Path) -> Non
                           nccl_shim=tmp_path / "shim.so")
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
     env = monitor.worker_env(group, group.workers[0])
-    ring_dir = Path(env["ELASTICFT_DIAG_RING_DIR"])
+    status = Path(env["ELASTICFT_DIAG_NCCL_STATUS"])  # a file with no name, rewritten in place
     monitor.on_workers_started(group)
     try:
         found = ShimStatus(loaded=True, recording=True, version=23007, library="libnccl.so.2")
-        shimcheck.write_status(ring_dir, 0, found)
+        shimcheck.write_status(status, 0, found)
         monitor.check(group)
         monitor.check(group)  # unchanged: not reported again
-        shimcheck.write_status(ring_dir, 0, ShimStatus(
+        shimcheck.write_status(status, 0, ShimStatus(
             loaded=True, recording=False, reason=BYPASS_REASON, version=23007,
             library="libnccl.so.2"))
         monitor.check(group)

@@ -13,7 +13,7 @@ import pytest
 from elasticft.agent.api import GroupInfo, WorkerInfo
 from elasticft.config import DiagConfig
 from elasticft.diag.monitor import DiagMonitor
-from elasticft.diag.ring import Op, RingWriter, ring_path
+from elasticft.diag.ring import Op, RingWriter
 
 MS = 1_000_000
 
@@ -25,7 +25,7 @@ def test_busy_time_of_every_step_and_no_growing_history(tmp_path: Path) -> None:
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
     env = monitor.worker_env(group, group.workers[0])
     monitor.on_workers_started(group)
-    writer = RingWriter(ring_path(Path(env["ELASTICFT_DIAG_RING_DIR"]), 0, "py"), 0)
+    writer = RingWriter(Path(env["ELASTICFT_DIAG_PY_RING"]), 0)
     try:
         for step in range(1, 301):
             # A 10 ms step: 6 ms of compute, then four 1 ms collectives (two overlapping).
@@ -47,30 +47,39 @@ def test_busy_time_of_every_step_and_no_growing_history(tmp_path: Path) -> None:
         monitor.close()
 
 
-def test_ring_directories_of_dead_agents_are_swept_and_our_own_removed(tmp_path: Path) -> None:
+def test_rings_have_no_name_and_older_ring_directories_of_dead_agents_are_swept(
+        tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
 
     from elasticft.diag.workerenv import ring_dir
 
+    rings = tmp_path / "rings"
+    rings.mkdir()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    dead = ring_dir(tmp_path, int(gone.stdout), "0123456789ab")
-    alive = ring_dir(tmp_path, os.getppid(), "ba9876543210")  # the pytest runner's parent
-    unnamed = tmp_path / f"elasticft-{os.getuid()}-0bee6bf3c4bf"  # no pid: not ours to judge
+    dead = ring_dir(rings, int(gone.stdout), "0123456789ab")
+    alive = ring_dir(rings, os.getppid(), "ba9876543210")  # the pytest runner's parent
+    unnamed = rings / f"elasticft-{os.getuid()}-0bee6bf3c4bf"  # no pid: not ours to judge
     for path in (dead, alive, unnamed):
         path.mkdir()
         (path / "rank-0.py.ring").write_bytes(b"x")
-    config = DiagConfig(diag_preflight=False, diag_ring_dir=tmp_path, health_interval_s=3600)
-    monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path)
+    config = DiagConfig(diag_preflight=False, diag_ring_dir=rings, health_interval_s=3600)
+    monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, nccl_shim=Path("/x/shim.so"))
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
     env = monitor.worker_env(group, group.workers[0])
-    own = Path(env["ELASTICFT_DIAG_RING_DIR"])
     assert not dead.exists() and alive.exists() and unnamed.exists()
-    assert own.parent == tmp_path and own.name.startswith(f"elasticft-{os.getuid()}-{os.getpid()}-")
+    names = [f"ELASTICFT_DIAG_{n}" for n in ("PY_RING", "NCCL_RING", "NCCL_STATUS")]
+    files = [Path(env[n]) for n in names]
+    assert all(f.parent == Path(f"/proc/{os.getpid()}/fd") for f in files)
+    # Backed by the ring directory's file system, yet named nowhere in it.
+    assert all(os.stat(f).st_dev == rings.stat().st_dev for f in files)
+    assert set(rings.iterdir()) == {alive, unnamed}
+    again = monitor.worker_env(group, group.workers[0])  # a restart: fresh files
+    assert set(rings.iterdir()) == {alive, unnamed}
     monitor.close()
-    assert not own.exists()
+    assert not any(Path(again[n]).exists() for n in names)
 
 
 def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) -> None:
@@ -87,7 +96,7 @@ def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) 
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1, sleeper.pid),))
     env = monitor.worker_env(group, group.workers[0])
     monitor.on_workers_started(group)
-    writer = RingWriter(ring_path(Path(env["ELASTICFT_DIAG_RING_DIR"]), 0, "py"), 0)
+    writer = RingWriter(Path(env["ELASTICFT_DIAG_PY_RING"]), 0)
     try:
         sleeper.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
@@ -139,7 +148,7 @@ def test_a_collective_past_its_timeout_is_stuck_only_if_the_stack_stands_still(
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1, worker.pid),))
     env = monitor.worker_env(group, group.workers[0])
     monitor.on_workers_started(group)
-    writer = RingWriter(ring_path(Path(env["ELASTICFT_DIAG_RING_DIR"]), 0, "py"), 0)
+    writer = RingWriter(Path(env["ELASTICFT_DIAG_PY_RING"]), 0)
     try:
         time.sleep(1.0)  # the interpreter is up and in its loop
         writer.append(Op.ALL_REDUCE, comm=1, comm_seq=1, enqueue_ns=now[0])

@@ -59,7 +59,7 @@ def test_timed_ddp_hook_gives_the_same_gradients(tmp_path):
             m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
             m.module.load_state_dict(base.state_dict())
             if hooked:
-                Recorder.open(Path(sys.argv[1]), 0).attach_ddp(m)
+                Recorder.open(Path(sys.argv[1]) / "rank-0.py.ring", 0).attach_ddp(m)
             torch.manual_seed(1)
             m(torch.randn(8, 16)).pow(2).sum().backward()
             grads.append([p.grad.clone() for p in m.parameters()])

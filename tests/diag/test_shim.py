@@ -131,3 +131,22 @@ def test_a_split_communicator_is_keyed_by_its_parent_and_colour(built, tmp_path)
     assert [(Op(r.op), r.comm, r.comm_seq) for r in (first, second)] == [
         (Op.ALL_REDUCE, child_key, 1), (Op.ALL_REDUCE, child_key, 2)]
     assert Op(child_destroy.op) is Op.COMM_DESTROY and child_destroy.comm == child_key
+
+
+@pytest.mark.timeout(120)
+def test_the_ring_the_agent_holds_without_a_name_is_opened_by_its_path(built, tmp_path):
+    from elasticft.diag.workerenv import WorkerFiles
+
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    files = WorkerFiles(rings, RANK, 64, status=False)
+    try:
+        assert files.files.nccl is not None
+        # No ring directory: a ring created by name would fail the test below.
+        run_app(built, tmp_path / "absent", ELASTICFT_DIAG_NCCL_RING=str(files.files.nccl))
+        header, recs = RingReader(files.files.nccl).poll()
+        assert header is not None and header.source == "nccl" and header.capacity == 64
+        assert [Op(r.op) for r in recs][:2] == [Op.COMM_INIT, Op.ALL_REDUCE]
+        assert list(rings.iterdir()) == [] and not (tmp_path / "absent").exists()
+    finally:
+        files.close()

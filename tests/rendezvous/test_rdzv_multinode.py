@@ -83,6 +83,8 @@ def start_node(
         args += ["--run-dir", str(tmp / f"run-{name}")]
         if node_id is not None:
             args += ["--node-id", node_id or name]
+    else:  # not torchrun's default, a new /tmp/torchelastic_* that nobody removes
+        args += ["--log-dir", str(tmp / f"logs-{name}")]
     with log.open("w") as out:
         process = subprocess.Popen(
             [str(BIN / tool), *args, script, *train_args],

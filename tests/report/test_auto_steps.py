@@ -69,6 +69,7 @@ def test_merge_table(explicit, automatic, expected):
 @pytest.mark.parametrize("env, pid, expected", [
     ({}, 7, (False, False)),
     ({"ELASTICFT_DIAG_RING_DIR": "/r"}, 7, (True, False)),
+    ({"ELASTICFT_DIAG_PY_RING": "/proc/1/fd/3"}, 7, (True, False)),
     ({"ELASTICFT_STEP_LOG": "/s"}, 7, (False, True)),
     ({"ELASTICFT_DIAG_RING_DIR": "/r", "ELASTICFT_DIAG_AUTO": "0",
       "ELASTICFT_STEP_LOG": "/s"}, 7, (False, True)),

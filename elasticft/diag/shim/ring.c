@@ -5,8 +5,10 @@
  * ELASTICFT_DIAG_SHIM is not "1", or the ring cannot be opened and backed by memory, the shim
  * stays disabled and every entry point is a plain call of the real function.
  *
- * Environment: ELASTICFT_DIAG_SHIM=1 enables it; ELASTICFT_DIAG_RING_DIR holds the rings;
- * RANK names the ring (rank-<RANK>.nccl.ring).
+ * Environment: ELASTICFT_DIAG_SHIM=1 enables it; ELASTICFT_DIAG_NCCL_RING names the ring file
+ * (the agent's anonymous file, /proc/<agent pid>/fd/<n>, opened as it is); without it,
+ * ELASTICFT_DIAG_RING_DIR holds the rings and RANK names this one (rank-<RANK>.nccl.ring),
+ * created if missing.
  */
 #include "shim.h"
 
@@ -34,17 +36,30 @@ static void disable_in_child(void) { g_enabled = 0; }
 
 static void shim_init(void) {
     const char *on = getenv("ELASTICFT_DIAG_SHIM");
+    const char *file = getenv("ELASTICFT_DIAG_NCCL_RING");
     const char *dir = getenv("ELASTICFT_DIAG_RING_DIR");
     const char *rank = getenv("RANK");
     if (!on || strcmp(on, "1") != 0) { INIT_FAIL("disabled (ELASTICFT_DIAG_SHIM is not 1)"); return; }
-    if (!dir || !*dir) { INIT_FAIL("ELASTICFT_DIAG_RING_DIR is not set"); return; }
     char path[4096];
-    if (snprintf(path, sizeof path, "%s/rank-%s.nccl.ring", dir, rank && *rank ? rank : "0") >=
-        (int)sizeof path) {
-        INIT_FAIL("ring path too long");
-        return;
+    int flags = O_RDWR | O_CLOEXEC;
+    if (file && *file) {
+        if (snprintf(path, sizeof path, "%s", file) >= (int)sizeof path) {
+            INIT_FAIL("ring path too long");
+            return;
+        }
+    } else {
+        if (!dir || !*dir) {
+            INIT_FAIL("no ring (ELASTICFT_DIAG_NCCL_RING and ELASTICFT_DIAG_RING_DIR are not set)");
+            return;
+        }
+        if (snprintf(path, sizeof path, "%s/rank-%s.nccl.ring", dir, rank && *rank ? rank : "0") >=
+            (int)sizeof path) {
+            INIT_FAIL("ring path too long");
+            return;
+        }
+        flags |= O_CREAT;
     }
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    int fd = open(path, flags, 0600);
     if (fd < 0) { INIT_FAIL("ring %.200s: %s", path, strerror(errno)); return; }
     struct stat st;
     size_t size = 0;
