@@ -53,7 +53,7 @@ from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
-from elasticft.ckpt.control import request_checkpoint
+from elasticft.ckpt.control import SkipReader, request_checkpoint
 from elasticft.ckpt.peer import (
     PeerClient,
     PeerServer,
@@ -133,6 +133,8 @@ class CheckpointService(AgentCollaborator):
         self._event_dir = event_dir
         self._events: EventLog | None = None
         self._copy_delay_s = float(os.environ.get(COPY_DELAY_ENV) or 0)
+        self._skips = SkipReader()
+        self.snapshots_skipped = 0
         shm.sweep_orphans(shm_dir)
         self._thread = threading.Thread(target=self._persist_loop, name="elasticft-ckpt-persist",
                                         daemon=True)
@@ -250,6 +252,7 @@ class CheckpointService(AgentCollaborator):
 
     def check(self, group: GroupInfo) -> None:
         self._group = group
+        self._count_skips(group)
         every = self.config.ckpt_persist_every
         if every <= 0 or self._busy.is_set():
             return None
@@ -263,6 +266,16 @@ class CheckpointService(AgentCollaborator):
             self._busy.set()
             self._jobs.put(step)
         return None
+
+    def _count_skips(self, group: GroupInfo) -> None:
+        """Every save a worker could not take becomes a ``snapshot_skipped`` event."""
+        try:
+            skips = self._skips.new_skips(self.control_dir(group))
+        except OSError:
+            return
+        for skip in skips:
+            self.snapshots_skipped += 1
+            self._event(group, "snapshot_skipped", **skip)
 
     def step_to_persist(self, group: GroupInfo, every: int) -> int | None:
         """The step due for persistence: a multiple of ``every`` every local worker holds
@@ -309,6 +322,7 @@ class CheckpointService(AgentCollaborator):
         decision (and a restart in place) never waits for it. The slots survive the crash,
         and the flush copies each out under its shared lock, for that one copy only.
         """
+        self._count_skips(group)
         if not self.config.ckpt_flush_on_failure:
             return
         step = self.newest_common_step(group)  # headers only: microseconds
@@ -380,6 +394,7 @@ class CheckpointService(AgentCollaborator):
         self._persist_final(group)
 
     def _persist_final(self, group: GroupInfo) -> None:
+        self._count_skips(group)
         self._wait_flush()
         step = self.newest_common_step(group)
         if step is not None and step > self._persisted:

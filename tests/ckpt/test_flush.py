@@ -55,3 +55,33 @@ def test_the_decision_does_not_wait_for_the_flush_and_no_snapshot_is_skipped(
 
     # The restarted workers saved every step while the flush held a slot of each.
     assert "skipped" not in text, text[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_with_two_slots_a_skipped_snapshot_is_warned_counted_and_reported(
+    tmp_path: Path, job_env
+) -> None:
+    # Two slots: while the persister holds one (its copies slowed as above), a save that finds
+    # the other holding the newest snapshot has nowhere to go.
+    env = dict(job_env, **{COPY_DELAY_ENV: "2"})
+    run_dir = tmp_path / "run"
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+           "--run-dir", str(run_dir), "--ckpt-persist-every", "1", "--ckpt-memory-slots", "2",
+           "--monitor-interval", "0.2",
+           str(EXAMPLES / "train_elasticft.py"), "--steps", str(STEPS), *MODEL]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    warned = text.count("skipped: no free memory slot")
+    assert warned >= 1, text[-4000:]
+    skipped = [e for e in _events(run_dir) if e["kind"] == "snapshot_skipped"]
+    assert len(skipped) == warned  # every warning of every worker, counted once
+    assert all("--ckpt-memory-slots" in e["reason"] for e in skipped)
+
+    status = subprocess.run([str(BIN / "elasticft"), "status", "--run-dir", str(run_dir)],
+                            env=job_env, capture_output=True, text=True, timeout=60)
+    assert f"snapshots skipped: {warned}" in status.stdout, status.stdout + status.stderr
+    report = subprocess.run([str(BIN / "elasticft"), "report", str(run_dir)],
+                            env=job_env, capture_output=True, text=True, timeout=60)
+    assert f"snapshots skipped: {warned}" in report.stdout, report.stdout + report.stderr
