@@ -16,8 +16,9 @@ avoids a size-negotiation protocol and any stall of the first save on an agent r
 
 Slots and consistency
 ---------------------
-Each local rank has ``slots`` (>= 2) files: double buffering, so the save in progress never
-touches the newest complete snapshot. A slot file is a 4 KiB header, the manifest (JSON), then
+Each local rank has ``slots`` (>= 2, 3 by default) files, so the save in progress never
+touches the newest complete snapshot, nor the one a reader (the agent persisting) is copying
+out. A slot file is a 4 KiB header, the manifest (JSON), then
 the payload. The writer holds an exclusive ``flock`` on the slot for the whole write and marks
 the header ``WRITING`` first and ``COMPLETE`` (with a new generation) last; a reader (the agent
 persisting, the worker loading) holds a shared ``flock``. A crash mid-write releases the lock
