@@ -295,7 +295,9 @@ class CheckpointConfig:
     ckpt_keep: int = option(
         3, "Committed checkpoints kept per directory (older ones are deleted).", minimum=1)
     ckpt_memory_slots: int = option(
-        2, "Shared-memory snapshots kept per worker (2: double buffering).", minimum=2)
+        3, "Shared-memory snapshots kept per worker: the newest complete one, one the agent "
+        "may be copying out, one being written (with 2, a save that finds the agent reading "
+        "the other slot is skipped, with a warning).", minimum=2)
     ckpt_memory_cap_mb: int = option(
         0, "Most shared memory per worker for snapshots, in MiB (0: no cap); the oldest "
         "snapshot is evicted first.", minimum=0)

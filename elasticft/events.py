@@ -15,7 +15,9 @@ Kinds written by the agent (later subsystems add theirs; readers ignore what the
 ``failure``        one failed worker: rank, class, exit code, signal, exception, evidence
 ``decision``       the policy's action and its reason
 ``restart``        a worker group restart begins: attempt number, cause
-``checkpoint``     a checkpoint became complete (written by the checkpoint subsystem)
+``checkpoint``     a checkpoint became durable (written by the checkpoint subsystem): step,
+                   bytes, seconds, cause (periodic, flush, final, request: ...)
+``snapshot_skipped``  a worker's save found no free memory slot: rank, step, reason
 ``stop``           the agent stops: reason, exit code
 ``run_end``        last event of the agent: state, exit code, restarts, wall time
 =================  ============================================================================
@@ -72,6 +74,16 @@ class EventLog:
                 self._file.flush()
                 os.fsync(self._file.fileno())
                 self._file.close()
+
+
+def snapshots_skipped_line(events: list[dict[str, Any]]) -> tuple[int, str]:
+    """How many saves workers could not take (``snapshot_skipped``), and a line saying so."""
+    skipped = [e for e in events if e.get("kind") == "snapshot_skipped"]
+    if not skipped:
+        return 0, "snapshots skipped: 0"
+    last = skipped[-1]
+    return len(skipped), (f"snapshots skipped: {len(skipped)} (last: step {last.get('step')} of "
+                          f"rank {last.get('rank')}: {last.get('reason')})")
 
 
 def iter_event_files(directory: Path) -> Iterator[Path]:

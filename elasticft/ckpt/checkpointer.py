@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from elasticft.ckpt.api import CheckpointError, StorageFull
-from elasticft.ckpt.control import ControlWatcher
+from elasticft.ckpt.control import ControlWatcher, report_skip
 from elasticft.ckpt.device import DeviceCopier, PendingCopy
 from elasticft.ckpt.loader import SnapshotLoader
 from elasticft.ckpt.persister import OwnPersister
@@ -71,6 +71,8 @@ class SaveRequest:
         self.step = step
         self.status = "pending"
         """pending | memory (complete in shared memory) | skipped | failed."""
+        self.skipped: str | None = None
+        """Why no snapshot was taken (status ``skipped``), else None."""
         self.error: BaseException | None = None
         self.guarded_done = threading.Event()
         self.device: PendingCopy | None = None
@@ -139,6 +141,8 @@ class Checkpointer:
         self._flatten = Flattener()
         self._view_cache: dict[tuple[Any, ...], tuple[Any, list[torch.Tensor | None]]] = {}
         self._inflight: SaveRequest | None = None
+        self.snapshots_skipped = 0
+        """Saves this process could not take (see :attr:`SaveRequest.skipped`)."""
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name="elasticft-ckpt-copy",
                                         daemon=True)
@@ -204,6 +208,7 @@ class Checkpointer:
             self._wait_inflight()
             layout = self._flatten(state)
             if self._slots is None:
+                request.skipped = "no shared-memory tier (memory=False)"
                 request._finish("skipped")
                 return request
             self._start_copy(request, layout, step)
@@ -235,8 +240,7 @@ class Checkpointer:
                 )
         slot = self._claim_slot(size, usable)
         if slot is None:
-            logger.info("memory snapshot of step %d skipped: every free slot is being read", step)
-            request._finish("skipped")
+            self._skip(request, usable)
             return
         self._generation += 1
         header = SlotHeader(WRITING, self._generation, step, self.rank, self.world_size,
@@ -261,6 +265,24 @@ class Checkpointer:
         self._inflight = request
         offsets = [e.offset for e in layout.tensors if e.replica_of is None]
         self._jobs.put((request, slot, header, later, offsets))
+
+    def _skip(self, request: SaveRequest, usable: int) -> None:
+        """No slot is free: says so (a lost snapshot is never silent) and tells the agent."""
+        if usable < self._slot_count:
+            fix = f"the memory cap leaves {usable} slots; raise --ckpt-memory-cap-mb"
+        else:
+            fix = f"{usable} slots; raise --ckpt-memory-slots"
+        request.skipped = (f"no free memory slot: one holds the newest snapshot and a reader "
+                           f"holds the others ({fix})")
+        self.snapshots_skipped += 1
+        logger.warning("memory snapshot of step %d skipped: %s", request.step, request.skipped)
+        request._finish("skipped")
+        if self.settings.control_dir is not None:
+            try:
+                report_skip(self.settings.control_dir, self.settings.local_rank, self.rank,
+                            request.step, request.skipped)
+            except OSError:
+                logger.debug("could not report the skipped snapshot", exc_info=True)
 
     def _device_type(self) -> str | None:
         """The device type whose tensors go through the device copier (None: no copier)."""

@@ -7,6 +7,8 @@ returns (torch 2.13 notes, G7), so the request goes to a daemon thread instead: 
 thread sees it within a poll interval, makes sure its newest snapshot is complete in shared
 memory (waiting for the copy in flight, which runs on its own thread), and answers with
 ``ack-l<local_rank>.json`` naming the step it holds. The agent then persists that step.
+The other way, a worker appends a line to ``skipped-l<local_rank>.jsonl`` for every save it
+could not take (no free slot), which the agent turns into ``snapshot_skipped`` events.
 Files rather than a socket: nothing to bind, owner-only permissions, and it works while the
 worker's main thread holds the GIL-free C++ wait of a gloo collective.
 """
@@ -42,6 +44,48 @@ def watching_pid(control_dir: Path, local_rank: int) -> int | None:
     has started yet, e.g. a worker still importing torch, which could not answer)."""
     record = _read_json(watcher_path(control_dir, local_rank))
     return int(record["pid"]) if record and "pid" in record else None
+
+
+def skips_path(control_dir: Path, local_rank: int) -> Path:
+    return control_dir / f"skipped-l{local_rank}.jsonl"
+
+
+def report_skip(control_dir: Path, local_rank: int, rank: int, step: int, reason: str) -> None:
+    """Worker side: one line for a save that could not be taken; the agent counts it in the
+    event log (``snapshot_skipped``). One ``O_APPEND`` write, so a line is never torn."""
+    line = json.dumps({"rank": rank, "step": step, "reason": reason,
+                       "pid": os.getpid()}) + "\n"
+    fd = os.open(skips_path(control_dir, local_rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+class SkipReader:
+    """Agent side: the skipped saves workers reported since the last call."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[Path, int] = {}
+
+    def new_skips(self, control_dir: Path) -> list[dict]:
+        found = []
+        for path in sorted(control_dir.glob("skipped-l*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+            self._offsets[path] = offset + len(complete)
+            local_rank = int(path.stem.removeprefix("skipped-l"))
+            for line in complete.splitlines():
+                with contextlib.suppress(ValueError):
+                    found.append(dict(json.loads(line), local_rank=local_rank))
+        return found
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -22,11 +22,14 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   (tp, pp, dp) layout the backup node is outside the node's parallel groups and holds no
   replica, so workers are also given a replica's node (:func:`~elasticft.ckpt.peer.replica_node`)
   and ask it first.
-* **Flush on failure.** When a worker fails it copies the newest snapshot every local worker
-  completed out of shared memory at once (the restarted workers will reuse the slots) and
-  writes it to disk on a thread of its own, so a restart in place, which resumes from memory,
-  does not wait for the disk; any other decision (evict, stop) waits for the write, so a node
-  that does not come back still left it on disk.
+* **Flush on failure.** When a worker fails it writes the newest snapshot every local worker
+  completed to disk on a thread of its own: ``on_failure`` returns at once, so the policy
+  decides without waiting for gigabytes to be copied. A restart in place, which resumes from
+  memory, runs beside the flush: the flush holds a slot's shared lock only for one memory copy
+  (into the persister's reused staging buffers, with the GIL released), and the slots are
+  enough that the restarted workers' saves never need the one being read (see
+  :mod:`elasticft.ckpt.shm`). Any other decision (evict, stop) waits for the write, so a node
+  that does not come back still left it on disk. Every persist is a ``checkpoint`` event.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
 """
@@ -50,7 +53,7 @@ from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
-from elasticft.ckpt.control import request_checkpoint
+from elasticft.ckpt.control import SkipReader, request_checkpoint
 from elasticft.ckpt.peer import (
     PeerClient,
     PeerServer,
@@ -65,6 +68,7 @@ from elasticft.config import (
     ElasticftConfig,
     require_writable_dir,
 )
+from elasticft.events import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,10 @@ _SECRET_KEY = "elasticft/ckpt/secret"
 _PEER_KEY = "elasticft/ckpt/peer/{}"
 _SURVIVOR_COPY_GRACE_S = 2.0
 """How long a failure's survivors may finish a snapshot copy before torch stops them."""
+COPY_DELAY_ENV = "EFT_TEST_CKPT_COPY_DELAY_S"
+"""Test seam: seconds added to every copy of a snapshot out of its slot, under the slot's
+lock, as a copy of many gigabytes takes (tests make the persister slow with a small state).
+Not an ``ELASTICFT_`` name: those are options, and an unknown one is refused."""
 
 
 def parse_layout(text: str | None) -> tuple[int, int, int] | None:
@@ -95,6 +103,7 @@ class CheckpointService(AgentCollaborator):
         *,
         local_addr: str | None = None,
         shm_dir: Path = shm.SHM_DIR,
+        event_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.layout = parse_layout(config.ckpt_layout)
@@ -121,6 +130,11 @@ class CheckpointService(AgentCollaborator):
         self._holder_addr: str | None = None
         self._replica_addr: str | None = None
         self._flusher: threading.Thread | None = None
+        self._event_dir = event_dir
+        self._events: EventLog | None = None
+        self._copy_delay_s = float(os.environ.get(COPY_DELAY_ENV) or 0)
+        self._skips = SkipReader()
+        self.snapshots_skipped = 0
         shm.sweep_orphans(shm_dir)
         self._thread = threading.Thread(target=self._persist_loop, name="elasticft-ckpt-persist",
                                         daemon=True)
@@ -135,7 +149,7 @@ class CheckpointService(AgentCollaborator):
                                 ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
             if directory is not None:
                 require_writable_dir(flag, Path(directory))
-        return cls(options.ckpt, local_addr=local_addr)
+        return cls(options.ckpt, local_addr=local_addr, event_dir=options.agent.event_dir)
 
     # ------------------------------------------------------------------------------------------
     # Where things are.
@@ -159,6 +173,11 @@ class CheckpointService(AgentCollaborator):
 
     # ------------------------------------------------------------------------------------------
     # Agent hooks.
+
+    def _event(self, group: GroupInfo, kind: str, **payload: Any) -> None:
+        if self._events is None:
+            self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
+        self._events.emit(kind, **payload)
 
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
@@ -233,6 +252,7 @@ class CheckpointService(AgentCollaborator):
 
     def check(self, group: GroupInfo) -> None:
         self._group = group
+        self._count_skips(group)
         every = self.config.ckpt_persist_every
         if every <= 0 or self._busy.is_set():
             return None
@@ -246,6 +266,16 @@ class CheckpointService(AgentCollaborator):
             self._busy.set()
             self._jobs.put(step)
         return None
+
+    def _count_skips(self, group: GroupInfo) -> None:
+        """Every save a worker could not take becomes a ``snapshot_skipped`` event."""
+        try:
+            skips = self._skips.new_skips(self.control_dir(group))
+        except OSError:
+            return
+        for skip in skips:
+            self.snapshots_skipped += 1
+            self._event(group, "snapshot_skipped", **skip)
 
     def step_to_persist(self, group: GroupInfo, every: int) -> int | None:
         """The step due for persistence: a multiple of ``every`` every local worker holds
@@ -286,23 +316,28 @@ class CheckpointService(AgentCollaborator):
             logger.info("waited %.3f s for the survivors' snapshot copies in flight", waited)
 
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
+        """Starts writing the newest complete snapshot to disk and returns at once.
+
+        Nothing is copied here: the copy out of shared memory runs on the flush thread, so the
+        decision (and a restart in place) never waits for it. The slots survive the crash,
+        and the flush copies each out under its shared lock, for that one copy only.
+        """
+        self._count_skips(group)
         if not self.config.ckpt_flush_on_failure:
             return
-        self._wait_flush()
-        step = self.newest_common_step(group)
+        step = self.newest_common_step(group)  # headers only: microseconds
         if step is None or step <= self._persisted:
             return
         started = time.monotonic()
-        try:
-            copies = self._copies(step, group)
-        except CheckpointError as e:
-            logger.error("checkpoint step %d not flushed: %s", step, e)
-            return
+        previous = self._flusher
 
         def flush() -> None:
-            if self.persist(step, group, copies):
+            if previous is not None:
+                previous.join()  # an earlier failure's flush; persists are serial anyway
+            durable.background_priority()
+            if self.persist(step, group, cause="flush"):
                 logger.info("flushed the step %d snapshot to disk (%.2f s after the failure)",
-                            step, time.monotonic() - started)
+                            self._persisted, time.monotonic() - started)
 
         self._flusher = threading.Thread(target=flush, name="elasticft-ckpt-flush", daemon=True)
         self._flusher.start()
@@ -316,18 +351,17 @@ class CheckpointService(AgentCollaborator):
         if flusher is not None:
             flusher.join()
 
-    def _copies(self, step: int, group: GroupInfo,
-                staging: Mapping[int, shm.StagingBuffer] | None = None) -> dict[int, Snapshot]:
+    def _copies(self, step: int, group: GroupInfo) -> dict[int, Snapshot]:
         """Private copies of every local worker's snapshot of ``step`` (by global rank), in
-        ``staging``'s buffers (by local rank) or fresh ones."""
+        the persister's staging buffers (by local rank; call under ``_persist_lock``)."""
         copies = {}
         for worker in group.workers:
             slots = self.slot_set(group, worker.local_rank)
+            buffer = self._staging.setdefault(worker.local_rank, shm.StagingBuffer())
             for index, header in slots.complete().items():
                 slot = slots.get(index) if header.step == step and \
                     header.rank == worker.global_rank else None
-                buffer = staging[worker.local_rank] if staging else shm.StagingBuffer()
-                snapshot = _copy_out(slot, step, buffer) if slot else None
+                snapshot = _copy_out(slot, step, buffer, self._copy_delay_s) if slot else None
                 if snapshot is not None:
                     copies[worker.global_rank] = snapshot
                     break
@@ -352,7 +386,7 @@ class CheckpointService(AgentCollaborator):
             return False
         while self._busy.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return self.persist(step, group)
+        return self.persist(step, group, cause=f"request: {reason}")
 
     def on_workers_succeeded(self, group: GroupInfo) -> None:
         # The final state goes to disk and to the backup node now: after the exit barrier the
@@ -360,10 +394,11 @@ class CheckpointService(AgentCollaborator):
         self._persist_final(group)
 
     def _persist_final(self, group: GroupInfo) -> None:
+        self._count_skips(group)
         self._wait_flush()
         step = self.newest_common_step(group)
         if step is not None and step > self._persisted:
-            self.persist(step, group)  # the final state, before its memory goes away
+            self.persist(step, group, cause="final")  # before its memory goes away
 
     def close(self) -> None:
         group = self._group
@@ -438,6 +473,7 @@ class CheckpointService(AgentCollaborator):
             if header.step != step:
                 continue
             slot = slots.get(index)
+            # A buffer of its own: the persist thread may be using the staging buffers.
             snapshot = _copy_out(slot, step, shm.StagingBuffer()) if slot is not None else None
             if snapshot is None or not _whole_tensors(snapshot.manifest):
                 continue
@@ -470,15 +506,15 @@ class CheckpointService(AgentCollaborator):
                     with self._persist_lock:
                         self._commit_remote(group.workers[0].world_size if group.workers else 0)
                 elif group is not None:
-                    self.persist(step, group)
+                    self.persist(step, group, cause="periodic")
             finally:
                 self._busy.clear()
 
     def persist(self, step: int, group: GroupInfo,
-                copies: Mapping[int, Snapshot] | None = None) -> bool:
+                copies: Mapping[int, Snapshot] | None = None, *, cause: str = "") -> bool:
         """Writes the local workers' snapshots of ``step`` (or ``copies`` of them, by global
         rank) to disk, commits, replicates. A ``step`` the workers have overwritten since it
-        was picked gives way to the newest one they all hold."""
+        was picked gives way to the newest one they all hold. ``cause`` goes in the event."""
         with self._persist_lock:
             if step <= self._persisted:
                 return True
@@ -488,6 +524,8 @@ class CheckpointService(AgentCollaborator):
                 if taken is None:
                     return False
                 step, copies = taken
+                logger.info("copied step %d out of shared memory in %.2f s (%s)", step,
+                            time.monotonic() - started, cause or "persist")
             try:
                 nbytes = self._write_shards(step, group, copies)
                 self._commit(step, group)
@@ -500,8 +538,11 @@ class CheckpointService(AgentCollaborator):
                 logger.error("checkpoint step %d not persisted: %s", step, e)
                 return False
             self._persisted = step
+            seconds = time.monotonic() - started
             logger.info("persisted checkpoint step %d (%.1f MB) in %.2f s", step, nbytes / 1e6,
-                        time.monotonic() - started)
+                        seconds)
+            self._event(group, "checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3),
+                        cause=cause or "persist")
             self._replicate(step, group)
             return True
 
@@ -510,11 +551,9 @@ class CheckpointService(AgentCollaborator):
         """Copies of every local worker's snapshot of ``step``, else of the newest step they all
         hold now: with steps faster than a tick the one picked may already be overwritten,
         which is no error. None when no newer step than the last persisted is held."""
-        for worker in group.workers:
-            self._staging.setdefault(worker.local_rank, shm.StagingBuffer())
         for _ in range(3):
             try:
-                return step, self._copies(step, group, self._staging)
+                return step, self._copies(step, group)
             except CheckpointError as e:
                 newest = self.newest_common_step(group)
                 if newest is None or newest <= self._persisted:
@@ -570,19 +609,25 @@ class CheckpointService(AgentCollaborator):
             logger.warning("peer backup of step %d to %s failed: %s", step, self._backup_addr, e)
 
 
-def _copy_out(slot: shm.Slot, step: int, staging: shm.StagingBuffer) -> Snapshot | None:
+def _copy_out(slot: shm.Slot, step: int, staging: shm.StagingBuffer,
+              delay_s: float = 0.0) -> Snapshot | None:
     """A private copy of the slot's snapshot of ``step``, taken under the slot's shared lock.
 
     The lock is held for one memory copy only, not for the disk write: the worker never waits
-    for a reader, it skips a slot that is being read, so a long hold would cost snapshots.
+    for a reader, it takes another slot, so a long hold would tie up a slot. The copy releases
+    the GIL and leaves page faults to itself (no ``madvise`` under the GIL), so the agent's
+    monitor loop keeps running meanwhile. ``delay_s``: see ``COPY_DELAY_ENV``.
     """
     with slot.shared(timeout_s=30) as locked:
         if not locked:
             return None
-        snapshot = shm.read_slot(slot, verify=False)
+        snapshot = shm.read_slot(slot, verify=False, prefault=False)
         if snapshot.step != step:
             return None  # overwritten between the peek and the lock
-        return Snapshot(snapshot.manifest, staging.copy_of(snapshot.payload))
+        copy = Snapshot(snapshot.manifest, staging.copy_of(snapshot.payload))
+        if delay_s:
+            time.sleep(delay_s)
+        return copy
 
 
 def _whole_tensors(manifest: Mapping[str, Any]) -> bool:

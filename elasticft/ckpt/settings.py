@@ -42,7 +42,8 @@ class WorkerSettings:
     local_rank: int = 0
     shm_prefix: str | None = None
     """Shared-memory slot name prefix; None disables the memory tier."""
-    slots: int = 2
+    slots: int = 3
+    """Newest complete snapshot, one being read (persisted, flushed), one being written."""
     memory_cap_bytes: int = 0
     """Most bytes this rank's slots may take together (0: no cap)."""
     local_dir: Path | None = None
@@ -76,7 +77,7 @@ class WorkerSettings:
         remote_dir: str | os.PathLike[str] | None = None,
         persist_every: int = 0,
         keep: int = 3,
-        slots: int = 2,
+        slots: int = 3,
         memory: bool = True,
         gpu_staging_bytes: int = 0,
     ) -> WorkerSettings:
@@ -90,7 +91,7 @@ class WorkerSettings:
             return cls(
                 local_rank=local_rank,
                 shm_prefix=env[ENV_SHM] or None,
-                slots=int(env.get(ENV_SLOTS, "2")),
+                slots=int(env.get(ENV_SLOTS, "3")),
                 memory_cap_bytes=int(env.get(ENV_MEMORY_CAP, "0")),
                 local_dir=Path(env[ENV_LOCAL]) if env.get(ENV_LOCAL) else None,
                 remote_dir=Path(env[ENV_REMOTE]) if env.get(ENV_REMOTE) else None,

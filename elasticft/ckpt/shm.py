@@ -16,8 +16,9 @@ avoids a size-negotiation protocol and any stall of the first save on an agent r
 
 Slots and consistency
 ---------------------
-Each local rank has ``slots`` (>= 2) files: double buffering, so the save in progress never
-touches the newest complete snapshot. A slot file is a 4 KiB header, the manifest (JSON), then
+Each local rank has ``slots`` (>= 2, 3 by default) files, so the save in progress never
+touches the newest complete snapshot, nor the one a reader (the agent persisting) is copying
+out. A slot file is a 4 KiB header, the manifest (JSON), then
 the payload. The writer holds an exclusive ``flock`` on the slot for the whole write and marks
 the header ``WRITING`` first and ``COMPLETE`` (with a new generation) last; a reader (the agent
 persisting, the worker loading) holds a shared ``flock``. A crash mid-write releases the lock
@@ -267,6 +268,11 @@ class StagingBuffer:
     Readers copy out so they hold a slot's lock for one memory copy only; reusing the buffer
     keeps that copy warm (a fresh allocation of hundreds of MB pays first-touch page faults,
     several times the cost of the copy itself).
+
+    The copy releases the GIL: it runs on the agent's persist thread, and a copy of gigabytes
+    holding the GIL (as memoryview slicing does) stalled the agent's monitor loop for seconds,
+    so it saw a worker's death that much later. numpy's copy releases it and, unlike torch's,
+    stays on one core instead of waking an intra-op thread pool beside training.
     """
 
     def __init__(self) -> None:
@@ -277,8 +283,17 @@ class StagingBuffer:
         if len(self._buffer) < len(view):
             self._buffer = bytearray(len(view))
         target = memoryview(self._buffer)[: len(view)]
-        target[:] = view
+        copy_unlocked(target, view)
         return target
+
+
+def copy_unlocked(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` for byte views of equal length, without holding the GIL."""
+    if len(src) < 1 << 20:
+        dst[:] = src  # too short to matter; skips numpy's per-call cost
+        return
+    numpy.copyto(numpy.frombuffer(dst, dtype=numpy.uint8),
+                 numpy.frombuffer(src, dtype=numpy.uint8))
 
 
 def payload_offset(manifest_len: int) -> int:
@@ -404,10 +419,12 @@ def item_offsets(manifest: Mapping[str, Any]) -> list[int]:
             if item["kind"] == "tensor" and "offset" in item]
 
 
-def read_slot(slot: Slot, *, verify: bool = True) -> Snapshot:
+def read_slot(slot: Slot, *, verify: bool = True, prefault: bool = True) -> Snapshot:
     """The snapshot of a slot, its pages mapped; call with the slot's shared lock held.
 
-    ``verify`` checks the writer's seal (see :func:`seal_of`).
+    ``verify`` checks the writer's seal (see :func:`seal_of`). ``prefault=False`` leaves the
+    pages to fault in during the caller's copy: ``madvise`` holds the GIL, which a background
+    reader (the agent's persist thread) must not hold for gigabytes.
     """
     header = slot.header()
     if header is None or header.state != COMPLETE:
@@ -416,7 +433,8 @@ def read_slot(slot: Slot, *, verify: bool = True) -> Snapshot:
     raw_manifest = slot.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
     manifest = slot.manifest(header)
     payload = slot.payload(header)
-    slot.prefault(header)
+    if prefault:
+        slot.prefault(header)
     if (verify and header.seal_kind == SEAL_SAMPLED
             and seal_of(header, raw_manifest, payload, item_offsets(manifest)) != header.seal):
         raise SnapshotCorrupt(f"{slot.path}: snapshot of step {header.step} was changed after "

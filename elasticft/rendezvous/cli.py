@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft.cli import CliError
-from elasticft.events import read_events
+from elasticft.events import read_events, snapshots_skipped_line
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist, JobStatus, MemberRecord, read_status
 from elasticft.torch_compat import RendezvousConnectionError
@@ -227,5 +227,8 @@ def _status(args: argparse.Namespace) -> int:
         output["nccl_timings"] = [{"node": node, "message": message, "ranks": ranks}
                                   for (node, message), ranks in timings.items()]
         text.append(format_nccl_timings(timings))
+        skipped, line = snapshots_skipped_line(read_events(args.run_dir))
+        output["snapshots_skipped"] = skipped
+        text.append(line)
     print(json.dumps(output, indent=2) if args.json else "\n".join(text))
     return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import extras
-from elasticft.events import read_events
+from elasticft.events import read_events, snapshots_skipped_line
 from elasticft.report import whatif
 from elasticft.report.eventsonly import format_summary, summarize
 from elasticft.report.steps import read_steps
@@ -40,7 +40,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise CliError(f"{run_dir}: no run_start event in the event log; is this a run "
                            "directory?") from None
         summary = summarize(events, str(e))
-        return _print(args, summary.to_json(), format_summary(summary),
+        skipped, line = snapshots_skipped_line(events)
+        return _print(args, summary.to_json() | {"snapshots_skipped": skipped},
+                      f"{format_summary(summary)}\n  {line}",
                       f"no timeline drawn: {summary.why_no_tor}")
     except ReportError as e:
         raise CliError(f"{run_dir}: {e}") from None
@@ -48,7 +50,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
         from elasticft.report.plot import plot_timeline
 
         plot_timeline(analysis, args.plot)
-    return _print(args, analysis.to_json(), format_report(analysis), f"timeline: {args.plot}")
+    skipped, line = snapshots_skipped_line(events)
+    return _print(args, analysis.to_json() | {"snapshots_skipped": skipped},
+                  f"{format_report(analysis)}\n\n  {line}", f"timeline: {args.plot}")
 
 
 def _print(args: argparse.Namespace, as_json: Any, text: str, plot_line: str) -> int:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elasticft.ckpt import durable, shm
+from elasticft.ckpt import WorkerSettings, durable, shm
 from elasticft.ckpt.shm import SlotSet, segment_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def test_deduplicated_snapshots_restore_exactly_after_a_sigkill(tmp_path: Path, 
     # Each rank's slot holds its own share of the replicated state, about half of it.
     manifests = []
     for rank in (0, 1):
-        slots = SlotSet(segment_prefix(os.getpid(), token, rank), 2)
+        slots = SlotSet(segment_prefix(os.getpid(), token, rank), WorkerSettings().slots)
         newest = slots.newest()
         assert newest is not None and newest[1].step == STEPS
         manifests.append(slots.get(newest[0]).manifest(newest[1]))

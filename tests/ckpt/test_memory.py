@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture, restore
 from elasticft.ckpt.api import StorageFull
+from elasticft.ckpt.control import SkipReader
 from elasticft.ckpt.shm import COMPLETE, WRITING, MemoryTier, SlotSet
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
@@ -35,7 +37,7 @@ def _settings(prefix: str, **kw) -> WorkerSettings:
 @pytest.mark.timeout(60)
 def test_save_is_exact_state_after_the_step_and_double_buffered(prefix: str) -> None:
     model, optim = trained_model()
-    with Checkpointer(_settings(prefix), optimizers=[optim]) as ckpt:
+    with Checkpointer(_settings(prefix, slots=2), optimizers=[optim]) as ckpt:
         expected = {}
         for step in range(1, 4):
             request = ckpt.save(step, capture(model, optim, {"step": step}))
@@ -100,9 +102,32 @@ def test_writer_killed_mid_save_leaves_previous_snapshot_intact(prefix: str) -> 
 
 
 @pytest.mark.timeout(60)
-def test_writer_skips_a_slot_a_reader_holds_and_never_waits(prefix: str) -> None:
+def test_a_reader_holding_a_slot_never_costs_a_snapshot_with_the_default_slots(
+    prefix: str,
+) -> None:
     model, optim = trained_model()
     with Checkpointer(_settings(prefix), optimizers=[optim]) as ckpt:
+        reader = SlotSet(prefix, 3)
+        held = None
+        for step in range(1, 8):
+            assert ckpt.save(step, capture(model, optim)).wait(30).status == "memory"
+            if held is None:  # the agent starts copying step 1 out and takes its time
+                held = reader.get(reader.newest()[0])
+                assert held is not None and held.try_lock(exclusive=False)
+        assert held is not None
+        held.unlock()
+        assert ckpt.snapshots_skipped == 0
+        assert ckpt.newest_step() == 7
+        reader.close()
+
+
+@pytest.mark.timeout(60)
+def test_writer_skips_a_slot_a_reader_holds_never_waits_and_says_so(
+    prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, optim = trained_model()
+    settings = _settings(prefix, slots=2, control_dir=tmp_path)
+    with Checkpointer(settings, optimizers=[optim]) as ckpt:
         ckpt.save(1, capture(model, optim)).wait(30)
         ckpt.save(2, capture(model, optim)).wait(30)
         reader = SlotSet(prefix, 2)
@@ -110,12 +135,24 @@ def test_writer_skips_a_slot_a_reader_holds_and_never_waits(prefix: str) -> None
         slot = reader.get(oldest)
         assert slot is not None and slot.try_lock(exclusive=False)  # the agent persisting step 1
         try:
-            assert ckpt.save(3, capture(model, optim)).wait(30).status == "skipped"
+            request = ckpt.save(3, capture(model, optim)).wait(30)
         finally:
             slot.unlock()
+        assert request.status == "skipped"
+        assert request.skipped is not None and "--ckpt-memory-slots" in request.skipped
+        assert ckpt.snapshots_skipped == 1
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("memory snapshot of step 3 skipped" in r.getMessage() for r in warnings)
         assert ckpt.save(4, capture(model, optim)).wait(30).status == "memory"
-        assert sorted(h.step for h in reader.complete().values()) == [2, 4]
+        assert ckpt.save(5, capture(model, optim)).wait(30).skipped is None
+        assert sorted(h.step for h in reader.complete().values()) == [4, 5]
         reader.close()
+    # The agent reads what the worker reported, once.
+    skips = SkipReader()
+    found = skips.new_skips(tmp_path)
+    assert [(s["rank"], s["local_rank"], s["step"]) for s in found] == [(0, 0, 3)]
+    assert found[0]["reason"] == request.skipped
+    assert skips.new_skips(tmp_path) == []
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,122 @@
+"""How close the agent's persist comes to the disk's sequential write speed.
+
+In one process, one after the other (``--repeat`` rounds, alternating):
+
+* **disk**: N GB written sequentially to a fresh file in 64 MiB writes, then fsync (what ``dd
+  bs=64M conv=fsync`` does), from memory already touched;
+* **persist**: an N GB snapshot (a model's parameters and AdamW state, a few large tensors and
+  many small ones) saved with ``Checkpointer.save`` into real shared-memory slots, then what the
+  agent does to persist it: copy it out of its slot into a reused staging buffer
+  (``service._copy_out``) and write the rank's shard (``durable.write_rank_shard``: a
+  checksummed ``torch.save`` blob per tensor, fsync, manifest). Copy and write are timed apart.
+
+Printed: each round's seconds and GB/s, the medians, and persist/disk (the ratio of speeds).
+
+    .venv/bin/python bench/persist.py [--gb 1 --repeat 3 --dir DIR]
+
+``--dir`` must be on a real disk (not tmpfs); the default is a temporary directory under the
+current one. Not a test: figures depend on the disk and the load; docs/benchmarks.md keeps runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from elasticft.ckpt import Checkpointer, WorkerSettings, durable
+from elasticft.ckpt.service import _copy_out
+from elasticft.ckpt.shm import SlotSet, StagingBuffer, segment_prefix
+
+CHUNK = 64 << 20
+
+
+def disk_write(path: Path, nbytes: int, buffer: bytearray) -> float:
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left:
+            left -= os.write(fd, view[: min(CHUNK, left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
+def model_state(nbytes: int) -> dict[str, torch.Tensor]:
+    """Parameters plus AdamW's two moments: large matrices and one small vector per matrix."""
+    state: dict[str, torch.Tensor] = {}
+    per_param = nbytes // 3
+    width = 2048
+    rows = max(1, per_param // (width * 4) // 16)
+    for i in range(16):
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            state[f"layers.{i}.weight.{kind}"] = torch.randn(rows, width)
+            state[f"layers.{i}.bias.{kind}"] = torch.randn(width)
+    return state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="persist-bench-", dir=args.dir or Path.cwd()))
+    nbytes = int(args.gb * (1 << 30))
+    prefix = segment_prefix(os.getpid(), "persistbench", 0)
+    state = model_state(nbytes)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    buffer = bytearray(os.urandom(1 << 20)) * (CHUNK >> 20)  # incompressible, touched
+    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    staging = StagingBuffer()
+    disk, copy, write = [], [], []
+    try:
+        # One reader for every round, as the agent keeps its mappings (no page faults after
+        # the first persist).
+        reader = SlotSet(prefix, settings.slots)
+        with Checkpointer(settings) as ckpt:
+            for step in range(1, args.repeat + 1):
+                target = root / "dd.bin"
+                disk.append(disk_write(target, size, buffer))
+                target.unlink()
+                ckpt.save(step, state).wait(120)
+                newest = reader.newest()
+                assert newest is not None and newest[1].step == step
+                slot = reader.get(newest[0])
+                assert slot is not None
+                started = time.perf_counter()
+                snapshot = _copy_out(slot, step, staging)
+                assert snapshot is not None
+                copied = time.perf_counter()
+                durable.write_rank_shard(root / "ckpt", snapshot)
+                copy.append(copied - started)
+                write.append(time.perf_counter() - copied)
+                shutil.rmtree(root / "ckpt")
+                gb = size / 1e9
+                print(f"round {step}: disk {disk[-1]:.2f} s ({gb / disk[-1]:.2f} GB/s); persist "
+                      f"{copy[-1] + write[-1]:.2f} s = copy {copy[-1]:.2f} s + write "
+                      f"{write[-1]:.2f} s ({gb / (copy[-1] + write[-1]):.2f} GB/s)", flush=True)
+        reader.close()
+    finally:
+        for path in Path("/dev/shm").glob(f"{prefix}-s*"):
+            path.unlink(missing_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+    gb = size / 1e9
+    d = statistics.median(disk)
+    p = statistics.median(c + w for c, w in zip(copy, write, strict=True))
+    print(f"{gb:.2f} GB, {args.repeat} rounds, medians: disk {d:.2f} s ({gb / d:.2f} GB/s), "
+          f"persist {p:.2f} s ({gb / p:.2f} GB/s; copy {statistics.median(copy):.2f} s, write "
+          f"{statistics.median(write):.2f} s); persist/disk speed {d / p:.2f}")
+
+
+if __name__ == "__main__":
+    main()

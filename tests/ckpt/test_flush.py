@@ -1,0 +1,87 @@
+"""End to end under elasticft-run, ~0.5 GB of state: the flush on failure is not in front of the
+restart, and a slow persister (its copies slowed by the test seam) never costs a snapshot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elasticft.ckpt import durable
+from elasticft.ckpt.service import COPY_DELAY_ENV
+from tests.conftest import BIN, EXAMPLES
+
+STEPS = 12
+CRASH_AT = 6
+# 2 workers x 6 blocks of 512 wide: ~19M parameters each, ~0.45 GB with AdamW's state.
+MODEL = ("--dim", "512", "--layers", "6")
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(run_dir.rglob("events-*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_decision_does_not_wait_for_the_flush_and_no_snapshot_is_skipped(
+    tmp_path: Path, job_env
+) -> None:
+    # Every copy out of a slot takes 2 s more (a copy of gigabytes would): the flush holds the
+    # newest slot of each worker while the restarted workers load it and save the next steps.
+    env = dict(job_env, **{COPY_DELAY_ENV: "2"})
+    run_dir = tmp_path / "run"
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "2", "--run-dir", str(run_dir), "--ckpt-persist-every", "0",
+           "--monitor-interval", "0.2",
+           str(EXAMPLES / "train_elasticft.py"), "--steps", str(STEPS), *MODEL,
+           "--crash-at-step", str(CRASH_AT), "--fault-rank", "1", "--crash-mode", "after-save"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert f"resumed from step {CRASH_AT} (source=memory)" in text, text[-4000:]
+
+    # The policy decided before the flush had even copied the snapshot out of shared memory.
+    decided = text.index("decision: restart_in_place")
+    copied = text.index(f"copied step {CRASH_AT} out of shared memory")
+    assert decided < copied, text[-4000:]
+    assert text.index(f"flushed the step {CRASH_AT} snapshot to disk") > copied
+
+    kinds = [(e["kind"], e.get("cause")) for e in _events(run_dir)]
+    assert kinds.index(("decision", None)) < kinds.index(("checkpoint", "flush")), kinds
+    assert CRASH_AT in durable.committed_steps(run_dir / "ckpt")
+
+    # The restarted workers saved every step while the flush held a slot of each.
+    assert "skipped" not in text, text[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_with_two_slots_a_skipped_snapshot_is_warned_counted_and_reported(
+    tmp_path: Path, job_env
+) -> None:
+    # Two slots: while the persister holds one (its copies slowed as above), a save that finds
+    # the other holding the newest snapshot has nowhere to go.
+    env = dict(job_env, **{COPY_DELAY_ENV: "2"})
+    run_dir = tmp_path / "run"
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+           "--run-dir", str(run_dir), "--ckpt-persist-every", "1", "--ckpt-memory-slots", "2",
+           "--monitor-interval", "0.2",
+           str(EXAMPLES / "train_elasticft.py"), "--steps", str(STEPS), *MODEL]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    warned = text.count("skipped: no free memory slot")
+    assert warned >= 1, text[-4000:]
+    skipped = [e for e in _events(run_dir) if e["kind"] == "snapshot_skipped"]
+    assert len(skipped) == warned  # every warning of every worker, counted once
+    assert all("--ckpt-memory-slots" in e["reason"] for e in skipped)
+
+    status = subprocess.run([str(BIN / "elasticft"), "status", "--run-dir", str(run_dir)],
+                            env=job_env, capture_output=True, text=True, timeout=60)
+    assert f"snapshots skipped: {warned}" in status.stdout, status.stdout + status.stderr
+    report = subprocess.run([str(BIN / "elasticft"), "report", str(run_dir)],
+                            env=job_env, capture_output=True, text=True, timeout=60)
+    assert f"snapshots skipped: {warned}" in report.stdout, report.stdout + report.stderr
