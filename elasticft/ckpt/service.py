@@ -132,6 +132,7 @@ class CheckpointService(AgentCollaborator):
         self._flusher: threading.Thread | None = None
         self._event_dir = event_dir
         self._events: EventLog | None = None
+        self._events_lock = threading.Lock()  # the agent's thread and the persist threads
         self._copy_delay_s = float(os.environ.get(COPY_DELAY_ENV) or 0)
         self._skips = SkipReader()
         self.snapshots_skipped = 0
@@ -175,8 +176,9 @@ class CheckpointService(AgentCollaborator):
     # Agent hooks.
 
     def _event(self, group: GroupInfo, kind: str, **payload: Any) -> None:
-        if self._events is None:
-            self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
+        with self._events_lock:
+            if self._events is None:
+                self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         self._events.emit(kind, **payload)
 
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
@@ -419,6 +421,8 @@ class CheckpointService(AgentCollaborator):
             path.unlink(missing_ok=True)
         if self._peer_server is not None:
             self._peer_server.close()
+        if self._events is not None:
+            self._events.close()
 
     # ------------------------------------------------------------------------------------------
     # Persisting.
