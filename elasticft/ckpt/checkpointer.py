@@ -48,6 +48,7 @@ from elasticft.ckpt.shm import (
     SEAL_SAMPLED,
     WRITING,
     SlotHeader,
+    SlotMaker,
     SlotSet,
     seal_of,
 )
@@ -132,7 +133,9 @@ class Checkpointer:
         self._slot_count = max(2, settings.slots)
         prefix = settings.shm_prefix
         self._loader = SnapshotLoader(settings, self.rank, self.world_size, self._slot_count)
-        self._slots = SlotSet(prefix, self._slot_count) if prefix else None
+        # Slots are made off the training thread (SlotMaker): the first save stages its copy
+        # until its slot exists, and never pays for the allocation.
+        self._slots = SlotSet(prefix, self._slot_count, maker=SlotMaker()) if prefix else None
         # The persister reads through its own descriptors (flock is per open file).
         self._reader_slots = SlotSet(prefix, self._slot_count) if prefix else None
         self._generation = max((h.generation for h in self._slots.headers().values()),
@@ -240,6 +243,11 @@ class Checkpointer:
                 )
         slot = self._claim_slot(size, usable)
         if slot is None:
+            index = self._slot_being_made(usable)
+            if index is not None:
+                self._start_staged_copy(request, layout, guarded, step, manifest, payload_at,
+                                        size, index)
+                return
             self._skip(request, usable)
             return
         self._generation += 1
@@ -283,6 +291,55 @@ class Checkpointer:
                             request.step, request.skipped)
             except OSError:
                 logger.debug("could not report the skipped snapshot", exc_info=True)
+
+    def _slot_being_made(self, usable: int) -> int | None:
+        """A slot the maker is making for this save (the first save, or a grown state)."""
+        assert self._slots is not None and self._slots.maker is not None
+        for index in range(usable):
+            if self._slots.maker.pending(self._slots.path(index)):
+                return index
+        return None
+
+    def _start_staged_copy(self, request: SaveRequest, layout: Layout, guarded: Any, step: int,
+                           manifest: bytes, payload_at: int, size: int, index: int) -> None:
+        """The save of a step whose slot is still being made: what may change before the next
+        optimizer step is cloned now (small: buffers, RNG), and the copy thread writes the
+        slot once it exists (the next optimizer step waits for that, as for any copy)."""
+        self._generation += 1
+        header = SlotHeader(WRITING, self._generation, step, self.rank, self.world_size,
+                            len(manifest), payload_at, layout.payload_bytes, SEAL_NONE, 0, 0.0)
+        sources = [
+            None if entry.tensor.numel() == 0 or entry.replica_of is not None
+            else entry.tensor if only_by_step else entry.tensor.detach().clone()
+            for entry, only_by_step in zip(layout.tensors, guarded, strict=True)
+        ]
+        assert self._slots is not None
+        deferred = _DeferredSlot(self._slots.path(index), size, manifest, payload_at, layout,
+                                 sources)
+        self._inflight = request
+        offsets = [e.offset for e in layout.tensors if e.replica_of is None]
+        self._jobs.put((request, deferred, header, [], offsets))
+
+    def _resolve(self, deferred: _DeferredSlot, header: SlotHeader) -> tuple[Any, list[Any]]:
+        """On the copy thread: the slot of a staged save, once made, locked and headed, and the
+        copies into it."""
+        assert self._slots is not None and self._slots.maker is not None
+        slot = self._slots.maker.wait(deferred.path, deferred.size, timeout_s=600)
+        deadline = time.monotonic() + 60
+        while not slot.try_lock(exclusive=True):  # a reader's peek at the new slot
+            if time.monotonic() > deadline:
+                raise StorageFull(f"{slot.path} stayed locked by a reader")
+            time.sleep(0.005)
+        try:
+            slot.write_header(header)
+            slot.map[HEADER_BYTES : HEADER_BYTES + len(deferred.manifest)] = deferred.manifest
+            views = self._views(slot, deferred.payload_at, deferred.layout)
+        except BaseException:
+            slot.unlock()
+            raise
+        copies = [(dst, src) for dst, src in zip(views, deferred.sources, strict=True)
+                  if dst is not None and src is not None]
+        return slot, copies
 
     def _device_type(self) -> str | None:
         """The device type whose tensors go through the device copier (None: no copier)."""
@@ -372,8 +429,8 @@ class Checkpointer:
         for index in order:
             if index == newest:
                 continue
-            slot = self._slots.ensure(index, size)
-            if slot.try_lock(exclusive=True):
+            slot = self._slots.ensure(index, size)  # None while the maker makes it
+            if slot is not None and slot.try_lock(exclusive=True):
                 return slot
         return None
 
@@ -397,6 +454,8 @@ class Checkpointer:
                 return
             request, slot, header, later, offsets = job
             try:
+                if isinstance(slot, _DeferredSlot):
+                    slot, later = self._resolve(slot, header)
                 if request.device is not None:
                     assert self._device is not None
                     self._device.issue_rest(request.device)
@@ -416,7 +475,8 @@ class Checkpointer:
                 if self._persister is not None:
                     self._persister.offer(header.step)
             except BaseException as e:
-                slot.unlock()
+                if not isinstance(slot, _DeferredSlot):
+                    slot.unlock()
                 logger.exception("memory snapshot of step %d failed", header.step)
                 request._finish("failed", e)
 
@@ -516,6 +576,20 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass
+class _DeferredSlot:
+    """A staged save's destination: the slot the maker is still making, and what goes in."""
+
+    path: Any
+    size: int
+    manifest: bytes
+    payload_at: int
+    layout: Layout
+    sources: list[torch.Tensor | None]
+    """Per layout entry: a clone taken in ``save()``, or the live tensor (changed only by the
+    optimizer step, which waits for the copy), or None (nothing stored here)."""
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

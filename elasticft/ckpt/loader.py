@@ -84,6 +84,8 @@ class SnapshotLoader:
                                                    in_place=live is not None)
                 if self._ranks.all_ok(snapshot is not None):
                     assert snapshot is not None
+                    if live is not None:
+                        live.prepare(snapshot.manifest)
                     replicas = self._reassembler.reassemble(step, snapshot, live)
                     if self._ranks.all_ok(replicas is not None):
                         assert replicas is not None

@@ -40,6 +40,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -166,22 +167,46 @@ class Slot:
     @classmethod
     def create_or_grow(cls, path: Path, size: int) -> Slot:
         """Opens (creating 0600 if needed) and makes the file at least ``size`` bytes, with
-        every page allocated now rather than on first touch."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        every page allocated now rather than on first touch.
+
+        A new file is allocated under a temporary name and renamed into place, so a reader
+        never maps a slot whose pages are still being allocated; an existing one grows in
+        place (its snapshot stays readable meanwhile).
+        """
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = -1
+        if fd < 0:
+            partial = path.with_name(f"{path.name}.new{os.getpid()}-{threading.get_ident()}")
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                cls._allocate(fd, path, size)
+                os.rename(partial, path)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    partial.unlink()
+                raise
+            return cls(path, fd, os.fstat(fd).st_size)
         try:
             if os.fstat(fd).st_size < size:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                        raise StorageFull(
-                            f"shared memory {path} cannot grow to {size} bytes ({e.strerror}); "
-                            "free /dev/shm or lower the memory tier's slots/cap"
-                        ) from None
-                    raise
+                cls._allocate(fd, path, size)
             return cls(path, fd, os.fstat(fd).st_size)
         except BaseException:
             os.close(fd)
+            raise
+
+    @staticmethod
+    def _allocate(fd: int, path: Path, size: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise StorageFull(
+                    f"shared memory {path} cannot grow to {size} bytes ({e.strerror}); "
+                    "free /dev/shm or lower the memory tier's slots/cap"
+                ) from None
             raise
 
     def close(self) -> None:
@@ -296,6 +321,94 @@ def copy_unlocked(dst: memoryview, src: memoryview) -> None:
                  numpy.frombuffer(src, dtype=numpy.uint8))
 
 
+class SlotMaker:
+    """Creates and grows slot files on a thread of its own.
+
+    Allocating a slot's pages (``posix_fallocate``) takes about 0.2 s a GB; a worker's first
+    save used to pay it on the training thread, and on CUDA the registration of the new slot
+    besides. The checkpointer asks for its slots as soon as it knows their size (its first
+    save) and picks them up once made; a save that finds none ready yet stages its copy and
+    its copy thread waits here (:meth:`wait`). After a restart the slots already exist at
+    their size and nothing is made.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._wanted: dict[Path, int] = {}
+        self._made: dict[Path, Slot] = {}
+        """Made and not yet taken by the writer's set."""
+        self._latest: dict[Path, Slot] = {}
+        """The last slot made per path, for :meth:`wait` (taken or not)."""
+        self._failed: dict[Path, BaseException] = {}
+        self._thread: threading.Thread | None = None
+        self.made_count = 0
+
+    def request(self, path: Path, size: int) -> None:
+        """Asks for ``path`` of at least ``size`` bytes (no-op if already asked)."""
+        with self._cond:
+            made = self._made.get(path)
+            if (made is not None and made.size >= size) or self._wanted.get(path, -1) >= size:
+                return
+            self._wanted[path] = size
+            self._failed.pop(path, None)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="elasticft-ckpt-slots",
+                                                daemon=True)
+                self._thread.start()
+
+    def pending(self, path: Path) -> bool:
+        with self._cond:
+            return path in self._wanted
+
+    def take(self, path: Path) -> Slot | None:
+        """A slot made since the last call, handed over to the caller's set (or None)."""
+        with self._cond:
+            return self._made.pop(path, None)
+
+    def wait(self, path: Path, size: int, timeout_s: float) -> Slot:
+        """The slot at ``path`` once made with ``size`` bytes (for the copy thread); the maker
+        keeps it for :meth:`take` as well."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                made = self._latest.get(path)
+                if made is not None and made.size >= size:
+                    return made
+                if path in self._failed:
+                    raise self._failed[path]
+                left = deadline - time.monotonic()
+                if left <= 0 or path not in self._wanted:
+                    raise StorageFull(f"shared memory {path} was not made within {timeout_s} s")
+                self._cond.wait(left)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._wanted:
+                    self._thread = None
+                    return
+                path, size = next(iter(self._wanted.items()))
+            try:
+                slot: Slot | None = Slot.create_or_grow(path, size)
+                error: BaseException | None = None
+            except BaseException as e:  # the saves that wait for it say so
+                slot, error = None, e
+                logger.error("making the checkpoint slot %s failed: %s", path, e)
+            with self._cond:
+                if self._wanted.get(path) == size:
+                    del self._wanted[path]
+                if slot is not None:
+                    stale = self._made.pop(path, None)
+                    if stale is not None:
+                        stale.close()
+                    self._made[path] = self._latest[path] = slot
+                    self.made_count += 1
+                elif error is not None:
+                    self._failed[path] = error
+                    self._wanted.pop(path, None)
+                self._cond.notify_all()
+
+
 def payload_offset(manifest_len: int) -> int:
     return align_up(HEADER_BYTES + manifest_len, 4096)
 
@@ -303,16 +416,27 @@ def payload_offset(manifest_len: int) -> int:
 class SlotSet:
     """The slots of one local rank, as seen by a reader (agent) or the writer (worker)."""
 
-    def __init__(self, prefix: str, slots: int, shm_dir: Path = SHM_DIR) -> None:
+    def __init__(self, prefix: str, slots: int, shm_dir: Path = SHM_DIR,
+                 maker: SlotMaker | None = None) -> None:
         self.prefix = prefix
         self.count = slots
         self.shm_dir = shm_dir
         self._open: dict[int, Slot] = {}
+        self.maker = maker
+        """Makes missing slots off the caller's thread (the writer's); None: :meth:`ensure`
+        makes them itself."""
 
     def path(self, index: int) -> Path:
         return slot_path(self.prefix, index, self.shm_dir)
 
     def get(self, index: int) -> Slot | None:
+        if self.maker is not None:
+            made = self.maker.take(self.path(index))
+            if made is not None:
+                old = self._open.pop(index, None)
+                if old is not None and old is not made:
+                    old.close()
+                self._open[index] = made
         slot = self._open.get(index)
         if slot is not None:
             try:
@@ -329,10 +453,15 @@ class SlotSet:
             self._open[index] = slot
         return slot
 
-    def ensure(self, index: int, size: int) -> Slot:
+    def ensure(self, index: int, size: int) -> Slot | None:
+        """Slot ``index`` of at least ``size`` bytes; with a :attr:`maker`, None until it is
+        made (it is asked for here)."""
         slot = self.get(index)
         if slot is not None and slot.size >= size:
             return slot
+        if self.maker is not None:
+            self.maker.request(self.path(index), size)
+            return None
         if slot is not None:
             slot.close()
             del self._open[index]
@@ -376,6 +505,11 @@ class SlotSet:
         for slot in self._open.values():
             slot.close()
         self._open.clear()
+        if self.maker is not None:
+            for index in range(self.count):
+                made = self.maker.take(self.path(index))
+                if made is not None:
+                    made.close()
 
     def unlink(self) -> None:
         self.close()

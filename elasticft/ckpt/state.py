@@ -9,20 +9,26 @@ key optimizer state by parameter name, so the state works for plain modules, DDP
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint.state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from elasticft.ckpt.snapshot import (
     copy_bytes,
     decode_json,
+    dtype_from_name,
+    set_path,
     stored_here,
     tensor_view,
     unflatten,
@@ -72,9 +78,13 @@ def capture(
     *,
     rng: bool = True,
 ) -> dict[str, Any]:
-    """The state to pass to ``Checkpointer.save``; tensors alias the live model (no copy)."""
+    """The state to pass to ``Checkpointer.save``; tensors alias the live model (no copy).
+
+    An optimizer that has no state yet is saved as it is (its hyperparameters only).
+    """
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with optimizer_state_as_is():
+            model_sd, optim_sd = get_state_dict(model, optimizer)
     else:
         model_sd, optim_sd = get_model_state_dict(model), None
     state: dict[str, Any] = {"model": model_sd, "extra": dict(extra or {})}
@@ -171,18 +181,52 @@ class StateCapture:
         return buffer
 
 
+@contextlib.contextmanager
+def optimizer_state_as_is() -> Iterator[None]:
+    """torch's state-dict helpers, without their creation of missing optimizer state.
+
+    ``get_state_dict``/``set_state_dict`` create the state of an optimizer that has none by
+    running ``step()`` with zero gradients and lr 0. That changes the run being saved (Adam's
+    ``step`` count advances, so the next real update differs), fails for LBFGS (its step needs
+    a closure) and SparseAdam (dense gradients), and in a fresh process costs a whole
+    optimizer step over freshly allocated memory before a restore. A snapshot says which state
+    exists; :class:`LiveState` creates exactly that, and an optimizer without state is saved
+    and restored as such.
+    """
+    original = getattr(torch_state_dict, "_init_optim_state", None)
+    if original is None:  # a torch without the helper: nothing to suppress
+        yield
+        return
+    torch_state_dict._init_optim_state = _leave_optimizer_state  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch_state_dict._init_optim_state = original  # type: ignore[attr-defined]
+
+
+def _leave_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    return None
+
+
 def restore(
     state: Mapping[str, Any],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Applies a loaded state to ``model`` and ``optimizer``; returns its extras."""
-    set_state_dict(
-        model,
-        optimizer if optimizer is not None else [],
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optim", {}) if optimizer is not None else {},
-    )
+    optim_sd = dict(state.get("optim", {})) if optimizer is not None else {}
+    if optim_sd and "state" not in optim_sd:
+        # An optimizer without state (plain SGD) is saved with an empty "state", which a
+        # snapshot cannot hold (it stores leaves); torch takes a dict without one for its
+        # flattened form and fails on it.
+        optim_sd["state"] = {}
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        with optimizer_state_as_is():
+            # Not strict: an optimizer keeps state for the parameters it chooses (LBFGS for
+            # its first only, any optimizer none for a parameter that never had a gradient).
+            set_optimizer_state_dict(model, optimizer, optim_sd,
+                                     options=StateDictOptions(strict=False))
     if "rng" in state:
         set_rng_state(state["rng"])
     return dict(state.get("extra", {}))
@@ -197,6 +241,11 @@ class LiveState:
     each item into the tensor training already uses avoids that and any intermediate
     allocation; :meth:`apply` falls back to ``set_state_dict`` on private copies when the
     snapshot does not fit the live state item for item.
+
+    In a fresh process the optimizer has no state yet. :meth:`prepare` creates exactly the
+    state the snapshot holds (uninitialized tensors of its dtypes and shapes, on the devices
+    torch's ``load_state_dict`` would put them, and its other values), so the copy has
+    somewhere to land without a throwaway optimizer step.
     """
 
     _SIDE = ("extra", "rng")
@@ -205,13 +254,63 @@ class LiveState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = model
         self.optimizer = optimizer
-        # get_state_dict also creates the optimizer's state if it has none yet.
-        live = capture(model, optimizer, rng=False)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for path, value in walk_leaves(live):
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                self.tensors[".".join(map(str, path))] = local.detach()
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._params: dict[str, torch.Tensor] | None = None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every live tensor by DCP name (model and optimizer state)."""
+        if self._tensors is None:
+            live = capture(self.model, self.optimizer, rng=False)
+            tensors: dict[str, torch.Tensor] = {}
+            for path, value in walk_leaves(live):
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    tensors[".".join(map(str, path))] = local.detach()
+            self._tensors = tensors
+        return self._tensors
+
+    def params_by_fqn(self) -> dict[str, torch.Tensor]:
+        """The optimizer's parameters by DCP name (plain parameters only; else empty)."""
+        if self._params is None:
+            self._params = {}
+            if self.optimizer is not None:
+                owned = {(p.data_ptr(), p.dtype, tuple(p.shape)): p
+                         for group in self.optimizer.param_groups for p in group["params"]}
+                if not any(hasattr(p, "to_local") for p in owned.values()):
+                    for fqn, value in get_model_state_dict(self.model).items():
+                        if isinstance(value, torch.Tensor):
+                            key = (value.data_ptr(), value.dtype, tuple(value.shape))
+                            if key in owned:
+                                self._params[fqn] = owned[key]
+        return self._params
+
+    def prepare(self, manifest: Mapping[str, Any]) -> None:
+        """Creates the optimizer state the snapshot holds, if the optimizer has none yet."""
+        optimizer = self.optimizer
+        if optimizer is None or optimizer.state or self._tensors is not None:
+            return
+        items = [i for i in manifest["items"] if i["path"][:2] == ["optim", "state"]]
+        params = self.params_by_fqn()
+        if not items or any(i["path"][2] not in params for i in items):
+            return  # nothing to create, or not plain parameters: torch's own path
+        index = {id(p): n for n, p in enumerate(
+            p for group in optimizer.param_groups for p in group["params"])}
+        state: dict[int, dict[str, Any]] = {}
+        for item in items:
+            param = params[item["path"][2]]
+            rest = tuple(item["path"][3:])
+            if item["kind"] == "tensor":
+                # "step" stays on the host unless fused/capturable (load_state_dict's policy
+                # moves it then); everything else goes where the parameter is.
+                device = torch.device("cpu") if rest[0] == "step" else param.device
+                value: Any = torch.empty(tuple(item["shape"]),
+                                         dtype=dtype_from_name(item["dtype"]), device=device)
+            else:
+                value = decode_json(item["value"])
+            set_path(state.setdefault(index[id(param)], {}), rest, value)
+        groups = optimizer.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def target(self, item: Mapping[str, Any]) -> torch.Tensor | None:
         """The live tensor a snapshot item is copied into, if it fits exactly."""
@@ -222,6 +321,14 @@ class LiveState:
                 or list(live.shape) != list(item["shape"])):
             return None
         return live
+
+    def _value_fits(self, path: list[Any]) -> bool:
+        """A non-tensor item: a param group's hyperparameter, or a parameter's state value."""
+        if self.optimizer is None or path[0] != "optim":
+            return False
+        if path[1] == "param_groups":
+            return len(path) == 4 and int(path[2]) < len(self.optimizer.param_groups)
+        return path[1] == "state" and len(path) >= 4 and path[2] in self.params_by_fqn()
 
     def fits(self, manifest: Mapping[str, Any]) -> bool:
         """True when every item maps onto a live tensor or a restorable value, and back."""
@@ -234,33 +341,47 @@ class LiveState:
                 if self.target(item) is None:
                     return False
                 covered.add(item["fqn"])
-            elif not (self.optimizer is not None and len(path) == 4 and path[0] == "optim"
-                      and path[1] == "param_groups"
-                      and int(path[2]) < len(self.optimizer.param_groups)):
+            elif not self._value_fits(path):
                 return False
         return covered == set(self.tensors)
 
     def apply(self, manifest: Mapping[str, Any], payload: Any,
-              replicas: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+              replicas: Mapping[str, torch.Tensor],
+              copy: Any = None) -> dict[str, Any]:
         """Restores the snapshot; returns its extras. ``replicas``: items another rank
-        stores, already reassembled (into the live tensors when the snapshot fits)."""
+        stores, already reassembled (into the live tensors when the snapshot fits).
+        ``copy(pairs)`` copies (live tensor, snapshot view) pairs (default: one
+        :func:`copy_bytes` each); a CUDA restore passes the device copier's."""
+        self.prepare(manifest)
         if not self.fits(manifest):
             state = unflatten(manifest, payload, copy=True, replicas=replicas)
             return restore(state, self.model, self.optimizer)
         side = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for item in manifest["items"]:
             path = item["path"]
             if path[0] in self._SIDE:
                 side.append(item)
             elif item["kind"] == "tensor":
                 if stored_here(item):
-                    target = self.tensors[item["fqn"]]
-                    copy_bytes(target, tensor_view(payload, item))
+                    pairs.append((self.tensors[item["fqn"]], tensor_view(payload, item)))
                 elif replicas[item["fqn"]] is not self.tensors[item["fqn"]]:
                     copy_bytes(self.tensors[item["fqn"]], replicas[item["fqn"]])
-            elif path[3] != "params":
+            elif path[1] == "param_groups":
+                if path[3] != "params":
+                    assert self.optimizer is not None
+                    self.optimizer.param_groups[int(path[2])][path[3]] = \
+                        decode_json(item["value"])
+            else:
                 assert self.optimizer is not None
-                self.optimizer.param_groups[int(path[2])][path[3]] = decode_json(item["value"])
+                param = self.params_by_fqn()[path[2]]
+                set_path(self.optimizer.state[param], tuple(path[3:]),
+                         decode_json(item["value"]))
+        if copy is not None:
+            copy(pairs)
+        else:
+            for dst, src in pairs:
+                copy_bytes(dst, src)
         rest = unflatten({"items": side}, payload, copy=True)
         if "rng" in rest:
             set_rng_state(rest["rng"])

@@ -269,6 +269,7 @@ def test_slots_are_pinned_once_and_unpinned_before_they_are_unmapped(tmp_path: P
     slot = Slot.create_or_grow(tmp_path / "slot", 1 << 16)
     copier.pin(slot)
     copier.pin(slot)
+    copier.wait_pinned()
     assert list(backend.registered.values()) == [1 << 16] and copier.pinned_slots == 1
     slot.close()
     assert backend.unregistered == list(backend.registered) and copier.pinned_slots == 0
@@ -281,6 +282,7 @@ def test_memory_that_cannot_be_pinned_is_said_once_and_copies_go_on(
     copier = DeviceCopier(0, backend)
     for name in ("a", "b"):
         copier.pin(Slot.create_or_grow(tmp_path / name, 4096))
+        copier.wait_pinned()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "ulimit -l" in warnings[0].getMessage()
     assert copier.pin_refused and not backend.registered
@@ -310,6 +312,10 @@ def test_checkpointer_snapshots_device_state_exactly_and_orders_the_step_after_i
     copier = DeviceCopier(0, backend)
     settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
     with Checkpointer(settings, optimizers=[optim], device_copier=copier) as ckpt:
+        # The first save is staged while its slots are made (off this thread); the device
+        # path starts once they exist.
+        first = ckpt.save(0, capture(model, optim, {"step": 0}))
+        assert first.wait(30).status == "memory" and first.device is None
         for step in (1, 2):
             backend.copies_land.clear()  # the copy stays in flight until after the next step
             request = ckpt.save(step, capture(model, optim, {"step": step}))
@@ -328,6 +334,7 @@ def test_checkpointer_snapshots_device_state_exactly_and_orders_the_step_after_i
             for name, value in state["model"].items():
                 assert torch.equal(value, expected[name]), name
             assert torch.equal(state["optim"]["state"]["0.weight"]["exp_avg"], expected_avg)
+        copier.wait_pinned()
         assert copier.pinned_slots == 2
         assert ckpt.stall_s >= 0.0 and copier.waits_pending == 0
     assert copier.pinned_slots == 0 and len(backend.unregistered) == 2
