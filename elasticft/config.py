@@ -43,7 +43,8 @@ def require_writable_dir(flag: str, directory: Path, mode: int = 0o777) -> None:
     """
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=mode)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".elasticft-probe-"):
+        # A file with no name (O_TMPFILE): a SIGKILL during the probe leaves nothing there.
+        with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
         raise ConfigError(f"{flag} {directory}: cannot write there ({e.strerror}); choose a "

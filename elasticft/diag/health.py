@@ -83,7 +83,8 @@ def check_writable(dirs: Iterable[Path]) -> list[HealthIssue]:
     for directory in dirs:
         try:
             Path(directory).mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=directory, prefix=".elasticft-probe-"):
+            # A file with no name (O_TMPFILE): a SIGKILL during the probe leaves nothing there.
+            with tempfile.TemporaryFile(dir=directory):
                 pass
         except OSError as e:
             issues.append(HealthIssue("writable", f"{directory} is not writable ({e.strerror}); "
