@@ -357,8 +357,10 @@ class SlotMaker:
                 self._thread.start()
 
     def pending(self, path: Path) -> bool:
+        """``path`` is being made, or was made and not yet taken: a save that found no slot a
+        moment ago may have raced with its making, and must not count as skipped."""
         with self._cond:
-            return path in self._wanted
+            return path in self._wanted or path in self._made
 
     def take(self, path: Path) -> Slot | None:
         """A slot made since the last call, handed over to the caller's set (or None)."""
