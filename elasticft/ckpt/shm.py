@@ -342,8 +342,9 @@ class SlotMaker:
                 self._thread.start()
 
     def pending(self, path: Path) -> bool:
+        """Asked for and not yet taken (being made, or made since the writer last looked)."""
         with self._cond:
-            return path in self._wanted
+            return path in self._wanted or path in self._made
 
     def take(self, path: Path) -> Slot | None:
         """A slot made since the last call, handed over to the caller's set (or None)."""
