@@ -50,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "gpu_check_worker.py"
 CKPT_BENCH = ROOT / "bench" / "ckpt_gpu.py"
+RECOVERY_BENCH = ROOT / "bench" / "recovery_large.py"
 RUN_LIMIT_S = 300
 
 
@@ -341,6 +342,13 @@ def check_ckpt(rows: list[tuple[str, str]]) -> None:
     rows.extend(("  ckpt", line[:160]) for line in text.strip().splitlines()[-12:])
 
 
+def check_recovery(rows: list[tuple[str, str]]) -> None:
+    """bench/recovery_large.py: SIGKILL with 4.8 GB of CUDA state, elasticft-run vs torchrun."""
+    code, text = run([sys.executable, str(RECOVERY_BENCH)], child_env(), limit_s=1800)
+    rows.append(("recovery, 4.8 GB (bench/recovery_large.py)", f"exit {code}"))
+    rows.extend(("  recovery", line[:160]) for line in text.strip().splitlines()[-8:])
+
+
 def check_gpu_tests(rows: list[tuple[str, str]]) -> None:
     """The test suite's ``gpu``-marked tests (the CUDA path of the checkpoint memory tier)."""
     # Only the files with gpu tests: the others import extras this machine may not have.
@@ -357,6 +365,7 @@ def dry_run(reason: str) -> int:
 
     py_compile.compile(str(WORKER), doraise=True)
     py_compile.compile(str(CKPT_BENCH), doraise=True)
+    py_compile.compile(str(RECOVERY_BENCH), doraise=True)
     shim = shim_library()
     launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
     print(f"gpu_check: dry run, {reason}: shim {'built' if shim else 'NOT BUILT'}, worker script "
@@ -365,7 +374,7 @@ def dry_run(reason: str) -> int:
     return 0 if shim else 1
 
 
-PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "tests")
+PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "recovery", "tests")
 CPU_PARTS = ("gloo", "restart")
 """Parts that need no GPU: asked for alone (``--parts gloo,restart``), they run on a CPU machine
 too (gloo)."""
@@ -409,7 +418,8 @@ def main() -> int:
                   "gloo": lambda: check_gloo_overhead(tmp, rows),
                   "hang": lambda: check_hang(tmp, rows, args.torchrun_hang_s),
                   "restart": lambda: check_restart(tmp, rows),
-                  "ckpt": lambda: check_ckpt(rows), "tests": lambda: check_gpu_tests(rows)}
+                  "ckpt": lambda: check_ckpt(rows), "recovery": lambda: check_recovery(rows),
+                  "tests": lambda: check_gpu_tests(rows)}
         shown = 0
         for part in parts:
             try:

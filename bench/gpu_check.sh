@@ -4,7 +4,7 @@
 # time, per-call overhead with and without the shim, a hang found through NCCL against plain
 # torchrun, bench/ckpt_gpu.py's GPU checkpoint figures, the `gpu`-marked tests).
 #
-#   bash bench/gpu_check.sh [--torchrun-hang-s 90] [--parts ops,overhead,hang,ckpt,tests]
+#   bash bench/gpu_check.sh [--torchrun-hang-s 90] [--parts ops,overhead,hang,ckpt,recovery,tests]
 #                                                         (PYTHON=... to pick the interpreter)
 #
 # Without a CUDA device it installs nothing, checks the set-up and says so in one line.

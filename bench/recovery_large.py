@@ -1,0 +1,285 @@
+"""Crash recovery with gigabytes of state per rank: elasticft-run against torchrun, one run.
+
+One worker trains an MLP whose parameters and AdamW state come to ``--gb`` GB on ``--device``
+(4.8 GB on CUDA by default, as in shared/notes/gpu-findings.md). Under ``elasticft-run`` with
+default options it uses the documented API (``Checkpointer.from_env``, ``StateCapture``,
+``restore``) and saves every ``--every`` steps; under ``torchrun --max-restarts 1`` the same
+script uses ``torch.save``/``torch.load`` at the same cadence. The worker is SIGKILLed two steps
+after its ``--kill-after-saves``-th save. Printed per launcher:
+
+* kill -> first step: seconds from the SIGKILL to the first step the restarted worker finishes;
+* failure -> decision: from the agent's event log (elasticft-run only);
+* restore: seconds the restarted worker spent in ``restore()`` (or torch.load + load_state_dict);
+* first saves: the save calls of the restarted worker, first ones apart from the later ones;
+* resumed: the step the restarted worker resumed from, against the newest save issued before
+  the kill (and whether that save's copy had landed).
+
+    python bench/recovery_large.py                          # CUDA, 4.8 GB
+    python bench/recovery_large.py --device cpu --gb 3      # the CPU bench (docs/benchmarks.md)
+    python bench/recovery_large.py --device cpu --gb 0.05   # a dry run (tests/bench)
+
+``bench/gpu_check.sh --parts recovery`` runs it on a GPU. Not a test: the numbers are the
+machine's. The table also goes to ``$OUT/recovery_large.json`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_SPEC = "RECOVERY_LARGE_WORKER"
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker (run by the launcher).
+
+
+def _log(path: Path, **record: Any) -> None:
+    record.update(t=time.time(), pid=os.getpid())
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _landed(log: Path, request: Any) -> None:
+    with contextlib.suppress(Exception):  # the status says it
+        request.wait(600)
+    _log(log, event="landed", step=request.step, status=request.status)
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+
+    log = Path(args.log)
+    device = args.device
+    width = 8192 if args.gb >= 1 else 512
+    # AdamW: parameters + two moments, fp32: 12 bytes per parameter.
+    layers = max(1, round(args.gb * 1e9 / 12 / (width * width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                  for _ in range(layers)]).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    batch = torch.randn(args.batch, width, device=device)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    start = 0
+    started = time.perf_counter()
+    if args.mode == "elasticft":
+        from elasticft.ckpt import Checkpointer, StateCapture
+
+        ckpt = Checkpointer.from_env(optimizers=[optim])
+        snapshot = StateCapture(model, optim)
+        restored = ckpt.restore(model, optim)
+        start = int(restored[1]["step"]) if restored else 0
+    else:
+        path = Path(args.ckpt_file)
+        if path.exists():
+            state = torch.load(path, map_location=device, weights_only=True)
+            model.load_state_dict(state["model"])
+            optim.load_state_dict(state["optim"])
+            start = int(state["step"])
+            del state
+    sync()
+    _log(log, event="start", resumed=start, restore_s=time.perf_counter() - started
+         if start else None)
+    for step in range(start, args.steps):
+        model(batch).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        sync()
+        _log(log, event="step", step=step + 1)
+        if (step + 1) % args.every == 0:
+            called = time.perf_counter()
+            if args.mode == "elasticft":
+                request = ckpt.save(step + 1, snapshot(extra={"step": step + 1}))
+                save_s = time.perf_counter() - called
+                request_of = request
+            else:
+                torch.save({"model": model.state_dict(), "optim": optim.state_dict(),
+                            "step": step + 1}, args.ckpt_file + ".tmp")
+                os.replace(args.ckpt_file + ".tmp", args.ckpt_file)
+                save_s, request_of = time.perf_counter() - called, None
+            _log(log, event="save", step=step + 1, save_s=save_s)
+            if request_of is not None:  # logged when its copy lands, off the training thread
+                threading.Thread(target=_landed, args=(log, request_of), daemon=True).start()
+    if args.mode == "elasticft":
+        ckpt.close()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver.
+
+
+def _launcher(name: str) -> list[str]:
+    module = {"elasticft-run": "elasticft.run", "torchrun": "torch.distributed.run"}[name]
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+def _records(log: Path) -> list[dict[str, Any]]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    log = tmp / f"{name}.jsonl"
+    run_dir = tmp / f"run-{name}"
+    mode = "elasticft" if name == "elasticft-run" else "torch"
+    # The worker's settings go by environment: the launchers parse options that would clash.
+    spec = {"mode": mode, "log": str(log), "device": args.device, "gb": args.gb,
+            "every": args.every, "steps": args.steps, "batch": args.batch,
+            "ckpt_file": str(tmp / "torch_ckpt.pt")}
+    worker_args = [str(Path(__file__).resolve())]
+    if name == "elasticft-run":
+        command = [*_launcher("elasticft-run"), "--nproc-per-node", "1", "--max-restarts", "1",
+                   "--run-dir",
+                   str(run_dir), *worker_args]
+    else:
+        command = [*_launcher("torchrun"), "--nproc-per-node", "1", "--max-restarts", "1",
+                   "--standalone", *worker_args]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               **{WORKER_SPEC: json.dumps(spec)})
+    kill_step = args.every * args.kill_after_saves + 2
+    with (tmp / f"{name}.stderr").open("w") as stderr:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
+    killed_at: float | None = None
+    victim: int | None = None
+    deadline = time.monotonic() + args.limit_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            records = _records(log)
+            if killed_at is None:
+                hit = [r for r in records if r["event"] == "step" and r["step"] == kill_step]
+                if hit:
+                    victim = hit[0]["pid"]
+                    killed_at = time.time()
+                    os.kill(victim, signal.SIGKILL)
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    records = _records(log)
+    before = [r for r in records if r["pid"] == victim]
+    after = [r for r in records if killed_at is not None and r["pid"] != victim
+             and r["t"] > killed_at]
+    saves_before = [r["step"] for r in before if r["event"] == "save"]
+    landed_before = [r["step"] for r in before if r["event"] == "landed"]
+    start_after = next((r for r in after if r["event"] == "start"), None)
+    first_step = next((r for r in after if r["event"] == "step"), None)
+    save_after = [r["save_s"] for r in after if r["event"] == "save"]
+    first_run_saves = [r["save_s"] for r in before if r["event"] == "save"]
+    row: dict[str, Any] = {
+        "launcher": name, "exit": proc.returncode, "killed": killed_at is not None,
+        "kill_to_first_step_s": first_step["t"] - killed_at if first_step and killed_at else None,
+        "restore_s": start_after.get("restore_s") if start_after else None,
+        "resumed": start_after["resumed"] if start_after else None,
+        "last_save": saves_before[-1] if saves_before else None,
+        "last_landed": landed_before[-1] if landed_before else None,
+        "first_saves_s": (first_run_saves[:2], save_after[:2]),
+        "later_save_s": statistics.median(first_run_saves[2:] + save_after[2:])
+        if len(first_run_saves[2:] + save_after[2:]) else None,
+        "failure_to_decision_s": None,
+    }
+    if name == "elasticft-run" and killed_at is not None:
+        events = []
+        for path in run_dir.rglob("events-*.jsonl"):
+            events += [json.loads(line) for line in path.read_text().splitlines() if line]
+        failure = next((e for e in events if e["kind"] == "failure" and e["time"] >= killed_at),
+                       None)
+        decision = next((e for e in events if e["kind"] == "decision" and failure
+                         and e["time"] >= failure["time"]), None)
+        if failure is not None:
+            row["kill_to_failure_s"] = failure["time"] - killed_at
+        if failure is not None and decision is not None:
+            row["failure_to_decision_s"] = decision["time"] - failure["time"]
+    if proc.returncode != 0 or killed_at is None:
+        row["stderr_tail"] = (tmp / f"{name}.stderr").read_text()[-1500:]
+    return row
+
+
+def _fmt(value: Any, unit: str = "s") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}{unit}"
+    return str(value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--gb", type=float, default=None,
+                        help="GB of parameters + AdamW state (default: 4.8 on CUDA, 3 on CPU)")
+    parser.add_argument("--every", type=int, default=1, help="save every N steps")
+    parser.add_argument("--kill-after-saves", type=int, default=3,
+                        help="SIGKILL two steps after this many saves")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="steps in all (default: two saves past the kill)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--limit-s", type=float, default=900.0, help="per launcher")
+    parser.add_argument("--launchers", default="elasticft-run,torchrun")
+    if os.environ.get(WORKER_SPEC):
+        return worker(argparse.Namespace(**json.loads(os.environ[WORKER_SPEC])))
+    args = parser.parse_args()
+    if args.gb is None:
+        args.gb = 4.8 if args.device == "cuda" else 3.0
+    if not args.steps:
+        args.steps = args.every * (args.kill_after_saves + 2) + 2
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"recovery_large: no CUDA device (torch {torch.__version__}); nothing measured")
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="recovery_large_") as tmp_name:
+        for name in args.launchers.split(","):
+            rows.append(measure(name, args, Path(tmp_name)))
+    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    where = (torch.cuda.get_device_name(0) if args.device == "cuda"
+             else f"CPU ({platform.machine()}, {os.cpu_count()} cores)")
+    print(f"recovery_large: {where}, torch {torch.__version__}, {when}; {args.gb} GB of state, "
+          f"a save every {args.every} step(s), SIGKILL two steps after save "
+          f"{args.kill_after_saves}")
+    print(f"{'launcher':<14} {'kill->step':>10} {'kill->fail':>10} {'fail->dec':>10} "
+          f"{'restore':>9} {'resumed':>8} {'last save':>9} {'landed':>7}  saves: first (run 1 | "
+          f"restarted), later median")
+    for r in rows:
+        first = " ".join(f"{s:.3f}" for s in r["first_saves_s"][0])
+        again = " ".join(f"{s:.3f}" for s in r["first_saves_s"][1])
+        print(f"{r['launcher']:<14} {_fmt(r['kill_to_first_step_s']):>10} "
+              f"{_fmt(r.get('kill_to_failure_s')):>10} {_fmt(r['failure_to_decision_s']):>10} "
+              f"{_fmt(r['restore_s']):>9} {_fmt(r['resumed']):>8} {_fmt(r['last_save']):>9} "
+              f"{_fmt(r['last_landed']):>7}  {first} | {again}, {_fmt(r['later_save_s'])}"
+              + ("" if r["exit"] == 0 and r["killed"] else f"  (exit {r['exit']}, "
+                 f"killed: {r['killed']})"))
+    for r in rows:
+        if "stderr_tail" in r:
+            print(f"--- {r['launcher']} stderr (tail)\n{r['stderr_tail']}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "recovery_large.json").write_text(json.dumps(
+            {"when": when, "gb": args.gb, "device": args.device, "rows": rows}, indent=1))
+    return 0 if all(r["exit"] == 0 and r["killed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

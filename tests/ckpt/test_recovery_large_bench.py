@@ -1,0 +1,38 @@
+"""bench/recovery_large.py works before GPU time is spent on it: a small dry run on the CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_large_recovery_bench_runs_both_launchers_on_the_cpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "recovery_large.py"), "--device", "cpu", "--gb",
+         "0.02", "--limit-s", "120"],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("recovery_large: CPU"), lines
+    rows = {line.split()[0]: line.split() for line in lines[2:4]}
+    assert set(rows) == {"elasticft-run", "torchrun"}, lines
+    # Every figure of the elasticft-run row was measured, and it resumed from a save at least
+    # as new as the newest one seen landed before the kill (a copy may land unlogged).
+    elasticft = rows["elasticft-run"]
+    assert "-" not in elasticft[1:8], lines
+    resumed, last_save, landed = map(int, elasticft[5:8])
+    assert landed <= resumed <= last_save, lines
+
+
+def test_the_gpu_check_has_a_recovery_part() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    assert "recovery" in gpu_check.PARTS
