@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,6 +64,11 @@ def shared_roots() -> tuple[Path, ...]:
     return (SHM_DIR, Path(tempfile.gettempdir()))
 
 
+_INSTALLED = tuple({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+                    Path(__file__).resolve().parents[1]})
+"""Where the interpreter, its packages and this checkout are."""
+
+
 def held_by_name(pids: Iterable[int], allowed: Path) -> list[str]:
     """Files in /dev/shm or the temporary directory that these processes hold open or mapped
     under a name: what would stay if they were SIGKILLed now. Files with no name (unlinked,
@@ -83,7 +89,9 @@ def held_by_name(pids: Iterable[int], allowed: Path) -> list[str]:
         for path in paths:
             if path.endswith(" (deleted)") or not any(path.startswith(r) for r in roots):
                 continue
-            if not Path(path).is_relative_to(allowed):
+            # The checkout and its environment may themselves live in /tmp (a CI clone): the
+            # libraries mapped from there are the installation, not something the run made.
+            if not any(Path(path).is_relative_to(keep) for keep in (allowed, *_INSTALLED)):
                 found.add(f"pid {pid}: {path}")
     return sorted(found)
 
