@@ -134,12 +134,13 @@ class Spare:
                 os.waitpid(self.intermediate, 0)
 
 
-def fork_spare(worker_pid, close_in_child, local_rank, mode):
+def fork_spare(worker_pid, close_in_child, local_rank, mode, receive):
     """Forks the spare for the worker ``worker_pid`` (through an intermediate that waits).
 
     In the server: a :class:`Spare` (None when the worker cannot be watched). In the spare,
     once it is asked to start: the request and the worker's descriptors, the spare then being
-    in a session of its own, its pid sent."""
+    in a session of its own, its pid sent. ``receive(sock, max_fds)`` reads one start request
+    (the bootstrap's own reader)."""
     try:
         watched = os.pidfd_open(worker_pid)
     except (AttributeError, OSError):
@@ -167,12 +168,12 @@ def fork_spare(worker_pid, close_in_child, local_rank, mode):
     for sock in close_in_child:
         sock.close()
     try:
-        return _wait_as_spare(spare_end, watched, worker_pid, local_rank, mode)
+        return _wait_as_spare(spare_end, watched, worker_pid, local_rank, mode, receive)
     except BaseException:
         os._exit(0)  # never half a worker: the server forks one the usual way
 
 
-def _wait_as_spare(channel, watched, worker_pid, local_rank, mode):
+def _wait_as_spare(channel, watched, worker_pid, local_rank, mode, receive):
     global PREPARED
     used = False
     while True:
@@ -193,23 +194,10 @@ def _wait_as_spare(channel, watched, worker_pid, local_rank, mode):
             break
     if watched is not None:
         os.close(watched)
-    head, fds, _, _ = socket.recv_fds(channel, 8, 16)
-    while head and len(head) < 8:
-        more = channel.recv(8 - len(head))
-        if not more:
-            break
-        head += more
-    if len(head) < 8:
+    received = receive(channel, 16)
+    if received is None:
         os._exit(0)  # the server is gone
-    (size,) = struct.unpack("!Q", head)
-    chunks, got = [], 0
-    while got < size:
-        chunk = channel.recv(min(size - got, 1 << 20))
-        if not chunk:
-            os._exit(0)
-        chunks.append(chunk)
-        got += len(chunk)
-    request = json.loads(b"".join(chunks))
+    request, fds = received
     # Its own session, as torch starts workers; then its pid, for the agent.
     os.setsid()
     channel.sendall(struct.pack("!q", os.getpid()))

@@ -56,13 +56,13 @@ def _run_shadowed_sitecustomize():
         )
 
 
-def _receive(sock):
+def _receive(sock, max_fds=2):
     """One start request: (header dict, [stdout fd, stderr fd]) or None when the agent left."""
     import json
     import socket
     import struct
 
-    head, fds, _, _ = socket.recv_fds(sock, 8, 2)
+    head, fds, _, _ = socket.recv_fds(sock, 8, max_fds)
     while head and len(head) < 8:
         more = sock.recv(8 - len(head))
         if not more:
@@ -220,7 +220,7 @@ def _main():
         if pid is None:
             break
         if device is not None and pid > 0:
-            spare = device.fork_spare(pid, [sock], device.local_rank, device.mode)
+            spare = device.fork_spare(pid, [sock], device.local_rank, device.mode, _receive)
             if isinstance(spare, tuple):  # this process is the spare, asked to start
                 request, fds = spare
                 break
