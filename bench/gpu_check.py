@@ -107,11 +107,7 @@ def run(cmd: list[str], env: dict[str, str], limit_s: float = RUN_LIMIT_S
         except subprocess.TimeoutExpired:
             code = None
             proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _reap(proc)
         end_leftovers()
         log.seek(0)
         return code, log.read()[-2000:]
@@ -288,12 +284,17 @@ def fault_to_step(tmp: Path, name: str, fault: str, fault_step: int = 30,
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _reap(proc)
             end_leftovers()
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Waits for a launcher that was asked to stop; its process group is killed after 30 s."""
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def check_restart(tmp: Path, rows: list[tuple[str, str]]) -> None:
