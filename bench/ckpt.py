@@ -148,7 +148,7 @@ def run_method(trainer: Trainer, method: str | None, every: int, root: Path,
         # Named after the launching process, like the segments of one agent's workers: a
         # restoring rank finds the other ranks' shares of the replicated state on this host.
         settings = WorkerSettings(
-            local_rank=rank, shm_prefix=segment_prefix(os.getppid(), "bench", rank),
+            local_rank=rank, shm_slots=segment_prefix(os.getppid(), "bench", rank),
             local_dir=root, persist_every=0 if method.endswith("memory") else every,
             owner_pid=os.getppid())
         ckpt = Checkpointer(settings, optimizers=[trainer.optim],

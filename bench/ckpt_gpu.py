@@ -195,7 +195,7 @@ class Elasticft(Method):
         self.name = "elasticft, staged" if staging_bytes else "elasticft"
         self.model, self.optim = model, optim
         self.prefix = segment_prefix(os.getpid(), f"bench{staging_bytes}", 0)
-        settings = WorkerSettings(shm_prefix=self.prefix, agent_owned=True,
+        settings = WorkerSettings(shm_slots=self.prefix, agent_owned=True,
                                   gpu_staging_bytes=staging_bytes)
         self.ckpt = Checkpointer(settings, optimizers=[optim])
         self.capture = StateCapture(model, optim, rng=False)

@@ -76,7 +76,7 @@ def main() -> None:
     state = model_state(nbytes)
     size = sum(t.numel() * t.element_size() for t in state.values())
     buffer = bytearray(os.urandom(1 << 20)) * (CHUNK >> 20)  # incompressible, touched
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     staging = StagingBuffer()
     disk, copy, write = [], [], []
     try:

@@ -12,7 +12,11 @@ after its ``--kill-after-saves``-th save. Printed per launcher:
 * restore: seconds the restarted worker spent in ``restore()`` (or torch.load + load_state_dict);
 * first saves: the save calls of the restarted worker, first ones apart from the later ones;
 * resumed: the step the restarted worker resumed from, against the newest save issued before
-  the kill (and whether that save's copy had landed).
+  the kill (and whether that save's copy had landed);
+* kill -> first step split into the restarted script's own start-up (process start to model
+  built), its first step, and the rest: what the launcher and the restore cost;
+* on CPU, the copy floor: the same bytes copied out of /dev/shm by plain numpy in the
+  restarted worker (after training), into fresh memory and into touched memory.
 
     python bench/recovery_large.py                          # CUDA, 4.8 GB
     python bench/recovery_large.py --device cpu --gb 3      # the CPU bench (docs/benchmarks.md)
@@ -60,6 +64,48 @@ def _landed(log: Path, request: Any) -> None:
     _log(log, event="landed", step=request.step, status=request.status)
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (its start-up: interpreter, imports, the model)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _copy_floor() -> dict[str, float]:
+    """A plain copy of this rank's newest slot out of /dev/shm, timed in this process: into
+    fresh memory (page faults included, as a restore's new optimizer state pays them) and
+    again into the same memory (the bare memory copy)."""
+    import numpy
+
+    from elasticft.ckpt.settings import WorkerSettings
+    from elasticft.ckpt.shm import SlotSet, read_slot
+
+    settings = WorkerSettings.from_env()
+    slots = SlotSet(settings.shm_slots or "", settings.slots)
+    try:
+        newest = slots.newest()
+        slot = slots.get(newest[0]) if newest else None
+        if slot is None:
+            return {}
+        with slot.shared() as locked:
+            if not locked:
+                return {}
+            source = numpy.frombuffer(read_slot(slot, verify=False, prefault=False).payload,
+                                      dtype=numpy.uint8)
+            started = time.perf_counter()
+            target = numpy.empty(len(source), dtype=numpy.uint8)
+            numpy.copyto(target, source)
+            fresh = time.perf_counter() - started
+            started = time.perf_counter()
+            numpy.copyto(target, source)
+            touched = time.perf_counter() - started
+            del source
+        return {"floor_fresh_s": fresh, "floor_touched_s": touched,
+                "floor_bytes": float(len(target))}
+    finally:
+        slots.close()
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -78,6 +124,7 @@ def worker(args: argparse.Namespace) -> int:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    _log(log, event="built", startup_s=_process_age_s())
     start = 0
     started = time.perf_counter()
     if args.mode == "elasticft":
@@ -99,11 +146,12 @@ def worker(args: argparse.Namespace) -> int:
     _log(log, event="start", resumed=start, restore_s=time.perf_counter() - started
          if start else None)
     for step in range(start, args.steps):
+        began = time.perf_counter()
         model(batch).pow(2).mean().backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         sync()
-        _log(log, event="step", step=step + 1)
+        _log(log, event="step", step=step + 1, step_s=time.perf_counter() - began)
         if (step + 1) % args.every == 0:
             called = time.perf_counter()
             if args.mode == "elasticft":
@@ -120,6 +168,8 @@ def worker(args: argparse.Namespace) -> int:
                 threading.Thread(target=_landed, args=(log, request_of), daemon=True).start()
     if args.mode == "elasticft":
         ckpt.close()
+        if start and device == "cpu":  # after training: not part of kill -> first step
+            _log(log, event="floor", **_copy_floor())
     return 0
 
 
@@ -186,6 +236,8 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     landed_before = [r["step"] for r in before if r["event"] == "landed"]
     start_after = next((r for r in after if r["event"] == "start"), None)
     first_step = next((r for r in after if r["event"] == "step"), None)
+    built_after = next((r for r in after if r["event"] == "built"), None)
+    floor = next((r for r in after if r["event"] == "floor"), {})
     save_after = [r["save_s"] for r in after if r["event"] == "save"]
     first_run_saves = [r["save_s"] for r in before if r["event"] == "save"]
     row: dict[str, Any] = {
@@ -199,7 +251,14 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "later_save_s": statistics.median(first_run_saves[2:] + save_after[2:])
         if len(first_run_saves[2:] + save_after[2:]) else None,
         "failure_to_decision_s": None,
+        "startup_s": built_after["startup_s"] if built_after else None,
+        "first_step_s": first_step.get("step_s") if first_step else None,
+        "floor_fresh_s": floor.get("floor_fresh_s"),
+        "floor_touched_s": floor.get("floor_touched_s"),
     }
+    if None not in (row["kill_to_first_step_s"], row["startup_s"], row["first_step_s"]):
+        row["launcher_share_s"] = (row["kill_to_first_step_s"] - row["startup_s"]
+                                   - row["first_step_s"])
     if name == "elasticft-run" and killed_at is not None:
         events = []
         for path in run_dir.rglob("events-*.jsonl"):
@@ -272,6 +331,19 @@ def main() -> int:
               f"{_fmt(r['last_landed']):>7}  {first} | {again}, {_fmt(r['later_save_s'])}"
               + ("" if r["exit"] == 0 and r["killed"] else f"  (exit {r['exit']}, "
                  f"killed: {r['killed']})"))
+    print(f"{'launcher':<14} {'start-up':>10} {'1st step':>10} {'rest':>10}   kill -> first step "
+          "= the restarted script's start-up (process start to model built) + its first step "
+          "+ the rest (detection, decision, restart, restore)")
+    for r in rows:
+        print(f"{r['launcher']:<14} {_fmt(r['startup_s']):>10} {_fmt(r['first_step_s']):>10} "
+              f"{_fmt(r.get('launcher_share_s')):>10}")
+    for r in rows:
+        if r.get("floor_fresh_s") and r.get("restore_s"):
+            print(f"{r['launcher']}: restore {r['restore_s']:.3f} s; a plain copy of the same "
+                  f"bytes out of /dev/shm in that process: {r['floor_fresh_s']:.3f} s into fresh "
+                  f"memory ({r['restore_s'] / r['floor_fresh_s']:.2f}x), "
+                  f"{r['floor_touched_s']:.3f} s into touched memory "
+                  f"({r['restore_s'] / r['floor_touched_s']:.2f}x; target <= 2x)")
     for r in rows:
         if "stderr_tail" in r:
             print(f"--- {r['launcher']} stderr (tail)\n{r['stderr_tail']}")

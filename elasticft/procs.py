@@ -12,6 +12,8 @@ import os
 STOPPED_STATES = frozenset({"T", "t", "Z", "X"})
 """States in which a process cannot answer: stopped (SIGSTOP, a tracer), or exited."""
 EXITED_STATES = frozenset({"Z", "X"})
+_PF_EXITING = 0x4
+"""The kernel's per-task flag set as a task begins to exit (``include/linux/sched.h``)."""
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -82,3 +84,21 @@ def exit_status(pid: int) -> int | None:
         return int(fields[-1])
     except (ValueError, IndexError):
         return 0
+
+
+def ending_status(pid: int) -> int | None:
+    """The wait status of a process that has begun to exit, or None while it runs (or when
+    there is no such process).
+
+    A process killed with gigabytes of shared memory mapped stays in the kernel's teardown of
+    its address space for most of a second before it becomes the zombie ``waitpid`` reports
+    (measured here: 0.74 s with 9.6 GB of populated /dev/shm mapped, 0.02 s with 3 GB of
+    private memory). The kernel flags the task as exiting and records its exit code at the
+    start of that teardown, in the same ``stat`` fields :func:`exit_status` reads.
+    """
+    try:
+        fields = _stat_fields(pid)
+        exiting = bool(int(fields[6]) & _PF_EXITING) or fields[0] in EXITED_STATES
+        return int(fields[-1]) if exiting else None
+    except (OSError, IndexError, ValueError):
+        return None

@@ -105,6 +105,21 @@ def held_without_name(pid: int, root: Path = SHM_DIR) -> list[str]:
     return []
 
 
+def unnamed_slots(pid: int) -> list[int]:
+    """Sizes of the checkpoint slots ``pid`` holds open in /dev/shm with no name, once a worker
+    has sized them (an agent's slots are empty until then)."""
+    sizes = []
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                size = fd.stat().st_size
+                if target.startswith(f"{SHM_DIR}/") and target.endswith(" (deleted)") \
+                        and size > 4096:
+                    sizes.append(size)
+    return sizes
+
+
 def named_after(pids: Iterable[int], run_ids: Iterable[str]) -> list[Path]:
     """Entries of /dev/shm and the temporary directory that name one of these processes (a word
     of the name) or runs (anywhere in it), torch's log directories included (one level down)."""

@@ -1,8 +1,7 @@
 """Nothing of a run stays on its host: after a normal end; after SIGKILL of the agent's whole
-process group at any moment, with nothing else started (its progress rings have no name); and
-what older versions left, or checkpoint segments of a SIGKILLed agent, the next start sweeps
-(never another user's files). The run with a crashed worker is checked in
-tests/report/test_auto_steps.py."""
+process group at any moment, with nothing else started (its progress rings and checkpoint slots
+have no name); and what older versions left the next start sweeps (never another user's files).
+The run with a crashed worker is checked in tests/report/test_auto_steps.py."""
 
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from tests.leftovers import (
     named_after,
     run_processes,
     shm_entries,
+    unnamed_slots,
 )
 
 OTHER_UID = 65534  # nobody
@@ -46,14 +46,16 @@ def launch(tmp_path: Path, name: str, steps: int, env: dict[str, str],
         env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_segments(pid: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Until the agent's checkpoint segments exist (the run is training)."""
+def wait_for_slots(pid: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the agent holds checkpoint slots a worker has sized (the run is training); they
+    have no name: nothing of them is in /dev/shm by name."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if any(p.name.startswith(NAME_PREFIX) for p in shm_entries({pid})):
+        if unnamed_slots(pid):
+            assert shm_entries({pid}) == []
             return
         time.sleep(0.2)
-    raise AssertionError(f"no checkpoint segments of agent {pid} appeared")
+    raise AssertionError(f"agent {pid} never held a sized checkpoint slot")
 
 
 def dead_pid() -> int:
@@ -66,7 +68,7 @@ def dead_pid() -> int:
 def test_normal_end_leaves_nothing(tmp_path, job_env):
     job = launch(tmp_path, "run", 12, job_env)
     try:
-        wait_for_segments(job.pid, job)
+        wait_for_slots(job.pid, job)
         assert job.wait(timeout=150) == 0, job.stderr.read()[-3000:] if job.stderr else ""
     finally:
         if job.poll() is None:
@@ -80,10 +82,12 @@ def test_what_older_versions_and_killed_agents_left_is_swept_by_the_next_start(t
     # Rings in a directory of the test's own: agents of other runs on this host sweep /dev/shm.
     rings = tmp_path / "rings"
     rings.mkdir()
-    # A ring directory as older versions named them, of an agent of ours that is gone; and
-    # another user's ring directory and segment, of a process that is gone, named as ours.
+    # A ring directory and a checkpoint segment as older versions named them, of an agent of
+    # ours that is gone; and another user's ring directory and segment, of a process that is
+    # gone, named as ours.
     stale = dead_pid()
     older = rings / f"elasticft-{os.getuid()}-{dead_pid()}-ba9876543210"
+    older_segment = SHM_DIR / f"{NAME_PREFIX}-{dead_pid()}-job-l0-s0"
     foreign = [rings / f"elasticft-{os.getuid()}-{stale}-0123456789ab",
                SHM_DIR / f"{NAME_PREFIX}-{stale}-job-l0-s0"]
     foreign[0].mkdir()
@@ -92,7 +96,7 @@ def test_what_older_versions_and_killed_agents_left_is_swept_by_the_next_start(t
         os.chown(path, OTHER_UID, OTHER_UID)
     killed = launch(tmp_path, "killed", 2000, job_env, rings)
     try:
-        wait_for_segments(killed.pid, killed)
+        wait_for_slots(killed.pid, killed)
         # This version's rings have no name: nothing of the agent's in the ring directory.
         assert [p for p in shm_entries({killed.pid}, rings) if p.parent == rings] == []
         killed.send_signal(signal.SIGKILL)
@@ -105,9 +109,12 @@ def test_what_older_versions_and_killed_agents_left_is_swept_by_the_next_start(t
         deadline = time.monotonic() + 30
         while not all(gone(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
+        # The killed agent's checkpoint slots went with it: they had no name.
+        assert shm_entries({killed.pid}) == []
         # Planted now: the killed agent's own start swept the ring directory.
         older.mkdir()
         (older / "rank-0.py.ring").write_bytes(b"x")
+        older_segment.write_bytes(b"x")
 
         # Diagnostics off in the next run: the start itself sweeps, whatever subsystems run.
         nxt = launch(tmp_path, "next", 4, job_env, rings, ("--diag-enabled", "false"))
@@ -116,9 +123,8 @@ def test_what_older_versions_and_killed_agents_left_is_swept_by_the_next_start(t
         finally:
             if nxt.poll() is None:
                 nxt.kill()
-        # The killed agent's checkpoint segments (unless another run's agent on this host
-        # swept them first) and the older version's rings.
-        assert shm_entries({killed.pid}) == [] and not older.exists()
+        # What the older version left (unless another run's agent on this host swept it).
+        assert not older.exists() and not older_segment.exists()
         assert_nothing_left(tmp_path / "next", marker=str(tmp_path / "next"), ring_base=rings)
         assert all(path.exists() for path in foreign)  # never another user's
     finally:
@@ -129,6 +135,7 @@ def test_what_older_versions_and_killed_agents_left_is_swept_by_the_next_start(t
                 path.rmdir()
             elif path.exists():
                 path.unlink()
+        older_segment.unlink(missing_ok=True)
 
 
 class Lines:
@@ -179,7 +186,7 @@ def test_sigkill_of_the_agents_process_group_at_any_moment_leaves_nothing(
     stops the launcher as soon as the script's last line shows): nothing of the run stays in
     /dev/shm or the temporary directories, and nothing else starts to clean up. While it runs,
     no process of the run holds a file there by name, so no moment could leave one. The script
-    uses no checkpoint API (checkpoint slots are named files swept by the next start)."""
+    saves a memory snapshot every step: its checkpoint slots have no name either."""
     run_dir, go, tmpdir = tmp_path / "run", tmp_path / "go", tmp_path / "tmpdir"
     tmpdir.mkdir()
     if moment != "workers_started":
@@ -201,8 +208,10 @@ def test_sigkill_of_the_agents_process_group_at_any_moment_leaves_nothing(
             workers = {int(p) for p in events_of(run_dir, "workers_started")[0]["pids"].values()}
         if moment == "training":
             output.wait_for("rank 0 step 3", "rank 1 step 3")
-            # The rings are there, mapped by the workers from /dev/shm, with no name.
+            # The rings and slots are there, mapped by the workers from /dev/shm, with no name,
+            # and the agent holds the slots with a snapshot in them.
             assert all(held_without_name(pid) for pid in workers)
+            assert unnamed_slots(job.pid)
         elif moment == "after_last_line":
             output.wait_for("rank 0 last line", "rank 1 last line")
         running = {job.pid, *(p.pid for p in run_processes(run_dir, str(tmp_path)))}

@@ -55,3 +55,17 @@ def test_exit_status_of_a_zombie_child() -> None:
     finally:
         running.kill()
         running.wait()
+
+
+def test_ending_status_from_the_start_of_an_exit_to_the_reap() -> None:
+    with subprocess.Popen(["sleep", "60"]) as running:
+        assert procs.ending_status(running.pid) is None
+        running.kill()
+        assert _wait_state(running.pid, {"Z"}) == "Z"
+        assert procs.ending_status(running.pid) == signal.SIGKILL  # a wait status
+        running.wait()
+    failed = subprocess.Popen(["sh", "-c", "exit 3"])
+    assert _wait_state(failed.pid, {"Z"}) == "Z"
+    assert os.waitstatus_to_exitcode(procs.ending_status(failed.pid) or 0) == 3
+    failed.wait()
+    assert procs.ending_status(failed.pid) is None  # reaped: no such process

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from elasticft import torch_compat
+from elasticft import procs, torch_compat
 from elasticft.agent.api import (
     AgentCollaborator,
     Detection,
@@ -217,6 +218,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._each_collaborator("on_workers_stopped", self.group_info())
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        ending = self._failed_while_exiting()
+        if ending:
+            return RunResult(state=WorkerState.FAILED, failures=ending)
         result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY:
             return result
@@ -229,6 +233,33 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                 self._detection = detection
                 return RunResult(state=WorkerState.UNHEALTHY)
         return result
+
+    def _failed_while_exiting(self) -> dict[int, ProcessFailure]:
+        """Workers that are dying with a failing status, by global rank, before they are reaped.
+
+        torch learns of a death from ``waitpid``, which answers only once the kernel has torn
+        down the worker's mappings: most of a second for a worker with its checkpoint slots
+        mapped (see :func:`elasticft.procs.ending_status`). The failure is the same one torch
+        reports a moment later; stopping the group then waits for the teardown to finish.
+        """
+        pcontext = self._pcontext
+        if pcontext is None:
+            return {}
+        by_local = {w.local_rank: w for w in self._worker_group.workers}
+        failures = {}
+        for local_rank, pid in pcontext.pids().items():
+            status = procs.ending_status(pid)
+            if not status or local_rank not in by_local:
+                continue
+            try:
+                exitcode = os.waitstatus_to_exitcode(status)
+            except ValueError:
+                continue
+            if exitcode != 0:
+                failures[by_local[local_rank].global_rank] = ProcessFailure(
+                    local_rank=local_rank, pid=pid, exitcode=exitcode,
+                    error_file=pcontext.error_files.get(local_rank, ""))
+        return failures
 
     # ------------------------------------------------------------------------------------------
     # The run loop, with torch's restart branch replaced by the policy.

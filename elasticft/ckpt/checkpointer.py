@@ -131,7 +131,7 @@ class Checkpointer:
         self._device_off: str | None = None
         """Why CUDA state is copied the plain way (synchronously), or None."""
         self._slot_count = max(2, settings.slots)
-        prefix = settings.shm_prefix
+        prefix = settings.shm_slots
         self._loader = SnapshotLoader(settings, self.rank, self.world_size, self._slot_count)
         # Slots are made off the training thread (SlotMaker): the first save stages its copy
         # until its slot exists, and never pays for the allocation.

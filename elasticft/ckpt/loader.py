@@ -37,7 +37,7 @@ class SnapshotLoader:
         self.world_size = world_size
         self._slot_count = slot_count
         self._ranks = RankGroup(rank, world_size)
-        self._reassembler = ReplicaReassembler(self._ranks, settings.shm_prefix, slot_count)
+        self._reassembler = ReplicaReassembler(self._ranks, settings.shm_slots, slot_count)
         self.last_source: str | None = None
         """Tier the last successful load came from."""
 
@@ -46,8 +46,8 @@ class SnapshotLoader:
         the backup node, the remote directory."""
         s = self.settings
         tiers: list[Tier] = []
-        if s.shm_prefix:
-            tiers.append(MemoryTier(SlotSet(s.shm_prefix, self._slot_count)))
+        if s.shm_slots:
+            tiers.append(MemoryTier(SlotSet(s.shm_slots, self._slot_count)))
         if s.local_dir is not None:
             tiers.append(durable.DurableTier(s.local_dir, "local"))
         if s.node_peer_addr and s.secret:

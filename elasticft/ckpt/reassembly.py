@@ -80,9 +80,9 @@ class RankGroup:
 class ReplicaReassembler:
     """Fetches the items of a deduplicated snapshot that other ranks store."""
 
-    def __init__(self, ranks: RankGroup, shm_prefix: str | None, slot_count: int) -> None:
+    def __init__(self, ranks: RankGroup, shm_slots: str | None, slot_count: int) -> None:
         self.ranks = ranks
-        self.shm_prefix = shm_prefix
+        self.shm_slots = shm_slots
         self.slot_count = slot_count
         self._peers: list[dict[str, Any]] | None = None
 
@@ -155,7 +155,7 @@ class ReplicaReassembler:
     def _peer_memory(self) -> list[dict[str, Any]]:
         """Every rank's host and shared-memory names (exchanged once)."""
         if self._peers is None:
-            mine = json.dumps({"host": host_key(), "prefix": self.shm_prefix,
+            mine = json.dumps({"host": host_key(), "prefix": self.shm_slots,
                                "slots": self.slot_count}).encode()
             if len(mine) > _PEER_INFO_BYTES:
                 mine = json.dumps({"host": host_key(), "prefix": None, "slots": 0}).encode()

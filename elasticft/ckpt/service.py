@@ -2,11 +2,12 @@
 
 One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollaborator``):
 
-* **Memory it owns.** It names every local worker's shared-memory slots (see
-  :mod:`elasticft.ckpt.shm` for why the worker sizes them and the agent adopts them), passes the
-  names to the workers (``ELASTICFT_CKPT_*``), and removes them when the job ends; segments of
-  an agent that died are swept by the next one. A worker that crashes loses nothing: the
-  segments are files of the tmpfs, not of the process.
+* **Memory it owns.** It creates every local worker's shared-memory slots as files with no
+  name (:mod:`elasticft.unnamed`), empty until the worker sizes them (see
+  :mod:`elasticft.ckpt.shm`), and passes their ``/proc/<agent pid>/fd/<n>`` paths to the
+  workers (``ELASTICFT_CKPT_*``). A worker that crashes loses nothing: the agent holds the
+  files. When the agent exits, however it exits, the kernel frees them: nothing is left to
+  sweep (named segments that older versions left are swept at start).
 * **Persistence in the background.** Every monitor tick it peeks at the slot headers; when all
   local workers hold a complete snapshot of a step due for persistence (``ckpt_persist_every``),
   a background thread writes it to the local directory and the remote one, DCP-readable, with
@@ -48,6 +49,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from elasticft import unnamed
 from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo, run_ending_errors
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
@@ -112,6 +114,7 @@ class CheckpointService(AgentCollaborator):
         self._owner = os.getpid()
         self._group: GroupInfo | None = None
         self._slots: dict[int, shm.SlotSet] = {}
+        self._slot_fds: dict[int, list[int]] = {}
         self._persist_lock = threading.Lock()
         self._persisted = -1
         self._jobs: queue.Queue[int | None] = queue.Queue()
@@ -165,10 +168,17 @@ class CheckpointService(AgentCollaborator):
         return group.run_dir / "ckpt-control" / str(self._owner)
 
     def slot_set(self, group: GroupInfo, local_rank: int) -> shm.SlotSet:
+        """A local rank's slots: files with no name in the shared-memory directory, empty
+        until its worker sizes them, held open here for the job's life (restarted workers
+        find their snapshots in them) and freed by the kernel when the agent exits, however
+        it exits."""
         slots = self._slots.get(local_rank)
         if slots is None:
-            prefix = shm.segment_prefix(self._owner, group.run_id, local_rank)
-            slots = shm.SlotSet(prefix, self.config.ckpt_memory_slots, self._shm_dir)
+            fds = self._slot_fds.setdefault(local_rank, [])
+            while len(fds) < self.config.ckpt_memory_slots:
+                fds.append(unnamed.anonymous_file(self._shm_dir))
+            where = ",".join(str(unnamed.path_of(fd)) for fd in fds)
+            slots = shm.SlotSet(where, len(fds), self._shm_dir)
             self._slots[local_rank] = slots
         return slots
 
@@ -231,8 +241,8 @@ class CheckpointService(AgentCollaborator):
         control.mkdir(parents=True, exist_ok=True, mode=0o700)
         cap = self.config.ckpt_memory_cap_mb * (1 << 20)
         env = {
-            settings.ENV_SHM: slots.prefix,
-            settings.ENV_SLOTS: str(self.config.ckpt_memory_slots),
+            settings.ENV_SHM: slots.where,
+            settings.ENV_SLOTS: str(slots.count),
             settings.ENV_MEMORY_CAP: str(cap),
             settings.ENV_LOCAL: str(self.local_dir(group)),
             settings.ENV_CONTROL: str(control),
@@ -417,8 +427,10 @@ class CheckpointService(AgentCollaborator):
                     time.sleep(0.2)
         for slots in self._slots.values():
             slots.close()
-        for path in shm.owned_segments(self._owner, self._shm_dir):
-            path.unlink(missing_ok=True)
+        for fds in self._slot_fds.values():
+            for fd in fds:
+                os.close(fd)
+        self._slot_fds.clear()
         if self._peer_server is not None:
             self._peer_server.close()
         if self._events is not None:

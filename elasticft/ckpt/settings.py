@@ -40,7 +40,7 @@ class WorkerSettings:
     """One worker's view of the checkpoint tiers."""
 
     local_rank: int = 0
-    shm_prefix: str | None = None
+    shm_slots: str | None = None
     """Shared-memory slot name prefix; None disables the memory tier."""
     slots: int = 3
     """Newest complete snapshot, one being read (persisted, flushed), one being written."""
@@ -90,7 +90,7 @@ class WorkerSettings:
         if ENV_SHM in env:
             return cls(
                 local_rank=local_rank,
-                shm_prefix=env[ENV_SHM] or None,
+                shm_slots=env[ENV_SHM] or None,
                 slots=int(env.get(ENV_SLOTS, "3")),
                 memory_cap_bytes=int(env.get(ENV_MEMORY_CAP, "0")),
                 local_dir=Path(env[ENV_LOCAL]) if env.get(ENV_LOCAL) else None,
@@ -111,7 +111,7 @@ class WorkerSettings:
         prefix = shm.segment_prefix(owner, run_id or "solo", local_rank) if memory else None
         return cls(
             local_rank=local_rank,
-            shm_prefix=prefix,
+            shm_slots=prefix,
             slots=slots,
             local_dir=Path(ckpt_dir) if ckpt_dir is not None else None,
             remote_dir=Path(remote_dir) if remote_dir is not None else None,

@@ -2,17 +2,20 @@
 
 Design (who owns what)
 ----------------------
-The *agent* owns the names; the *worker* sizes the segments. At start the agent gives every
-worker a name prefix (``ELASTICFT_CKPT_SHM``) that embeds the agent's pid and the local rank,
-and the number of slots. At its first save the worker, the only process that knows how large
-its state is, creates the slot files ``/dev/shm/<prefix>-s<k>`` (``O_EXCL``, mode 0600),
-allocates their pages once with ``posix_fallocate`` (so later saves never take first-touch
-page faults) and maps them. Because the agent knows the names, it *adopts* the segments
-without any channel: it opens them when it wants to persist, flush or serve them, survives the
-worker's death with the bytes intact (tmpfs pages belong to the file, not the process), lets the
-restarted worker map the same segments again, and unlinks them when the job ends. A segment whose
-owner pid is dead (an agent killed with SIGKILL) is swept by the next agent on the host. This
-avoids a size-negotiation protocol and any stall of the first save on an agent round trip.
+The *agent* owns the files; the *worker* sizes them. At start the agent creates every local
+rank's slots as files with no name in /dev/shm (:mod:`elasticft.unnamed`) and gives the worker
+their ``/proc/<agent pid>/fd/<n>`` paths (``ELASTICFT_CKPT_SHM``). At its first save the worker,
+the only process that knows how large its state is, grows them and allocates their pages once
+with ``posix_fallocate`` (so later saves never take first-touch page faults), off the training
+thread (:class:`SlotMaker`), and maps them. The agent reads them when it persists, flushes or
+serves them, keeps the bytes through the worker's death (tmpfs pages belong to the file, not
+the process), and the restarted worker maps the same files again. When the agent exits,
+however it exits, the kernel frees them. This avoids a size-negotiation protocol and any stall
+of the first save on an agent round trip.
+
+Without an agent (plain torchrun, one process) the worker's slots are named
+``/dev/shm/<prefix>-s<k>`` after the owning process (torchrun's agent, or the process itself),
+so a restarted worker finds them; a later start sweeps the segments of owners that are gone.
 
 Slots and consistency
 ---------------------
@@ -48,10 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy
+import torch
 
-from elasticft import procs
+from elasticft import procs, unnamed
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
-from elasticft.ckpt.snapshot import align_up
+from elasticft.ckpt.snapshot import align_up, copy_all
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +87,13 @@ def slot_path(prefix: str, slot: int, shm_dir: Path = SHM_DIR) -> Path:
     return shm_dir / f"{prefix}-s{slot}"
 
 
-def owned_segments(owner_pid: int, shm_dir: Path = SHM_DIR) -> list[Path]:
-    return sorted(shm_dir.glob(f"{NAME_PREFIX}-{owner_pid}-*"))
+def slot_paths(where: str, count: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """The paths of one local rank's slots. ``where`` is either the agent's unnamed slot files
+    (:func:`elasticft.unnamed.path_of` paths joined by commas; ``count`` is then their number)
+    or the name prefix of ``count`` named files a process owns itself (no agent)."""
+    if os.sep in where:
+        return [Path(p) for p in where.split(",")]
+    return [slot_path(where, i, shm_dir) for i in range(count)]
 
 
 def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[Path]:
@@ -170,12 +179,15 @@ class Slot:
         every page allocated now rather than on first touch.
 
         A new file is allocated under a temporary name and renamed into place, so a reader
-        never maps a slot whose pages are still being allocated; an existing one grows in
-        place (its snapshot stays readable meanwhile).
+        never maps a slot whose pages are still being allocated; an existing one (the agent's
+        unnamed slots always exist) grows in place, and its snapshot, if any, stays readable
+        meanwhile: until its header is written, a grown slot reads as empty.
         """
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
+            if unnamed.is_unnamed(path):  # the agent that made it is gone
+                raise SnapshotMissing(f"{path}: the agent holding this slot has exited") from None
             fd = -1
         if fd < 0:
             partial = path.with_name(f"{path.name}.new{os.getpid()}-{threading.get_ident()}")
@@ -301,12 +313,15 @@ class StagingBuffer:
     """
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._buffer = numpy.empty(0, dtype=numpy.uint8)
 
     def copy_of(self, data: Any) -> memoryview:
         view = memoryview(data).cast("B")
         if len(self._buffer) < len(view):
-            self._buffer = bytearray(len(view))
+            # Not bytearray(n): it zeroes every page holding the GIL (about a second a GB,
+            # measured), which stalled the agent's loop in the middle of a failure. numpy's
+            # empty buffer is faulted in by the copy below, which releases the GIL.
+            self._buffer = numpy.empty(len(view), dtype=numpy.uint8)
         target = memoryview(self._buffer)[: len(view)]
         copy_unlocked(target, view)
         return target
@@ -416,12 +431,14 @@ def payload_offset(manifest_len: int) -> int:
 
 
 class SlotSet:
-    """The slots of one local rank, as seen by a reader (agent) or the writer (worker)."""
+    """The slots of one local rank, as seen by a reader (agent) or the writer (worker);
+    ``where`` as for :func:`slot_paths`."""
 
-    def __init__(self, prefix: str, slots: int, shm_dir: Path = SHM_DIR,
+    def __init__(self, where: str, slots: int, shm_dir: Path = SHM_DIR,
                  maker: SlotMaker | None = None) -> None:
-        self.prefix = prefix
-        self.count = slots
+        self.where = where
+        self.paths = slot_paths(where, slots, shm_dir)
+        self.count = len(self.paths)
         self.shm_dir = shm_dir
         self._open: dict[int, Slot] = {}
         self.maker = maker
@@ -429,7 +446,7 @@ class SlotSet:
         makes them itself."""
 
     def path(self, index: int) -> Path:
-        return slot_path(self.prefix, index, self.shm_dir)
+        return self.paths[index]
 
     def get(self, index: int) -> Slot | None:
         if self.maker is not None:
@@ -514,10 +531,13 @@ class SlotSet:
                     made.close()
 
     def unlink(self) -> None:
+        """Removes named slots (an agent's unnamed ones go with their last user)."""
         self.close()
+        if os.sep in self.where:
+            return
         for index in range(max(self.count, 8)):
             with contextlib.suppress(FileNotFoundError):
-                self.path(index).unlink()
+                slot_path(self.where, index, self.shm_dir).unlink()
 
 
 def seal_of(header: SlotHeader, manifest: Any, payload: Any,
@@ -599,8 +619,12 @@ class MemoryTier(Tier):
 
     def read(self, step: int, rank: int, world_size: int) -> Snapshot:
         with self.open(step, rank, world_size) as snapshot:
-            # One private copy, so the slot can be reused as soon as the lock is released.
-            return Snapshot(snapshot.manifest, bytearray(snapshot.payload))
+            # One private copy, so the slot can be reused as soon as the lock is released;
+            # not bytearray(): it zeroes every page first, and copies on one thread.
+            payload = torch.empty(len(snapshot.payload), dtype=torch.uint8)
+            if len(payload):
+                copy_all([(payload, torch.frombuffer(snapshot.payload, dtype=torch.uint8))])
+            return Snapshot(snapshot.manifest, memoryview(payload.numpy()))
 
     @contextlib.contextmanager
     def open(self, step: int, rank: int, world_size: int) -> Iterator[Snapshot]:
@@ -618,7 +642,7 @@ class MemoryTier(Tier):
             if not slot.lock_shared(self.lock_timeout_s):
                 continue
             try:
-                snapshot = read_slot(slot)
+                snapshot = read_slot(slot, prefault=False)
                 if snapshot.step != step:
                     continue  # overwritten between the peek and the lock
                 yield snapshot

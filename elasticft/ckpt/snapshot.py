@@ -15,12 +15,14 @@ they come back as tuples. Nothing is pickled.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -474,14 +476,49 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     (measured here: 3.2 vs 3.9 GB/s for 4 MB tensors, 3.4 vs 6.2 GB/s for 300 MB), and ctypes
     releases the GIL for the call, so a copy thread does not hold up the training thread.
     """
-    if (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
-            and src.is_contiguous() and dst.device.type == "cpu" and src.device.type == "cpu"
-            and type(dst) is torch.Tensor and type(src) is torch.Tensor):
+    if _plain(dst, src):
         nbytes = dst.numel() * dst.element_size()
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         return
     dst.copy_(src)
+
+
+_PARALLEL_CHUNK = 64 << 20
+"""Bytes one thread of :func:`copy_all` copies at a time."""
+
+
+def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
+            and src.is_contiguous() and dst.device.type == "cpu" and src.device.type == "cpu"
+            and type(dst) is torch.Tensor and type(src) is torch.Tensor)
+
+
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int = 0) -> None:
+    """:func:`copy_bytes` of every (dst, src) pair, the host-memory bytes split over threads.
+
+    A restore has the cores to itself (nothing trains yet), and its copy into memory the process
+    has not touched is bound by page faults, which threads take in parallel: 3.2 GB out of
+    /dev/shm into fresh memory took 4.5-5.7 s on one thread and 2.9 s on two (measured here).
+    ``threads``: 0 for one per core this process may run on, up to 8.
+    """
+    chunks: list[tuple[int, int, int]] = []
+    for dst, src in pairs:
+        if not _plain(dst, src):
+            dst.copy_(src)
+            continue
+        nbytes = dst.numel() * dst.element_size()
+        for start in range(0, nbytes, _PARALLEL_CHUNK):
+            chunks.append((dst.data_ptr() + start, src.data_ptr() + start,
+                           min(_PARALLEL_CHUNK, nbytes - start)))
+    workers = min(threads or len(os.sched_getaffinity(0)), 8, len(chunks))
+    if workers <= 1:
+        for dst_at, src_at, length in chunks:
+            ctypes.memmove(dst_at, src_at, length)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, "elasticft-restore") as pool:
+        # ctypes releases the GIL for each memmove; list() re-raises a thread's error.
+        list(pool.map(lambda chunk: ctypes.memmove(*chunk), chunks))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from elasticft.ckpt.snapshot import (
+    copy_all,
     copy_bytes,
     decode_json,
     dtype_from_name,
@@ -350,8 +351,8 @@ class LiveState:
               copy: Any = None) -> dict[str, Any]:
         """Restores the snapshot; returns its extras. ``replicas``: items another rank
         stores, already reassembled (into the live tensors when the snapshot fits).
-        ``copy(pairs)`` copies (live tensor, snapshot view) pairs (default: one
-        :func:`copy_bytes` each); a CUDA restore passes the device copier's."""
+        ``copy(pairs)`` copies (live tensor, snapshot view) pairs (default:
+        :func:`~elasticft.ckpt.snapshot.copy_all`)."""
         self.prepare(manifest)
         if not self.fits(manifest):
             state = unflatten(manifest, payload, copy=True, replicas=replicas)
@@ -377,11 +378,7 @@ class LiveState:
                 param = self.params_by_fqn()[path[2]]
                 set_path(self.optimizer.state[param], tuple(path[3:]),
                          decode_json(item["value"]))
-        if copy is not None:
-            copy(pairs)
-        else:
-            for dst, src in pairs:
-                copy_bytes(dst, src)
+        (copy or copy_all)(pairs)
         rest = unflatten({"items": side}, payload, copy=True)
         if "rng" in rest:
             set_rng_state(rest["rng"])

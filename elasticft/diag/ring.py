@@ -48,6 +48,8 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 
+from elasticft.unnamed import anonymous_file
+
 MAGIC = 0x52544645  # b"EFTR" little-endian
 VERSION = 1
 HEADER_SIZE = 128
@@ -192,19 +194,6 @@ def create_ring(path: Path, rank: int, source: str, capacity: int = DEFAULT_CAPA
     finally:
         os.close(fd)
     return True
-
-
-def anonymous_file(directory: Path) -> int:
-    """An open, owner-only, read-write file that has no name: in ``directory``'s file system
-    (``O_TMPFILE``, so a size-limited ``/dev/shm`` still bounds it), or an anonymous memory file
-    where that file system cannot hold one. It is freed when its last descriptor or mapping
-    closes; nobody has to remove it. The descriptor is not inherited."""
-    try:
-        return os.open(directory, os.O_RDWR | os.O_TMPFILE, 0o600)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-            raise
-    return os.memfd_create("elasticft")
 
 
 def create_anonymous_ring(directory: Path, rank: int, source: str,

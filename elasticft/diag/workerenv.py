@@ -27,9 +27,9 @@ from elasticft.diag.ring import (
     FILE_ENV_NAMES,
     RING_DIR_ENV,
     RingFiles,
-    anonymous_file,
     create_anonymous_ring,
 )
+from elasticft.unnamed import anonymous_file, path_of
 
 SHIM_ENV = "ELASTICFT_DIAG_SHIM"
 CUDART_ENV = "ELASTICFT_DIAG_CUDART"
@@ -97,7 +97,7 @@ def default_ring_base() -> Path:
 
 class WorkerFiles:
     """One worker's rings and shim status file as the agent holds them: open descriptors of
-    files that have no name (:func:`elasticft.diag.ring.anonymous_file`, in ``base``'s file
+    files that have no name (:func:`elasticft.unnamed.anonymous_file`, in ``base``'s file
     system). The worker and the agent's own readers open them as ``/proc/<agent pid>/fd/<n>``
     (same user); the memory goes with the last descriptor or mapping, so neither a finished nor
     a SIGKILLed run leaves anything to remove. A ring whose pages cannot be reserved is left
@@ -115,8 +115,7 @@ class WorkerFiles:
         except BaseException:
             self.close()
             raise
-        pid = os.getpid()
-        path = {k: Path(f"/proc/{pid}/fd/{fd}") for k, fd in self._fds.items()}
+        path = {k: path_of(fd) for k, fd in self._fds.items()}
         self.files = RingFiles(path.get("py"), path.get("nccl"), path.get("status"))
 
     def close(self) -> None:

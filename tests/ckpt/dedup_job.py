@@ -47,7 +47,7 @@ def main() -> None:
     rank_i = int(rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank_i, world_size=2)
     settings = WorkerSettings(local_rank=rank_i,
-                              shm_prefix=segment_prefix(int(owner), token, rank_i),
+                              shm_slots=segment_prefix(int(owner), token, rank_i),
                               local_dir=root / "ckpt", persist_every=STEPS,
                               owner_pid=int(owner))
     if mode == "train":

@@ -71,7 +71,7 @@ def _assert_equal(loaded: Any, expected: Any, where: str = "") -> None:
 @pytest.mark.parametrize("staging_mb", [0, 1024])
 def test_every_cuda_snapshot_is_the_state_after_its_step(prefix: str, staging_mb: int) -> None:
     model, optim = _model()
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True,
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True,
                               gpu_staging_bytes=staging_mb << 20)
     snapshot = StateCapture(model, optim, rng=False)
     with Checkpointer(settings, optimizers=[optim]) as ckpt:
@@ -95,7 +95,7 @@ def test_every_cuda_snapshot_is_the_state_after_its_step(prefix: str, staging_mb
 @pytest.mark.timeout(300)
 def test_a_cuda_model_restores_from_memory_in_place(prefix: str) -> None:
     model, optim = _model()
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     with Checkpointer(settings, optimizers=[optim]) as ckpt:
         _step(model, optim, 1)
         ckpt.save(1, capture(model, optim, {"step": 1})).wait(60)

@@ -310,12 +310,16 @@ def test_checkpointer_snapshots_device_state_exactly_and_orders_the_step_after_i
     model, optim = trained_model()
     backend = RecordingBackend()
     copier = DeviceCopier(0, backend)
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     with Checkpointer(settings, optimizers=[optim], device_copier=copier) as ckpt:
         # The first save is staged while its slots are made (off this thread); the device
         # path starts once they exist.
         first = ckpt.save(0, capture(model, optim, {"step": 0}))
         assert first.wait(30).status == "memory" and first.device is None
+        slots = ckpt._slots
+        assert slots is not None and slots.maker is not None
+        for path in slots.paths:  # all asked for by the first save; made one by one
+            slots.maker.wait(path, 1, timeout_s=30)
         for step in (1, 2):
             backend.copies_land.clear()  # the copy stays in flight until after the next step
             request = ckpt.save(step, capture(model, optim, {"step": step}))
@@ -363,7 +367,7 @@ def test_a_failing_device_path_is_said_once_and_no_snapshot_is_lost(
     prefix: str, fails_in: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     model, optim = trained_model()
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     backend = _BrokenBackend(fails_in)
     copier = DeviceCopier(0, backend)
     with Checkpointer(settings, optimizers=[optim], device_copier=copier) as ckpt:

@@ -34,7 +34,7 @@ def prefix():
 
 def _persisting(prefix: str, local: Path, remote: Path | None = None, keep: int = 3,
                 every: int = 1) -> WorkerSettings:
-    return WorkerSettings(shm_prefix=prefix, local_dir=local, remote_dir=remote,
+    return WorkerSettings(shm_slots=prefix, local_dir=local, remote_dir=remote,
                           persist_every=every, keep=keep)
 
 

@@ -62,7 +62,7 @@ def test_the_first_save_makes_no_slot_on_the_training_thread_and_is_exact(
     prefix: str, creations: list[str]
 ) -> None:
     model, optim = trained_model()
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     capture = StateCapture(model, optim)
     with Checkpointer(settings, optimizers=[optim]) as ckpt:
         request = ckpt.save(1, capture(extra={"step": 1}))
@@ -115,7 +115,7 @@ def test_a_large_state_restores_bit_exact_in_place_from_shared_memory(prefix: st
     model, optim = build()
     model(torch.randn(4, width)).sum().backward()
     optim.step()
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     with Checkpointer(settings, optimizers=[optim]) as ckpt:
         assert ckpt.save(7, StateCapture(model, optim)(extra={"step": 7})).wait(120).status \
             == "memory"

@@ -30,7 +30,7 @@ def prefix():
 
 
 def _settings(prefix: str, **kw) -> WorkerSettings:
-    return WorkerSettings(shm_prefix=prefix, agent_owned=True, **kw)
+    return WorkerSettings(shm_slots=prefix, agent_owned=True, **kw)
 
 
 @pytest.mark.smoke
@@ -74,7 +74,7 @@ _WRITER = textwrap.dedent("""
     prefix = sys.argv[1]
     big = torch.nn.Parameter(torch.full((32 << 20,), 1.0))   # 128 MB: the copy takes a while
     optim = torch.optim.SGD([big], lr=0.1)
-    ckpt = Checkpointer(WorkerSettings(shm_prefix=prefix, agent_owned=True), optimizers=[optim])
+    ckpt = Checkpointer(WorkerSettings(shm_slots=prefix, agent_owned=True), optimizers=[optim])
     ckpt.save(1, {"w": big.detach(), "extra": {"step": 1}}).wait()
     with torch.no_grad():
         big.fill_(2.0)
@@ -172,7 +172,7 @@ def test_process_owned_memory_is_removed_at_exit() -> None:
         from elasticft.ckpt import Checkpointer
         ckpt = Checkpointer.from_env(env={})
         ckpt.save(1, {"w": torch.ones(10)}).wait()
-        print(ckpt.settings.shm_prefix)
+        print(ckpt.settings.shm_slots)
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=50, env={k: v for k, v in os.environ.items()

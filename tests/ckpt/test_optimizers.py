@@ -173,7 +173,7 @@ def test_every_optimizer_round_trips_bit_exact_and_steps_on_as_if_uninterrupted(
     model, optim, scheduler = _build(cls)
     _train(model, optim, scheduler, steps)
     saved = _snapshot_of(model, optim)
-    settings = WorkerSettings(shm_prefix=prefix, agent_owned=True)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     with Checkpointer(settings, optimizers=[optim]) as ckpt:
         request = ckpt.save(steps, StateCapture(model, optim, rng=False)(extra={"step": steps}))
         assert request.wait(30).status == "memory"

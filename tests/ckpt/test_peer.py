@@ -44,7 +44,7 @@ def persisted(tmp_path: Path):
     prefix = unique_prefix()
     model, optim = trained_model()
     local = tmp_path / "local"
-    settings = WorkerSettings(shm_prefix=prefix, local_dir=local, persist_every=1)
+    settings = WorkerSettings(shm_slots=prefix, local_dir=local, persist_every=1)
     with Checkpointer(settings, optimizers=[optim]) as ckpt:
         for step in (1, 2):
             ckpt.save(step, capture(model, optim, {"step": step})).wait(30)
@@ -88,7 +88,7 @@ def test_load_fetches_from_the_peer_after_the_local_copy_is_deleted(persisted, s
         client.put_from_dir(durable.step_dir(local, step), 0)
     assert client.steps(0, 1) == [2, 1]
     shutil.rmtree(local)
-    settings = WorkerSettings(shm_prefix=unique_prefix(), local_dir=local,
+    settings = WorkerSettings(shm_slots=unique_prefix(), local_dir=local,
                               peer_addr=peer.address, secret=secret)
     with Checkpointer(settings) as ckpt:
         step, state = ckpt.load()

@@ -3,7 +3,6 @@ stuck in a gloo collective, persisting, and removal of the memory at the end."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from elasticft import unnamed
 from elasticft.agent.api import GroupInfo, WorkerInfo
-from elasticft.ckpt import Checkpointer, WorkerSettings, durable, settings, shm
+from elasticft.ckpt import Checkpointer, WorkerSettings, durable, settings
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from tests.conftest import free_port
@@ -70,13 +70,18 @@ def test_checkpoint_now_reaches_workers_stuck_in_a_collective(tmp_path: Path, jo
         assert info is not None and info["ranks"] == [0, 1] and info["dcp"]
         acks = sorted((tmp_path / "ckpt-control").rglob("ack-l*.json"))
         assert len(acks) == 2 and all('"step": 3' in a.read_text() for a in acks)
-        assert shm.owned_segments(os.getpid())
+        slot_files = [Path(p) for w in workers
+                      for p in service.worker_env(group, w)[settings.ENV_SHM].split(",")]
+        assert all(unnamed.is_unnamed(p) for p in slot_files)
+        held = {p: p.stat().st_ino for p in slot_files if p.stat().st_size > 0}
+        assert held, "the workers' snapshots are in the agent's unnamed files"
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
         service.close()
-    assert not shm.owned_segments(os.getpid()), "the service removes its memory at the end"
+    assert all(not p.exists() or p.stat().st_ino != ino for p, ino in held.items()), \
+        "the service lets go of its memory at the end"
 
 
 _SAVING = textwrap.dedent("""
@@ -139,7 +144,7 @@ def test_one_replica_serves_several_ranks_asking_at_once(tmp_path: Path) -> None
         service.on_workers_started(group)
         prefix = service.worker_env(group, worker)[settings.ENV_SHM]
         state = {"w": torch.arange(16 << 20, dtype=torch.float32), "extra": {"step": 3}}
-        with Checkpointer(WorkerSettings(shm_prefix=prefix, agent_owned=True), rank=0,
+        with Checkpointer(WorkerSettings(shm_slots=prefix, agent_owned=True), rank=0,
                           world_size=2) as ckpt:
             assert ckpt.save(3, state).wait(30).status == "memory"
         with ThreadPoolExecutor(6) as pool:
