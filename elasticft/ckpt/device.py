@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
-from elasticft.ckpt.snapshot import align_up
+from elasticft.ckpt.snapshot import align_up, copy_all
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ class Backend(Protocol):
         ...
     def unregister_host(self, address: int) -> None: ...
     def staging_buffer(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor: ...
+    def pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host buffer of ``nbytes`` bytes (uint8)."""
+        ...
 
 
 def _on_own_thread(call: Callable[[], Any]) -> Any:
@@ -125,6 +128,9 @@ class CudaBackend:
 
     def unregister_host(self, address: int) -> None:
         _on_own_thread(lambda: torch.cuda.cudart().cudaHostUnregister(address))
+
+    def pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def staging_buffer(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -401,3 +407,63 @@ def _address_of(buffer: Any) -> int:
         return ctypes.addressof(anchor)
     finally:
         del anchor  # the export would keep the mapping from being closed
+
+
+# ----------------------------------------------------------------------------------------------
+# Restoring.
+
+BOUNCE_BYTES = 256 << 20
+"""Size of each of the two pinned buffers a restore copies through."""
+
+
+def restore_copy(pairs: Sequence[Copy], backend: Backend | None = None,
+                 bounce_bytes: int = BOUNCE_BYTES) -> None:
+    """Copies (live tensor, snapshot view in shared memory) pairs for a restore.
+
+    Host tensors are copied on every core (:func:`~elasticft.ckpt.snapshot.copy_all`). A device
+    tensor is not copied straight from the slot: from pageable memory the driver stages every
+    byte itself, synchronously (4.8 GB took 0.94 s on an H100; 0.57 s more to register the slot
+    first). Its bytes go through two reused pinned buffers instead: while the device copies one
+    buffer on a stream of its own, the host fills the other (the same 4.8 GB: 0.15 s, measured
+    there). The current stream then waits for that stream, so training's first step sees the
+    restored state. ``backend``: see :class:`Backend` (None: CUDA, created only when needed).
+    """
+    device_type = backend.device_type if backend is not None else "cuda"
+    host: list[Copy] = []
+    by_device: dict[torch.device, list[Copy]] = {}
+    for dst, src in pairs:
+        if (dst.device.type == device_type and src.device.type == "cpu"
+                and dst.dtype == src.dtype and dst.shape == src.shape
+                and dst.is_contiguous() and src.is_contiguous() and dst.numel()):
+            by_device.setdefault(dst.device, []).append((dst, src))
+        else:
+            host.append((dst, src))
+    copy_all(host)
+    if not by_device:
+        return
+    backend = backend or CudaBackend()
+    buffers = [backend.pinned_buffer(bounce_bytes) for _ in range(2)]
+    for device, copies in by_device.items():
+        stream = backend.new_stream(device)
+        landed: list[Any] = [None, None]
+        turn = 0
+        for dst, src in copies:
+            dst_bytes = dst.view(-1).view(torch.uint8)
+            src_bytes = src.reshape(-1).view(torch.uint8)
+            for start in range(0, dst_bytes.numel(), bounce_bytes):
+                length = min(bounce_bytes, dst_bytes.numel() - start)
+                buffer = buffers[turn]
+                if landed[turn] is not None:
+                    landed[turn].synchronize()  # the device is done with this buffer
+                ctypes.memmove(buffer.data_ptr(), src_bytes.data_ptr() + start, length)
+                with backend.on_stream(stream):
+                    dst_bytes[start:start + length].copy_(buffer[:length], non_blocking=True)
+                    landed[turn] = backend.new_event()
+                    landed[turn].record(stream)
+                turn = 1 - turn
+        done = backend.new_event()
+        done.record(stream)
+        backend.current_stream(device).wait_event(done)
+        for event in landed:
+            if event is not None:
+                event.synchronize()  # the buffers go on to the next device, or are freed

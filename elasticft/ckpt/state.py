@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from elasticft.ckpt.device import restore_copy
 from elasticft.ckpt.snapshot import (
-    copy_all,
     copy_bytes,
     decode_json,
     dtype_from_name,
@@ -352,7 +352,8 @@ class LiveState:
         """Restores the snapshot; returns its extras. ``replicas``: items another rank
         stores, already reassembled (into the live tensors when the snapshot fits).
         ``copy(pairs)`` copies (live tensor, snapshot view) pairs (default:
-        :func:`~elasticft.ckpt.snapshot.copy_all`)."""
+        :func:`~elasticft.ckpt.device.restore_copy`: every core for host tensors, pinned
+        buffers on a stream of its own for CUDA ones)."""
         self.prepare(manifest)
         if not self.fits(manifest):
             state = unflatten(manifest, payload, copy=True, replicas=replicas)
@@ -378,7 +379,7 @@ class LiveState:
                 param = self.params_by_fqn()[path[2]]
                 set_path(self.optimizer.state[param], tuple(path[3:]),
                          decode_json(item["value"]))
-        (copy or copy_all)(pairs)
+        (copy or restore_copy)(pairs)
         rest = unflatten({"items": side}, payload, copy=True)
         if "rng" in rest:
             set_rng_state(rest["rng"])

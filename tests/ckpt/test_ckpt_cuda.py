@@ -106,3 +106,13 @@ def test_a_cuda_model_restores_from_memory_in_place(prefix: str) -> None:
         assert reader.last_source == "memory"
     _assert_equal(_host_copy(fresh.state_dict()), expected, "restored")
     assert all(p.is_cuda for p in fresh.parameters())
+
+
+def test_a_restore_through_pinned_buffers_is_exact_on_the_device() -> None:
+    from elasticft.ckpt.device import restore_copy
+
+    host = [torch.randn(3_000_001), torch.randn(17, dtype=torch.float64).to(torch.bfloat16)]
+    live = [torch.empty_like(t, device="cuda") for t in host]
+    restore_copy(list(zip(live, host, strict=True)), bounce_bytes=1 << 20)  # several chunks
+    torch.cuda.current_stream().synchronize()
+    assert all(torch.equal(d.cpu(), h) for d, h in zip(live, host, strict=True))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
-from elasticft.ckpt.device import DeviceCopier
+from elasticft.ckpt.device import DeviceCopier, restore_copy
 from elasticft.ckpt.shm import Slot, SlotSet
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
@@ -102,6 +102,10 @@ class RecordingBackend:
 
     def unregister_host(self, address: int) -> None:
         self.unregistered.append(address)
+
+    def pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        self.trace.append(f"pinned {nbytes}")
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def staging_buffer(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
         if self.staging_fails:
@@ -384,3 +388,34 @@ def test_a_failing_device_path_is_said_once_and_no_snapshot_is_lost(
     if fails_in == "on_stream":  # copies already issued were waited for before the plain ones
         assert backend.trace[-1] == "sync copy"
     SlotSet(prefix, 2).close()
+
+
+def test_a_restore_copies_device_tensors_through_two_reused_pinned_buffers() -> None:
+    backend = RecordingBackend()
+    sources = [torch.arange(n, dtype=torch.float32) for n in (10, 3, 40)]  # 40, 12, 160 bytes
+    live = [torch.zeros_like(t) for t in sources]
+    restore_copy(list(zip(live, sources, strict=True)), backend, bounce_bytes=64)
+    assert all(torch.equal(d, s) for d, s in zip(live, sources, strict=True))
+    trace = backend.trace
+    assert trace[:3] == ["pinned 64", "pinned 64", "new copy stream"]
+    # Five chunks (40, 12, 64, 64, 32 bytes), each issued on the copy stream with an event
+    # after it; a buffer is filled again only once the chunk that last used it has landed.
+    issued = [line for line in trace if line.startswith("e") and line.endswith(" on copy")]
+    assert len(issued) == 6  # five chunks and the final event
+    starts = [i for i, line in enumerate(trace) if line == "issue on copy"]
+    for k in range(2, 5):  # the sync comes before the buffer is filled and its copy issued
+        assert f"sync {issued[k - 2].split()[0]}" in trace[starts[k - 1]:starts[k]], k
+    # Training's stream waits for the last one; both buffers have landed before it returns.
+    final = issued[-1].split()[0]
+    assert f"{TRAIN} waits {final}" in trace
+    assert sorted(trace[-2:]) == [f"sync {issued[-3].split()[0]}", f"sync {issued[-2].split()[0]}"]
+
+
+def test_a_restore_copies_host_tensors_and_odd_pairs_without_the_device_path() -> None:
+    backend = RecordingBackend()
+    backend.device_type = "meta"  # nothing here is on "the device"
+    sources = [torch.arange(12.0).view(3, 4), torch.arange(6, dtype=torch.int64)]
+    live = [torch.zeros(3, 4), torch.zeros(6, dtype=torch.int32)]  # the second: another dtype
+    restore_copy(list(zip(live, sources, strict=True)), backend, bounce_bytes=64)
+    assert torch.equal(live[0], sources[0]) and torch.equal(live[1], sources[1].int())
+    assert backend.trace == []
