@@ -267,6 +267,7 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                        None)
         decision = next((e for e in events if e["kind"] == "decision" and failure
                          and e["time"] >= failure["time"]), None)
+        row["snapshots_skipped"] = sum(e["kind"] == "snapshot_skipped" for e in events)
         if failure is not None:
             row["kill_to_failure_s"] = failure["time"] - killed_at
         if failure is not None and decision is not None:
@@ -338,6 +339,8 @@ def main() -> int:
         print(f"{r['launcher']:<14} {_fmt(r['startup_s']):>10} {_fmt(r['first_step_s']):>10} "
               f"{_fmt(r.get('launcher_share_s')):>10}")
     for r in rows:
+        if "snapshots_skipped" in r:
+            print(f"{r['launcher']}: snapshots skipped: {r['snapshots_skipped']}")
         if r.get("floor_fresh_s") and r.get("restore_s"):
             print(f"{r['launcher']}: restore {r['restore_s']:.3f} s; a plain copy of the same "
                   f"bytes out of /dev/shm in that process: {r['floor_fresh_s']:.3f} s into fresh "
