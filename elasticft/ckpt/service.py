@@ -25,11 +25,12 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   and ask it first.
 * **Flush on failure.** When a worker fails it writes the newest snapshot every local worker
   completed to disk on a thread of its own: ``on_failure`` returns at once, so the policy
-  decides without waiting for gigabytes to be copied. A restart in place, which resumes from
-  memory, runs beside the flush: the flush holds a slot's shared lock only for one memory copy
-  (into the persister's reused staging buffers, with the GIL released), and the slots are
-  enough that the restarted workers' saves never need the one being read (see
-  :mod:`elasticft.ckpt.shm`). Any other decision (evict, stop) waits for the write, so a node
+  decides without waiting for gigabytes to be written. A restart in place, which resumes from
+  memory, runs beside the flush, which never holds a slot the restarted workers need: with
+  three usable slots (the default) it writes the snapshot straight from its slot, whose shared
+  lock the restore shares and whose neighbours take the new saves; with two it copies the
+  snapshot out first (into a reused staging buffer, with the GIL released) and holds the lock
+  for that copy only. Any other decision (evict, stop) waits for the write, so a node
   that does not come back still left it on disk. Every persist is a ``checkpoint`` event.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
@@ -37,6 +38,7 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -363,17 +365,31 @@ class CheckpointService(AgentCollaborator):
         if flusher is not None:
             flusher.join()
 
-    def _copies(self, step: int, group: GroupInfo) -> dict[int, Snapshot]:
-        """Private copies of every local worker's snapshot of ``step`` (by global rank), in
-        the persister's staging buffers (by local rank; call under ``_persist_lock``)."""
+    def _copies(self, step: int, group: GroupInfo,
+                held: contextlib.ExitStack) -> dict[int, Snapshot]:
+        """Every local worker's snapshot of ``step`` (by global rank), readable until ``held``
+        closes (call under ``_persist_lock``).
+
+        Where the worker keeps three usable slots, the snapshot is read in place and its slot
+        stays locked until then: the worker needs only the newest complete snapshot and one
+        slot to write, so the slot being written to disk costs it nothing, and the write needs
+        no second copy of gigabytes in the agent's memory (nor the copy's time). With two, the
+        snapshot is copied out first, into the persister's staging buffer of that local rank,
+        and the slot's lock is held for that copy only.
+        """
         copies = {}
         for worker in group.workers:
             slots = self.slot_set(group, worker.local_rank)
-            buffer = self._staging.setdefault(worker.local_rank, shm.StagingBuffer())
             for index, header in slots.complete().items():
                 slot = slots.get(index) if header.step == step and \
                     header.rank == worker.global_rank else None
-                snapshot = _copy_out(slot, step, buffer, self._copy_delay_s) if slot else None
+                if slot is None:
+                    continue
+                if self._usable_slots(slots, slot) >= 3:
+                    snapshot = _hold(slot, step, held, self._copy_delay_s)
+                else:
+                    buffer = self._staging.setdefault(worker.local_rank, shm.StagingBuffer())
+                    snapshot = _copy_out(slot, step, buffer, self._copy_delay_s)
                 if snapshot is not None:
                     copies[worker.global_rank] = snapshot
                     break
@@ -381,6 +397,11 @@ class CheckpointService(AgentCollaborator):
                 raise CheckpointError(
                     f"local rank {worker.local_rank} no longer holds step {step}", "missing")
         return copies
+
+    def _usable_slots(self, slots: shm.SlotSet, slot: shm.Slot) -> int:
+        """How many slots of this size the worker may use (the memory cap may leave fewer)."""
+        cap = self.config.ckpt_memory_cap_mb << 20
+        return min(slots.count, cap // slot.size) if cap else slots.count
 
     def checkpoint_now(self, reason: str, timeout: float) -> bool:
         """Asks the workers for their newest snapshot and persists it; True once durable."""
@@ -535,41 +556,53 @@ class CheckpointService(AgentCollaborator):
             if step <= self._persisted:
                 return True
             started = time.monotonic()
-            if copies is None:
-                taken = self._copy_newest(step, group)
-                if taken is None:
+            with contextlib.ExitStack() as held:  # slots read in place stay locked till written
+                if copies is None:
+                    taken = self._copy_newest(step, group, held)
+                    if taken is None:
+                        return False
+                    step, copies = taken
+                    logger.info("took step %d out of shared memory in %.2f s (%s)", step,
+                                time.monotonic() - started, cause or "persist")
+                if not self._write(step, group, copies, started, cause):
                     return False
-                step, copies = taken
-                logger.info("copied step %d out of shared memory in %.2f s (%s)", step,
-                            time.monotonic() - started, cause or "persist")
-            try:
-                nbytes = self._write_shards(step, group, copies)
-                self._commit(step, group)
-            except StorageFull as e:
-                if not self._storage_full_reported:
-                    logger.error("checkpoint step %d not persisted: %s", step, e)
-                    self._storage_full_reported = True
-                return False
-            except (CheckpointError, OSError) as e:
-                logger.error("checkpoint step %d not persisted: %s", step, e)
-                return False
-            self._persisted = step
-            seconds = time.monotonic() - started
-            logger.info("persisted checkpoint step %d (%.1f MB) in %.2f s", step, nbytes / 1e6,
-                        seconds)
-            self._event(group, "checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3),
-                        cause=cause or "persist")
             self._replicate(step, group)
             return True
 
-    def _copy_newest(self, step: int, group: GroupInfo
+    def _write(self, step: int, group: GroupInfo, copies: Mapping[int, Snapshot],
+               started: float, cause: str) -> bool:
+        """The disk part of :meth:`persist` (under ``_persist_lock``)."""
+        try:
+            nbytes = self._write_shards(step, group, copies)
+            self._commit(step, group)
+        except StorageFull as e:
+            if not self._storage_full_reported:
+                logger.error("checkpoint step %d not persisted: %s", step, e)
+                self._storage_full_reported = True
+            return False
+        except (CheckpointError, OSError) as e:
+            logger.error("checkpoint step %d not persisted: %s", step, e)
+            return False
+        self._persisted = step
+        seconds = time.monotonic() - started
+        logger.info("persisted checkpoint step %d (%.1f MB) in %.2f s", step, nbytes / 1e6,
+                    seconds)
+        self._event(group, "checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3),
+                    cause=cause or "persist")
+        return True
+
+    def _copy_newest(self, step: int, group: GroupInfo, held: contextlib.ExitStack
                      ) -> tuple[int, dict[int, Snapshot]] | None:
-        """Copies of every local worker's snapshot of ``step``, else of the newest step they all
-        hold now: with steps faster than a tick the one picked may already be overwritten,
-        which is no error. None when no newer step than the last persisted is held."""
+        """Every local worker's snapshot of ``step`` (see :meth:`_copies`), else of the newest
+        step they all hold now: with steps faster than a tick the one picked may already be
+        overwritten, which is no error. None when no newer step than the last persisted is
+        held."""
         for _ in range(3):
             try:
-                return step, self._copies(step, group)
+                with contextlib.ExitStack() as attempt:  # an attempt that fails holds nothing
+                    copies = self._copies(step, group, attempt)
+                    held.enter_context(attempt.pop_all())
+                return step, copies
             except CheckpointError as e:
                 newest = self.newest_common_step(group)
                 if newest is None or newest <= self._persisted:
@@ -644,6 +677,22 @@ def _copy_out(slot: shm.Slot, step: int, staging: shm.StagingBuffer,
         if delay_s:
             time.sleep(delay_s)
         return copy
+
+
+def _hold(slot: shm.Slot, step: int, held: contextlib.ExitStack,
+          delay_s: float = 0.0) -> Snapshot | None:
+    """The slot's snapshot of ``step`` in place, its shared lock held until ``held`` closes
+    (``delay_s``: see ``COPY_DELAY_ENV``)."""
+    if not slot.lock_shared(30):
+        return None
+    snapshot = shm.read_slot(slot, verify=False, prefault=False)
+    if snapshot.step != step:
+        slot.unlock()
+        return None  # overwritten between the peek and the lock
+    held.callback(slot.unlock)
+    if delay_s:
+        time.sleep(delay_s)
+    return snapshot
 
 
 def _whole_tensors(manifest: Mapping[str, Any]) -> bool:

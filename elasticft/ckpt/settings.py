@@ -1,7 +1,7 @@
 """What a worker's checkpointer needs to know, read from the environment in one place.
 
 Under ``elasticft-run`` the agent's checkpoint service hands every worker its shared-memory
-names, directories, backup peer and control directory through ``ELASTICFT_CKPT_*`` variables
+slots, directories, backup peer and control directory through ``ELASTICFT_CKPT_*`` variables
 (:data:`WORKER_ENV`). Without an agent (plain ``torchrun`` or one process) the worker owns its
 memory tier and persists it itself; the same settings are then given to
 :meth:`WorkerSettings.from_env` as arguments.
@@ -41,7 +41,9 @@ class WorkerSettings:
 
     local_rank: int = 0
     shm_slots: str | None = None
-    """Shared-memory slot name prefix; None disables the memory tier."""
+    """Where this rank's shared-memory slots are (see :func:`elasticft.ckpt.shm.slot_paths`):
+    the agent's unnamed files, or a name prefix when the process owns them; None disables the
+    memory tier."""
     slots: int = 3
     """Newest complete snapshot, one being read (persisted, flushed), one being written."""
     memory_cap_bytes: int = 0

@@ -45,7 +45,7 @@ def test_the_decision_does_not_wait_for_the_flush_and_no_snapshot_is_skipped(
 
     # The policy decided before the flush had even copied the snapshot out of shared memory.
     decided = text.index("decision: restart_in_place")
-    copied = text.index(f"copied step {CRASH_AT} out of shared memory")
+    copied = text.index(f"took step {CRASH_AT} out of shared memory")
     assert decided < copied, text[-4000:]
     assert text.index(f"flushed the step {CRASH_AT} snapshot to disk") > copied
 
