@@ -24,8 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from elasticft import procs
 from elasticft.agent.agent import ElasticftAgent
 from elasticft.agent.api import AgentCollaborator, StopRun
 from elasticft.agent.classify import FailureRecord
@@ -198,7 +197,7 @@ def launch(
         rdzv_backend=config.rdzv_backend,
         pid=os.getpid(),
         # When the launcher process began: its own start-up counts in the report's wall time.
-        process_started=psutil.Process().create_time(),
+        process_started=procs.started_at(os.getpid()),
     )
     params = RendezvousParameters(
         backend=config.rdzv_backend,

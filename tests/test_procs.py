@@ -69,3 +69,15 @@ def test_ending_status_from_the_start_of_an_exit_to_the_reap() -> None:
     assert os.waitstatus_to_exitcode(procs.ending_status(failed.pid) or 0) == 3
     failed.wait()
     assert procs.ending_status(failed.pid) is None  # reaped: no such process
+
+
+def test_a_process_start_time_is_to_the_tick_not_to_the_second():
+    before = time.time()
+    child = subprocess.Popen(["sleep", "30"])
+    after = time.time()
+    try:
+        tick = 1 / os.sysconf("SC_CLK_TCK")
+        assert before - tick <= procs.started_at(child.pid) <= after + tick
+    finally:
+        child.kill()
+        child.wait()
