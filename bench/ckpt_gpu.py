@@ -5,12 +5,15 @@ parameters), trained for ``--steps`` steps with a checkpoint every ``--every`` s
 steps without checkpoints just before each method (paired, so drift between methods cancels).
 Printed per method, in one run:
 
-* save(): median time the call took on the training thread;
+* save(): the first two calls of the process apart (they may make and pin the memory slots),
+  then the median of the later calls, on the training thread;
 * extra/save: (steps with checkpoints - steps without) / saves, measured to the last step's end
   on the device: what training really lost, the device included;
 * reported/save: what the method says it stalled (elasticft's ``stall_s``; for the others the
   call time, which is all they report);
-* restore: from the method's own copy back into the live CUDA model and optimizer;
+* restore: from the method's own copy back into the live CUDA model and optimizer, in this
+  process and in a fresh one (a new model and an optimizer without state, as after a crash;
+  torch.save and elasticft);
 * the floor: one device-to-host copy of the state into pinned memory (DMA), timed on the device.
 
 elasticft runs twice: event-ordered (the next optimizer step waits on the device for the copy)
@@ -32,6 +35,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -124,6 +128,10 @@ class Method:
     def restore(self) -> None:
         raise NotImplementedError
 
+    def fresh_restore_spec(self) -> str | None:
+        """What a fresh process restores from (see :func:`fresh_restore`); None: not measured."""
+        return None
+
     def notes(self) -> str:
         return ""
 
@@ -143,10 +151,10 @@ class TorchSave(Method):
                    self.path)
 
     def restore(self) -> None:
-        device = next(self.model.parameters()).device
-        state = torch.load(self.path, map_location=device, weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optim.load_state_dict(state["optim"])
+        torch_load(self.path, self.model, self.optim)
+
+    def fresh_restore_spec(self) -> str | None:
+        return f"torch.save:{self.path}"
 
 
 class DcpAsyncSave(Method):
@@ -216,6 +224,9 @@ class Elasticft(Method):
     def restore(self) -> None:
         assert self.ckpt.restore(self.model, self.optim) is not None
 
+    def fresh_restore_spec(self) -> str | None:
+        return f"elasticft:{self.prefix}"
+
     def notes(self) -> str:
         device = self.ckpt._device
         if device is None:
@@ -231,6 +242,47 @@ class Elasticft(Method):
             path.unlink(missing_ok=True)
 
 
+def torch_load(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    device = next(model.parameters()).device
+    state = torch.load(path, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    optim.load_state_dict(state["optim"])
+
+
+def fresh_restore(spec: str, args: argparse.Namespace) -> float | None:
+    """Seconds a fresh process takes to restore ``spec`` into a new model and an optimizer
+    without state (the process's start-up and model construction not counted)."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--restore-in-this-process", spec, "--params",
+         str(args.params), "--device", args.device],
+        capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        print(f"ckpt_gpu: the fresh restore of {spec} failed:\n{done.stderr[-2000:]}",
+              file=sys.stderr)
+        return None
+    return float(json.loads(done.stdout.splitlines()[-1])["restore_s"])
+
+
+def restore_in_this_process(spec: str, args: argparse.Namespace) -> int:
+    """The fresh process of :func:`fresh_restore`: prints ``{"restore_s": ...}``."""
+    kind, where = spec.split(":", 1)
+    model, optim = build(args.params, args.device)
+    synchronize()
+    started = time.perf_counter()
+    if kind == "torch.save":
+        torch_load(Path(where), model, optim)
+    else:
+        settings = WorkerSettings(shm_slots=where, agent_owned=True)
+        ckpt = Checkpointer(settings, optimizers=[optim])
+        assert ckpt.restore(model, optim) is not None, f"nothing to restore in {where}"
+    synchronize()
+    seconds = time.perf_counter() - started
+    if kind != "torch.save":
+        ckpt.close()
+    print(json.dumps({"restore_s": seconds}))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=400e6)
@@ -239,7 +291,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the same code on the CPU, to check the script itself")
+    parser.add_argument("--restore-in-this-process", metavar="KIND:WHERE",
+                        help=argparse.SUPPRESS)  # the fresh process of a restore
     args = parser.parse_args()
+    if args.restore_in_this_process:
+        return restore_in_this_process(args.restore_in_this_process, args)
     on_gpu = args.device == "cuda"
     if on_gpu and not torch.cuda.is_available():
         print(f"ckpt_gpu: no CUDA device (torch {torch.__version__}); nothing measured")
@@ -277,9 +333,13 @@ def main() -> int:
                 method.restore()
                 synchronize()
                 restore_s = time.perf_counter() - started
+                spec = method.fresh_restore_spec()
+                later = method.call_s[2:] or method.call_s
                 rows.append({
                     "method": method.name,
-                    "save_call_ms": 1000 * statistics.median(method.call_s),
+                    "first_saves_ms": [1000 * s for s in method.call_s[:2]],
+                    "save_call_ms": 1000 * statistics.median(later),
+                    "fresh_restore_s": fresh_restore(spec, args) if spec else None,
                     "extra_per_save_ms": 1000 * (with_saves - plain) / saves,
                     "reported_per_save_ms": 1000 * reported / saves,
                     "restore_s": restore_s,
@@ -294,12 +354,14 @@ def main() -> int:
                   if floor else "no DMA floor on the CPU")
     print(f"ckpt_gpu: {where}, torch {torch.__version__}, {when}; state {nbytes / 1e6:.1f} MB, "
           f"{args.steps} steps, a save every {args.every}; {floor_text}")
-    print(f"{'method':<20} {'save()':>9} {'extra/save':>11} {'reported/save':>14} "
-          f"{'restore':>9} {'step':>8}  notes")
+    print(f"{'method':<20} {'1st, 2nd save()':>16} {'later save()':>13} {'extra/save':>11} "
+          f"{'reported/save':>14} {'restore':>9} {'fresh proc':>10} {'step':>8}  notes")
     for r in rows:
-        print(f"{r['method']:<20} {r['save_call_ms']:>7.1f}ms {r['extra_per_save_ms']:>9.1f}ms "
-              f"{r['reported_per_save_ms']:>12.1f}ms {r['restore_s']:>8.3f}s "
-              f"{r['step_ms']:>6.1f}ms  {r['notes']}")
+        first = ", ".join(f"{ms:.1f}" for ms in r["first_saves_ms"]) + "ms"
+        fresh = "-" if r["fresh_restore_s"] is None else f"{r['fresh_restore_s']:.3f}s"
+        print(f"{r['method']:<20} {first:>16} {r['save_call_ms']:>11.1f}ms "
+              f"{r['extra_per_save_ms']:>9.1f}ms {r['reported_per_save_ms']:>12.1f}ms "
+              f"{r['restore_s']:>8.3f}s {fresh:>10} {r['step_ms']:>6.1f}ms  {r['notes']}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "ckpt_gpu.json").write_text(json.dumps(
             {"when": when, "state_bytes": nbytes, "floor_s": floor, "rows": rows}, indent=1))

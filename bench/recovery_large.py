@@ -71,6 +71,13 @@ def _process_age_s() -> float:
     return uptime - ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _mem_available_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1e6
+    return 0.0
+
+
 def _copy_floor() -> dict[str, float]:
     """A plain copy of this rank's newest slot out of /dev/shm, timed in this process: into
     fresh memory (page faults included, as a restore's new optimizer state pays them) and
@@ -132,7 +139,11 @@ def worker(args: argparse.Namespace) -> int:
 
         ckpt = Checkpointer.from_env(optimizers=[optim])
         snapshot = StateCapture(model, optim)
+        called = time.perf_counter()
+        available = _mem_available_gb()
         restored = ckpt.restore(model, optim)
+        _log(log, event="restore_call", seconds=time.perf_counter() - called,
+             from_env_s=called - started, mem_available_gb=available)
         start = int(restored[1]["step"]) if restored else 0
     else:
         path = Path(args.ckpt_file)

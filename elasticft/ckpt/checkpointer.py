@@ -29,14 +29,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from elasticft.ckpt.api import CheckpointError, StorageFull
-from elasticft.ckpt.control import ControlWatcher, report_skip
+from elasticft.ckpt.control import ControlWatcher, report_loaded, report_skip
 from elasticft.ckpt.device import DeviceCopier, PendingCopy
 from elasticft.ckpt.loader import SnapshotLoader
 from elasticft.ckpt.persister import OwnPersister
@@ -63,6 +63,7 @@ from elasticft.ckpt.snapshot import (
 )
 
 logger = logging.getLogger(__name__)
+_Loaded = TypeVar("_Loaded", bound=tuple)
 
 
 class SaveRequest:
@@ -529,7 +530,7 @@ class Checkpointer:
         Collective when a process group is initialized: call it on every rank.
         """
         self._wait_inflight()
-        return self._loader.load()
+        return self._report_loaded(self._loader.load)
 
     def restore(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -542,7 +543,21 @@ class Checkpointer:
         from elasticft.ckpt.state import LiveState
 
         self._wait_inflight()
-        return self._loader.load(LiveState(model, optimizer))
+        return self._report_loaded(lambda: self._loader.load(LiveState(model, optimizer)))
+
+    def _report_loaded(self, load: Callable[[], _Loaded | None]) -> _Loaded | None:
+        """``load()``, then tells the agent the load is over, whatever it found or raised."""
+        step = None
+        try:
+            result = load()
+            step = result[0] if result is not None else None
+            return result
+        finally:
+            if self.settings.control_dir is not None:
+                try:
+                    report_loaded(self.settings.control_dir, self.settings.local_rank, step)
+                except OSError as e:  # the agent then starts its flush after its own bound
+                    logger.warning("could not tell the agent the restore is over: %s", e)
 
     # ------------------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ thread sees it within a poll interval, makes sure its newest snapshot is complet
 memory (waiting for the copy in flight, which runs on its own thread), and answers with
 ``ack-l<local_rank>.json`` naming the step it holds. The agent then persists that step.
 The other way, a worker appends a line to ``skipped-l<local_rank>.jsonl`` for every save it
-could not take (no free slot), which the agent turns into ``snapshot_skipped`` events.
+could not take (no free slot), which the agent turns into ``snapshot_skipped`` events, and
+writes ``loaded-l<local_rank>.json`` once its load or restore is over, which lets the agent's
+deferred flush start.
 Files rather than a socket: nothing to bind, owner-only permissions, and it works while the
 worker's main thread holds the GIL-free C++ wait of a gloo collective.
 """
@@ -44,6 +46,30 @@ def watching_pid(control_dir: Path, local_rank: int) -> int | None:
     has started yet, e.g. a worker still importing torch, which could not answer)."""
     record = _read_json(watcher_path(control_dir, local_rank))
     return int(record["pid"]) if record and "pid" in record else None
+
+
+def loaded_path(control_dir: Path, local_rank: int) -> Path:
+    return control_dir / f"loaded-l{local_rank}.json"
+
+
+def report_loaded(control_dir: Path, local_rank: int, step: int | None) -> None:
+    """Worker side: this worker's ``load``/``restore`` is over (``step``: what it restored, None
+    for nothing). Until then the agent defers the flush of a restart in place, which would
+    compete with the restore for the same memory and cores."""
+    _write_json(loaded_path(control_dir, local_rank), {"pid": os.getpid(), "step": step,
+                                                       "time": time.time()})
+
+
+def clear_loaded(control_dir: Path, local_ranks: Iterable[int]) -> None:
+    """Agent side: forgets the previous workers' reports before new workers start."""
+    for rank in local_ranks:
+        with contextlib.suppress(FileNotFoundError):
+            loaded_path(control_dir, rank).unlink()
+
+
+def all_loaded(control_dir: Path, local_ranks: Iterable[int]) -> bool:
+    """Agent side: every one of these local ranks reported its load over."""
+    return all(loaded_path(control_dir, rank).exists() for rank in local_ranks)
 
 
 def skips_path(control_dir: Path, local_rank: int) -> Path:

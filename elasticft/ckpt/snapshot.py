@@ -521,37 +521,6 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int = 
         list(pool.map(lambda chunk: ctypes.memmove(*chunk), chunks))
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_libc: Any = None
-
-
-def empty_for_copy(shape: Sequence[int], dtype: torch.dtype,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """An uninitialized tensor that one copy is about to fill (a restore's new optimizer state).
-
-    On the host its memory is advised to use transparent huge pages before it is touched: the
-    first write to a fresh 4 KB page costs a page fault, and a restore into fresh memory was
-    bound by those faults, not by the copy (here, 3.2 GB: 4.9 s into fresh memory against
-    1.1 s into touched memory). With 2 MB pages there is one fault where there were 512. Only
-    the 2 MB-aligned interior of the allocation is advised; where the kernel has no huge pages
-    to give (``transparent_hugepage`` set to ``never``) the advice changes nothing.
-    """
-    global _libc
-    tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or nbytes < 2 * _HUGE_PAGE:
-        return tensor
-    start = align_up(tensor.data_ptr(), _HUGE_PAGE)
-    end = (tensor.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-    if end > start:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        # A refusal (an old kernel, THP off) leaves ordinary pages: nothing to report.
-        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    return tensor
-
-
 # ----------------------------------------------------------------------------------------------
 # Reading back.
 

@@ -29,7 +29,6 @@ from elasticft.ckpt.snapshot import (
     copy_bytes,
     decode_json,
     dtype_from_name,
-    empty_for_copy,
     set_path,
     stored_here,
     tensor_view,
@@ -306,8 +305,8 @@ class LiveState:
                 # "step" stays on the host unless fused/capturable (load_state_dict's policy
                 # moves it then); everything else goes where the parameter is.
                 device = torch.device("cpu") if rest[0] == "step" else param.device
-                value: Any = empty_for_copy(item["shape"], dtype_from_name(item["dtype"]),
-                                            device)
+                value: Any = torch.empty(tuple(item["shape"]),
+                                         dtype=dtype_from_name(item["dtype"]), device=device)
             else:
                 value = decode_json(item["value"])
             set_path(state.setdefault(index[id(param)], {}), rest, value)

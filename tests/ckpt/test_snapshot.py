@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from elasticft.ckpt.api import UnsupportedState
-from elasticft.ckpt.snapshot import Flattener, empty_for_copy, flatten, tensor_view, unflatten
+from elasticft.ckpt.snapshot import Flattener, flatten, tensor_view, unflatten
 from tests.ckpt.helpers import trained_model
 
 
@@ -135,27 +134,3 @@ def test_a_model_without_an_optimizer_round_trips() -> None:
     assert restore(loaded, other) == {"step": 4}
     assert torch.equal(other.weight, model.weight)
 
-
-
-def _vm_flags_at(address: int) -> list[str]:
-    """The kernel's VmFlags of the mapping of this process that holds ``address``."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def test_memory_a_restore_is_about_to_fill_is_advised_to_use_huge_pages() -> None:
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("this kernel gives no transparent huge pages")
-    big = empty_for_copy((16, 1 << 20), torch.float32)  # 64 MB
-    assert big.shape == (16, 1 << 20) and big.dtype == torch.float32
-    assert "hg" in _vm_flags_at(big.data_ptr() + (8 << 20))
-    small = empty_for_copy((1000,), torch.float64)  # too small to hold one huge page
-    assert small.shape == (1000,) and small.dtype == torch.float64
