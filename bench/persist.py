@@ -6,13 +6,15 @@ In one process, one after the other (``--repeat`` rounds, alternating):
   bs=64M conv=fsync`` does), from memory already touched;
 * **persist**: an N GB snapshot (a model's parameters and AdamW state, a few large tensors and
   many small ones) saved with ``Checkpointer.save`` into real shared-memory slots, then what the
-  agent does to persist it: copy it out of its slot into a reused staging buffer
-  (``service._copy_out``) and write the rank's shard (``durable.write_rank_shard``: a
-  checksummed ``torch.save`` blob per tensor, fsync, manifest). Copy and write are timed apart.
+  agent does to persist it with the default three slots: hold the slot (``service._hold``) and
+  write the rank's shard straight from it (``durable.write_rank_shard``: a checksummed
+  ``torch.save`` blob per tensor, fsync, manifest). ``--copy`` measures the two-slot path
+  instead: a copy out of the slot into a reused staging buffer (``service._copy_out``) first,
+  timed apart from the write.
 
 Printed: each round's seconds and GB/s, the medians, and persist/disk (the ratio of speeds).
 
-    .venv/bin/python bench/persist.py [--gb 1 --repeat 3 --dir DIR]
+    .venv/bin/python bench/persist.py [--gb 1 --repeat 3 --dir DIR] [--copy]
 
 ``--dir`` must be on a real disk (not tmpfs); the default is a temporary directory under the
 current one. Not a test: figures depend on the disk and the load; docs/benchmarks.md keeps runs.
@@ -21,6 +23,7 @@ current one. Not a test: figures depend on the disk and the load; docs/benchmark
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, durable
-from elasticft.ckpt.service import _copy_out
+from elasticft.ckpt.service import _copy_out, _hold
 from elasticft.ckpt.shm import SlotSet, StagingBuffer, segment_prefix
 
 CHUNK = 64 << 20
@@ -69,6 +72,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--copy", action="store_true",
+                        help="the two-slot path: copy out of the slot, then write")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="persist-bench-", dir=args.dir or Path.cwd()))
     nbytes = int(args.gb * (1 << 30))
@@ -94,10 +99,12 @@ def main() -> None:
                 slot = reader.get(newest[0])
                 assert slot is not None
                 started = time.perf_counter()
-                snapshot = _copy_out(slot, step, staging)
-                assert snapshot is not None
-                copied = time.perf_counter()
-                durable.write_rank_shard(root / "ckpt", snapshot)
+                with contextlib.ExitStack() as held:
+                    snapshot = (_copy_out(slot, step, staging) if args.copy
+                                else _hold(slot, step, held))
+                    assert snapshot is not None
+                    copied = time.perf_counter()
+                    durable.write_rank_shard(root / "ckpt", snapshot)
                 copy.append(copied - started)
                 write.append(time.perf_counter() - copied)
                 shutil.rmtree(root / "ckpt")

@@ -204,10 +204,6 @@ class DiagConfig:
         1800.0, "Peers may wait this long for a rank that is alive and busy outside collectives "
         "(evaluation, a slow save) before it is called hung (torch's process-group timeout).",
         minimum=1.0)
-    hang_floor_s: float | None = option(
-        None, "Deprecated: use --hang-collective-floor-s (this value is mapped onto it, with a "
-        "warning). Frozen ranks are recovered at once and busy ranks up to "
-        "--hang-busy-ceiling-s.", minimum=0.1)
     hang_multiple: float = option(
         5.0, "Stuck-collective timeout = max(floor, multiple x the percentile of recent "
         "durations).", minimum=1.0)

@@ -32,6 +32,7 @@ from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
 from elasticft.config import RUNS_DIR, ElasticftConfig, require_writable_dir
 from elasticft.events import EventLog
+from elasticft.rendezvous.handler import DISABLE_SHARED_STORE_ENV
 from elasticft.rendezvous.identity import claim_node_id
 from elasticft.torch_compat import (
     LaunchConfig,
@@ -48,8 +49,6 @@ from elasticft.torch_compat import (
 )
 
 logger = logging.getLogger(__name__)
-
-DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,14 +10,12 @@ job's views into the :class:`~elasticft.diag.verdict.RankEvidence` that
 call and whether GPU kernels still complete. Other nodes' ranks come without CPU or GPU
 measurements: their own node judges those. :func:`stacks_moving` samples the Python stacks of
 ranks twice, the costly evidence asked for only before a collective is called stuck.
-:func:`hang_limits` maps the options onto the verdict's limits, the deprecated
-``--hang-floor-s`` included.
+:func:`hang_limits` maps the options onto the verdict's limits.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,8 +25,6 @@ from elasticft.agent.api import GroupInfo
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, verdict
 from elasticft.diag.ring import Op, Record, RingFiles, RingReader
-
-logger = logging.getLogger(__name__)
 
 NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
 # A rank without progress for this long, or whose recorder's heartbeat (every 0.1 s) is this
@@ -189,18 +185,10 @@ def stacks_moving(pids: Mapping[int, int],
 
 
 def hang_limits(config: DiagConfig) -> verdict.HangLimits:
-    """The verdict's limits from the options; the deprecated --hang-floor-s maps onto the
-    stuck-collective floor (with one warning)."""
-    floor = config.hang_collective_floor_s
-    if config.hang_floor_s is not None:
-        logger.warning("--hang-floor-s is deprecated: its %g s is used as "
-                       "--hang-collective-floor-s; frozen ranks are now recovered within seconds "
-                       "and busy ranks wait up to --hang-busy-ceiling-s (%g s)",
-                       config.hang_floor_s, config.hang_busy_ceiling_s)
-        floor = config.hang_floor_s
+    """The verdict's limits from the options."""
     return verdict.HangLimits(
         heartbeat_stale_s=config.hang_heartbeat_stale_s, busy_ceiling_s=config.hang_busy_ceiling_s,
-        collective_floor_s=floor, multiple=config.hang_multiple,
+        collective_floor_s=config.hang_collective_floor_s, multiple=config.hang_multiple,
         percentile=config.hang_percentile, min_samples=config.hang_min_samples,
         startup_s=config.hang_initial_timeout_s)
 

@@ -119,10 +119,6 @@ class Op(enum.IntEnum):
     STEP = 20
     LOSS = 21
 
-    @property
-    def is_collective(self) -> bool:
-        return self.value < Op.STEP.value and self not in (Op.COMM_ABORT, Op.COMM_DESTROY)
-
 
 def ring_size(capacity: int) -> int:
     return HEADER_SIZE + capacity * RECORD_SIZE

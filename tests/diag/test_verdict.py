@@ -124,17 +124,14 @@ def test_working_verdict_says_what_the_busy_rank_does() -> None:
     assert "CPU 100%" in verdict.what
 
 
-def test_deprecated_hang_floor_still_parses_and_maps_onto_the_collective_floor(
-        tmp_path, caplog) -> None:
+def test_the_hang_options_map_onto_the_verdicts_limits(tmp_path) -> None:
     from elasticft.diag.monitor import hang_limits
     from elasticft.run import parse
 
     script = tmp_path / "train.py"
     script.write_text("")
-    _, config = parse(["--standalone", "--hang-floor-s", "8", str(script)])
-    assert config.diag.hang_floor_s == 8.0
+    _, config = parse(["--standalone", "--hang-collective-floor-s", "8", str(script)])
     assert hang_limits(config.diag).collective_floor_s == 8.0
-    assert "--hang-floor-s is deprecated" in caplog.text
     _, config = parse(["--standalone", str(script)])
     assert hang_limits(config.diag).collective_floor_s == 3.0
     assert hang_limits(config.diag).busy_ceiling_s == 1800.0
