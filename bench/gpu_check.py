@@ -124,8 +124,9 @@ def elasticft_run(run_dir: Path, mode: str, out: Path, *extra: str) -> list[str]
 
 
 def torchrun(mode: str, out: Path) -> list[str]:
-    return [*launcher("torchrun"), "--standalone", "--nproc-per-node", "1", str(WORKER), mode,
-            str(out)]
+    # A log directory beside the output: torchrun's default is a new /tmp/torchelastic_* a run.
+    return [*launcher("torchrun"), "--standalone", "--nproc-per-node", "1", "--log-dir",
+            f"{out}.torchrun-logs", str(WORKER), mode, str(out)]
 
 
 def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
@@ -253,7 +254,8 @@ def fault_to_step(tmp: Path, name: str, fault: str, fault_step: int = 30,
     script = [str(PLAIN), "--steps", "100000", "--ckpt-every", "20", "--ckpt-dir", str(ckpt),
               "--loss-log", str(log)]
     cmd = ([*launcher("elasticft-run"), "--run-dir", str(tmp / f"{fault}-run")]
-           if name == "elasticft-run" else launcher("torchrun"))
+           if name == "elasticft-run"
+           else [*launcher("torchrun"), "--log-dir", str(tmp / f"{fault}-torchrun-logs")])
     cmd += ["--standalone", "--nproc-per-node", "1", "--max-restarts", "3", *script]
     with tempfile.TemporaryFile("w+") as output:
         proc = subprocess.Popen(cmd, env=child_env(), stdout=output, stderr=subprocess.STDOUT,

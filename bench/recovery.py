@@ -98,7 +98,7 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
         train += ["--ckpt-dir", str(work / f"{tag}-ckpt"), "--ckpt-every", str(args.ckpt_every)]
     if launcher == "torchrun":
         cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "3", *train]
+               "--max-restarts", "3", "--log-dir", str(work / f"{tag}-torchrun-logs"), *train]
     else:
         cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "3", "--run-dir", str(run_dir), "--monitor-interval", "0.1",

@@ -226,7 +226,7 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                    str(run_dir), *worker_args]
     else:
         command = [*_launcher("torchrun"), "--nproc-per-node", "1", "--max-restarts", "1",
-                   "--standalone", *worker_args]
+                   "--standalone", "--log-dir", str(tmp / "torchrun-logs"), *worker_args]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                **{WORKER_SPEC: json.dumps(spec)})
     kill_step = args.every * args.kill_after_saves + 2
