@@ -734,7 +734,11 @@ def _hold(slot: shm.Slot, step: int, held: contextlib.ExitStack) -> Snapshot | N
     """The slot's snapshot of ``step`` in place, its shared lock held until ``held`` closes."""
     if not slot.lock_shared(30):
         return None
-    snapshot = shm.read_slot(slot, verify=False, prefault=False)
+    try:
+        snapshot = shm.read_slot(slot, verify=False, prefault=False)
+    except BaseException:
+        slot.unlock()
+        raise
     if snapshot.step != step:
         slot.unlock()
         return None  # overwritten between the peek and the lock
