@@ -171,7 +171,8 @@ def launch(
         config.run_id = str(uuid.uuid4().int)
     # A name no other live agent of this job on this host holds (elasticft-run has claimed it
     # already; claiming again in the same process is a no-op).
-    claim = claim_node_id(str(config.run_id), options.agent.node_id)
+    claim = claim_node_id(str(config.run_id), options.agent.node_id,
+                          endpoint=str(config.rdzv_endpoint or ""))
     node_id = claim.node_id
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)

@@ -267,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         # Claimed before the add-ons are built, so that all of them know this agent by it.
-        claim = claim_node_id(str(launch_config.run_id or ""), options.agent.node_id)
+        claim = claim_node_id(str(launch_config.run_id or ""), options.agent.node_id,
+                              endpoint=str(launch_config.rdzv_endpoint or ""))
         options = dataclasses.replace(
             options, agent=dataclasses.replace(options.agent, node_id=claim.node_id))
         collaborators = default_collaborators(options, launch_config)

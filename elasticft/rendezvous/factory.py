@@ -64,7 +64,8 @@ def create_handler(
     if explicit is not None and ("/" in str(explicit) or not str(explicit).strip()):
         raise EtcdConfigError(f"node id {explicit!r} is not usable; give a name without '/'")
     # Unique among this job's live agents on this host (elasticft-run has claimed it already).
-    claim = claim_node_id(params.run_id, str(explicit) if explicit else None)
+    claim = claim_node_id(params.run_id, str(explicit) if explicit else None,
+                          endpoint=str(params.endpoint or ""))
     if not params.get_as_bool("share_tcp_store", False):
         # Workers then get a fresh store every attempt: the shared one deadlocks when a node
         # (a standby) joins a running job and keeps stale gloo addresses (pytorch#135712).

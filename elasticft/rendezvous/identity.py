@@ -4,14 +4,17 @@ A rendezvous knows each agent by its node id: its join key, its member record, i
 its event log file and its blacklist entry are all named by it. The host name alone is not
 unique: people run several agents on one host (local multi-node tests, two jobs splitting one
 8-GPU box, CI), and two agents under one name overwrite each other's join key and never meet.
+Two jobs that only share a job id but meet at different rendezvous endpoints (two etcd
+clusters, two test suites) are different jobs, and claim apart.
 
-The claim is an abstract Unix socket named after the job and the id (Linux only; a name of the
-kernel's, with no file behind it): binding it succeeds for one live process only, the kernel
-drops it when that process dies however it dies, and the socket's owner can be asked for its
-pid. The first agent of a job on a host is the host name, exactly as before (its blacklist
-entry and its checkpoint directory stay the same from one allocation to the next); a second
-live one is ``<host>-2``, a third ``<host>-3``, and so on. An explicit ``--node-id`` is claimed
-the same way, and a duplicate on the same host is refused at once with both processes named.
+The claim is an abstract Unix socket named after the job, its rendezvous endpoint and the id
+(Linux only; a name of the kernel's, with no file behind it): binding it succeeds for one live
+process only, the kernel drops it when that process dies however it dies, and the socket's
+owner can be asked for its pid. The first agent of a job on a host is the host name, exactly as
+before (its blacklist entry and its checkpoint directory stay the same from one allocation to
+the next); a second live one is ``<host>-2``, a third ``<host>-3``, and so on. An explicit
+``--node-id`` is claimed the same way, and a duplicate on the same host is refused at once with
+both processes named.
 (A duplicate on another host is found by the rendezvous from its member record.)
 
 Claiming is idempotent within one process: the launcher claims before it builds its add-ons,
@@ -55,8 +58,9 @@ class NodeClaim:
             self._socket = None
 
 
-def _socket_name(run_id: str, node_id: str) -> bytes:
-    digest = hashlib.blake2b(f"{run_id}\0{node_id}".encode(), digest_size=16).hexdigest()
+def _socket_name(run_id: str, node_id: str, endpoint: str = "") -> bytes:
+    job = f"{run_id}\0{endpoint.strip()}"
+    digest = hashlib.blake2b(f"{job}\0{node_id}".encode(), digest_size=16).hexdigest()
     return b"\0elasticft-node/" + digest.encode()
 
 
@@ -89,15 +93,16 @@ def _try_bind(name: bytes) -> socket.socket | int:
     return sock
 
 
-def claim_node_id(run_id: str, explicit: str | None = None, host: str | None = None) -> NodeClaim:
-    """Claims this agent's node id in job ``run_id``: ``explicit`` when given, else the first
-    free one of ``<host>``, ``<host>-2``, ... Raises :class:`DuplicateNodeIdError` when another
-    live process on this host holds ``explicit``."""
+def claim_node_id(run_id: str, explicit: str | None = None, host: str | None = None,
+                  endpoint: str = "") -> NodeClaim:
+    """Claims this agent's node id in job ``run_id`` at rendezvous ``endpoint``: ``explicit``
+    when given, else the first free one of ``<host>``, ``<host>-2``, ... Raises
+    :class:`DuplicateNodeIdError` when another live process on this host holds ``explicit``."""
     host = host or socket.gethostname()
     candidates = [explicit] if explicit else [
         host if n == 1 else f"{host}-{n}" for n in range(1, MAX_AGENTS_PER_HOST + 1)]
     for node_id in candidates:
-        held = _try_bind(_socket_name(run_id, node_id))
+        held = _try_bind(_socket_name(run_id, node_id, endpoint))
         if isinstance(held, socket.socket):
             return NodeClaim(node_id, host, held)
         if held == os.getpid():

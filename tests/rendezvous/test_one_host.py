@@ -32,11 +32,12 @@ from tests.servers import EtcdServer
 HOST = socket.gethostname()
 
 
-def _claim_in_child(run_id: str, explicit: str | None) -> subprocess.CompletedProcess[str]:
+def _claim_in_child(run_id: str, explicit: str | None, endpoint: str = ""
+                    ) -> subprocess.CompletedProcess[str]:
     code = textwrap.dedent(f"""
         from elasticft.rendezvous.identity import claim_node_id
         try:
-            print(claim_node_id({run_id!r}, {explicit!r}).node_id)
+            print(claim_node_id({run_id!r}, {explicit!r}, endpoint={endpoint!r}).node_id)
         except ValueError as e:
             print("refused:", e)
     """)
@@ -95,6 +96,15 @@ def test_a_claim_is_the_same_name_again_in_its_own_process_and_free_after_releas
     assert _claim_in_child("again", None).stdout.strip() == f"{HOST}-2"
     first.release()
     assert _claim_in_child("again", None).stdout.strip() == HOST
+
+
+def test_one_job_id_at_two_rendezvous_endpoints_is_two_jobs() -> None:
+    held = claim_node_id("shared-id", "x", endpoint="etcd-a:2379")
+    try:
+        assert _claim_in_child("shared-id", "x", "etcd-b:2379").stdout.strip() == "x"
+        assert _claim_in_child("shared-id", "x", "etcd-a:2379").stdout.startswith("refused:")
+    finally:
+        held.release()
 
 
 def test_an_explicit_duplicate_on_this_host_is_refused_naming_both_processes() -> None:
