@@ -66,9 +66,9 @@ def _landed(log: Path, request: Any) -> None:
 
 def _process_age_s() -> float:
     """Seconds since this process started (its start-up: interpreter, imports, the model)."""
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    from elasticft import procs
+
+    return time.time() - procs.started_at(os.getpid())
 
 
 def _mem_available_gb() -> float:

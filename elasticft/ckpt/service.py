@@ -391,10 +391,11 @@ class CheckpointService(AgentCollaborator):
         since = self._flush_deferred_since
         if since is None:
             return
-        newest = self.newest_common_step(group)
         if all_loaded(self.control_dir(group), (w.local_rank for w in group.workers)):
             self._release_flush("the restarted workers restored")
-        elif newest is not None and self._flush_step is not None and newest > self._flush_step:
+            return
+        newest = self.newest_common_step(group)
+        if newest is not None and self._flush_step is not None and newest > self._flush_step:
             self._release_flush(f"the restarted workers saved step {newest}")
         elif time.monotonic() - since >= FLUSH_DEFER_MAX_S:
             self._release_flush(f"no restore seen in {FLUSH_DEFER_MAX_S:.0f} s")
@@ -732,18 +733,14 @@ def _copy_out(slot: shm.Slot, step: int, staging: shm.StagingBuffer,
 
 def _hold(slot: shm.Slot, step: int, held: contextlib.ExitStack) -> Snapshot | None:
     """The slot's snapshot of ``step`` in place, its shared lock held until ``held`` closes."""
-    if not slot.lock_shared(30):
-        return None
-    try:
+    with contextlib.ExitStack() as locked:  # released here unless handed to ``held``
+        if not locked.enter_context(slot.shared(timeout_s=30)):
+            return None
         snapshot = shm.read_slot(slot, verify=False, prefault=False)
-    except BaseException:
-        slot.unlock()
-        raise
-    if snapshot.step != step:
-        slot.unlock()
-        return None  # overwritten between the peek and the lock
-    held.callback(slot.unlock)
-    return snapshot
+        if snapshot.step != step:
+            return None  # overwritten between the peek and the lock
+        held.enter_context(locked.pop_all())
+        return snapshot
 
 
 def _whole_tensors(manifest: Mapping[str, Any]) -> bool:
