@@ -67,3 +67,33 @@ def test_timed_ddp_hook_gives_the_same_gradients(tmp_path):
     """)
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=100,
                    cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.timeout(120)
+def test_the_recorder_keeps_no_process_group_alive_after_destroy(tmp_path):
+    """A group the recorder still held was destroyed at interpreter exit, where gloo can abort
+    a worker whose training ended well."""
+    script = textwrap.dedent("""
+        import gc, sys, weakref, torch, torch.distributed as dist
+        from pathlib import Path
+        from elasticft.diag.recorder import install
+        recorder = install(Path(sys.argv[1]) / "rank-0.py.ring", 0)
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        side = dist.new_group([0], backend="gloo")
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), group=side)
+        assert not recorder.on_nccl(None) and not recorder.on_nccl(side)  # as an NCCL check asks
+        groups = [weakref.ref(dist.group.WORLD), weakref.ref(side)]
+        del side
+        dist.destroy_process_group()
+        gc.collect()
+        assert [g() for g in groups] == [None, None], "a process group outlived destroy"
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        dist.all_reduce(torch.ones(4))  # a new world group is timed under its own key
+        dist.destroy_process_group()
+    """)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=100,
+                   cwd=Path(__file__).resolve().parents[2])
+    _header, records = RingReader(ring_path(tmp_path, 0, "py")).poll()
+    reduces = [r for r in records if r.op == Op.ALL_REDUCE]
+    assert len(reduces) == 3 and all(r.comm != 0 for r in reduces)
