@@ -14,7 +14,7 @@ What the detectors need from other nodes' ranks, and so what a digest keeps
   ``max_views``:
 
   - ranks whose process is stopped, exited or in D, or whose heartbeat is late (the frozen
-    verdict and the culprits of :func:`elasticft.diag.detectors.localise`);
+    verdict and a stuck verdict's culprits, :func:`elasticft.diag.verdict.judge`);
   - per communicator with a call in flight (the ``max_comms`` waiting longest): the rank in
     flight longest (how long peers have waited), the rank in flight at the newest call, and the
     ranks at the lowest position (those that never reached the call others wait in);

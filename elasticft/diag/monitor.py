@@ -7,10 +7,11 @@ on ``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU
 first start it runs the pre-flight check. Then, every monitor interval,
 :meth:`DiagMonitor.check` polls the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
 
-* a hang (:func:`elasticft.diag.verdict.judge`, over the evidence :mod:`elasticft.diag.hangcheck`
-  gathers) returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks, with the
-  evidence (the verdict, every rank's position per communicator, process states, py-spy stack
-  groups);
+* a hang returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks. The
+  verdict (:func:`elasticft.diag.verdict.judge`, over the evidence
+  :mod:`elasticft.diag.hangcheck` gathers, py-spy stacks included) alone judges the hang and
+  names them; the monitor acts on it and records its evidence (every rank's position per
+  communicator, process states, the grouped stacks);
 * a NaN/inf loss or a loss spike returns one too (``diag_loss_action=restart``, the default);
 * a slow rank, an error-line burst in the logs and non-critical node issues are reported;
 * a critical node issue (vanished GPU, ECC errors, full disk, memory exhausted) returns a
