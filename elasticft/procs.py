@@ -2,7 +2,8 @@
 
 The agent judges its workers and the owners of leftover files by pid: a one-letter state from
 ``/proc/<pid>/stat`` (R running, S sleeping, T stopped, Z zombie...) and whether any process
-still has the pid at all.
+still has the pid at all. The sets of states below are the one meaning of a state letter that
+the agent, the hang verdict (:mod:`elasticft.diag.verdict`) and the diagnostics exchange share.
 """
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ from __future__ import annotations
 import os
 import time
 
-STOPPED_STATES = frozenset({"T", "t", "Z", "X"})
-"""States in which a process cannot answer: stopped (SIGSTOP, a tracer), or exited."""
+STOPPED_STATES = frozenset({"T", "t"})
+"""Stopped by a signal (SIGSTOP) or held by a tracer: still holding its sockets and memory."""
 EXITED_STATES = frozenset({"Z", "X"})
+"""Exited: a zombie not yet reaped, or dead."""
+UNRESPONSIVE_STATES = STOPPED_STATES | EXITED_STATES
+"""States in which a process cannot answer."""
+UNINTERRUPTIBLE_STATE = "D"
+"""Waiting in the kernel (disk I/O, a driver): a hang only when it also uses no CPU."""
 _PF_EXITING = 0x4
 """The kernel's per-task flag set as a task begins to exit (``include/linux/sched.h``)."""
 
@@ -67,7 +73,7 @@ def exists(pid: int | None) -> bool:
 def responsive(pid: int | None) -> bool:
     """The process exists and is neither stopped nor exited."""
     current = state(pid)
-    return current is not None and current not in STOPPED_STATES
+    return current is not None and current not in UNRESPONSIVE_STATES
 
 
 def gone(pid: int) -> bool:

@@ -1,18 +1,12 @@
 """The detectors: pure functions from what the rings and the node show to findings.
 
 Nothing here reads a clock, a file or a process; :mod:`elasticft.diag.hangcheck` gathers the
-facts (:class:`RankView`) and :mod:`elasticft.diag.monitor` calls these, so every rule is
-unit-tested with made-up facts.
+facts (:class:`RankView`, one rank as the monitor and the other nodes see it) and
+:mod:`elasticft.diag.monitor` calls these, so every rule is unit-tested with made-up facts.
 
-* **Hang**: not decided here. :func:`elasticft.diag.verdict.judge` weighs each rank's evidence
-  (process state, CPU use, heartbeat, in-flight call, GPU completions) into frozen, stuck,
-  working or healthy; see docs/hang-detection.md. :class:`HangFinding` and :class:`Culprit`
-  describe the hang it found in the event.
-* **Culprits** (the ranks others wait for, when the verdict names none): a rank whose process
-  is stopped or whose recorder stopped beating; a rank that never reached the collective its
-  peers wait in (its count of calls on that communicator is behind theirs); stack outliers
-  (ByteRobust's aggregation: the majority stack is healthy, the rest are suspects, with the
-  parallel group they share).
+* **Hang**: not decided here. :func:`elasticft.diag.verdict.judge` alone weighs each rank's
+  evidence into frozen, stuck, working or healthy and names the culprits (process states,
+  positions per communicator, stack outliers); see docs/hang-detection.md.
 * **Slow rank** (TRANSOM's neighbour comparison, made robust): each rank's *busy* time per step
   (step time minus time spent in collectives) against the median of its peers.
 * **Loss**: NaN/inf, or a value ``spike_factor`` times the recent median (ByteRobust's x5).
@@ -22,11 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-
-from elasticft.procs import STOPPED_STATES
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
@@ -68,124 +59,6 @@ class RankView:
     """How old these facts are: 0 for this node's ranks, the age of the summary another node
     published for its ranks (:mod:`elasticft.diag.exchange`). The ages above are as measured
     then."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Culprit:
-    rank: int
-    node: str
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class HangFinding:
-    ranks_waiting: tuple[int, ...]
-    what: str
-    """e.g. 'all_reduce on comm 1a2b #41 in flight 7.3 s (timeout 5.0 s)'."""
-    waited_s: float
-    timeout_s: float
-
-
-def localise(views: Sequence[RankView], heartbeat_stale_s: float) -> list[Culprit]:
-    """The ranks the others wait for; empty when the evidence names nobody."""
-    culprits: dict[int, Culprit] = {}
-    for view in views:
-        if view.process_state in STOPPED_STATES:
-            culprits[view.rank] = Culprit(
-                view.rank, view.node, f"process {view.pid} is in state {view.process_state} "
-                "(stopped or dead) while its peers wait")
-        elif view.heartbeat_age_s is not None and view.heartbeat_age_s > heartbeat_stale_s:
-            culprits[view.rank] = Culprit(
-                view.rank, view.node, f"its recorder has not run for {view.heartbeat_age_s:.1f} s "
-                "(process frozen or holding the GIL)")
-    # Ranks that never reached the call their peers wait in, communicator by communicator.
-    members: dict[int, list[RankView]] = {}
-    for view in views:
-        for comm in view.comm_seqs:
-            members.setdefault(comm, []).append(view)
-    for view in views:
-        for call in view.in_flight:
-            if call.comm_seq <= 0:
-                continue
-            for peer in members.get(call.comm, ()):
-                if peer.rank in culprits or peer.rank == view.rank:
-                    continue
-                if peer.view_age_s >= call.age_s:
-                    continue  # facts from before this wait began say nothing about it
-                reached = peer.comm_seqs.get(call.comm, 0)
-                if reached < call.comm_seq:
-                    culprits[peer.rank] = Culprit(
-                        peer.rank, peer.node,
-                        f"never reached {call.op} #{call.comm_seq} on comm {call.comm:x} that "
-                        f"rank {view.rank} waits in (its last call there is #{reached})")
-    return sorted(culprits.values(), key=lambda c: c.rank)
-
-
-# -- stacks ------------------------------------------------------------------------------------
-
-_LINE_NO = re.compile(r":\d+\)")
-
-
-def stack_signature(dump: str, line_numbers: bool = False) -> str:
-    """The main thread's frames from a ``py-spy dump``, without line numbers unless asked.
-
-    The main thread is the one named "MainThread", else the first one listed. An empty
-    signature means no stack could be read. With line numbers two samples of the same process
-    tell whether its Python is moving.
-    """
-    blocks: list[tuple[str, list[str]]] = []
-    for line in dump.splitlines():
-        if line.startswith("Thread "):
-            blocks.append((line, []))
-        elif blocks and line.startswith(" ") and line.strip():
-            frame = line.strip()
-            blocks[-1][1].append(frame if line_numbers else _LINE_NO.sub(")", frame))
-    if not blocks:
-        return ""
-    main = next((b for b in blocks if '"MainThread"' in b[0]), blocks[0])
-    return "\n".join(main[1])
-
-
-@dataclasses.dataclass(frozen=True)
-class StackGroups:
-    healthy: tuple[int, ...]
-    outliers: Mapping[int, str]
-    """Rank -> its innermost frame (or why there is none), for ranks unlike the majority."""
-    shared_comm: int | None
-    """The smallest communicator all outliers belong to (the parallel group to isolate)."""
-
-
-def group_stacks(signatures: Mapping[int, str], views: Sequence[RankView] = ()) -> StackGroups:
-    """ByteRobust's aggregation: identical stacks form groups; the largest is taken as healthy.
-
-    A rank whose stack could not be read (empty signature) is always an outlier; other ranks are
-    outliers only when one group is strictly larger than every other.
-    """
-    groups: dict[str, list[int]] = {}
-    for rank, signature in signatures.items():
-        if signature:
-            groups.setdefault(signature, []).append(rank)
-    outliers = {r: "<no Python stack could be read>" for r, s in signatures.items() if not s}
-    healthy: tuple[int, ...] = ()
-    if groups:
-        sizes = sorted((len(r) for r in groups.values()), reverse=True)
-        majority = max(groups.values(), key=len)
-        if len(sizes) == 1 or sizes[0] > sizes[1]:
-            healthy = tuple(sorted(majority))
-            for signature, ranks in groups.items():
-                if ranks is not majority:
-                    top = signature.splitlines()[0]
-                    outliers.update({rank: top for rank in ranks})
-    by_rank = {v.rank: v for v in views}
-    common: set[int] | None = None
-    for rank in outliers:
-        comms = set(by_rank[rank].comm_seqs) if rank in by_rank else set()
-        common = comms if common is None else common & comms
-    shared = None
-    if common:
-        members = {c: sum(1 for v in views if c in v.comm_seqs) for c in common}
-        shared = min(members, key=lambda c: (members[c], c))
-    return StackGroups(healthy, outliers, shared)
 
 
 # -- slow ranks --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ What the detectors need from other nodes' ranks, and so what a digest keeps
   ``max_views``:
 
   - ranks whose process is stopped, exited or in D, or whose heartbeat is late (the frozen
-    verdict and the culprits of :func:`elasticft.diag.detectors.localise`);
+    verdict and a stuck verdict's culprits, :func:`elasticft.diag.verdict.judge`);
   - per communicator with a call in flight (the ``max_comms`` waiting longest): the rank in
     flight longest (how long peers have waited), the rank in flight at the newest call, and the
     ranks at the lowest position (those that never reached the call others wait in);
@@ -42,11 +42,11 @@ from typing import Any
 
 from elasticft.diag.detectors import BusyStats, RankView
 from elasticft.diag.summary import JobView, RemoteNode, rank_from_json, rank_json
-from elasticft.procs import STOPPED_STATES
+from elasticft.procs import UNINTERRUPTIBLE_STATE, UNRESPONSIVE_STATES
 
 DIGEST_KEY = "elasticft.diag.digest"
 DIGEST_SCHEMA = 1
-_ALARM_STATES = STOPPED_STATES | {"D"}
+_ALARM_STATES = UNRESPONSIVE_STATES | {UNINTERRUPTIBLE_STATE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,7 @@ def select_ranks(views: Sequence[RankView], limits: DigestLimits
     alarm = sorted(
         (v for v in views if v.process_state in _ALARM_STATES or
          (v.heartbeat_age_s is not None and v.heartbeat_age_s > limits.alarm_heartbeat_s)),
-        key=lambda v: (v.process_state not in STOPPED_STATES, -(v.heartbeat_age_s or 0.0),
+        key=lambda v: (v.process_state not in UNRESPONSIVE_STATES, -(v.heartbeat_age_s or 0.0),
                        v.rank))
     positions, for_comms = _positions(views, limits)
     outside = sorted((v for v in views if not v.in_flight), key=lambda v: (v.steps, v.rank))

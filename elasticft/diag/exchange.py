@@ -70,7 +70,7 @@ from elasticft.diag.summary import (
     encode_summary,
     summary_key,
 )
-from elasticft.procs import STOPPED_STATES
+from elasticft.procs import UNRESPONSIVE_STATES
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class ViewExchange:
 
     def offer(self, views: Sequence[RankView], busy: Mapping[int, float]) -> None:
         """The monitor's newest view of this node (cheap: nothing is encoded or sent here)."""
-        alarm = frozenset(v.rank for v in views if v.process_state in STOPPED_STATES)
+        alarm = frozenset(v.rank for v in views if v.process_state in UNRESPONSIVE_STATES)
         with self._lock:
             self._offer = (tuple(views), dict(busy))
             self._offer_alarm = alarm

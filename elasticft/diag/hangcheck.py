@@ -6,16 +6,19 @@ call counts per communicator, heartbeat, steps, GPU completions, sampled CPU tim
 facts (reading ``/proc`` only for a rank that may be stuck), and :func:`rank_evidence` turns the
 job's views into the :class:`~elasticft.diag.verdict.RankEvidence` that
 :func:`~elasticft.diag.verdict.judge` weighs: process state, heartbeat, CPU use per wall second
-(measured over about a second with :func:`elasticft.procs.cpu_seconds`), the oldest in-flight
-call and whether GPU kernels still complete. Other nodes' ranks come without CPU or GPU
-measurements: their own node judges those. :func:`stacks_moving` samples the Python stacks of
-ranks twice, the costly evidence asked for only before a collective is called stuck.
-:func:`hang_limits` maps the options onto the verdict's limits.
+(measured over about a second with :func:`elasticft.procs.cpu_seconds`), the in-flight calls and
+positions per communicator, and whether GPU kernels still complete. Other nodes' ranks come
+without CPU or GPU measurements: their own node judges those. :func:`stacks_moving` samples the
+Python stacks of ranks twice, the costly evidence asked for only before a collective is called
+stuck; :func:`with_stacks` adds sampled stacks to the evidence. :func:`hang_limits` maps the
+options onto the verdict's limits, and :func:`hang_event_evidence` writes a hang verdict and its
+evidence for the event log.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +28,7 @@ from elasticft.agent.api import GroupInfo
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, verdict
 from elasticft.diag.ring import Op, Record, RingFiles, RingReader
+from elasticft.diag.stacks import stack_signature
 
 NOT_HANG_OPS = {Op.COMM_INIT, Op.COMM_ABORT, Op.COMM_DESTROY, Op.STEP, Op.LOSS}
 # A rank without progress for this long, or whose recorder's heartbeat (every 0.1 s) is this
@@ -132,9 +136,26 @@ def rank_evidence(views: list[detectors.RankView], tracks: dict[int, RankTrack],
         remote_call = min(view.in_flight, key=lambda c: -c.age_s, default=None)
         result.append(verdict.RankEvidence(
             view.rank, view.process_state or "S", view.heartbeat_age_s, None, None, None,
-            None if remote_call is None else verdict.Call(
-                remote_call.op, remote_call.comm, remote_call.comm_seq, remote_call.age_s)))
+            None if remote_call is None else _call(remote_call), **_positions(view)))
     return result
+
+
+def _call(call: detectors.InFlight) -> verdict.Call:
+    return verdict.Call(call.op, call.comm, call.comm_seq, call.age_s,
+                        "nccl" if call.source == "nccl" else "py")
+
+
+def _positions(view: detectors.RankView) -> dict[str, Any]:
+    """Where the rank stands on each communicator, as :class:`verdict.RankEvidence` fields."""
+    return {"in_flight": tuple(_call(c) for c in view.in_flight),
+            "comm_positions": dict(view.comm_seqs), "facts_age_s": view.view_age_s}
+
+
+def with_stacks(evidence: list[verdict.RankEvidence], dumps: Mapping[int, str]
+                ) -> list[verdict.RankEvidence]:
+    """The evidence with each dumped rank's main-thread stack (its py-spy ``dumps``)."""
+    return [dataclasses.replace(e, stack=stack_signature(dumps[e.rank]))
+            if e.rank in dumps else e for e in evidence]
 
 
 def _local_evidence(view: detectors.RankView, track: RankTrack, now: int,
@@ -163,7 +184,8 @@ def _local_evidence(view: detectors.RankView, track: RankTrack, now: int,
         state = procs.state(view.pid) if late and view.pid else "S"
     return verdict.RankEvidence(view.rank, state, view.heartbeat_age_s, track.cpu_fraction,
                                 None, gpu, call,
-                                step_age_s=view.step_age_s if view.steps else None)
+                                step_age_s=view.step_age_s if view.steps else None,
+                                **_positions(view))
 
 
 def stacks_moving(pids: Mapping[int, int],
@@ -177,8 +199,8 @@ def stacks_moving(pids: Mapping[int, int],
     second = dump(pids)
     moving = {}
     for rank in pids:
-        before = detectors.stack_signature(first.get(rank, ""), line_numbers=True)
-        after = detectors.stack_signature(second.get(rank, ""), line_numbers=True)
+        before = stack_signature(first.get(rank, ""), line_numbers=True)
+        after = stack_signature(second.get(rank, ""), line_numbers=True)
         if before and after:
             moving[rank] = before != after
     return moving, second
@@ -193,29 +215,23 @@ def hang_limits(config: DiagConfig) -> verdict.HangLimits:
         startup_s=config.hang_initial_timeout_s)
 
 
-def verdict_culprits(judged: verdict.Verdict, views: list[detectors.RankView]
-                     ) -> list[detectors.Culprit]:
-    """The verdict's culprits, each with its node and the facts that made it one."""
-    node_of = {v.rank: v.node for v in views}
-    return [detectors.Culprit(rank, node_of.get(rank, ""), judged.evidence.get(rank, ""))
-            for rank in judged.culprits]
-
-
-def hang_event_evidence(judged: verdict.Verdict, finding: detectors.HangFinding,
+def hang_event_evidence(judged: verdict.Verdict, ranks_waiting: tuple[int, ...],
                         collective_timeout_s: float, step_timeout_s: float,
-                        culprits: list[detectors.Culprit], views: list[detectors.RankView],
-                        job: exchange.JobView, stack_groups: detectors.StackGroups | None
+                        views: list[detectors.RankView], job: exchange.JobView
                         ) -> dict[str, Any]:
-    """What the ``hang`` detection event records: the verdict and every rank's facts."""
+    """What the ``hang`` detection event records: the verdict, its culprits with their nodes and
+    the facts that made them culprits, every rank's facts, and the stacks it grouped."""
+    node_of = {v.rank: v.node for v in views}
     evidence: dict[str, Any] = {
         "verdict": judged.to_json(),
-        "what": finding.what,
-        "waited_s": round(finding.waited_s, 3),
-        "timeout_s": round(finding.timeout_s, 3),
+        "what": judged.what,
+        "waited_s": round(judged.waited_s, 3),
+        "timeout_s": round(judged.timeout_s or 0.0, 3),
         "collective_timeout_s": round(collective_timeout_s, 3),
         "step_timeout_s": round(step_timeout_s, 3),
-        "ranks_waiting": list(finding.ranks_waiting),
-        "culprits": [{"rank": c.rank, "node": c.node, "reason": c.reason} for c in culprits],
+        "ranks_waiting": list(ranks_waiting),
+        "culprits": [{"rank": rank, "node": node_of.get(rank, ""),
+                      "reason": judged.evidence.get(rank, "")} for rank in judged.culprits],
         "ranks": [view_json(v) for v in views],
     }
     if job.silent:
@@ -224,13 +240,8 @@ def hang_event_evidence(judged: verdict.Verdict, finding: detectors.HangFinding,
         # Other nodes' ranks came from the job digest: which ones it left out, and where the
         # job stands per communicator.
         evidence["digest"] = dict(job.digest)
-    if stack_groups is not None:
-        evidence["stacks"] = {
-            "healthy": list(stack_groups.healthy),
-            "outliers": {str(r): f for r, f in stack_groups.outliers.items()},
-            "shared_comm": (f"{stack_groups.shared_comm:x}"
-                            if stack_groups.shared_comm else None),
-        }
+    if judged.stacks is not None:
+        evidence["stacks"] = judged.stacks.to_json()
     return evidence
 
 

@@ -7,10 +7,11 @@ on ``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU
 first start it runs the pre-flight check. Then, every monitor interval,
 :meth:`DiagMonitor.check` polls the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
 
-* a hang (:func:`elasticft.diag.verdict.judge`, over the evidence :mod:`elasticft.diag.hangcheck`
-  gathers) returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks, with the
-  evidence (the verdict, every rank's position per communicator, process states, py-spy stack
-  groups);
+* a hang returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks. The
+  verdict (:func:`elasticft.diag.verdict.judge`, over the evidence
+  :mod:`elasticft.diag.hangcheck` gathers, py-spy stacks included) alone judges the hang and
+  names them; the monitor acts on it and records its evidence (every rank's position per
+  communicator, process states, the grouped stacks);
 * a NaN/inf loss or a loss spike returns one too (``diag_loss_action=restart``, the default);
 * a slow rank, an error-line burst in the logs and non-critical node issues are reported;
 * a critical node issue (vanished GPU, ECC errors, full disk, memory exhausted) returns a
@@ -399,6 +400,7 @@ class DiagMonitor(AgentCollaborator):
         job_views = [*views, *job.views]
         judged = self._judge(job_views, now)
         sampled: dict[int, str] = {}  # stacks dumped during this check, reused below
+        moving: dict[int, bool] = {}
         if judged.kind == "stuck" and self.config.hang_stacks:
             # The costly evidence last: a rank whose Python still moves is working, not stuck.
             moving, sampled = self._stacks_moving(views)
@@ -420,46 +422,41 @@ class DiagMonitor(AgentCollaborator):
         local = {v.rank for v in views}
         if not judged.hang or not local & {*judged.waiting, *judged.culprits}:
             return None  # a hang none of this node's ranks takes part in is its nodes' to act on
-        # This node's ranks that wait (the verdict names the job's in its own evidence).
-        finding = detectors.HangFinding(tuple(r for r in judged.waiting if r in local),
-                                        judged.what, judged.waited_s,
-                                        judged.timeout_s or 0.0)
-        coll_timeout = verdict.collective_timeout(tuple(self._coll_history), self._limits_hang)
-        step_timeout = self._limits_hang.busy_ceiling_s
-        culprits = hangcheck.verdict_culprits(judged, job_views)
-        if not culprits:
-            culprits = detectors.localise(job_views, self.config.hang_heartbeat_stale_s)
-        if (not culprits and self._exchange.active and
-                finding.waited_s < finding.timeout_s + self._exchange.stale_after_s):
+        if (not judged.culprits and self._exchange.active and
+                judged.waited_s < (judged.timeout_s or 0.0) + self._exchange.stale_after_s):
             # Another node's summary may not show the culprit yet: give it a few publications.
             return None
-        stack_groups = None
         if self.config.hang_stacks:
+            # The stacks of this node's ranks: the verdict's last resort for naming a culprit,
+            # and evidence in the event whatever it names.
             pids = {v.rank: v.pid for v in views if v.pid}
-            dumps = self._stacks_of(pids, sampled)
-            signatures = {rank: detectors.stack_signature(text) for rank, text in dumps.items()}
-            stack_groups = detectors.group_stacks(signatures, views)
-            if not culprits:
-                culprits = [detectors.Culprit(rank, group.node_id, f"stack differs from the "
-                                              f"majority: {frame}")
-                            for rank, frame in sorted(stack_groups.outliers.items())]
-        names = ", ".join(f"rank {c.rank} on {c.node}" for c in culprits) or "not localised"
-        if not culprits and job.silent:
+            judged = self._judge(job_views, now, moving, self._stacks_of(pids, sampled))
+        node_of = {v.rank: v.node for v in job_views}
+        names = ", ".join(f"rank {rank} on {node_of.get(rank, '')}"
+                          for rank in judged.culprits) or "not localised"
+        if not judged.culprits and job.silent:
             names += " (silent: " + ", ".join(
                 f"{n.node} for {n.age_s:.0f} s" for n in job.silent) + ")"
-        message = f"hang ({judged.kind}): {finding.what}; culprit: {names}"
-        evidence = hangcheck.hang_event_evidence(judged, finding, coll_timeout, step_timeout,
-                                                 culprits, job_views, job, stack_groups)
+        message = f"hang ({judged.kind}): {judged.what}; culprit: {names}"
+        # This node's ranks that wait (the verdict names the job's in its own evidence).
+        local_waiting = tuple(r for r in judged.waiting if r in local)
+        evidence = hangcheck.hang_event_evidence(
+            judged, local_waiting,
+            verdict.collective_timeout(tuple(self._coll_history), self._limits_hang),
+            self._limits_hang.busy_ceiling_s, job_views, job)
         self.emit("hang", message, **evidence)
-        ranks = tuple(c.rank for c in culprits) or finding.ranks_waiting
-        return Detection(FailureClass.HANG, ranks, "hang", message, evidence=evidence)
+        return Detection(FailureClass.HANG, judged.culprits or local_waiting, "hang", message,
+                         evidence=evidence)
 
     def _judge(self, job_views: list[detectors.RankView], now: int,
-               stacks_moving: Mapping[int, bool] | None = None) -> verdict.Verdict:
+               stacks_moving: Mapping[int, bool] | None = None,
+               stack_dumps: Mapping[int, str] | None = None) -> verdict.Verdict:
         evidence = self.evidence(job_views, now)
         if stacks_moving:
             evidence = [dataclasses.replace(e, stack_changed=stacks_moving[e.rank])
                         if e.rank in stacks_moving else e for e in evidence]
+        if stack_dumps:
+            evidence = hangcheck.with_stacks(evidence, stack_dumps)
         return verdict.judge(verdict.JobSnapshot(tuple(evidence), tuple(self._coll_history)),
                              self._limits_hang)
 
@@ -489,7 +486,7 @@ class DiagMonitor(AgentCollaborator):
         pids = {v.rank: v.pid for v in views if v.pid and v.rank in ranks}
         if not pids or not self.config.hang_stacks:
             return {}
-        signatures = {rank: detectors.stack_signature(text)
+        signatures = {rank: stacks.stack_signature(text)
                       for rank, text in self._stacks_of(pids, sampled).items()}
         return {rank: sig.splitlines()[0] for rank, sig in signatures.items() if sig}
 

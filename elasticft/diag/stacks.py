@@ -1,13 +1,16 @@
-"""Stack traces of live workers with py-spy, for culprit localisation of hangs (ByteRobust).
+"""Stack traces of live workers with py-spy, evidence for the hang verdict (ByteRobust).
 
 ``py-spy dump --nonblocking`` reads a process's memory without pausing it, so it also works on a
 stopped or wedged worker and never perturbs a healthy one. Dumps run in parallel with a timeout;
-a worker whose stack cannot be read gets an empty dump (itself a sign that something is wrong).
+a worker whose stack cannot be read gets an empty dump. :func:`stack_signature` reduces a dump to
+the main thread's frames, which the verdict (:mod:`elasticft.diag.verdict`) compares between
+ranks (stack outliers) and between two samples of one rank (a stack that moves).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+_LINE_NO = re.compile(r":\d+\)")
 
 
 def py_spy_path() -> str | None:
@@ -44,3 +49,23 @@ def dump_stacks(pids: Mapping[int, int], timeout_s: float = 10.0) -> dict[int, s
     with ThreadPoolExecutor(max_workers=min(8, len(pids))) as pool:
         futures = {rank: pool.submit(dump_one, pid, timeout_s, exe) for rank, pid in pids.items()}
         return {rank: future.result() for rank, future in futures.items()}
+
+
+def stack_signature(dump: str, line_numbers: bool = False) -> str:
+    """The main thread's frames from a ``py-spy dump``, without line numbers unless asked.
+
+    The main thread is the one named "MainThread", else the first one listed. An empty
+    signature means no stack could be read. With line numbers two samples of the same process
+    tell whether its Python is moving.
+    """
+    blocks: list[tuple[str, list[str]]] = []
+    for line in dump.splitlines():
+        if line.startswith("Thread "):
+            blocks.append((line, []))
+        elif blocks and line.startswith(" ") and line.strip():
+            frame = line.strip()
+            blocks[-1][1].append(frame if line_numbers else _LINE_NO.sub(")", frame))
+    if not blocks:
+        return ""
+    main = next((b for b in blocks if '"MainThread"' in b[0]), blocks[0])
+    return "\n".join(main[1])

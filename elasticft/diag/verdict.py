@@ -3,8 +3,10 @@
 One clock cannot tell a hang from a pause: a stopped process is certain within a second, while a
 rank computing for a minute outside any collective (an evaluation pass, a slow ``torch.save`` on
 rank 0) is only busy. :func:`judge` is a pure function from a :class:`JobSnapshot` (each rank's
-process state, CPU use, heartbeat, stack sample, in-flight collective, GPU completion progress,
-and the recent durations of collectives) to a :class:`Verdict` that names its evidence:
+process state, CPU use, heartbeat, in-flight collectives and position on each communicator, GPU
+completion progress, py-spy stacks when sampled, and the recent durations of collectives) to a
+:class:`Verdict` that names the culprits and the evidence behind them. It is the only place that
+judges a hang: the monitor gathers the evidence and acts on the verdict.
 
 * **frozen**: a rank stopped (T), exited (Z, gone), or uninterruptible (D) using no CPU, with a
   stale heartbeat, while its peers wait in a collective: a hang at once.
@@ -16,6 +18,11 @@ and the recent durations of collectives) to a :class:`Verdict` that names its ev
   recent collective durations, or after the start-up timeout before that history exists.
 * **healthy**: nobody waits, or a wait is still within its timeout.
 
+A stuck job's culprits are, in this order of trust: ranks whose process stopped or exited, or
+whose recorder stopped beating; ranks that never reached the call a peer waits in (their position
+on its communicator is behind); else the ranks whose stack differs from the majority's
+(ByteRobust's aggregation, :func:`group_stacks`). With none of these, no rank is named.
+
 A rank that progresses but slower than its peers is the slow-rank detector's
 (:func:`elasticft.diag.detectors.find_slow`), never a restart from here.
 """
@@ -23,13 +30,16 @@ A rank that progresses but slower than its peers is the slow-rank detector's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Literal
 
 from elasticft.diag.detectors import percentile
-
-STOPPED = frozenset({"T", "t"})
-EXITED = frozenset({"Z", "X"})
+from elasticft.procs import (
+    EXITED_STATES,
+    STOPPED_STATES,
+    UNINTERRUPTIBLE_STATE,
+    UNRESPONSIVE_STATES,
+)
 
 Kind = Literal["healthy", "working", "frozen", "stuck", "busy_too_long"]
 
@@ -65,6 +75,17 @@ class RankEvidence:
     """The innermost frame of the main thread, when sampled (for ``elasticft status``)."""
     step_age_s: float | None = None
     """Seconds since this rank last completed a step (None before its first)."""
+    in_flight: tuple[Call, ...] = ()
+    """The oldest unfinished call on each communicator, which peers' positions are checked
+    against; empty means just ``call`` (the oldest of all)."""
+    comm_positions: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """Communicator key -> number of the newest call this rank entered on it."""
+    facts_age_s: float = 0.0
+    """How old these facts are (another node's published view); a position older than a wait
+    says nothing about it."""
+    stack: str | None = None
+    """The main thread's frames (:func:`elasticft.diag.stacks.stack_signature`) when py-spy was
+    run: '' when it could not read them, None when not sampled."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +109,25 @@ class JobSnapshot:
 
 
 @dataclasses.dataclass(frozen=True)
+class StackGroups:
+    """The sampled ranks' stacks grouped (ByteRobust): the majority is taken as healthy."""
+
+    healthy: tuple[int, ...]
+    outliers: Mapping[int, str]
+    """Rank -> its innermost frame (or why there is none), for ranks unlike the majority."""
+    shared_comm: int | None
+    """The smallest communicator all outliers belong to (the parallel group to isolate)."""
+    unreadable: tuple[int, ...] = ()
+    """Ranks whose stack py-spy could not read."""
+
+    def to_json(self) -> dict[str, object]:
+        return {"healthy": list(self.healthy),
+                "outliers": {str(r): f for r, f in self.outliers.items()},
+                "shared_comm": f"{self.shared_comm:x}" if self.shared_comm else None,
+                "unreadable": list(self.unreadable)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     kind: Kind
     hang: bool
@@ -98,6 +138,8 @@ class Verdict:
     timeout_s: float | None = None
     evidence: dict[int, str] = dataclasses.field(default_factory=dict)
     """Rank -> the facts that decided its part in the verdict."""
+    stacks: StackGroups | None = None
+    """The sampled stacks, grouped; None when none were sampled."""
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "hang": self.hang, "culprits": list(self.culprits),
@@ -130,8 +172,11 @@ def _describe(r: RankEvidence) -> str:
                      f"{r.call.age_s:.1f} s ({r.call.source})")
     else:
         parts.append("outside collectives")
-    if r.stack_top:
-        parts.append(f"at {r.stack_top}")
+    top = r.stack_top or (r.stack.splitlines()[0] if r.stack else "")
+    if top:
+        parts.append(f"at {top}")
+    elif r.stack == "":
+        parts.append("stack unreadable")
     return ", ".join(parts)
 
 
@@ -140,12 +185,12 @@ def frozen_reason(r: RankEvidence, limits: HangLimits) -> str | None:
     stale = r.heartbeat_age_s is None or r.heartbeat_age_s > limits.heartbeat_stale_s
     if r.state is None:
         return "its process is gone"
-    if r.state in EXITED:
+    if r.state in EXITED_STATES:
         return f"its process has exited (state {r.state})"
-    if r.state in STOPPED and stale:
+    if r.state in STOPPED_STATES and stale:
         return f"its process is stopped (state {r.state})"
     no_cpu = r.cpu_fraction is not None and r.cpu_fraction < limits.busy_cpu_fraction
-    if r.state == "D" and stale and no_cpu:
+    if r.state == UNINTERRUPTIBLE_STATE and stale and no_cpu:
         return "its process is in uninterruptible sleep (D) using no CPU"
     return None
 
@@ -164,8 +209,97 @@ def progressing(r: RankEvidence, limits: HangLimits) -> bool:
                                      and r.cpu_fraction >= limits.busy_cpu_fraction)
 
 
+def group_stacks(signatures: Mapping[int, str],
+                 comms_of: Mapping[int, Collection[int]] | None = None) -> StackGroups:
+    """ByteRobust's aggregation: identical stacks form groups; the largest is taken as healthy.
+
+    A rank whose stack could not be read (empty signature) is an outlier when others could be
+    read; other ranks are outliers only when one group is strictly larger than every other.
+    When no stack could be read at all (no py-spy, no permission) the stacks say nothing.
+    ``comms_of`` (rank -> its communicators) finds the group the outliers share.
+    """
+    comms_of = comms_of or {}
+    groups: dict[str, list[int]] = {}
+    for rank, signature in signatures.items():
+        if signature:
+            groups.setdefault(signature, []).append(rank)
+    unreadable = tuple(sorted(r for r, s in signatures.items() if not s))
+    if not groups:
+        return StackGroups((), {}, None, unreadable)
+    outliers = {r: "<no Python stack could be read>" for r in unreadable}
+    healthy: tuple[int, ...] = ()
+    sizes = sorted((len(r) for r in groups.values()), reverse=True)
+    majority = max(groups.values(), key=len)
+    if len(sizes) == 1 or sizes[0] > sizes[1]:
+        healthy = tuple(sorted(majority))
+        for signature, ranks in groups.items():
+            if ranks is not majority:
+                top = signature.splitlines()[0]
+                outliers.update({rank: top for rank in ranks})
+    common: set[int] | None = None
+    for rank in outliers:
+        comms = set(comms_of.get(rank, ()))
+        common = comms if common is None else common & comms
+    shared = None
+    if common:
+        members = {c: sum(1 for comms in comms_of.values() if c in comms) for c in common}
+        shared = min(members, key=lambda c: (members[c], c))
+    return StackGroups(healthy, outliers, shared, unreadable)
+
+
+def _calls(r: RankEvidence) -> tuple[Call, ...]:
+    return r.in_flight or ((r.call,) if r.call is not None else ())
+
+
+def stuck_culprits(ranks: Sequence[RankEvidence], limits: HangLimits,
+                   stacks: StackGroups | None) -> dict[int, str]:
+    """Rank -> why it is a culprit of a stuck job; empty when the evidence names nobody."""
+    culprits: dict[int, str] = {}
+    for r in ranks:
+        if r.state in UNRESPONSIVE_STATES:
+            culprits[r.rank] = (f"its process is in state {r.state} (stopped or exited) while "
+                                "its peers wait")
+        elif r.heartbeat_age_s is not None and r.heartbeat_age_s > limits.heartbeat_stale_s:
+            culprits[r.rank] = (f"its recorder has not run for {r.heartbeat_age_s:.1f} s "
+                                "(process frozen or holding the GIL)")
+    # Ranks that never reached the call their peers wait in, communicator by communicator.
+    members: dict[int, list[RankEvidence]] = {}
+    for r in ranks:
+        for comm in r.comm_positions:
+            members.setdefault(comm, []).append(r)
+    for r in ranks:
+        for call in _calls(r):
+            if call.comm_seq <= 0:
+                continue
+            for peer in members.get(call.comm, ()):
+                if peer.rank in culprits or peer.rank == r.rank:
+                    continue
+                if peer.facts_age_s >= call.age_s:
+                    continue  # facts from before this wait began say nothing about it
+                reached = peer.comm_positions.get(call.comm, 0)
+                if reached < call.comm_seq:
+                    culprits[peer.rank] = (
+                        f"never reached {call.op} #{call.comm_seq} on comm {call.comm:x} that "
+                        f"rank {r.rank} waits in (its last call there is #{reached})")
+    if not culprits and stacks is not None:
+        # The weakest evidence, used alone: a rank elsewhere than the majority.
+        culprits = {rank: f"stack differs from the majority: {frame}"
+                    for rank, frame in stacks.outliers.items()}
+    return dict(sorted(culprits.items()))
+
+
 def judge(snapshot: JobSnapshot, limits: HangLimits) -> Verdict:
     """The verdict on the job as it stands; ``hang`` is true only when it should be recovered."""
+    sampled = {r.rank: r.stack for r in snapshot.ranks if r.stack is not None}
+    stacks = None
+    if sampled:
+        stacks = group_stacks(sampled, {r.rank: r.comm_positions.keys() for r in snapshot.ranks
+                                        if r.rank in sampled})
+    judged = _weigh(snapshot, limits, stacks)
+    return dataclasses.replace(judged, stacks=stacks) if stacks is not None else judged
+
+
+def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None) -> Verdict:
     ranks = snapshot.ranks
     evidence = {r.rank: _describe(r) for r in ranks}
     waiting = tuple(sorted(r.rank for r in ranks if r.call is not None))
@@ -176,7 +310,7 @@ def judge(snapshot: JobSnapshot, limits: HangLimits) -> Verdict:
     stalled = [r.rank for r in ranks if r.rank not in frozen and r.call is None
                and r.step_age_s is not None and r.step_age_s > limits.heartbeat_stale_s]
     held = {rank: why for rank, why in frozen.items()
-            if next(r for r in ranks if r.rank == rank).state not in (None, *EXITED)}
+            if next(r for r in ranks if r.rank == rank).state not in (None, *EXITED_STATES)}
     if held and stalled and len(frozen) < len(ranks):
         for rank, why in held.items():
             evidence[rank] = f"{why}; {evidence[rank]}"
@@ -241,6 +375,7 @@ def judge(snapshot: JobSnapshot, limits: HangLimits) -> Verdict:
             f"(timeout {timeout:.1f} s: {basis})")
     if waited <= timeout:
         return Verdict("healthy", False, (), waiting, what, waited, timeout, evidence)
-    # Ranks behind on the communicator of the oldest call are the likeliest culprits; when all
-    # are in the same call none is singled out.
-    return Verdict("stuck", True, (), waiting, what, waited, timeout, evidence)
+    culprits = stuck_culprits(ranks, limits, stacks)
+    for rank, why in culprits.items():
+        evidence[rank] = f"{why}; {evidence[rank]}"
+    return Verdict("stuck", True, tuple(culprits), waiting, what, waited, timeout, evidence)

@@ -10,36 +10,6 @@ from elasticft.diag.ring import RingFiles
 from elasticft.diag.workerenv import SHIM_ENV, bootstrap_dir, diag_worker_env
 
 
-def test_localise_names_the_rank_behind_and_the_stopped_or_exited_rank():
-    # The monitor's fallback when the verdict names no culprit (docs/hang-detection.md).
-    waiting = d.RankView(0, "n", in_flight=(d.InFlight("all_reduce", 7, 42, 6.0, "ring"),),
-                         comm_seqs={7: 42}, steps=10, step_age_s=6.0)
-    behind = d.RankView(1, "n", comm_seqs={7: 41}, steps=10, step_age_s=6.0)
-    culprits = d.localise([waiting, behind], heartbeat_stale_s=2)
-    assert [c.rank for c in culprits] == [1] and "never reached" in culprits[0].reason
-    a = d.RankView(0, "n", steps=5, step_age_s=50, heartbeat_age_s=0.1)
-    stopped = d.RankView(1, "n", pid=9, process_state="T", steps=5, step_age_s=50)
-    assert [c.rank for c in d.localise([a, stopped], 2)] == [1]
-    exited = d.RankView(1, "n", pid=9, process_state="Z", comm_seqs={7: 41})
-    assert [c.rank for c in d.localise([waiting, exited], 2)] == [1]
-    silent = d.RankView(1, "n", pid=9, process_state="R", heartbeat_age_s=8.2)
-    culprits = d.localise([a, silent], 2)
-    assert [c.rank for c in culprits] == [1] and "recorder has not run" in culprits[0].reason
-
-
-def test_stack_grouping_names_the_minority_and_unreadable_stacks():
-    main = 'Thread 1 (idle): "MainThread"\n    wait (x.py:3)\n    step (t.py:9)\n'
-    other = 'Thread 2 (active): "MainThread"\n    compute (m.py:77)\n'
-    assert d.stack_signature(main) == "wait (x.py)\nstep (t.py)"
-    sigs = {0: d.stack_signature(main), 1: d.stack_signature(main.replace(":3", ":4")),
-            2: d.stack_signature(other), 3: ""}
-    views = [d.RankView(r, "n", comm_seqs={1: 5, 10 + r // 2: 1}) for r in range(4)]
-    groups = d.group_stacks(sigs, views)
-    assert groups.healthy == (0, 1)
-    assert set(groups.outliers) == {2, 3} and groups.outliers[2] == "compute (m.py)"
-    assert groups.shared_comm == 11  # the smaller group ranks 2 and 3 share
-
-
 def test_busy_time_and_slow_rank():
     assert d.busy_time(0, 10**9, [(2 * 10**8, 5 * 10**8), (4 * 10**8, 6 * 10**8)]) == 0.6
     slow = d.find_slow({0: 0.1, 1: 0.1, 2: 0.35, 3: 0.11}, ratio=2, min_excess_s=0.02)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from elasticft.diag.verdict import Call, HangLimits, JobSnapshot, RankEvidence, judge
+from elasticft.diag.stacks import stack_signature
+from elasticft.diag.verdict import (
+    Call,
+    HangLimits,
+    JobSnapshot,
+    RankEvidence,
+    group_stacks,
+    judge,
+)
 
 LIMITS = HangLimits()
 HISTORY = [0.01] * 50  # 5 x p99 = 0.05 s: the 3 s floor rules
@@ -14,6 +24,24 @@ AR = "all_reduce"
 def waiting(rank: int, age: float, cpu: float = 0.01, source: str = "py", seq: int = 31,
             gpu: bool | None = None) -> RankEvidence:
     return RankEvidence(rank, "S", 0.1, cpu, None, gpu, Call(AR, 0x1A, seq, age, source))  # type: ignore[arg-type]
+
+
+MAIN = "wait (x.py)\nstep (t.py)"
+ELSEWHERE = "compute (m.py)\nstep (t.py)"
+
+
+def sampled(rank: int, stack: str, age: float = 3.5, seq: int = 31) -> RankEvidence:
+    """A rank waiting in the collective whose stack py-spy read ('' when it could not)."""
+    return dataclasses.replace(waiting(rank, age, seq=seq), stack=stack,
+                               comm_positions={0x1A: seq})
+
+
+def positioned(rank: int, age: float, seq: int, facts_age_s: float = 0.0,
+               comm: int = 0x1A) -> RankEvidence:
+    """A rank waiting in call ``seq`` of ``comm``, its position known on 0x1A."""
+    positions = {0x1A: seq} if comm == 0x1A else {0x1A: 41, comm: seq}
+    return RankEvidence(rank, "S", 0.1, 0.01, None, None, Call(AR, comm, seq, age),
+                        comm_positions=positions, facts_age_s=facts_age_s)
 
 
 CASES = [
@@ -97,6 +125,42 @@ CASES = [
      [], "healthy", False, ()),
     ("different collectives, nothing completing", [waiting(0, 4.0, seq=30), waiting(1, 4.0)],
      HISTORY, "stuck", True, ()),
+    # Who a stuck job waits for: process state, heartbeat, positions, then stacks.
+    ("stuck: a rank stopped inside the call, its heartbeat still fresh",
+     [RankEvidence(0, "T", 0.1, 0.0, call=Call(AR, 0x1A, 31, 3.5)), waiting(1, 3.5)],
+     HISTORY, "stuck", True, (0,)),
+    ("stuck: a rank's recorder silent past the staleness (GIL held in C code)",
+     [RankEvidence(0, "S", 8.0, 0.0, call=Call(AR, 0x1A, 31, 3.5)), waiting(1, 3.5)],
+     HISTORY, "stuck", True, (0,)),
+    ("stuck: a rank behind on the communicator never reached the call its peer waits in",
+     [positioned(0, 4.0, 42), positioned(1, 4.0, 41)], HISTORY, "stuck", True, (1,)),
+    ("stuck: a rank known only from facts older than the wait is not called behind",
+     [positioned(0, 5.0, 42), positioned(1, 5.0, 3, facts_age_s=6.0, comm=0x2B)],
+     HISTORY, "stuck", True, ()),
+    ("stuck: a rank known from facts newer than the wait is called behind",
+     [positioned(0, 5.0, 42), positioned(1, 5.0, 3, facts_age_s=1.0, comm=0x2B)],
+     HISTORY, "stuck", True, (1,)),
+    ("stuck: stacks disagree and nothing else is known: the minority is named",
+     [sampled(0, MAIN), sampled(1, MAIN), sampled(2, ELSEWHERE)], HISTORY, "stuck", True, (2,)),
+    ("stuck: every stack alike: nobody named",
+     [sampled(0, MAIN), sampled(1, MAIN), sampled(2, MAIN)], HISTORY, "stuck", True, ()),
+    ("stuck: two stacks against two, no majority: nobody named",
+     [sampled(0, MAIN), sampled(1, MAIN), sampled(2, ELSEWHERE), sampled(3, ELSEWHERE)],
+     HISTORY, "stuck", True, ()),
+    ("stuck: one stack could not be read while the others agree: that rank is named",
+     [sampled(0, MAIN), sampled(1, MAIN), sampled(2, "")], HISTORY, "stuck", True, (2,)),
+    ("stuck: no stack could be read (no py-spy, no permission): stacks name nobody",
+     [sampled(0, ""), sampled(1, ""), sampled(2, "")], HISTORY, "stuck", True, ()),
+    ("stuck: a rank behind outranks a stack outlier",
+     [sampled(0, MAIN, seq=42), sampled(1, MAIN, seq=41), sampled(2, ELSEWHERE, seq=42)],
+     HISTORY, "stuck", True, (1,)),
+    ("stacks disagree but the wait is within the timeout: healthy",
+     [sampled(0, MAIN, age=2.5), sampled(1, ELSEWHERE, age=2.5), sampled(2, MAIN, age=2.5)],
+     HISTORY, "healthy", False, ()),
+    ("a frozen rank is the culprit whatever the stacks say",
+     [dataclasses.replace(RankEvidence(0, "T", 2.5, 0.0), stack=MAIN),
+      sampled(1, ELSEWHERE, age=2.4), sampled(2, ELSEWHERE, age=2.4)],
+     HISTORY, "frozen", True, (0,)),
 ]
 
 
@@ -115,6 +179,35 @@ def test_frozen_verdict_names_its_evidence() -> None:
     assert "heartbeat 2.5 s old" in verdict.evidence[0]
     assert "in all_reduce #31" in verdict.evidence[1]
     assert verdict.to_json()["culprits"] == [0]
+
+
+def test_stuck_verdict_carries_the_stack_groups_and_the_culprits_reason() -> None:
+    verdict = judge(JobSnapshot((sampled(0, MAIN), sampled(1, MAIN), sampled(2, ELSEWHERE)),
+                                HISTORY), LIMITS)
+    assert verdict.culprits == (2,)
+    assert verdict.evidence[2].startswith("stack differs from the majority: compute (m.py)")
+    assert verdict.stacks is not None
+    assert verdict.stacks.to_json() == {"healthy": [0, 1], "outliers": {"2": "compute (m.py)"},
+                                        "shared_comm": "1a", "unreadable": []}
+    positions = judge(JobSnapshot((positioned(0, 4.0, 42), positioned(1, 4.0, 41)), HISTORY),
+                      LIMITS)
+    assert positions.evidence[1].startswith("never reached all_reduce #42 on comm 1a")
+    assert positions.stacks is None  # no stack sampled: none in the event either
+
+
+def test_stack_grouping_names_the_minority_and_the_group_it_shares() -> None:
+    main = 'Thread 1 (idle): "MainThread"\n    wait (x.py:3)\n    step (t.py:9)\n'
+    other = 'Thread 2 (active): "MainThread"\n    compute (m.py:77)\n'
+    assert stack_signature(main) == "wait (x.py)\nstep (t.py)"
+    assert stack_signature(main, line_numbers=True) == "wait (x.py:3)\nstep (t.py:9)"
+    signatures = {0: stack_signature(main), 1: stack_signature(main.replace(":3", ":4")),
+                  2: stack_signature(other), 3: ""}
+    groups = group_stacks(signatures, {r: {1, 10 + r // 2} for r in range(4)})
+    assert groups.healthy == (0, 1) and groups.unreadable == (3,)
+    assert set(groups.outliers) == {2, 3} and groups.outliers[2] == "compute (m.py)"
+    assert groups.shared_comm == 11  # the smaller group ranks 2 and 3 share
+    nothing = group_stacks({0: "", 1: ""})
+    assert (nothing.outliers, nothing.unreadable) == ({}, (0, 1))
 
 
 def test_working_verdict_says_what_the_busy_rank_does() -> None:
