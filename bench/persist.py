@@ -3,7 +3,9 @@
 In one process, one after the other (``--repeat`` rounds, alternating):
 
 * **disk**: N GB written sequentially to a fresh file in 64 MiB writes, then fsync (what ``dd
-  bs=64M conv=fsync`` does), from memory already touched;
+  bs=64M conv=fsync`` does), from memory already touched; and the same with the disk's writeback
+  started after every write (``sync_file_range``), so the disk writes while the next chunk is
+  copied. The disk's speed is the faster of the two;
 * **persist**: an N GB snapshot (a model's parameters and AdamW state, a few large tensors and
   many small ones) saved with ``Checkpointer.save`` into real shared-memory slots, then what the
   agent does to persist it with the default three slots: hold the slot (``service._hold``) and
@@ -40,14 +42,17 @@ from elasticft.ckpt.shm import SlotSet, StagingBuffer, segment_prefix
 CHUNK = 64 << 20
 
 
-def disk_write(path: Path, nbytes: int, buffer: bytearray) -> float:
+def disk_write(path: Path, nbytes: int, buffer: bytearray, writeback: bool) -> float:
     view = memoryview(buffer)
     started = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         left = nbytes
         while left:
+            done = nbytes - left
             left -= os.write(fd, view[: min(CHUNK, left)])
+            if writeback and durable._sync_file_range is not None:
+                durable._sync_file_range(fd, done, nbytes - left - done, 2)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -91,7 +96,8 @@ def main() -> None:
         with Checkpointer(settings) as ckpt:
             for step in range(1, args.repeat + 1):
                 target = root / "dd.bin"
-                disk.append(disk_write(target, size, buffer))
+                disk.append(min(disk_write(target, size, buffer, writeback=False),
+                                disk_write(target, size, buffer, writeback=True)))
                 target.unlink()
                 ckpt.save(step, state).wait(120)
                 newest = reader.newest()
