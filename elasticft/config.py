@@ -110,7 +110,7 @@ def _bad(source: str, value: Any, fix: str) -> ConfigError:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class PinnedLayout:
     """A 3D-parallel layout; ``None`` for a dimension left to the planner."""
 
     tp: int | None = None
@@ -121,8 +121,8 @@ class Layout:
            "the planner, e.g. 2,*,*")
 
     @classmethod
-    def parse(cls, value: Any, source: str = "--layout") -> Layout:
-        if isinstance(value, Layout):
+    def parse(cls, value: Any, source: str = "--layout") -> PinnedLayout:
+        if isinstance(value, PinnedLayout):
             return value
         parts = [p.strip() for p in str(value).split(",")]
         if len(parts) != 3:
@@ -296,14 +296,14 @@ class PlanConfig:
         False,
         "Measure this machine's matrix-multiply speed at start-up (a ~1 s probe) and plan with "
         "it instead of the hardware's nominal compute speed.")
-    layout: Layout | None = option(
+    layout: PinnedLayout | None = option(
         None,
         "Pin the parallel layout TP,PP,DP, with * for a dimension left to the planner (2,*,*: "
         "tensor parallelism 2, the rest planned). TP must divide the GPUs per node, PP the "
         "layers, DP global/micro batch. A fully given layout also places each node's peer "
         "backup outside its own parallel groups; otherwise backups go to the next node in a "
         "ring.",
-        parse=Layout.parse, kind="TP,PP,DP")
+        parse=PinnedLayout.parse, kind="TP,PP,DP")
 
 
 @dataclasses.dataclass(frozen=True)

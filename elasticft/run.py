@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -224,7 +224,10 @@ def _torch_launch_config(args: argparse.Namespace) -> tuple[Any, Any, list[str]]
         raise UsageError(f"{message}; see elasticft-run --help") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *,
+         tune: Callable[[ElasticftConfig], ElasticftConfig] | None = None) -> int:
+    """``elasticft-run``. ``tune`` lets a launcher built on this one (a custom agent, a test)
+    set tuning constants, which no flag, variable or YAML key reaches, on the parsed options."""
     logging.basicConfig(
         level=os.environ.get("LOGLEVEL", "INFO").upper(),
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
@@ -236,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     created: list[Path] = []
     try:
         args, options = parse(argv)
+        if tune is not None:
+            options = tune(options)
         raw_argv = list(sys.argv[1:] if argv is None else argv)
         allocation = _slurm_allocation(options)
         if allocation is not None:

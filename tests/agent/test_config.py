@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elasticft import options as option_reading
-from elasticft.config import ConfigError, DiagConfig, Layout, MetricsEndpoint, SlurmSignal
+from elasticft.config import ConfigError, DiagConfig, MetricsEndpoint, PinnedLayout, SlurmSignal
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -83,7 +83,7 @@ def test_keys_follow_one_rule(tmp_path: Path) -> None:
                                 "diag: {enabled: false, preflight: off}\nslurm: {mode: on}\n")
     options = option_reading.resolve({}, {}, yaml_file)
     assert options.agent.run_dir == Path("/r")
-    assert options.plan.layout == Layout(2, None, None)
+    assert options.plan.layout == PinnedLayout(2, None, None)
     assert options.ckpt.ckpt_dir == Path("/c")
     assert options.diag.hang_initial_timeout_s == 900
     assert options.diag.slow_action == "restart"
@@ -143,20 +143,20 @@ def test_tuning_constants_have_no_flag_env_or_yaml_key() -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("2,4,8", Layout(2, 4, 8)),
-        ("2,*,*", Layout(2, None, None)),
-        ("*, 4 ,*", Layout(None, 4, None)),
-        ("*,*,*", Layout()),
+        ("2,4,8", PinnedLayout(2, 4, 8)),
+        ("2,*,*", PinnedLayout(2, None, None)),
+        ("*, 4 ,*", PinnedLayout(None, 4, None)),
+        ("*,*,*", PinnedLayout()),
     ],
 )
-def test_layout_parses(text: str, expected: Layout) -> None:
-    assert Layout.parse(text) == expected
-    assert Layout.parse(str(expected)) == expected
+def test_layout_parses(text: str, expected: PinnedLayout) -> None:
+    assert PinnedLayout.parse(text) == expected
+    assert PinnedLayout.parse(str(expected)) == expected
 
 
 def test_a_complete_layout_places_backups() -> None:
-    assert Layout(2, 4, 8).complete() == (2, 4, 8)
-    assert Layout(2, None, 8).complete() is None
+    assert PinnedLayout(2, 4, 8).complete() == (2, 4, 8)
+    assert PinnedLayout(2, None, 8).complete() is None
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def test_structured_values_parse_from_flags_and_env() -> None:
     args = parser.parse_args(["--layout", "2,*,*", "--slurm-signal", "B:USR1@300",
                               "--diag-preflight", "allreduce"])
     options = option_reading.from_namespace(args, {"ELASTICFT_DIAG_METRICS": "0.0.0.0:9100"})
-    assert options.plan.layout == Layout(2, None, None)
+    assert options.plan.layout == PinnedLayout(2, None, None)
     assert options.slurm.slurm_signal.lead_time == timedelta(seconds=300)
     assert options.diag.diag_preflight == "allreduce"
     assert options.diag.diag_metrics == MetricsEndpoint("0.0.0.0", 9100)
