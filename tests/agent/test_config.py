@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from elasticft import options as option_reading
-from elasticft.config import ConfigError, DiagConfig, MetricsEndpoint, PinnedLayout, SlurmSignal
+from elasticft.config import (
+    RUNS_DIR,
+    ConfigError,
+    DiagConfig,
+    MetricsEndpoint,
+    PinnedLayout,
+    SlurmSignal,
+    checkpoint_dir_default,
+    run_dir_default,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -246,3 +255,22 @@ def test_flags_parse_through_namespace() -> None:
     options = option_reading.from_namespace(args, {})
     assert options.agent.restart_on_user_error == 2
     assert options.agent.node_id == "n7"
+
+
+@pytest.mark.parametrize(
+    ("run_dir", "log_dir", "expected"),
+    [
+        (Path("/r"), "/logs", Path("/r")),  # --run-dir wins
+        (None, "/logs", Path("/logs/job1")),  # the user's --log-dir
+        (None, "/tmp/torchelastic_abc", RUNS_DIR / "job1"),  # torch's own, never a run's home
+        (None, None, RUNS_DIR / "job1"),
+    ],
+)
+def test_one_rule_for_the_run_directory(run_dir: Path | None, log_dir: str | None,
+                                        expected: Path) -> None:
+    assert run_dir_default(run_dir, log_dir, "job1") == expected
+
+
+def test_one_rule_for_the_checkpoint_directory() -> None:
+    assert checkpoint_dir_default(None, Path("/r")) == Path("/r/ckpt")
+    assert checkpoint_dir_default(Path("/c"), Path("/r")) == Path("/c")
