@@ -252,9 +252,6 @@ def read_yaml(path: Path) -> dict[str, Any]:
         top = str(top)
         if top in YAML_SECTIONS or top in old_sections:
             if not isinstance(top_value, dict):
-                if (None, top) in by_path:  # a top-level option that shares a section's name
-                    values[by_path[(None, top)].name] = top_value
-                    continue
                 raise ConfigError(
                     f"--config {path}: section {top!r} must be a mapping of key: value",
                     reason="config_malformed",
@@ -263,8 +260,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
         else:
             entries = [(None, top, top_value)]
         for section, key, value in entries:
-            spec = by_path.get((section, key)) if section in YAML_SECTIONS or section is None \
-                else None
+            # A former section that is no YAML section now ("agent") holds only old-style keys.
+            current = section is None or section in YAML_SECTIONS
+            spec = by_path.get((section, key)) if current else None
             if spec is None:
                 raise ConfigError(_unknown_yaml_key(path, section, key, by_path),
                                   reason="config_unknown_key")
