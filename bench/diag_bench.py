@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shutil
@@ -133,10 +134,11 @@ def bench_hang() -> float | None:
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         run_dir, marker = t / "run", t / "marker"
-        cmd = [str(Path(sys.executable).parent / "elasticft-run"), "--standalone",
-               "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
-               "--run-dir", str(run_dir), "--hang-heartbeat-stale-s", "2",
-               "--hang-collective-floor-s", "2", "--shutdown-timeout", "5",
+        # Tuning constants have no flag: tests/tuned_run.py sets them through the Python API.
+        tuning = json.dumps({"hang_heartbeat_stale_s": "2", "hang_collective_floor_s": "2"})
+        cmd = [sys.executable, str(ROOT / "tests" / "tuned_run.py"), tuning, "--",
+               "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+               "--monitor-interval", "0.1", "--run-dir", str(run_dir), "--shutdown-timeout", "5",
                str(ROOT / "tests" / "diag" / "workers" / "diag_train.py"), "--steps", "60",
                "--state", str(t / "state"), "--marker-at", "25", "--marker", str(marker)]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -178,8 +180,8 @@ def main() -> int:
           f"{(watched / plain - 1) * 100:+.2f}%")
     if not args.skip_hang:
         latency = bench_hang()
-        print("\nhang (worker SIGSTOPped, --hang-heartbeat-stale-s 2 "
-              "--hang-collective-floor-s 2): detected after "
+        print("\nhang (worker SIGSTOPped, hang_heartbeat_stale_s=2 "
+              "hang_collective_floor_s=2): detected after "
               f"{latency:.2f} s vs gloo default timeout {GLOO_DEFAULT_TIMEOUT_S:.0f} s "
               f"({GLOO_DEFAULT_TIMEOUT_S / latency:.0f}x sooner)" if latency else
               "\nhang: not detected")

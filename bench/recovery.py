@@ -53,6 +53,7 @@ from elasticft import chaos  # noqa: E402
 from elasticft.events import read_events  # noqa: E402
 from elasticft.report.steps import read_steps  # noqa: E402
 from elasticft.report.tor import analyze, format_report  # noqa: E402
+from tests.tuned_run import tuned_run  # noqa: E402  (tuning constants have no flag)
 
 BIN = Path(sys.executable).parent
 PLAIN = ROOT / "examples" / "train_plain.py"
@@ -100,9 +101,9 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
         cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "3", "--log-dir", str(work / f"{tag}-torchrun-logs"), *train]
     else:
-        cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+        cmd = [*elasticft_run(args), "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "3", "--run-dir", str(run_dir), "--monitor-interval", "0.1",
-               "--shutdown-timeout", "5", *hang_flags(args),
+               "--shutdown-timeout", "5",
                "--ckpt-persist-every", str(persist_every(args)), *train]
     log = (work / f"{tag}.out").open("wb")
     proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
@@ -220,10 +221,14 @@ def fmt(value: object, unit: str = "") -> str:
     return str(value)
 
 
-def hang_flags(args: argparse.Namespace) -> list[str]:
-    if args.hang_floor is None:
-        return []
-    return ["--hang-collective-floor-s", str(args.hang_floor)]
+def hang_tuning(args: argparse.Namespace) -> dict[str, float]:
+    """The hang tuning constants --hang-floor sets (Python API only: no elasticft-run flag)."""
+    return {} if args.hang_floor is None else {"hang_collective_floor_s": args.hang_floor}
+
+
+def elasticft_run(args: argparse.Namespace) -> list[str]:
+    tuning = hang_tuning(args)
+    return tuned_run(tuning) if tuning else [str(BIN / "elasticft-run")]
 
 
 def main() -> None:
@@ -235,7 +240,7 @@ def main() -> None:
                         help="elasticft-run's --ckpt-persist-every (default: --ckpt-every)")
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--hang-floor", type=float, default=None,
-                        help="elasticft's --hang-collective-floor-s (default: elasticft's "
+                        help="elasticft's DiagConfig.hang_collective_floor_s (default: elasticft's "
                         "default; hang detection uses default options)")
     parser.add_argument("--hang-cap", type=float, default=60.0)
     parser.add_argument("--tor-minutes", type=float, default=10.0,
@@ -256,7 +261,7 @@ def main() -> None:
           f"python {platform.python_version()}")
     print(f"# 2 gloo workers, {args.steps} steps of ~{args.step_time} s extra, fault after step "
           f"{args.fault_step}; plain script saves every {args.ckpt_every} steps; elasticft "
-          f"hang options {' '.join(hang_flags(args)) or 'default'}")
+          f"hang tuning {hang_tuning(args) or 'default'}")
     print(f"{'run':34} {'fault':6} {'first step':>11} {'recomputed':>10} {'past fault':>11}")
     runs = [("torchrun", PLAIN), ("elasticft-run", PLAIN), ("elasticft-run", API)]
     results: dict[tuple[str, str], dict[str, object]] = {}

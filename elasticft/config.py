@@ -5,7 +5,14 @@ once, with :func:`option`, and that single declaration gives it
 
 * a command-line flag ``--field-name`` on ``elasticft-run``,
 * an environment variable ``ELASTICFT_FIELD_NAME``,
-* a YAML key ``section: {field_name: ...}`` in the file given with ``--config``.
+* a YAML key in the file given with ``--config``: ``<prefix>: {rest: ...}`` when the name starts
+  with one of :data:`YAML_SECTIONS` (``ckpt_dir`` is ``ckpt: {dir: ...}``), else a top-level
+  ``field_name: ...``.
+
+Knobs few users should turn are declared with :func:`tuning` instead: fields that the Python API
+(custom agents, tests) can set, which no flag, variable or YAML key reads. Options that were
+removed or merged are listed in :data:`REMOVED_OPTIONS`, so that an old variable or YAML key is
+an error naming what replaced it.
 
 :mod:`elasticft.options` reads them (precedence CLI flag > ``ELASTICFT_*`` env > YAML file >
 default). torchrun's own flags (and their ``PET_*`` variables) stay with torch's parser.
@@ -17,7 +24,9 @@ came from and how to fix it, in one line.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +34,9 @@ from typing import Any, Literal
 ENV_PREFIX = "ELASTICFT_"
 RUNS_DIR = Path("elasticft-runs")
 """Where runs go without --run-dir or --log-dir: ``RUNS_DIR/<run id>``, relative to the cwd."""
+YAML_SECTIONS = ("plan", "slurm", "diag", "hang", "slow", "ckpt", "recovery")
+"""Name prefixes that are YAML sections: ``--hang-initial-timeout-s`` is
+``hang: {initial_timeout_s: ...}``; an option without one is a top-level key."""
 
 
 class ConfigError(ValueError):
@@ -51,9 +63,170 @@ def require_writable_dir(flag: str, directory: Path, mode: int = 0o777) -> None:
                           "directory this user can create and write") from None
 
 
-def option(default: Any, help: str, *, minimum: float | None = None) -> Any:
-    """Declares a field of a config section with its help text (shown by ``--help``)."""
-    return dataclasses.field(default=default, metadata={"help": help, "minimum": minimum})
+def run_dir_default(run_dir: Path | None, log_dir: str | Path | None, run_id: str) -> Path:
+    """The run directory: ``--run-dir`` when given, else ``<log-dir>/<run id>`` when the user gave
+    a --log-dir (not one of torch's own ``/tmp/torchelastic_*``), else ``RUNS_DIR/<run id>``."""
+    if run_dir is not None:
+        return Path(run_dir)
+    if log_dir and not str(log_dir).startswith("/tmp/torchelastic_"):
+        return Path(log_dir) / run_id
+    return RUNS_DIR / run_id
+
+
+def checkpoint_dir_default(ckpt_dir: Path | None, run_dir: Path) -> Path:
+    """The local checkpoint directory: ``--ckpt-dir`` when given, else ``<run-dir>/ckpt``."""
+    return Path(ckpt_dir) if ckpt_dir is not None else Path(run_dir) / "ckpt"
+
+
+def option(default: Any, help: str, *, minimum: float | None = None,
+           parse: Callable[[Any, str], Any] | None = None, kind: str | None = None) -> Any:
+    """Declares a field of a config section with its help text (shown by ``--help``).
+
+    ``parse(value, source)`` converts a raw value of a structured option (``--layout 2,*,*``)
+    and raises a one-line :class:`ConfigError`; ``kind`` describes its syntax in the help.
+    """
+    return dataclasses.field(default=default, metadata={
+        "help": help, "minimum": minimum, "parse": parse, "kind": kind})
+
+
+def tuning(default: Any, help: str) -> Any:
+    """Declares a tuning constant: settable through the Python API only (no flag, env or YAML).
+
+    For knobs whose default suits every user; tests and custom agents may still change them.
+    """
+    return dataclasses.field(default=default, metadata={"help": help, "tuning": True})
+
+
+def is_tuning(field: dataclasses.Field[Any]) -> bool:
+    return bool(field.metadata.get("tuning"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Structured option values: each parses its text form and names the fix when it cannot.
+
+
+def _bad(source: str, value: Any, fix: str) -> ConfigError:
+    return ConfigError(f"{source}={value!r} is not valid; {fix}", reason="bad_option")
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedLayout:
+    """A 3D-parallel layout; ``None`` for a dimension left to the planner."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+
+    FIX = ("give --layout TP,PP,DP as three whole numbers >= 1, with * for a dimension left to "
+           "the planner, e.g. 2,*,*")
+
+    @classmethod
+    def parse(cls, value: Any, source: str = "--layout") -> PinnedLayout:
+        if isinstance(value, PinnedLayout):
+            return value
+        parts = [p.strip() for p in str(value).split(",")]
+        if len(parts) != 3:
+            raise _bad(source, value, cls.FIX)
+        sizes: list[int | None] = []
+        for part in parts:
+            if part == "*":
+                sizes.append(None)
+            elif part.isdigit() and int(part) >= 1:
+                sizes.append(int(part))
+            else:
+                raise _bad(source, value, cls.FIX)
+        return cls(*sizes)
+
+    def complete(self) -> tuple[int, int, int] | None:
+        """(tp, pp, dp) when every dimension is given, else None."""
+        if self.tp is None or self.pp is None or self.dp is None:
+            return None
+        return self.tp, self.pp, self.dp
+
+    def __str__(self) -> str:
+        return ",".join("*" if v is None else str(v) for v in (self.tp, self.pp, self.dp))
+
+
+def parse_signal_name(name: str, source: str = "--slurm-signal") -> signal.Signals:
+    """A signal by name (``USR1``, ``SIGUSR1``) or number, as sbatch --signal takes it."""
+    text = str(name).strip().upper()
+    if text.isdigit():
+        try:
+            return signal.Signals(int(text))
+        except ValueError:
+            pass
+    elif text:
+        try:
+            return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+        except KeyError:
+            pass
+    raise ConfigError(
+        f"{source}={name!r} is not a signal; give the one of sbatch --signal, e.g. USR1@120",
+        reason="bad_option",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmSignal:
+    """sbatch's ``--signal=[B:]SIG[@SECONDS]``: which signal, and how long before the limit."""
+
+    signal: signal.Signals = signal.SIGUSR1
+    lead_time: timedelta = timedelta(seconds=120)
+    batch_only: bool = False
+    """``B:``: Slurm signals only the batch shell (which the launcher runs in), not job steps."""
+
+    FIX = "give sbatch's [B:]SIG[@SECONDS], e.g. USR1@120 or B:USR1@300"
+
+    @classmethod
+    def parse(cls, value: Any, source: str = "--slurm-signal") -> SlurmSignal:
+        if isinstance(value, SlurmSignal):
+            return value
+        text = str(value).strip()
+        batch_only = text.upper().startswith("B:")
+        if batch_only:
+            text = text[2:]
+        name, at, seconds = text.partition("@")
+        lead = 60  # sbatch's own default lead time
+        if at:
+            if not seconds.strip().isdigit() or int(seconds) < 1:
+                raise _bad(source, value, cls.FIX)
+            lead = int(seconds)
+        try:
+            sig = parse_signal_name(name, source)
+        except ConfigError:
+            raise _bad(source, value, cls.FIX) from None
+        return cls(sig, timedelta(seconds=lead), batch_only)
+
+    def __str__(self) -> str:
+        name = self.signal.name.removeprefix("SIG")
+        return f"{'B:' if self.batch_only else ''}{name}@{self.lead_time.total_seconds():g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsEndpoint:
+    """Where the Prometheus metrics endpoint listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    FIX = ("give [HOST:]PORT with a port from 1 to 65535 (e.g. 9100 or 0.0.0.0:9100), or off")
+
+    @classmethod
+    def parse(cls, value: Any, source: str = "--diag-metrics") -> MetricsEndpoint | None:
+        if value is None or isinstance(value, MetricsEndpoint):
+            return value
+        if value is False or str(value).strip().lower() in ("", "off", "none"):
+            return None
+        text = str(value).strip()
+        host, colon, port = text.rpartition(":")
+        host = host.strip("[]") if colon else cls.host
+        if not port.isdigit() or not 1 <= int(port) <= 65535 or (colon and not host):
+            raise _bad(source, value, cls.FIX)
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,26 +250,23 @@ class AgentConfig:
         "--log-dir is given, else ./elasticft-runs/<run-id> (with the workers' logs in "
         "<run-dir>/logs).",
     )
-    event_dir: Path | None = option(
+    event_dir: Path | None = tuning(
         None,
-        "Directory of the JSONL event log (overrides <run-dir>); `elasticft report` reads it.",
-    )
+        "Directory of the JSONL event log (overrides <run-dir>); `elasticft report` reads it.")
     node_id: str | None = option(
         None,
         "This node's name in events, the blacklist and the rendezvous; unique among the job's "
         "agents. Default: the host name, <host>-2, -3, ... for more agents of the job on one "
         "host.",
     )
-    capture_stderr: bool = option(
+    capture_stderr: bool = tuning(
         True,
         "Also copy each worker's stderr to a file so failures can be classified from the "
-        "traceback of scripts that do not use torch's @record.",
-    )
-    share_rdzv_store: bool = option(
+        "traceback of scripts that do not use torch's @record.")
+    share_rdzv_store: bool = tuning(
         False,
         "Let workers use the agent-hosted shared TCPStore (torch's default). Off by default: the "
-        "shared store keeps a previous attempt's keys and breaks restarts (pytorch#135712).",
-    )
+        "shared store keeps a previous attempt's keys and breaks restarts (pytorch#135712).")
     warm_start: bool = option(
         True,
         "Fork workers from a warm interpreter per local rank that has imported torch once, "
@@ -120,23 +290,20 @@ class PlanConfig:
         "GPU speeds and memory for the planner: a preset (a100-80g, a100-40g, h100-80g, cpu) "
         "or a JSON file of its fields.",
     )
-    plan_gpu_memory_gib: float | None = option(
-        None, "Memory per GPU in GiB for the planner (overrides the hardware's).", minimum=0.001
-    )
-    plan_probe: bool = option(
+    plan_gpu_memory_gib: float | None = tuning(
+        None, "Memory per GPU in GiB for the planner (overrides the hardware's).")
+    plan_probe: bool = tuning(
         False,
         "Measure this machine's matrix-multiply speed at start-up (a ~1 s probe) and plan with "
-        "it instead of the hardware's nominal compute speed.",
-    )
-    layout_tp: int | None = option(
-        None, "Pin tensor parallelism to this size (must divide the GPUs per node).", minimum=1
-    )
-    layout_pp: int | None = option(
-        None, "Pin pipeline parallelism to this size (must divide the layers).", minimum=1
-    )
-    layout_dp: int | None = option(
-        None, "Pin data parallelism to this size (must divide global/micro batch).", minimum=1
-    )
+        "it instead of the hardware's nominal compute speed.")
+    layout: PinnedLayout | None = option(
+        None,
+        "Pin the parallel layout TP,PP,DP, with * for a dimension left to the planner (2,*,*: "
+        "tensor parallelism 2, the rest planned). TP must divide the GPUs per node, PP the "
+        "layers, DP global/micro batch. A fully given layout also places each node's peer "
+        "backup outside its own parallel groups; otherwise backups go to the next node in a "
+        "ring.",
+        parse=PinnedLayout.parse, kind="TP,PP,DP")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,27 +314,22 @@ class SlurmConfig:
         "auto",
         "Slurm integration: auto (when SLURM_JOB_ID is set), on (fail if it is not), off.",
     )
-    slurm_signal: str = option(
-        "SIGUSR1",
-        "The signal Slurm sends before the time limit (sbatch --signal=B:USR1@120). The agent "
-        "checkpoints, requeues and exits on it; plain scripts get it forwarded.",
-    )
-    slurm_signal_lead_time: timedelta = option(
-        timedelta(seconds=120),
-        "Seconds between that signal and the time limit (the @120 of --signal). The save may "
-        "take 80% of it; the rest is left for the requeue and a clean exit.",
-        minimum=1,
-    )
+    slurm_signal: SlurmSignal = option(
+        SlurmSignal(),
+        "The job's sbatch --signal, in sbatch's syntax [B:]SIG[@SECONDS]: the signal Slurm sends "
+        "and how many seconds before the time limit. The agent checkpoints, requeues and exits "
+        "on it (the save may take 80% of the lead time; the rest is left for the requeue and a "
+        "clean exit); plain scripts get it forwarded.",
+        parse=SlurmSignal.parse, kind="[B:]SIG[@SECONDS]")
     slurm_requeue: Literal["scontrol", "sbatch", "off"] = option(
         "scontrol",
         "How the job continues after a time-limit checkpoint: `scontrol requeue $SLURM_JOB_ID` "
         "(same job id; needs requeue allowed), a new `sbatch` of the job's script, or off.",
     )
-    slurm_resubmit_script: Path | None = option(
+    slurm_resubmit_script: Path | None = tuning(
         None,
         "Batch script that --slurm-requeue sbatch submits. Default: the job's own script "
-        "(Command of `scontrol show job`).",
-    )
+        "(Command of `scontrol show job`).")
     slurm_save_on_cancel: bool = option(
         False,
         "On scancel (SIGTERM), ask the workers to checkpoint before stopping. Off: log it and "
@@ -181,11 +343,11 @@ class DiagConfig:
 
     diag_enabled: bool = option(
         True, "Watch workers for hangs, slow ranks, bad losses, error bursts and node health.")
-    diag_ring_dir: Path | None = option(
+    diag_ring_dir: Path | None = tuning(
         None, "Directory whose file system holds the per-rank progress rings (shared memory; "
         "files with no name, nothing to remove). Default: /dev/shm.")
-    diag_ring_capacity: int = option(
-        4096, "Records kept per rank and producer in the progress ring.", minimum=64)
+    diag_ring_capacity: int = tuning(
+        4096, "Records kept per rank and producer in the progress ring.")
     diag_auto_install: bool = option(
         True,
         "Record gloo collectives, DDP buckets and optimizer steps in scripts that do not call "
@@ -195,80 +357,74 @@ class DiagConfig:
     diag_nccl_shim: Literal["auto", "on", "off"] = option(
         "auto",
         "Time NCCL calls with the LD_PRELOAD shim. auto: when this node has an NVIDIA GPU.")
-    diag_check_interval_s: float = option(
-        0.2, "Seconds between two evaluations of the detectors (at most).", minimum=0.05)
-    hang_collective_floor_s: float = option(
+    diag_check_interval_s: float = tuning(
+        0.2, "Seconds between two evaluations of the detectors (at most).")
+    hang_collective_floor_s: float = tuning(
         3.0, "Once collective history exists, ranks all waiting in collectives with nothing "
-        "progressing are never called stuck before this many seconds.", minimum=0.1)
+        "progressing are never called stuck before this many seconds.")
     hang_busy_ceiling_s: float = option(
         1800.0, "Peers may wait this long for a rank that is alive and busy outside collectives "
         "(evaluation, a slow save) before it is called hung (torch's process-group timeout).",
         minimum=1.0)
-    hang_multiple: float = option(
+    hang_multiple: float = tuning(
         5.0, "Stuck-collective timeout = max(floor, multiple x the percentile of recent "
-        "durations).", minimum=1.0)
-    hang_percentile: float = option(
-        99.0, "Percentile of recent collective/step durations the hang timeout scales.",
-        minimum=1.0)
-    hang_history: int = option(
-        500, "Recent durations (per kind) the hang timeout is learned from.", minimum=10)
-    hang_min_samples: int = option(
-        10, "Durations needed before the adaptive timeout replaces the initial one.", minimum=1)
+        "durations).")
+    hang_percentile: float = tuning(
+        99.0, "Percentile of recent collective/step durations the hang timeout scales.")
+    hang_history: int = tuning(
+        500, "Recent durations (per kind) the hang timeout is learned from.")
+    hang_min_samples: int = tuning(
+        10, "Durations needed before the adaptive timeout replaces the initial one.")
     hang_initial_timeout_s: float = option(
         600.0, "Stuck-collective timeout before enough history exists (first compile, warm-up, "
         "first steps).", minimum=1.0)
-    hang_heartbeat_stale_s: float = option(
+    hang_heartbeat_stale_s: float = tuning(
         2.0, "A worker stopped, exited or in D state without CPU whose recorder thread has not "
-        "beaten for this long, while peers wait on it, is called frozen.",
-        minimum=0.2)
-    hang_stacks: bool = option(
+        "beaten for this long, while peers wait on it, is called frozen.")
+    hang_stacks: bool = tuning(
         True, "Sample local ranks' stacks with py-spy: before calling a collective stuck (a "
         "moving stack is work), and on a hang to report outliers.")
-    slow_ratio: float = option(
+    slow_ratio: float = tuning(
         2.0, "A rank is slow when its busy time per step exceeds this multiple of its peers' "
-        "median.", minimum=1.0)
-    slow_min_excess_s: float = option(
-        0.02, "A slow rank must also exceed its peers' median by this many seconds.",
-        minimum=0.0)
-    slow_window: int = option(
-        10, "Recent steps whose median busy time is compared.", minimum=3)
-    slow_confirm_s: float = option(
-        5.0, "A rank must stay slow this long before it is reported.", minimum=0.0)
+        "median.")
+    slow_min_excess_s: float = tuning(
+        0.02, "A slow rank must also exceed its peers' median by this many seconds.")
+    slow_window: int = tuning(
+        10, "Recent steps whose median busy time is compared.")
+    slow_confirm_s: float = tuning(
+        5.0, "A rank must stay slow this long before it is reported.")
     slow_action: Literal["report", "restart"] = option(
         "report", "What a slow rank causes: a detection event only, or a restart.")
-    diag_loss_spike_factor: float = option(
-        5.0, "A loss this many times the recent median is a spike.", minimum=1.0)
+    diag_loss_spike_factor: float = tuning(
+        5.0, "A loss this many times the recent median is a spike.")
     diag_loss_action: Literal["report", "restart"] = option(
         "restart", "What a NaN/inf loss or a loss spike causes.")
     diag_log_pattern: str = option(
         r"Traceback|Error|ERROR|NCCL WARN|CUDA error|Segmentation fault",
         "Regular expression of an error line in the workers' captured logs.")
-    diag_log_window_s: float = option(
-        30.0, "Sliding window of the log error-rate detector.", minimum=1.0)
-    diag_log_threshold: int = option(
-        50, "Error lines within the window that raise a detection event.", minimum=1)
-    health_interval_s: float = option(
-        5.0, "Seconds between node health checks (GPU, memory, disk, peers).", minimum=0.5)
-    health_dirs: tuple[str, ...] = option(
+    diag_log_window_s: float = tuning(
+        30.0, "Sliding window of the log error-rate detector.")
+    diag_log_threshold: int = tuning(
+        50, "Error lines within the window that raise a detection event.")
+    health_interval_s: float = tuning(
+        5.0, "Seconds between node health checks (GPU, memory, disk, peers).")
+    health_dirs: tuple[str, ...] = tuning(
         (), "Directories whose free space is checked besides the run directory (checkpoints).")
-    health_min_free_gb: float = option(
-        1.0, "Less free space than this in a checked directory makes the node unhealthy.",
-        minimum=0.0)
-    health_max_memory_percent: float = option(
-        98.0, "Host memory use above this percentage makes the node unhealthy.", minimum=1.0)
-    health_max_gpu_temp_c: float = option(
-        92.0, "GPU temperature above this is reported.", minimum=1.0)
-    diag_preflight: bool = option(
-        True, "Check directories, disk, memory and GPUs before the first workers start.")
-    diag_preflight_allreduce: bool = option(
-        False, "Also run a short all-reduce sanity and bandwidth test among this node's "
-        "worker slots before the first start (a few seconds).")
-    diag_metrics_port: int = option(
-        0, "Serve Prometheus metrics (step time, collective latency, detections, restarts) on "
-        "this port of --diag-metrics-host. 0: off.", minimum=0)
-    diag_metrics_host: str = option(
-        "127.0.0.1", "Address the Prometheus metrics endpoint binds (this node's address to let "
-        "a Prometheus server on another machine scrape it).")
+    health_min_free_gb: float = tuning(
+        1.0, "Less free space than this in a checked directory makes the node unhealthy.")
+    health_max_memory_percent: float = tuning(
+        98.0, "Host memory use above this percentage makes the node unhealthy.")
+    health_max_gpu_temp_c: float = tuning(
+        92.0, "GPU temperature above this is reported.")
+    diag_preflight: Literal["off", "on", "allreduce"] = option(
+        "on", "Checks before the first workers start. on: directories, disk, memory and GPUs; "
+        "allreduce: also a short all-reduce sanity and bandwidth test among this node's worker "
+        "slots (a few seconds); off: none.")
+    diag_metrics: MetricsEndpoint | None = option(
+        None, "Serve Prometheus metrics (step time, collective latency, detections, restarts) at "
+        "[HOST:]PORT; HOST defaults to 127.0.0.1 (give this node's address, or 0.0.0.0, to let "
+        "a Prometheus server on another machine scrape it). off: no endpoint.",
+        parse=MetricsEndpoint.parse, kind="[HOST:]PORT or off")
     diag_metrics_token: str | None = option(
         None, "When set, the metrics endpoint answers only requests with the header "
         "'Authorization: Bearer <token>'.")
@@ -291,10 +447,10 @@ class CheckpointConfig:
         "(0: only on failure, on request and at the end).", minimum=0)
     ckpt_keep: int = option(
         3, "Committed checkpoints kept per directory (older ones are deleted).", minimum=1)
-    ckpt_memory_slots: int = option(
+    ckpt_memory_slots: int = tuning(
         3, "Shared-memory snapshots kept per worker: the newest complete one, one the agent "
         "may be copying out, one being written (with 2, a save that finds the agent reading "
-        "the other slot is skipped, with a warning).", minimum=2)
+        "the other slot is skipped, with a warning).")
     ckpt_memory_cap_mb: int = option(
         0, "Most shared memory per worker for snapshots, in MiB (0: no cap); the oldest "
         "snapshot is evicted first.", minimum=0)
@@ -305,16 +461,13 @@ class CheckpointConfig:
         "device for the copy to host).", minimum=0)
     ckpt_peer_backup: bool = option(
         True, "Copy each node's checkpoint shards to a backup node over TCP (multi-node jobs).")
-    ckpt_peer_addr: str | None = option(
+    ckpt_peer_addr: str | None = tuning(
         None, "Address the peer-backup server binds. Default: --local-addr, else this host's "
         "address.")
-    ckpt_peer_secret: str | None = option(
+    ckpt_peer_secret: str | None = tuning(
         None, "Shared secret peer-backup connections must prove. Default: generated per job "
         "and handed out through the rendezvous store.")
-    ckpt_layout: str | None = option(
-        None, "Parallel layout 'tp,pp,dp' for placing backups outside a node's own parallel "
-        "groups. Default: the next node in a ring.")
-    ckpt_flush_on_failure: bool = option(
+    ckpt_flush_on_failure: bool = tuning(
         True, "When a worker fails, persist the newest complete snapshot before restarting.")
 
 
@@ -325,18 +478,17 @@ class RecoveryConfig:
     recovery_enabled: bool = option(
         True, "Orchestrate recovery: just-in-time checkpoints from healthy replicas, eviction "
         "of suspect nodes, blacklisting of nodes that vanished.")
-    recovery_jit_timeout_s: float = option(
-        10.0, "Longest wait for healthy workers to confirm a just-in-time checkpoint.",
-        minimum=0)
+    recovery_jit_timeout_s: float = tuning(
+        10.0, "Longest wait for healthy workers to confirm a just-in-time checkpoint.")
     recovery_repeat_offender: int = option(
         3, "Failures caused by one node's ranks after which it counts as suspect hardware and "
         "is evicted when the job can go on without it (0: never).", minimum=0)
     recovery_blacklist: bool = option(
         True, "Blacklist evicted nodes and nodes that vanished from a round (etcd-v3 "
         "rendezvous), with the evidence as the reason.")
-    recovery_departed_grace_s: float = option(
+    recovery_departed_grace_s: float = tuning(
         6.0, "How long the leader waits for a node missing from a new round to show a live "
-        "membership record before it counts as vanished.", minimum=0)
+        "membership record before it counts as vanished.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,3 +501,41 @@ class ElasticftConfig:
     diag: DiagConfig = dataclasses.field(default_factory=DiagConfig)
     ckpt: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
+
+
+_API_ONLY = "now a tuning constant, settable only through the Python API"
+REMOVED_OPTIONS: dict[str, str] = {
+    "layout_tp": "replaced by --layout TP,PP,DP (* for a dimension left to the planner, "
+                 "e.g. 2,*,*)",
+    "layout_pp": "replaced by --layout TP,PP,DP (e.g. *,4,*)",
+    "layout_dp": "replaced by --layout TP,PP,DP (e.g. *,*,8)",
+    "ckpt_layout": "replaced by --layout TP,PP,DP: a fully given layout also places the peer "
+                   "backups",
+    "slurm_signal_lead_time": "replaced by --slurm-signal SIG@SECONDS (sbatch's syntax, e.g. "
+                              "USR1@120)",
+    "diag_preflight_allreduce": "replaced by --diag-preflight allreduce",
+    "diag_metrics_port": "replaced by --diag-metrics [HOST:]PORT (e.g. 9100)",
+    "diag_metrics_host": "replaced by --diag-metrics [HOST:]PORT (e.g. 0.0.0.0:9100)",
+    "event_dir": "events are always written under --run-dir",
+    "capture_stderr": "the workers' stderr is always captured",
+    "share_rdzv_store": "workers always get a fresh store per attempt (the shared one "
+                        "breaks restarts, pytorch#135712)",
+    "plan_gpu_memory_gib": "give memory_gib in a --plan-hardware JSON file",
+    "slurm_resubmit_script": "--slurm-requeue sbatch resubmits the job's own script",
+    "ckpt_peer_addr": "derived from --local-addr, else this host's address",
+    "ckpt_peer_secret": "a secret is generated per job",
+}
+"""Former option names (field names) and what became of each, for one-line errors on an old
+``ELASTICFT_*`` variable or YAML key. Tuning constants not named here get a generic line."""
+
+
+def removed_option_message(name: str) -> str | None:
+    """What became of the former option ``name`` (a field name), or None if it never was one."""
+    if name in REMOVED_OPTIONS:
+        return REMOVED_OPTIONS[name]
+    for section in dataclasses.fields(ElasticftConfig):
+        cls = section.default_factory  # type: ignore[misc]
+        for field in dataclasses.fields(cls):
+            if field.name == name and is_tuning(field):
+                return f"{_API_ONLY} ({cls.__name__}.{name})"
+    return None

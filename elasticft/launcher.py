@@ -30,7 +30,7 @@ from elasticft.agent.api import AgentCollaborator, StopRun
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
-from elasticft.config import RUNS_DIR, ElasticftConfig, require_writable_dir
+from elasticft.config import ElasticftConfig, require_writable_dir, run_dir_default
 from elasticft.events import EventLog
 from elasticft.rendezvous.handler import DISABLE_SHARED_STORE_ENV
 from elasticft.rendezvous.identity import claim_node_id
@@ -81,11 +81,8 @@ class LaunchResult:
 
 
 def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
-    if options.agent.run_dir is not None:
-        return Path(options.agent.run_dir)
     log_dir = getattr(config.logs_specs, "root_log_dir", None) if config.logs_specs else None
-    base = Path(log_dir) if log_dir and not str(log_dir).startswith("/tmp/torchelastic_") else None
-    return (base or RUNS_DIR) / str(config.run_id)
+    return run_dir_default(options.agent.run_dir, log_dir, str(config.run_id))
 
 
 def default_collaborators(
@@ -178,7 +175,7 @@ def launch(
     require_writable_dir("--run-dir", run_dir, mode=0o700)
     sweep_leftovers(options)
     if options.agent.event_dir is not None:
-        require_writable_dir("--event-dir", Path(options.agent.event_dir))
+        require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
     event_log = EventLog(options.agent.event_dir or run_dir, node_id)
     if not options.agent.share_rdzv_store:
         os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")

@@ -14,14 +14,21 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from elasticft.config import ENV_PREFIX, ConfigError, ElasticftConfig
+from elasticft.config import (
+    ENV_PREFIX,
+    YAML_SECTIONS,
+    ConfigError,
+    ElasticftConfig,
+    is_tuning,
+    removed_option_message,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +40,11 @@ class OptionSpec:
     type: Any
     default: Any
     help: str
-    minimum: float | None
+    minimum: float | None = None
+    parse: Callable[[Any, str], Any] | None = None
+    """Parser of a structured value (``--layout 2,*,*``); None: converted by type."""
+    kind: str | None = None
+    """How a structured value is written, for the help."""
 
     @property
     def flag(self) -> str:
@@ -44,8 +55,26 @@ class OptionSpec:
         return ENV_PREFIX + self.name.upper()
 
     @property
+    def yaml_path(self) -> tuple[str | None, str]:
+        """(section, key): ``ckpt_dir`` is ``("ckpt", "dir")``, ``run_dir`` is
+        ``(None, "run_dir")``."""
+        return yaml_path_of(self.name)
+
+    @property
     def yaml_key(self) -> str:
-        return f"{self.section}.{self.name}"
+        """The YAML key as written in messages and docs: ``ckpt.dir``, ``run_dir``."""
+        section, key = self.yaml_path
+        return f"{section}.{key}" if section else key
+
+
+def yaml_path_of(name: str) -> tuple[str | None, str]:
+    """The one YAML rule: a name ``<section>_<key>`` with a section of
+    :data:`~elasticft.config.YAML_SECTIONS` is ``<section>: {<key>: ...}``; any other name is a
+    top-level key."""
+    prefix, _, rest = name.partition("_")
+    if prefix in YAML_SECTIONS and rest:
+        return prefix, rest
+    return None, name
 
 
 def _section_types() -> dict[str, type]:
@@ -53,12 +82,13 @@ def _section_types() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(ElasticftConfig)}
 
 
-def option_specs() -> list[OptionSpec]:
-    """Every option of every section, in declaration order."""
+def _specs(tuning: bool) -> list[OptionSpec]:
     specs = []
     for section, cls in _section_types().items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if is_tuning(f) != tuning:
+                continue
             specs.append(
                 OptionSpec(
                     section=section,
@@ -67,9 +97,26 @@ def option_specs() -> list[OptionSpec]:
                     default=f.default,
                     help=f.metadata.get("help", ""),
                     minimum=f.metadata.get("minimum"),
+                    parse=f.metadata.get("parse"),
+                    kind=f.metadata.get("kind"),
                 )
             )
     return specs
+
+
+def option_specs() -> list[OptionSpec]:
+    """Every option (flag, env and YAML key) of every section, in declaration order."""
+    return _specs(tuning=False)
+
+
+def tuning_specs() -> list[OptionSpec]:
+    """The tuning constants: dataclass fields the Python API sets, no flag, env or YAML reads."""
+    return _specs(tuning=True)
+
+
+def describe(spec: OptionSpec) -> str:
+    """The kind of value an option takes, as the help and the docs show it."""
+    return spec.kind or _describe(_strip_optional(spec.type)[0])
 
 
 def _describe(tp: Any) -> str:
@@ -105,6 +152,10 @@ _FALSE = {"0", "false", "no", "off"}
 def convert(spec: OptionSpec, value: Any, source: str) -> Any:
     """Turns a raw value (a string from CLI/env, or a YAML scalar) into the field's type."""
     tp, optional = _strip_optional(spec.type)
+    if spec.parse is not None:
+        if optional and (value is None or str(value).strip().lower() in ("", "none")):
+            return None
+        return spec.parse(value, source)
     fix = f"set it to {_describe(tp)}"
 
     def bad(why: str = "") -> ConfigError:
@@ -139,6 +190,8 @@ def convert(spec: OptionSpec, value: Any, source: str) -> Any:
         return timedelta(seconds=number) if tp is timedelta else number
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and "on" in choices and "off" in choices:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         if value not in choices:
             raise bad()
         return value
@@ -160,8 +213,13 @@ def convert(spec: OptionSpec, value: Any, source: str) -> Any:
     raise AssertionError(f"unsupported option type {tp!r} for {spec.yaml_key}")
 
 
-def read_yaml(path: Path) -> dict[str, dict[str, Any]]:
-    """Reads a ``--config`` file: a mapping of section name to a mapping of option to value."""
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Reads a ``--config`` file into raw values by option name.
+
+    Keys follow :func:`yaml_path_of`: ``ckpt: {dir: /x}``, ``hang: {initial_timeout_s: 900}``,
+    top-level ``run_dir: /x``. A former option or an old-style key (``ckpt: {ckpt_dir: ...}``)
+    is a one-line error naming what to write instead.
+    """
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -181,35 +239,57 @@ def read_yaml(path: Path) -> dict[str, dict[str, Any]]:
         ) from None
     if data is None:
         return {}
-    sections = _section_types()
     if not isinstance(data, dict):
         raise ConfigError(
-            f"--config {path}: the top level must be a mapping of sections "
-            f"({', '.join(sections)}); got {type(data).__name__}",
+            f"--config {path}: the top level must be a mapping of option or section "
+            f"({', '.join(YAML_SECTIONS)}) to value; got {type(data).__name__}",
             reason="config_malformed",
         )
-    known = {(s.section, s.name) for s in option_specs()}
-    for section, values in data.items():
-        if section not in sections:
-            raise ConfigError(
-                f"--config {path}: unknown section {section!r}; "
-                f"use one of {', '.join(sections)}",
-                reason="config_unknown_key",
-            )
-        if not isinstance(values, dict):
-            raise ConfigError(
-                f"--config {path}: section {section!r} must be a mapping of option: value",
-                reason="config_malformed",
-            )
-        for name in values:
-            if (section, name) not in known:
-                names = sorted(n for s, n in known if s == section)
+    by_path = {spec.yaml_path: spec for spec in option_specs()}
+    old_sections = set(_section_types())  # the former layout: section: {field_name: ...}
+    values: dict[str, Any] = {}
+    for top, top_value in data.items():
+        top = str(top)
+        if top in YAML_SECTIONS or top in old_sections:
+            if not isinstance(top_value, dict):
                 raise ConfigError(
-                    f"--config {path}: unknown option {section}.{name}; "
-                    f"options of {section!r} are {', '.join(names)}",
-                    reason="config_unknown_key",
+                    f"--config {path}: section {top!r} must be a mapping of key: value",
+                    reason="config_malformed",
                 )
-    return data
+            entries = [(top, str(key), value) for key, value in top_value.items()]
+        else:
+            entries = [(None, top, top_value)]
+        for section, key, value in entries:
+            # A former section that is no YAML section now ("agent") holds only old-style keys.
+            current = section is None or section in YAML_SECTIONS
+            spec = by_path.get((section, key)) if current else None
+            if spec is None:
+                raise ConfigError(_unknown_yaml_key(path, section, key, by_path),
+                                  reason="config_unknown_key")
+            values[spec.name] = value
+    return values
+
+
+def _unknown_yaml_key(path: Path, section: str | None, key: str,
+                      by_path: Mapping[tuple[str | None, str], OptionSpec]) -> str:
+    """The one line for a YAML key that is no option: what it became, or the keys there are."""
+    where = f"{section}: {{{key}}}" if section else key
+    names = {spec.name: spec for spec in by_path.values()}
+    for name in dict.fromkeys((key, f"{section}_{key}" if section else key)):
+        if name in names:
+            new_section, new_key = names[name].yaml_path
+            new = f"{new_section}: {{{new_key}: ...}}" if new_section else f"{new_key}: ..."
+            return f"--config {path}: {where} is an old-style key; write {new}"
+        removed = removed_option_message(name)
+        if removed is not None:
+            return f"--config {path}: {where} is no longer an option: {removed}"
+    if section is None:
+        known = sorted({p[1] for p in by_path if p[0] is None} | set(YAML_SECTIONS))
+        return (f"--config {path}: unknown key {key!r}; top-level keys are "
+                f"{', '.join(known)}")
+    known = sorted(p[1] for p in by_path if p[0] == section)
+    return (f"--config {path}: unknown key {where}; keys of {section!r} are "
+            f"{', '.join(known) or 'none (an old section)'}")
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -219,15 +299,16 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     """
     group = parser.add_argument_group(
         "elasticft options",
-        "Each also reads ELASTICFT_<NAME> from the environment and <section>.<name> from "
-        "--config. Precedence: flag > env > YAML > default.",
+        "Each also reads ELASTICFT_<NAME> from the environment and a key of the --config file "
+        "(--ckpt-dir is ckpt: {dir: ...}, --run-dir the top-level run_dir). Precedence: flag > "
+        "env > YAML > default.",
     )
     group.add_argument(
         "--config",
         dest="elasticft_config",
         default=argparse.SUPPRESS,
         metavar="FILE.yaml",
-        help="YAML file of elasticft options, by section (env: ELASTICFT_CONFIG).",
+        help="YAML file of elasticft options (env: ELASTICFT_CONFIG).",
     )
     for spec in option_specs():
         default = "none" if spec.default is None else spec.default
@@ -237,7 +318,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             metavar=spec.name.upper(),
             # argparse %-formats help text: a literal % in an option's help must be doubled.
-            help=f"{spec.help} [{_describe(_strip_optional(spec.type)[0])}; "
+            help=f"{spec.help} [{describe(spec)}; "
             f"env {spec.env}; YAML {spec.yaml_key}; default {default}]".replace("%", "%%"),
         )
 
@@ -255,9 +336,8 @@ def resolve(
             value = convert(spec, cli[spec.name], spec.flag)
         elif spec.env in env:
             value = convert(spec, env[spec.env], spec.env)
-        elif spec.name in from_yaml.get(spec.section, {}):
-            raw = from_yaml[spec.section][spec.name]
-            value = convert(spec, raw, f"{yaml_path}:{spec.yaml_key}")
+        elif spec.name in from_yaml:
+            value = convert(spec, from_yaml[spec.name], f"{yaml_path}:{spec.yaml_key}")
         else:
             continue
         values[spec.section][spec.name] = value
@@ -288,6 +368,10 @@ def check_unknown_env(env: Mapping[str, str], extra_names: set[str] = frozenset(
     known = known_env_names() | set(extra_names)
     for name in env:
         if name.startswith(ENV_PREFIX) and name not in known:
+            removed = removed_option_message(name.removeprefix(ENV_PREFIX).lower())
+            if removed is not None:
+                raise ConfigError(f"{name} is no longer an option: {removed}; unset it",
+                                  reason="removed_env")
             raise ConfigError(
                 f"unknown environment variable {name}; unset it or use one of "
                 f"{', '.join(sorted(known_env_names()))}",

@@ -20,13 +20,13 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from elasticft import options as elasticft_options
 from elasticft import slurm
-from elasticft.config import RUNS_DIR, ConfigError, ElasticftConfig, require_writable_dir
+from elasticft.config import ConfigError, ElasticftConfig, require_writable_dir, run_dir_default
 
 PROG = "elasticft-run"
 USAGE_ERROR = 2
@@ -132,7 +132,7 @@ def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig
     again if the command line turns out to be unusable)."""
     if args.log_dir:
         return options, []
-    run_dir = Path(options.agent.run_dir or RUNS_DIR / str(args.rdzv_id))
+    run_dir = run_dir_default(options.agent.run_dir, None, str(args.rdzv_id))
     logs = run_dir / "logs"
     created = []
     for path in (logs, *logs.parents):
@@ -168,8 +168,8 @@ def _check_extras(args: argparse.Namespace, options: ElasticftConfig) -> None:
             from elasticft.diag.stacks import py_spy_path
 
             if py_spy_path() is None:
-                raise extras.MissingExtra("the stacks of hung workers (--hang-stacks)", "py-spy",
-                                          "diag", "or --hang-stacks false")
+                raise extras.MissingExtra("the stacks of hung workers", "py-spy", "diag",
+                                          "or --diag-enabled false")
         if diag.diag_enabled:
             from elasticft.diag.health import gpu_devices_present
 
@@ -184,8 +184,6 @@ def _slurm_allocation(options: ElasticftConfig) -> slurm.SlurmEnv | None:
     """The Slurm allocation whose nodes fill the flags the user left out (see elasticft.slurm)."""
     try:
         allocation = slurm.detect(options.slurm, os.environ)
-        if allocation is not None:
-            slurm.parse_signal(options.slurm.slurm_signal)
         return allocation
     except ConfigError as e:
         raise UsageError(str(e)) from None
@@ -226,7 +224,10 @@ def _torch_launch_config(args: argparse.Namespace) -> tuple[Any, Any, list[str]]
         raise UsageError(f"{message}; see elasticft-run --help") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *,
+         tune: Callable[[ElasticftConfig], ElasticftConfig] | None = None) -> int:
+    """``elasticft-run``. ``tune`` lets a launcher built on this one (a custom agent, a test)
+    set tuning constants, which no flag, variable or YAML key reaches, on the parsed options."""
     logging.basicConfig(
         level=os.environ.get("LOGLEVEL", "INFO").upper(),
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
@@ -238,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     created: list[Path] = []
     try:
         args, options = parse(argv)
+        if tune is not None:
+            options = tune(options)
         raw_argv = list(sys.argv[1:] if argv is None else argv)
         allocation = _slurm_allocation(options)
         if allocation is not None:

@@ -212,24 +212,6 @@ def run_id_default(
     return args.rdzv_id
 
 
-def parse_signal(name: str) -> signal.Signals:
-    text = name.strip().upper()
-    if text.isdigit():
-        try:
-            return signal.Signals(int(text))
-        except ValueError:
-            pass
-    else:
-        try:
-            return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
-        except KeyError:
-            pass
-    raise ConfigError(
-        f"--slurm-signal={name!r} is not a signal; give the one of sbatch --signal, e.g. USR1",
-        reason="bad_option",
-    )
-
-
 def detect(config: SlurmConfig, env: Mapping[str, str]) -> SlurmEnv | None:
     """The allocation when the Slurm integration applies, else None."""
     if config.slurm_mode == "off":
@@ -282,7 +264,8 @@ def requeue_command(
     command = str(script) if script else fields.get("Command")
     if not command:
         raise RuntimeError(
-            f"cannot find job {slurm.job_id}'s script to resubmit; set --slurm-resubmit-script"
+            f"cannot find job {slurm.job_id}'s script to resubmit (no Command in scontrol show "
+            "job); use --slurm-requeue scontrol"
         )
     cmd = ["sbatch", "--parsable"]
     if workdir:
@@ -330,7 +313,7 @@ class SlurmHandler(AgentCollaborator):
     ) -> None:
         self.config = config
         self.slurm = slurm
-        self.signal = parse_signal(config.slurm_signal)
+        self.signal = config.slurm_signal.signal
         self.checkpointer = checkpointer
         self._runner = runner
         self._clock = clock
@@ -353,7 +336,7 @@ class SlurmHandler(AgentCollaborator):
         logger.info(
             "Slurm job %s (restart %d, nodes %s): %s means the time limit is %gs away",
             self.slurm.job_id, self.slurm.restart_count, ",".join(self.slurm.nodes),
-            self.signal.name, self.config.slurm_signal_lead_time.total_seconds(),
+            self.signal.name, self.config.slurm_signal.lead_time.total_seconds(),
         )
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -407,7 +390,7 @@ class SlurmHandler(AgentCollaborator):
     # -- the time limit -------------------------------------------------------------------------
 
     def _time_limit(self, group: GroupInfo) -> None:
-        lead = self.config.slurm_signal_lead_time.total_seconds()
+        lead = self.config.slurm_signal.lead_time.total_seconds()
         signalled = self._signalled_at if self._signalled_at is not None else self._clock()
         deadline = signalled + SAVE_SHARE_OF_LEAD_TIME * lead
         logger.warning(

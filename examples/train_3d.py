@@ -12,7 +12,7 @@ Checkpoints are torch.distributed.checkpoint (DCP) directories saved from the DT
 model and optimizer (``get_state_dict``); on restart they are loaded into whatever mesh the new
 layout gives, which reshards them, optimizer state included.
 
-    elasticft-run --standalone --nproc-per-node 4 --layout-tp 2 --layout-pp 1 \\
+    elasticft-run --standalone --nproc-per-node 4 --layout 2,1,* \\
         examples/train_3d.py --steps 20 --ckpt-dir /tmp/ckpt --loss-log /tmp/loss.jsonl
 """
 
@@ -107,7 +107,7 @@ def main() -> None:
     if layout.gpus_used != world or layout.pp != 1:
         raise SystemExit(
             f"train_3d runs TPxDP layouts over all ranks; got {layout.describe()} on {world} "
-            "ranks (pin --layout-pp 1 and a batch that DP can fill)"
+            "ranks (pin --layout *,1,* and a batch that DP can fill)"
         )
     mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
     tp_mesh, dp_group = mesh["tp"], mesh["dp"].get_group()

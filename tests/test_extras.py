@@ -75,7 +75,7 @@ def test_hang_stacks_without_py_spy(job_env, tmp_path):
     done = run_blocked("elasticft-run", ["--standalone", "--nproc-per-node", "1", str(WORKER)],
                        (), job_env, tmp_path, setup=hide)
     assert_one_line(done, "elasticft-run", "py-spy", "diag")
-    assert "--hang-stacks false" in done.stderr
+    assert "--diag-enabled false" in done.stderr
 
 
 def test_gpu_node_without_nvml(job_env, tmp_path):

@@ -30,6 +30,7 @@ from tests.leftovers import (
     shm_entries,
     unnamed_slots,
 )
+from tests.tuned_run import tuned_run
 
 OTHER_UID = 65534  # nobody
 
@@ -38,9 +39,8 @@ def launch(tmp_path: Path, name: str, steps: int, env: dict[str, str],
            ring_base: Path = SHM_DIR, options: tuple[str, ...] = ()) -> subprocess.Popen:
     run_dir = tmp_path / name
     return subprocess.Popen(
-        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
-         "--monitor-interval", "0.2", "--run-dir", str(run_dir),
-         "--diag-ring-dir", str(ring_base), *options,
+        [*tuned_run({"diag_ring_dir": ring_base}), "--standalone", "--nproc-per-node", "2",
+         "--monitor-interval", "0.2", "--run-dir", str(run_dir), *options,
          str(EXAMPLES / "train_elasticft.py"), "--steps", str(steps), "--step-time", "0.05",
          "--ckpt-dir", str(tmp_path / f"{name}-ckpt")],
         env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -280,7 +280,7 @@ class Checkpointer:
         if usable < self._slot_count:
             fix = f"the memory cap leaves {usable} slots; raise --ckpt-memory-cap-mb"
         else:
-            fix = f"{usable} slots; raise --ckpt-memory-slots"
+            fix = f"{usable} slots; raise CheckpointConfig.ckpt_memory_slots"
         request.skipped = (f"no free memory slot: one holds the newest snapshot and a reader "
                            f"holds the others ({fix})")
         self.snapshots_skipped += 1

@@ -15,8 +15,9 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   keeps the newest ``ckpt_keep``.
 * **Peer backup.** In a multi-node job it runs a :class:`~elasticft.ckpt.peer.PeerServer` on the
   job's address, publishes its address in the rendezvous store, and pushes each persisted shard
-  to its backup node. The leader of every round publishes the round's secret (the user's
-  ``--ckpt-peer-secret``, else a fresh random one per round) and every node adopts it, so all
+  to its backup node. The leader of every round publishes the round's secret
+  (``CheckpointConfig.ckpt_peer_secret`` through the Python API, else a fresh random one per
+  round) and every node adopts it, so all
   nodes of a round agree even when a new node becomes the leader, and a node that left cannot
   fetch shards any more. The server also answers for ranks this node holds a data-parallel
   replica of (:meth:`replica_shard`), so a replacement node restores the newest step. Under a
@@ -72,8 +73,8 @@ from elasticft.ckpt.peer import (
 )
 from elasticft.config import (
     CheckpointConfig,
-    ConfigError,
     ElasticftConfig,
+    checkpoint_dir_default,
     require_writable_dir,
 )
 from elasticft.events import EventLog
@@ -95,18 +96,6 @@ state this way.
 Not an ``ELASTICFT_`` name: those are options, and an unknown one is refused."""
 
 
-def parse_layout(text: str | None) -> tuple[int, int, int] | None:
-    if not text:
-        return None
-    try:
-        tp, pp, dp = (int(v) for v in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"--ckpt-layout={text!r} is not valid; give 'tp,pp,dp' as three whole numbers",
-        ) from None
-    return tp, pp, dp
-
-
 class CheckpointService(AgentCollaborator):
     """Owns this node's memory tier; persists, replicates and flushes it."""
 
@@ -117,9 +106,12 @@ class CheckpointService(AgentCollaborator):
         local_addr: str | None = None,
         shm_dir: Path = shm.SHM_DIR,
         event_dir: Path | None = None,
+        layout: tuple[int, int, int] | None = None,
     ) -> None:
         self.config = config
-        self.layout = parse_layout(config.ckpt_layout)
+        self.layout = layout
+        """The job's (tp, pp, dp) when fully given (--layout): backups then go to a node
+        outside this node's parallel groups; None: to the next node in a ring."""
         self._local_addr = local_addr
         self._shm_dir = shm_dir
         self._owner = os.getpid()
@@ -170,13 +162,15 @@ class CheckpointService(AgentCollaborator):
                                 ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
             if directory is not None:
                 require_writable_dir(flag, Path(directory))
-        return cls(options.ckpt, local_addr=local_addr, event_dir=options.agent.event_dir)
+        layout = options.plan.layout.complete() if options.plan.layout is not None else None
+        return cls(options.ckpt, local_addr=local_addr, event_dir=options.agent.event_dir,
+                   layout=layout)
 
     # ------------------------------------------------------------------------------------------
     # Where things are.
 
     def local_dir(self, group: GroupInfo) -> Path:
-        root = self.config.ckpt_dir or group.run_dir / "ckpt"
+        root = checkpoint_dir_default(self.config.ckpt_dir, group.run_dir)
         # Each node keeps its own shards on its own disk; a single node's directory is a
         # complete DCP checkpoint.
         return root if group.group_world_size <= 1 else root / f"node-{group.node_id}"
@@ -233,8 +227,8 @@ class CheckpointService(AgentCollaborator):
             self._peer_server.set_secret(self._secret)
         else:
             host = bind_host(self.config.ckpt_peer_addr, [self._local_addr or "", _host_ip()])
-            peer_root = (self.config.ckpt_dir or group.run_dir / "ckpt") / "peer-backups" / \
-                f"node-{group.node_id}"
+            peer_root = checkpoint_dir_default(self.config.ckpt_dir, group.run_dir) / \
+                "peer-backups" / f"node-{group.node_id}"
             self._peer_server = PeerServer(peer_root, self._secret, host,
                                            keep=self.config.ckpt_keep, replicas=self)
         store.set(_PEER_KEY.format(group.group_rank), self._peer_server.address)
@@ -569,7 +563,7 @@ class CheckpointService(AgentCollaborator):
             # Encoded exactly as the durable tier writes a shard (checksummed blobs). Each
             # request gets a scratch directory of its own: two ranks asking for the same step
             # at once are served from the same replica, so they would write the same file.
-            cache = (self.config.ckpt_dir or group.run_dir / "ckpt") / "replica-cache"
+            cache = checkpoint_dir_default(self.config.ckpt_dir, group.run_dir) / "replica-cache"
             cache.mkdir(parents=True, exist_ok=True)
             scratch = Path(tempfile.mkdtemp(prefix=f"node-{group.node_id}-", dir=cache))
             try:

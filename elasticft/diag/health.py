@@ -11,7 +11,7 @@ as suspect (the policy may evict it), the rest are reported. Checks:
 * reachability of peer addresses (a TCP connect with a short timeout).
 
 :func:`preflight` runs before the first workers start: the directories must be writable, then the
-same checks. :func:`allreduce_probe` (``--diag-preflight-allreduce``) adds a gloo all-reduce among
+same checks. :func:`allreduce_probe` (``--diag-preflight allreduce``) adds a gloo all-reduce among
 as many processes as the node has worker slots: a wrong sum or a process that cannot join is a
 critical issue; the bus bandwidth is reported.
 """

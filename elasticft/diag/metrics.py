@@ -1,4 +1,4 @@
-"""Prometheus metrics of one node's training, served by its agent (``--diag-metrics-port``).
+"""Prometheus metrics of one node's training, served by its agent (``--diag-metrics``).
 
 The diagnostics monitor already reads every step mark and every timed collective from the
 workers' rings; :class:`DiagMetrics` turns what it reads into Prometheus series:
@@ -132,7 +132,7 @@ class DiagMetrics:
                                  handler_class=_QuietHandler)
         except OSError as e:
             raise OSError(e.errno, f"cannot serve metrics on {host}:{port} ({e.strerror}); "
-                          "choose another --diag-metrics-port") from e
+                          "choose another port for --diag-metrics") from e
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, daemon=True,
                                         name="elasticft-diag-metrics")

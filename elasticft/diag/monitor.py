@@ -140,7 +140,7 @@ class DiagMonitor(AgentCollaborator):
         assert self._ring_base is not None
         if not self._preflight_done:
             self._preflight_done = True
-            if self.config.diag_preflight:
+            if self.config.diag_preflight != "off":
                 self._run_preflight(group)
         # Fresh files for every start: the previous worker of this rank is gone.
         previous = self._files.pop(worker.global_rank, None)
@@ -157,7 +157,7 @@ class DiagMonitor(AgentCollaborator):
         self._gpus = health.GpuHealth()
         issues = health.preflight(self._dirs(group), self._limits, self._gpus)
         probe = None
-        if self.config.diag_preflight_allreduce:
+        if self.config.diag_preflight == "allreduce":
             probe = health.allreduce_probe(max(1, len(group.workers)))
             issues += probe.issues
         if self._events is not None:
@@ -581,9 +581,9 @@ def monitor_from_options(options: Any, launch_config: Any, env: Mapping[str, str
     logs_specs = getattr(launch_config, "logs_specs", None)
     log_root = getattr(logs_specs, "root_log_dir", None)
     metrics = None
-    if config.diag_metrics_port:
+    if config.diag_metrics is not None:
         metrics = DiagMetrics()
-        metrics.serve(config.diag_metrics_host, config.diag_metrics_port, config.diag_metrics_token)
+        metrics.serve(config.diag_metrics.host, config.diag_metrics.port, config.diag_metrics_token)
     monitor = DiagMonitor(config, base_env=env, event_dir=options.agent.event_dir,
                           log_root=Path(log_root) if log_root else None, nccl_shim=shim,
                           metrics=metrics)

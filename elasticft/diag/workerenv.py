@@ -74,8 +74,9 @@ def diag_worker_env(
 
     ``LD_PRELOAD`` and ``PYTHONPATH`` are extended, never replaced, and not duplicated.
     """
-    # Empty, not inherited: the launcher's --diag-ring-dir travels in a variable of this name,
-    # and a worker given a directory would create named rings there (a worker run by hand).
+    # Empty, not inherited: the launcher's ring directory (DiagConfig.diag_ring_dir) travels in
+    # a variable of this name, and a worker given a directory would create named rings there
+    # (a worker run by hand).
     env = {RING_DIR_ENV: "", **files.to_env()}
     if auto_install:
         env["PYTHONPATH"] = bootstrap_pythonpath(base_env)

@@ -131,7 +131,8 @@ def from_options(plan_options: Any) -> LayoutCollaborator | None:
 def _from_options(plan_options: Any) -> LayoutCollaborator | None:
     from elasticft.plan.presets import load_hardware, load_model
 
-    pins = Pins(plan_options.layout_tp, plan_options.layout_pp, plan_options.layout_dp)
+    pinned = plan_options.layout
+    pins = Pins(pinned.tp, pinned.pp, pinned.dp) if pinned is not None else Pins()
     if plan_options.plan_model is None and pins == Pins():
         return None
     hardware = load_hardware(plan_options.plan_hardware)

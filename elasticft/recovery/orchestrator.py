@@ -147,12 +147,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             return None
         import socket
 
-        from elasticft.ckpt.service import parse_layout
-
-        layout = parse_layout(options.ckpt.ckpt_layout)
-        plan = options.plan
-        if layout is None and plan.layout_tp and plan.layout_pp and plan.layout_dp:
-            layout = (plan.layout_tp, plan.layout_pp, plan.layout_dp)
+        layout = options.plan.layout.complete() if options.plan.layout else None
         return cls(
             options.recovery,
             node_id=options.agent.node_id or socket.gethostname(),

@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument(
         "--run-dir", type=Path, help="also show the newest diagnostics detections of this run "
-        "(its --run-dir or --event-dir); alone, without --rdzv-id, only those"
+        "(its --run-dir); alone, without --rdzv-id, only those"
     )
     status.add_argument(
         "--detections", type=int, default=10, metavar="N", help="how many detections (default 10)"

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import signal
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from elasticft import options as option_reading
-from elasticft.config import ConfigError
+from elasticft.config import (
+    RUNS_DIR,
+    ConfigError,
+    DiagConfig,
+    MetricsEndpoint,
+    PinnedLayout,
+    SlurmSignal,
+    checkpoint_dir_default,
+    run_dir_default,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -21,10 +32,14 @@ def test_defaults_when_nothing_given() -> None:
     options = option_reading.resolve({}, {})
     assert options.agent.restart_on_user_error == 0
     assert options.agent.capture_stderr is True
+    assert options.slurm.slurm_signal == SlurmSignal(signal.SIGUSR1, timedelta(seconds=120))
+    assert options.diag.diag_preflight == "on"
+    assert options.diag.diag_metrics is None
+    assert options.plan.layout is None
 
 
 def test_precedence_cli_over_env_over_yaml(tmp_path: Path) -> None:
-    yaml_file = write(tmp_path, "agent:\n  restart_on_user_error: 1\n  node_id: from-yaml\n")
+    yaml_file = write(tmp_path, "restart_on_user_error: 1\nnode_id: from-yaml\n")
     env = {"ELASTICFT_RESTART_ON_USER_ERROR": "2"}
     assert option_reading.resolve({}, {}, yaml_file).agent.restart_on_user_error == 1
     assert option_reading.resolve({}, env, yaml_file).agent.restart_on_user_error == 2
@@ -34,7 +49,7 @@ def test_precedence_cli_over_env_over_yaml(tmp_path: Path) -> None:
 
 
 def test_config_file_from_env(tmp_path: Path) -> None:
-    yaml_file = write(tmp_path, "agent:\n  restart_on_user_error: 4\n")
+    yaml_file = write(tmp_path, "restart_on_user_error: 4\n")
     options = option_reading.resolve({}, {"ELASTICFT_CONFIG": str(yaml_file)})
     assert options.agent.restart_on_user_error == 4
 
@@ -42,14 +57,25 @@ def test_config_file_from_env(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("agent: [1, 2", "malformed YAML at line"),
+        ("ckpt: [1, 2", "malformed YAML at line"),
         ("- a\n- b\n", "top level must be a mapping"),
-        ("agnet:\n  node_id: x\n", "unknown section 'agnet'"),
-        ("agent:\n  restart_on_user_eror: 1\n", "unknown option agent.restart_on_user_eror"),
-        ("agent:\n  restart_on_user_error: many\n", "set it to a whole number"),
-        ("agent:\n  restart_on_user_error: 1.5\n", "set it to a whole number"),
-        ("agent:\n  capture_stderr: 3\n", "set it to true or false"),
-        ("agent:\n  restart_on_user_error: -1\n", "below the minimum 0"),
+        ("agnet:\n  node_id: x\n", "unknown key 'agnet'; top-level keys are"),
+        ("restart_on_user_eror: 1\n", "unknown key 'restart_on_user_eror'"),
+        ("ckpt:\n  dri: /x\n", "unknown key ckpt: {dri}; keys of 'ckpt' are dir,"),
+        ("ckpt: 3\n", "section 'ckpt' must be a mapping"),
+        ("restart_on_user_error: many\n", "set it to a whole number"),
+        ("restart_on_user_error: 1.5\n", "set it to a whole number"),
+        ("warm_start: 3\n", "set it to true or false"),
+        ("restart_on_user_error: -1\n", "below the minimum 0"),
+        # The former layout (section: {field_name}) names the new key.
+        ("ckpt:\n  ckpt_dir: /x\n", "ckpt: {ckpt_dir} is an old-style key; write ckpt: {dir: "),
+        ("agent:\n  run_dir: /x\n", "agent: {run_dir} is an old-style key; write run_dir: "),
+        ("diag:\n  hang_initial_timeout_s: 9\n", "write hang: {initial_timeout_s: "),
+        ("diag:\n  diag_enabled: false\n", "write diag: {enabled: "),
+        # A former option says what replaced it, or why it is gone.
+        ("plan:\n  layout_tp: 2\n", "no longer an option: replaced by --layout TP,PP,DP"),
+        ("diag:\n  hang_multiple: 3\n", "tuning constant"),
+        ("agent:\n  event_dir: /x\n", "events are always written under --run-dir"),
     ],
 )
 def test_bad_yaml_is_one_line_naming_the_fix(tmp_path: Path, text: str, fragment: str) -> None:
@@ -60,9 +86,27 @@ def test_bad_yaml_is_one_line_naming_the_fix(tmp_path: Path, text: str, fragment
     assert "\n" not in message
 
 
+def test_keys_follow_one_rule(tmp_path: Path) -> None:
+    yaml_file = write(tmp_path, 'run_dir: /r\nlayout: "2,*,*"\nckpt: {dir: /c}\n'
+                                "hang: {initial_timeout_s: 900}\nslow: {action: restart}\n"
+                                "diag: {enabled: false, preflight: off}\nslurm: {mode: on}\n")
+    options = option_reading.resolve({}, {}, yaml_file)
+    assert options.agent.run_dir == Path("/r")
+    assert options.plan.layout == PinnedLayout(2, None, None)
+    assert options.ckpt.ckpt_dir == Path("/c")
+    assert options.diag.hang_initial_timeout_s == 900
+    assert options.diag.slow_action == "restart"
+    assert options.diag.diag_enabled is False
+    assert options.diag.diag_preflight == "off"  # YAML reads a bare off as false
+    assert options.slurm.slurm_mode == "on"
+    keys = {spec.name: spec.yaml_key for spec in option_reading.option_specs()}
+    assert keys["ckpt_dir"] == "ckpt.dir" and keys["run_dir"] == "run_dir"
+    assert keys["hang_busy_ceiling_s"] == "hang.busy_ceiling_s" and keys["layout"] == "layout"
+
+
 def test_bad_env_value_names_the_variable() -> None:
-    with pytest.raises(ConfigError, match=r"ELASTICFT_CAPTURE_STDERR='maybe'.*true or false"):
-        option_reading.resolve({}, {"ELASTICFT_CAPTURE_STDERR": "maybe"})
+    with pytest.raises(ConfigError, match=r"ELASTICFT_WARM_START='maybe'.*true or false"):
+        option_reading.resolve({}, {"ELASTICFT_WARM_START": "maybe"})
 
 
 def test_missing_config_file_is_reported(tmp_path: Path) -> None:
@@ -74,6 +118,121 @@ def test_unknown_elasticft_env_is_rejected() -> None:
     with pytest.raises(ConfigError, match="unknown environment variable ELASTICFT_RESTARTS"):
         option_reading.check_unknown_env({"ELASTICFT_RESTARTS": "1"})
     option_reading.check_unknown_env({"ELASTICFT_NODE_ID": "a", "PATH": "/bin"})
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("ELASTICFT_LAYOUT_TP", "replaced by --layout TP,PP,DP"),
+        ("ELASTICFT_CKPT_LAYOUT", "replaced by --layout TP,PP,DP"),
+        ("ELASTICFT_SLURM_SIGNAL_LEAD_TIME", "replaced by --slurm-signal SIG@SECONDS"),
+        ("ELASTICFT_DIAG_PREFLIGHT_ALLREDUCE", "replaced by --diag-preflight allreduce"),
+        ("ELASTICFT_DIAG_METRICS_PORT", "replaced by --diag-metrics [HOST:]PORT"),
+        ("ELASTICFT_CAPTURE_STDERR", "stderr is always captured"),
+        ("ELASTICFT_HANG_MULTIPLE", "tuning constant, settable only through the Python API "
+                                    "(DiagConfig.hang_multiple)"),
+    ],
+)
+def test_a_former_option_in_the_env_names_its_replacement(name: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        option_reading.check_unknown_env({name: "1"})
+    assert str(err.value).startswith(f"{name} is no longer an option: ")
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_tuning_constants_have_no_flag_env_or_yaml_key() -> None:
+    option_names = {spec.name for spec in option_reading.option_specs()}
+    tuning_names = {spec.name for spec in option_reading.tuning_specs()}
+    assert "hang_multiple" in tuning_names and not option_names & tuning_names
+    assert "ELASTICFT_HANG_MULTIPLE" not in option_reading.known_env_names()
+    # The Python API still sets them.
+    assert DiagConfig(hang_multiple=3).hang_multiple == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2,4,8", PinnedLayout(2, 4, 8)),
+        ("2,*,*", PinnedLayout(2, None, None)),
+        ("*, 4 ,*", PinnedLayout(None, 4, None)),
+        ("*,*,*", PinnedLayout()),
+    ],
+)
+def test_layout_parses(text: str, expected: PinnedLayout) -> None:
+    assert PinnedLayout.parse(text) == expected
+    assert PinnedLayout.parse(str(expected)) == expected
+
+
+def test_a_complete_layout_places_backups() -> None:
+    assert PinnedLayout(2, 4, 8).complete() == (2, 4, 8)
+    assert PinnedLayout(2, None, 8).complete() is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("USR1", SlurmSignal(signal.SIGUSR1, timedelta(seconds=60))),  # sbatch's default lead
+        ("USR1@120", SlurmSignal(signal.SIGUSR1, timedelta(seconds=120))),
+        ("B:USR2@300", SlurmSignal(signal.SIGUSR2, timedelta(seconds=300), batch_only=True)),
+        ("sigterm@30", SlurmSignal(signal.SIGTERM, timedelta(seconds=30))),
+        ("10@90", SlurmSignal(signal.SIGUSR1, timedelta(seconds=90))),
+    ],
+)
+def test_slurm_signal_parses_sbatch_syntax(text: str, expected: SlurmSignal) -> None:
+    assert SlurmSignal.parse(text) == expected
+    assert SlurmSignal.parse(str(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("9100", MetricsEndpoint("127.0.0.1", 9100)),
+        ("0.0.0.0:9100", MetricsEndpoint("0.0.0.0", 9100)),
+        ("[::1]:9100", MetricsEndpoint("::1", 9100)),
+        ("off", None),
+    ],
+)
+def test_diag_metrics_parses_host_and_port(text: str, expected: MetricsEndpoint | None) -> None:
+    assert MetricsEndpoint.parse(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "fix"),
+    [
+        ("--layout", "2,4", "give --layout TP,PP,DP"),
+        ("--layout", "2,x,*", "with * for a dimension left to the planner"),
+        ("--layout", "0,*,*", "three whole numbers >= 1"),
+        ("--slurm-signal", "USR9@120", "give sbatch's [B:]SIG[@SECONDS]"),
+        ("--slurm-signal", "USR1@soon", "give sbatch's [B:]SIG[@SECONDS]"),
+        ("--slurm-signal", "USR1@0", "give sbatch's [B:]SIG[@SECONDS]"),
+        ("--diag-metrics", "99999", "a port from 1 to 65535"),
+        ("--diag-metrics", "host:", "give [HOST:]PORT"),
+        ("--diag-metrics", ":9100", "give [HOST:]PORT"),
+        ("--diag-preflight", "maybe", "one of off, on, allreduce"),
+        ("--diag-preflight", "true", "one of off, on, allreduce"),
+    ],
+)
+def test_bad_structured_values_are_one_line_naming_value_and_fix(
+        flag: str, value: str, fix: str) -> None:
+    parser = argparse.ArgumentParser()
+    option_reading.add_options(parser)
+    args = parser.parse_args([flag, value])
+    with pytest.raises(ConfigError) as err:
+        option_reading.from_namespace(args, {})
+    message = str(err.value)
+    assert f"{flag}={value!r}" in message and fix in message and "\n" not in message
+
+
+def test_structured_values_parse_from_flags_and_env() -> None:
+    parser = argparse.ArgumentParser()
+    option_reading.add_options(parser)
+    args = parser.parse_args(["--layout", "2,*,*", "--slurm-signal", "B:USR1@300",
+                              "--diag-preflight", "allreduce"])
+    options = option_reading.from_namespace(args, {"ELASTICFT_DIAG_METRICS": "0.0.0.0:9100"})
+    assert options.plan.layout == PinnedLayout(2, None, None)
+    assert options.slurm.slurm_signal.lead_time == timedelta(seconds=300)
+    assert options.diag.diag_preflight == "allreduce"
+    assert options.diag.diag_metrics == MetricsEndpoint("0.0.0.0", 9100)
 
 
 def test_every_option_has_flag_env_and_help() -> None:
@@ -96,3 +255,22 @@ def test_flags_parse_through_namespace() -> None:
     options = option_reading.from_namespace(args, {})
     assert options.agent.restart_on_user_error == 2
     assert options.agent.node_id == "n7"
+
+
+@pytest.mark.parametrize(
+    ("run_dir", "log_dir", "expected"),
+    [
+        (Path("/r"), "/logs", Path("/r")),  # --run-dir wins
+        (None, "/logs", Path("/logs/job1")),  # the user's --log-dir
+        (None, "/tmp/torchelastic_abc", RUNS_DIR / "job1"),  # torch's own, never a run's home
+        (None, None, RUNS_DIR / "job1"),
+    ],
+)
+def test_one_rule_for_the_run_directory(run_dir: Path | None, log_dir: str | None,
+                                        expected: Path) -> None:
+    assert run_dir_default(run_dir, log_dir, "job1") == expected
+
+
+def test_one_rule_for_the_checkpoint_directory() -> None:
+    assert checkpoint_dir_default(None, Path("/r")) == Path("/r/ckpt")
+    assert checkpoint_dir_default(Path("/c"), Path("/r")) == Path("/c")

@@ -22,12 +22,15 @@ SCRIPT = str(EXAMPLES / "train_plain.py")
 BAD_INPUTS: dict[str, tuple[list[str], dict[str, str], dict[str, str]]] = {
     "unknown_flag": (["--standalone", "--nprocs-per-host", "2", SCRIPT], {}, {}),
     "malformed_yaml": (["--standalone", "--config", "{dir}/bad.yaml", SCRIPT], {},
-                       {"bad.yaml": "agent: {restart_on_user_error: 1\n"}),
+                       {"bad.yaml": "ckpt: {keep: 1\n"}),
     "wrong_typed_yaml": (["--standalone", "--config", "{dir}/typed.yaml", SCRIPT], {},
-                         {"typed.yaml": "agent:\n  restart_on_user_error: often\n"}),
+                         {"typed.yaml": "restart_on_user_error: often\n"}),
     "bad_elasticft_env": (["--standalone", SCRIPT], {"ELASTICFT_RESTART_ON_USER_ERROR": "-3"},
                           {}),
     "bad_torchrun_env": (["--standalone", SCRIPT], {"PET_MAX_RESTARTS": "lots"}, {}),
+    "removed_option_env": (["--standalone", SCRIPT], {"ELASTICFT_LAYOUT_TP": "2"}, {}),
+    "old_style_yaml_key": (["--standalone", "--config", "{dir}/old.yaml", SCRIPT], {},
+                           {"old.yaml": "ckpt:\n  ckpt_dir: /x\n"}),
     "bad_nproc": (["--standalone", "--nproc-per-node", "two", SCRIPT], {}, {}),
     "missing_script": (["--standalone", "no_such_train.py"], {}, {}),
     "zero_nproc": (["--standalone", "--nproc-per-node", "0", SCRIPT], {}, {}),
@@ -92,7 +95,7 @@ def test_malformed_yaml(answers) -> None:
 
 @pytest.mark.timeout(180)
 def test_wrong_typed_yaml_value(answers) -> None:
-    assert_usage_error(answers["wrong_typed_yaml"], "agent.restart_on_user_error", "'often'",
+    assert_usage_error(answers["wrong_typed_yaml"], "typed.yaml:restart_on_user_error", "'often'",
                        "whole number")
 
 
@@ -100,6 +103,17 @@ def test_wrong_typed_yaml_value(answers) -> None:
 def test_bad_elasticft_env_value(answers) -> None:
     assert_usage_error(answers["bad_elasticft_env"], "ELASTICFT_RESTART_ON_USER_ERROR",
                        "minimum")
+
+
+@pytest.mark.timeout(180)
+def test_a_removed_option_in_the_env_names_its_replacement(answers) -> None:
+    assert_usage_error(answers["removed_option_env"], "ELASTICFT_LAYOUT_TP",
+                       "replaced by --layout TP,PP,DP")
+
+
+@pytest.mark.timeout(180)
+def test_an_old_style_yaml_key_names_the_new_one(answers) -> None:
+    assert_usage_error(answers["old_style_yaml_key"], "ckpt: {ckpt_dir}", "write ckpt: {dir: ")
 
 
 @pytest.mark.timeout(180)

@@ -14,6 +14,7 @@ import pytest
 from elasticft.ckpt import durable
 from elasticft.ckpt.service import COPY_DELAY_ENV
 from tests.conftest import BIN, EXAMPLES
+from tests.tuned_run import tuned_run
 
 STEPS = 12
 CRASH_AT = 6
@@ -73,8 +74,8 @@ def test_with_two_slots_a_skipped_snapshot_is_warned_counted_and_reported(
     # the other holding the newest snapshot has nowhere to go.
     env = dict(job_env, **{COPY_DELAY_ENV: "2"})
     run_dir = tmp_path / "run"
-    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
-           "--run-dir", str(run_dir), "--ckpt-persist-every", "1", "--ckpt-memory-slots", "2",
+    cmd = [*tuned_run({"ckpt_memory_slots": 2}), "--standalone", "--nproc-per-node", "2",
+           "--run-dir", str(run_dir), "--ckpt-persist-every", "1",
            "--monitor-interval", "0.2",
            str(EXAMPLES / "train_elasticft.py"), "--steps", str(STEPS), *MODEL]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
@@ -84,7 +85,7 @@ def test_with_two_slots_a_skipped_snapshot_is_warned_counted_and_reported(
     assert warned >= 1, text[-4000:]
     skipped = [e for e in _events(run_dir) if e["kind"] == "snapshot_skipped"]
     assert len(skipped) == warned  # every warning of every worker, counted once
-    assert all("--ckpt-memory-slots" in e["reason"] for e in skipped)
+    assert all("ckpt_memory_slots" in e["reason"] for e in skipped)
 
     status = subprocess.run([str(BIN / "elasticft"), "status", "--run-dir", str(run_dir)],
                             env=job_env, capture_output=True, text=True, timeout=60)

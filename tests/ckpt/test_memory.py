@@ -139,7 +139,7 @@ def test_writer_skips_a_slot_a_reader_holds_never_waits_and_says_so(
         finally:
             slot.unlock()
         assert request.status == "skipped"
-        assert request.skipped is not None and "--ckpt-memory-slots" in request.skipped
+        assert request.skipped is not None and "ckpt_memory_slots" in request.skipped
         assert ckpt.snapshots_skipped == 1
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert any("memory snapshot of step 3 skipped" in r.getMessage() for r in warnings)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from elasticft.diag import detectors as d
 from elasticft.diag.exchange import HUB_KEY, ViewExchange, decode_summary, encode_summary
 from elasticft.events import read_events
-from tests.conftest import BIN
 from tests.servers import EtcdServer
+from tests.tuned_run import tuned_run
 
 WORKER = Path(__file__).parent / "workers" / "diag_train.py"
 LOOPBACK = "127.0.0.1"  # where a leader serves its hub: this host's name may not resolve
@@ -138,18 +138,19 @@ RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_aliv
 class TwoNodeJob:
     """Two elasticft-run agents ("a" and "b"), 2 gloo workers each, on one etcd."""
 
-    def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, agent_flags: list[str],
-                 worker_flags: list[str], node_flags: dict[str, list[str]]) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, tuning: dict[str, Any],
+                 worker_flags: list[str], node_tuning: dict[str, dict[str, Any]]) -> None:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for name in "ab":
-            cmd = [str(BIN / "elasticft-run"), "--nnodes", "2", "--nproc-per-node", "2",
+            # Tuning constants (Python API only), for the job and for one node.
+            cmd = [*tuned_run({**tuning, **node_tuning.get(name, {})}),
+                   "--nnodes", "2", "--nproc-per-node", "2",
                    "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint,
                    "--rdzv-id", f"diag-{tmp.name}", "--rdzv-conf", RDZV_CONF,
                    "--local-addr", "127.0.0.1", "--node-id", name,
                    "--run-dir", str(tmp / f"run-{name}"), "--max-restarts", "0",
-                   "--monitor-interval", "0.1", "--shutdown-timeout", "5", *agent_flags,
-                   *node_flags.get(name, []),
+                   "--monitor-interval", "0.1", "--shutdown-timeout", "5",
                    str(WORKER), "--state", str(tmp / "state"), *worker_flags]
             with open(tmp / f"{name}.log", "wb") as out:
                 self.procs[name] = subprocess.Popen(
@@ -196,10 +197,10 @@ class TwoNodeJob:
 def two_nodes(tmp_path: Path, job_env: dict[str, str], etcd_server: EtcdServer):
     jobs: list[TwoNodeJob] = []
 
-    def start(agent_flags: list[str], worker_flags: list[str],
-              node_flags: dict[str, list[str]] | None = None) -> TwoNodeJob:
-        job = TwoNodeJob(tmp_path, job_env, etcd_server.endpoint, agent_flags, worker_flags,
-                         node_flags or {})
+    def start(tuning: dict[str, Any], worker_flags: list[str],
+              node_tuning: dict[str, dict[str, Any]] | None = None) -> TwoNodeJob:
+        job = TwoNodeJob(tmp_path, job_env, etcd_server.endpoint, tuning, worker_flags,
+                         node_tuning or {})
         jobs.append(job)
         return job
 
@@ -214,9 +215,9 @@ def test_stopped_worker_is_named_with_its_node_by_the_node_that_only_waits(two_n
     # Node b sees its own rank stopped and would judge (and stop the job) as soon as node a;
     # its long staleness leaves the judgement to node a, which knows rank 3 only from the
     # exchange.
-    job = two_nodes(["--hang-multiple", "3", "--hang-min-samples", "3", "--hang-stacks", "false"],
+    job = two_nodes({"hang_multiple": 3, "hang_min_samples": 3, "hang_stacks": False},
                     ["--steps", "400", "--step-sleep", "0.05"],
-                    node_flags={"b": ["--hang-heartbeat-stale-s", "120"]})
+                    node_tuning={"b": {"hang_heartbeat_stale_s": 120}})
     job.wait_for("steady training on both nodes",
                  lambda: all(len(job.pids(n)) == 2 for n in "ab") and
                  (job.tmp / "state").exists() and int((job.tmp / "state").read_text()) >= 25,
@@ -250,7 +251,7 @@ def test_stopped_worker_is_named_with_its_node_by_the_node_that_only_waits(two_n
 @pytest.mark.timeout(150)
 def test_rank_slowed_3x_is_named_with_its_node(two_nodes):
     # Rank 3 sleeps 0.1 s more per step than the others' 0.05 s: about 3x their busy time.
-    job = two_nodes(["--slow-confirm-s", "2", "--slow-window", "5"],
+    job = two_nodes({"slow_confirm_s": 2, "slow_window": 5},
                     ["--steps", "400", "--step-sleep", "0.05", "--slow-rank", "3",
                      "--slow-sleep", "0.1"])
     owner = job.wait_for("rank 3 started", lambda: next(

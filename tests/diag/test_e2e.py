@@ -14,15 +14,18 @@ import pytest
 from elasticft.chaos import current_worker_pids
 from elasticft.events import read_events
 from tests.conftest import BIN
+from tests.tuned_run import tuned_run
 
 WORKER = Path(__file__).parent / "workers" / "diag_train.py"
 
 
-def _launch(tmp_path: Path, env: dict[str, str], agent_flags: list[str], worker_flags: list[str]
+def _launch(tmp_path: Path, env: dict[str, str], agent_flags: list[str], worker_flags: list[str],
+            tuning: dict[str, object] | None = None
             ) -> tuple[subprocess.Popen[bytes], Path, Path]:
     run_dir = tmp_path / "run"
     log = tmp_path / "out.log"
-    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+    launcher = tuned_run(tuning) if tuning else [str(BIN / "elasticft-run")]
+    cmd = [*launcher, "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "2", "--monitor-interval", "0.1", "--run-dir", str(run_dir),
            "--shutdown-timeout", "5", *agent_flags, str(WORKER), "--state",
            str(tmp_path / "state"), *worker_flags]
@@ -94,8 +97,9 @@ def test_sigstopped_worker_is_detected_named_and_the_group_recovers(tmp_path, jo
 @pytest.mark.timeout(240)
 def test_slowed_rank_is_flagged(tmp_path, job_env):
     proc, run_dir, log = _launch(
-        tmp_path, job_env, ["--slow-confirm-s", "2", "--slow-window", "5"],
-        ["--steps", "45", "--step-sleep", "0.05", "--slow-rank", "1", "--slow-sleep", "0.3"])
+        tmp_path, job_env, [],
+        ["--steps", "45", "--step-sleep", "0.05", "--slow-rank", "1", "--slow-sleep", "0.3"],
+        tuning={"slow_confirm_s": 2, "slow_window": 5})
     slow = _wait(lambda: _detections(run_dir, "slow_rank"), 150, "slow rank", proc, log)[0]
     assert slow["rank"] == 1
     assert slow["ratio"] > 2

@@ -221,7 +221,7 @@ def test_a_gloo_group_created_after_the_wrappers_left_brings_them_back(
 
 
 def test_the_monitor_reports_a_status_the_worker_rewrites(tmp_path: Path) -> None:
-    config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
+    config = DiagConfig(diag_preflight="off", diag_check_interval_s=0.0, health_interval_s=3600)
     monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path / "events",
                           nccl_shim=tmp_path / "shim.so")
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))

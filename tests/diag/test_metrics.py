@@ -72,7 +72,7 @@ def test_a_running_job_serves_real_step_and_collective_metrics(tmp_path: Path, j
     log = tmp_path / "out.log"
     cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "0", "--monitor-interval", "0.1", "--run-dir", str(tmp_path / "run"),
-           "--diag-metrics-port", str(port), str(EXAMPLES / "train_plain.py"), "--steps", "400",
+           "--diag-metrics", str(port), str(EXAMPLES / "train_plain.py"), "--steps", "400",
            "--step-time", "0.05", "--ckpt-every", "1000", "--ckpt-dir", str(tmp_path / "ckpt")]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=job_env, stdout=out, stderr=subprocess.STDOUT)

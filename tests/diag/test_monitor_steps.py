@@ -20,7 +20,7 @@ MS = 1_000_000
 
 def test_busy_time_of_every_step_and_no_growing_history(tmp_path: Path) -> None:
     now = [10**12]
-    config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
+    config = DiagConfig(diag_preflight="off", diag_check_interval_s=0.0, health_interval_s=3600)
     monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, clock_ns=lambda: now[0])
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
     env = monitor.worker_env(group, group.workers[0])
@@ -65,7 +65,7 @@ def test_rings_have_no_name_and_older_ring_directories_of_dead_agents_are_swept(
     for path in (dead, alive, unnamed):
         path.mkdir()
         (path / "rank-0.py.ring").write_bytes(b"x")
-    config = DiagConfig(diag_preflight=False, diag_ring_dir=rings, health_interval_s=3600)
+    config = DiagConfig(diag_preflight="off", diag_ring_dir=rings, health_interval_s=3600)
     monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, nccl_shim=Path("/x/shim.so"))
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
     env = monitor.worker_env(group, group.workers[0])
@@ -90,7 +90,7 @@ def test_process_state_is_read_only_for_a_rank_without_progress(tmp_path: Path) 
     from elasticft import procs
 
     now = [10**12]
-    config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
+    config = DiagConfig(diag_preflight="off", diag_check_interval_s=0.0, health_interval_s=3600)
     monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, clock_ns=lambda: now[0])
     sleeper = subprocess.Popen(["sleep", "60"])
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1, sleeper.pid),))
@@ -142,7 +142,7 @@ def test_a_collective_past_its_timeout_is_stuck_only_if_the_stack_stands_still(
     """Every rank in a call past the start-up timeout, no CPU measured yet: two py-spy samples
     of the real process decide between working (its Python moves) and stuck (it does not)."""
     now = [10**12]
-    config = DiagConfig(diag_preflight=False, diag_check_interval_s=0.0, health_interval_s=3600)
+    config = DiagConfig(diag_preflight="off", diag_check_interval_s=0.0, health_interval_s=3600)
     monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, clock_ns=lambda: now[0])
     worker = subprocess.Popen([sys.executable, "-c", program])
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1, worker.pid),))

@@ -52,7 +52,7 @@ def test_elasticft_run_reports_the_probe_as_a_preflight_event(tmp_path: Path, jo
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts",
-         "0", "--run-dir", str(run_dir), "--diag-preflight-allreduce", "true",
+         "0", "--run-dir", str(run_dir), "--diag-preflight", "allreduce",
          str(EXAMPLES / "train_plain.py"), "--steps", "2", "--ckpt-dir", str(tmp_path / "ckpt")],
         env=job_env, capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -109,7 +109,7 @@ CASES = [
      [5.0] * 50, "stuck", True, ()),
     ("first step: no history, 60 s in the first collective", [waiting(0, 60.0), waiting(1, 60.0)],
      [], "healthy", False, ()),
-    ("fewer durations than --hang-min-samples: the start-up timeout still rules",
+    ("fewer durations than hang_min_samples: the start-up timeout still rules",
      [waiting(0, 60.0), waiting(1, 60.0)], [0.01] * 9, "healthy", False, ()),
     ("first step: no history, past the start-up timeout", [waiting(0, 601.0), waiting(1, 601.0)],
      [], "stuck", True, ()),
@@ -223,8 +223,10 @@ def test_the_hang_options_map_onto_the_verdicts_limits(tmp_path) -> None:
 
     script = tmp_path / "train.py"
     script.write_text("")
-    _, config = parse(["--standalone", "--hang-collective-floor-s", "8", str(script)])
-    assert hang_limits(config.diag).collective_floor_s == 8.0
+    _, config = parse(["--standalone", "--hang-busy-ceiling-s", "900", str(script)])
+    assert hang_limits(config.diag).busy_ceiling_s == 900.0
+    tuned = dataclasses.replace(config.diag, hang_collective_floor_s=8.0)  # Python API only
+    assert hang_limits(tuned).collective_floor_s == 8.0
     _, config = parse(["--standalone", str(script)])
     assert hang_limits(config.diag).collective_floor_s == 3.0
     assert hang_limits(config.diag).busy_ceiling_s == 1800.0

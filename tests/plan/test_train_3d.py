@@ -46,8 +46,7 @@ def _env() -> dict[str, str]:
 
 
 def _plan_flags() -> list[str]:
-    return ["--plan-model", str(MODEL), "--plan-hardware", "cpu", "--layout-tp", "2",
-            "--layout-pp", "1"]
+    return ["--plan-model", str(MODEL), "--plan-hardware", "cpu", "--layout", "2,1,*"]
 
 
 def _trainer_args(tmp: Path, name: str, sleep: float) -> list[str]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from elasticft.agent.api import GroupInfo, WorkerInfo
 from elasticft.cli import main as cli_main
-from elasticft.config import ConfigError, PlanConfig
+from elasticft.config import ConfigError, PinnedLayout, PlanConfig
 from elasticft.plan.api import Layout, Pins
 from elasticft.plan.collaborator import (
     LayoutCollaborator,
@@ -84,7 +84,7 @@ def test_leader_rule_is_injected() -> None:
 def test_options_build_the_collaborator_or_fail_in_one_line(tmp_path: Path) -> None:
     assert from_options(PlanConfig()) is None
     built = from_options(PlanConfig(plan_model="gpt-1.7b", plan_gpu_memory_gib=40.0,
-                                    layout_tp=2))
+                                    layout=PinnedLayout(tp=2)))
     assert built is not None and built.inputs.hardware.memory_gib == 40.0
     assert built.inputs.pins == Pins(tp=2)
     with pytest.raises(ConfigError, match="neither a preset"):

@@ -18,6 +18,7 @@ import pytest
 from elasticft.events import read_events
 from tests.conftest import BIN, EXAMPLES
 from tests.servers import EtcdServer
+from tests.tuned_run import tuned_run
 
 API = EXAMPLES / "train_elasticft.py"
 PLAIN = EXAMPLES / "train_plain.py"
@@ -26,9 +27,10 @@ PLAIN = EXAMPLES / "train_plain.py"
 FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 AGENT_FLAGS = [
     "--max-restarts", "3", "--monitor-interval", "0.1", "--shutdown-timeout", "5",
-    "--hang-collective-floor-s", "8", "--hang-min-samples", "3", "--hang-initial-timeout-s", "10",
-    "--ckpt-persist-every", "2",
+    "--hang-initial-timeout-s", "10", "--ckpt-persist-every", "2",
 ]
+AGENT_TUNING = {"hang_collective_floor_s": 8, "hang_min_samples": 3}
+"""Tuning constants (Python API only) the agents run with: a hang is learned from 3 steps."""
 
 
 class Node:
@@ -72,8 +74,8 @@ class Job:
 
     def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, job_id: str,
                  script: Path, steps: int, step_time: float = 0.15,
-                 extra_agent: list[str] | None = None, extra_train: list[str] | None = None
-                 ) -> None:
+                 extra_agent: list[str] | None = None, extra_train: list[str] | None = None,
+                 extra_tuning: dict[str, object] | None = None) -> None:
         self.tmp = tmp
         # One thread per worker, as torchrun sets for several workers per node: the reference
         # runs 2 workers on one node, and thread counts change float reduction order.
@@ -89,6 +91,7 @@ class Job:
         if script == PLAIN:
             self.train_args += ["--ckpt-dir", str(tmp / "plain-ckpt"), "--ckpt-every", "3"]
         self.extra_agent = extra_agent or []
+        self.tuning = {**AGENT_TUNING, **(extra_tuning or {})}
         self.nodes: dict[str, Node] = {}
 
     def start(self, name: str, nnodes: str = "2:2", local_addr: str = "127.0.0.1",
@@ -96,7 +99,7 @@ class Job:
               rdzv_conf: str = FAST_RDZV) -> Node:
         run_dir = self.tmp / f"run-{name}"
         log = self.tmp / f"{name}.log"
-        cmd = [*(prefix or []), str(BIN / "elasticft-run"), "--nnodes", nnodes,
+        cmd = [*(prefix or []), *tuned_run(self.tuning), "--nnodes", nnodes,
                "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id,
                "--rdzv-conf", rdzv_conf, "--local-addr", local_addr, "--node-id", name,

@@ -24,6 +24,7 @@ from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist, read_status
 from tests.recovery.cluster import (
     AGENT_FLAGS,
+    AGENT_TUNING,
     API,
     PLAIN,
     Job,
@@ -34,6 +35,7 @@ from tests.recovery.cluster import (
     reference_losses,
 )
 from tests.servers import EtcdServer
+from tests.tuned_run import tuned_run
 
 pytestmark = pytest.mark.slow
 STEPS = 14
@@ -179,11 +181,10 @@ def test_worker_hang_sigstop_just_in_time_checkpoint(etcd_server: EtcdServer, ma
 def test_jit_checkpoint_from_the_replica_stuck_in_the_collective(tmp_path: Path, job_env,
                                                                  reference):
     """One node, two workers: rank 1 hangs, rank 0 waits in the all-reduce and answers."""
-    from tests.conftest import BIN
 
     loss_log = tmp_path / "loss.log"
     run_dir = tmp_path / "run"
-    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+    cmd = [*tuned_run(AGENT_TUNING), "--standalone", "--nproc-per-node", "2",
            "--run-dir", str(run_dir), *AGENT_FLAGS, str(API), "--steps", str(STEPS),
            "--batch-size", "4", "--step-time", "0.15", "--loss-log", str(loss_log)]
     with open(tmp_path / "out.log", "wb") as out:
@@ -235,8 +236,8 @@ def test_unmodified_script_hang_is_named_restarted_and_resumed(etcd_server: Etcd
 @pytest.mark.timeout(200)
 def test_slow_worker_is_named_and_restarted(etcd_server: EtcdServer, make_job, reference):
     job = make_job(etcd_server.endpoint, PLAIN, steps=LONG, step_time=0.1,
-                   extra_agent=["--slow-action", "restart", "--slow-confirm-s", "1",
-                                "--slow-window", "4"])
+                   extra_agent=["--slow-action", "restart"],
+                   extra_tuning={"slow_confirm_s": 1, "slow_window": 4})
     job.start("a")
     job.start("b")
     job.wait_step(3)

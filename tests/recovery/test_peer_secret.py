@@ -52,9 +52,10 @@ def can_list(service: CheckpointService, secret: str) -> bool:
         return False
 
 
-def services(tmp: Path, n: int, **options) -> list[CheckpointService]:
+def services(tmp: Path, n: int, layout: tuple[int, int, int] | None = None,
+             **options) -> list[CheckpointService]:
     config = CheckpointConfig(ckpt_persist_every=0, ckpt_dir=tmp / "ckpt", **options)
-    return [CheckpointService(config, local_addr="127.0.0.1", shm_dir=tmp)
+    return [CheckpointService(config, local_addr="127.0.0.1", shm_dir=tmp, layout=layout)
             for _ in range(n)]
 
 

@@ -17,7 +17,7 @@ from tests.recovery.test_peer_secret import join, services
 def test_workers_are_told_a_replica_node_and_the_backup_node(tmp_path: Path, round_store):
     # 4 nodes x 2 ranks, tp=2 pp=2 dp=2: node 1 holds the data-parallel replicas of node 0's
     # ranks (same tp and pp coordinates); node 3 shares no group with node 0 and is its backup.
-    nodes = services(tmp_path, 4, ckpt_layout="2,2,2")
+    nodes = services(tmp_path, 4, layout=(2, 2, 2))
     try:
         members = [(service, f"n{rank}", rank) for rank, service in enumerate(nodes)]
         groups = join(tmp_path, 1, round_store, *members, nproc=2)

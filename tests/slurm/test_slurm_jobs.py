@@ -76,7 +76,7 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp
     root.mkdir()
     ckpt, loss, run_dir = root / "ckpt" / "latest.pt", root / "loss.txt", root / "run"
     script = write_job(
-        root, "tl", ["--time=1", "--signal=B:USR1@50"], ["--slurm-signal-lead-time", "50"], [],
+        root, "tl", ["--time=1", "--signal=B:USR1@50"], ["--slurm-signal", "B:USR1@50"], [],
         first_run_env="export STEP_TIME=0.4", ckpt=ckpt, loss=loss, run_dir=run_dir,
     )
     job = submit(slurm_cluster, script, job_env)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.agent.api import GroupInfo, StopRun, WorkerInfo
-from elasticft.config import ConfigError, SlurmConfig
+from elasticft.config import ConfigError, SlurmConfig, SlurmSignal, parse_signal_name
 from elasticft.events import read_events
 from elasticft.run import build_parser
 from elasticft.slurm import (
@@ -22,7 +22,6 @@ from elasticft.slurm import (
     expand_nodelist,
     job_fields,
     node_defaults,
-    parse_signal,
     requeue_command,
     run_id_default,
 )
@@ -92,11 +91,11 @@ def test_node_defaults_fill_only_what_the_user_left_out():
 
 
 def test_signal_names_and_scontrol_parsing():
-    assert parse_signal("USR1") is signal.SIGUSR1
-    assert parse_signal("sigusr2") is signal.SIGUSR2
-    assert parse_signal("10") is signal.SIGUSR1
+    assert parse_signal_name("USR1") is signal.SIGUSR1
+    assert parse_signal_name("sigusr2") is signal.SIGUSR2
+    assert parse_signal_name("10") is signal.SIGUSR1
     with pytest.raises(ConfigError, match="--slurm-signal='USR9'"):
-        parse_signal("USR9")
+        parse_signal_name("USR9")
     fields = job_fields("JobId=5 JobName=a b Command=/x/job.sh arg1 WorkDir=/w dir StdIn=/dev/null")
     assert fields["Command"] == "/x/job.sh arg1" and fields["WorkDir"] == "/w dir"
 
@@ -190,7 +189,7 @@ def test_time_limit_forwards_waits_for_saves_and_requeues(workers, tmp_path):
 def test_time_limit_with_workers_that_ignore_it_still_requeues_but_says_so(workers, tmp_path):
     procs = workers("ignores")
     runner = Recorder()
-    config = SlurmConfig(slurm_signal_lead_time=timedelta(seconds=2))
+    config = SlurmConfig(slurm_signal=SlurmSignal(lead_time=timedelta(seconds=2)))
     handler = SlurmHandler(config, SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
                            runner=runner)
     group = group_of(procs, tmp_path)
