@@ -28,7 +28,7 @@ import pytest
 from elasticft.diag.ring import FLAG_HOST_COMPLETION, Op, RingReader, create_ring, ring_path
 from elasticft.diag.workerenv import bootstrap_dir, shim_library
 from elasticft.events import read_events
-from elasticft.rendezvous.cli import format_nccl_timings, nccl_timings
+from elasticft.report.status import format_nccl_timings, nccl_timings
 from tests.conftest import BIN, ROOT, TEST_NCCL_DIR
 
 HERE = Path(__file__).parent
