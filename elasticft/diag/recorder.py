@@ -385,11 +385,6 @@ class Recorder:
         if check.verdict == THROUGH_SHIM:
             self.decide_wrapping()
 
-    @property
-    def nccl_timed_by_shim(self) -> bool:
-        """The shim times this process's NCCL calls (seen on the calls themselves)."""
-        return self.nccl_check is not None and self.nccl_check.verdict == THROUGH_SHIM
-
     def backend_of(self, pg: Any) -> str | None:
         """The backend of process group ``pg`` as ``dist.get_backend`` names it (None: none)."""
         import torch.distributed as dist

@@ -167,11 +167,6 @@ class InterceptionCheck:
         return self.verdict
 
 
-def status_path(ring_dir: Path, rank: int) -> Path:
-    """The status file of a worker run by hand with a ring directory."""
-    return Path(ring_dir) / f"rank-{rank}.nccl.status"
-
-
 def expected(env: Mapping[str, str]) -> bool:
     """The agent injected the shim into this worker."""
     return env.get(SHIM_ENV) is not None or "_nccl_shim" in env.get("LD_PRELOAD", "")

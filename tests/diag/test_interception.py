@@ -21,7 +21,7 @@ from elasticft.config import DiagConfig
 from elasticft.diag import shimcheck
 from elasticft.diag.monitor import DiagMonitor
 from elasticft.diag.recorder import PYTHON, SETTLING, SHIM, who_times, wrappers_needed
-from elasticft.diag.ring import Op, RingReader, ring_path
+from elasticft.diag.ring import Op, RingFiles, RingReader, ring_path
 from elasticft.diag.shimcheck import (
     BYPASS_AFTER_CALLS,
     BYPASS_REASON,
@@ -136,7 +136,6 @@ WORKER = textwrap.dedent("""
     for _ in range(calls):
         dist.all_reduce(torch.ones(4))
     report = {"verdict": recorder.nccl_check.verdict,
-              "timed_by_shim": recorder.nccl_timed_by_shim,
               "wrapped": recorder.collectives_wrapped,
               "public_is_original": dist.all_reduce is recorder._originals["all_reduce"]}
     if mode == "late_gloo":  # a gloo group made once the wrappers are gone brings them back
@@ -171,10 +170,10 @@ def test_calls_that_bypass_the_shim_are_timed_in_python_and_the_status_says_so(
         user_library, shim, tmp_path):  # noqa: F811
     calls = N + 2
     report = run_worker(user_library, shim, tmp_path, "bypass", calls)
-    assert report == {"verdict": BYPASSED, "timed_by_shim": False, "wrapped": True,
+    assert report == {"verdict": BYPASSED, "wrapped": True,
                       "public_is_original": False}
     assert python_all_reduces(tmp_path) == calls  # every collective, before and after
-    status = shimcheck.read_status(shimcheck.status_path(tmp_path, 0))
+    status = shimcheck.read_status(RingFiles.in_dir(tmp_path, 0).status)
     assert status is not None and not status["active"] and status["loaded"]
     assert status["message"] == f"NCCL timings inactive: {BYPASS_REASON}"
     assert status["version"] > 0  # what the probe found is kept
@@ -184,13 +183,13 @@ def test_calls_that_bypass_the_shim_are_timed_in_python_and_the_status_says_so(
 def test_calls_that_reach_the_shim_are_left_to_it(user_library, shim, tmp_path):  # noqa: F811
     report = run_worker(user_library, shim, tmp_path, "through", N + 2)
     # Every group is left to the shim: torch's own functions are back in torch.distributed.
-    assert report == {"verdict": THROUGH_SHIM, "timed_by_shim": True, "wrapped": False,
+    assert report == {"verdict": THROUGH_SHIM, "wrapped": False,
                       "public_is_original": True}
     # Only the collective that settled it was timed in Python; the shim recorded NCCL's call.
     assert python_all_reduces(tmp_path) == 1
     _header, records = RingReader(ring_path(tmp_path, 0, "nccl")).poll()
     assert [Op(r.op) for r in records] == [Op.ALL_REDUCE]
-    status = shimcheck.read_status(shimcheck.status_path(tmp_path, 0))
+    status = shimcheck.read_status(RingFiles.in_dir(tmp_path, 0).status)
     assert status is not None and status["active"]
 
 
@@ -203,7 +202,7 @@ def python_all_reduce_comms(ring_dir: Path) -> list[int]:
 def test_with_a_gloo_group_too_nccl_calls_are_left_to_the_shim_and_gloo_calls_timed(
         user_library, shim, tmp_path):  # noqa: F811
     report = run_worker(user_library, shim, tmp_path, "mixed", 3)
-    assert report == {"verdict": THROUGH_SHIM, "timed_by_shim": True, "wrapped": True,
+    assert report == {"verdict": THROUGH_SHIM, "wrapped": True,
                       "public_is_original": False}
     comms = python_all_reduce_comms(tmp_path)
     # The settling world call, then the two gloo calls (keyword and positional group); the
