@@ -124,12 +124,6 @@ class WorkerFiles:
         self._fds = {}
 
 
-def ring_dir(base: Path, agent_pid: int, tag: str) -> Path:
-    """The named ring directory older versions gave an agent (named after its user and
-    process, so that a later agent can tell whether the owner still runs)."""
-    return base / f"elasticft-{os.getuid()}-{agent_pid}-{tag}"
-
-
 def sweep_dead_ring_dirs(base: Path) -> list[Path]:
     """Removes this user's ring directories, as older versions named them, whose agent is gone:
     an agent killed with SIGKILL never closed its monitor, and its rings (hundreds of KB per
