@@ -51,8 +51,8 @@ from jobenv import clean_job_env  # noqa: E402  (bench/, beside this script)
 
 from elasticft import chaos  # noqa: E402
 from elasticft.events import read_events  # noqa: E402
-from elasticft.report.steps import read_steps  # noqa: E402
 from elasticft.report.tor import analyze, format_report  # noqa: E402
+from elasticft.steps import read_steps  # noqa: E402
 from tests.tuned_run import tuned_run  # noqa: E402  (tuning constants have no flag)
 
 BIN = Path(sys.executable).parent

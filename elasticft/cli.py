@@ -17,7 +17,7 @@ from collections.abc import Sequence
 # command -> (module exposing ``register(subparsers)``, one-line help for the command list).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("elasticft.report.cli", "TOR, ETTR, MTBF and a per-fault breakdown of a run"),
-    "status": ("elasticft.rendezvous.cli", "a job's round, leader, participants and standbys"),
+    "status": ("elasticft.report.status", "a job's round, leader, participants and standbys"),
     "blacklist": ("elasticft.rendezvous.cli", "list, add or remove refused nodes (etcd-v3)"),
     "ckpt": ("elasticft.ckpt.commands", "list, verify and export durable checkpoints"),
     "plan": ("elasticft.plan.cli", "rank 3D-parallel layouts for a cluster and a model"),

@@ -98,7 +98,7 @@ def default_collaborators(
     layout = layout_collaborator(options.plan)
     if layout is not None:
         collaborators.append(layout)
-    from elasticft.report.steps import StepLogEnv
+    from elasticft.agent.steplog import StepLogEnv
 
     collaborators.append(StepLogEnv(os.environ))
     from elasticft.diag.monitor import monitor_from_options

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from elasticft import procs, torch_compat
+from elasticft import procs, steps, torch_compat
 from elasticft.agent.api import (
     AgentCollaborator,
     Detection,
@@ -33,8 +33,11 @@ from elasticft.agent.api import (
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
 from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
+from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
+from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
+from elasticft.plan import worker as plan_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
     LogsSpecs,
@@ -47,22 +50,20 @@ from elasticft.torch_compat import (
 
 logger = logging.getLogger(__name__)
 
-# Worker variables elasticft adds to torch's (documented in the README).
-WORKER_ENV_NAMES = frozenset(
-    {"ELASTICFT_RUN_DIR", "ELASTICFT_NODE_ID", "ELASTICFT_ROUND", "ELASTICFT_ATTEMPT"}
-    # Checkpoint tiers handed to workers (elasticft.ckpt.settings.WORKER_ENV).
-    | {"ELASTICFT_CKPT_SHM", "ELASTICFT_CKPT_SLOTS", "ELASTICFT_CKPT_MEMORY_CAP",
-       "ELASTICFT_CKPT_LOCAL", "ELASTICFT_CKPT_REMOTE", "ELASTICFT_CKPT_PEER",
-       "ELASTICFT_CKPT_REPLICA_PEER", "ELASTICFT_CKPT_NODE_PEER",
-       "ELASTICFT_CKPT_SECRET", "ELASTICFT_CKPT_CONTROL", "ELASTICFT_CKPT_GPU_STAGING"}
-    # Diagnostics rings, NCCL shim switch and library override (elasticft.diag.workerenv).
-    | {"ELASTICFT_DIAG_RING_DIR", "ELASTICFT_DIAG_SHIM", "ELASTICFT_DIAG_OWNER_PID",
-       "ELASTICFT_DIAG_CUDART", "ELASTICFT_DIAG_AUTO"}
-    # The 3D-parallel layout chosen for the round (elasticft.plan).
-    | {"ELASTICFT_TP", "ELASTICFT_PP", "ELASTICFT_DP", "ELASTICFT_GRAD_ACCUM"}
-    # Where a worker appends its step records for `elasticft report` (elasticft.report.steps).
-    | {"ELASTICFT_STEP_LOG"}
+RUN_DIR_ENV = "ELASTICFT_RUN_DIR"
+NODE_ID_ENV = "ELASTICFT_NODE_ID"
+ROUND_ENV = "ELASTICFT_ROUND"
+ATTEMPT_ENV = "ELASTICFT_ATTEMPT"
+WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV})
+"""Worker variables the agent itself sets."""
+
+WORKER_ENV_NAMES = (
+    WORKER_ENV | ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV | plan_worker.WORKER_ENV
+    | steps.WORKER_ENV
 )
+"""Every worker variable elasticft adds to torch's (documented in the README), each owned by the
+subsystem that sets or reads it: the agent's own, the checkpoint tiers, the diagnostics rings and
+shim, the round's 3D-parallel layout and the step records of ``elasticft report``."""
 _STEADY_AFTER_S = 2.0
 
 
@@ -169,10 +170,10 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
     ) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
-        worker_env["ELASTICFT_RUN_DIR"] = str(self.run_dir)
-        worker_env["ELASTICFT_NODE_ID"] = self.node_id
-        worker_env["ELASTICFT_ROUND"] = str(self._round)
-        worker_env["ELASTICFT_ATTEMPT"] = str(self._attempt)
+        worker_env[RUN_DIR_ENV] = str(self.run_dir)
+        worker_env[NODE_ID_ENV] = self.node_id
+        worker_env[ROUND_ENV] = str(self._round)
+        worker_env[ATTEMPT_ENV] = str(self._attempt)
         group = self.group_info()
         worker = next(w for w in group.workers if w.local_rank == local_rank)
         for extra in self._each_collaborator("worker_env", group, worker):

@@ -220,13 +220,6 @@ class DeviceCopier:
                     "(ulimit -l, or the container's memlock) to pin it", error)
         done.set()
 
-    def wait_pinned(self, timeout_s: float = 60.0) -> None:
-        """Waits for the registrations under way (tests; a restore that wants pinned slots)."""
-        with self._pin_lock:
-            pending = [entry[2] for entry in self._pinning.values()]
-        for done in pending:
-            done.wait(timeout_s)
-
     def _unpin(self, path: Path, address: int, registered: threading.Event) -> None:
         registered.wait()
         with self._pin_lock:
@@ -238,11 +231,6 @@ class DeviceCopier:
             self.backend.unregister_host(address)
         except Exception:  # the mapping goes away next; the driver drops it with the process
             logger.debug("unregistering pinned checkpoint memory failed", exc_info=True)
-
-    @property
-    def pinned_slots(self) -> int:
-        with self._pin_lock:
-            return len(self._pinned)
 
     # -- copying ---------------------------------------------------------------------------
 
@@ -390,11 +378,6 @@ class DeviceCopier:
                 (passed if wait[1].query() else waiting).append(wait)
             self._waits = waiting
         return sum(before.elapsed_time(after) for before, after in passed) / 1000.0
-
-    @property
-    def waits_pending(self) -> int:
-        with self._waits_lock:
-            return len(self._waits)
 
 
 def _devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:

@@ -5,7 +5,7 @@ for scripts that never call :func:`elasticft.init`.
 it only adds an import hook. When the script imports ``torch``, the hook lets the import finish
 and then installs the recorder (:func:`elasticft.diag.recorder.install`) when the worker has
 diagnostics rings (:class:`elasticft.diag.ring.RingFiles`), and the optimizer-step recorder
-(:class:`elasticft.report.steps.AutoStepRecorder`) when it has a step log. Child processes (data
+(:class:`elasticft.steps.AutoStepRecorder`) when it has a step log. Child processes (data
 loader workers started with *spawn*) inherit the environment and so run the bootstrap too; the
 owner pid, exported at install, keeps them from recording as if they were the rank.
 """
@@ -24,10 +24,12 @@ from types import ModuleType
 
 from elasticft.diag.recorder import OWNER_PID_ENV
 from elasticft.diag.ring import RingFiles, RingUnavailable
+from elasticft.steps import STEP_LOG_ENV, AutoStepRecorder, auto_step_path
 
-# Literal copies: this runs at every worker's start-up and imports nothing it does not need.
-AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"  # elasticft.diag.workerenv
-STEP_LOG_ENV = "ELASTICFT_STEP_LOG"  # elasticft.report.steps
+AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"
+"""``0``: the bootstrap (there for step records) must not install the recorder in this worker.
+Set by :func:`elasticft.diag.workerenv.diag_worker_env`; owned here, where it is read, because
+this module runs at every worker's start-up and imports nothing it does not need."""
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +105,6 @@ def arm(env: Mapping[str, str]) -> bool:
                 # One line, and training goes on without this rank's Python recording.
                 logger.warning("%s; rank %d records no Python diagnostics", e.strerror, rank)
         if step_log is not None:
-            from elasticft.report.steps import AutoStepRecorder, auto_step_path
-
             AutoStepRecorder(auto_step_path(step_log)).install()
             os.environ[OWNER_PID_ENV] = str(os.getpid())
 

@@ -152,12 +152,6 @@ class ViewExchange:
         return current is not None and current.group_world_size > 1
 
     @property
-    def gathering(self) -> bool:
-        """Whether this node reads every summary and publishes the digest now."""
-        current = self._round
-        return current is not None and (current.group_rank == 0 or self._acting)
-
-    @property
     def hub_calls(self) -> collections.Counter[str]:
         """This round's calls to the hub by kind (``set``, ``check1``, ``multi_get4``...)."""
         current = self._round

@@ -175,23 +175,6 @@ def _init_ring(fd: int, path: Path, rank: int, source: str, capacity: int) -> bo
     return True
 
 
-def create_ring(path: Path, rank: int, source: str, capacity: int = DEFAULT_CAPACITY) -> bool:
-    """Creates (or resets) an owner-only ring file with an empty header, its pages reserved.
-
-    False, after one warning line, when its pages cannot be reserved: the file is removed and
-    that ring records nothing (its producer finds no ring or cannot reserve one either), while
-    training goes on.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        if not _init_ring(fd, path, rank, source, capacity):
-            os.unlink(path)
-            return False
-    finally:
-        os.close(fd)
-    return True
-
-
 def create_anonymous_ring(directory: Path, rank: int, source: str,
                           capacity: int = DEFAULT_CAPACITY) -> int | None:
     """A ring with an empty header and its pages reserved, as an :func:`anonymous_file`: its

@@ -31,6 +31,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+SHIM_ENV = "ELASTICFT_DIAG_SHIM"
+"""``1``: the agent preloaded the NCCL shim in this worker (read here and by the shim itself)."""
+
 EVENT_KIND = "nccl_timings"
 _PROBE = "elasticft_shim_probe"
 _RECORDS = "elasticft_shim_records"
@@ -166,7 +169,7 @@ class InterceptionCheck:
 
 def expected(env: Mapping[str, str]) -> bool:
     """The agent injected the shim into this worker."""
-    return env.get("ELASTICFT_DIAG_SHIM") is not None or "_nccl_shim" in env.get("LD_PRELOAD", "")
+    return env.get(SHIM_ENV) is not None or "_nccl_shim" in env.get("LD_PRELOAD", "")
 
 
 def _written(path: Path) -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from elasticft import procs
+from elasticft.diag.autoinstall import AUTO_INSTALL_ENV
 from elasticft.diag.recorder import OWNER_PID_ENV
 from elasticft.diag.ring import (
     FILE_ENV_NAMES,
@@ -29,15 +30,14 @@ from elasticft.diag.ring import (
     RingFiles,
     create_anonymous_ring,
 )
+from elasticft.diag.shimcheck import SHIM_ENV
 from elasticft.unnamed import anonymous_file, path_of
 
-SHIM_ENV = "ELASTICFT_DIAG_SHIM"
 CUDART_ENV = "ELASTICFT_DIAG_CUDART"
-AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"
-"""``0``: the bootstrap (there for step records) must not install the recorder in this worker."""
-WORKER_ENV_NAMES = frozenset({RING_DIR_ENV, *FILE_ENV_NAMES, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV,
-                              AUTO_INSTALL_ENV})
-"""Variables diagnostics adds to (or reads in) workers."""
+WORKER_ENV = frozenset({RING_DIR_ENV, *FILE_ENV_NAMES, SHIM_ENV, OWNER_PID_ENV, CUDART_ENV,
+                        AUTO_INSTALL_ENV})
+"""Variables diagnostics adds to (or reads in) workers (listed in the agent's
+WORKER_ENV_NAMES)."""
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -81,7 +81,7 @@ def diag_worker_env(
     if auto_install:
         env["PYTHONPATH"] = bootstrap_pythonpath(base_env)
     else:
-        # The bootstrap may still be there for the step records (elasticft.report.steps).
+        # The bootstrap may still be there for the step records (elasticft.steps).
         env[AUTO_INSTALL_ENV] = "0"
     if shim is not None:
         env[SHIM_ENV] = "1"
@@ -123,12 +123,6 @@ class WorkerFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
-
-
-def ring_dir(base: Path, agent_pid: int, tag: str) -> Path:
-    """The named ring directory older versions gave an agent (named after its user and
-    process, so that a later agent can tell whether the owner still runs)."""
-    return base / f"elasticft-{os.getuid()}-{agent_pid}-{tag}"
 
 
 def sweep_dead_ring_dirs(base: Path) -> list[Path]:

@@ -25,6 +25,8 @@ LAYOUT_ENV = {
     "dp": "ELASTICFT_DP",
     "grad_accum": "ELASTICFT_GRAD_ACCUM",
 }
+WORKER_ENV = frozenset(LAYOUT_ENV.values())
+"""Worker variables of the layout (listed in the agent's WORKER_ENV_NAMES)."""
 
 
 def layout_env(layout: Layout) -> dict[str, str]:

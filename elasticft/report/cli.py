@@ -16,8 +16,8 @@ from elasticft import extras
 from elasticft.events import read_events, snapshots_skipped_line
 from elasticft.report import whatif
 from elasticft.report.eventsonly import format_summary, summarize
-from elasticft.report.steps import read_steps
 from elasticft.report.tor import ReportError, StepsUnknown, analyze, format_report
+from elasticft.steps import read_steps
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """What a run's event log alone tells, for runs whose steps are not known.
 
-TOR and ETTR need to know when each step finished (:mod:`elasticft.report.steps`). A run whose
+TOR and ETTR need to know when each step finished (:mod:`elasticft.steps`). A run whose
 workers wrote no step records and stepped no torch optimizer (diagnostics off, a script without
 an optimizer, a run killed before its first step) still has its event log: the wall time of every
 allocation, each failure and its class, the restarts, and the time from each failure to the

@@ -35,7 +35,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from elasticft.report.steps import StepRecord
+from elasticft.steps import StepRecord
 
 PHASES = (
     "healthy",

@@ -12,15 +12,14 @@ failure, uniform in time, loses ``T_rb = (tau + T_ckpt) / 2`` on average. Settin
 ``dTOR/dtau = 0`` gives ``tau + T_ckpt = sqrt(2 MTBF T_ckpt)``: Young's interval (1974). Daly's
 higher-order estimate (2006) is printed beside it; both assume ``T_ckpt << MTBF``.
 
-:func:`simulate` plays the same model out with exponentially distributed failures, so tests
-(and users) can check where the closed form holds.
+The tests play the same model out with exponentially distributed failures to check where the
+closed form holds (``tests/report/test_whatif.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import random
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,53 +73,3 @@ def daly_interval(s: Scenario) -> float:
         return m
     x = c / (2 * m)
     return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
-
-
-@dataclasses.dataclass(frozen=True)
-class SimResult:
-    tor: float
-    failures: int
-    observed_s: float
-
-
-def simulate(
-    s: Scenario, interval_s: float, work_s: float, *, seed: int = 0, runs: int = 1
-) -> SimResult:
-    """Trains ``work_s`` seconds of useful work under random failures; returns the mean TOR.
-
-    Failures arrive as a Poisson process in running time (repair excluded, as MTBF is in the
-    model). A failure loses everything since the last completed checkpoint (a failure during a
-    checkpoint loses that checkpoint too), costs ``recovery_s``, and is followed by
-    ``slow_recovery_s`` of running at ``slow_recovery_ratio`` speed.
-    """
-    rng = random.Random(seed)
-    r = s.slow_recovery_ratio
-    total_obs, total_failures = 0.0, 0
-    for _ in range(runs):
-        observed, committed, failures, slow_left = 0.0, 0.0, 0, 0.0
-        next_failure = rng.expovariate(1.0 / s.mtbf_s)
-        while committed < work_s:
-            chunk = min(interval_s, work_s - committed)
-            # Wall time for `chunk` of work: slow while slow_left lasts, then full speed.
-            slow_capacity = slow_left * r
-            if slow_left <= 0:
-                wall = chunk
-            elif chunk <= slow_capacity:
-                wall = chunk / r
-            else:
-                wall = slow_left + (chunk - slow_capacity)
-            if committed + chunk < work_s:
-                wall += s.ckpt_cost_s  # the last chunk needs no checkpoint
-            if next_failure < wall:
-                observed += next_failure + s.recovery_s
-                failures += 1
-                slow_left = s.slow_recovery_s
-                next_failure = rng.expovariate(1.0 / s.mtbf_s)
-                continue
-            next_failure -= wall
-            observed += wall
-            committed += chunk
-            slow_left = max(slow_left - wall, 0.0)
-        total_obs += observed
-        total_failures += failures
-    return SimResult(tor=runs * work_s / total_obs, failures=total_failures, observed_s=total_obs)

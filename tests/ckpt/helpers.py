@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
 import torch
 
@@ -30,3 +31,25 @@ def unique_prefix(local_rank: int = 0) -> str:
 def remove_segments(prefix: str) -> None:
     for path in shm.SHM_DIR.glob(f"{prefix}-s*"):
         path.unlink(missing_ok=True)
+
+
+# What tests look at inside a DeviceCopier (elasticft.ckpt.device); nothing outside needs it.
+
+def wait_pinned(copier: Any, timeout_s: float = 60.0) -> None:
+    """Waits for the copier's slot registrations under way (they run on a thread)."""
+    with copier._pin_lock:
+        pending = [entry[2] for entry in copier._pinning.values()]
+    for done in pending:
+        done.wait(timeout_s)
+
+
+def pinned_slots(copier: Any) -> int:
+    """How many slots the copier holds registered (pinned) now."""
+    with copier._pin_lock:
+        return len(copier._pinned)
+
+
+def waits_pending(copier: Any) -> int:
+    """How many training-stream waits the copier has not yet counted as stall."""
+    with copier._waits_lock:
+        return len(copier._waits)

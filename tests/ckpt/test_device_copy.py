@@ -22,7 +22,14 @@ import torch
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
 from elasticft.ckpt.device import DeviceCopier, restore_copy
 from elasticft.ckpt.shm import Slot, SlotSet
-from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
+from tests.ckpt.helpers import (
+    pinned_slots,
+    remove_segments,
+    trained_model,
+    unique_prefix,
+    wait_pinned,
+    waits_pending,
+)
 
 TRAIN = "train"
 
@@ -259,7 +266,7 @@ def test_device_waits_are_counted_once_they_passed(
         after.at, after.passed = end, has_passed
         afters.append(after)
     assert copier.collect_stall_s() == pytest.approx(expected_s)
-    assert copier.waits_pending == passed.count(False)
+    assert waits_pending(copier) == passed.count(False)
     for after in afters:
         after.passed = True
     later = sum(end - start for (start, end), p in zip(waits, passed, strict=True) if not p)
@@ -273,10 +280,10 @@ def test_slots_are_pinned_once_and_unpinned_before_they_are_unmapped(tmp_path: P
     slot = Slot.create_or_grow(tmp_path / "slot", 1 << 16)
     copier.pin(slot)
     copier.pin(slot)
-    copier.wait_pinned()
-    assert list(backend.registered.values()) == [1 << 16] and copier.pinned_slots == 1
+    wait_pinned(copier)
+    assert list(backend.registered.values()) == [1 << 16] and pinned_slots(copier) == 1
     slot.close()
-    assert backend.unregistered == list(backend.registered) and copier.pinned_slots == 0
+    assert backend.unregistered == list(backend.registered) and pinned_slots(copier) == 0
 
 
 def test_memory_that_cannot_be_pinned_is_said_once_and_copies_go_on(
@@ -286,7 +293,7 @@ def test_memory_that_cannot_be_pinned_is_said_once_and_copies_go_on(
     copier = DeviceCopier(0, backend)
     for name in ("a", "b"):
         copier.pin(Slot.create_or_grow(tmp_path / name, 4096))
-        copier.wait_pinned()
+        wait_pinned(copier)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "ulimit -l" in warnings[0].getMessage()
     assert copier.pin_refused and not backend.registered
@@ -342,10 +349,10 @@ def test_checkpointer_snapshots_device_state_exactly_and_orders_the_step_after_i
             for name, value in state["model"].items():
                 assert torch.equal(value, expected[name]), name
             assert torch.equal(state["optim"]["state"]["0.weight"]["exp_avg"], expected_avg)
-        copier.wait_pinned()
-        assert copier.pinned_slots == 2
-        assert ckpt.stall_s >= 0.0 and copier.waits_pending == 0
-    assert copier.pinned_slots == 0 and len(backend.unregistered) == 2
+        wait_pinned(copier)
+        assert pinned_slots(copier) == 2
+        assert ckpt.stall_s >= 0.0 and waits_pending(copier) == 0
+    assert pinned_slots(copier) == 0 and len(backend.unregistered) == 2
 
 
 class _BrokenBackend(RecordingBackend):

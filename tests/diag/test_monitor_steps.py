@@ -53,7 +53,9 @@ def test_rings_have_no_name_and_older_ring_directories_of_dead_agents_are_swept(
     import subprocess
     import sys
 
-    from elasticft.diag.workerenv import ring_dir
+    def ring_dir(base: Path, agent_pid: int, tag: str) -> Path:
+        """A ring directory as older versions named it (after the user and the agent)."""
+        return base / f"elasticft-{os.getuid()}-{agent_pid}-{tag}"
 
     rings = tmp_path / "rings"
     rings.mkdir()

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from elasticft.diag.ring import FLAG_HOST_COMPLETION, Op, RingReader, create_ring, ring_path
+from elasticft.diag.ring import FLAG_HOST_COMPLETION, Op, RingReader, RingWriter, ring_path
 from elasticft.diag.workerenv import bootstrap_dir, shim_library
 from elasticft.events import read_events
-from elasticft.rendezvous.cli import format_nccl_timings, nccl_timings
+from elasticft.report.status import format_nccl_timings, nccl_timings
 from tests.conftest import BIN, ROOT, TEST_NCCL_DIR
 
 HERE = Path(__file__).parent
@@ -247,7 +247,7 @@ def test_unusable_ring_directories_leave_nccl_untouched(user_library, shim, tmp_
 
 @pytest.mark.timeout(180)
 def test_a_wrapping_ring_and_no_cuda_runtime_leave_nccl_untouched(user_library, shim, tmp_path):
-    create_ring(ring_path(tmp_path, 0, "nccl"), 0, "nccl", capacity=8)
+    RingWriter(ring_path(tmp_path, 0, "nccl"), 0, "nccl", capacity=8).close()  # a small ring
     command = calls_command(user_library, [*SEQUENCE, "all_reduce*50", "comm_destroy"])
     plain, wrapped = run_all([
         (command, calls_env(None)),

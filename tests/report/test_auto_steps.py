@@ -15,7 +15,7 @@ from elasticft.cli import main as cli_main
 from elasticft.diag.autoinstall import wanted
 from elasticft.events import EventLog
 from elasticft.report.eventsonly import summarize
-from elasticft.report.steps import (
+from elasticft.steps import (
     AutoStepRecorder,
     StepRecord,
     auto_step_path,

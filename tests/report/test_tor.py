@@ -8,8 +8,8 @@ import pytest
 
 from elasticft.cli import main as cli_main
 from elasticft.events import EventLog
-from elasticft.report.steps import StepRecord, StepRecorder, read_steps
 from elasticft.report.tor import ReportError, analyze, format_report
+from elasticft.steps import StepRecord, StepRecorder, read_steps
 
 
 def ev(t: float, kind: str, node: str = "n0", **payload):

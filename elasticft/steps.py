@@ -1,8 +1,10 @@
 """Step records: when each training step finished, written by the workers, read by the report.
 
 The report needs per-step progress to tell useful work from lost work. The agent gives every
-worker ``ELASTICFT_STEP_LOG``, the path of a JSONL file of its own (``<run_dir>/steps/
-rank<R>.jsonl``, appended to across restarts). A worker appends one line per finished step::
+worker ``ELASTICFT_STEP_LOG`` (:data:`STEP_LOG_ENV`, set by
+:class:`elasticft.agent.steplog.StepLogEnv`), the path of a JSONL file of its own
+(``<run_dir>/steps/rank<R>.jsonl``, appended to across restarts). A worker appends one line per
+finished step::
 
     {"time": 1718000000.25, "step": 42, "ckpt_s": 0.31}
 
@@ -12,7 +14,8 @@ seconds that step spent saving a checkpoint. A script can write these lines itse
 (see ``examples/train_plain.py``); :class:`StepRecorder` does it for scripts that import elasticft.
 
 A script that writes none still gets records: the worker bootstrap (the ``sitecustomize`` the
-agent puts first on ``PYTHONPATH``) installs :class:`AutoStepRecorder` when torch is imported. It
+agent puts first on ``PYTHONPATH``, :mod:`elasticft.diag.autoinstall`) installs
+:class:`AutoStepRecorder` when torch is imported. It
 counts the steps of the first optimizer that steps, through torch's global optimizer step hook,
 and appends the same lines to a file beside the explicit one (``rank<R>.auto.jsonl``). The
 number of a process's first step is the optimizer's own (``state[p]["step"]``, which Adam-like
@@ -21,6 +24,9 @@ apart; later steps count on from it. For an optimizer without one (plain SGD) it
 the last recorded number, marked ``"counted": true``. :func:`read_steps`
 takes a rank's explicit records when it has any and its automatic ones otherwise, so a step is
 never counted twice.
+
+This module is the one owner of the format, the file names and the variable: the writers run in
+every worker (so it imports only the standard library), the reader serves ``elasticft report``.
 """
 
 from __future__ import annotations
@@ -33,32 +39,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo
-
 STEP_LOG_ENV = "ELASTICFT_STEP_LOG"
+WORKER_ENV = frozenset({STEP_LOG_ENV})
+"""Worker variables of the step records (listed in the agent's WORKER_ENV_NAMES)."""
 STEPS_DIR = "steps"
 AUTO_SUFFIX = ".auto"
+
+
+def step_log_path(run_dir: Path, global_rank: int) -> Path:
+    """The file a rank appends its explicit step records to."""
+    return Path(run_dir) / STEPS_DIR / f"rank{global_rank}.jsonl"
 
 
 def auto_step_path(step_log: Path) -> Path:
     """The file of automatic records beside a worker's explicit ``rank<R>.jsonl``."""
     return step_log.with_name(f"{step_log.stem}{AUTO_SUFFIX}{step_log.suffix}")
-
-
-class StepLogEnv(AgentCollaborator):
-    """Gives each worker the path of its step-record file, and the bootstrap that records
-    optimizer steps for scripts that write no records themselves."""
-
-    def __init__(self, base_env: Mapping[str, str]) -> None:
-        self._base_env = dict(base_env)
-
-    def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
-        from elasticft.diag.workerenv import bootstrap_pythonpath
-
-        directory = Path(group.run_dir) / STEPS_DIR
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return {STEP_LOG_ENV: str(directory / f"rank{worker.global_rank}.jsonl"),
-                "PYTHONPATH": bootstrap_pythonpath(self._base_env)}
 
 
 class StepRecorder:

@@ -1,0 +1,28 @@
+"""The agent add-on that gives each worker its step-record file (:mod:`elasticft.steps`).
+
+Every worker gets ``ELASTICFT_STEP_LOG`` and, so that scripts which write no records still get
+them, the diagnostics bootstrap first on ``PYTHONPATH`` (its ``sitecustomize`` installs the
+optimizer-step recorder once torch is imported; :mod:`elasticft.diag.autoinstall`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.diag.workerenv import bootstrap_pythonpath
+from elasticft.steps import STEP_LOG_ENV, step_log_path
+
+
+class StepLogEnv(AgentCollaborator):
+    """Gives each worker the path of its step-record file, and the bootstrap that records
+    optimizer steps for scripts that write no records themselves."""
+
+    def __init__(self, base_env: Mapping[str, str]) -> None:
+        self._base_env = dict(base_env)
+
+    def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
+        path = step_log_path(Path(group.run_dir), worker.global_rank)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return {STEP_LOG_ENV: str(path), "PYTHONPATH": bootstrap_pythonpath(self._base_env)}

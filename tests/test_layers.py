@@ -1,0 +1,155 @@
+"""The package's layers: no module imports one of a higher layer.
+
+Every import counts, at module level or inside a function (elasticft defers many imports to keep
+``import elasticft`` and the CLI light, but a deferred import is still a dependency), including
+those under ``TYPE_CHECKING``. From the bottom up:
+
+1. **base**: facilities that know no subsystem. The event log (``events``), process helpers
+   (``procs``), the torch compatibility shim (``torch_compat``), files with no name
+   (``unnamed``), optional-extra errors (``extras``), the options (``config``, ``options``), the
+   step records (``steps``: the format every worker writes and the report reads) and ``cli``:
+   the ``elasticft`` dispatcher names its command modules as strings and imports only the chosen
+   one, so what the layers see of it is ``CliError``, which every command raises.
+2. **agent interface**: what a collaborator of the agent implements and decides with
+   (``agent.api``, ``agent.classify``, ``agent.policy``). The subsystems plug into the agent
+   through it, so it sits below them, apart from the agent itself.
+3. **subsystems**: checkpoints (``ckpt``), diagnostics (``diag``), the layout planner
+   (``plan``), the etcd rendezvous (``rendezvous``) and Slurm (``slurm``). Each stands alone:
+   none imports another (checked below), so each can be read, tested and changed by itself.
+4. **orchestration**: the agent (``agent.agent``, with its warm pool and add-ons) gathers the
+   subsystems' worker environments and collaborators; recovery (``recovery``) coordinates
+   checkpoints across a rendezvous. Neither imports the other.
+5. **tools**: what reads a run, or acts on one, from outside: ``report`` (including
+   ``elasticft status``) and ``chaos``.
+6. **entry points**: ``launcher`` (builds the agent and its collaborators from the options),
+   ``run`` (``elasticft-run``), ``worker`` (``elasticft.init``) and the package itself, whose
+   lazy names reach all of them.
+
+A module may import its own layer and the ones below. A new module has to be placed here before
+its test passes.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
+              "elasticft.unnamed", "elasticft.extras", "elasticft.config", "elasticft.options",
+              "elasticft.steps", "elasticft.cli")),
+    ("agent interface", ("elasticft.agent.api", "elasticft.agent.classify",
+                         "elasticft.agent.policy")),
+    ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
+                    "elasticft.slurm")),
+    ("orchestration", ("elasticft.agent", "elasticft.recovery")),
+    ("tools", ("elasticft.report", "elasticft.chaos")),
+    ("entry points", ("elasticft.launcher", "elasticft.run", "elasticft.worker", "elasticft")),
+]
+INDEPENDENT = {"subsystems", "orchestration"}
+"""Layers whose packages must not import each other."""
+
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
+"""(importer, imported) pairs allowed to run up the layers, each with its reason."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The elasticft modules ``name`` imports anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                # `from elasticft import procs` imports the module elasticft.procs.
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in modules else base)
+    return {m for m in found if m == "elasticft" or m.startswith("elasticft.")}
+
+
+def layer_of(name: str) -> tuple[int, str, str]:
+    """(layer index, layer name, the prefix that placed it): the longest matching prefix."""
+    best = None
+    for index, (layer, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and (
+                    best is None or len(prefix) > len(best[2])):
+                best = (index, layer, prefix)
+    assert best is not None, f"{name} is in no layer; place it in LAYERS"
+    return best
+
+
+def unit_of(name: str) -> str:
+    """The package (or top-level module) a module belongs to: elasticft.<unit>...."""
+    return name.split(".")[1] if "." in name else name
+
+
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in all_modules():
+        layer_of(name)
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = []
+    for importer, imported in sorted(import_graph().items()):
+        own = layer_of(importer)
+        for target in sorted(imported):
+            theirs = layer_of(target)
+            if theirs[0] > own[0] and (importer, target) not in KNOWN_EXCEPTIONS:
+                upward.append(f"{importer} ({own[1]}) imports {target} ({theirs[1]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_packages_of_an_independent_layer_do_not_import_each_other() -> None:
+    crossing = []
+    for importer, imported in sorted(import_graph().items()):
+        own = layer_of(importer)
+        if own[1] not in INDEPENDENT:
+            continue
+        for target in sorted(imported):
+            theirs = layer_of(target)
+            if theirs[0] == own[0] and unit_of(target) != unit_of(importer) and (
+                    importer, target) not in KNOWN_EXCEPTIONS:
+                crossing.append(f"{importer} imports {target} (both {own[1]})")
+    assert not crossing, "\n".join(crossing)
+
+
+def test_known_exceptions_still_exist() -> None:
+    graph = import_graph()
+    stale = [pair for pair in KNOWN_EXCEPTIONS if pair[1] not in graph.get(pair[0], set())]
+    assert not stale, f"no longer imported, remove from KNOWN_EXCEPTIONS: {stale}"
+
+
+def test_the_import_reader_sees_deferred_and_relative_imports(tmp_path: Path) -> None:
+    module = tmp_path / "example.py"
+    module.write_text("from elasticft import procs\n"
+                      "from . import unnamed\n"
+                      "def later():\n    from elasticft.report import cli\n"
+                      "    import elasticft.steps\n")
+    modules = {"elasticft.procs", "elasticft.unnamed", "elasticft.report.cli", "elasticft.steps"}
+    assert imports_of("elasticft.example", module, modules) == modules
