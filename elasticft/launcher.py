@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs
+from elasticft.agent.addons import build_add_ons
 from elasticft.agent.agent import ElasticftAgent
-from elasticft.agent.api import AgentCollaborator, StopRun
+from elasticft.agent.api import AddOn, AddOnContext, AgentCollaborator, StopRun
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
@@ -85,45 +86,26 @@ def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
     return run_dir_default(options.agent.run_dir, log_dir, str(config.run_id))
 
 
+def default_add_ons() -> list[AddOn]:
+    """The add-ons ``elasticft-run`` gives its agent, one per subsystem; their declarations order
+    them (:mod:`elasticft.agent.addons`). Imported here so that a launcher with none of them
+    loads none."""
+    from elasticft.agent.steplog import StepLogAddOn
+    from elasticft.ckpt.service import CheckpointAddOn
+    from elasticft.diag.monitor import DiagAddOn
+    from elasticft.plan.collaborator import LayoutAddOn
+    from elasticft.recovery.orchestrator import RecoveryAddOn
+    from elasticft.slurm import SlurmAddOn
+
+    return [LayoutAddOn(), StepLogAddOn(), DiagAddOn(), RecoveryAddOn(), CheckpointAddOn(),
+            SlurmAddOn()]
+
+
 def default_collaborators(
     options: ElasticftConfig, config: LaunchConfig
 ) -> list[AgentCollaborator]:
-    """The collaborators ``elasticft-run`` gives its agent, built from the options.
-
-    Each subsystem adds its own here (checkpoint service, diagnostics monitor, Slurm handler).
-    """
-    collaborators: list[AgentCollaborator] = []
-    from elasticft.plan.collaborator import from_options as layout_collaborator
-
-    layout = layout_collaborator(options.plan)
-    if layout is not None:
-        collaborators.append(layout)
-    from elasticft.agent.steplog import StepLogEnv
-
-    collaborators.append(StepLogEnv(os.environ))
-    from elasticft.diag.monitor import monitor_from_options
-
-    diag = monitor_from_options(options, config, os.environ)
-    if diag is not None:
-        collaborators.append(diag)
-    from elasticft.ckpt.service import CheckpointService
-
-    checkpoints = CheckpointService.from_options(options, local_addr=config.local_addr)
-    from elasticft.recovery.orchestrator import RecoveryOrchestrator
-
-    # Before the checkpoint service: its just-in-time checkpoint is what the service flushes.
-    recovery = RecoveryOrchestrator.from_options(options, config, checkpoints)
-    if recovery is not None:
-        collaborators.append(recovery)
-    if checkpoints is not None:
-        collaborators.append(checkpoints)
-    # Last: the Slurm handler uses the checkpoint service built above, when there is one.
-    from elasticft.slurm import handler_from_options as slurm_handler
-
-    slurm = slurm_handler(options, os.environ, collaborators)
-    if slurm is not None:
-        collaborators.append(slurm)
-    return collaborators
+    """The collaborators of the default add-ons, built from the options, in hook order."""
+    return build_add_ons(default_add_ons(), AddOnContext(options, config, os.environ))
 
 
 def sweep_leftovers(options: ElasticftConfig) -> None:

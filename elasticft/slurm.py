@@ -42,10 +42,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from elasticft import procs
-from elasticft.agent.api import AgentCollaborator, GroupInfo, StopRun, run_ending_errors
+from elasticft.agent.api import (
+    AddOnContext,
+    AgentCollaborator,
+    GroupInfo,
+    StopRun,
+    run_ending_errors,
+)
 from elasticft.agent.classify import FailureClass
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.config import ConfigError, SlurmConfig
@@ -277,17 +283,11 @@ def requeue_command(
 # The agent's side.
 
 
+@runtime_checkable
 class CheckpointNow(Protocol):
     """The checkpoint service's "save now and wait until durable" (worker-API jobs)."""
 
     def checkpoint_now(self, reason: str, timeout: float) -> bool: ...
-
-
-def find_checkpoint_now(collaborators: Sequence[object]) -> CheckpointNow | None:
-    for collaborator in collaborators:
-        if callable(getattr(collaborator, "checkpoint_now", None)):
-            return collaborator  # type: ignore[return-value]
-    return None
 
 
 def describe_status(status: int) -> str:
@@ -515,24 +515,28 @@ class SlurmHandler(AgentCollaborator):
         logger.info("SIGTERM after the requeue (Slurm ends this allocation); exiting")
 
 
-def handler_from_options(
-    options: Any, env: Mapping[str, str], collaborators: Sequence[object]
-) -> SlurmHandler | None:
-    """The launcher's Slurm handler, with its signal handler installed; None outside Slurm.
+class SlurmAddOn:
+    """The Slurm handler as an add-on of the agent (:class:`elasticft.agent.api.AddOn`); None
+    outside Slurm. It needs the checkpoint service, when there is one, for the time-limit
+    checkpoint. Built on the main thread (signal handlers can only be installed there)."""
 
-    Call from the main thread (signal handlers can only be installed there). ``collaborators``
-    are those built so far: the checkpoint service among them, when present, takes the
-    time-limit checkpoint.
-    """
-    slurm = detect(options.slurm, env)
-    if slurm is None:
-        return None
-    handler = SlurmHandler(
-        options.slurm,
-        slurm,
-        event_dir=options.agent.event_dir,
-        node_id=options.agent.node_id or "",
-        checkpointer=find_checkpoint_now(collaborators),
-    )
-    handler.install()
-    return handler
+    name: ClassVar[str] = "slurm"
+    needs: ClassVar[tuple[str, ...]] = ("ckpt",)
+    runs_before: ClassVar[tuple[str, ...]] = ()
+
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> SlurmHandler | None:
+        options = context.options
+        slurm = detect(options.slurm, context.env)
+        if slurm is None:
+            return None
+        checkpoints = built["ckpt"]
+        handler = SlurmHandler(
+            options.slurm,
+            slurm,
+            event_dir=options.agent.event_dir,
+            node_id=options.agent.node_id or "",
+            checkpointer=checkpoints if isinstance(checkpoints, CheckpointNow) else None,
+        )
+        handler.install()
+        return handler

@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from elasticft.agent.classify import FailureClass, FailureRecord
 from elasticft.agent.policy import Action
+
+if TYPE_CHECKING:  # torch's launcher is loaded only once elasticft-run has checked its version
+    from elasticft.config import ElasticftConfig
+    from elasticft.torch_compat import LaunchConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,3 +151,38 @@ class AgentCollaborator:
 
     def close(self) -> None:
         """The agent is exiting; release what this collaborator holds."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Add-ons: how a subsystem joins the agent.
+
+
+@dataclasses.dataclass(frozen=True)
+class AddOnContext:
+    """What every add-on is built from: elasticft's options, torch's launch config, and the
+    environment the launcher started in (read here, never inside a constructor)."""
+
+    options: ElasticftConfig
+    launch: LaunchConfig
+    env: Mapping[str, str]
+
+
+class AddOn(Protocol):
+    """One subsystem's way into the agent (checkpoints, diagnostics, recovery, the layout plan,
+    step records, Slurm).
+
+    ``needs`` names the add-ons whose collaborators :meth:`build` receives: they are built
+    first, and one that is off arrives as None. ``runs_before`` names the add-ons whose hooks
+    must run after this one's. The launcher orders both from these declarations
+    (:func:`elasticft.agent.addons.build_order`, :func:`~elasticft.agent.addons.hook_order`),
+    so no order lives in comments.
+    """
+
+    name: ClassVar[str]
+    needs: ClassVar[tuple[str, ...]]
+    runs_before: ClassVar[tuple[str, ...]]
+
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> AgentCollaborator | None:
+        """The collaborator, or None when the options turn this add-on off."""
+        ...

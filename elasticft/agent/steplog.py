@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import ClassVar
 
-from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.diag.workerenv import bootstrap_pythonpath
 from elasticft.steps import STEP_LOG_ENV, step_log_path
 
@@ -26,3 +27,15 @@ class StepLogEnv(AgentCollaborator):
         path = step_log_path(Path(group.run_dir), worker.global_rank)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         return {STEP_LOG_ENV: str(path), "PYTHONPATH": bootstrap_pythonpath(self._base_env)}
+
+
+class StepLogAddOn:
+    """Step records as an add-on of the agent (:class:`elasticft.agent.api.AddOn`): always on."""
+
+    name: ClassVar[str] = "steps"
+    needs: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
+
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> StepLogEnv:
+        return StepLogEnv(context.env)

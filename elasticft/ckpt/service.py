@@ -54,10 +54,16 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from elasticft import unnamed
-from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo, run_ending_errors
+from elasticft.agent.api import (
+    AddOnContext,
+    AgentCollaborator,
+    GroupInfo,
+    WorkerInfo,
+    run_ending_errors,
+)
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
@@ -73,7 +79,6 @@ from elasticft.ckpt.peer import (
 )
 from elasticft.config import (
     CheckpointConfig,
-    ElasticftConfig,
     checkpoint_dir_default,
     require_writable_dir,
 )
@@ -152,19 +157,6 @@ class CheckpointService(AgentCollaborator):
         self._thread = threading.Thread(target=self._persist_loop, name="elasticft-ckpt-persist",
                                         daemon=True)
         self._thread.start()
-
-    @classmethod
-    def from_options(cls, options: ElasticftConfig, local_addr: str | None = None
-                     ) -> CheckpointService | None:
-        if not options.ckpt.ckpt_enabled:
-            return None
-        for flag, directory in (("--ckpt-dir", options.ckpt.ckpt_dir),
-                                ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
-            if directory is not None:
-                require_writable_dir(flag, Path(directory))
-        layout = options.plan.layout.complete() if options.plan.layout is not None else None
-        return cls(options.ckpt, local_addr=local_addr, event_dir=options.agent.event_dir,
-                   layout=layout)
 
     # ------------------------------------------------------------------------------------------
     # Where things are.
@@ -749,3 +741,24 @@ def _host_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+class CheckpointAddOn:
+    """The checkpoint service as an add-on of the agent (:class:`elasticft.agent.api.AddOn`)."""
+
+    name: ClassVar[str] = "ckpt"
+    needs: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
+
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> CheckpointService | None:
+        options = context.options
+        if not options.ckpt.ckpt_enabled:
+            return None
+        for flag, directory in (("--ckpt-dir", options.ckpt.ckpt_dir),
+                                ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
+            if directory is not None:
+                require_writable_dir(flag, Path(directory))
+        layout = options.plan.layout.complete() if options.plan.layout is not None else None
+        return CheckpointService(options.ckpt, local_addr=context.launch.local_addr,
+                                 event_dir=options.agent.event_dir, layout=layout)

@@ -35,10 +35,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from elasticft import procs
-from elasticft.agent.api import AgentCollaborator, Detection, GroupInfo, WorkerInfo
+from elasticft.agent.api import (
+    AddOnContext,
+    AgentCollaborator,
+    Detection,
+    GroupInfo,
+    WorkerInfo,
+)
 from elasticft.agent.classify import FailureClass
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, hangcheck, health, shimcheck, stacks, verdict
@@ -262,6 +268,10 @@ class DiagMonitor(AgentCollaborator):
                     evidence={"issues": [i.to_json() for i in critical]})
 
     # -- the periodic check -----------------------------------------------------------------------
+
+    def recent_collective_durations(self) -> tuple[float, ...]:
+        """Seconds of the recent collectives this node saw complete (the metrics' quantiles)."""
+        return tuple(self._coll_history)
 
     def check(self, group: GroupInfo) -> Detection | None:
         with self._pending_lock:
@@ -564,29 +574,38 @@ class DiagMonitor(AgentCollaborator):
         return None
 
 
-def monitor_from_options(options: Any, launch_config: Any, env: Mapping[str, str]
-                         ) -> DiagMonitor | None:
-    """The monitor ``elasticft-run`` uses, or None when diagnostics are off."""
-    config: DiagConfig = options.diag
-    if not config.diag_enabled:
-        return None
-    shim = None
-    if config.diag_nccl_shim != "off":
-        library = shim_library()
-        if config.diag_nccl_shim == "on" and library is None:
-            logger.warning("--diag-nccl-shim on, but the shim library was not built; "
-                           "reinstall elasticft with a C compiler available")
-        if library is not None and (config.diag_nccl_shim == "on" or health.gpu_present()):
-            shim = library
-    logs_specs = getattr(launch_config, "logs_specs", None)
-    log_root = getattr(logs_specs, "root_log_dir", None)
-    metrics = None
-    if config.diag_metrics is not None:
-        metrics = DiagMetrics()
-        metrics.serve(config.diag_metrics.host, config.diag_metrics.port, config.diag_metrics_token)
-    monitor = DiagMonitor(config, base_env=env, event_dir=options.agent.event_dir,
-                          log_root=Path(log_root) if log_root else None, nccl_shim=shim,
-                          metrics=metrics)
-    if metrics is not None:
-        metrics.recent_collectives = lambda: tuple(monitor._coll_history)
-    return monitor
+class DiagAddOn:
+    """Diagnostics as an add-on of the agent (:class:`elasticft.agent.api.AddOn`)."""
+
+    name: ClassVar[str] = "diag"
+    needs: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
+
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> DiagMonitor | None:
+        """The monitor ``elasticft-run`` uses, or None when diagnostics are off."""
+        options = context.options
+        config = options.diag
+        if not config.diag_enabled:
+            return None
+        shim = None
+        if config.diag_nccl_shim != "off":
+            library = shim_library()
+            if config.diag_nccl_shim == "on" and library is None:
+                logger.warning("--diag-nccl-shim on, but the shim library was not built; "
+                               "reinstall elasticft with a C compiler available")
+            if library is not None and (config.diag_nccl_shim == "on" or health.gpu_present()):
+                shim = library
+        logs_specs = context.launch.logs_specs
+        log_root = getattr(logs_specs, "root_log_dir", None) if logs_specs is not None else None
+        metrics = None
+        if config.diag_metrics is not None:
+            metrics = DiagMetrics()
+            metrics.serve(config.diag_metrics.host, config.diag_metrics.port,
+                          config.diag_metrics_token)
+        monitor = DiagMonitor(config, base_env=context.env, event_dir=options.agent.event_dir,
+                              log_root=Path(log_root) if log_root else None, nccl_shim=shim,
+                              metrics=metrics)
+        if metrics is not None:
+            metrics.recent_collectives = monitor.recent_collective_durations
+        return monitor

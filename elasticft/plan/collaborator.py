@@ -18,12 +18,15 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from elasticft.agent.api import AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.plan.api import Cluster, Hardware, Layout, ModelSpec, Pins, PlanError
 from elasticft.plan.search import plan
 from elasticft.plan.worker import layout_env
+
+if TYPE_CHECKING:
+    from elasticft.config import PlanConfig
 
 logger = logging.getLogger(__name__)
 
@@ -115,20 +118,28 @@ class LayoutCollaborator(AgentCollaborator):
         return layout_env(self.layout) if self.layout is not None else {}
 
 
-def from_options(plan_options: Any) -> LayoutCollaborator | None:
-    """Built from the PlanConfig section; None when neither a model nor a pin is given.
+class LayoutAddOn:
+    """The layout planner as an add-on of the agent (:class:`elasticft.agent.api.AddOn`)."""
 
-    Raises ConfigError (one line, naming the bad value) for an unusable model or hardware.
-    """
-    from elasticft.config import ConfigError
+    name: ClassVar[str] = "plan"
+    needs: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
 
-    try:
-        return _from_options(plan_options)
-    except PlanError as e:
-        raise ConfigError(str(e), reason=e.reason) from None
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> LayoutCollaborator | None:
+        """Built from the plan options; None when neither a model nor a pin is given.
+
+        Raises ConfigError (one line, naming the bad value) for an unusable model or hardware.
+        """
+        from elasticft.config import ConfigError
+
+        try:
+            return _from_options(context.options.plan)
+        except PlanError as e:
+            raise ConfigError(str(e), reason=e.reason) from None
 
 
-def _from_options(plan_options: Any) -> LayoutCollaborator | None:
+def _from_options(plan_options: PlanConfig) -> LayoutCollaborator | None:
     from elasticft.plan.presets import load_hardware, load_model
 
     pinned = plan_options.layout

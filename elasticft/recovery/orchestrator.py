@@ -52,12 +52,12 @@ import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
 from elasticft import procs
-from elasticft.agent.api import AgentCollaborator, GroupInfo, run_ending_errors
+from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, run_ending_errors
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import (
     Action,
@@ -71,7 +71,8 @@ from elasticft.agent.policy import (
     replicas_intact,
 )
 from elasticft.ckpt.control import request_checkpoint, watching_pid
-from elasticft.config import ElasticftConfig, RecoveryConfig
+from elasticft.ckpt.service import CheckpointService
+from elasticft.config import RecoveryConfig
 from elasticft.events import EventLog
 from elasticft.recovery.membership import EtcdMembership, Membership
 
@@ -110,7 +111,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         *,
         node_id: str,
         min_nodes: int,
-        checkpoints: Any = None,
+        checkpoints: CheckpointService | None = None,
         membership: Membership | None = None,
         layout: tuple[int, int, int] | None = None,
         event_dir: Path | None = None,
@@ -138,25 +139,6 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._closing = threading.Event()
         self._started: GroupInfo | None = None
         """The group as of its workers' start (with their pids), for the JIT watcher."""
-
-    @classmethod
-    def from_options(
-        cls, options: ElasticftConfig, launch_config: Any, checkpoints: Any = None
-    ) -> RecoveryOrchestrator | None:
-        if not options.recovery.recovery_enabled:
-            return None
-        import socket
-
-        layout = options.plan.layout.complete() if options.plan.layout else None
-        return cls(
-            options.recovery,
-            node_id=options.agent.node_id or socket.gethostname(),
-            min_nodes=int(getattr(launch_config, "min_nodes", 1) or 1),
-            checkpoints=checkpoints,
-            membership=EtcdMembership.from_launch_config(launch_config),
-            layout=layout,
-            event_dir=options.agent.event_dir,
-        )
 
     # -- events -------------------------------------------------------------------------------
 
@@ -579,3 +561,33 @@ def _wait_key(store: Any, key: str, deadline: float, closing: threading.Event) -
             if store.check([key]):
                 return True
     return False
+
+
+class RecoveryAddOn:
+    """Recovery as an add-on of the agent (:class:`elasticft.agent.api.AddOn`). It needs the
+    checkpoint service (the just-in-time checkpoint goes through its control directory), and
+    its hooks run before the service's: the service flushes the checkpoint recovery asked for.
+    """
+
+    name: ClassVar[str] = "recovery"
+    needs: ClassVar[tuple[str, ...]] = ("ckpt",)
+    runs_before: ClassVar[tuple[str, ...]] = ("ckpt",)
+
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> RecoveryOrchestrator | None:
+        options = context.options
+        if not options.recovery.recovery_enabled:
+            return None
+        import socket
+
+        checkpoints = built["ckpt"]
+        layout = options.plan.layout.complete() if options.plan.layout else None
+        return RecoveryOrchestrator(
+            options.recovery,
+            node_id=options.agent.node_id or socket.gethostname(),
+            min_nodes=int(context.launch.min_nodes or 1),
+            checkpoints=checkpoints if isinstance(checkpoints, CheckpointService) else None,
+            membership=EtcdMembership.from_launch_config(context.launch),
+            layout=layout,
+            event_dir=options.agent.event_dir,
+        )

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.agent.api import AddOnContext, GroupInfo, WorkerInfo
 from elasticft.cli import main as cli_main
-from elasticft.config import ConfigError, PinnedLayout, PlanConfig
+from elasticft.config import ConfigError, ElasticftConfig, PinnedLayout, PlanConfig
 from elasticft.plan.api import Layout, Pins
 from elasticft.plan.collaborator import (
+    LayoutAddOn,
     LayoutCollaborator,
     PlanInputs,
-    from_options,
 )
 from elasticft.plan.presets import HARDWARE, MODELS
 from elasticft.plan.worker import layout, layout_env
@@ -79,6 +79,13 @@ def test_leader_rule_is_injected() -> None:
                                is_leader=lambda g: g.node_id == "n1")
     agent.on_rendezvous(_group(1, 2), store)  # group rank 1, but the chosen leader
     assert agent.layout == Layout(tp=2, pp=1, dp=8, grad_accum=1)
+
+
+def from_options(plan: PlanConfig) -> LayoutCollaborator | None:
+    from elasticft.torch_compat import LaunchConfig
+
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+    return LayoutAddOn().build(AddOnContext(ElasticftConfig(plan=plan), launch, {}), {})
 
 
 def test_options_build_the_collaborator_or_fail_in_one_line(tmp_path: Path) -> None:
