@@ -33,10 +33,10 @@ import shutil
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -88,11 +88,15 @@ def _disk_error(e: OSError, path: Path) -> Exception:
     return e
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+@contextlib.contextmanager
+def _written_atomically(path: Path) -> Iterator[BinaryIO]:
+    """A file to write ``path`` through: written under a temporary name, then fsynced and
+    renamed once the block ends, so a crash leaves either nothing or the whole file. A disk error
+    removes the temporary file and is raised as one line naming the fix."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -100,6 +104,11 @@ def atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise _disk_error(e, path) from None
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    with _written_atomically(path) as f:
+        f.write(data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,32 +253,23 @@ def write_rank_shard(root: Path, snapshot: Snapshot) -> Path:
     except OSError as e:
         raise _disk_error(e, directory) from None
     final = directory / shard_name(rank)
-    tmp = directory / f".{final.name}.tmp"
     storage: dict[str, dict[str, int]] = {}
-    try:
-        with (_zip_checksums_off(),
-              ThreadPoolExecutor(1, "elasticft-crc", _same_priority_as_caller()) as checksummer,
-              open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f):
-            blob = _ShardStream(f, checksummer)
-            for item in manifest["items"]:
-                if not stored_here(item):
-                    continue  # another rank's shard holds this replicated item
-                if item["kind"] == "tensor":
-                    obj: Any = tensor_view(snapshot.payload, item)
-                else:
-                    obj = decode_json(item["value"])
-                offset = f.tell()
-                blob.begin_blob()
-                torch.save(obj, blob)  # straight to the file: no staging copy
-                storage[item["fqn"]] = {"offset": offset, "length": blob.length,
-                                        "crc32": blob.crc}
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise _disk_error(e, final) from None
+    with (_zip_checksums_off(),
+          ThreadPoolExecutor(1, "elasticft-crc", _same_priority_as_caller()) as checksummer,
+          _written_atomically(final) as f):
+        blob = _ShardStream(f, checksummer)
+        for item in manifest["items"]:
+            if not stored_here(item):
+                continue  # another rank's shard holds this replicated item
+            if item["kind"] == "tensor":
+                obj: Any = tensor_view(snapshot.payload, item)
+            else:
+                obj = decode_json(item["value"])
+            offset = f.tell()
+            blob.begin_blob()
+            torch.save(obj, blob)  # straight to the file: no staging copy
+            storage[item["fqn"]] = {"offset": offset, "length": blob.length,
+                                    "crc32": blob.crc}
     record = dict(manifest, file=final.name, storage=storage, written_at=time.time())
     atomic_write(directory / manifest_name(rank), json.dumps(record).encode())
     _fsync_dir(directory)
