@@ -9,8 +9,8 @@ memory (waiting for the copy in flight, which runs on its own thread), and answe
 ``ack-l<local_rank>.json`` naming the step it holds. The agent then persists that step.
 The other way, a worker appends a line to ``skipped-l<local_rank>.jsonl`` for every save it
 could not take (no free slot), which the agent turns into ``snapshot_skipped`` events, and
-writes ``loaded-l<local_rank>.json`` once its load or restore is over, which lets the agent's
-deferred flush start.
+writes ``loaded-l<local_rank>.json`` once its load or restore and the first optimizer step
+after it are over, which lets the agent's deferred flush start.
 Files rather than a socket: nothing to bind, owner-only permissions, and it works while the
 worker's main thread holds the GIL-free C++ wait of a gloo collective.
 """
@@ -53,9 +53,9 @@ def loaded_path(control_dir: Path, local_rank: int) -> Path:
 
 
 def report_loaded(control_dir: Path, local_rank: int, step: int | None) -> None:
-    """Worker side: this worker's ``load``/``restore`` is over (``step``: what it restored, None
-    for nothing). Until then the agent defers the flush of a restart in place, which would
-    compete with the restore for the same memory and cores."""
+    """Worker side: this worker's ``load``/``restore`` and the first optimizer step after it are
+    over (``step``: what it restored, None for nothing). Until then the agent defers the flush
+    of a restart in place, which would compete with both for the same memory and cores."""
     _write_json(loaded_path(control_dir, local_rank), {"pid": os.getpid(), "step": step,
                                                        "time": time.time()})
 
@@ -68,7 +68,7 @@ def clear_loaded(control_dir: Path, local_ranks: Iterable[int]) -> None:
 
 
 def all_loaded(control_dir: Path, local_ranks: Iterable[int]) -> bool:
-    """Agent side: every one of these local ranks reported its load over."""
+    """Agent side: every one of these local ranks reported its load and first step over."""
     return all(loaded_path(control_dir, rank).exists() for rank in local_ranks)
 
 

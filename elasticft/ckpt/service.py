@@ -29,9 +29,10 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   decides without waiting for gigabytes to be written. Any decision but a restart in place
   (evict, stop) starts the write at once and waits for it, so a node that does not come back
   still left it on disk. A restart in place resumes from memory, and the flush waits until
-  the restarted workers have restored (they say so through the control directory), have saved
-  a newer step, or :data:`FLUSH_DEFER_MAX_S` passed: writing gigabytes to disk beside a
-  restore of the same gigabytes made the restore 2-3x slower on two cores. The flush never
+  the restarted workers have restored and finished their first optimizer step (they say so
+  through the control directory), have saved a newer step, or :data:`FLUSH_DEFER_MAX_S`
+  passed: writing gigabytes to disk beside a restore of the same gigabytes made the restore
+  2-3x slower on two cores, and beside the first step made that step 3.6x slower. The flush never
   holds a slot the restarted workers need: with three usable slots (the default) it writes
   the snapshot straight from its slot, whose shared lock the restore shares and whose
   neighbours take the new saves; with two it copies the snapshot out first (into a reused
@@ -364,27 +365,28 @@ class CheckpointService(AgentCollaborator):
     def on_decision(self, group: GroupInfo, action: Action) -> None:
         if action.kind is ActionKind.RESTART_IN_PLACE and self._flusher is not None \
                 and not self._flush_go.is_set():
-            # The restarted workers restore from memory first; the flush follows.
+            # The restarted workers restore from memory and take a step first; the flush follows.
             clear_loaded(self.control_dir(group), (w.local_rank for w in group.workers))
             self._flush_deferred_since = time.monotonic()
-            logger.info("the flush of step %s waits for the restarted workers' restore "
-                        "(at most %.0f s)", self._flush_step, FLUSH_DEFER_MAX_S)
+            logger.info("the flush of step %s waits for the restarted workers' restore and "
+                        "first step (at most %.0f s)", self._flush_step, FLUSH_DEFER_MAX_S)
             return
         self._wait_flush()  # the node may not come back: the disk copy comes first
 
     def _flush_when_restored(self, group: GroupInfo) -> None:
-        """Lets a deferred flush start once the restarted workers are past their restore."""
+        """Lets a deferred flush start once the restarted workers are past their restore and
+        their first step."""
         since = self._flush_deferred_since
         if since is None:
             return
         if all_loaded(self.control_dir(group), (w.local_rank for w in group.workers)):
-            self._release_flush("the restarted workers restored")
+            self._release_flush("the restarted workers took their first step")
             return
         newest = self.newest_common_step(group)
         if newest is not None and self._flush_step is not None and newest > self._flush_step:
             self._release_flush(f"the restarted workers saved step {newest}")
         elif time.monotonic() - since >= FLUSH_DEFER_MAX_S:
-            self._release_flush(f"no restore seen in {FLUSH_DEFER_MAX_S:.0f} s")
+            self._release_flush(f"no first step seen in {FLUSH_DEFER_MAX_S:.0f} s")
 
     def _release_flush(self, why: str) -> None:
         if self._flush_deferred_since is not None:

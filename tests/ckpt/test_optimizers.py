@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings, restore
+from elasticft.ckpt.control import all_loaded
 from tests.ckpt.helpers import remove_segments, unique_prefix
 
 
@@ -188,3 +190,24 @@ def test_every_optimizer_round_trips_bit_exact_and_steps_on_as_if_uninterrupted(
     _exact(_snapshot_of(fresh_model, fresh_optim), saved, "restored")
     _step(fresh_model, fresh_optim, steps)
     _exact(_snapshot_of(fresh_model, fresh_optim), expected_next, "next step")
+
+
+@pytest.mark.timeout(120)
+def test_the_agent_hears_of_a_restore_once_the_first_step_after_it_is_over(
+    prefix: str, tmp_path: Path
+) -> None:
+    """The agent's deferred flush waits for this report: beside the restore and the first step
+    it would compete for the same memory and cores."""
+    model, optim, scheduler = _build(torch.optim.AdamW)
+    _train(model, optim, scheduler, 1)
+    settings = WorkerSettings(shm_slots=prefix, agent_owned=True, control_dir=tmp_path)
+    with Checkpointer(settings, optimizers=[optim]) as ckpt:
+        assert ckpt.save(1, StateCapture(model, optim, rng=False)()).wait(30).status == "memory"
+    fresh_model, fresh_optim, _ = _build(torch.optim.AdamW)
+    with Checkpointer(settings, optimizers=[fresh_optim]) as ckpt:
+        assert ckpt.restore(fresh_model, fresh_optim) is not None
+        assert not all_loaded(tmp_path, [0])
+        _step(fresh_model, fresh_optim, 1)
+        assert all_loaded(tmp_path, [0])
+        _step(fresh_model, fresh_optim, 2)  # the hook, still registered, stays quiet
+        assert ckpt.save(3, StateCapture(fresh_model, fresh_optim, rng=False)()).wait(30)
