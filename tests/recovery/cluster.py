@@ -5,6 +5,7 @@ progress, read the loss log, and clean up every process and namespace the test m
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -217,28 +218,54 @@ class NetNamespace:
     """A network namespace joined to the host by a veth pair on a private /30.
 
     Both addresses are local to this machine; the namespace, the pair and the addresses are
-    removed by :meth:`close`.
+    removed by :meth:`close`. The name carries this process's pid and the subnet is one no link
+    uses yet, so two suites on one host do not meet; what a SIGKILLed earlier run left (its pid
+    is gone) is removed first, and never a live run's namespace.
     """
 
-    def __init__(self, name: str, subnet: str = "10.213.7") -> None:
-        self.name = name
-        self.host_link = f"{name}-h"
-        self.node_link = f"{name}-n"
+    PREFIX = "eftns"
+
+    def __init__(self) -> None:
+        self._sweep_dead()
+        self.name = f"{self.PREFIX}{os.getpid()}"
+        self.host_link = f"{self.name}-h"
+        self.node_link = f"{self.name}-n"
+        subnet = self._free_subnet()
         self.host_addr = f"{subnet}.1"
         self.node_addr = f"{subnet}.2"
-        self.close()  # leftovers of an interrupted earlier run
+        self.close()
         for cmd in (
-            ["ip", "netns", "add", name],
+            ["ip", "netns", "add", self.name],
             ["ip", "link", "add", self.host_link, "type", "veth", "peer", "name",
              self.node_link],
-            ["ip", "link", "set", self.node_link, "netns", name],
+            ["ip", "link", "set", self.node_link, "netns", self.name],
             ["ip", "addr", "add", f"{self.host_addr}/30", "dev", self.host_link],
             ["ip", "link", "set", self.host_link, "up"],
-            ["ip", "-n", name, "addr", "add", f"{self.node_addr}/30", "dev", self.node_link],
-            ["ip", "-n", name, "link", "set", self.node_link, "up"],
-            ["ip", "-n", name, "link", "set", "lo", "up"],
+            ["ip", "-n", self.name, "addr", "add", f"{self.node_addr}/30", "dev", self.node_link],
+            ["ip", "-n", self.name, "link", "set", self.node_link, "up"],
+            ["ip", "-n", self.name, "link", "set", "lo", "up"],
         ):
             subprocess.run(cmd, check=True, capture_output=True)
+
+    @classmethod
+    def _sweep_dead(cls) -> None:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for line in listed.splitlines():
+            name = line.split()[0] if line.split() else ""
+            pid = name[len(cls.PREFIX):]
+            if name.startswith(cls.PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                subprocess.run(["ip", "link", "del", f"{name}-h"], capture_output=True)
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    @staticmethod
+    def _free_subnet() -> str:
+        used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+        start = os.getpid() % 250
+        for i in range(250):
+            subnet = f"10.213.{(start + i) % 250 + 1}"
+            if f" {subnet}." not in used:
+                return subnet
+        raise RuntimeError("no free 10.213.x.0/30 subnet for a test namespace")
 
     @property
     def prefix(self) -> list[str]:

@@ -370,7 +370,7 @@ def test_leader_agent_killed(etcd_server: EtcdServer, make_job, reference):
 def test_node_network_cut(tmp_path_factory: pytest.TempPathFactory, make_job, reference):
     if os.geteuid() != 0:
         pytest.fail("the network-cut test needs root (network namespaces)", pytrace=False)
-    ns = NetNamespace("eftrec")
+    ns = NetNamespace()
     base = tmp_path_factory.mktemp("etcd-veth")
     (base / "data").mkdir(mode=0o700)
     server = VethEtcd(base / "data", base / "etcd.log", ns.host_addr)
