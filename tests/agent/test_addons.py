@@ -74,10 +74,14 @@ def _add_on(name_: str, needs_: tuple[str, ...] = (), before: tuple[str, ...] = 
     return Declared()
 
 
-def test_build_add_ons_passes_what_is_needed_and_leaves_out_what_is_off() -> None:
+def test_build_add_ons_passes_what_is_needed_and_leaves_out_what_is_off(tmp_path) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
     from elasticft.torch_compat import LaunchConfig
 
-    context = AddOnContext(ElasticftConfig(), LaunchConfig(1, 1, 1), {})
+    # A log dir of the test's own: without one torch makes a /tmp/torchelastic_* directory.
+    launch = LaunchConfig(1, 1, 1, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    context = AddOnContext(ElasticftConfig(), launch, {})
     built = build_add_ons([_add_on("slurm", ("ckpt",)), _add_on("recovery", ("ckpt",), ("ckpt",)),
                            _add_on("ckpt"), _add_on("metrics", on=False)], context)
     assert [c.name for c in built] == ["slurm", "recovery", "ckpt"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -82,9 +83,13 @@ def test_leader_rule_is_injected() -> None:
 
 
 def from_options(plan: PlanConfig) -> LayoutCollaborator | None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
     from elasticft.torch_compat import LaunchConfig
 
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+    # devnull: without a log dir torch makes a /tmp/torchelastic_* directory nobody removes.
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1,
+                          logs_specs=DefaultLogsSpecs(log_dir=os.devnull))
     return LayoutAddOn().build(AddOnContext(ElasticftConfig(plan=plan), launch, {}), {})
 
 
