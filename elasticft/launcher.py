@@ -14,13 +14,15 @@ decides how to report it. It differs from torch's ``launch_agent`` where torch 2
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,27 @@ def sweep_leftovers(options: ElasticftConfig) -> None:
         logger.info("removed %d ring directories of agents that are gone", len(rings))
     if shm.SHM_DIR.is_dir():
         shm.sweep_orphans(shm.SHM_DIR)
+
+
+@contextlib.contextmanager
+def _signals_noted() -> Iterator[list[int]]:
+    """While the launcher cleans up, SIGTERM, SIGINT and SIGHUP are noted, not raised.
+
+    A second signal (scancel signals every process of a step, a user presses Ctrl-C twice, one
+    arrived while torch was stopping the workers) raised torch's ``SignalException`` in the
+    middle of closing the warm interpreters, the rendezvous or a collaborator: the launcher
+    exited 1 with a traceback and left them half closed. The run ends as stopped instead.
+    """
+    noted: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, lambda signum, _frame: noted.append(signum))
+    try:
+        yield noted
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _master_addr_and_port(params: RendezvousParameters) -> tuple[str | None, int | None]:
@@ -251,17 +274,22 @@ def launch(
     except RendezvousError as e:
         reason = f"rendezvous failed: {type(e).__name__}: {e}"
     finally:
-        if close_rendezvous:
-            spec.rdzv_handler.shutdown()
-        else:
-            _stop_heartbeats(spec.rdzv_handler)
-        if warm_pool is not None:
-            warm_pool.close()
-        for collaborator in collaborators:
-            try:
-                collaborator.close()
-            except Exception:
-                logger.exception("collaborator %s failed to close", type(collaborator).__name__)
+        with _signals_noted() as late_signals:
+            if close_rendezvous:
+                spec.rdzv_handler.shutdown()
+            else:
+                _stop_heartbeats(spec.rdzv_handler)
+            if warm_pool is not None:
+                warm_pool.close()
+            for collaborator in collaborators:
+                try:
+                    collaborator.close()
+                except Exception:
+                    logger.exception("collaborator %s failed to close",
+                                     type(collaborator).__name__)
+    if late_signals and state != "stopped":
+        sig = signal.Signals(late_signals[0])
+        state, reason, exit_code = "stopped", f"received {sig.name}", 128 + int(sig)
     wall = time.monotonic() - started
     event_log.emit(
         "run_end", state=state, exit_code=exit_code, reason=reason, restarts=agent.restarts,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,19 +162,33 @@ def test_sigterm_to_launcher_stops_workers_within_shutdown_timeout(
     )
     wait_until(lambda: len(list(pid_dir.glob("pid-*"))) == 2, 90, "workers to start")
     workers = [int(p.read_text()) for p in pid_dir.glob("pid-*")]
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, stderr = communicate_or_explain(proc, 60)
-    elapsed = time.monotonic() - sent
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert "received SIGTERM" in stderr
     # The workers ignore SIGTERM: only the SIGKILL after --shutdown-timeout (2 s) stops them.
-    # Without the flag torch waits a fixed 30 s, so a stop in less proves the flag was obeyed.
-    assert elapsed < 30
+    # torch's own default is 30 s. Which one the launcher used shows in its own log, between
+    # its SIGTERM and its SIGKILL (not in the test's clock, which a loaded host stretches).
+    assert _seconds_from_term_to_kill(stderr) < 15, stderr
     for pid in workers:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     kinds = [e["kind"] for e in read_events(run_dir)]
     assert "restart" not in kinds and kinds[-1] == "run_end"
+
+
+def _seconds_from_term_to_kill(log: str) -> float:
+    """Seconds between torch's first "closing signal SIGTERM" line and its first "forcefully
+    exiting" (SIGKILL) line, from their glog time stamps."""
+    stamps: dict[str, float] = {}
+    for line in log.splitlines():
+        found = re.match(r"[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) ", line)
+        what = "term" if "closing signal SIGTERM" in line else \
+            "kill" if "forcefully exiting" in line else None
+        if found and what and what not in stamps:
+            h, m, sec = found.groups()
+            stamps[what] = int(h) * 3600 + int(m) * 60 + float(sec)
+    assert set(stamps) == {"term", "kill"}, log
+    return (stamps["kill"] - stamps["term"]) % 86400
 
 
 def launch_with_collaborator(tmp_path: Path, collaborator: str, nproc: int, max_restarts: int,
@@ -231,3 +246,13 @@ class Scripted(AgentCollaborator):  # signalled while checking
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "received SIGTERM" in proc.stderr
     assert "failed in check" not in proc.stderr
+
+
+def test_a_signal_during_the_clean_up_is_noted_not_raised() -> None:
+    from elasticft.launcher import _signals_noted
+
+    before = signal.getsignal(signal.SIGTERM)
+    with _signals_noted() as noted:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: noted == [signal.SIGTERM], 10, "the signal to be noted")
+    assert signal.getsignal(signal.SIGTERM) is before
