@@ -269,7 +269,7 @@ class CheckpointService(AgentCollaborator):
     def check(self, group: GroupInfo) -> None:
         self._group = group
         self._count_skips(group)
-        self._flush_when_restored(group)
+        self._flush_when_resumed(group)
         every = self.config.ckpt_persist_every
         if every <= 0 or self._busy.is_set():
             return None
@@ -373,7 +373,7 @@ class CheckpointService(AgentCollaborator):
             return
         self._wait_flush()  # the node may not come back: the disk copy comes first
 
-    def _flush_when_restored(self, group: GroupInfo) -> None:
+    def _flush_when_resumed(self, group: GroupInfo) -> None:
         """Lets a deferred flush start once the restarted workers are past their restore and
         their first step."""
         since = self._flush_deferred_since

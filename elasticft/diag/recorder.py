@@ -210,6 +210,10 @@ class Recorder:
 
     def comm_key(self, group: Any) -> int:
         """A number identical on every member of ``group`` (its name and ranks, hashed)."""
+        if group is not None:  # the per-collective path: no import, no world lookup
+            cached = self._comm_keys.get(group)
+            if cached is not None:
+                return cached
         try:
             import torch.distributed as dist
 
