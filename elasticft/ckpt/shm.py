@@ -356,13 +356,15 @@ class SlotMaker:
         """The last slot made per path, for :meth:`wait` (taken or not)."""
         self._failed: dict[Path, BaseException] = {}
         self._thread: threading.Thread | None = None
+        self._closed = False
         self.made_count = 0
 
     def request(self, path: Path, size: int) -> None:
         """Asks for ``path`` of at least ``size`` bytes (no-op if already asked)."""
         with self._cond:
             made = self._made.get(path)
-            if (made is not None and made.size >= size) or self._wanted.get(path, -1) >= size:
+            if self._closed or (made is not None and made.size >= size) \
+                    or self._wanted.get(path, -1) >= size:
                 return
             self._wanted[path] = size
             self._failed.pop(path, None)
@@ -397,6 +399,23 @@ class SlotMaker:
                 if left <= 0 or path not in self._wanted:
                     raise StorageFull(f"shared memory {path} was not made within {timeout_s} s")
                 self._cond.wait(left)
+
+    def close(self) -> None:
+        """Stops making slots. The one being made is finished first: a thread cut off at exit
+        would leave its file under a temporary name that nobody removes. What was made and
+        not taken is closed."""
+        with self._cond:
+            self._closed = True
+            self._wanted.clear()
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._cond:
+            made, self._made = list(self._made.values()), {}
+            self._latest.clear()
+        for slot in made:
+            slot.close()
 
     def _run(self) -> None:
         while True:
@@ -525,10 +544,7 @@ class SlotSet:
             slot.close()
         self._open.clear()
         if self.maker is not None:
-            for index in range(self.count):
-                made = self.maker.take(self.path(index))
-                if made is not None:
-                    made.close()
+            self.maker.close()
 
     def unlink(self) -> None:
         """Removes named slots (an agent's unnamed ones go with their last user)."""

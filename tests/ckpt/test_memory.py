@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture, restore
 from elasticft.ckpt.api import StorageFull
 from elasticft.ckpt.control import SkipReader
-from elasticft.ckpt.shm import COMPLETE, WRITING, MemoryTier, SlotSet
+from elasticft.ckpt.shm import COMPLETE, WRITING, MemoryTier, SlotMaker, SlotSet
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +182,18 @@ def test_process_owned_memory_is_removed_at_exit() -> None:
     prefix = out.stdout.strip().splitlines()[-1]
     assert prefix.startswith("elasticft-ckpt-")
     assert not list(Path("/dev/shm").glob(f"{prefix}-*"))
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_still_being_made_when_the_set_is_removed_leaves_no_file(prefix: str) -> None:
+    # At exit the checkpointer removes its slots while the maker may still be allocating one;
+    # before, the maker renamed it into place afterwards (or was cut off under a temporary
+    # name), and the slot outlived the process.
+    slots = SlotSet(prefix, 2, maker=SlotMaker())
+    assert slots.ensure(1, 256 << 20) is None  # asked for: the maker allocates it now
+    slots.unlink()
+    assert not any(t.name == "elasticft-ckpt-slots" for t in threading.enumerate())
+    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
 
 
 def _live_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
