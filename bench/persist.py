@@ -15,8 +15,11 @@ In one process, one after the other (``--repeat`` rounds, alternating):
   timed apart from the write.
 
 Printed: each round's seconds and GB/s, the medians, and persist/disk (the ratio of speeds).
+``--train`` runs a training loop beside it all (a process of its own, one thread: a small MLP
+with AdamW) and prints its median step while a persist runs against its median step while
+nothing else does (no disk round, save or persist): how much a persist slows training.
 
-    .venv/bin/python bench/persist.py [--gb 1 --repeat 3 --dir DIR] [--copy]
+    .venv/bin/python bench/persist.py [--gb 1 --repeat 3 --dir DIR] [--copy] [--train]
 
 ``--dir`` must be on a real disk (not tmpfs); the default is a temporary directory under the
 current one. Not a test: figures depend on the disk and the load; docs/benchmarks.md keeps runs.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -59,6 +63,44 @@ def disk_write(path: Path, nbytes: int, buffer: bytearray, writeback: bool) -> f
     return time.perf_counter() - started
 
 
+def train(steps_out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """Steps a small MLP with AdamW on one thread until ``stop``; each step's (start, end)
+    on the system-wide monotonic clock goes to ``steps_out`` in batches."""
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512))
+    optim = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(64, 512)
+    done: list[tuple[float, float]] = []
+    while not stop.is_set():
+        started = time.monotonic()
+        model(batch).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+        done.append((started, time.monotonic()))
+        if len(done) >= 50:
+            steps_out.put(done)
+            done = []
+    steps_out.put(done)
+    steps_out.put(None)
+
+
+def slowdown(steps: list[tuple[float, float]], busy: list[tuple[float, float]],
+             persisting: list[tuple[float, float]]) -> str:
+    """Median step inside a persist against the median step overlapping nothing busy."""
+    def overlaps(step: tuple[float, float], windows: list[tuple[float, float]]) -> bool:
+        return any(step[0] < end and start < step[1] for start, end in windows)
+
+    quiet = [b - a for a, b in steps if not overlaps((a, b), busy)]
+    during = [b - a for a, b in steps
+              if any(start <= a and b <= end for start, end in persisting)]
+    if not quiet or not during:
+        return "training: too few steps to compare (raise --gb or --repeat)"
+    q, d = statistics.median(quiet), statistics.median(during)
+    return (f"training step: {q * 1e3:.2f} ms with nothing else running ({len(quiet)} steps), "
+            f"{d * 1e3:.2f} ms during a persist ({len(during)} steps): slowed {d / q - 1:+.1%}")
+
+
 def model_state(nbytes: int) -> dict[str, torch.Tensor]:
     """Parameters plus AdamW's two moments: large matrices and one small vector per matrix."""
     state: dict[str, torch.Tensor] = {}
@@ -79,6 +121,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--copy", action="store_true",
                         help="the two-slot path: copy out of the slot, then write")
+    parser.add_argument("--train", action="store_true",
+                        help="a training loop beside it: its step time during a persist")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="persist-bench-", dir=args.dir or Path.cwd()))
     nbytes = int(args.gb * (1 << 30))
@@ -89,6 +133,15 @@ def main() -> None:
     settings = WorkerSettings(shm_slots=prefix, agent_owned=True)
     staging = StagingBuffer()
     disk, copy, write = [], [], []
+    trainer = None
+    if args.train:
+        spawn = multiprocessing.get_context("spawn")
+        steps_out, stop = spawn.Queue(), spawn.Event()
+        trainer = spawn.Process(target=train, args=(steps_out, stop), daemon=True)
+        trainer.start()
+        time.sleep(3)  # past its start-up and first steps: quiet steps to compare with
+    busy: list[tuple[float, float]] = []
+    persisting: list[tuple[float, float]] = []
     try:
         # One reader for every round, as the agent keeps its mappings (no page faults after
         # the first persist).
@@ -96,6 +149,7 @@ def main() -> None:
         with Checkpointer(settings) as ckpt:
             for step in range(1, args.repeat + 1):
                 target = root / "dd.bin"
+                busy_from = time.monotonic()
                 disk.append(min(disk_write(target, size, buffer, writeback=False),
                                 disk_write(target, size, buffer, writeback=True)))
                 target.unlink()
@@ -105,15 +159,19 @@ def main() -> None:
                 slot = reader.get(newest[0])
                 assert slot is not None
                 started = time.perf_counter()
+                persist_from = time.monotonic()
                 with contextlib.ExitStack() as held:
                     snapshot = (_copy_out(slot, step, staging) if args.copy
                                 else _hold(slot, step, held))
                     assert snapshot is not None
                     copied = time.perf_counter()
                     durable.write_rank_shard(root / "ckpt", snapshot)
+                persisting.append((persist_from, time.monotonic()))
                 copy.append(copied - started)
                 write.append(time.perf_counter() - copied)
                 shutil.rmtree(root / "ckpt")
+                busy.append((busy_from, time.monotonic()))
+                time.sleep(2 if trainer else 0)  # quiet steps between rounds
                 gb = size / 1e9
                 print(f"round {step}: disk {disk[-1]:.2f} s ({gb / disk[-1]:.2f} GB/s); persist "
                       f"{copy[-1] + write[-1]:.2f} s = copy {copy[-1]:.2f} s + write "
@@ -129,6 +187,13 @@ def main() -> None:
     print(f"{gb:.2f} GB, {args.repeat} rounds, medians: disk {d:.2f} s ({gb / d:.2f} GB/s), "
           f"persist {p:.2f} s ({gb / p:.2f} GB/s; copy {statistics.median(copy):.2f} s, write "
           f"{statistics.median(write):.2f} s); persist/disk speed {d / p:.2f}")
+    if trainer is not None:
+        stop.set()
+        steps: list[tuple[float, float]] = []
+        while (batch := steps_out.get(timeout=60)) is not None:
+            steps += batch
+        trainer.join(10)
+        print(slowdown(steps, busy, persisting))
 
 
 if __name__ == "__main__":
