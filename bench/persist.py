@@ -17,7 +17,8 @@ In one process, one after the other (``--repeat`` rounds, alternating):
 Printed: each round's seconds and GB/s, the medians, and persist/disk (the ratio of speeds).
 ``--train`` runs a training loop beside it all (a process of its own, one thread: a small MLP
 with AdamW) and prints its median step while a persist runs against its median step while
-nothing else does (no disk round, save or persist): how much a persist slows training.
+nothing else does (no disk round, save or persist): how much a persist slows training. The
+rounds then run at nice 19, as the agent's persist thread does.
 
     .venv/bin/python bench/persist.py [--gb 1 --repeat 3 --dir DIR] [--copy] [--train]
 
@@ -140,6 +141,7 @@ def main() -> None:
         trainer = spawn.Process(target=train, args=(steps_out, stop), daemon=True)
         trainer.start()
         time.sleep(3)  # past its start-up and first steps: quiet steps to compare with
+        durable.background_priority()  # as the agent persists: what training leaves
     busy: list[tuple[float, float]] = []
     persisting: list[tuple[float, float]] = []
     try:
