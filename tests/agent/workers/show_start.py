@@ -17,6 +17,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -49,6 +50,8 @@ state = {
                                                            signal.SIGUSR1, signal.SIGPIPE)},
     "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "torch_imported": "torch" in sys.modules,
+    "threads": sorted(t.name for t in threading.enumerate()),
+    "nice": os.getpriority(os.PRIO_PROCESS, 0),  # the warm imports run at nice 19, apart
 }
 tag = os.environ.get("SHOW_START_TAG") or (
     f"attempt{os.environ.get('ELASTICFT_ATTEMPT', '0')}-rank{os.environ.get('RANK', '0')}"
