@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import signal
 import statistics
 import subprocess
@@ -168,12 +169,17 @@ def worker(args: argparse.Namespace) -> int:
     _log(log, event="start", resumed=start, restore_s=time.perf_counter() - started
          if start else None)
     for step in range(start, args.steps):
-        began = time.perf_counter()
+        began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         model(batch).pow(2).mean().backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         sync()
-        _log(log, event="step", step=step + 1, step_s=time.perf_counter() - began)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        # Where a slow step's time goes: CPU of its own, page faults, or waiting for a core.
+        _log(log, event="step", step=step + 1, step_s=time.perf_counter() - began,
+             user_s=after.ru_utime - usage.ru_utime, sys_s=after.ru_stime - usage.ru_stime,
+             minor_faults=after.ru_minflt - usage.ru_minflt,
+             preempted=after.ru_nivcsw - usage.ru_nivcsw)
         if (step + 1) % args.every == 0:
             called = time.perf_counter()
             if args.mode == "elasticft":
@@ -275,6 +281,8 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "failure_to_decision_s": None,
         "startup_s": built_after["startup_s"] if built_after else None,
         "first_step_s": first_step.get("step_s") if first_step else None,
+        "first_step_usage": {k: first_step.get(k) for k in ("user_s", "sys_s", "minor_faults",
+                                                            "preempted")} if first_step else {},
         "floor_fresh_s": floor.get("floor_fresh_s"),
         "floor_touched_s": floor.get("floor_touched_s"),
         "floor_fresh_parallel_s": floor.get("floor_fresh_parallel_s"),
@@ -363,6 +371,12 @@ def main() -> int:
     for r in rows:
         print(f"{r['launcher']:<14} {_fmt(r['startup_s']):>10} {_fmt(r['first_step_s']):>10} "
               f"{_fmt(r.get('launcher_share_s')):>10}")
+    for r in rows:
+        usage = r.get("first_step_usage") or {}
+        if None not in usage.values() and usage:
+            print(f"{r['launcher']}: first step after the restart: {_fmt(r['first_step_s'])} s, "
+                  f"of it CPU {usage['user_s']:.2f} s user + {usage['sys_s']:.2f} s system, "
+                  f"{usage['minor_faults']} page faults, preempted {usage['preempted']} times")
     for r in rows:
         if "snapshots_skipped" in r:
             print(f"{r['launcher']}: snapshots skipped: {r['snapshots_skipped']}")

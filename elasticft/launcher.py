@@ -131,7 +131,8 @@ def _signals_noted() -> Iterator[list[int]]:
     A second signal (scancel signals every process of a step, a user presses Ctrl-C twice, one
     arrived while torch was stopping the workers) raised torch's ``SignalException`` in the
     middle of closing the warm interpreters, the rendezvous or a collaborator: the launcher
-    exited 1 with a traceback and left them half closed. The run ends as stopped instead.
+    exited 1 with a traceback and left them half closed. The run had ended already; its
+    outcome stands.
     """
     noted: list[int] = []
     previous: dict[int, Any] = {}
@@ -287,9 +288,11 @@ def launch(
                 except Exception:
                     logger.exception("collaborator %s failed to close",
                                      type(collaborator).__name__)
-    if late_signals and state != "stopped":
-        sig = signal.Signals(late_signals[0])
-        state, reason, exit_code = "stopped", f"received {sig.name}", 128 + int(sig)
+    if late_signals:
+        # The run had already ended, and how stands: a Slurm requeue SIGTERMs the job it just
+        # requeued, and that must not turn "requeued" into "stopped".
+        logger.info("%s arrived while closing a run that had ended (%s); it changes nothing",
+                    signal.Signals(late_signals[0]).name, state)
     wall = time.monotonic() - started
     event_log.emit(
         "run_end", state=state, exit_code=exit_code, reason=reason, restarts=agent.restarts,

@@ -248,6 +248,25 @@ class Scripted(AgentCollaborator):  # signalled while checking
     assert "failed in check" not in proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_sigterm_after_the_run_ended_on_purpose_leaves_its_outcome(tmp_path: Path) -> None:
+    """A Slurm requeue SIGTERMs the job it just requeued, often while the launcher closes the
+    run: the run still ends as requeued, with exit code 0."""
+    proc = launch_with_collaborator(tmp_path, """
+from elasticft.agent.api import StopRun
+
+class Scripted(AgentCollaborator):  # ends the run, then is signalled while closing
+    def check(self, group):
+        raise StopRun("requeued", "scripted requeue", exit_code=0)
+
+    def close(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # a raised signal would interrupt this
+""", nproc=1, max_restarts=0, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "requeued" in proc.stderr and "received SIGTERM" not in proc.stderr
+
+
 def test_a_signal_during_the_clean_up_is_noted_not_raised() -> None:
     from elasticft.launcher import _signals_noted
 
