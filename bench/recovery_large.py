@@ -281,6 +281,10 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "failure_to_decision_s": None,
         "startup_s": built_after["startup_s"] if built_after else None,
         "first_step_s": first_step.get("step_s") if first_step else None,
+        "steady_step_s": statistics.median(steps) if (steps := [
+            r["step_s"] for r in before + after if r["event"] == "step"][1:]) else None,
+        "mem_available_gb": next((r.get("mem_available_gb") for r in after
+                                  if r["event"] == "restore_call"), None),
         "first_step_usage": {k: first_step.get(k) for k in ("user_s", "sys_s", "minor_faults",
                                                             "preempted")} if first_step else {},
         "floor_fresh_s": floor.get("floor_fresh_s"),
@@ -376,7 +380,10 @@ def main() -> int:
         if None not in usage.values() and usage:
             print(f"{r['launcher']}: first step after the restart: {_fmt(r['first_step_s'])} s, "
                   f"of it CPU {usage['user_s']:.2f} s user + {usage['sys_s']:.2f} s system, "
-                  f"{usage['minor_faults']} page faults, preempted {usage['preempted']} times")
+                  f"{usage['minor_faults']} page faults, preempted {usage['preempted']} times; "
+                  f"median step {_fmt(r['steady_step_s'])} s"
+                  + (f"; {r['mem_available_gb']:.1f} GB available at the restore"
+                     if r.get("mem_available_gb") else ""))
     for r in rows:
         if "snapshots_skipped" in r:
             print(f"{r['launcher']}: snapshots skipped: {r['snapshots_skipped']}")

@@ -81,5 +81,9 @@ def test_fast_steps_on_two_local_workers_persist_without_losing_the_race(
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "not persisted" not in text, text[-4000:]
-    assert text.count("persisted checkpoint step") >= 5, text[-4000:]
-    assert 400 in durable.committed_steps(tmp_path / "run" / "ckpt")
+    # How many persists fit in the run depends on the disk and the load; what must hold is
+    # that they go forward, one during training at least (the first snapshot is taken out at
+    # once), and that the last step reaches the disk.
+    persisted = [int(m) for m in re.findall(r"persisted checkpoint step (\d+)", text)]
+    assert len(set(persisted)) >= 2 and persisted == sorted(persisted), text[-4000:]
+    assert persisted[-1] == 400 and 400 in durable.committed_steps(tmp_path / "run" / "ckpt")
