@@ -173,36 +173,6 @@ def _warm_device():
     return None if device.mode == "off" else device
 
 
-def _import_in_background(preload, importlib):
-    """Imports ``preload`` on a thread at the lowest CPU priority; returns the first error.
-
-    A new warm interpreter is started as soon as the last one became a worker: right when the
-    restarted workers restore and take their first step, which its imports (1-2 s of CPU for
-    torch) slowed. At nice 19 they take only what the workers leave. Linux keeps a nice value
-    per thread and an unprivileged process cannot lower it again, so the imports run on a
-    thread of their own, and the main thread, which forks every worker, keeps its priority.
-    """
-    import contextlib
-    import threading
-
-    errors = []
-
-    def run():
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for name in preload:
-            try:
-                importlib.import_module(name)
-            except BaseException as err:  # the script will meet it again, in a cold start
-                errors.append(err)
-                break
-
-    importer = threading.Thread(target=run, name="elasticft-warm-import")
-    importer.start()
-    importer.join()
-    return errors[0] if errors else None
-
-
 def _main():
     fd = os.environ.pop(_FD_ENV, None)
     preload = [m for m in os.environ.pop(_PRELOAD_ENV, "").split(",") if m]
@@ -216,7 +186,16 @@ def _main():
     import struct
 
     sock = socket.socket(fileno=int(fd))
-    preload_error = _import_in_background(preload, importlib)
+    preload_error = None
+    # On this thread, the one that forks every worker: libraries keep state per importing
+    # thread (MKL's allocator does), and a worker forked after an import on another thread
+    # spun in MKL's first matrix product.
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except BaseException as err:  # the script will meet it again, in a cold start
+            preload_error = err
+            break
     device = _warm_device()
     # The agent may already have sent its request (it is buffered).
     with contextlib.suppress(OSError):
