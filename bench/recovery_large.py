@@ -378,10 +378,10 @@ def main() -> int:
     for r in rows:
         usage = r.get("first_step_usage") or {}
         if None not in usage.values() and usage:
-            print(f"{r['launcher']}: first step after the restart: {_fmt(r['first_step_s'])} s, "
+            print(f"{r['launcher']}: first step after the restart: {_fmt(r['first_step_s'])}, "
                   f"of it CPU {usage['user_s']:.2f} s user + {usage['sys_s']:.2f} s system, "
                   f"{usage['minor_faults']} page faults, preempted {usage['preempted']} times; "
-                  f"median step {_fmt(r['steady_step_s'])} s"
+                  f"median step {_fmt(r['steady_step_s'])}"
                   + (f"; {r['mem_available_gb']:.1f} GB available at the restore"
                      if r.get("mem_available_gb") else ""))
     for r in rows:
