@@ -254,8 +254,7 @@ class NetNamespace:
             name = line.split()[0] if line.split() else ""
             pid = name[len(cls.PREFIX):]
             if name.startswith(cls.PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                subprocess.run(["ip", "link", "del", f"{name}-h"], capture_output=True)
-                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+                cls._remove(name)
 
     @staticmethod
     def _free_subnet() -> str:
@@ -272,5 +271,10 @@ class NetNamespace:
         return ["ip", "netns", "exec", self.name]
 
     def close(self) -> None:
-        subprocess.run(["ip", "link", "del", self.host_link], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+        self._remove(self.name)
+
+    @staticmethod
+    def _remove(name: str) -> None:
+        """Deletes namespace ``name`` and its host-side link, whatever of them exists."""
+        subprocess.run(["ip", "link", "del", f"{name}-h"], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
