@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import io
+import mmap
 import os
 import signal
 import subprocess
@@ -157,12 +159,13 @@ def test_full_disk_is_a_clear_error_and_memory_saves_go_on(tmp_path: Path, prefi
     local = tmp_path / "local"
     step_dir = durable.step_dir(local, 1)
     step_dir.mkdir(parents=True)
-    # The kernel answers ENOSPC for every write to /dev/full.
-    os.symlink("/dev/full", step_dir / f".{durable.shard_name(0)}.tmp")
-    with pytest.raises(StorageFull, match="no space left"):
-        layout = flatten({"w": torch.ones(10)})
-        durable.write_rank_shard(local, Snapshot(layout.manifest(1, 0, 1),
-                                                 bytearray(layout.payload_bytes)))
+    for numel in (10, 2 << 20):  # kept in Python's buffer until the end; written at once
+        # The kernel answers ENOSPC for every write to /dev/full.
+        os.symlink("/dev/full", step_dir / f".{durable.shard_name(0)}.tmp")
+        with pytest.raises(StorageFull, match="no space left"):
+            layout = flatten({"w": torch.ones(numel)})
+            durable.write_rank_shard(local, Snapshot(layout.manifest(1, 0, 1),
+                                                     bytearray(layout.payload_bytes)))
     os.symlink("/dev/full", step_dir / f".{durable.shard_name(0)}.tmp")
     with Checkpointer(_persisting(prefix, local), optimizers=[optim]) as ckpt:
         assert ckpt.save(1, capture(model, optim)).wait(30).status == "memory"
@@ -236,3 +239,122 @@ def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
     assert zlib.crc32(blob) == weight["crc32"]  # the shard's own checksum covers the blob
     loaded = torch.load(io.BytesIO(blob), weights_only=True)
     assert torch.equal(loaded, model.state_dict()["0.weight"])
+
+
+def _page_aligned(nbytes: int) -> mmap.mmap:
+    memory = mmap.mmap(-1, nbytes)
+    memory.write(os.urandom(nbytes))
+    return memory
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("case", "writes", "direct"),
+    [
+        # (source offset, length) into a page-aligned buffer; flush as the string "flush".
+        ("small writes only", [(0, 10), (5, 4095), (0, 1), (7, 8193)], False),
+        ("a large write at a page, from a page", [(0, 3 * MIB)], True),
+        ("a large write after 100 bytes, from an address 100 past a page",
+         [(0, 100), (100, 3 * MIB + 7)], True),
+        ("a large write whose address is not congruent with its offset",
+         [(0, 100), (0, 3 * MIB)], False),
+        ("more than the bounce buffer holds, not congruent", [(1, 100), (3, 5 * MIB)], False),
+        ("a flush between writes, then more", [(0, 300), "flush", (300, 2 * MIB), "flush",
+                                               (11, 5000)], True),
+        ("empty writes", [(0, 0), (0, 4096), (0, 0)], False),
+    ],
+)
+def test_a_direct_file_holds_exactly_what_was_written(tmp_path: Path, case: str, writes: list,
+                                                     direct: bool) -> None:
+    source = _page_aligned(8 * MIB)
+    view = memoryview(source)
+    path = tmp_path / "shard"
+    expected = bytearray()
+    with durable._open_new(path, direct=True) as f:
+        if not isinstance(f, durable._DirectFile):
+            pytest.skip("this filesystem does not take O_DIRECT")
+        for write in writes:
+            if write == "flush":
+                f.flush()
+                assert path.read_bytes() == expected, case
+                continue
+            start, length = write
+            assert f.write(view[start : start + length]) == length
+            expected += view[start : start + length]
+            assert f.tell() == len(expected)
+        f.flush()
+        assert (f.bytes_direct > 0) == direct, case
+    assert path.read_bytes() == expected, case
+    view.release()
+    source.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_goes_to_the_disk_from_the_slot_memory_and_reads_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = {"big": torch.randn(3 * MIB // 4 + 5), "small": torch.randn(7), "step": 3,
+             "other": torch.randn(MIB // 2 + 1)}
+    layout = flatten(state)
+    payload = mmap.mmap(-1, layout.payload_bytes)  # page-aligned, as a shared-memory slot
+    for entry in layout.tensors:
+        torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
+                         offset=entry.offset).copy_(entry.tensor.reshape(-1))
+    files: list[durable._DirectFile] = []
+
+    class Recorded(durable._DirectFile):
+        def __init__(self, fd: int) -> None:
+            super().__init__(fd)
+            files.append(self)
+
+    monkeypatch.setattr(durable, "_DirectFile", Recorded)
+    directory = durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(3, 0, 1), payload))
+    if not files:
+        pytest.skip("this filesystem does not take O_DIRECT")
+    big = state["big"].nbytes + state["other"].nbytes
+    assert files[0].bytes_direct >= big - 4 * 4096  # all but the blobs' unaligned ends
+    snapshot = durable.read_rank_shard(directory, 0)
+    assert bytes(snapshot.payload) == bytes(payload)
+    target = {"big": torch.zeros_like(state["big"]), "other": torch.zeros_like(state["other"])}
+    record = durable.read_rank_manifest(directory, 0)
+    data = (directory / record["file"]).read_bytes()
+    for name, tensor in target.items():
+        place = record["storage"][name]
+        tensor.copy_(torch.load(io.BytesIO(data[place["offset"]:][: place["length"]]),
+                                weights_only=True))
+        assert torch.equal(tensor, state[name])
+
+
+@pytest.mark.timeout(60)
+def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    original_write = os.write
+    direct_fds: set[int] = set()
+    original_init = durable._DirectFile.__init__
+
+    def remember(self: durable._DirectFile, fd: int, *args: object) -> None:
+        direct_fds.add(fd)
+        original_init(self, fd, *args)
+
+    def write(fd: int, data: object) -> int:
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return original_write(fd, data)
+
+    monkeypatch.setattr(durable._DirectFile, "__init__", remember)
+    monkeypatch.setattr(durable.os, "write", write)
+    state = {"w": torch.randn(MIB), "step": 1}
+    layout = flatten(state)
+    payload = mmap.mmap(-1, layout.payload_bytes)
+    for entry in layout.tensors:
+        torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
+                         offset=entry.offset).copy_(entry.tensor.reshape(-1))
+    directory = durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(1, 0, 1), payload))
+    if not direct_fds:
+        pytest.skip("this filesystem does not take O_DIRECT")
+    assert "refused an O_DIRECT write" in caplog.text
+    assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
+    assert sorted(p.name for p in directory.iterdir()) == ["__r0.distcp", "r0.json"]
