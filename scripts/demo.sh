@@ -11,7 +11,7 @@ if [ "${1:-}" = "--gpu" ]; then
   PYTHON=${PYTHON:-python3}
   # Without its dependencies: the torch pin must not replace the machine's CUDA torch.
   "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
-  "$PYTHON" -m pip install -q numpy pyyaml psutil tenacity prometheus-client py-spy nvidia-ml-py
+  "$PYTHON" -m pip install -q numpy pyyaml psutil zlib-ng tenacity prometheus-client py-spy nvidia-ml-py
   exec "$PYTHON" scripts/demo.py "$@"
 fi
 bash scripts/setup.sh

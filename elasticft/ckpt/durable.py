@@ -33,7 +33,6 @@ import re
 import shutil
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +52,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
+
+try:  # zlib-ng's CRC-32 (carry-less multiply): the same values at 3-4x zlib's speed
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # no wheel for this platform: the same checksum at zlib's speed
+    from zlib import crc32
 from elasticft.ckpt.snapshot import decode_json, dtype_from_name, stored_here, tensor_view
 
 logger = logging.getLogger(__name__)
@@ -358,11 +362,11 @@ class _ShardStream:
     def _write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         if len(view) >= _PARALLEL_CRC_MIN:
-            crc = self._checksummer.submit(zlib.crc32, view, self.crc)
+            crc = self._checksummer.submit(crc32, view, self.crc)
             written = self._file.write(view)
             self.crc = crc.result()
         else:
-            self.crc = zlib.crc32(view, self.crc)
+            self.crc = crc32(view, self.crc)
             written = self._file.write(view)
         self.length += len(view)
         self._pending += len(view)
@@ -660,7 +664,7 @@ def decode_shard(manifest: Mapping[str, Any], data: bytes | memoryview, where: s
         if place is None:
             raise SnapshotCorrupt(f"{where}: no storage entry for {item['fqn']!r}")
         blob = view[place["offset"] : place["offset"] + place["length"]]
-        if len(blob) != place["length"] or zlib.crc32(blob) != place["crc32"]:
+        if len(blob) != place["length"] or crc32(blob) != place["crc32"]:
             raise SnapshotCorrupt(f"{where}: checksum mismatch in item {item['fqn']!r}")
         if item["kind"] != "tensor":
             continue

@@ -358,3 +358,10 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
     assert "refused an O_DIRECT write" in caplog.text
     assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
     assert sorted(p.name for p in directory.iterdir()) == ["__r0.distcp", "r0.json"]
+
+
+@pytest.mark.parametrize("start", [0, 1, 0xFFFFFFFF])
+@pytest.mark.parametrize("size", [0, 1, 63, 4096, 3 * MIB + 5])
+def test_the_shard_checksum_is_zlibs_crc32(start: int, size: int) -> None:
+    data = os.urandom(size)
+    assert durable.crc32(data, start) == zlib.crc32(data, start)  # shards written before read
