@@ -2,7 +2,7 @@
 
     bash bench/gpu_check.sh            (installs elasticft into the machine's torch, then this)
     python bench/gpu_check.py [--dry-run] [--torchrun-hang-s 90]
-                              [--parts ops,overhead,hang,ckpt,tests]
+                              [--parts ops,overhead,hang,ckpt,recovery,persist,tests]
 
 With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the script):
 
@@ -21,8 +21,11 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
 4. (``restart``) the plain DDP script examples/train_plain.py (NCCL on GPU 0, torch.save every 20
    steps): its worker SIGKILLed, then SIGSTOPped (a hang), at step 30; seconds to the first step
    after, under ``elasticft-run`` (targets 1.5 s and 5 s) and plain ``torchrun``;
-5. bench/ckpt_gpu.py, the GPU checkpoint figures;
-6. the test suite's ``gpu``-marked tests (pytest must be installed).
+5. bench/ckpt_gpu.py, the GPU checkpoint figures, and (``recovery``) bench/recovery_large.py,
+   SIGKILL with 4.8 GB of CUDA state;
+6. (``persist``) bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and
+   through the page cache, against the machine's disk;
+7. the test suite's ``gpu``-marked tests (pytest must be installed).
 
 Without a CUDA device (or with ``--dry-run``) it checks what it can (the shim is built, the worker
 script compiles, the launchers are found) and says so in one line. The table also goes to
@@ -51,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "gpu_check_worker.py"
 CKPT_BENCH = ROOT / "bench" / "ckpt_gpu.py"
 RECOVERY_BENCH = ROOT / "bench" / "recovery_large.py"
+PERSIST_BENCH = ROOT / "bench" / "persist.py"
 RUN_LIMIT_S = 300
 
 
@@ -352,6 +356,15 @@ def check_recovery(rows: list[tuple[str, str]]) -> None:
     rows.extend(("  recovery", line[:160]) for line in text.strip().splitlines()[-8:])
 
 
+def check_persist(rows: list[tuple[str, str]]) -> None:
+    """bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and through the
+    page cache, against the machine's disk (under the checkout, not tmpfs)."""
+    code, text = run([sys.executable, str(PERSIST_BENCH), "--gb", "4", "--repeat", "3",
+                      "--train", "--dir", str(ROOT)], child_env(), limit_s=900)
+    rows.append(("persist, 4 GB beside training (bench/persist.py)", f"exit {code}"))
+    rows.extend(("  persist", line[:160]) for line in text.strip().splitlines()[-3:])
+
+
 def check_gpu_tests(rows: list[tuple[str, str]]) -> None:
     """The test suite's ``gpu``-marked tests (the CUDA path of the checkpoint memory tier)."""
     # Only the files with gpu tests: the others import extras this machine may not have.
@@ -369,6 +382,7 @@ def dry_run(reason: str) -> int:
     py_compile.compile(str(WORKER), doraise=True)
     py_compile.compile(str(CKPT_BENCH), doraise=True)
     py_compile.compile(str(RECOVERY_BENCH), doraise=True)
+    py_compile.compile(str(PERSIST_BENCH), doraise=True)
     shim = shim_library()
     launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
     print(f"gpu_check: dry run, {reason}: shim {'built' if shim else 'NOT BUILT'}, worker script "
@@ -377,8 +391,8 @@ def dry_run(reason: str) -> int:
     return 0 if shim else 1
 
 
-PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "recovery", "tests")
-CPU_PARTS = ("gloo", "restart")
+PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "recovery", "persist", "tests")
+CPU_PARTS = ("gloo", "restart", "persist")
 """Parts that need no GPU: asked for alone (``--parts gloo,restart``), they run on a CPU machine
 too (gloo)."""
 
@@ -422,6 +436,7 @@ def main() -> int:
                   "hang": lambda: check_hang(tmp, rows, args.torchrun_hang_s),
                   "restart": lambda: check_restart(tmp, rows),
                   "ckpt": lambda: check_ckpt(rows), "recovery": lambda: check_recovery(rows),
+                  "persist": lambda: check_persist(rows),
                   "tests": lambda: check_gpu_tests(rows)}
         shown = 0
         for part in parts:

@@ -4,7 +4,8 @@
 # time, per-call overhead with and without the shim, a hang found through NCCL against plain
 # torchrun, bench/ckpt_gpu.py's GPU checkpoint figures, the `gpu`-marked tests).
 #
-#   bash bench/gpu_check.sh [--torchrun-hang-s 90] [--parts ops,overhead,hang,ckpt,recovery,tests]
+#   bash bench/gpu_check.sh [--torchrun-hang-s 90]
+#                           [--parts ops,overhead,hang,ckpt,recovery,persist,tests]
 #                                                         (PYTHON=... to pick the interpreter)
 #
 # Without a CUDA device it installs nothing, checks the set-up and says so in one line.
@@ -31,7 +32,7 @@ missing=$("$PYTHON" - <<'PY'
 import importlib.util
 import shutil
 wanted = {"numpy": "numpy", "yaml": "pyyaml", "psutil": "psutil", "tenacity": "tenacity",
-          "prometheus_client": "prometheus-client", "pynvml": "nvidia-ml-py",
+          "prometheus_client": "prometheus-client", "pynvml": "nvidia-ml-py", "zlib_ng": "zlib-ng",
           "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
 missing = [pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None]
 print(" ".join(missing + ([] if shutil.which("py-spy") else ["py-spy"])))

@@ -107,7 +107,7 @@ def slowdown(steps: list[tuple[float, float]], busy: list[tuple[float, float]],
     during = [b - a for a, b in steps
               if any(start <= a and b <= end for start, end in persisting)]
     if not quiet or not during:
-        return "training: too few steps to compare (raise --gb or --repeat)"
+        return f"training during a persist {how}: too few steps to compare (raise --gb or --repeat)"
     q, d = statistics.median(quiet), statistics.median(during)
     return (f"training step: {q * 1e3:.2f} ms with nothing else running ({len(quiet)} steps), "
             f"{d * 1e3:.2f} ms during a persist {how} ({len(during)} steps): slowed "

@@ -1,0 +1,29 @@
+"""bench/persist.py works before a long run is spent on it: a small run with training beside."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_persist_bench_measures_both_paths_beside_training(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "persist.py"), "--gb", "0.02", "--repeat", "2",
+         "--train", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=220, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("round ") for line in lines) == 2, lines
+    assert "persist/disk speed" in lines[-3] and "through the page cache" in lines[-3], lines
+    # A step time each, or "too few steps" where none fitted in a persist this small.
+    assert "during a persist with O_DIRECT" in lines[-2], lines
+    assert "during a persist through the page cache" in lines[-1], lines
+    assert list(tmp_path.iterdir()) == []  # its checkpoints and test file removed
