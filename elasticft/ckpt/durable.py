@@ -52,12 +52,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
+from elasticft.ckpt.snapshot import decode_json, dtype_from_name, stored_here, tensor_view
 
 try:  # zlib-ng's CRC-32 (carry-less multiply): the same values at 3-4x zlib's speed
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # no wheel for this platform: the same checksum at zlib's speed
     from zlib import crc32
-from elasticft.ckpt.snapshot import decode_json, dtype_from_name, stored_here, tensor_view
 
 logger = logging.getLogger(__name__)
 

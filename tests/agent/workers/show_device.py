@@ -31,6 +31,9 @@ state = {
 if mode == "cuda":
     torch.ones(1, device=f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
 out.mkdir(parents=True, exist_ok=True)
-(out / f"{os.environ['SHOW_START_TAG']}.json").write_text(json.dumps(state))
+# Renamed into place: the test waits for the file to exist, then reads it.
+tmp = out / f".{os.environ['SHOW_START_TAG']}.json.tmp"
+tmp.write_text(json.dumps(state))
+tmp.replace(out / f"{os.environ['SHOW_START_TAG']}.json")
 while True:
     time.sleep(1)

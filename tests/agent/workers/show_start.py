@@ -57,7 +57,9 @@ tag = os.environ.get("SHOW_START_TAG") or (
     f"attempt{os.environ.get('ELASTICFT_ATTEMPT', '0')}-rank{os.environ.get('RANK', '0')}"
 )
 out.mkdir(parents=True, exist_ok=True)
-(out / f"{tag}.json").write_text(json.dumps(state, indent=1))
+# Renamed into place: the test waits for the file to exist, then reads it.
+(out / f".{tag}.json.tmp").write_text(json.dumps(state, indent=1))
+(out / f".{tag}.json.tmp").replace(out / f"{tag}.json")
 print(f"started {tag}", flush=True)
 
 if mode == "exit3":
