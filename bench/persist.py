@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from elasticft.ckpt import Checkpointer, WorkerSettings, durable
+from elasticft.ckpt import Checkpointer, WorkerSettings, diskfile, durable
 from elasticft.ckpt.service import _copy_out, _hold
 from elasticft.ckpt.shm import SlotSet, StagingBuffer, segment_prefix
 
@@ -64,8 +64,8 @@ def disk_write(path: Path, nbytes: int, buffer: mmap.mmap, writeback: bool = Fal
         while left:
             done = nbytes - left
             left -= os.write(fd, view[: min(CHUNK, left)])
-            if writeback and durable._sync_file_range is not None:
-                durable._sync_file_range(fd, done, nbytes - left - done, 2)
+            if writeback and diskfile.sync_file_range is not None:
+                diskfile.sync_file_range(fd, done, nbytes - left - done, 2)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -156,7 +156,7 @@ def main() -> None:
         trainer = spawn.Process(target=train, args=(steps_out, stop), daemon=True)
         trainer.start()
         time.sleep(3)  # past its start-up and first steps: quiet steps to compare with
-        durable.background_priority()  # as the agent persists: what training leaves
+        diskfile.background_priority()  # as the agent persists: what training leaves
     busy: list[tuple[float, float]] = []
     persisting: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     try:

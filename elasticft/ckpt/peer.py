@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from elasticft.ckpt import durable
+from elasticft.ckpt import diskfile, durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
 
 logger = logging.getLogger(__name__)
@@ -270,8 +270,9 @@ class PeerServer:
         step, rank = int(manifest["step"]), int(manifest["rank"])
         directory = durable.step_dir(self.root, step)
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        durable.atomic_write(directory / manifest["file"], bytes(data))
-        durable.atomic_write(directory / durable.manifest_name(rank), json.dumps(manifest).encode())
+        diskfile.atomic_write(directory / manifest["file"], bytes(data))
+        diskfile.atomic_write(directory / durable.manifest_name(rank),
+                              json.dumps(manifest).encode())
         with self._lock:
             self._retain(rank)
 

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from elasticft.ckpt import durable
+from elasticft.ckpt import diskfile, durable
 from elasticft.ckpt.api import Snapshot, StorageFull
 from elasticft.ckpt.settings import WorkerSettings
 from elasticft.ckpt.shm import SlotSet, StagingBuffer, read_slot
@@ -72,7 +72,7 @@ class OwnPersister:
                 time.sleep(0.1)
 
     def _loop(self) -> None:
-        durable.background_priority()
+        diskfile.background_priority()
         while True:
             waiting = any(self._uncommitted_in.values())
             try:

@@ -67,7 +67,7 @@ from elasticft.agent.api import (
 )
 from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
-from elasticft.ckpt import durable, settings, shm
+from elasticft.ckpt import diskfile, durable, settings, shm
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
 from elasticft.ckpt.control import SkipReader, all_loaded, clear_loaded, request_checkpoint
 from elasticft.ckpt.peer import (
@@ -354,7 +354,7 @@ class CheckpointService(AgentCollaborator):
             if previous is not None:
                 previous.join()  # an earlier failure's flush; persists are serial anyway
             self._flush_go.wait()
-            durable.background_priority()
+            diskfile.background_priority()
             if self.persist(step, group, cause="flush"):
                 logger.info("flushed the step %d snapshot to disk (%.2f s after the failure)",
                             self._persisted, time.monotonic() - started)
@@ -572,7 +572,7 @@ class CheckpointService(AgentCollaborator):
         return None
 
     def _persist_loop(self) -> None:
-        durable.background_priority()
+        diskfile.background_priority()
         while True:
             step = self._jobs.get()
             if step is None:

@@ -18,13 +18,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elasticft.ckpt import Checkpointer, WorkerSettings, capture, durable
+from elasticft.ckpt import Checkpointer, WorkerSettings, capture, diskfile, durable
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, StorageFull
 from elasticft.ckpt.snapshot import flatten
 from elasticft.cli import main as cli_main
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
 
 
 @pytest.fixture
@@ -241,56 +242,6 @@ def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
     assert torch.equal(loaded, model.state_dict()["0.weight"])
 
 
-def _page_aligned(nbytes: int) -> mmap.mmap:
-    memory = mmap.mmap(-1, nbytes)
-    memory.write(os.urandom(nbytes))
-    return memory
-
-
-MIB = 1 << 20
-
-
-@pytest.mark.parametrize(
-    ("case", "writes", "direct"),
-    [
-        # (source offset, length) into a page-aligned buffer; flush as the string "flush".
-        ("small writes only", [(0, 10), (5, 4095), (0, 1), (7, 8193)], False),
-        ("a large write at a page, from a page", [(0, 3 * MIB)], True),
-        ("a large write after 100 bytes, from an address 100 past a page",
-         [(0, 100), (100, 3 * MIB + 7)], True),
-        ("a large write whose address is not congruent with its offset",
-         [(0, 100), (0, 3 * MIB)], False),
-        ("more than the bounce buffer holds, not congruent", [(1, 100), (3, 5 * MIB)], False),
-        ("a flush between writes, then more", [(0, 300), "flush", (300, 2 * MIB), "flush",
-                                               (11, 5000)], True),
-        ("empty writes", [(0, 0), (0, 4096), (0, 0)], False),
-    ],
-)
-def test_a_direct_file_holds_exactly_what_was_written(tmp_path: Path, case: str, writes: list,
-                                                     direct: bool) -> None:
-    source = _page_aligned(8 * MIB)
-    view = memoryview(source)
-    path = tmp_path / "shard"
-    expected = bytearray()
-    with durable._open_new(path, direct=True) as f:
-        if not isinstance(f, durable._DirectFile):
-            pytest.skip("this filesystem does not take O_DIRECT")
-        for write in writes:
-            if write == "flush":
-                f.flush()
-                assert path.read_bytes() == expected, case
-                continue
-            start, length = write
-            assert f.write(view[start : start + length]) == length
-            expected += view[start : start + length]
-            assert f.tell() == len(expected)
-        f.flush()
-        assert (f.bytes_direct > 0) == direct, case
-    assert path.read_bytes() == expected, case
-    view.release()
-    source.close()
-
-
 @pytest.mark.timeout(60)
 def test_a_shard_goes_to_the_disk_from_the_slot_memory_and_reads_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -302,14 +253,14 @@ def test_a_shard_goes_to_the_disk_from_the_slot_memory_and_reads_back(
     for entry in layout.tensors:
         torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
                          offset=entry.offset).copy_(entry.tensor.reshape(-1))
-    files: list[durable._DirectFile] = []
+    files: list[diskfile.DirectFile] = []
 
-    class Recorded(durable._DirectFile):
+    class Recorded(diskfile.DirectFile):
         def __init__(self, fd: int) -> None:
             super().__init__(fd)
             files.append(self)
 
-    monkeypatch.setattr(durable, "_DirectFile", Recorded)
+    monkeypatch.setattr(diskfile, "DirectFile", Recorded)
     directory = durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(3, 0, 1), payload))
     if not files:
         pytest.skip("this filesystem does not take O_DIRECT")
@@ -333,9 +284,9 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
 ) -> None:
     original_write = os.write
     direct_fds: set[int] = set()
-    original_init = durable._DirectFile.__init__
+    original_init = diskfile.DirectFile.__init__
 
-    def remember(self: durable._DirectFile, fd: int, *args: object) -> None:
+    def remember(self: diskfile.DirectFile, fd: int, *args: object) -> None:
         direct_fds.add(fd)
         original_init(self, fd, *args)
 
@@ -344,8 +295,8 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
             raise OSError(errno.EINVAL, "Invalid argument")
         return original_write(fd, data)
 
-    monkeypatch.setattr(durable._DirectFile, "__init__", remember)
-    monkeypatch.setattr(durable.os, "write", write)
+    monkeypatch.setattr(diskfile.DirectFile, "__init__", remember)
+    monkeypatch.setattr(os, "write", write)
     state = {"w": torch.randn(MIB), "step": 1}
     layout = flatten(state)
     payload = mmap.mmap(-1, layout.payload_bytes)
@@ -359,9 +310,3 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
     assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
     assert sorted(p.name for p in directory.iterdir()) == ["__r0.distcp", "r0.json"]
 
-
-@pytest.mark.parametrize("start", [0, 1, 0xFFFFFFFF])
-@pytest.mark.parametrize("size", [0, 1, 63, 4096, 3 * MIB + 5])
-def test_the_shard_checksum_is_zlibs_crc32(start: int, size: int) -> None:
-    data = os.urandom(size)
-    assert durable.crc32(data, start) == zlib.crc32(data, start)  # shards written before read
