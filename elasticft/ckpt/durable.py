@@ -24,9 +24,12 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import shutil
+import struct
 import time
+import zipfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -295,35 +298,149 @@ def read_rank_shard(directory: Path, rank: int) -> Snapshot:
     manifest = read_rank_manifest(directory, rank)
     path = directory / manifest["file"]
     try:
-        data = path.read_bytes()
+        with open(path, "rb", buffering=0) as f:
+            return _decode(manifest, _FileBytes(f), str(path))
     except FileNotFoundError:
         raise SnapshotMissing(f"{path} does not exist") from None
-    return decode_shard(manifest, data, str(path))
 
 
 def decode_shard(manifest: Mapping[str, Any], data: bytes | memoryview, where: str) -> Snapshot:
+    """The snapshot a shard file's bytes hold (a peer's reply), every blob checked."""
+    return _decode(manifest, _MemoryBytes(memoryview(data)), where)
+
+
+class _MemoryBytes:
+    """A shard's bytes in memory, read by offset."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data
+
+    def read(self, offset: int, length: int) -> memoryview:
+        return self._data[offset : offset + length]
+
+    def read_into(self, offset: int, target: memoryview) -> int:
+        part = self._data[offset : offset + len(target)]
+        target[: len(part)] = part
+        return len(part)
+
+
+class _FileBytes:
+    """A shard file, read by offset (``pread``): a tensor's bytes go straight into the payload."""
+
+    def __init__(self, file: Any) -> None:
+        self._fd = file.fileno()
+
+    def read(self, offset: int, length: int) -> memoryview:
+        buffer = bytearray(length)
+        return memoryview(buffer)[: self.read_into(offset, memoryview(buffer))]
+
+    def read_into(self, offset: int, target: memoryview) -> int:
+        done = 0
+        while done < len(target):
+            got = os.preadv(self._fd, [target[done:]], offset + done)
+            if got == 0:
+                break  # the file ends early: the caller's length check names it
+            done += got
+        return done
+
+
+class _BlobFile(io.RawIOBase):
+    """One blob of a shard as a seekable file, for :mod:`zipfile` to find its records in."""
+
+    def __init__(self, source: _MemoryBytes | _FileBytes, start: int, length: int) -> None:
+        self._source, self._start, self._length, self._position = source, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, target: Any) -> int:
+        view = memoryview(target).cast("B")
+        want = max(0, min(len(view), self._length - self._position))
+        got = self._source.read_into(self._start + self._position, view[:want])
+        self._position += got
+        return got
+
+
+def _tensor_bytes_at(blob: _BlobFile, nbytes: int) -> int | None:
+    """Where in a ``torch.save`` blob of one tensor its ``nbytes`` of data begin; None if the
+    blob is not laid out so (then it is decoded by ``torch.load``)."""
+    try:
+        with zipfile.ZipFile(blob) as archive:
+            records = [r for r in archive.infolist() if r.filename.split("/")[-2:-1] == ["data"]]
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None
+    if (len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED
+            or records[0].file_size != nbytes):
+        return None
+    # The local header must agree with the central directory: the CRC covers the blob's bytes,
+    # not where the tensor's bytes are said to begin.
+    name = records[0].filename.encode()
+    header = bytearray(30 + len(name))
+    blob.seek(records[0].header_offset)
+    if blob.readinto(header) != len(header) or header[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack_from("<HH", header, 26)
+    if name_length != len(name) or header[30:] != name:
+        return None
+    return records[0].header_offset + 30 + name_length + extra_length
+
+
+def _decode(manifest: Mapping[str, Any], source: _MemoryBytes | _FileBytes,
+            where: str) -> Snapshot:
+    """Each tensor's bytes go from ``source`` into their place in a new payload, once: the CRC-32
+    runs over the blob's header, those bytes in place, and its tail."""
     payload = bytearray(int(manifest["payload_bytes"]))
-    view = memoryview(data)
     for item in manifest["items"]:
         if not stored_here(item):
             continue  # reassembled from the owner rank on load
-        place = manifest["storage"].get(item["fqn"])
+        fqn = item["fqn"]
+        place = manifest["storage"].get(fqn)
         if place is None:
-            raise SnapshotCorrupt(f"{where}: no storage entry for {item['fqn']!r}")
-        blob = view[place["offset"] : place["offset"] + place["length"]]
-        if len(blob) != place["length"] or crc32(blob) != place["crc32"]:
-            raise SnapshotCorrupt(f"{where}: checksum mismatch in item {item['fqn']!r}")
+            raise SnapshotCorrupt(f"{where}: no storage entry for {fqn!r}")
+        start, length = int(place["offset"]), int(place["length"])
         if item["kind"] != "tensor":
+            blob = source.read(start, length)
+            if len(blob) != length or crc32(blob) != place["crc32"]:
+                raise SnapshotCorrupt(f"{where}: checksum mismatch in item {fqn!r}")
             continue
-        try:
-            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise SnapshotCorrupt(f"{where}: item {item['fqn']!r} unreadable ({e})") from None
         target = tensor_view(payload, item)
-        if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
-            raise SnapshotCorrupt(f"{where}: item {item['fqn']!r} has the wrong shape or dtype")
-        target.copy_(tensor)
+        nbytes = target.nbytes
+        data_at = _tensor_bytes_at(_BlobFile(source, start, length), nbytes) if nbytes else None
+        if data_at is None or data_at + nbytes > length:
+            _decode_by_torch_load(source.read(start, length), place, target, fqn, where)
+            continue
+        into = memoryview(payload)[int(item["offset"]) : int(item["offset"]) + nbytes]
+        head = source.read(start, data_at)
+        got = source.read_into(start + data_at, into)
+        tail = source.read(start + data_at + nbytes, length - data_at - nbytes)
+        crc = crc32(tail, crc32(into, crc32(head)))
+        if got != nbytes or len(head) + got + len(tail) != length or crc != place["crc32"]:
+            raise SnapshotCorrupt(f"{where}: checksum mismatch in item {fqn!r}")
     return Snapshot(dict(manifest), payload)
+
+
+def _decode_by_torch_load(blob: memoryview, place: Mapping[str, Any], target: torch.Tensor,
+                          fqn: str, where: str) -> None:
+    if len(blob) != place["length"] or crc32(blob) != place["crc32"]:
+        raise SnapshotCorrupt(f"{where}: checksum mismatch in item {fqn!r}")
+    try:
+        tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise SnapshotCorrupt(f"{where}: item {fqn!r} unreadable ({e})") from None
+    if tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
+        raise SnapshotCorrupt(f"{where}: item {fqn!r} has the wrong shape or dtype")
+    target.copy_(tensor)
 
 
 class DurableTier(Tier):

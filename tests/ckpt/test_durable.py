@@ -310,3 +310,50 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
     assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
     assert sorted(p.name for p in directory.iterdir()) == ["__r0.distcp", "r0.json"]
 
+
+
+@pytest.mark.timeout(60)
+def test_every_dtype_and_shape_reads_back_from_a_file_and_from_memory_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = {
+        "f32": torch.randn(3, 5), "bf16": torch.randn(1000).to(torch.bfloat16),
+        "i64": torch.arange(77), "bool": torch.rand(9) > 0.5, "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4), "u8": torch.randint(0, 255, (4096,), dtype=torch.uint8),
+        "big": torch.randn(MIB + 3), "step": 7, "name": "run",
+    }
+    layout = flatten(state)
+    payload = mmap.mmap(-1, layout.payload_bytes)
+    for entry in layout.tensors:
+        if entry.tensor.numel():
+            torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
+                             offset=entry.offset).copy_(entry.tensor.reshape(-1))
+    directory = durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(7, 0, 1), payload))
+    fallbacks: list[str] = []
+    original = durable._decode_by_torch_load
+
+    def counted(blob, place, target, fqn, where) -> None:
+        if target.nbytes:
+            fallbacks.append(fqn)
+        original(blob, place, target, fqn, where)
+
+    monkeypatch.setattr(durable, "_decode_by_torch_load", counted)
+    manifest = durable.read_rank_manifest(directory, 0)
+    data = (directory / manifest["file"]).read_bytes()
+    for snapshot in (durable.read_rank_shard(directory, 0),
+                     durable.decode_shard(manifest, data, "memory")):
+        assert bytes(snapshot.payload) == bytes(payload)
+    assert fallbacks == []  # every tensor's bytes were read in place, none through torch.load
+    # A damaged tensor byte is caught by the in-place path too, from a file and from memory.
+    damaged = bytearray(data)
+    place = manifest["storage"]["big"]
+    damaged[place["offset"] + place["length"] // 2] ^= 0x01
+    (directory / manifest["file"]).write_bytes(bytes(damaged))
+    with pytest.raises(SnapshotCorrupt, match="checksum mismatch in item 'big'"):
+        durable.read_rank_shard(directory, 0)
+    with pytest.raises(SnapshotCorrupt, match="checksum mismatch in item 'big'"):
+        durable.decode_shard(manifest, damaged, "memory")
+    # A shard cut short is named, not read past its end.
+    (directory / manifest["file"]).write_bytes(data[: place["offset"] + 100])
+    with pytest.raises(SnapshotCorrupt, match="'big'"):
+        durable.read_rank_shard(directory, 0)

@@ -1,4 +1,4 @@
-"""bench/persist.py works before a long run is spent on it: a small run with training beside."""
+"""bench/persist.py and bench/disk_restore.py work before a long run is spent on them."""
 
 from __future__ import annotations
 
@@ -27,3 +27,16 @@ def test_the_persist_bench_measures_both_paths_beside_training(tmp_path: Path) -
     assert "during a persist with O_DIRECT" in lines[-2], lines
     assert "during a persist through the page cache" in lines[-1], lines
     assert list(tmp_path.iterdir()) == []  # its checkpoints and test file removed
+
+
+@pytest.mark.timeout(120)
+def test_the_disk_restore_bench_reads_a_shard_three_ways(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "disk_restore.py"), "--gb", "0.01", "--repeat",
+         "1", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stdout.splitlines()[-1]
+    assert "read" in last and "elasticft" in last and "torch.load" in last, last
+    assert list(tmp_path.iterdir()) == []
