@@ -29,21 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from persist import model_state  # the same state the persist bench writes (bench/ is the path)
 
 from elasticft.ckpt import durable
 from elasticft.ckpt.api import Snapshot
 from elasticft.ckpt.diskfile import crc32
 from elasticft.ckpt.snapshot import flatten, stored_here, tensor_view
-
-
-def model_state(nbytes: int) -> dict[str, torch.Tensor]:
-    """Parameters plus AdamW's two moments: large matrices and one small vector per matrix."""
-    width, layers = 2048, 16
-    rows = max(1, nbytes // 3 // (width * 4) // layers)
-    return {f"layers.{i}.{name}.{kind}": torch.randn(rows, width) if name == "weight"
-            else torch.randn(width)
-            for i in range(layers) for name in ("weight", "bias")
-            for kind in ("param", "exp_avg", "exp_avg_sq")}
 
 
 def drop_cache(path: Path) -> None:
