@@ -284,7 +284,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 class ShardStream:
-    """The shard file as a write-only stream that keeps each blob's CRC-32 and length.
+    """The shard file as a write-only stream of ``torch.save`` blobs, each with its CRC-32.
 
     The CRC of a large write runs on a second thread while the write goes to the disk (both
     release the GIL). Through a buffered file (no ``O_DIRECT`` there) a persist is CPU work (the
@@ -306,9 +306,22 @@ class ShardStream:
         """The first error of a write: ``torch.save`` calls :meth:`write` from C++, and its
         clean-up on the way out can raise an error of its own that hides this one."""
 
-    def begin_blob(self) -> None:
+    def write_blob(self, obj: Any) -> dict[str, int]:
+        """``torch.save`` of ``obj`` straight to the file (no staging copy); its offset, length
+        and CRC-32. A large tensor's blob is placed for its bytes to go to the disk in place."""
+        if (not self._buffered and isinstance(obj, torch.Tensor)
+                and obj.nbytes >= DIRECT_MIN):
+            self._file.write(bytes(padding_before(obj, self._file.tell())))
+        offset = self._file.tell()
         self.crc = 0
         self.length = 0
+        try:
+            torch.save(obj, self)
+        except Exception:
+            if self.error is not None:
+                raise self.error from None
+            raise
+        return {"offset": offset, "length": self.length, "crc32": self.crc}
 
     def write(self, data: Any) -> int:
         try:

@@ -49,15 +49,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
 from elasticft.ckpt.diskfile import (
-    DIRECT_MIN,
-    DirectFile,
     DirectRefused,
     ShardStream,
     atomic_write,
     crc32,
     disk_error,
     fsync_dir,
-    padding_before,
     same_priority_as_caller,
     written_atomically,
     zip_checksums_off,
@@ -112,26 +109,13 @@ def _write_rank_shard(root: Path, snapshot: Snapshot, direct: bool) -> Path:
     with (zip_checksums_off(),
           ThreadPoolExecutor(1, "elasticft-crc", same_priority_as_caller()) as checksummer,
           written_atomically(final, direct=direct) as f):
-        blob = ShardStream(f, checksummer)
+        shard = ShardStream(f, checksummer)
         for item in manifest["items"]:
             if not stored_here(item):
                 continue  # another rank's shard holds this replicated item
-            if item["kind"] == "tensor":
-                obj: Any = tensor_view(snapshot.payload, item)
-                if isinstance(f, DirectFile) and obj.nbytes >= DIRECT_MIN:
-                    f.write(bytes(padding_before(obj, f.tell())))
-            else:
-                obj = decode_json(item["value"])
-            offset = f.tell()
-            blob.begin_blob()
-            try:
-                torch.save(obj, blob)  # straight to the file: no staging copy
-            except Exception:
-                if blob.error is not None:
-                    raise blob.error from None
-                raise
-            storage[item["fqn"]] = {"offset": offset, "length": blob.length,
-                                    "crc32": blob.crc}
+            obj: Any = (tensor_view(snapshot.payload, item) if item["kind"] == "tensor"
+                        else decode_json(item["value"]))
+            storage[item["fqn"]] = shard.write_blob(obj)
     record = dict(manifest, file=final.name, storage=storage, written_at=time.time())
     atomic_write(directory / manifest_name(rank), json.dumps(record).encode())
     fsync_dir(directory)
