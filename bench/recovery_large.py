@@ -72,9 +72,9 @@ def _process_age_s() -> float:
     return time.time() - procs.started_at(os.getpid())
 
 
-def _mem_available_gb() -> float:
+def _mem_available_gb(field: str = "MemAvailable") -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1e6
     return 0.0
 
@@ -125,6 +125,45 @@ def _copy_floor() -> dict[str, float]:
         slots.close()
 
 
+def _thread_cpu() -> dict[str, list[float]]:
+    """CPU seconds (user, system) of this process's threads so far, summed by thread name (the
+    Python name where the thread is Python's, else the kernel's: torch's OpenMP threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    totals: dict[str, list[float]] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = python_names.get(int(task.name)) or (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total = totals.setdefault(name, [0.0, 0.0])
+        total[0] += int(fields[11]) / tick  # utime, field 14 of stat(5)
+        total[1] += int(fields[12]) / tick  # stime, field 15
+    return totals
+
+
+def _machine_cpu() -> list[int]:
+    """Jiffies of the whole machine so far: user + nice, system + irq + softirq, idle + iowait."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return [values[0] + values[1], values[2] + values[5] + values[6], values[3] + values[4]]
+
+
+_VMSTAT = ("allocstall_normal", "allocstall_movable", "pgscan_direct", "pgsteal_direct",
+           "pgscan_kswapd", "pgsteal_kswapd", "pgalloc_dma32", "workingset_refault_file",
+           "compact_stall", "thp_fault_alloc", "pgfault", "pgfree", "pgalloc_normal")
+
+
+def _vmstat() -> dict[str, int]:
+    """The kernel's counters of page allocation and reclaim (whole machine)."""
+    counters = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, value = line.split()
+        if name in _VMSTAT:
+            counters[name] = int(value)
+    return counters
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -170,16 +209,30 @@ def worker(args: argparse.Namespace) -> int:
          if start else None)
     for step in range(start, args.steps):
         began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        threads, machine, vmstat = _thread_cpu(), _machine_cpu(), _vmstat()
+        free_gb = _mem_available_gb("MemFree")
         model(batch).pow(2).mean().backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         sync()
         after = resource.getrusage(resource.RUSAGE_SELF)
-        # Where a slow step's time goes: CPU of its own, page faults, or waiting for a core.
+        threads_after, machine_after, vmstat_after = _thread_cpu(), _machine_cpu(), _vmstat()
+        tick = os.sysconf("SC_CLK_TCK")
+        # Where a slow step's time goes: CPU of its own (by thread), page faults, waiting for a
+        # core, and what the whole machine did meanwhile (the agent, the launcher, the kernel).
         _log(log, event="step", step=step + 1, step_s=time.perf_counter() - began,
              user_s=after.ru_utime - usage.ru_utime, sys_s=after.ru_stime - usage.ru_stime,
              minor_faults=after.ru_minflt - usage.ru_minflt,
-             preempted=after.ru_nivcsw - usage.ru_nivcsw)
+             preempted=after.ru_nivcsw - usage.ru_nivcsw,
+             threads={name: [round(u - threads.get(name, [0.0, 0.0])[0], 2),
+                             round(s - threads.get(name, [0.0, 0.0])[1], 2)]
+                      for name, (u, s) in threads_after.items()
+                      if u + s - sum(threads.get(name, [0.0, 0.0])) >= 0.02},
+             machine_s=[round((a - b) / tick, 2) for a, b in zip(machine_after, machine,
+                                                                    strict=True)],
+             vmstat={k: v - vmstat.get(k, 0) for k, v in vmstat_after.items()
+                     if v != vmstat.get(k, 0)},
+             mem_free_gb=free_gb)
         if (step + 1) % args.every == 0:
             called = time.perf_counter()
             if args.mode == "elasticft":
@@ -287,6 +340,10 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                   if r["event"] == "restore_call"), None),
         "first_step_usage": {k: first_step.get(k) for k in ("user_s", "sys_s", "minor_faults",
                                                             "preempted")} if first_step else {},
+        "first_step_threads": first_step.get("threads") if first_step else None,
+        "first_step_machine_s": first_step.get("machine_s") if first_step else None,
+        "first_step_vmstat": first_step.get("vmstat") if first_step else None,
+        "first_step_mem_free_gb": first_step.get("mem_free_gb") if first_step else None,
         "floor_fresh_s": floor.get("floor_fresh_s"),
         "floor_touched_s": floor.get("floor_touched_s"),
         "floor_fresh_parallel_s": floor.get("floor_fresh_parallel_s"),
@@ -384,6 +441,14 @@ def main() -> int:
                   f"median step {_fmt(r['steady_step_s'])}"
                   + (f"; {r['mem_available_gb']:.1f} GB available at the restore"
                      if r.get("mem_available_gb") else ""))
+            if r.get("first_step_threads") is not None:
+                by_thread = ", ".join(f"{name} {u:.2f}+{s:.2f}" for name, (u, s) in sorted(
+                    r["first_step_threads"].items(), key=lambda kv: -sum(kv[1])))
+                user, system, idle = r["first_step_machine_s"]
+                print(f"{r['launcher']}: that step's CPU by thread (user+system s): {by_thread}; "
+                      f"the whole machine meanwhile: {user:.2f} s user, {system:.2f} s system, "
+                      f"{idle:.2f} s idle; the kernel's page counters: {r['first_step_vmstat']}; "
+                      f"{r['first_step_mem_free_gb']:.1f} GB free before it")
     for r in rows:
         if "snapshots_skipped" in r:
             print(f"{r['launcher']}: snapshots skipped: {r['snapshots_skipped']}")

@@ -1,4 +1,5 @@
-"""bench/persist.py and bench/disk_restore.py work before a long run is spent on them."""
+"""bench/persist.py, bench/disk_restore.py and bench/fresh_memory.py work before a long run is
+spent on them."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ def test_the_disk_restore_bench_reads_a_shard_three_ways(tmp_path: Path) -> None
     last = done.stdout.splitlines()[-1]
     assert "read" in last and "elasticft" in last and "torch.load" in last, last
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_fresh_memory_bench_prints_a_round_per_wait(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fresh_memory.py"), "--gb", "0.01", "--waits",
+         "0,0.1"], capture_output=True, text=True, timeout=50, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("fresh_memory: ") and "free page reporting" in lines[0], lines
+    assert [line.split(" s after")[0] for line in lines[1:]] == [
+        "0.01 GB filled 0", "0.01 GB filled 0.1"], lines
