@@ -63,7 +63,7 @@ def written_atomically(path: Path, direct: bool = False) -> Iterator[Any]:
     removes the temporary file and is raised as one line naming the fix.
 
     ``direct``: a :class:`DirectFile` where the filesystem takes ``O_DIRECT``, else a buffered
-    file (tmpfs, some network filesystems, a device such as ``/dev/full``)."""
+    file (tmpfs before Linux 6.6, some network filesystems, a device such as ``/dev/full``)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open_new(tmp, direct) as f:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import mmap
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -310,6 +312,55 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
     assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
     assert sorted(p.name for p in directory.iterdir()) == ["__r0.distcp", "r0.json"]
 
+
+
+@contextlib.contextmanager
+def _small_filesystem(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (root only): a disk that really fills up."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root")
+@pytest.mark.timeout(60)
+def test_a_filesystem_that_fills_up_under_direct_writes_is_a_clear_error_leaving_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    direct_fds: list[int] = []
+    original_init = diskfile.DirectFile.__init__
+
+    def remember(self: diskfile.DirectFile, fd: int, *args: object) -> None:
+        direct_fds.append(fd)
+        original_init(self, fd, *args)
+
+    monkeypatch.setattr(diskfile.DirectFile, "__init__", remember)
+    with _small_filesystem(tmp_path / "small", "8m") as small:
+        big = flatten({"w": torch.randn(4 * MIB), "b": torch.ones(10)})  # 16 MB
+        with pytest.raises(StorageFull, match=r"no space left writing .*free space there"):
+            durable.write_rank_shard(small, Snapshot(big.manifest(1, 0, 1),
+                                                     bytearray(big.payload_bytes)))
+        if not direct_fds:
+            pytest.skip("this kernel's tmpfs does not take O_DIRECT")
+        step_one = durable.step_dir(small, 1)
+        assert list(step_one.iterdir()) == []  # no shard, no temporary file
+        assert durable.DurableTier(small).steps(0, 1) == []
+        # The space is back: the next, smaller checkpoint is written whole and reads back.
+        state = {"w": torch.randn(MIB // 4)}
+        layout = flatten(state)
+        payload = mmap.mmap(-1, layout.payload_bytes)
+        for entry in layout.tensors:
+            torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
+                             offset=entry.offset).copy_(entry.tensor.reshape(-1))
+        directory = durable.write_rank_shard(small, Snapshot(layout.manifest(2, 0, 1), payload))
+        assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
+        assert len(direct_fds) == 2
 
 
 @pytest.mark.timeout(60)
