@@ -110,7 +110,7 @@ def _copy_floor() -> dict[str, float]:
             # The same into fresh memory on every core, as the restore copies.
             import torch
 
-            from elasticft.ckpt.snapshot import copy_all
+            from elasticft.ckpt.hostcopy import copy_all
 
             del target
             started = time.perf_counter()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from elasticft.ckpt.api import CheckpointError, StorageFull
 from elasticft.ckpt.control import ControlWatcher, report_loaded, report_skip
 from elasticft.ckpt.device import DeviceCopier, PendingCopy
+from elasticft.ckpt.hostcopy import copy_bytes
 from elasticft.ckpt.loader import SnapshotLoader
 from elasticft.ckpt.persister import OwnPersister
 from elasticft.ckpt.settings import WorkerSettings
@@ -57,7 +58,6 @@ from elasticft.ckpt.snapshot import (
     Layout,
     ReplicaPlacement,
     align_up,
-    copy_bytes,
     deduplicated,
     place_replicas,
 )

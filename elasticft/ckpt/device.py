@@ -45,7 +45,8 @@ from typing import Any, Protocol
 
 import torch
 
-from elasticft.ckpt.snapshot import align_up, copy_all
+from elasticft.ckpt.hostcopy import copy_all
+from elasticft.ckpt.snapshot import align_up
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +404,7 @@ def restore_copy(pairs: Sequence[Copy], backend: Backend | None = None,
                  bounce_bytes: int = BOUNCE_BYTES) -> None:
     """Copies (live tensor, snapshot view in shared memory) pairs for a restore.
 
-    Host tensors are copied on every core (:func:`~elasticft.ckpt.snapshot.copy_all`). A device
+    Host tensors are copied on every core (:func:`~elasticft.ckpt.hostcopy.copy_all`). A device
     tensor is not copied straight from the slot: from pageable memory the driver stages every
     byte itself, synchronously (4.8 GB took 0.94 s on an H100; 0.57 s more to register the slot
     first). Its bytes go through two reused pinned buffers instead: while the device copies one

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from elasticft.ckpt.api import CheckpointError, Snapshot
+from elasticft.ckpt.hostcopy import copy_bytes
 from elasticft.ckpt.shm import MemoryTier, SlotSet
-from elasticft.ckpt.snapshot import copy_bytes, dtype_from_name, stored_here, tensor_view
+from elasticft.ckpt.snapshot import dtype_from_name, stored_here, tensor_view
 
 logger = logging.getLogger(__name__)
 

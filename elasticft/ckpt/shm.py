@@ -55,7 +55,8 @@ import torch
 
 from elasticft import procs, unnamed
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
-from elasticft.ckpt.snapshot import align_up, copy_all
+from elasticft.ckpt.hostcopy import copy_all
+from elasticft.ckpt.snapshot import align_up
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from elasticft.ckpt.device import restore_copy
+from elasticft.ckpt.hostcopy import copy_bytes
 from elasticft.ckpt.snapshot import (
-    copy_bytes,
     decode_json,
     dtype_from_name,
     set_path,
