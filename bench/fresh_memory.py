@@ -33,17 +33,22 @@ def fill(gb: float) -> tuple[np.ndarray, float, float]:
     return array, wall, resource.getrusage(resource.RUSAGE_SELF).ru_stime - before.ru_stime
 
 
+def page_reporting() -> str:
+    """The kernel's free page reporting setting from its command line, or "none"."""
+    try:
+        cmdline = Path("/proc/cmdline").read_text()
+    except OSError:
+        cmdline = ""
+    return next((word for word in cmdline.split() if "page_reporting" in word), "none")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--gb", type=float, default=3.0)
     parser.add_argument("--waits", default="0,1,3,6,10,0",
                         help="seconds between freeing and filling again, one round each")
     args = parser.parse_args(argv)
-    try:
-        cmdline = Path("/proc/cmdline").read_text()
-    except OSError:
-        cmdline = ""
-    reporting = next((word for word in cmdline.split() if "page_reporting" in word), "none")
+    reporting = page_reporting()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     print(f"fresh_memory: {platform.machine()}, {now} UTC; free page reporting on the kernel "
           f"command line: {reporting}")

@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fresh_memory import page_reporting  # bench/ is the path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_SPEC = "RECOVERY_LARGE_WORKER"
 
@@ -413,7 +415,8 @@ def main() -> int:
              else f"CPU ({platform.machine()}, {os.cpu_count()} cores)")
     print(f"recovery_large: {where}, torch {torch.__version__}, {when}; {args.gb} GB of state, "
           f"a save every {args.every} step(s), SIGKILL two steps after save "
-          f"{args.kill_after_saves}")
+          f"{args.kill_after_saves}; free page reporting: {page_reporting()} (new memory costs "
+          f"more where it is on: bench/fresh_memory.py)")
     print(f"{'launcher':<14} {'kill->step':>10} {'kill->fail':>10} {'fail->dec':>10} "
           f"{'restore':>9} {'resumed':>8} {'last save':>9} {'landed':>7}  saves: first (run 1 | "
           f"restarted), later median")
