@@ -13,8 +13,9 @@ import sys
 import textwrap
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,17 @@ from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
+
+
+def slot_snapshot(state: Mapping[str, Any], step: int) -> Snapshot:
+    """``state`` as rank 0 of 1's snapshot at ``step``, in page-aligned memory as in a slot."""
+    layout = flatten(state)
+    payload = mmap.mmap(-1, max(1, layout.payload_bytes))
+    for entry in layout.tensors:
+        if entry.tensor.numel():
+            torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
+                             offset=entry.offset).copy_(entry.tensor.reshape(-1))
+    return Snapshot(layout.manifest(step, 0, 1), payload)
 
 
 @pytest.fixture
@@ -225,14 +237,9 @@ def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
     tmp_path: Path,
 ) -> None:
     model, optim = trained_model()
-    state = capture(model, optim, {"step": 1})
-    layout = flatten(state)
-    payload = bytearray(layout.payload_bytes)
-    for entry in layout.tensors:
-        torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                         offset=entry.offset).copy_(entry.tensor.reshape(-1))
+    snapshot = slot_snapshot(capture(model, optim, {"step": 1}), 1)
     assert torch.serialization.get_crc32_options()
-    durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(1, 0, 1), payload))
+    durable.write_rank_shard(tmp_path, snapshot)
     assert torch.serialization.get_crc32_options()  # the user's setting is back
     directory = durable.step_dir(tmp_path, 1)
     record = durable.read_rank_manifest(directory, 0)
@@ -250,11 +257,7 @@ def test_a_shard_goes_to_the_disk_from_the_slot_memory_and_reads_back(
 ) -> None:
     state = {"big": torch.randn(3 * MIB // 4 + 5), "small": torch.randn(7), "step": 3,
              "other": torch.randn(MIB // 2 + 1)}
-    layout = flatten(state)
-    payload = mmap.mmap(-1, layout.payload_bytes)  # page-aligned, as a shared-memory slot
-    for entry in layout.tensors:
-        torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                         offset=entry.offset).copy_(entry.tensor.reshape(-1))
+    written = slot_snapshot(state, 3)
     files: list[diskfile.DirectFile] = []
 
     class Recorded(diskfile.DirectFile):
@@ -263,13 +266,13 @@ def test_a_shard_goes_to_the_disk_from_the_slot_memory_and_reads_back(
             files.append(self)
 
     monkeypatch.setattr(diskfile, "DirectFile", Recorded)
-    directory = durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(3, 0, 1), payload))
+    directory = durable.write_rank_shard(tmp_path, written)
     if not files:
         pytest.skip("this filesystem does not take O_DIRECT")
     big = state["big"].nbytes + state["other"].nbytes
     assert files[0].bytes_direct >= big - 4 * 4096  # all but the blobs' unaligned ends
     snapshot = durable.read_rank_shard(directory, 0)
-    assert bytes(snapshot.payload) == bytes(payload)
+    assert bytes(snapshot.payload) == bytes(written.payload)
     target = {"big": torch.zeros_like(state["big"]), "other": torch.zeros_like(state["other"])}
     record = durable.read_rank_manifest(directory, 0)
     data = (directory / record["file"]).read_bytes()
@@ -299,17 +302,12 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
 
     monkeypatch.setattr(diskfile.DirectFile, "__init__", remember)
     monkeypatch.setattr(os, "write", write)
-    state = {"w": torch.randn(MIB), "step": 1}
-    layout = flatten(state)
-    payload = mmap.mmap(-1, layout.payload_bytes)
-    for entry in layout.tensors:
-        torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                         offset=entry.offset).copy_(entry.tensor.reshape(-1))
-    directory = durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(1, 0, 1), payload))
+    snapshot = slot_snapshot({"w": torch.randn(MIB), "step": 1}, 1)
+    directory = durable.write_rank_shard(tmp_path, snapshot)
     if not direct_fds:
         pytest.skip("this filesystem does not take O_DIRECT")
     assert "refused an O_DIRECT write" in caplog.text
-    assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
+    assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(snapshot.payload)
     assert sorted(p.name for p in directory.iterdir()) == ["__r0.distcp", "r0.json"]
 
 
@@ -352,14 +350,9 @@ def test_a_filesystem_that_fills_up_under_direct_writes_is_a_clear_error_leaving
         assert list(step_one.iterdir()) == []  # no shard, no temporary file
         assert durable.DurableTier(small).steps(0, 1) == []
         # The space is back: the next, smaller checkpoint is written whole and reads back.
-        state = {"w": torch.randn(MIB // 4)}
-        layout = flatten(state)
-        payload = mmap.mmap(-1, layout.payload_bytes)
-        for entry in layout.tensors:
-            torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                             offset=entry.offset).copy_(entry.tensor.reshape(-1))
-        directory = durable.write_rank_shard(small, Snapshot(layout.manifest(2, 0, 1), payload))
-        assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(payload)
+        snapshot = slot_snapshot({"w": torch.randn(MIB // 4)}, 2)
+        directory = durable.write_rank_shard(small, snapshot)
+        assert bytes(durable.read_rank_shard(directory, 0).payload) == bytes(snapshot.payload)
         assert len(direct_fds) == 2
 
 
@@ -373,13 +366,8 @@ def test_every_dtype_and_shape_reads_back_from_a_file_and_from_memory_in_place(
         "empty": torch.empty(0, 4), "u8": torch.randint(0, 255, (4096,), dtype=torch.uint8),
         "big": torch.randn(MIB + 3), "step": 7, "name": "run",
     }
-    layout = flatten(state)
-    payload = mmap.mmap(-1, layout.payload_bytes)
-    for entry in layout.tensors:
-        if entry.tensor.numel():
-            torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                             offset=entry.offset).copy_(entry.tensor.reshape(-1))
-    directory = durable.write_rank_shard(tmp_path, Snapshot(layout.manifest(7, 0, 1), payload))
+    written = slot_snapshot(state, 7)
+    directory = durable.write_rank_shard(tmp_path, written)
     fallbacks: list[str] = []
     original = durable._decode_by_torch_load
 
@@ -393,7 +381,7 @@ def test_every_dtype_and_shape_reads_back_from_a_file_and_from_memory_in_place(
     data = (directory / manifest["file"]).read_bytes()
     for snapshot in (durable.read_rank_shard(directory, 0),
                      durable.decode_shard(manifest, data, "memory")):
-        assert bytes(snapshot.payload) == bytes(payload)
+        assert bytes(snapshot.payload) == bytes(written.payload)
     assert fallbacks == []  # every tensor's bytes were read in place, none through torch.load
     # A damaged tensor byte is caught by the in-place path too, from a file and from memory.
     damaged = bytearray(data)
