@@ -15,19 +15,16 @@ PYTHON=${PYTHON:-python3}
 
 if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   if ! compgen -G "elasticft/diag/_nccl_shim*.so" >/dev/null && command -v cc >/dev/null; then
-    cc -O2 -std=gnu11 -fvisibility=hidden -Wall -shared -fPIC -o elasticft/diag/_nccl_shim.so \
-      elasticft/diag/shim/*.c -ldl -lpthread
+    bash scripts/build_shim.sh
   fi
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" bench/gpu_check.py --dry-run "$@"
 fi
 
 # elasticft without its dependencies (the torch pin must not replace the machine's torch), then
 # whichever of its light dependencies are missing.
-if ! "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >/tmp/gpu_check_install.log 2>&1; then
-  echo "gpu_check: pip install -e . failed (see /tmp/gpu_check_install.log); building the shim with cc and running from the tree"
-  cc -O2 -std=gnu11 -fvisibility=hidden -Wall -shared -fPIC -o elasticft/diag/_nccl_shim.so \
-    elasticft/diag/shim/*.c -ldl -lpthread || { echo "gpu_check: cannot build the shim" >&2; exit 1; }
-fi
+# Exit 3: run from the tree (PYTHONPATH is set below in any case).
+bash scripts/install_into.sh "$PYTHON"
+case $? in 0|3) ;; *) echo "gpu_check: cannot install elasticft nor build its shim" >&2; exit 1;; esac
 missing=$("$PYTHON" - <<'PY'
 import importlib.util
 import shutil

@@ -10,7 +10,13 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--gpu" ]; then
   PYTHON=${PYTHON:-python3}
   # Without its dependencies: the torch pin must not replace the machine's CUDA torch.
-  "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .
+  installed=0
+  bash scripts/install_into.sh "$PYTHON" || installed=$?
+  if [ "$installed" = 3 ]; then
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  elif [ "$installed" != 0 ]; then
+    exit "$installed"
+  fi
   "$PYTHON" -m pip install -q numpy pyyaml psutil zlib-ng tenacity prometheus-client py-spy nvidia-ml-py
   exec "$PYTHON" scripts/demo.py "$@"
 fi
