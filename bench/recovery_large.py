@@ -210,19 +210,20 @@ def worker(args: argparse.Namespace) -> int:
     _log(log, event="start", resumed=start, restore_s=time.perf_counter() - started
          if start else None)
     for step in range(start, args.steps):
-        began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        # Read before and after the step, outside its time: where a slow step's time goes.
         threads, machine, vmstat = _thread_cpu(), _machine_cpu(), _vmstat()
         free_gb = _mem_available_gb("MemFree")
+        began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         model(batch).pow(2).mean().backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         sync()
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        step_s, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF)
         threads_after, machine_after, vmstat_after = _thread_cpu(), _machine_cpu(), _vmstat()
         tick = os.sysconf("SC_CLK_TCK")
-        # Where a slow step's time goes: CPU of its own (by thread), page faults, waiting for a
-        # core, and what the whole machine did meanwhile (the agent, the launcher, the kernel).
-        _log(log, event="step", step=step + 1, step_s=time.perf_counter() - began,
+        # CPU of its own (by thread), page faults, waiting for a core, and what the whole
+        # machine did meanwhile (the agent, the launcher, the kernel).
+        _log(log, event="step", step=step + 1, step_s=step_s,
              user_s=after.ru_utime - usage.ru_utime, sys_s=after.ru_stime - usage.ru_stime,
              minor_faults=after.ru_minflt - usage.ru_minflt,
              preempted=after.ru_nivcsw - usage.ru_nivcsw,
