@@ -311,7 +311,6 @@ def test_a_filesystem_refusing_direct_writes_gets_the_shard_through_the_page_cac
     assert sorted(p.name for p in directory.iterdir()) == ["__r0.distcp", "r0.json"]
 
 
-
 @contextlib.contextmanager
 def _small_filesystem(where: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted at ``where`` (root only): a disk that really fills up."""
