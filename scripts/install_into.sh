@@ -9,7 +9,7 @@
 # Any other exit: neither worked.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=$1
+PYTHON=${1:?usage: bash scripts/install_into.sh PYTHON}
 log=${TMPDIR:-/tmp}/elasticft_install.log
 : >"$log"
 # pyproject.toml declares its license as an SPDX expression, which setuptools reads from 77 on.
