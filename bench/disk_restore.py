@@ -79,8 +79,7 @@ def main() -> None:
         layout = flatten(model_state(int(args.gb * (1 << 30))))
         payload = mmap.mmap(-1, layout.payload_bytes)
         for entry in layout.tensors:
-            torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                             offset=entry.offset).copy_(entry.tensor.reshape(-1))
+            tensor_view(payload, entry.to_json()).copy_(entry.tensor)
         directory = durable.write_rank_shard(root, Snapshot(layout.manifest(1, 0, 1), payload))
         shard = directory / durable.shard_name(0)
         size = shard.stat().st_size

@@ -74,7 +74,7 @@ def _process_age_s() -> float:
     return time.time() - procs.started_at(os.getpid())
 
 
-def _mem_available_gb(field: str = "MemAvailable") -> float:
+def _meminfo_gb(field: str = "MemAvailable") -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1e6
@@ -193,7 +193,7 @@ def worker(args: argparse.Namespace) -> int:
         ckpt = Checkpointer.from_env(optimizers=[optim])
         snapshot = StateCapture(model, optim)
         called = time.perf_counter()
-        available = _mem_available_gb()
+        available = _meminfo_gb()
         restored = ckpt.restore(model, optim)
         _log(log, event="restore_call", seconds=time.perf_counter() - called,
              from_env_s=called - started, mem_available_gb=available)
@@ -212,7 +212,7 @@ def worker(args: argparse.Namespace) -> int:
     for step in range(start, args.steps):
         # Read before and after the step, outside its time: where a slow step's time goes.
         threads, machine, vmstat = _thread_cpu(), _machine_cpu(), _vmstat()
-        free_gb = _mem_available_gb("MemFree")
+        free_gb = _meminfo_gb("MemFree")
         began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         model(batch).pow(2).mean().backward()
         optim.step()

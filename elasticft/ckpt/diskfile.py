@@ -81,7 +81,7 @@ def written_atomically(path: Path, direct: bool = False) -> Iterator[Any]:
         raise
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
     with written_atomically(path) as f:
         f.write(data)
 

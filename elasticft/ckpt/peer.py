@@ -270,7 +270,7 @@ class PeerServer:
         step, rank = int(manifest["step"]), int(manifest["rank"])
         directory = durable.step_dir(self.root, step)
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        diskfile.atomic_write(directory / manifest["file"], bytes(data))
+        diskfile.atomic_write(directory / manifest["file"], data)  # no copy of the shard
         diskfile.atomic_write(directory / durable.manifest_name(rank),
                               json.dumps(manifest).encode())
         with self._lock:

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture, diskfile, durable
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, StorageFull
-from elasticft.ckpt.snapshot import flatten
+from elasticft.ckpt.snapshot import flatten, tensor_view
 from elasticft.cli import main as cli_main
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
@@ -36,9 +36,7 @@ def slot_snapshot(state: Mapping[str, Any], step: int) -> Snapshot:
     layout = flatten(state)
     payload = mmap.mmap(-1, max(1, layout.payload_bytes))
     for entry in layout.tensors:
-        if entry.tensor.numel():
-            torch.frombuffer(payload, dtype=entry.tensor.dtype, count=entry.tensor.numel(),
-                             offset=entry.offset).copy_(entry.tensor.reshape(-1))
+        tensor_view(payload, entry.to_json()).copy_(entry.tensor)
     return Snapshot(layout.manifest(step, 0, 1), payload)
 
 
