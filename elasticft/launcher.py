@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs
+from elasticft.agent import lifeline
 from elasticft.agent.addons import build_add_ons
 from elasticft.agent.agent import ElasticftAgent
 from elasticft.agent.api import AddOn, AddOnContext, AgentCollaborator, StopRun
@@ -180,6 +181,7 @@ def launch(
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)
     sweep_leftovers(options)
+    lifeline.end_strays(str(config.run_id))
     if options.agent.event_dir is not None:
         require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
     event_log = EventLog(options.agent.event_dir or run_dir, node_id)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs, steps, torch_compat
+from elasticft.agent import lifeline
 from elasticft.agent.api import (
     AgentCollaborator,
     Detection,
@@ -54,7 +55,7 @@ RUN_DIR_ENV = "ELASTICFT_RUN_DIR"
 NODE_ID_ENV = "ELASTICFT_NODE_ID"
 ROUND_ENV = "ELASTICFT_ROUND"
 ATTEMPT_ENV = "ELASTICFT_ATTEMPT"
-WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV})
+WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV, lifeline.AGENT_PID_ENV})
 """Worker variables the agent itself sets."""
 
 WORKER_ENV_NAMES = (
@@ -174,6 +175,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         worker_env[NODE_ID_ENV] = self.node_id
         worker_env[ROUND_ENV] = str(self._round)
         worker_env[ATTEMPT_ENV] = str(self._attempt)
+        worker_env.update(lifeline.worker_env())
         group = self.group_info()
         worker = next(w for w in group.workers if w.local_rank == local_rank)
         for extra in self._each_collaborator("worker_env", group, worker):

@@ -64,6 +64,7 @@ from subprocess import Popen
 from typing import Any
 
 from elasticft import torch_compat
+from elasticft.agent import lifeline
 from elasticft.torch_compat import SubprocessContext, SubprocessHandler
 
 logger = logging.getLogger(__name__)
@@ -398,7 +399,7 @@ class WarmPool:
 class WarmSubprocessHandler(SubprocessHandler):
     """torch's ``SubprocessHandler`` whose process comes from the pool when it can."""
 
-    def __init__(self, pool: WarmPool, **kwargs: Any) -> None:
+    def __init__(self, pool: WarmPool | None, **kwargs: Any) -> None:
         self._pool = pool
         self.warm = False
         self.launch: tuple[tuple[str, ...], dict[str, str], str] | None = None
@@ -407,7 +408,7 @@ class WarmSubprocessHandler(SubprocessHandler):
     def _popen(self, args: tuple, env: dict[str, str]) -> Popen:
         argv = tuple(str(a) for a in args)
         cwd = os.getcwd()
-        if not_warm_startable(argv) is None:
+        if self._pool is not None and not_warm_startable(argv) is None:
             self.launch = (argv, dict(env), cwd)
             warm = self._pool.take(self.local_rank_id, argv, env, cwd)
             if warm is not None:
@@ -422,20 +423,22 @@ class WarmSubprocessHandler(SubprocessHandler):
                     logger.warning("warm start of local rank %d failed; starting cold",
                                    self.local_rank_id, exc_info=True)
                     self._pool.drop(self.local_rank_id, warm)
-        return super()._popen(args, env)
+        # torch's own start, the worker bound to this agent (elasticft.agent.lifeline).
+        return Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr,
+                     start_new_session=True, preexec_fn=lifeline.cold_preexec())
 
 
 class WarmSubprocessContext(SubprocessContext):
     """torch's ``SubprocessContext`` with :class:`WarmSubprocessHandler` workers."""
 
-    def __init__(self, pool: WarmPool, **kwargs: Any) -> None:
+    def __init__(self, pool: WarmPool | None, **kwargs: Any) -> None:
         self._pool = pool
         super().__init__(**kwargs)
 
     def _start(self) -> None:
         if self.subprocess_handlers:
             raise ValueError("the worker processes were already started")
-        if torch_compat.numa_options_of(self) is None:
+        if self._pool is not None and torch_compat.numa_options_of(self) is None:
             # Every local rank's interpreter does its imports at the same time (the first
             # start, or after a change of environment); each worker is then forked from it.
             cwd = os.getcwd()
@@ -460,7 +463,7 @@ class WarmSubprocessContext(SubprocessContext):
             for local_rank in range(self.nprocs)
         }
         for local_rank, handler in self.subprocess_handlers.items():
-            if handler.launch is not None:
+            if self._pool is not None and handler.launch is not None:
                 self._pool.refill(local_rank, *handler.launch)
 
     def warm_ranks(self) -> list[int]:
@@ -505,8 +508,9 @@ class WarmStartMixin:
         if self.warm_pool is not None and (missing := torch_compat.warm_start_unavailable()):
             torch_compat.degraded("warm start", f"torch lacks {missing}")
             self.warm_pool = None
+        # Without a pool the workers start cold, through the same context: bound to the agent.
         if (
-            self.warm_pool is None
+            torch_compat.warm_start_unavailable()
             or not isinstance(spec.entrypoint, str)
             or spec.numa_options is not None
         ):

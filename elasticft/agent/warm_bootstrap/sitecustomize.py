@@ -99,7 +99,30 @@ def _exec_cold(request):
     os.execvpe(request["argv"][0], request["argv"], request["env"])
 
 
+def _bind_to_agent(env):
+    """Asks the kernel for SIGKILL when the agent dies (``elasticft.agent.lifeline``), once
+    the worker is the agent's child: its first parent is the intermediate of the double fork
+    (or of a spare), which exits at once. A worker whose agent is already gone exits."""
+    import ctypes
+    import signal
+    import time
+
+    try:
+        agent = int(env.get("ELASTICFT_AGENT_PID", ""))
+    except ValueError:
+        return  # an agent that does not bind its workers
+    first = os.getppid()
+    deadline = time.monotonic() + 5.0
+    while first != agent and os.getppid() == first and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    libc = ctypes.CDLL(None, use_errno=True)
+    bound = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    if bound and os.getppid() != agent:
+        os._exit(1)  # re-parented elsewhere: the agent died during the start
+
+
 def _become_worker(request, fds, preload_error):
+    _bind_to_agent(request["env"])
     out_fd, err_fd = fds
     warm_output = (_captured(1), _captured(2))
     os.dup2(out_fd, 1)
