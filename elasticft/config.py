@@ -477,15 +477,19 @@ class RecoveryConfig:
 
     recovery_enabled: bool = option(
         True, "Orchestrate recovery: just-in-time checkpoints from healthy replicas, eviction "
-        "of suspect nodes, blacklisting of nodes that vanished.")
+        "of suspect nodes, quarantine of nodes that vanished.")
     recovery_jit_timeout_s: float = tuning(
         10.0, "Longest wait for healthy workers to confirm a just-in-time checkpoint.")
     recovery_repeat_offender: int = option(
         3, "Failures caused by one node's ranks after which it counts as suspect hardware and "
         "is evicted when the job can go on without it (0: never).", minimum=0)
     recovery_blacklist: bool = option(
-        True, "Blacklist evicted nodes and nodes that vanished from a round (etcd-v3 "
-        "rendezvous), with the evidence as the reason.")
+        True, "Blacklist the machine of a node evicted on evidence about it, and quarantine "
+        "in the job a node that vanished from a round (etcd-v3 rendezvous), with the evidence "
+        "as the reason.")
+    recovery_quarantine_s: float = tuning(
+        300.0, "How long a node that disappeared from a round is kept out of this job (its id, "
+        "this job only; a per-process id and the agent itself, alive after all, are not).")
     recovery_departed_grace_s: float = tuning(
         6.0, "How long the leader waits for a node missing from a new round to show a live "
         "membership record before it counts as vanished.")

@@ -8,7 +8,7 @@ Recovery (:mod:`elasticft.recovery`) adds the facts of hierarchical recovery: ho
 node was the culprit (a repeat offender is suspect hardware), whether every data-parallel shard
 still has a healthy replica (then the healthy replicas take a just-in-time checkpoint of the
 state after the last completed step instead of falling back to the newest snapshot), and which
-nodes left a round without a word (they are evicted and blacklisted).
+nodes left a round without a word (they are quarantined in the job).
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ class DepartedNode:
     alive: bool
     """Its agent still holds its membership record (it is alive and only late)."""
     blacklisted: bool
-    """Already on the blacklist (it evicted itself, or an operator put it there)."""
+    """Already on the blacklist (it evicted itself, or an operator put it there) or in this
+    job's quarantine."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +233,8 @@ class Eviction:
 
 def judge_departed(departed: Iterable[DepartedNode], previous_round: int) -> tuple[Eviction, ...]:
     """The leader's verdict on nodes that left: one that vanished (its agent's membership lease
-    expired: dead, or cut off from the job) is suspect hardware and gets blacklisted; one that
-    is alive and only late, or already blacklisted, does not."""
+    ended: dead, or cut off from the job) is quarantined in the job; one that is alive and only
+    late, or already blacklisted or quarantined, is not."""
     return tuple(
         Eviction(node.node_id,
                  f"node disappeared: in round {previous_round}, then no keep-alive and no "

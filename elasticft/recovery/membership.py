@@ -1,8 +1,10 @@
 """What recovery asks the rendezvous: who is alive, who waits as a standby, who is banned.
 
 Only the ``etcd-v3`` rendezvous keeps these facts outside the training nodes (membership records
-on agent leases, a blacklist without lease, see :mod:`elasticft.rendezvous.membership`); with
-any other backend recovery works without them (no blacklist, no standby count).
+on agent leases, a blacklist of machines without lease, the job's quarantine of nodes that
+disappeared, see :mod:`elasticft.rendezvous.membership` and
+:mod:`elasticft.rendezvous.quarantine`); with any other backend recovery works without them
+(no blacklist, no quarantine, no standby count).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Protocol
 
 from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist, read_status
+from elasticft.rendezvous.quarantine import Quarantine
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +27,9 @@ class Membership(Protocol):
     def is_blacklisted(self, node_id: str) -> bool: ...
 
     def blacklist(self, node_id: str, reason: str, added_by: str) -> None: ...
+
+    def quarantine(self, node_id: str, reason: str, round_: int, added_by: str,
+                   seconds: float) -> None: ...
 
 
 class EtcdMembership:
@@ -54,10 +60,17 @@ class EtcdMembership:
         return len(read_status(self._client, self._keys, self._settings).standbys)
 
     def is_blacklisted(self, node_id: str) -> bool:
-        return self._blacklist.get(node_id) is not None
+        """On the blacklist, or already quarantined in this job."""
+        return self._blacklist.get(node_id) is not None or Quarantine(
+            self._client, self._keys, self._settings).get(node_id) is not None
 
     def blacklist(self, node_id: str, reason: str, added_by: str) -> None:
         self._blacklist.add(node_id, reason, added_by)
+
+    def quarantine(self, node_id: str, reason: str, round_: int, added_by: str,
+                   seconds: float) -> None:
+        Quarantine(self._client, self._keys, self._settings).add(node_id, reason, round_,
+                                                                 added_by, seconds)
 
     def close(self) -> None:
         self._client.close()

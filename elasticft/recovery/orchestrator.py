@@ -20,8 +20,9 @@ checkpoint service, so on a failure it
    without this node (``can_evict``: more nodes than ``--nnodes`` minimum, or a standby waits),
    whether replicas are intact and JIT is possible;
 4. on an eviction (suspect hardware: failed health check, repeat offender), **blacklists this
-   node with the evidence** before the launcher lets it leave without closing the rendezvous;
-   the remaining nodes and a standby re-rendezvous.
+   node's machine with the evidence** (its host name for a per-process id) before the launcher
+   lets it leave without closing the rendezvous; the remaining nodes and a standby
+   re-rendezvous.
 
 **Across nodes**, the healthy replicas are mostly on other nodes. The agent that meets the
 failure broadcasts a JIT request for its round through the round's store (one key, written
@@ -34,9 +35,10 @@ round: whichever of the failure, the broadcast or the membership change asks fir
 the others reuse its result.
 
 Job-wide, the **leader** of each round (group rank 0) compares the round's nodes with the
-previous round's: a node that is gone and whose membership lease expired (dead, or cut off
-from the network) is evicted for good, blacklisted with the evidence
-(:func:`~elasticft.agent.policy.judge_departed`). Every choice is logged with its reason and
+previous round's: a node that is gone and whose membership lease ended (dead, or cut off
+from the network) is quarantined in this job for ``recovery_quarantine_s``, with the evidence
+(:func:`~elasticft.agent.policy.judge_departed`, :mod:`elasticft.rendezvous.quarantine`): that
+says nothing about its machine, so it is not blacklisted. Every choice is logged with its reason and
 written to the event log (``jit_checkpoint``, ``eviction``, ``recovery``).
 """
 
@@ -47,6 +49,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -75,6 +78,7 @@ from elasticft.ckpt.service import CheckpointService
 from elasticft.config import RecoveryConfig
 from elasticft.events import EventLog
 from elasticft.recovery.membership import EtcdMembership, Membership
+from elasticft.rendezvous.quarantine import machine_name
 
 logger = logging.getLogger(__name__)
 
@@ -235,23 +239,27 @@ class RecoveryOrchestrator(AgentCollaborator):
                     break
                 time.sleep(0.5)
             departed.append(DepartedNode(node, alive, blacklisted))
+        quarantine_s = self.config.recovery_quarantine_s
         for eviction in judge_departed(departed, previous):
-            logger.error("leader %s evicts node %s: %s", self.node_id, eviction.node_id,
-                         eviction.reason)
+            logger.error("leader %s quarantines node %s in this job for %.0f s: %s",
+                         self.node_id, eviction.node_id, quarantine_s, eviction.reason)
             try:
-                membership.blacklist(eviction.node_id, eviction.reason,
-                                     f"leader {self.node_id}, round {group.round}")
+                membership.quarantine(eviction.node_id, eviction.reason, previous,
+                                      f"leader {self.node_id}, round {group.round}",
+                                      quarantine_s)
             except run_ending_errors():
                 raise
             except Exception as e:
-                logger.error("could not blacklist node %s: %s", eviction.node_id, e)
+                logger.error("could not quarantine node %s: %s", eviction.node_id, e)
                 continue
             self._emit("eviction", evicted=eviction.node_id, reason=eviction.reason,
-                       by="leader", round=group.round, blacklisted=True)
+                       by="leader", round=group.round, blacklisted=False,
+                       quarantined_s=quarantine_s)
         for node in departed:
             if node.alive or node.blacklisted:
-                logger.info("node %s left after round %d but is %s; not blacklisted", node.node_id,
-                            previous, "alive" if node.alive else "already blacklisted")
+                logger.info("node %s left after round %d but is %s; not quarantined",
+                            node.node_id, previous,
+                            "alive" if node.alive else "already blacklisted or quarantined")
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -498,17 +506,19 @@ class RecoveryOrchestrator(AgentCollaborator):
             return
         logger.error("node %s evicts itself: %s", self.node_id, action.reason)
         blacklisted = False
+        # Evidence about the machine: its name goes on the blacklist, never a per-process id.
+        machine = machine_name(self.node_id, socket.gethostname())
         if self.membership is not None and self.config.recovery_blacklist:
             try:
-                self.membership.blacklist(self.node_id, action.reason,
+                self.membership.blacklist(machine, action.reason,
                                           f"node {self.node_id} itself (pid {os.getpid()})")
                 blacklisted = True
             except run_ending_errors():
                 raise
             except Exception as e:
-                logger.error("could not blacklist node %s: %s", self.node_id, e)
+                logger.error("could not blacklist machine %s: %s", machine, e)
         self._emit("eviction", evicted=self.node_id, reason=action.reason, by="self",
-                   round=group.round, blacklisted=blacklisted)
+                   round=group.round, blacklisted=blacklisted, machine=machine)
 
     def close(self) -> None:
         self._closing.set()

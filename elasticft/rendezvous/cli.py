@@ -1,5 +1,9 @@
 """``elasticft blacklist list|add|remove``: the nodes the etcd-v3 rendezvous refuses.
 
+Two kinds (:mod:`elasticft.rendezvous.quarantine`): blacklisted machines, for every job until
+removed, and nodes quarantined in one job after they disappeared from it, until the quarantine
+ends by itself (or ``remove NODE --run-id JOB``). ``list`` shows both.
+
 It takes the same connection flags as ``elasticft-run`` (``--rdzv-endpoint``, ``--rdzv-conf`` for
 TLS/user/password/prefix; ``PET_RDZV_ENDPOINT`` / ``PET_RDZV_CONF`` when the flags are left out),
 so a job's own settings can be reused verbatim. :func:`add_connection_flags` and :func:`connect`
@@ -9,6 +13,7 @@ serve ``elasticft status`` (:mod:`elasticft.report.status`) too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import json
 import os
@@ -16,8 +21,9 @@ import socket
 from typing import Any
 
 from elasticft.cli import CliError
-from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, LazyClient
+from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist
+from elasticft.rendezvous.quarantine import Quarantine, all_entries
 from elasticft.torch_compat import RendezvousConnectionError
 
 
@@ -66,13 +72,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "blacklist", help="list, add or remove nodes refused by the etcd-v3 rendezvous"
     )
     actions = blacklist.add_subparsers(dest="blacklist_action", required=True, metavar="ACTION")
-    listing = actions.add_parser("list", help="show blacklisted nodes and why")
+    listing = actions.add_parser(
+        "list", help="show blacklisted machines and quarantined nodes (per job), and why")
     listing.add_argument("--json", action="store_true", help="print JSON")
     add = actions.add_parser("add", help="refuse NODE_ID at its next rendezvous")
     add.add_argument("node_id")
     add.add_argument("--reason", required=True, help="why (shown to the refused node)")
-    remove = actions.add_parser("remove", help="let NODE_ID join again")
+    remove = actions.add_parser(
+        "remove", help="let NODE_ID join again (with --run-id: end its quarantine in that job)")
     remove.add_argument("node_id")
+    remove.add_argument("--run-id", help="the job whose quarantine of NODE_ID ends now")
     for sub in (listing, add, remove):
         add_connection_flags(sub)
         sub.set_defaults(handler=_blacklist)
@@ -88,6 +97,13 @@ def _blacklist(args: argparse.Namespace) -> int:
             by = f"{getpass.getuser()}@{socket.gethostname()}"
             blacklist.add(args.node_id, args.reason, added_by=by)
             print(f"blacklisted {args.node_id}: {args.reason}")
+        elif args.blacklist_action == "remove" and args.run_id:
+            keys = Keys(settings.root, args.run_id)
+            if not Quarantine(client, keys, settings).remove(args.node_id):
+                raise CliError(
+                    f"node {args.node_id!r} is not quarantined in job {args.run_id!r}; "
+                    "see `elasticft blacklist list`")
+            print(f"ended the quarantine of {args.node_id} in job {args.run_id}")
         elif args.blacklist_action == "remove":
             if not blacklist.remove(args.node_id):
                 raise CliError(
@@ -97,12 +113,19 @@ def _blacklist(args: argparse.Namespace) -> int:
             print(f"removed {args.node_id} from the blacklist")
         else:
             entries = blacklist.entries()
+            quarantined = all_entries(client, settings.root, settings)
             if args.json:
-                print(json.dumps([e.__dict__ for e in entries], indent=2))
-            elif not entries:
-                print("blacklist is empty")
-            for entry in entries if not args.json else ():
-                print(entry.summary())
+                print(json.dumps({
+                    "blacklist": [dataclasses.asdict(e) for e in entries],
+                    "quarantine": [{"run_id": job, **dataclasses.asdict(e)}
+                                   for job, e in quarantined]}, indent=2))
+                return 0
+            print("blacklist (machines, every job):" if entries else "blacklist is empty")
+            for entry in entries:
+                print(f"  {entry.summary()}")
+            print("quarantine (nodes, one job each):" if quarantined else "quarantine is empty")
+            for job, q in quarantined:
+                print(f"  job {job}: {q.summary()}")
     except RendezvousConnectionError as e:
         raise one_line(e) from None
     finally:

@@ -8,6 +8,7 @@ maintained ``etcd-sdk-python`` (module ``pyetcd``), over gRPC.
 Keys, under a root prefix (``/elasticft`` unless ``prefix=`` says otherwise)::
 
     <root>/blacklist/<node_id>           JSON verdict; cluster-wide, survives every restart
+    <root>/quarantine/<run_id>/<node_id>  JSON, one job's verdict on a lease (ends by itself)
     <root>/jobs/<run_id>/rdzv/round      the last completed rendezvous round (decimal)
     <root>/jobs/<run_id>/rdzv/closed     present once the job is closed (no more rounds)
     <root>/jobs/<run_id>/rdzv/r/<T>/join/<node>   a node's join of round T, on its lease
@@ -292,9 +293,20 @@ class Keys:
     def blacklist(self) -> str:
         return blacklist_prefix(self.root)
 
+    @property
+    def quarantine(self) -> str:
+        return f"{quarantine_prefix(self.root)}{self.run_id}/"
+
+    def quarantined(self, node_id: str) -> str:
+        return f"{self.quarantine}{node_id}"
+
 
 def blacklist_prefix(root: str) -> str:
     return f"{root}/blacklist/"
+
+
+def quarantine_prefix(root: str) -> str:
+    return f"{root}/quarantine/"
 
 
 def describe_error(error: BaseException) -> str:

@@ -48,6 +48,7 @@ from typing import Any
 import psutil
 import torch.distributed as dist
 
+from elasticft.rendezvous import quarantine
 from elasticft.rendezvous.etcd import (
     EtcdConfigError,
     EtcdSettings,
@@ -109,6 +110,8 @@ and spread out they let it recover."""
 RUNNING_POLL_S = 2.0
 DUPLICATE_POLL_S = 1.0
 """How often a node whose id another agent's member record holds looks again."""
+QUARANTINE_POLL_S = 5.0
+"""How often a quarantined node looks whether its quarantine is over."""
 DUPLICATE_GRACE_S = 2.0
 """How long past a lease's TTL a foreign member record may stay before its agent counts as
 alive (records of a dead agent vanish when its lease expires)."""
@@ -123,6 +126,10 @@ class NodeBlacklistedError(RendezvousError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class NodeQuarantinedError(NodeBlacklistedError):
+    """This node's id is quarantined in this job for longer than its join timeout."""
 
 
 class NodeUnhealthyError(RendezvousError):
@@ -261,6 +268,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 f"{m.settings.endpoint_text}`",
                 reason=entry.reason,
             )
+        probe = self._wait_out_quarantine(probe, join_deadline)
         report = m.health_check()
         member = self._member_record("waiting", health_ok=report.ok,
                                      health_detail=report.detail)
@@ -480,6 +488,31 @@ class EtcdRendezvousHandler(RendezvousHandler):
             logger.info("node id %s is held by the record of (%s, pid %d); waiting for it to "
                         "expire", m.node_id, other.addr, other.pid)
             time.sleep(DUPLICATE_POLL_S)
+            probe = self._wait_for_etcd(deadline)
+        return probe
+
+    def _wait_out_quarantine(self, probe: ProbeView, deadline: float) -> ProbeView:
+        """Waits while this node's id is quarantined in this job (it disappeared from it, see
+        :mod:`elasticft.rendezvous.quarantine`); raises :class:`NodeQuarantinedError` when the
+        quarantine outlasts the join timeout."""
+        m = self._membership
+        said = False
+        while quarantine.refuses(entry := quarantine.parse(probe.quarantined), m.node_id,
+                                 m.host, self._round):
+            assert entry is not None
+            left = entry.until - time.time()
+            if time.monotonic() + left > deadline:
+                raise NodeQuarantinedError(
+                    f"node {m.node_id!r} is quarantined in job {self._run_id!r} for another "
+                    f"{left:.0f} s ({entry.reason}); start it again after that, or end the "
+                    f"quarantine now with `elasticft blacklist remove {m.node_id} --run-id "
+                    f"{self._run_id} --rdzv-endpoint {m.settings.endpoint_text}`",
+                    reason=entry.reason)
+            if not said:
+                logger.warning("node %s is quarantined in job %s for another %.0f s (%s); it "
+                               "joins after that", m.node_id, self._run_id, left, entry.reason)
+                said = True
+            time.sleep(min(QUARANTINE_POLL_S, max(0.1, left)))
             probe = self._wait_for_etcd(deadline)
         return probe
 

@@ -53,6 +53,11 @@ def dump_record(record: Any) -> bytes:
     return json.dumps(dataclasses.asdict(record), sort_keys=True).encode()
 
 
+def parse_record(cls: type, value: bytes | None) -> Any:
+    """The record of dataclass ``cls`` kept as JSON ``value`` (None if absent or unreadable)."""
+    return _from_dict(cls, _load(value))
+
+
 def _from_dict(cls: type, data: dict[str, Any] | None) -> Any:
     if data is None:
         return None

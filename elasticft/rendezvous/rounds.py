@@ -104,6 +104,8 @@ class ProbeView:
     last_round: int
     member: bytes | None
     """The member record under this node's id: another live agent's if the id is taken."""
+    quarantined: bytes | None = None
+    """This node id's quarantine entry in this job (raw), if any."""
 
 
 class RoundStore:
@@ -117,18 +119,20 @@ class RoundStore:
 
     def probe(self, blacklist_keys: tuple[str, ...]) -> ProbeView:
         """One request that proves etcd answers and reads what a join starts from: the
-        blacklist entries (raw) of this node's names, the last completed round and the member
-        record (raw) under this node's id."""
+        blacklist entries (raw) of this node's names, the last completed round, the member
+        record (raw) under this node's id and its quarantine entry (raw) in this job."""
         c, k = self._client, self._keys
         reads = [range_request(c, key) for key in blacklist_keys]
-        reads += [range_request(c, k.last_round), range_request(c, k.member(self._node_id))]
+        reads += [range_request(c, k.last_round), range_request(c, k.member(self._node_id)),
+                  range_request(c, k.quarantined(self._node_id))]
         with etcd_errors(self._settings, "connecting to"):
             _, responses = raw_txn(c, [], reads)
         entries = [_value(r) for r in responses[:len(blacklist_keys)]]
         return ProbeView(
             blacklisted=next((e for e in entries if e is not None), None),
-            last_round=_int(_value(responses[-2]), -1),
-            member=_value(responses[-1]),
+            last_round=_int(_value(responses[-3]), -1),
+            member=_value(responses[-2]),
+            quarantined=_value(responses[-1]),
         )
 
     def last_round(self) -> int:

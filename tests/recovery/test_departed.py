@@ -13,8 +13,9 @@ from elasticft.agent.api import GroupInfo, WorkerInfo
 from elasticft.config import RecoveryConfig
 from elasticft.recovery.membership import EtcdMembership
 from elasticft.recovery.orchestrator import RecoveryOrchestrator
-from elasticft.rendezvous.etcd import EtcdSettings, LazyClient
+from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist
+from elasticft.rendezvous.quarantine import Quarantine
 from tests.servers import EtcdServer
 
 
@@ -26,7 +27,7 @@ def group_of(tmp: Path, node: str, group_rank: int, round_: int) -> GroupInfo:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_standby_that_now_leads_still_blacklists_the_node_that_vanished(
+def test_a_standby_that_now_leads_still_quarantines_the_node_that_vanished(
     tmp_path: Path, round_store, etcd_server: EtcdServer
 ) -> None:
     settings = EtcdSettings.from_conf(etcd_server.endpoint, {})
@@ -51,13 +52,16 @@ def test_a_standby_that_now_leads_still_blacklists_the_node_that_vanished(
         c.on_rendezvous(group_of(tmp_path, "c", 1, 1), round_store(1))
         client = LazyClient(settings)
         try:
-            blacklist = Blacklist(client, settings.root, settings)
-            while blacklist.get("a") is None:
+            quarantine = Quarantine(client, Keys(settings.root, "job"), settings)
+            while quarantine.get("a") is None:
                 assert time.monotonic() < deadline, "the new leader never judged node a"
                 time.sleep(0.05)
-            entry = blacklist.get("a")
+            entry = quarantine.get("a")
             assert entry is not None and entry.reason.startswith("node disappeared")
-            assert blacklist.get("c") is None
+            assert entry.round == 0
+            assert quarantine.get("c") is None
+            # A name a job's quarantine holds is no machine verdict: the blacklist stays empty.
+            assert Blacklist(client, settings.root, settings).entries() == []
         finally:
             client.close()
     finally:

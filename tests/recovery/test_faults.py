@@ -22,6 +22,7 @@ from elasticft import chaos
 from elasticft.events import read_events
 from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist, read_status
+from elasticft.rendezvous.quarantine import Quarantine
 from tests.recovery.cluster import (
     AGENT_FLAGS,
     AGENT_TUNING,
@@ -289,7 +290,7 @@ def test_etcd_restarted_mid_run(etcd_server: EtcdServer, make_job, reference):
 
 
 # ------------------------------------------------------------------------------------------------
-# Node faults: the node is gone; the leader blacklists it, the standby takes its place.
+# Node faults: the node is gone; the leader quarantines it, the standby takes its place.
 
 
 def blacklist_of(endpoint: str) -> dict[str, str]:
@@ -298,6 +299,16 @@ def blacklist_of(endpoint: str) -> dict[str, str]:
     try:
         return {e.node_id: e.reason for e in Blacklist(client, settings.root,
                                                          settings).entries()}
+    finally:
+        client.close()
+
+
+def quarantine_of(endpoint: str, job_id: str) -> dict[str, str]:
+    settings = EtcdSettings.from_conf(endpoint, {})
+    client = LazyClient(settings)
+    try:
+        return {e.node_id: e.reason for e in Quarantine(client, Keys(settings.root, job_id),
+                                                          settings).entries()}
     finally:
         client.close()
 
@@ -343,8 +354,9 @@ def check_replaced(job: Job, endpoint: str, lost: str, standby: str,
     assert started and started[-1]["world_size"] == 2  # the standby took the lost place
     evictions = [e for e in job.events("eviction") if e["evicted"] == lost]
     assert evictions and evictions[0]["by"] == "leader", job.events("eviction")
-    reason = blacklist_of(endpoint).get(lost, "")
+    reason = quarantine_of(endpoint, job.job_id).get(lost, "")
     assert reason.startswith("node disappeared"), reason
+    assert lost not in blacklist_of(endpoint)
     assert losses.recomputed <= PLAIN_CKPT_EVERY
     return losses
 

@@ -107,7 +107,7 @@ def test_user_code_is_never_evicted() -> None:
     assert decide(facts).kind is ActionKind.STOP
 
 
-def test_leader_blacklists_only_vanished_nodes() -> None:
+def test_leader_quarantines_only_vanished_nodes() -> None:
     departed = [
         DepartedNode("dead", alive=False, blacklisted=False),
         DepartedNode("late", alive=True, blacklisted=False),
