@@ -391,7 +391,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 max_nodes=self.max_nodes, job_closed=view.job_closed, result=view.result,
                 last_round=view.last_round, joined_present=view.joined_present,
                 coordinator=view.coordinator, joined=view.joined,
-                previous_remaining=view.previous_remaining,
+                previous_remaining=view.previous_remaining, previous_size=previous_size,
                 may_close=round_may_close(round_, previous_size, view.previous_restarted,
                                           view.previous_remaining, self.max_nodes),
                 quorum_for_s=None if quorum_since is None else now - quorum_since,

@@ -10,7 +10,9 @@ instead of torch's O(N) compare-and-set retries of one shared blob.
 
 This module holds the decisions, with no I/O (tests/rendezvous/test_protocol.py is their table):
 
-* :func:`decide` — what a waiting node does after a poll: wait, close the round (coordinator),
+* :func:`decide` — what a waiting node does after a poll: wait, close the round (coordinator:
+  at ``max`` nodes; once every live participant of the previous round is in and the round
+  does not grow, at once; else after the last call),
   take its rank, move to the next round (a standby of a full job, or a late joiner), join again
   (its join key vanished with an expired lease), or stop (timeout, job closed).
 * :func:`round_may_close` — the gate: round ``T`` may close only once round ``T-1`` is over
@@ -81,6 +83,8 @@ class RoundPoll:
     forms), so a round does not close without them: a full round not before the last call,
     so that a standby does not take the place of a healthy node; any round not before
     ``rejoin_s`` after the last call, so that two nodes do not take turns closing alone."""
+    previous_size: int | None = None
+    """Participants of the previous round (None: no such round, or its result is gone)."""
     rejoin_s: float = 60.0
     """How long after the last call a round still waits for ``previous_remaining`` (an agent
     whose lease is alive but that never comes back, a hung one, is left behind then)."""
@@ -121,6 +125,13 @@ def decide(poll: RoundPoll) -> Decision:
         return Decision(Verdict.WAIT, "the previous round is still running, full")
     if poll.joined >= poll.max_nodes and not poll.previous_remaining:
         return Decision(Verdict.CLOSE, f"{poll.joined} nodes joined (max {poll.max_nodes})")
+    if (poll.quorum_for_s is not None and poll.previous_size is not None
+            and poll.previous_remaining == 0 and poll.joined <= poll.previous_size):
+        # Nobody may still come: every live participant of the previous round is in (the
+        # others' leases ended), and the round does not grow, so it is no scale-up that the
+        # last call would let more new nodes join. A shrink closes here, at once.
+        return Decision(Verdict.CLOSE, f"{poll.joined} nodes joined: every live participant "
+                        f"of round {poll.round - 1} ({poll.previous_size} nodes) is in")
     if poll.quorum_for_s is not None and poll.quorum_for_s >= poll.last_call_s:
         if poll.previous_remaining and poll.quorum_for_s < poll.last_call_s + poll.rejoin_s:
             # A live participant of the previous round was told to come back and is stopping

@@ -39,6 +39,19 @@ DECIDE_CASES = [
     ({"joined": 2, "previous_remaining": 0, "quorum_for_s": 30.0}, Verdict.CLOSE, False),
     ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 35.0, "rejoin_s": 5.0},
      Verdict.CLOSE, False),
+    # everyone alive is in: a shrink (or a restart of all) closes at once, without the last
+    # call; a node whose death is not known yet, or a scale-up, still gets it
+    ({"joined": 2, "previous_size": 3, "previous_remaining": 0, "quorum_for_s": 0.0},
+     Verdict.CLOSE, False),
+    ({"joined": 3, "previous_size": 3, "previous_remaining": 0, "quorum_for_s": 0.0},
+     Verdict.CLOSE, False),
+    ({"joined": 2, "previous_size": 3, "previous_remaining": 1, "quorum_for_s": 0.0},
+     Verdict.WAIT, True),
+    ({"joined": 3, "previous_size": 2, "previous_remaining": 0, "quorum_for_s": 0.0},
+     Verdict.WAIT, True),
+    ({"joined": 1, "previous_size": 3, "previous_remaining": 0}, Verdict.WAIT, True),
+    ({"joined": 2, "previous_size": 3, "previous_remaining": None, "quorum_for_s": 0.0,
+      "coordinator": "other"}, Verdict.WAIT, False),
     # the gate: the previous round is full and running, so no round of standbys
     ({"joined": 4, "may_close": False}, Verdict.WAIT, False),
     # not the coordinator: only waits, slowly
