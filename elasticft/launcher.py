@@ -233,6 +233,9 @@ def launch(
         duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
         virtual_local_rank=getattr(config, "virtual_local_rank", None),
     )
+    # The rendezvous records the memberships it ends on evidence of a dead agent.
+    if (set_event_sink := getattr(spec.rdzv_handler, "set_event_sink", None)) is not None:
+        set_event_sink(event_log.emit)
     warm_pool = WarmPool() if options.agent.warm_start else None
     agent = agent_class(
         spec,

@@ -42,13 +42,14 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import psutil
 import torch.distributed as dist
 
-from elasticft.rendezvous import quarantine
+from elasticft.rendezvous import liveness, quarantine
 from elasticft.rendezvous.etcd import (
     EtcdConfigError,
     EtcdSettings,
@@ -59,6 +60,7 @@ from elasticft.rendezvous.etcd import (
 )
 from elasticft.rendezvous.health import HealthCheck
 from elasticft.rendezvous.identity import DuplicateNodeIdError, NodeClaim
+from elasticft.rendezvous.liveness import PROBE_EVERY_S, ControlEndpoint
 from elasticft.rendezvous.membership import (
     Blacklist,
     LeaderRecord,
@@ -145,6 +147,10 @@ class RoundView:
     group_world_size: int
 
     @property
+    def set_event_sink(self, emit: Callable[..., None]) -> None:
+        """``emit(kind, **payload)`` records membership decisions (the agent's event log)."""
+        self._event_sink = emit
+
     def is_leader(self) -> bool:
         return self.group_rank == 0
 
@@ -206,6 +212,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._shared_tcp_store: Any = None
         self._bootstrap: Any = None
         self._left = False
+        self._control: ControlEndpoint | None = None
+        self._event_sink: Callable[..., None] | None = None
 
     # -- what other subsystems ask ------------------------------------------------------------
 
@@ -230,6 +238,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
     @property
     def round_view(self) -> RoundView | None:
         return self._round_view
+
+    def set_event_sink(self, emit: Callable[..., None]) -> None:
+        """``emit(kind, **payload)`` records membership decisions (the agent's event log)."""
+        self._event_sink = emit
 
     def is_leader(self) -> bool:
         """Whether this agent leads the round it last joined (group rank 0)."""
@@ -256,6 +268,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         m = self._membership
         started = time.monotonic()
         join_deadline = started + self.timeout.join.total_seconds()
+        if self._control is None:
+            self._control = ControlEndpoint(self.addr)
         probe = self._wait_for_etcd(min(join_deadline, time.monotonic() + m.connect_timeout_s))
         probe = self._wait_for_duplicate(probe, join_deadline)
         last_round = probe.last_round
@@ -365,6 +379,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def close_membership(self) -> None:
         """Withdraws this node's records now (they would expire with its lease anyway)."""
         self._membership.publisher.close()
+        if self._control is not None:
+            self._control.close()
 
     # -- the round protocol -----------------------------------------------------------------
 
@@ -376,13 +392,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
         round_ = last_round + 1
         previous_size = self._join(round_, {m.keys.member(m.node_id): member})
         coordinating, quorum_since, standby = False, None, False
-        announced = -1
+        announced, next_probe = -1, 0.0
         while True:
             if self._left:
                 raise RendezvousClosedError(f"node {m.node_id} left rendezvous {self._run_id}")
             lease = m.publisher.lease()
             view = self._rounds.poll(round_, lease, coordinating)
             now = time.monotonic()
+            if view.previous_remaining and previous_size is not None and now >= next_probe:
+                # Participants of the previous round are missing: dead ones end now, on
+                # evidence, instead of after their lease's TTL (elasticft.rendezvous.liveness).
+                next_probe = now + PROBE_EVERY_S
+                self._end_dead_members(round_ - 1)
             coordinating = view.coordinator == m.node_id
             quorum_since = (quorum_since or now) if view.joined >= self.min_nodes else None
             standby = waits_as_standby(previous_size, view.previous_restarted, self.max_nodes)
@@ -442,7 +463,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         the lease in the same request); returns the size of round ``round_ - 1``."""
         m = self._membership
         record = json.dumps({"node_id": m.node_id, "addr": self.addr, "pid": os.getpid(),
-                             "joined_at": time.time()}).encode()
+                             "joined_at": time.time(),
+                             "probe": self._control.endpoint if self._control else ""}).encode()
         leaving = self._joined_round
         was_participant = leaving is not None and leaving == self._round
         previous_size = self._rounds.join(round_, record, m.publisher.lease(), leaving,
@@ -469,6 +491,33 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 server_port = self._shared_tcp_store.port
             self._bootstrap = bootstrap_store_info(rank, store, self.addr, server_port)
         return self._bootstrap
+
+    def _end_dead_members(self, round_: int) -> None:
+        """Probes the agents still in round ``round_`` (it closed; the live ones are on their
+        way to the next) and revokes the lease of each that is dead on evidence."""
+        m = self._membership
+        try:
+            found = self._rounds.join_records(round_)
+        except RendezvousConnectionError as e:
+            logger.debug("could not read the joins of round %d: %s", round_, e)
+            return
+        for node, record, lease_id in found:
+            if node == m.node_id:
+                continue
+            verdict = liveness.judge(liveness.gather(node, str(record.get("probe") or "")))
+            if not verdict.dead or not lease_id:
+                logger.debug("%s", verdict.reason)
+                continue
+            try:
+                self._rounds.end_lease(lease_id)
+            except RendezvousConnectionError as e:  # it ended meanwhile, or etcd is away
+                logger.debug("could not end the lease of node %s: %s", node, e)
+                continue
+            logger.warning("node %s ended the membership of node %s: %s (not waiting for its "
+                           "lease's TTL)", m.node_id, node, verdict.reason)
+            if self._event_sink is not None:
+                self._event_sink("membership_ended", node=node, round=round_,
+                                 reason=verdict.reason, by=m.node_id)
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -253,6 +253,28 @@ class RoundStore:
         return [delete_request(c, k.round_keys(round_), prefix=True),
                 delete_request(c, k.round_store_keys(round_), prefix=True)]
 
+    def join_records(self, round_: int) -> list[tuple[str, dict[str, Any], int]]:
+        """The join keys still in round ``round_``: (node id, join record, lease id) each."""
+        c, k = self._client, self._keys
+        prefix = k.joins(round_)
+        with etcd_errors(self._settings, f"reading the joins of round {round_} from"):
+            _, responses = raw_txn(c, [], [range_request(c, prefix, prefix=True)])
+        found = []
+        for kv in responses[0].response_range.kvs:
+            try:
+                record = json.loads(kv.value)
+            except (ValueError, UnicodeDecodeError):
+                record = {}
+            found.append((kv.key.decode()[len(prefix):],
+                          record if isinstance(record, dict) else {}, int(kv.lease)))
+        return found
+
+    def end_lease(self, lease_id: int) -> None:
+        """Revokes another node's lease: everything on it (its join keys, its member record)
+        vanishes now."""
+        with etcd_errors(self._settings, "ending a node's membership in"):
+            self._client.revoke_lease(lease_id)
+
     def running_view(self, round_: int) -> RunningView:
         c, k = self._client, self._keys
         with etcd_errors(self._settings, "checking for nodes waiting to rendezvous in"):
