@@ -154,6 +154,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     # torch's hooks.
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if self._round < 0:
+            self.prewarm(worker_group.spec)  # imports overlap the first wait (a standby's)
         super()._rendezvous(worker_group)
         self._round = torch_compat.rendezvous_round(worker_group.spec.rdzv_handler,
                                                     self._round + 1)

@@ -496,6 +496,26 @@ class WarmStartMixin:
     """Local ranks of the latest start that began in a pre-started interpreter."""
     _capturing_worker_envs = False
 
+    def prewarm(self, spec: Any) -> None:
+        """Starts the warm interpreters before the first rendezvous, so that their imports
+        overlap the wait (all of it for a standby, whose workers then start as fast as a
+        survivor's). The environment is the one the workers most likely get: this process's,
+        plus what torch and the step records add to every worker; a worker whose environment
+        differs starts cold, as before."""
+        if (self.warm_pool is None or not isinstance(spec.entrypoint, str)
+                or spec.numa_options is not None or torch_compat.warm_start_unavailable()):
+            return
+        from elasticft.diag.workerenv import bootstrap_pythonpath
+
+        env = {**os.environ, "PYTHONPATH": bootstrap_pythonpath(os.environ),
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                            "1")}
+        for local_rank in range(spec.local_world_size):
+            args = torch_compat.macros.substitute(list(spec.args), str(local_rank))
+            argv = (spec.entrypoint, *[str(a) for a in args])
+            if not_warm_startable(argv) is None:
+                self.warm_pool.refill(local_rank, argv, env, os.getcwd())
+
     def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
         if self._capturing_worker_envs:
             raise _WorkerEnvsReady(envs)

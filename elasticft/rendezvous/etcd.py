@@ -386,25 +386,33 @@ def raw_txn(
     their number. Returns whether the comparisons held and etcd's responses of the branch that
     ran (``.response_range.count`` / ``.kvs`` for reads). Failures go through pyetcd's own
     handling (endpoint failover, its exceptions)."""
+    response = txn_response(client, compare, success, failure)
+    return response.succeeded, list(response.responses)
+
+
+def txn_response(
+    client: Any, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+) -> Any:
+    """:func:`raw_txn`'s whole answer (``.succeeded``, ``.responses``, ``.header.revision``)."""
     import grpc
     from pyetcd import etcdrpc
 
     try:
-        response = client.kvstub.Txn(
+        return client.kvstub.Txn(
             etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=success,
                                failure=failure or []),
             client.timeout, credentials=client.call_credentials, metadata=client.metadata)
     except grpc.RpcError as e:
         client._manage_grpc_errors(e)
         raise
-    return response.succeeded, list(response.responses)
 
 
 def watch_once(client: Any, key: str, start_revision: int, timeout_s: float,
-               on_call: Callable[[Any], None] | None = None) -> bool:
-    """Waits for the first change of ``key`` at or after ``start_revision`` (True), or
-    ``timeout_s`` (False); True also when etcd cancels the watch (the revision compacted).
-    ``on_call`` gets the gRPC call as soon as it exists: cancelling it ends the wait (False).
+               on_call: Callable[[Any], None] | None = None, *, prefix: bool = False) -> bool:
+    """Waits for the first change of ``key`` (of any key under it, with ``prefix``) at or after
+    ``start_revision`` (True), or ``timeout_s`` (False); True also when etcd cancels the watch
+    (the revision compacted). ``on_call`` gets the gRPC call as soon as it exists: cancelling it
+    ends the wait (False).
 
     The watch has a stream of its own, closed on return: pyetcd's shared watcher keeps its
     stream open for the client's life, with a thread that wakes ten times a second, which at
@@ -412,7 +420,9 @@ def watch_once(client: Any, key: str, start_revision: int, timeout_s: float,
     import grpc
     from pyetcd import etcdrpc, utils
 
-    create = etcdrpc.WatchCreateRequest(key=utils.to_bytes(key), start_revision=start_revision)
+    range_end = utils.prefix_range_end(utils.to_bytes(key)) if prefix else b""
+    create = etcdrpc.WatchCreateRequest(key=utils.to_bytes(key), range_end=range_end,
+                                        start_revision=start_revision)
     call = etcdrpc.WatchStub(client.channel).Watch(
         iter([etcdrpc.WatchRequest(create_request=create)]), timeout_s,
         credentials=client.call_credentials, metadata=client.metadata)

@@ -99,11 +99,12 @@ DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _OUTAGE_LOG_EVERY_S = 10.0
 COORDINATOR_POLL_S = 0.1
 """The coordinator of a round that may close polls this often (its decision is the latency)."""
-WAITER_POLL_S = (0.5, 1.5)
-"""Everyone else polls at a random interval in this range: about one request a second. (A
-watch of the result instead would hold a gRPC stream per waiting node, whose Python thread wakes
-ten times a second: 0.6 ms of CPU a second a watcher here, about what a poll costs the client,
-so with all agents of the bench on two cores it saves etcd's share only, docs/scale.md.)"""
+WAITER_POLL_S = (1.0, 3.0)
+"""Everyone else polls at a random interval in this range, and between two polls watches what
+it waits for (the round's result; the coordinator: the previous round's keys), with a stream of
+its own closed at the end of the interval (pyetcd's shared watcher would hold a stream per
+waiting node whose Python thread wakes ten times a second): a poll and a watch every 2 s, about
+one request a second, and the result is seen as soon as it is written."""
 OUTAGE_RETRY_S = (0.5, 4.0)
 """While etcd does not answer, a node asks again after a pause that doubles from the first value
 to the second, times a random factor in [0.5, 1]: when etcd is overloaded rather than down
@@ -399,9 +400,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
             lease = m.publisher.lease()
             view = self._rounds.poll(round_, lease, coordinating)
             now = time.monotonic()
-            if view.previous_remaining and previous_size is not None and now >= next_probe:
-                # Participants of the previous round are missing: dead ones end now, on
-                # evidence, instead of after their lease's TTL (elasticft.rendezvous.liveness).
+            if (view.previous_restarted and view.previous_remaining
+                    and previous_size is not None and now >= next_probe):
+                # The previous round is over (a participant came back) and some of its
+                # participants have not: dead ones end now, on evidence, instead of after
+                # their lease's TTL (elasticft.rendezvous.liveness).
                 next_probe = now + PROBE_EVERY_S
                 self._end_dead_members(round_ - 1)
             coordinating = view.coordinator == m.node_id
@@ -455,7 +458,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             pause = COORDINATOR_POLL_S if decision.fast else random.uniform(*WAITER_POLL_S)
             if not standby:
                 pause = min(pause, max(0.0, join_deadline - time.monotonic()))
-            time.sleep(pause)
+            if decision.fast or (coordinating and round_ <= 0):
+                time.sleep(pause)
+            else:
+                self._rounds.wait_for_change(round_, coordinating, view.revision, pause)
 
     def _join(self, round_: int, also: dict[str, bytes] | None = None) -> int | None:
         """Writes this node's join key of ``round_`` (leaving its previous round, and saying so

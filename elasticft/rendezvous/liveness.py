@@ -14,9 +14,10 @@ What turns that suspicion into evidence is a direct probe of the missing agent:
   agent's join record of each round. A live agent answers even when it is busy (the kernel
   completes the handshake); a dead agent's endpoint is gone with its process, and the kernel of
   its host refuses the connection at once.
-* When the coordinator of a round waits for participants of the previous round that have not
-  joined (a node whose death is not known), it reads their join records (one request) and
-  probes each, at most every :data:`PROBE_EVERY_S`.
+* When the previous round is over (one of its participants came back to rendezvous) and the
+  coordinator of the new round waits for participants of it that have not joined (a node
+  whose death is not known), it reads their join records (one request) and probes each, at
+  most every :data:`PROBE_EVERY_S`.
 * :func:`judge` (pure, tested with a table) turns what the probe saw into a verdict. Only a
   refused connection is evidence of death (a pid is no evidence: containers on one host have
   pid spaces of their own):

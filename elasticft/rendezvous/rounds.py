@@ -32,6 +32,8 @@ from elasticft.rendezvous.etcd import (
     put_request,
     range_request,
     raw_txn,
+    txn_response,
+    watch_once,
 )
 from elasticft.rendezvous.protocol import select_participants
 
@@ -55,6 +57,8 @@ class PollView:
     """(coordinator only) Join keys of this round."""
     previous_remaining: int | None = None
     """(coordinator only) Join keys left in the previous round (its live participants)."""
+    revision: int = 0
+    """etcd's revision as of the poll: a watch from the next one misses no change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +202,8 @@ class RoundStore:
         failure = [range_request(c, k.coordinator(round_)), *reads,
                    *(counts if coordinating else [])]
         with etcd_errors(self._settings, f"polling rendezvous round {round_} in"):
-            claimed, responses = raw_txn(c, [claim], success, failure)
+            answer = txn_response(c, [claim], success, failure)
+        claimed, responses = answer.succeeded, list(answer.responses)
         coordinator = self._node_id if claimed else (_value(responses[0]) or b"").decode()
         result, last, closed, mine, restart = responses[1:6]
         view = PollView(
@@ -209,6 +214,7 @@ class RoundStore:
             joined_present=_count(mine) > 0,
             coordinator=coordinator or None,
             previous_restarted=_count(restart) > 0,
+            revision=int(answer.header.revision),
         )
         if len(responses) > 6:
             joined, previous_joined = responses[6:8]
@@ -252,6 +258,18 @@ class RoundStore:
         c, k = self._client, self._keys
         return [delete_request(c, k.round_keys(round_), prefix=True),
                 delete_request(c, k.round_store_keys(round_), prefix=True)]
+
+    def wait_for_change(self, round_: int, coordinating: bool, after: int,
+                        timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for what a waiting node acts on next, changed after
+        revision ``after``: round ``round_``'s result, or (its coordinator) any key of the
+        round before it (a participant coming back or its join key ending). One watch, so the
+        news arrives at once instead of at the next poll."""
+        k = self._keys
+        key, prefix = (k.round_keys(round_ - 1), True) if coordinating else (k.result(round_),
+                                                                             False)
+        with etcd_errors(self._settings, f"waiting for rendezvous round {round_} in"):
+            watch_once(self._client, key, after + 1, timeout_s, prefix=prefix)
 
     def join_records(self, round_: int) -> list[tuple[str, dict[str, Any], int]]:
         """The join keys still in round ``round_``: (node id, join record, lease id) each."""
