@@ -113,8 +113,6 @@ and spread out they let it recover."""
 RUNNING_POLL_S = 2.0
 DUPLICATE_POLL_S = 1.0
 """How often a node whose id another agent's member record holds looks again."""
-QUARANTINE_POLL_S = 5.0
-"""How often a quarantined node looks whether its quarantine is over."""
 DUPLICATE_GRACE_S = 2.0
 """How long past a lease's TTL a foreign member record may stay before its agent counts as
 alive (records of a dead agent vanish when its lease expires)."""
@@ -129,10 +127,6 @@ class NodeBlacklistedError(RendezvousError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-class NodeQuarantinedError(NodeBlacklistedError):
-    """This node's id is quarantined in this job for longer than its join timeout."""
 
 
 class NodeUnhealthyError(RendezvousError):
@@ -406,7 +400,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 # participants have not: dead ones end now, on evidence, instead of after
                 # their lease's TTL (elasticft.rendezvous.liveness).
                 next_probe = now + PROBE_EVERY_S
-                self._end_dead_members(round_ - 1)
+                liveness.end_dead_members(self._rounds, m.node_id, round_ - 1,
+                                          self._event_sink)
             coordinating = view.coordinator == m.node_id
             quorum_since = (quorum_since or now) if view.joined >= self.min_nodes else None
             standby = waits_as_standby(previous_size, view.previous_restarted, self.max_nodes)
@@ -498,33 +493,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._bootstrap = bootstrap_store_info(rank, store, self.addr, server_port)
         return self._bootstrap
 
-    def _end_dead_members(self, round_: int) -> None:
-        """Probes the agents still in round ``round_`` (it closed; the live ones are on their
-        way to the next) and revokes the lease of each that is dead on evidence."""
-        m = self._membership
-        try:
-            found = self._rounds.join_records(round_)
-        except RendezvousConnectionError as e:
-            logger.debug("could not read the joins of round %d: %s", round_, e)
-            return
-        for node, record, lease_id in found:
-            if node == m.node_id:
-                continue
-            verdict = liveness.judge(liveness.gather(node, str(record.get("probe") or "")))
-            if not verdict.dead or not lease_id:
-                logger.debug("%s", verdict.reason)
-                continue
-            try:
-                self._rounds.end_lease(lease_id)
-            except RendezvousConnectionError as e:  # it ended meanwhile, or etcd is away
-                logger.debug("could not end the lease of node %s: %s", node, e)
-                continue
-            logger.warning("node %s ended the membership of node %s: %s (not waiting for its "
-                           "lease's TTL)", m.node_id, node, verdict.reason)
-            if self._event_sink is not None:
-                self._event_sink("membership_ended", node=node, round=round_,
-                                 reason=verdict.reason, by=m.node_id)
-
     # -- helpers ----------------------------------------------------------------------------
 
     def _wait_for_duplicate(self, probe: ProbeView, deadline: float) -> ProbeView:
@@ -547,29 +515,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return probe
 
     def _wait_out_quarantine(self, probe: ProbeView, deadline: float) -> ProbeView:
-        """Waits while this node's id is quarantined in this job (it disappeared from it, see
-        :mod:`elasticft.rendezvous.quarantine`); raises :class:`NodeQuarantinedError` when the
-        quarantine outlasts the join timeout."""
+        """Waits while this node's id is quarantined in this job
+        (:func:`elasticft.rendezvous.quarantine.wait_out`); returns the latest probe."""
         m = self._membership
-        said = False
-        while quarantine.refuses(entry := quarantine.parse(probe.quarantined), m.node_id,
-                                 m.host, self._round):
-            assert entry is not None
-            left = entry.until - time.time()
-            if time.monotonic() + left > deadline:
-                raise NodeQuarantinedError(
-                    f"node {m.node_id!r} is quarantined in job {self._run_id!r} for another "
-                    f"{left:.0f} s ({entry.reason}); start it again after that, or end the "
-                    f"quarantine now with `elasticft blacklist remove {m.node_id} --run-id "
-                    f"{self._run_id} --rdzv-endpoint {m.settings.endpoint_text}`",
-                    reason=entry.reason)
-            if not said:
-                logger.warning("node %s is quarantined in job %s for another %.0f s (%s); it "
-                               "joins after that", m.node_id, self._run_id, left, entry.reason)
-                said = True
-            time.sleep(min(QUARANTINE_POLL_S, max(0.1, left)))
-            probe = self._wait_for_etcd(deadline)
-        return probe
+        latest = [probe]
+
+        def again() -> bytes | None:
+            latest[0] = self._wait_for_etcd(deadline)
+            return latest[0].quarantined
+
+        quarantine.wait_out(probe.quarantined, again, m.node_id, m.host, self._round,
+                            self._run_id, deadline, m.settings.endpoint_text)
+        return latest[0]
 
     def _wait_for_etcd(self, deadline: float) -> ProbeView:
         """Waits until etcd answers; returns what the probe read (this node's blacklist

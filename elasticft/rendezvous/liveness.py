@@ -44,6 +44,10 @@ import errno
 import logging
 import socket
 import threading
+from collections.abc import Callable
+
+from elasticft.rendezvous.rounds import RoundStore
+from elasticft.torch_compat import RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +111,35 @@ def probe(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
 def gather(node_id: str, endpoint: str) -> Evidence:
     """Probes one missing agent's control endpoint (none: no evidence)."""
     return Evidence(node_id, probe(endpoint) if endpoint else Probe.NO_ANSWER, endpoint)
+
+
+def end_dead_members(rounds: RoundStore, node_id: str, round_: int,
+                     emit: Callable[..., None] | None) -> None:
+    """(The coordinator ``node_id``) Probes the agents still in round ``round_`` (it is over;
+    the live ones are on their way to the next) and revokes the lease of each that is dead on
+    evidence, logging why and recording a ``membership_ended`` event through ``emit``."""
+    try:
+        found = rounds.join_records(round_)
+    except RendezvousConnectionError as e:
+        logger.debug("could not read the joins of round %d: %s", round_, e)
+        return
+    for node, record, lease_id in found:
+        if node == node_id:
+            continue
+        verdict = judge(gather(node, str(record.get("probe") or "")))
+        if not verdict.dead or not lease_id:
+            logger.debug("%s", verdict.reason)
+            continue
+        try:
+            rounds.end_lease(lease_id)
+        except RendezvousConnectionError as e:  # it ended meanwhile, or etcd is away
+            logger.debug("could not end the lease of node %s: %s", node, e)
+            continue
+        logger.warning("node %s ended the membership of node %s: %s (not waiting for its "
+                       "lease's TTL)", node_id, node, verdict.reason)
+        if emit is not None:
+            emit("membership_ended", node=node, round=round_, reason=verdict.reason,
+                 by=node_id)
 
 
 class ControlEndpoint:

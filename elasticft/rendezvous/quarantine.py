@@ -34,15 +34,19 @@ import dataclasses
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from elasticft.rendezvous.etcd import EtcdSettings, Keys, etcd_errors, quarantine_prefix
 from elasticft.rendezvous.membership import dump_record, parse_record
+from elasticft.torch_compat import RendezvousError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUARANTINE_S = 300.0
 """How long a node that disappeared is kept out of its job (``recovery_quarantine_s``)."""
+POLL_S = 5.0
+"""How often a quarantined node looks whether its quarantine is over."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,37 @@ def refuses(entry: QuarantineEntry | None, node_id: str, host: str, last_round: 
     if entry is None or entry.node_id != node_id or is_per_process_id(node_id, host):
         return False
     return last_round < entry.round
+
+
+class NodeQuarantinedError(RendezvousError):
+    """This node's id is quarantined in this job for longer than its join timeout."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def wait_out(raw: bytes | None, again: Callable[[], bytes | None], node_id: str, host: str,
+             last_round: int, run_id: str, deadline: float, endpoint: str) -> None:
+    """Waits while the quarantine entry ``raw`` (read again by ``again()``) keeps this node out
+    (:func:`refuses`); raises :class:`NodeQuarantinedError` when it outlasts ``deadline``
+    (``time.monotonic()``)."""
+    said = False
+    while refuses(entry := parse(raw), node_id, host, last_round):
+        assert entry is not None
+        left = entry.until - time.time()
+        if time.monotonic() + left > deadline:
+            raise NodeQuarantinedError(
+                f"node {node_id!r} is quarantined in job {run_id!r} for another {left:.0f} s "
+                f"({entry.reason}); start it again after that, or end the quarantine now with "
+                f"`elasticft blacklist remove {node_id} --run-id {run_id} --rdzv-endpoint "
+                f"{endpoint}`", reason=entry.reason)
+        if not said:
+            logger.warning("node %s is quarantined in job %s for another %.0f s (%s); it joins "
+                           "after that", node_id, run_id, left, entry.reason)
+            said = True
+        time.sleep(min(POLL_S, max(0.1, left)))
+        raw = again()
 
 
 def parse(value: bytes | None) -> QuarantineEntry | None:
