@@ -142,10 +142,6 @@ class RoundView:
     group_world_size: int
 
     @property
-    def set_event_sink(self, emit: Callable[..., None]) -> None:
-        """``emit(kind, **payload)`` records membership decisions (the agent's event log)."""
-        self._event_sink = emit
-
     def is_leader(self) -> bool:
         return self.group_rank == 0
 
