@@ -155,3 +155,9 @@ def test_restart_when_a_participant_is_lost(remaining: int | None, joined: int,
                                             answer: int) -> None:
     assert restart_needed(5, 4, 5, False, joined, max_nodes=4, round_remaining=remaining) \
         == answer
+
+
+def test_only_group_rank_0_leads() -> None:
+    from elasticft.rendezvous.handler import RoundView
+
+    assert [RoundView(3, rank, 2).is_leader for rank in (0, 1)] == [True, False]
