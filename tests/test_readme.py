@@ -9,7 +9,7 @@ from tests.conftest import ROOT
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-MAX_README_LINES = 300
+MAX_README_LINES = 120
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 HEADING = re.compile(r"#{1,6} (.+)")
 
