@@ -158,8 +158,8 @@ class Analysis:
 
 # When ranks fail together, the most specific class names the fault (a crash makes its peers
 # fail with connection errors, not the other way round); the agent's policy orders them alike.
-_CAUSE_ORDER = ("user_code", "signal_crash", "hang", "slow", "numeric", "infrastructure",
-                "stop_requested")
+_CAUSE_ORDER = ("user_code", "signal_crash", "elasticft", "hang", "slow", "numeric",
+                "infrastructure", "stop_requested")
 
 
 def _cause_rank(failure_class: str) -> int:
