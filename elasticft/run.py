@@ -193,7 +193,8 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConf
     from elasticft.agent.agent import WORKER_ENV_NAMES
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(elasticft_options.explicit_booleans(
+        parser._option_string_actions, sys.argv[1:] if argv is None else argv))
     try:
         options = elasticft_options.from_namespace(args, os.environ)
         elasticft_options.check_unknown_env(os.environ, set(WORKER_ENV_NAMES))

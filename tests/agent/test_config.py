@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -118,6 +119,70 @@ def test_unknown_elasticft_env_is_rejected() -> None:
     with pytest.raises(ConfigError, match="unknown environment variable ELASTICFT_RESTARTS"):
         option_reading.check_unknown_env({"ELASTICFT_RESTARTS": "1"})
     option_reading.check_unknown_env({"ELASTICFT_NODE_ID": "a", "PATH": "/bin"})
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ELASTICFT_WARM_STRAT", "unknown environment variable ELASTICFT_WARM_STRAT; did you mean "
+                                 "ELASTICFT_WARM_START? Rename or unset it"),
+        ("ELASTICFT_RUNDIR", "did you mean ELASTICFT_RUN_DIR?"),
+        ("ELASTICFT_CKPT_DIRS", "did you mean ELASTICFT_CKPT_DIR?"),
+        ("ELASTICFT_ZZZ", "unknown environment variable ELASTICFT_ZZZ; unset it "
+                          "(elasticft-run --help names every option's variable)"),
+    ],
+)
+def test_unknown_env_names_the_closest_known_variable(name: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        option_reading.check_unknown_env({name: "1"})
+    assert "\n" not in str(caught.value)
+
+
+def boolean_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc-per-node")
+    parser.add_argument("--standalone", action="store_true")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    option_reading.add_options(parser)
+    return parser
+
+
+@pytest.mark.parametrize(
+    ("argv", "warm_start", "script_args"),
+    [
+        ([], True, []),
+        (["--warm-start"], True, []),
+        (["--no-warm-start"], False, []),
+        (["--warm-start", "false"], False, []),
+        (["--warm-start", "False"], False, []),
+        (["--warm-start=false"], False, []),
+        (["--warm-start", "true"], True, []),
+        (["--warm-start", "0"], False, []),
+        (["--no-warm-start", "--nproc-per-node", "2"], False, []),
+        (["--standalone", "--warm-start", "--nproc-per-node", "2"], True, []),
+        # the script's own arguments are the script's, even when they look like ours
+        ([], True, ["--warm-start", "false"]),
+        (["--no-warm-start"], False, ["--warm-start", "true"]),
+    ],
+)
+def test_a_boolean_is_written_as_torchrun_users_write_flags(
+        argv: list[str], warm_start: bool, script_args: list[str]) -> None:
+    """``--warm-start``, ``--no-warm-start`` and ``--warm-start false`` all work, and a bare
+    boolean flag before the script never takes the script as its value."""
+    parser = boolean_parser()
+    words = option_reading.explicit_booleans(parser._option_string_actions,
+                                             [*argv, "train.py", *script_args])
+    args = parser.parse_args(words)
+    assert args.script == "train.py" and args.script_args == script_args
+    assert option_reading.from_namespace(args, {}).agent.warm_start is warm_start
+
+
+def test_a_boolean_flag_with_a_word_that_is_no_boolean_names_the_fix() -> None:
+    parser = boolean_parser()
+    args = parser.parse_args(["--warm-start=maybe", "train.py"])
+    with pytest.raises(ConfigError, match=r"--warm-start='maybe' is not valid.*true or false"):
+        option_reading.from_namespace(args, {})
 
 
 @pytest.mark.parametrize(
