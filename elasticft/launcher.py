@@ -34,7 +34,7 @@ from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
 from elasticft.config import ElasticftConfig, require_writable_dir, run_dir_default
-from elasticft.events import EventLog
+from elasticft.events import EVENT_FILE_GLOB, EventLog
 from elasticft.rendezvous.handler import DISABLE_SHARED_STORE_ENV
 from elasticft.rendezvous.identity import claim_node_id
 from elasticft.torch_compat import (
@@ -179,6 +179,10 @@ def launch(
     node_id = claim.node_id
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)
+    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
+    logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
+                f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
+                if earlier else "")
     sweep_leftovers(options)
     if options.agent.event_dir is not None:
         require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))

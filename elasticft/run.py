@@ -19,13 +19,12 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from elasticft import home, slurm
 from elasticft import options as elasticft_options
-from elasticft import slurm
 from elasticft.config import ConfigError, ElasticftConfig, require_writable_dir, run_dir_default
 
 PROG = "elasticft-run"
@@ -98,19 +97,25 @@ def _check_entrypoint(args: argparse.Namespace) -> None:
 
 
 def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
-    """torchrun's own fix-ups: --standalone and single-node static become local c10d."""
+    """torchrun's own fix-ups: --standalone and single-node static become local c10d.
+
+    Unlike torchrun, such a launch keeps the user's --rdzv-id, and without one gets the id of
+    what it launches instead of a random one: a relaunch is the same job, in the same run
+    directory, and resumes from its checkpoints (:mod:`elasticft.home`)."""
     from elasticft.torch_compat import parse_min_max_nnodes
 
-    if args.standalone:
+    single_node = args.standalone
+    if not args.standalone and args.rdzv_backend == "static" and not args.rdzv_endpoint \
+            and args.master_port is None:
+        single_node = parse_min_max_nnodes(args.nnodes)[1] == 1
+    if single_node:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
-    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        _, max_nodes = parse_min_max_nnodes(args.nnodes)
-        if max_nodes == 1:
-            args.rdzv_backend = "c10d"
-            args.rdzv_endpoint = "localhost:0"
-            args.rdzv_id = str(uuid.uuid4())
+        if str(args.rdzv_id or "").strip() in home.UNGIVEN_IDS:
+            min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+            args.rdzv_id = home.launched_run_id(
+                args.training_script, args.module, args.no_python, args.training_script_args,
+                f"{min_nodes}:{max_nodes}", str(args.nproc_per_node))
     if args.master_port is None:
         args.master_port = 29500
 
