@@ -271,28 +271,16 @@ def main(argv: Sequence[str] | None = None, *,
         _remove_empty(created)
         return USAGE_ERROR
 
-    from elasticft.launcher import default_collaborators, launch
-    from elasticft.rendezvous.identity import claim_node_id
+    from elasticft.launcher import launch
 
     try:
-        # Claimed before the add-ons are built, so that all of them know this agent by it.
-        claim = claim_node_id(str(launch_config.run_id or ""), options.agent.node_id,
-                              endpoint=str(launch_config.rdzv_endpoint or ""))
-        options = dataclasses.replace(
-            options, agent=dataclasses.replace(options.agent, node_id=claim.node_id))
-        collaborators = default_collaborators(options, launch_config)
-    except ConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        _remove_empty(created)
-        return USAGE_ERROR
-    try:
-        result = launch(launch_config, cmd, cmd_args, options, collaborators=collaborators)
-    except ConfigError as e:  # e.g. a bad --rdzv-conf value, found when the handler is built
+        # launch() builds the default add-ons, as it does for any caller of the Python API.
+        result = launch(launch_config, cmd, cmd_args, options)
+    except ConfigError as e:  # an option an add-on cannot use, a bad --rdzv-conf value...
         print(f"{PROG}: error: {e}", file=sys.stderr)
         _remove_empty(created)
         return USAGE_ERROR
     print(result.summary(), file=sys.stderr)
-    claim.release()
     return result.exit_code
 
 

@@ -41,7 +41,12 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
+from torch.distributed.elastic.multiprocessing import (
+    DefaultLogsSpecs,
+    LogsSpecs,
+    ProcessFailure,
+    Std,
+)
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -66,6 +71,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
     "CONTRACTS",
+    "DefaultLogsSpecs",
     "LaunchConfig",
     "LocalElasticAgent",
     "LogsSpecs",
@@ -81,6 +87,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RunResult",
     "SignalException",
+    "Std",
     "SubprocessContext",
     "SubprocessHandler",
     "WorkerGroup",
@@ -179,6 +186,15 @@ def shutdown_timeout_of(config: LaunchConfig) -> int:
     if timeout < 0:
         raise ValueError(f"shutdown_timeout must be non-negative, got {timeout}")
     return timeout
+
+
+def default_logs_streams(specs: LogsSpecs | None) -> tuple[str, Any, Any, Any] | None:
+    """(root log directory, redirects, tee, local ranks filter) of torch's own
+    ``DefaultLogsSpecs`` (which keeps the last three private); None for any other kind."""
+    if type(specs) is not DefaultLogsSpecs:
+        return None
+    return (specs.root_log_dir, specs._redirects, specs._tee,  # type: ignore[attr-defined]
+            specs._local_ranks_filter)  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,6 +385,9 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "WorkerSpec(role, local_world_size, entrypoint, args, rdzv_handler, ...)": lambda: {
         "role", "local_world_size", "entrypoint", "args", "rdzv_handler", "max_restarts",
         "monitor_interval", "master_addr", "master_port", "local_addr"} <= WORKER_SPEC_FIELDS,
+    "DefaultLogsSpecs(log_dir, redirects, tee, local_ranks_filter) keeps them as _redirects, "
+    "_tee, _local_ranks_filter": lambda: default_logs_streams(DefaultLogsSpecs(
+        os.devnull, Std.OUT, Std.ERR, {1})) == (os.devnull, Std.OUT, Std.ERR, {1}),
     "LocalElasticAgent(spec, logs_specs, start_method, exit_barrier_timeout, "
     "log_line_prefix_template)": lambda: {
         "spec", "logs_specs", "start_method", "exit_barrier_timeout",

@@ -107,6 +107,8 @@ class Analysis:
     steps: list[StepRecord]
     step_labels: list[str]
     end_state: str
+    end_reason: str = ""
+    """Why the run ended, as its launcher said (empty for a success)."""
 
     @property
     def step_source(self) -> str:
@@ -137,6 +139,7 @@ class Analysis:
         return {
             "run_id": self.run_id,
             "end_state": self.end_state,
+            "end_reason": self.end_reason,
             "observed_s": self.observed_s,
             "optimal_s": self.optimal_s,
             "queued_s": self.queued_s,
@@ -415,6 +418,7 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
         steps=records,
         step_labels=labels,
         end_state=str(end_event.get("state")) if end_event else "running or killed",
+        end_reason=str(end_event.get("reason") or "") if end_event else "",
     )
 
 
@@ -435,6 +439,7 @@ def format_report(a: Analysis) -> str:
         f"{a.healthy_step_s * 1000:.1f} ms",
         f"  observed {a.observed_s:.1f} s, optimal {a.optimal_s:.1f} s"
         + (f", queued between allocations {a.queued_s:.1f} s (not counted)" if a.queued_s else ""),
+        *([f"  ended: {a.end_reason}"] if a.end_reason else []),
         *_STEP_SOURCE_NOTES[a.step_source],
         "",
         f"  TOR   {a.tor:.3f}   (optimal / observed time)",
