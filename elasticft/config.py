@@ -250,6 +250,13 @@ class AgentConfig:
         "--log-dir is given, else ./elasticft-runs/<run-id> (with the workers' logs in "
         "<run-dir>/logs).",
     )
+    fresh: bool = option(
+        False,
+        "Start this launch from step 0: the checkpoints earlier launches of the job left in its "
+        "local checkpoint directory (the script's own, else --ckpt-dir, else <run-dir>/ckpt) "
+        "are removed before the workers restore. Without it a relaunch resumes from the newest "
+        "committed checkpoint.",
+    )
     event_dir: Path | None = tuning(
         None,
         "Directory of the JSONL event log (overrides <run-dir>); `elasticft report` reads it.")
@@ -438,7 +445,8 @@ class CheckpointConfig:
         True, "Run the checkpoint service: workers using elasticft.ckpt.Checkpointer snapshot "
         "into agent-owned shared memory that survives their crash.")
     ckpt_dir: Path | None = option(
-        None, "Local checkpoint directory (tier 2). Default: <run-dir>/ckpt.")
+        None, "Local checkpoint directory (tier 2). Default: <run-dir>/ckpt. A directory the "
+        "script gives Checkpointer.from_env(ckpt_dir=...) wins over both.")
     ckpt_remote_dir: Path | None = option(
         None, "Shared-storage checkpoint directory (tier 3), written after the local one; "
         "every node of the job must see the same path.")

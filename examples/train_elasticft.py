@@ -3,11 +3,13 @@
 Same model, data and optimizer (imported from train_plain.py); the difference is the checkpoint:
 a snapshot of every step goes to shared memory without stalling the step, and a restart
 resumes from the newest step every rank holds, from the fastest source (memory, local disk,
-backup peer, remote directory). Under elasticft-run the agent owns the memory and persists it;
-under plain torchrun or python the script's own process does (--ckpt-dir, --persist-every).
+backup peer, remote directory). Under elasticft-run the agent owns the memory and persists it,
+in --ckpt-dir when given, else in the run directory; under plain torchrun or python the
+script's own process does (--ckpt-dir, --persist-every). Launched again the same way, it
+resumes from the newest committed checkpoint (elasticft-run --fresh starts from step 0).
 
     elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 examples/train_elasticft.py
-    torchrun --standalone --nproc-per-node 2 examples/train_elasticft.py --persist-every 10
+    torchrun --standalone --nproc-per-node 2 examples/train_elasticft.py --ckpt-dir ckpt
 
 --crash-at-step N makes --fault-rank SIGKILL itself at step N of the first attempt, right after
 the save returns (mid-save: the copy is still running) or once it is complete (--crash-mode
@@ -47,8 +49,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints-elasticft"),
-                        help="without elasticft-run: where this process persists")
+    parser.add_argument("--ckpt-dir", type=Path,
+                        help="where checkpoints persist (default: elasticft-run's directory; "
+                        "without elasticft-run, none: memory only)")
     parser.add_argument("--persist-every", type=int, default=10,
                         help="without elasticft-run: persist every N steps (0: memory only)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
