@@ -111,7 +111,8 @@ def restore_line(report: dict) -> str:
         return f"resumed from step {step} in {where} ({source} checkpoint directory)"
     if source == "memory":
         return f"resumed from step {step} in shared memory"
-    return f"resumed from step {step} from {where or source} ({source})"
+    return f"resumed from step {step} from {where} ({source})" if where else \
+        f"resumed from step {step} ({source})"
 
 
 class RestoreReader:

@@ -559,7 +559,10 @@ class CheckpointService(AgentCollaborator):
         if self._peer_server is not None:
             self._peer_server.close()
         if group is not None:  # this agent's own channel; a relaunch makes its own
-            shutil.rmtree(self.control_dir(group), ignore_errors=True)
+            control = self.control_dir(group)
+            shutil.rmtree(control, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                control.parent.rmdir()  # unless another agent of the run still uses it
         if self._events is not None:
             self._events.close()
 
@@ -668,8 +671,10 @@ class CheckpointService(AgentCollaborator):
                     if taken is None:
                         return False
                     step, copies = taken
-                    logger.info("took step %d out of shared memory in %.2f s (%s)", step,
-                                time.monotonic() - started, cause or "persist")
+                    # One INFO line per periodic persist (below); a flush's steps are told.
+                    logger.log(logging.DEBUG if cause == "periodic" else logging.INFO,
+                               "took step %d out of shared memory in %.2f s (%s)", step,
+                               time.monotonic() - started, cause or "persist")
                 if not self._write(step, group, copies, started, cause):
                     return False
             self._replicate(step, group)

@@ -11,11 +11,72 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.ckpt import durable
+from elasticft.ckpt import durable, settings
+from elasticft.ckpt.control import announce_dir, announced_dirs, restore_line
 from tests.agent.test_launch import wait_until
 from tests.conftest import BIN, EXAMPLES
 
 TRAIN = str(EXAMPLES / "train_elasticft.py")
+
+
+@pytest.mark.parametrize(
+    ("report", "line"),
+    [
+        ({"step": 20, "source": "local", "where": "/j/D"},
+         "resumed from step 20 in /j/D (local checkpoint directory)"),
+        ({"step": 20, "source": "remote", "where": "/shared/D"},
+         "resumed from step 20 in /shared/D (remote checkpoint directory)"),
+        ({"step": 7, "source": "memory", "where": "shared memory"},
+         "resumed from step 7 in shared memory"),
+        ({"step": 7, "source": "peer", "where": "the backup node"},
+         "resumed from step 7 from the backup node (peer)"),
+        ({"step": 7, "source": "reshard", "where": ""}, "resumed from step 7 (reshard)"),
+        ({"step": None, "looked": ["shared memory", "/j/D"]},
+         "no checkpoint to resume from (looked in shared memory, /j/D): starting from the "
+         "beginning"),
+        ({"step": None, "looked": []},
+         "no checkpoint to resume from (looked in no checkpoint tier): starting from the "
+         "beginning"),
+    ],
+)
+def test_the_agents_restore_line(report: dict, line: str) -> None:
+    assert restore_line(report) == line
+
+
+def _steps(root: Path, *steps: int) -> None:
+    for step in steps:
+        (durable.step_dir(root, step)).mkdir(parents=True)
+        (durable.step_dir(root, step) / durable.COMMIT_MARKER).write_text("{}")
+
+
+@pytest.mark.timeout(30)
+def test_start_fresh_removes_earlier_launches_steps_once_per_launch(tmp_path: Path) -> None:
+    _steps(tmp_path, 10, 20)
+    (tmp_path / "notes.txt").write_text("the user's")
+    assert durable.start_fresh(tmp_path, "launch-a") == [10, 20]
+    _steps(tmp_path, 1)  # this launch's own: a restarted worker of it keeps it
+    assert durable.start_fresh(tmp_path, "launch-a") == []
+    assert sorted(durable.list_steps(tmp_path)) == [1]
+    assert durable.start_fresh(tmp_path, "launch-b") == [1]
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
+
+
+@pytest.mark.timeout(30)
+def test_the_scripts_directory_wins_over_the_agents(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    agent = {settings.ENV_SHM: "", settings.ENV_LOCAL: "/run/ckpt"}
+    assert settings.WorkerSettings.from_env(agent).local_dir == Path("/run/ckpt")
+    chosen = settings.WorkerSettings.from_env(agent, ckpt_dir="D")
+    assert chosen.local_dir == chosen.chosen_dir == tmp_path / "D"
+    node = settings.WorkerSettings.from_env(
+        {**agent, settings.ENV_LOCAL: "/run/ckpt/node-a", settings.ENV_NODE_DIR: "node-a"},
+        ckpt_dir="D")
+    assert (node.local_dir, node.chosen_dir) == (tmp_path / "D" / "node-a", tmp_path / "D")
+    assert settings.WorkerSettings.from_env({**agent, settings.ENV_FRESH: "t"}).fresh_launch == "t"
+    # The agent hears of it through the control directory, by local rank.
+    announce_dir(tmp_path, 1, tmp_path / "D")
+    assert announced_dirs(tmp_path, [0, 1]) == {1: tmp_path / "D"}
 
 
 def _command(*extra: str) -> list[str]:
