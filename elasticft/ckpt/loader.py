@@ -42,6 +42,10 @@ class SnapshotLoader:
         self._reassembler = ReplicaReassembler(self._ranks, settings.shm_slots, slot_count)
         self.last_source: str | None = None
         """Tier the last successful load came from."""
+        self.last_where = ""
+        """Where that tier is (a directory, or the tier's name)."""
+        self.looked: list[str] = []
+        """Where the last load looked, in load order."""
 
     def tiers(self) -> list[Tier]:
         """Sources in load order: own memory, local disk, this node's agent, a replica's node,
@@ -67,6 +71,7 @@ class SnapshotLoader:
         (a :class:`~elasticft.ckpt.state.LiveState`) the state is applied to it instead and
         ``(step, extras)`` returned. Collective when a process group is initialized."""
         tiers = self.tiers()
+        self.looked = [_where(tier) for tier in tiers]
         held: dict[str, list[int]] = {}
         for tier in tiers:
             try:
@@ -94,6 +99,7 @@ class SnapshotLoader:
                     if self._ranks.all_ok(replicas is not None):
                         assert replicas is not None
                         self.last_source = source
+                        self.last_where = next(_where(t) for t in tiers if t.name == source)
                         logger.info("restored step %d from %s", step, source)
                         if live is None:
                             return step, unflatten(snapshot.manifest, snapshot.payload,
@@ -114,6 +120,7 @@ class SnapshotLoader:
         info = durable.commit_info(directory) or {}
         extras = reshard.restore_resharded(directory, live)
         self.last_source = "reshard"
+        self.last_where = str(directory)
         logger.info("restored step %d from %s, written at world size %s, resharded to %d by "
                     "dcp.load", step, directory, info.get("world_size"), self.world_size)
         return step, extras
@@ -134,3 +141,13 @@ class SnapshotLoader:
                 logger.warning("step %d from %s unusable, trying the next source: %s", step,
                                tier.name, e)
         return None, None
+
+
+def _where(tier: Tier) -> str:
+    """A tier as a place: a directory for the durable tiers, else the tier's name."""
+    if isinstance(tier, durable.DurableTier):
+        return str(tier.root.absolute())
+    if isinstance(tier, MemoryTier):
+        return "shared memory"
+    return {"node": "this node's agent", "replica": "a replica's node"}.get(tier.name,
+                                                                           "the backup node")
