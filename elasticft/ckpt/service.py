@@ -202,8 +202,9 @@ class CheckpointService(AgentCollaborator):
             if directory != self._chosen_dir:
                 self._chosen_dir = directory
                 instead = checkpoint_dir_default(self.config.ckpt_dir, group.run_dir)
-                logger.info("checkpoints persist in %s, the directory the script chose (not %s)",
-                            directory, instead)
+                logger.info("checkpoints persist in %s, the directory the script chose%s",
+                            directory, "" if directory == instead.absolute()
+                            else f" (not {instead})")
                 if len(set(chosen.values())) > 1:
                     logger.warning("the local ranks chose different checkpoint directories "
                                    "(%s); local rank %d's is used", sorted(map(str, set(
