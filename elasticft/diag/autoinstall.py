@@ -14,6 +14,7 @@ owner pid, exported at install, keeps them from recording as if they were the ra
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -124,7 +125,7 @@ class ArmedEntrypoint:
 
     def __init__(self, function: Callable[..., object]) -> None:
         self.function = function
-        self.__name__ = getattr(function, "__name__", type(function).__name__)
+        functools.update_wrapper(self, function)  # torch names the entrypoint by __qualname__
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         try:
