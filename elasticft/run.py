@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from elasticft import home, slurm
+from elasticft import home, logs, slurm
 from elasticft import options as elasticft_options
 from elasticft.config import ConfigError, ElasticftConfig, require_writable_dir, run_dir_default
 
@@ -234,10 +234,7 @@ def main(argv: Sequence[str] | None = None, *,
          tune: Callable[[ElasticftConfig], ElasticftConfig] | None = None) -> int:
     """``elasticft-run``. ``tune`` lets a launcher built on this one (a custom agent, a test)
     set tuning constants, which no flag, variable or YAML key reaches, on the parsed options."""
-    logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "INFO").upper(),
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(os.environ.get("LOGLEVEL", "INFO"))
     problem = torch_version_problem(installed_torch_version())
     if problem is not None:
         print(f"{PROG}: error: {problem}", file=sys.stderr)

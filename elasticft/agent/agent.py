@@ -318,7 +318,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             failures = self._classify(run_result)
             suspect = False
         for failure in failures:
-            logger.error("worker failure: %s", failure.summary())
+            # A failure the job recovers from is a warning; the decision to stop is the error.
+            logger.warning("worker failure: %s", failure.summary())
             self.events.emit("failure", attempt=self._attempt, **failure.to_json())
         self.failures.extend(failures)
         self._each_collaborator("on_failure", group, failures)
@@ -338,7 +339,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         action = decide(facts)
         signature = FailureSignature.of(root_cause(failures)) if failures else None
         self._previous_failure = signature if facts.step_completed is False else None
-        log = logger.warning if action.kind is ActionKind.RESTART_IN_PLACE else logger.error
+        log = logger.error if action.kind is ActionKind.STOP else logger.warning
         log("decision: %s (%s)", action.kind.value, action.reason)
         self.events.emit(
             "decision", action=action.kind.value, reason=action.reason, attempt=self._attempt,

@@ -216,7 +216,7 @@ def try_commit(root: Path, step: int, world_size: int, ranks: Iterable[int]) -> 
     }
     atomic_write(directory / COMMIT_MARKER, json.dumps(marker).encode())
     fsync_dir(directory)
-    logger.info("committed checkpoint step %d in %s (%d rank(s))", step, root, len(expected))
+    logger.debug("committed checkpoint step %d in %s (%d rank(s))", step, root, len(expected))
     return True
 
 
