@@ -1,6 +1,7 @@
 """A run's wall time split into the phases of the Training Overhead Ratio model.
 
-TOR (seeds/003) is optimal time over observed time. The optimal time is what the run's useful
+TOR (Lu et al., "Training Overhead Ratio: A Practical Reliability Metric for Large Language Model
+Training Systems") is optimal time over observed time. The optimal time is what the run's useful
 work would take at the healthy step time: ``T_opt = N * t_healthy``, with ``N`` the steps that
 moved training forward and ``t_healthy`` the median duration of an uninterrupted step (checkpoint
 time excluded). The observed time is the wall time of the run's allocations (time queued between
@@ -9,7 +10,8 @@ two Slurm allocations is shown but not counted).
 Every second of observed time gets exactly one label, so the phases add up to the wall time:
 
 =================  =============================================================================
-healthy            ``t_healthy`` of every step that moved training forward
+healthy            the time of every step that moved training forward, up to ``t_healthy`` each
+                   (steps faster than the median make it a little less than the optimal time)
 slow steps         what those steps took beyond ``t_healthy`` (fail-slow, and noise around it)
 slow recovery      that excess in the first steps after a restart, until a step is healthy again
 checkpoint stall   time steps spent saving (``ckpt_s`` of the step records), and a Slurm
@@ -25,6 +27,10 @@ shutdown           last step to the end of the run
 
 ETTR is the time in steps that moved training forward (healthy + slow + slow recovery) over the
 wall time; MTBF is wall time over the number of failures.
+
+On a short run, start-up and shutdown (paid once per launch) can be most of the wall time: TOR
+then measures the launch more than the reliability. The report says so when they are more than
+:data:`LAUNCH_NOTE_SHARE` of it, with the TOR of the time between them.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ PHASES = (
 )
 # A step no slower than this times t_healthy ends a slow recovery.
 HEALTHY_TOLERANCE = 1.2
+LAUNCH_NOTE_SHARE = 0.2
+"""Start-up and shutdown above this share of the wall time get a note in the report."""
 
 
 @dataclasses.dataclass
@@ -130,6 +138,17 @@ class Analysis:
     def ettr(self) -> float:
         productive = sum(self.phases[p] for p in ("healthy", "slow_steps", "slow_recovery"))
         return productive / self.observed_s if self.observed_s > 0 else 0.0
+
+    @property
+    def launch_s(self) -> float:
+        """Start-up and shutdown: what every launch pays once."""
+        return self.phases["startup"] + self.phases["shutdown"]
+
+    @property
+    def tor_between_launch_and_exit(self) -> float:
+        """TOR of the time after start-up and before shutdown."""
+        between = self.observed_s - self.launch_s
+        return self.optimal_s / between if between > 0 else 0.0
 
     @property
     def mtbf_s(self) -> float | None:
@@ -379,10 +398,6 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
                     add("slow_steps", start + healthy, excess)
                     labels.append("healthy" if excess <= (HEALTHY_TOLERANCE - 1) * t_h
                                   else "slow")
-                # Work beyond t_h that is faster than median shows as a negative excess.
-                if compute < t_h:
-                    phases["slow_steps"] -= t_h - compute
-                    phases["healthy"] += t_h - compute
                 best = record.step
         elif kind == "failure":
             fault: Fault = payload
@@ -431,6 +446,18 @@ _STEP_SOURCE_NOTES = {
 }
 
 
+def _launch_note(a: Analysis) -> list[str]:
+    """What TOR means when start-up and shutdown are much of the run (a short run)."""
+    share = a.launch_s / a.observed_s if a.observed_s > 0 else 0.0
+    if share <= LAUNCH_NOTE_SHARE:
+        return []
+    between = f"between them TOR is {a.tor_between_launch_and_exit:.3f}"
+    return [f"  start-up and shutdown are {share:.0%} of this {a.observed_s:.1f} s run. A launch "
+            "pays them once, so",
+            f"  this run's TOR mostly measures its launch; {between}" if share > 0.5 else
+            f"  a longer run scores higher; {between}"]
+
+
 def format_report(a: Analysis) -> str:
     lines = [
         f"elasticft report: run {a.run_id} ({a.end_state}), {a.allocations} allocation(s), "
@@ -446,6 +473,7 @@ def format_report(a: Analysis) -> str:
         f"  ETTR  {a.ettr:.3f}   (time in steps that counted / wall time)",
         "  MTBF  " + (f"{a.mtbf_s:.1f} s over {len(a.faults)} failure(s)" if a.mtbf_s
                       else f"no failures in {a.observed_s:.1f} s"),
+        *_launch_note(a),
         "",
         "  where the time went:",
     ]
