@@ -40,8 +40,6 @@ OTHER_TOOLS_FLAGS = {
     "--signal", "--requeue", "--time", "--ntasks-per-node",  # sbatch, srun
     "--log-line-prefix-template",  # torchrun of releases newer than this environment's torch
 }
-PENDING_FLAGS = {"--fresh"}
-"""Options the README names that the launcher is being given now."""
 SCRIPT_DIRS = ("bench/", "examples/", "scripts/", "elasticft/", ".ci/")
 """Where the repository's own command-line scripts live (tests are no documented command)."""
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w*-])")
@@ -166,7 +164,7 @@ def test_no_page_names_an_option_that_does_not_exist() -> None:
     """A removed option (``--hang-floor-s``) or a misspelt one is a doc that lies."""
     from elasticft.config import REMOVED_OPTIONS
 
-    known = existing_flags() | OTHER_TOOLS_FLAGS | PENDING_FLAGS
+    known = existing_flags() | OTHER_TOOLS_FLAGS
     removed = {"--" + name.replace("_", "-") for name in REMOVED_OPTIONS}
     unknown = sorted({f"{page.name}: {m.group(1)}" for page in PAGES
                       for m in FLAG.finditer(prose_and_code(page))
