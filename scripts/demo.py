@@ -65,6 +65,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("LOGLEVEL", "WARNING")
+    # torch's own default for several workers a node; set, it is not announced in a banner.
+    env.setdefault("OMP_NUM_THREADS", "1")
     command = [
         *tool("elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
         "--max-restarts", "3",

@@ -2,11 +2,12 @@
 
 A worker's main thread may be stuck inside a collective when the agent needs a checkpoint (a
 hang, a Slurm time limit, a preemption). Python signal handlers do not run until the collective
-returns (torch 2.13 notes, G7), so the request goes to a daemon thread instead: the agent writes
-``request.json`` (an id and a reason) into the run's control directory, each worker's watcher
-thread sees it within a poll interval, makes sure its newest snapshot is complete in shared
-memory (waiting for the copy in flight, which runs on its own thread), and answers with
-``ack-l<local_rank>.json`` naming the step it holds. The agent then persists that step.
+returns (CPython runs them on the main thread between bytecodes), so the request goes to a
+daemon thread instead: the agent writes ``request.json`` (an id and a reason) into the run's
+control directory, each worker's watcher thread sees it within a poll interval, makes sure its
+newest snapshot is complete in shared memory (waiting for the copy in flight, which runs on its
+own thread), and answers with ``ack-l<local_rank>.json`` naming the step it holds. The agent
+then persists that step.
 The other way, a worker appends a line to ``skipped-l<local_rank>.jsonl`` for every save it
 could not take (no free slot), which the agent turns into ``snapshot_skipped`` events, and
 writes ``loaded-l<local_rank>.json`` once its load or restore and the first optimizer step
