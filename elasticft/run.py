@@ -120,15 +120,6 @@ def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
         args.master_port = 29500
 
 
-def _capture_stderr(args: argparse.Namespace) -> None:
-    """Tee workers' stderr to files (still shown on the console) so failures can be classified.
-
-    Only when the user asked for no redirect or tee of their own; theirs always wins.
-    """
-    if str(args.redirects) == "0" and str(args.tee) == "0":
-        args.tee = "2"
-
-
 def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig
                      ) -> tuple[ElasticftConfig, list[Path]]:
     """Without --log-dir, torch writes the workers' log files to a new /tmp/torchelastic_*
@@ -251,8 +242,6 @@ def main(argv: Sequence[str] | None = None, *,
         _apply_torchrun_defaults(args)
         if allocation is not None:
             slurm.run_id_default(args, raw_argv, os.environ, allocation)
-        if options.agent.capture_stderr:
-            _capture_stderr(args)
         _check_extras(args, options)
         options, created = _logs_in_run_dir(args, options)
         torch_run_logger = logging.getLogger("torch.distributed.run")
