@@ -112,6 +112,8 @@ def restore_line(report: dict) -> str:
         return f"resumed from step {step} in {where} ({source} checkpoint directory)"
     if source == "memory":
         return f"resumed from step {step} in shared memory"
+    if source == "reshard" and where:
+        return f"resumed from step {step} in {where} (resharded from another world size)"
     return f"resumed from step {step} from {where} ({source})" if where else \
         f"resumed from step {step} ({source})"
 

@@ -30,7 +30,9 @@ TRAIN = str(EXAMPLES / "train_elasticft.py")
          "resumed from step 7 in shared memory"),
         ({"step": 7, "source": "peer", "where": "the backup node"},
          "resumed from step 7 from the backup node (peer)"),
-        ({"step": 7, "source": "reshard", "where": ""}, "resumed from step 7 (reshard)"),
+        ({"step": 7, "source": "reshard", "where": "/j/D/step-7"},
+         "resumed from step 7 in /j/D/step-7 (resharded from another world size)"),
+        ({"step": 7, "source": "other", "where": ""}, "resumed from step 7 (other)"),
         ({"step": None, "looked": ["shared memory", "/j/D"]},
          "no checkpoint to resume from (looked in shared memory, /j/D): starting from the "
          "beginning"),
