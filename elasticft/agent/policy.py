@@ -57,6 +57,9 @@ class Action:
     """A restart granted by --restart-on-user-error (not by --max-restarts)."""
     checkpoint: CheckpointSource = CheckpointSource.SNAPSHOT
     """Where the next attempt resumes from (see :func:`checkpoint_source`)."""
+    fails_again: bool = False
+    """A stop whose cause would come back on any new attempt (a user-code error, a failure that
+    repeated before the first step): a scheduler must not resubmit it either."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +250,7 @@ def _decide(facts: FailureFacts) -> Action:
             f"user-code error, not restarted (a restart would fail the same way; "
             f"--restart-on-user-error allows it): {what}",
             exit_code=1,
+            fails_again=True,
         )
     suspect = suspect_reason(facts)
     if suspect is not None and facts.can_evict:
@@ -276,6 +280,7 @@ def _repeat_stop(left: int, flag: str, budget: int, what: str) -> Action:
         f"the same failure before the first step of two attempts in a row, not restarted (a "
         f"restart would fail the same way; {left} of {flag} {budget} left unused): {what}",
         exit_code=1,
+        fails_again=True,
     )
 
 

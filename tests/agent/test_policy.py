@@ -59,6 +59,7 @@ def test_user_errors_stop_unless_allowed(used: int, allowed: int) -> None:
         assert action.exit_code == 1
         assert "user-code error, not restarted" in action.reason
         assert "rank 1" in action.reason
+    assert action.fails_again == (action.kind is ActionKind.STOP)
 
 
 def test_user_error_is_root_cause_over_collateral_connection_errors() -> None:
@@ -133,6 +134,7 @@ def test_a_failure_repeated_before_the_first_step_stops(
     assert action.kind is expected
     repeat = "the same failure before the first step of two attempts in a row" in action.reason
     assert repeat == (expected is ActionKind.STOP and used < 3), action.reason
+    assert action.fails_again == repeat, "a scheduler resubmits only what may not fail again"
     if repeat:
         assert action.exit_code == 1
         assert f"{3 - used} of --max-restarts 3 left unused" in action.reason
