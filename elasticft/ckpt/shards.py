@@ -64,9 +64,9 @@ def mismatch(fqn: str, item: Mapping[str, Any], live: torch.Tensor) -> StateMism
         if (list(local_of(live).shape) == list(item["shape"])
                 and saved_sharding in (None, sharding_of(live))):
             return None
-        cause = ("the model is sharded differently than when it was saved (another world size, "
-                 "mesh or placement): restart at the saved world size, or restore from a "
-                 "durable checkpoint, which dcp.load reshards")
+        cause = ("the model is sharded differently than when it was saved (another mesh or "
+                 "placement): shard it as it was saved, or read the durable checkpoint with "
+                 "dcp.load, which reshards (elasticft ckpt export gives a plain DCP directory)")
     elif list(item["shape"]) != saved_global:
         cause = ("the checkpoint holds a shard (saved under FSDP2 or tensor parallelism) and the "
                  "model is not sharded: shard the model as it was when saved before restoring")

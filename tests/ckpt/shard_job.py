@@ -201,6 +201,13 @@ def table(row: str, rank: int, world: int, owner: int, root: Path) -> None:
                          "loss_equal": loss == expected_loss,
                          "next_differs": same(local_state(fresh, fresh_optim), expected)}
     server.close()
+    # Whole tensors (an export's) into the model: each rank keeps its own shard of each.
+    whole, _ = build(row, world, 1)
+    restore({"model": {k.removeprefix("model."): v for k, v in full.items()
+                       if k.startswith("model.")}}, whole)
+    results["whole-model"] = same(
+        {k: v for k, v in local_state(whole, torch.optim.SGD(whole.parameters())).items()},
+        {k: v for k, v in saved.items() if k.startswith("model.")})
     # The same snapshot into a model that is not sharded: one error naming the tensor.
     plain = _layers()
     with Checkpointer(only["memory"], optimizers=[]) as ckpt:

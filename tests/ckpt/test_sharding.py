@@ -104,6 +104,14 @@ def test_a_restore_from_every_tier_is_bit_exact_and_steps_on_as_if_uninterrupted
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("row", list(ROWS))
+def test_whole_tensors_restore_into_each_ranks_shard(table: Path, row: str) -> None:
+    for rank, cells in enumerate(_cells(table, row, "table")):
+        assert cells["whole-model"] == [], f"{row} rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("row", list(ROWS))
 def test_a_durable_checkpoint_reshards_into_another_world_size(table: Path, row: str) -> None:
     world = WORLD[row] // 2
     results = [json.loads((table / row / f"reshard-{rank}.json").read_text())
