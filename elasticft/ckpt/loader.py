@@ -112,11 +112,16 @@ class SnapshotLoader:
         by ``dcp.load`` (:mod:`elasticft.ckpt.reshard`); None if there is none."""
         roots = [t.root for t in tiers if isinstance(t, durable.DurableTier)]
         found = reshard.other_world_steps(roots, self.world_size)
-        step = self._ranks.agree(sorted(found, reverse=True))
-        if step is None:
-            logger.info("no checkpoint that every rank can load")
-            return None
-        directory = found[step]
+        candidates = sorted(found, reverse=True)
+        while True:
+            step = self._ranks.agree(candidates)
+            if step is None:
+                logger.info("no checkpoint that every rank can load")
+                return None
+            directory = found[step]
+            if self._ranks.all_ok(reshard.verify_share(directory, self.rank, self.world_size)):
+                break
+            candidates.remove(step)
         info = durable.commit_info(directory) or {}
         extras = reshard.restore_resharded(directory, live)
         self.last_source = "reshard"

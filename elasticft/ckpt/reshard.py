@@ -8,7 +8,9 @@ any part of any tensor. A restore then creates the optimizer state the checkpoin
 live parameters' layout (a DTensor's shard for FSDP2 and tensor parallel, the whole tensor
 otherwise), lets ``dcp.load`` fill the model and optimizer tensors in place, and takes the
 optimizer's hyperparameters and the extras from rank 0's manifest. RNG states are per rank and
-not carried over to another world size. Deduplicated checkpoints (each replica stored once) load
+not carried over to another world size. ``dcp.load`` checks no checksums, so the ranks first
+re-read every shard of the step between them (:func:`verify_share`); a damaged step gives way
+to an older one. Deduplicated checkpoints (each replica stored once) load
 the same way.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from elasticft.ckpt import durable
+from elasticft.ckpt.api import CheckpointError
 from elasticft.ckpt.shards import is_dtensor, local_of
 from elasticft.ckpt.snapshot import decode_json, set_path
 
@@ -38,6 +41,20 @@ def other_world_steps(roots: list[Path], world_size: int) -> dict[int, Path]:
             if written != world_size and set(info.get("ranks", ())) == set(range(written or 0)):
                 found.setdefault(step, durable.step_dir(root, step))
     return found
+
+
+def verify_share(directory: Path, rank: int, world_size: int) -> bool:
+    """Whether the shards this rank checks (every ``world_size``-th from ``rank``) read back
+    with their checksums: ``dcp.load`` checks none, so each rank checks its share first."""
+    info = durable.commit_info(directory) or {}
+    for shard in sorted(info.get("ranks", ()))[rank::world_size]:
+        try:
+            durable.read_rank_shard(directory, shard)
+        except (OSError, CheckpointError) as e:
+            logger.warning("%s: rank %d's shard is unusable for resharding: %s", directory,
+                           shard, e)
+            return False
+    return True
 
 
 def restore_resharded(directory: Path, live: Any) -> dict[str, Any]:

@@ -11,13 +11,14 @@
   bitwise the uninterrupted run's, the source, and the restored step. Rank 0 also writes the
   whole (gathered) state after step 2 to DIR/ROW/full.pt.
 * ``reshard``: restores the row's durable checkpoint (written at another world size) into a
-  fresh model at this one; writes whether the gathered state equals DIR/ROW/full.pt to
-  DIR/ROW/reshard-<rank>.json.
+  fresh model at this one; writes whether the gathered state equals DIR/ROW/full.pt, and what
+  a restore from a copy with one damaged shard gave, to DIR/ROW/reshard-<rank>.json.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -227,8 +228,22 @@ def reshard(row: str, rank: int, world: int, root: Path) -> None:
         restored = ckpt.restore(model, optim)
         source = ckpt.last_source
     expected = torch.load(home / "full.pt", weights_only=True)
-    result = {"restored": list(restored) if restored else None, "source": source,
-              "differs": same(full_state(model, optim), expected)}
+    result: dict[str, Any] = {"restored": list(restored) if restored else None,
+                              "source": source, "differs": same(full_state(model, optim),
+                                                                expected)}
+    # A byte flipped in one shard: dcp.load would read it unchecked, the restore refuses it.
+    damaged = home / "damaged"
+    if rank == 0:
+        shutil.copytree(home / "local", damaged)
+        shard = durable.step_dir(damaged, STEPS) / durable.shard_name(1)
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    model, optim = build(row, world, 1)
+    with Checkpointer(WorkerSettings(local_rank=rank, local_dir=damaged),
+                      optimizers=[optim]) as ckpt:
+        result["damaged"] = ckpt.restore(model, optim)
     (home / f"reshard-{rank}.json").write_text(json.dumps(result))
 
 
