@@ -365,7 +365,9 @@ class LiveState:
                     saved = item.get("global_size") if item is not None else list(value.shape)
                     live = param.detach() if list(saved) == list(param.shape) or \
                         list(value.shape) == list(local_of(param).shape) else None
-            if live is not None:
+            # Plain optimizer state is left to torch, which takes it as it is (an optimizer's
+            # state may legitimately change shape, LBFGS's history for one).
+            if live is not None and (path[0] == "model" or is_dtensor(live)):
                 set_path(state, path, into_live(fqn, value, live, (items or {}).get(fqn)))
 
     def target(self, item: Mapping[str, Any]) -> torch.Tensor | None:
