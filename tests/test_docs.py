@@ -1,5 +1,6 @@
 """The docs are references to this repository as it is: what they link, the files and paths they
-name, the options they show and the README's quick-start commands all exist today.
+name, the options and environment variables they show and the README's quick-start commands all
+exist today.
 
 Pages: README.md and docs/*.md. A fenced block's lines are checked like prose, except a
 benchmark's printed header (``# ...`` inside a fence of docs/benchmarks.md), which records the
@@ -170,6 +171,26 @@ def test_no_page_names_an_option_that_does_not_exist() -> None:
                       for m in FLAG.finditer(prose_and_code(page))
                       if m.group(1) not in known or m.group(1) in removed})
     assert not unknown, f"options that no parser has: {unknown}"
+
+
+def test_no_page_names_an_environment_variable_that_nothing_reads() -> None:
+    """Every ``ELASTICFT_*`` name is an option's variable, one the agent gives its workers, or
+    one a script of the repository reads (``ELASTICFT_COMPAT_TORCH``); never a removed one."""
+    from elasticft.agent.agent import WORKER_ENV_NAMES
+    from elasticft.config import REMOVED_OPTIONS
+    from elasticft.options import known_env_names
+
+    scripts = set()
+    for name in tracked_files():
+        if name.startswith(SCRIPT_DIRS) and name.endswith((".py", ".sh")):
+            scripts.update(re.findall(r"ELASTICFT_[A-Z0-9_]*[A-Z0-9]", (ROOT / name).read_text()))
+    removed = {"ELASTICFT_" + name.upper() for name in REMOVED_OPTIONS}
+    known = (known_env_names() | set(WORKER_ENV_NAMES) | scripts) - removed
+    unknown = sorted({f"{page.name}: {name}" for page in PAGES
+                      for name in re.findall(r"ELASTICFT_[A-Z0-9_]*[A-Z0-9]",
+                                             prose_and_code(page))
+                      if name not in known})
+    assert not unknown, f"environment variables that nothing reads: {unknown}"
 
 
 def test_the_flag_check_catches_a_removed_option() -> None:
