@@ -240,10 +240,6 @@ def launch(
     node_id = claim.node_id
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)
-    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
-    logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
-                f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
-                if earlier else "")
     sweep_leftovers(options)
     # Every add-on knows this agent by the name it claimed, and the run by its directory.
     options = dataclasses.replace(options, agent=dataclasses.replace(
@@ -257,6 +253,11 @@ def launch(
     except Exception:
         claim.release()
         raise
+    # Once the options are known to be usable (a usage error is the only line).
+    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
+    logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
+                f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
+                if earlier else "")
     logs_specs = worker_logs(config.logs_specs, run_dir, config.nproc_per_node,
                              options.agent.capture_stderr)
     if options.agent.event_dir is not None:
