@@ -8,11 +8,15 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from elasticft.agent.api import AddOnContext
 from elasticft.ckpt import durable, settings
 from elasticft.ckpt.control import announce_dir, announced_dirs, restore_line
+from elasticft.ckpt.service import CheckpointAddOn
+from elasticft.config import AgentConfig, CheckpointConfig, ConfigError, ElasticftConfig
 from tests.agent.test_launch import wait_until
 from tests.conftest import BIN, EXAMPLES
 
@@ -79,6 +83,22 @@ def test_the_scripts_directory_wins_over_the_agents(tmp_path: Path,
     # The agent hears of it through the control directory, by local rank.
     announce_dir(tmp_path, 1, tmp_path / "D")
     assert announced_dirs(tmp_path, [0, 1]) == {1: tmp_path / "D"}
+
+
+@pytest.mark.timeout(30)
+def test_fresh_is_refused_where_a_remote_directory_holds_earlier_checkpoints(
+        tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    options = ElasticftConfig(agent=AgentConfig(fresh=True),
+                              ckpt=CheckpointConfig(ckpt_remote_dir=remote))
+    context = AddOnContext(options, SimpleNamespace(local_addr=None), {})  # type: ignore[arg-type]
+    service = CheckpointAddOn().build(context, {})  # empty: nothing to lose
+    assert service is not None
+    service.close()
+    _steps(remote, 5)
+    with pytest.raises(ConfigError, match=r"--fresh: --ckpt-remote-dir .* holds checkpoints of "
+                       r"earlier launches.*give a new remote directory"):
+        CheckpointAddOn().build(context, {})
 
 
 def _command(*extra: str) -> list[str]:
