@@ -80,12 +80,24 @@ def _fsdp_tp(world: int) -> torch.nn.Module:
     return model
 
 
+def _hsdp(world: int) -> torch.nn.Module:
+    """HSDP: FSDP2 over a (world/2, 2) mesh, replicated along the first dimension and sharded
+    along the second."""
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _layers()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 ROWS: dict[str, Callable[[int], torch.nn.Module]] = {
     "plain": _plain,
     "ddp": _ddp,
     "fsdp2": _fsdp(True),
     "fsdp2-no-reshard": _fsdp(False),
     "fsdp2-tp": _fsdp_tp,
+    "hsdp": _hsdp,
 }
 
 

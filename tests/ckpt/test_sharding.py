@@ -2,16 +2,17 @@
 
 Rows are the ways a model's state is laid out over ranks (:data:`shard_job.ROWS`): a plain
 module on every rank, DDP, FSDP2 (``fully_shard`` on each layer and on the root) with and
-without ``reshard_after_forward``, and FSDP2 over a 2-D mesh, data parallel x tensor parallel
-through ``parallelize_module``. Columns are the tiers a restore can come from: shared memory,
+without ``reshard_after_forward``, FSDP2 over a 2-D mesh, data parallel x tensor parallel
+through ``parallelize_module``, and HSDP (FSDP2 replicated along one mesh dimension, sharded
+along the other). Columns are the tiers a restore can come from: shared memory,
 local disk, the backup peer, the remote directory, and ``load()`` followed by ``restore``.
 
 Real gloo ranks (:mod:`tests.ckpt.shard_job`) train each row 2 steps with a snapshot after each
 and take the uninterrupted step 3; a fresh model and optimizer (another seed) then restore from
 each tier and take step 3 again. Per cell: the restored tensors (local shards, parameters and
 AdamW state) equal the saved ones bitwise, the RNG state is back, and the loss and the whole
-state after step 3 equal the uninterrupted run's. The rows run on 2 ranks, the 2-D row on 4
-(a 2 x 2 mesh). Each row's durable checkpoint is then restored at another world size (2 -> 1,
+state after step 3 equal the uninterrupted run's. The rows run on 2 ranks, the 2-D rows on 4
+(2 x 2 meshes). Each row's durable checkpoint is then restored at another world size (2 -> 1,
 4 -> 2), resharded by ``dcp.load``, and its gathered state must equal the saved one. Last,
 the example trained with FSDP2 under ``elasticft-run`` survives a SIGKILL with every loss equal
 to an uninterrupted run's.
@@ -35,9 +36,9 @@ from tests.ckpt.shard_job import ROWS, TIERS
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("shard_job.py")
-WORLD = {"plain": 2, "ddp": 2, "fsdp2": 2, "fsdp2-no-reshard": 2, "fsdp2-tp": 4}
-"""The world size each row is trained at (the 2-D row needs a 2 x 2 mesh)."""
-SHARDED = {"fsdp2", "fsdp2-no-reshard", "fsdp2-tp"}
+WORLD = {"plain": 2, "ddp": 2, "fsdp2": 2, "fsdp2-no-reshard": 2, "fsdp2-tp": 4, "hsdp": 4}
+"""The world size each row is trained at (the 2-D rows need a 2 x 2 mesh)."""
+SHARDED = {"fsdp2", "fsdp2-no-reshard", "fsdp2-tp", "hsdp"}
 
 
 def _launch(world: int, tmp: Path, tasks: list[str], env: dict[str, str]) -> None:
