@@ -43,8 +43,6 @@ class ActionKind(str, enum.Enum):
     """This node leaves the job (blacklisted); the others re-rendezvous without it."""
     STOP = "stop"
     """Stop the job; the launcher exits non-zero with the reason."""
-    CHECKPOINT_AND_REQUEUE = "checkpoint_and_requeue"
-    """Save now, hand the job back to the scheduler, exit."""
 
 
 @dataclasses.dataclass(frozen=True)
