@@ -83,9 +83,14 @@ def heading_anchors(page: Path) -> set[str]:
 
 @cache
 def tracked_files() -> frozenset[str]:
-    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.split()
-    return frozenset(listed)
+    """The repository's files: git's list, or outside a git checkout (an unpacked archive) the
+    tree less what the setup and the runs make."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0:
+        return frozenset(listed.stdout.split())
+    made = {".git", ".venv", "build", "elasticft-runs", "__pycache__", ".pytest_cache"}
+    return frozenset(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+                     if p.is_file() and not made & set(p.relative_to(ROOT).parts))
 
 
 def names_a_file_of_the_repository(name: str, page: Path) -> bool:
