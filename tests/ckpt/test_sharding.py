@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,3 +156,35 @@ def test_an_fsdp2_worker_sigkilled_under_elasticft_run_resumes_with_identical_lo
     assert "resumed from step 6 (source=memory)" in text, text[-4000:]
     assert sorted(reference) == list(range(1, 11))
     assert resumed == reference  # bitwise (losses logged with repr)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_an_fsdp2_job_relaunched_on_fewer_workers_resumes_from_its_checkpoint_resharded(
+    tmp_path: Path, job_env: dict[str, str]
+) -> None:
+    """6 steps on 2 workers, then the same command on 1: the second launch resumes from step 6
+    of the first, resharded by dcp.load, and its first loss (rank 0's batch through the
+    restored parameters) is the first launch's step 7 loss, bit for bit."""
+    from tests.conftest import BIN, EXAMPLES
+
+    ckpt_dir = tmp_path / "ckpt"
+
+    def launch(nproc: int, steps: int, log: Path) -> str:
+        cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
+               str(EXAMPLES / "train_elasticft.py"), "--fsdp2", "--steps", str(steps),
+               "--ckpt-dir", str(ckpt_dir), "--loss-log", str(log)]
+        out = subprocess.run(cmd, env=job_env, capture_output=True, text=True, timeout=200,
+                             cwd=tmp_path)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        return out.stdout + out.stderr
+
+    launch(2, 7, tmp_path / "reference.loss")  # the uninterrupted step 7
+    shutil.rmtree(ckpt_dir)
+    launch(2, 6, tmp_path / "first.loss")
+    text = launch(1, 7, tmp_path / "second.loss")
+    assert "resumed from step 6 (source=reshard)" in text, text[-4000:]
+    def losses(name: str) -> dict[str, str]:
+        return dict(line.split() for line in (tmp_path / name).read_text().splitlines())
+
+    assert losses("second.loss") == {"7": losses("reference.loss")["7"]}
