@@ -2,9 +2,10 @@
 
 :func:`capture` builds ``{"model", "optim", "extra", "rng"}`` with torch's
 ``torch.distributed.checkpoint.state_dict`` helpers, which strip DDP/FSDP wrapper prefixes and
-key optimizer state by parameter name, so the state works for plain modules, DDP and FSDP2
-(DTensor shards) alike and does not depend on the world size. :func:`restore` is the inverse.
-:class:`LiveState` restores a snapshot by copying straight into the live tensors.
+key optimizer state by parameter name, so the state works for plain modules, DDP, FSDP2 and
+tensor parallelism alike (a DTensor stays a DTensor; a save stores its local shard).
+:func:`restore` is the inverse. :class:`LiveState` restores a snapshot by copying straight into
+the live tensors, a DTensor's shard into its local tensor (:mod:`elasticft.ckpt.shards`).
 """
 
 from __future__ import annotations
