@@ -81,6 +81,7 @@ def _cells(table: Path, row: str, name: str) -> list[dict[str, Any]]:
             for rank in range(WORLD[row])]
 
 
+@pytest.mark.timeout(30)
 def test_every_row_has_a_world_size() -> None:
     assert set(WORLD) == set(ROWS)
 
