@@ -30,7 +30,7 @@ A rank that progresses but slower than its peers is the slow-rank detector's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal
 
 from elasticft.diag.detectors import percentile
@@ -303,13 +303,16 @@ def stacks_wanted(snapshot: JobSnapshot, limits: HangLimits) -> frozenset[int]:
     in a hang the cheaper evidence finds (its culprits and the ranks that wait), where a moving
     stack shows work and an outlier's stack names a culprit. Empty when it finds no hang: a
     healthy or working job is never sampled."""
-    cheap = _weigh(snapshot, limits, None)
+    if not any(r.call is not None or frozen_reason(r, limits) for r in snapshot.ranks):
+        return frozenset()  # nobody waits and nobody is frozen: no hang (the common case)
+    cheap = _weigh(snapshot, limits, None, describe=lambda _: "")  # no words: only who
     return frozenset((*cheap.culprits, *cheap.waiting)) if cheap.hang else frozenset()
 
 
-def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None) -> Verdict:
+def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None,
+           describe: Callable[[RankEvidence], str] = _describe) -> Verdict:
     ranks = snapshot.ranks
-    evidence = {r.rank: _describe(r) for r in ranks}
+    evidence = {r.rank: describe(r) for r in ranks}
     waiting = tuple(sorted(r.rank for r in ranks if r.call is not None))
     frozen = {r.rank: why for r in ranks if (why := frozen_reason(r, limits)) is not None}
     # Peers blocked outside recorded collectives (a checkpoint barrier, a store wait) show it
