@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elasticft.ckpt.api import StateMismatch
-from elasticft.ckpt.snapshot import sharding_of
+from elasticft.ckpt.snapshot import dtype_from_name, sharding_of
 
 
 def is_dtensor(value: Any) -> bool:
@@ -118,7 +118,5 @@ def like_param(param: torch.Tensor, item: Mapping[str, Any]) -> torch.Tensor | N
     item is a shard of a tensor of the parameter's shape (Adam's moments); None otherwise."""
     if not is_dtensor(param) or list(item.get("global_size", ())) != list(param.shape):
         return None
-    from elasticft.ckpt.snapshot import dtype_from_name
-
     value = torch.empty_like(param, dtype=dtype_from_name(item["dtype"]))
     return value if list(local_of(value).shape) == list(item["shape"]) else None
