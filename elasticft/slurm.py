@@ -75,7 +75,6 @@ class SlurmEnv:
     job_id: str
     nodes: tuple[str, ...]
     """Hosts of the allocation in Slurm's order (SLURM_JOB_NODELIST expanded)."""
-    node_name: str | None
     procid: int | None
     nodeid: int | None
     restart_count: int
@@ -102,7 +101,6 @@ class SlurmEnv:
         return cls(
             job_id=job_id,
             nodes=expand_nodelist(nodelist),
-            node_name=env.get("SLURMD_NODENAME"),
             procid=_int_or_none(env.get("SLURM_PROCID")),
             nodeid=_int_or_none(env.get("SLURM_NODEID")),
             restart_count=_int_or_none(env.get("SLURM_RESTART_COUNT")) or 0,

@@ -220,10 +220,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """The round this node last completed as a participant (-1 before its first)."""
         return self._round
 
-    @property
-    def round_view(self) -> RoundView | None:
-        return self._round_view
-
     def is_leader(self) -> bool:
         """Whether this agent leads the round it last joined (group rank 0)."""
         return self._round_view is not None and self._round_view.is_leader

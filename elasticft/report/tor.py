@@ -113,7 +113,6 @@ class Analysis:
     reference_rank: int
     spans: list[Span]
     steps: list[StepRecord]
-    step_labels: list[str]
     end_state: str
     end_reason: str = ""
     """Why the run ended, as its launcher said (empty for a success)."""
@@ -330,7 +329,6 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
     phases = dict.fromkeys(PHASES, 0.0)
     spans: list[Span] = []
     faults: list[Fault] = []
-    labels: list[str] = []
 
     def add(phase: str, start: float, seconds: float) -> None:
         if seconds <= 0:
@@ -375,7 +373,6 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
             start = prev_time + overhead
             if record.step <= best:
                 add("rollback", start, work)
-                labels.append("rollback")
                 if last_fault is not None:
                     last_fault.rollback_s += work
                     last_fault.rollback_steps += 1
@@ -393,11 +390,8 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
                     add("slow_recovery", start + healthy, excess)
                     if last_fault is not None:
                         last_fault.slow_recovery_s += excess
-                    labels.append("slow_recovery")
                 else:
                     add("slow_steps", start + healthy, excess)
-                    labels.append("healthy" if excess <= (HEALTHY_TOLERANCE - 1) * t_h
-                                  else "slow")
                 best = record.step
         elif kind == "failure":
             fault: Fault = payload
@@ -431,7 +425,6 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
         reference_rank=rank,
         spans=spans,
         steps=records,
-        step_labels=labels,
         end_state=str(end_event.get("state")) if end_event else "running or killed",
         end_reason=str(end_event.get("reason") or "") if end_event else "",
     )
