@@ -118,9 +118,10 @@ def _trained(text: str) -> list[int]:
 
 
 def _agent_line(text: str) -> str:
+    """The checkpoint service's line (not the example's own "resumed from step N (source=...)")."""
     lines = [line for line in text.splitlines()
-             if "elasticft.ckpt.service:" in line and ("resumed from" in line
-                                                       or "no checkpoint to resume" in line)]
+             if re.search(r"elasticft[./]ckpt[./]service", line)
+             and ("resumed from" in line or "no checkpoint to resume" in line)]
     assert len(lines) == 1, text[-4000:]
     return lines[0]
 
