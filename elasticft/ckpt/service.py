@@ -5,7 +5,7 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
 * **Memory it owns.** It creates every local worker's shared-memory slots as files with no
   name (:mod:`elasticft.unnamed`), empty until the worker sizes them (see
   :mod:`elasticft.ckpt.shm`), and passes their ``/proc/<agent pid>/fd/<n>`` paths to the
-  workers (``ELASTICFT_CKPT_*``). A worker that crashes loses nothing: the agent holds the
+  workers (``ELASTICFT_WORKER_CKPT_*``). A worker that crashes loses nothing: the agent holds the
   files. When the agent exits, however it exits, the kernel frees them: nothing is left to
   sweep (named segments that older versions left are swept at start).
 * **Persistence in the background.** Every monitor tick it peeks at the slot headers; when all

@@ -1,12 +1,12 @@
 """What a worker's checkpointer needs to know, read from the environment in one place.
 
-Under ``elasticft-run`` the agent's checkpoint service hands every worker its shared-memory
-slots, directories, backup peer and control directory through ``ELASTICFT_CKPT_*`` variables
-(:data:`WORKER_ENV`). Without an agent (plain ``torchrun`` or one process) the worker owns its
-memory tier and persists it itself; the same settings are then given to
-:meth:`WorkerSettings.from_env` as arguments. A local directory the script gives explicitly
-(``ckpt_dir=``) is the job's under both: the worker announces it to the agent, which persists
-there (:func:`elasticft.ckpt.control.announce_dir`).
+Under ``elasticft-run`` the agent's checkpoint service hands every worker its shared-memory slots,
+directories, backup peer and control directory through ``ELASTICFT_WORKER_CKPT_*`` variables
+(:data:`WORKER_ENV`; no option's variable begins with ``ELASTICFT_WORKER_``). Without an agent
+(plain ``torchrun`` or one process) the worker owns its memory tier and persists it itself; the same
+settings are then given to :meth:`WorkerSettings.from_env` as arguments. A local directory the
+script gives explicitly (``ckpt_dir=``) is the job's under both: the worker announces it to the
+agent, which persists there (:func:`elasticft.ckpt.control.announce_dir`).
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ from pathlib import Path
 
 from elasticft.ckpt import shm
 
-ENV_SHM = "ELASTICFT_CKPT_SHM"
-ENV_SLOTS = "ELASTICFT_CKPT_SLOTS"
-ENV_MEMORY_CAP = "ELASTICFT_CKPT_MEMORY_CAP"
-ENV_LOCAL = "ELASTICFT_CKPT_LOCAL"
-ENV_REMOTE = "ELASTICFT_CKPT_REMOTE"
-ENV_PEER = "ELASTICFT_CKPT_PEER"
-ENV_REPLICA_PEER = "ELASTICFT_CKPT_REPLICA_PEER"
-ENV_NODE_PEER = "ELASTICFT_CKPT_NODE_PEER"
-ENV_SECRET = "ELASTICFT_CKPT_SECRET"
-ENV_CONTROL = "ELASTICFT_CKPT_CONTROL"
-ENV_GPU_STAGING = "ELASTICFT_CKPT_GPU_STAGING"
-ENV_NODE_DIR = "ELASTICFT_CKPT_NODE_DIR"
+ENV_SHM = "ELASTICFT_WORKER_CKPT_SHM"
+ENV_SLOTS = "ELASTICFT_WORKER_CKPT_SLOTS"
+ENV_MEMORY_CAP = "ELASTICFT_WORKER_CKPT_MEMORY_CAP"
+ENV_LOCAL = "ELASTICFT_WORKER_CKPT_LOCAL"
+ENV_REMOTE = "ELASTICFT_WORKER_CKPT_REMOTE"
+ENV_PEER = "ELASTICFT_WORKER_CKPT_PEER"
+ENV_REPLICA_PEER = "ELASTICFT_WORKER_CKPT_REPLICA_PEER"
+ENV_NODE_PEER = "ELASTICFT_WORKER_CKPT_NODE_PEER"
+ENV_SECRET = "ELASTICFT_WORKER_CKPT_SECRET"
+ENV_CONTROL = "ELASTICFT_WORKER_CKPT_CONTROL"
+ENV_GPU_STAGING = "ELASTICFT_WORKER_CKPT_GPU_STAGING"
+ENV_NODE_DIR = "ELASTICFT_WORKER_CKPT_NODE_DIR"
 """The subdirectory of the local checkpoint directory that holds this node's shards (a
 multi-node job: ``node-<node id>``); unset for a single node."""
-ENV_FRESH = "ELASTICFT_CKPT_FRESH"
+ENV_FRESH = "ELASTICFT_WORKER_CKPT_FRESH"
 """Set by ``--fresh``: this launch's token; see :func:`elasticft.ckpt.durable.start_fresh`."""
 
 WORKER_ENV = frozenset(
