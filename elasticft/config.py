@@ -524,10 +524,13 @@ REMOVED_OPTIONS: dict[str, str] = {
     "diag_preflight_allreduce": "replaced by --diag-preflight allreduce",
     "diag_metrics_port": "replaced by --diag-metrics [HOST:]PORT (e.g. 9100)",
     "diag_metrics_host": "replaced by --diag-metrics [HOST:]PORT (e.g. 0.0.0.0:9100)",
-    "event_dir": "events are always written under --run-dir",
-    "capture_stderr": "the workers' stderr is always captured",
-    "share_rdzv_store": "workers always get a fresh store per attempt (the shared one "
-                        "breaks restarts, pytorch#135712)",
+    "event_dir": "events are written under --run-dir, elsewhere only through the Python API "
+                 "(AgentConfig.event_dir)",
+    "capture_stderr": "the workers' stderr is captured, unless turned off through the Python "
+                      "API (AgentConfig.capture_stderr)",
+    "share_rdzv_store": "workers get a fresh store per attempt (the shared one breaks restarts, "
+                        "pytorch#135712), unless the Python API asks for it "
+                        "(AgentConfig.share_rdzv_store)",
     "plan_gpu_memory_gib": "give memory_gib in a --plan-hardware JSON file",
     "slurm_resubmit_script": "--slurm-requeue sbatch resubmits the job's own script",
     "ckpt_peer_addr": "derived from --local-addr, else this host's address",
