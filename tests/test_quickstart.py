@@ -24,7 +24,7 @@ from tests.conftest import BIN, ROOT
 from tests.report.test_report_real_run import StepWatcher
 from tests.test_docs import FENCE, README
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def cpu_quick_start() -> list[list[str]]:
@@ -58,7 +58,7 @@ def test_the_cpu_quick_start_runs_in_order_with_a_kill_in_the_middle(
         job = subprocess.Popen(program(launch), cwd=tmp_path, env=job_env, text=True,
                                stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
     watcher = StepWatcher(job)
-    watcher.wait_for(lambda lines: any(line.startswith("step 10 ") for line in lines), 180,
+    watcher.wait_for(lambda lines: any(line.startswith("step 10 ") for line in lines), 300,
                      "step 10")
     killed = subprocess.run(program(kill), cwd=tmp_path, env=job_env, text=True,
                             capture_output=True, timeout=60)
