@@ -32,7 +32,14 @@ from elasticft.agent.api import (
     run_ending_errors,
 )
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
-from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
+from elasticft.agent.policy import (
+    Action,
+    ActionKind,
+    FailureFacts,
+    FailureSignature,
+    decide,
+    root_cause,
+)
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
@@ -113,6 +120,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._started_at = 0.0
         self._steady_reported = False
         self._detection: Detection | None = None
+        self._previous_failure: FailureSignature | None = None
+        """The last attempt's failure, when that attempt completed no step (the policy's
+        ``FailureFacts.previous_failure``)."""
         self.warm_pool = warm_pool
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
 
@@ -312,7 +322,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             failures = self._classify(run_result)
             suspect = False
         for failure in failures:
-            logger.error("worker failure: %s", failure.summary())
+            # A failure the job recovers from is a warning; the decision to stop is the error.
+            logger.warning("worker failure: %s", failure.summary())
             self.events.emit("failure", attempt=self._attempt, **failure.to_json())
         self.failures.extend(failures)
         self._each_collaborator("on_failure", group, failures)
@@ -325,14 +336,21 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             restart_on_user_error=self.options.agent.restart_on_user_error,
             node_suspect=suspect,
             can_evict=False,
+            previous_failure=self._previous_failure,
         )
         for extra in self._each_collaborator("failure_facts", group, failures):
             facts = dataclasses.replace(facts, **(extra or {}))
         action = decide(facts)
-        log = logger.warning if action.kind is ActionKind.RESTART_IN_PLACE else logger.error
+        signature = FailureSignature.of(root_cause(failures)) if failures else None
+        self._previous_failure = signature if facts.step_completed is False else None
+        log = logger.error if action.kind is ActionKind.STOP else logger.warning
         log("decision: %s (%s)", action.kind.value, action.reason)
-        self.events.emit("decision", action=action.kind.value, reason=action.reason,
-                         attempt=self._attempt, checkpoint=action.checkpoint.value)
+        self.events.emit(
+            "decision", action=action.kind.value, reason=action.reason, attempt=self._attempt,
+            checkpoint=action.checkpoint.value, step_completed=facts.step_completed,
+            signature=signature.to_json() if signature else None,
+            previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
+                              else None))
         self._each_collaborator("on_decision", group, action)
         if action.kind is ActionKind.RESTART_IN_PLACE:
             if action.consumes_user_error_restart:
@@ -363,6 +381,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._attempt += 1
         if counted:
             self.restarts += 1
+        else:  # the attempts around a membership change are not "in a row"
+            self._previous_failure = None
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
         self._each_collaborator("before_restart", self.group_info(), cause, counted)
         self._restart_workers(self._worker_group)

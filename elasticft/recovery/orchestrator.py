@@ -241,8 +241,8 @@ class RecoveryOrchestrator(AgentCollaborator):
             departed.append(DepartedNode(node, alive, blacklisted))
         quarantine_s = self.config.recovery_quarantine_s
         for eviction in judge_departed(departed, previous):
-            logger.error("leader %s quarantines node %s in this job for %.0f s: %s",
-                         self.node_id, eviction.node_id, quarantine_s, eviction.reason)
+            logger.warning("leader %s quarantines node %s in this job for %.0f s: %s",
+                           self.node_id, eviction.node_id, quarantine_s, eviction.reason)
             try:
                 membership.quarantine(eviction.node_id, eviction.reason, previous,
                                       f"leader {self.node_id}, round {group.round}",
@@ -310,7 +310,11 @@ class RecoveryOrchestrator(AgentCollaborator):
                    "no healthy worker on this node to ask" if not healthy else
                    "the workers keep no elasticft snapshot" if control is not None else
                    "no checkpoint service")
-            logger.info("resuming from the newest complete snapshot: %s", why)
+            if control is not None and intact and healthy:
+                logger.info("the script resumes from its own checkpoint, if it keeps one "
+                            "(its workers keep no elasticft snapshot)")
+            else:
+                logger.info("resuming from the newest complete snapshot: %s", why)
             self._emit("recovery_checkpoint", source=source.value, reason=why,
                        offending_ranks=sorted(offending))
 
@@ -504,7 +508,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                    reason=action.reason, offences=self.offences)
         if action.kind is not ActionKind.EVICT_NODE:
             return
-        logger.error("node %s evicts itself: %s", self.node_id, action.reason)
+        logger.warning("node %s evicts itself: %s", self.node_id, action.reason)
         blacklisted = False
         # Evidence about the machine: its name goes on the blacklist, never a per-process id.
         machine = machine_name(self.node_id, socket.gethostname())
