@@ -226,10 +226,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """The round this node last completed as a participant (-1 before its first)."""
         return self._round
 
-    @property
-    def round_view(self) -> RoundView | None:
-        return self._round_view
-
     def set_event_sink(self, emit: Callable[..., None]) -> None:
         """``emit(kind, **payload)`` records membership decisions (the agent's event log)."""
         self._event_sink = emit
