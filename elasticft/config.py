@@ -486,6 +486,9 @@ class RecoveryConfig:
     recovery_blacklist: bool = option(
         True, "Blacklist evicted nodes and nodes that vanished from a round (etcd-v3 "
         "rendezvous), with the evidence as the reason.")
+    recovery_inprocess_timeout_s: float = tuning(
+        60.0, "Longest an in-process recovery may take, from the failure to every worker's "
+        "first step in the new group, before the agent falls back to a full restart.")
     recovery_departed_grace_s: float = tuning(
         6.0, "How long the leader waits for a node missing from a new round to show a live "
         "membership record before it counts as vanished.")
