@@ -478,9 +478,10 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         waiting = self.inprocess.waiting(pids)
         if waiting and len(waiting) == len(pids):
             by_local = {w.local_rank: w.global_rank for w in group.workers}
-            first = min(waiting)
+            first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
             return Detection(FailureClass.INFRASTRUCTURE, (by_local[first],), "inprocess",
-                             f"every worker caught a communication error: {waiting[first]}")
+                             f"every worker caught a communication error, rank "
+                             f"{by_local[first]} first: {waiting[first][1]}")
         return None
 
     def _recover_in_process(self, action: Action) -> str | None:

@@ -125,13 +125,14 @@ class InProcessCoordinator:
         return bool(pids) and all(self._record("armed", lr, pid) is not None
                                   for lr, pid in pids.items())
 
-    def waiting(self, pids: Mapping[int, int | None]) -> dict[int, str]:
-        """Workers that caught a peer failure in the current generation, with its cause."""
+    def waiting(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
+        """Workers that caught a peer failure in the current generation: when, and its cause."""
         found = {}
         for local_rank, pid in pids.items():
             record = self._record("failed", local_rank, pid, self.generation)
             if record is not None:
-                found[local_rank] = str(record.get("cause", ""))
+                found[local_rank] = (float(record.get("failed", 0.0)),
+                                     str(record.get("cause", "")))
         return found
 
     def publish(self, master_addr: str, world_size: int) -> Generation:

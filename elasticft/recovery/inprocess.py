@@ -39,10 +39,12 @@ just calls the function once.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -281,6 +283,7 @@ class InProcess:
         self._write("failed", {"cause": cause, "failed": failed_at})
         backend = str(dist.get_backend())
         rank = dist.get_rank()
+        _release(error)
         how = tear_down(backend, self.ops)
         aborted_at = time.time()
         deadline = time.monotonic() + settings.timeout_s
@@ -332,6 +335,22 @@ class InProcess:
                        {**record, "pid": os.getpid(), "generation": self.generation})
         except OSError as e:  # the agent then falls back to a restart after its timeout
             logger.warning("could not write the in-process %s record: %s", kind, e)
+
+
+def _release(error: BaseException) -> None:
+    """Drops what the failed call still holds: the locals of its finished frames (the DDP
+    wrapper, the step's tensors) and the cycles they were in.
+
+    A gloo group closes its connections only once nothing holds it, and its peers' collectives
+    with this process end only then; ``destroy_process_group`` alone unregisters it.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    gc.collect()
 
 
 def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
