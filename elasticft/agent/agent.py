@@ -465,7 +465,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                                recovery.generation, timings)
                 self.events.emit("recover_in_process", attempt=self._attempt,
                                  generation=recovery.generation, cause=recovery.cause,
-                                 replaced={str(k): v for k, v in recovery.replaced.items()},
+                                 replaced=self._by_global_rank(recovery.replaced),
                                  phases=timings)
                 return None
             if self.inprocess.overdue(time.monotonic()):
@@ -530,9 +530,13 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self.events.emit("worker_replaced", attempt=self._attempt,
                          generation=generation.generation,
                          pids={str(w.global_rank): w.pid for w in group.workers},
-                         replaced={str(k): v for k, v in replaced.items()})
+                         replaced=self._by_global_rank(replaced))
         self._each_collaborator("on_workers_started", group)
         return None
+
+    def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
+        workers = self._worker_group.workers
+        return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
 
     def _handler_factory(self, pcontext: Any) -> Callable[..., Any]:
         if isinstance(pcontext, WarmSubprocessContext) and self.warm_pool is not None:
