@@ -193,7 +193,19 @@ def worker(args: argparse.Namespace) -> int:
     if grouped:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        backend = "nccl" if device == "cuda" else "gloo"
+        if args.mode == "torch":
+            # torchrun's restarted workers meet on its agent's store of the first attempt,
+            # whose keys the new group would read (its gloo group never forms): a prefix of
+            # their own per attempt.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            dist.init_process_group(backend)
 
     def sync() -> None:
         if device == "cuda":

@@ -151,6 +151,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             ),
             master_addr=wg.master_addr or "",
             master_port=wg.master_port or 0,
+            in_process=bool(self._armed),
         )
 
     def _each_collaborator(self, hook: str, *args: Any) -> list[Any]:
