@@ -189,11 +189,14 @@ def worker(args: argparse.Namespace) -> int:
                                   for _ in range(layers)]).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     batch = torch.randn(args.batch, width, device=device)
-    grouped = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    grouped = world > 1
     if grouped:
-        if device == "cuda":
+        # NCCL with a GPU per rank; ranks sharing one GPU all-reduce their number over gloo.
+        nccl = device == "cuda" and torch.cuda.device_count() >= world
+        if nccl:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if device == "cuda" else "gloo"
+        backend = "nccl" if nccl else "gloo"
         if args.mode == "torch":
             # torchrun's restarted workers meet on its agent's store of the first attempt,
             # whose keys the new group would read (its gloo group never forms): a prefix of
@@ -284,7 +287,8 @@ def _train_step(args: argparse.Namespace, log: Path, model: Any, optim: Any, bat
     began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     model(batch).pow(2).mean().backward()
     if grouped:
-        dist.all_reduce(torch.ones(1, device=batch.device))
+        on_gpu = dist.get_backend() == "nccl"
+        dist.all_reduce(torch.ones(1, device=batch.device if on_gpu else "cpu"))
     optim.step()
     optim.zero_grad(set_to_none=True)
     sync()
