@@ -9,8 +9,8 @@ log and the event log. It also fixes what torch 2.13 gets wrong on restart: rest
 One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
 agent wraps that step to let the collaborators act on the survivors first
 (:func:`notify_before_survivors_stopped`). When the workers recover in process
-(:mod:`elasticft.agent.inprocess`), the agent sees a failed worker before torch does and
-replaces only that one.
+(:mod:`elasticft.agent.inprocess`), the agent sees a failed worker before torch does
+(:func:`~elasticft.agent.inprocess.failed_exits`) and replaces only that one.
 """
 
 from __future__ import annotations
@@ -33,7 +33,14 @@ from elasticft.agent.api import (
     run_ending_errors,
 )
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
-from elasticft.agent.inprocess import InProcessCoordinator, Recovery, blocker, kill_and_reap, phases
+from elasticft.agent.inprocess import (
+    InProcessCoordinator,
+    Recovery,
+    blocker,
+    failed_exits,
+    kill_and_reap,
+    phases,
+)
 from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
 from elasticft.agent.warmpool import (
     WarmPool,
@@ -244,7 +251,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             return RunResult(state=WorkerState.FAILED, failures=ending)
         if self._all_armed():
             # Before torch's poll, which would stop the survivors on seeing the failure.
-            exited = self._exited_with_failure()
+            exited = failed_exits(self._pcontext, self._worker_group.workers)
             if exited:
                 return RunResult(state=WorkerState.FAILED, failures=exited)
         result = super()._monitor_workers(worker_group)
@@ -424,21 +431,6 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             self._armed = pids
             return True
         return False
-
-    def _exited_with_failure(self) -> dict[int, ProcessFailure]:
-        """Workers that exited with a failing status, by global rank (reaped here, before
-        torch's poll sees them)."""
-        pcontext = self._pcontext
-        by_local = {w.local_rank: w for w in self._worker_group.workers}
-        failures = {}
-        for local_rank in list(self._worker_pids()):
-            proc = torch_compat.worker_process(pcontext, local_rank)
-            exitcode = proc.poll()
-            if exitcode not in (None, 0) and local_rank in by_local:
-                failures[by_local[local_rank].global_rank] = ProcessFailure(
-                    local_rank=local_rank, pid=proc.pid, exitcode=exitcode,
-                    error_file=pcontext.error_files.get(local_rank, ""))
-        return failures
 
     def _in_process_blocker(self, group: GroupInfo,
                             failures: tuple[FailureRecord, ...]) -> str | None:

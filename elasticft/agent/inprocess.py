@@ -41,6 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elasticft import torch_compat
 from elasticft.recovery.inprocess import (
     DIR_ENV,
     GENERATION_ENV,
@@ -195,6 +196,21 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
     if resumed is not None:
         out["total_s"] = resumed - recovery.seen_at
     return {k: round(max(v, 0.0), 4) for k, v in out.items()}
+
+
+def failed_exits(context: Any, workers: Sequence[Any]) -> dict[int, Any]:
+    """Workers of torch's process ``context`` that exited with a failing status, as torch's
+    ``ProcessFailure`` by global rank; reaped here, before torch's poll would see them and stop
+    the others."""
+    failures = {}
+    for worker in workers:
+        proc = torch_compat.worker_process(context, worker.local_rank)
+        exitcode = proc.poll()
+        if exitcode not in (None, 0):
+            failures[worker.global_rank] = torch_compat.ProcessFailure(
+                local_rank=worker.local_rank, pid=proc.pid, exitcode=exitcode,
+                error_file=context.error_files.get(worker.local_rank, ""))
+    return failures
 
 
 def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
