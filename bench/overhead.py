@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +63,16 @@ def _load_example():  # type: ignore[no-untyped-def]
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def stop_heartbeat(recorder) -> None:  # type: ignore[no-untyped-def]
+    """Stops the recorder's heartbeat thread for an "off" block (a worker's recorder beats
+    until its process exits, so the recorder itself has no stop)."""
+    thread, recorder._heartbeat = recorder._heartbeat, None
+    if thread is not None:
+        recorder._stop.set()
+        thread.join()
+        recorder._stop = threading.Event()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -103,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
                 recorder.unwrap_collectives(dist)
                 if step_hook is not None:
                     step_hook.remove()
-                recorder.stop_heartbeat()
+                stop_heartbeat(recorder)
         if step % args.block == 0 and rank == 0:
             os.pwrite(phase_fd, b"1" if on else b"0", 0)
         model = watched if on else plain

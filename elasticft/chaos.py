@@ -24,7 +24,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -49,6 +51,48 @@ def current_worker_pids(run_dir: Path) -> dict[int, int]:
     return pids
 
 
+def locate_rank(events: Sequence[dict[str, Any]], run_dir: Path, rank: int,
+                is_running: Callable[[int], bool]) -> int:
+    """The pid of ``rank``'s current worker, from the run's events; or a :class:`ChaosError`
+    that says in a sentence why there is none (no run there yet, workers not started, no such
+    rank, the run finished, the worker exited and is being restarted)."""
+    starts = [e for e in events if e["kind"] == "run_start"]
+    if not starts:
+        raise ChaosError(f"no run in {run_dir}: elasticft-run writes its event log there when "
+                         f"it starts with --run-dir {run_dir}")
+    run = f"run {starts[-1].get('run_id', '?')}"
+    newest_by_node: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if event["kind"] == "workers_started":
+            newest_by_node[event["node"]] = event
+    if not newest_by_node:
+        raise ChaosError(f"{run} has not started its workers yet; try again in a moment")
+    owner = {int(r): (int(pid), e) for e in newest_by_node.values()
+             for r, pid in e["pids"].items()}
+    if rank not in owner:
+        raise ChaosError(f"{run} has no rank {rank}; its ranks are "
+                         f"{', '.join(map(str, sorted(owner)))}")
+    pid, started = owner[rank]
+    ended = [e for e in events if e["kind"] == "run_end" and e["node"] == started["node"]
+             and e["time"] >= started["time"]]
+    if ended:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ended[-1]["time"]))
+        raise ChaosError(f"rank {rank} of {run} is not running (the run finished at {at}, "
+                         f"{ended[-1].get('state', 'ended')})")
+    if not is_running(pid):
+        raise ChaosError(f"rank {rank} of {run} is not running (its worker, pid {pid}, has "
+                         "exited and the next one has not started); try again in a moment")
+    return pid
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def wait_for(path: Path | None, timeout_s: float) -> None:
     if path is None:
         return
@@ -61,11 +105,12 @@ def wait_for(path: Path | None, timeout_s: float) -> None:
 
 def signal_rank(run_dir: Path, rank: int, sig: signal.Signals) -> int:
     """Sends ``sig`` to the current worker of ``rank``; returns its pid."""
-    pids = current_worker_pids(run_dir)
-    if rank not in pids:
-        raise ChaosError(f"rank {rank} is not running; ranks are {sorted(pids)}")
-    os.kill(pids[rank], sig)
-    return pids[rank]
+    pid = locate_rank(read_events(run_dir), run_dir, rank, process_running)
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it exited between the look and the signal
+        pid = locate_rank(read_events(run_dir), run_dir, rank, lambda _: False)
+    return pid
 
 
 def slow_rank(run_dir: Path, rank: int, duty: float, period_s: float, duration_s: float) -> int:
@@ -73,10 +118,7 @@ def slow_rank(run_dir: Path, rank: int, duty: float, period_s: float, duration_s
     returns the number of cycles. The process is always left running."""
     if not 0 < duty < 1:
         raise ChaosError(f"--duty {duty} must be between 0 and 1 (the stopped fraction)")
-    pids = current_worker_pids(run_dir)
-    if rank not in pids:
-        raise ChaosError(f"rank {rank} is not running; ranks are {sorted(pids)}")
-    pid = pids[rank]
+    pid = locate_rank(read_events(run_dir), run_dir, rank, process_running)
     deadline = time.monotonic() + duration_s
     cycles = 0
     try:

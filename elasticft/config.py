@@ -248,7 +248,15 @@ class AgentConfig:
         None,
         "Directory for this run's event log and agent files. Default: <log-dir>/<run-id> when "
         "--log-dir is given, else ./elasticft-runs/<run-id> (with the workers' logs in "
-        "<run-dir>/logs).",
+        "<run-dir>/logs). The run id is --rdzv-id, else one derived from the script, its "
+        "arguments and the directory, so a relaunch finds its run directory.",
+    )
+    fresh: bool = option(
+        False,
+        "Start this launch from step 0: the checkpoints earlier launches of the job left in its "
+        "local checkpoint directory (the script's own, else --ckpt-dir, else <run-dir>/ckpt) "
+        "are removed before the workers restore. Without it a relaunch resumes from the newest "
+        "committed checkpoint.",
     )
     event_dir: Path | None = tuning(
         None,
@@ -438,7 +446,8 @@ class CheckpointConfig:
         True, "Run the checkpoint service: workers using elasticft.ckpt.Checkpointer snapshot "
         "into agent-owned shared memory that survives their crash.")
     ckpt_dir: Path | None = option(
-        None, "Local checkpoint directory (tier 2). Default: <run-dir>/ckpt.")
+        None, "Local checkpoint directory (tier 2). Default: <run-dir>/ckpt. A directory the "
+        "script gives Checkpointer.from_env(ckpt_dir=...) wins over both.")
     ckpt_remote_dir: Path | None = option(
         None, "Shared-storage checkpoint directory (tier 3), written after the local one; "
         "every node of the job must see the same path.")
@@ -519,10 +528,13 @@ REMOVED_OPTIONS: dict[str, str] = {
     "diag_preflight_allreduce": "replaced by --diag-preflight allreduce",
     "diag_metrics_port": "replaced by --diag-metrics [HOST:]PORT (e.g. 9100)",
     "diag_metrics_host": "replaced by --diag-metrics [HOST:]PORT (e.g. 0.0.0.0:9100)",
-    "event_dir": "events are always written under --run-dir",
-    "capture_stderr": "the workers' stderr is always captured",
-    "share_rdzv_store": "workers always get a fresh store per attempt (the shared one "
-                        "breaks restarts, pytorch#135712)",
+    "event_dir": "events are written under --run-dir, elsewhere only through the Python API "
+                 "(AgentConfig.event_dir)",
+    "capture_stderr": "the workers' stderr is captured, unless turned off through the Python "
+                      "API (AgentConfig.capture_stderr)",
+    "share_rdzv_store": "workers get a fresh store per attempt (the shared one breaks restarts, "
+                        "pytorch#135712), unless the Python API asks for it "
+                        "(AgentConfig.share_rdzv_store)",
     "plan_gpu_memory_gib": "give memory_gib in a --plan-hardware JSON file",
     "slurm_resubmit_script": "--slurm-requeue sbatch resubmits the job's own script",
     "ckpt_peer_addr": "derived from --local-addr, else this host's address",

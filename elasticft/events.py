@@ -18,6 +18,8 @@ Kinds written by the agent (later subsystems add theirs; readers ignore what the
 ``checkpoint``     a checkpoint became durable (written by the checkpoint subsystem): step,
                    bytes, seconds, cause (periodic, flush, final, request: ...)
 ``snapshot_skipped``  a worker's save found no free memory slot: rank, step, reason
+``restore``        what an attempt's workers resumed from (checkpoint subsystem): step (None:
+                   nothing), source tier, where (its directory), restart count
 ``stop``           the agent stops: reason, exit code
 ``run_end``        last event of the agent: state, exit code, restarts, wall time
 =================  ============================================================================

@@ -10,6 +10,14 @@ decides how to report it. It differs from torch's ``launch_agent`` where torch 2
 * a failed or unhealthy group ends with a non-zero exit code and the reason, never with 0;
 * the rendezvous is closed for everyone only when the job is done (success, or a job-wide stop);
   a node that leaves or is signalled does not take the other nodes down.
+
+Workers started by :func:`launch` get what ``elasticft-run`` gives them unless the caller asked
+otherwise: the default add-ons (:func:`default_add_ons`; ``add_ons=()`` runs without them, and
+``collaborators`` come after them), stderr teed to a file so that a failure's traceback can be
+classified (:func:`worker_logs`), their log files in the run directory, the warm pool, and for a
+function entrypoint the recorder bootstrap (:class:`elasticft.diag.autoinstall.ArmedEntrypoint`)
+that a script gets from ``sitecustomize``; its exception reaches the agent through torch's error
+file, as a script's does through the captured stream.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import dataclasses
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -34,14 +43,19 @@ from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
 from elasticft.config import ElasticftConfig, require_writable_dir, run_dir_default
-from elasticft.events import EventLog
+from elasticft.diag.autoinstall import ArmedEntrypoint
+from elasticft.events import EVENT_FILE_GLOB, EventLog
 from elasticft.rendezvous.handler import DISABLE_SHARED_STORE_ENV
 from elasticft.rendezvous.identity import claim_node_id
 from elasticft.torch_compat import (
+    DefaultLogsSpecs,
     LaunchConfig,
+    LogsSpecs,
     RendezvousError,
     RendezvousParameters,
     SignalException,
+    Std,
+    default_logs_streams,
     metrics,
     parse_rendezvous_endpoint,
     rdzv_registry,
@@ -103,11 +117,52 @@ def default_add_ons() -> list[AddOn]:
             SlurmAddOn()]
 
 
-def default_collaborators(
-    options: ElasticftConfig, config: LaunchConfig
-) -> list[AgentCollaborator]:
-    """The collaborators of the default add-ons, built from the options, in hook order."""
-    return build_add_ons(default_add_ons(), AddOnContext(options, config, os.environ))
+def with_stderr_teed(redirects: Std | dict[int, Std], tee: Std | dict[int, Std],
+                     nproc: int) -> Std | dict[int, Std]:
+    """``tee`` with stderr added for each local rank whose stderr is neither redirected nor
+    teed already (pure). Teeing changes nothing on the console: the stream is still shown there,
+    and copied to a file."""
+    def at(value: Std | dict[int, Std], rank: int) -> Std:
+        return value if isinstance(value, Std) else value.get(rank, Std.NONE)
+
+    def teed(rank: int) -> Std:
+        shown = at(tee, rank)
+        return shown if (at(redirects, rank) | shown) & Std.ERR else shown | Std.ERR
+
+    if isinstance(redirects, Std) and isinstance(tee, Std):
+        return teed(0)
+    return {rank: teed(rank) for rank in range(nproc)}
+
+
+def _torch_temporary_dir(log_dir: str) -> bool:
+    """Whether ``log_dir`` is one torch made itself for a LaunchConfig without a log directory
+    (a new /tmp/torchelastic_* that nobody removes)."""
+    path = Path(log_dir)
+    return path.parent == Path(tempfile.gettempdir()) and path.name.startswith("torchelastic_")
+
+
+def worker_logs(specs: LogsSpecs | None, run_dir: Path, nproc: int, capture_stderr: bool
+                ) -> LogsSpecs:
+    """The workers' logs as ``elasticft-run`` keeps them: in ``<run-dir>/logs`` instead of torch's
+    temporary directory, and every rank's stderr copied to a file (``capture_stderr``). A
+    caller's own log directory, redirects and tee are kept (stderr is added to a rank's tee only
+    where it went to neither), and so is a ``LogsSpecs`` of another kind than torch's default."""
+    if specs is None:
+        specs = DefaultLogsSpecs(str(run_dir / "logs"))
+    fields = default_logs_streams(specs)
+    if fields is None or fields[0] == os.devnull:
+        return specs
+    log_dir, redirects, tee, ranks_filter = fields
+    new_dir, new_tee = log_dir, tee
+    if _torch_temporary_dir(log_dir):
+        new_dir = str(run_dir / "logs")
+        with contextlib.suppress(OSError):
+            os.rmdir(log_dir)  # empty: torch made it for these specs, nothing ran yet
+    if capture_stderr:
+        new_tee = with_stderr_teed(redirects, tee, nproc)
+    if (new_dir, new_tee) == (log_dir, tee):
+        return specs
+    return DefaultLogsSpecs(new_dir, redirects, new_tee, ranks_filter)
 
 
 def sweep_leftovers(options: ElasticftConfig) -> None:
@@ -165,9 +220,15 @@ def launch(
     options: ElasticftConfig | None = None,
     *,
     collaborators: Sequence[AgentCollaborator] = (),
+    add_ons: Sequence[AddOn] | None = None,
     agent_class: type[ElasticftAgent] = ElasticftAgent,
 ) -> LaunchResult:
-    """Runs this node's agent until the job ends for it; never raises for worker failures."""
+    """Runs this node's agent until the job ends for it; never raises for worker failures.
+
+    ``add_ons``: the subsystems the agent runs, :func:`default_add_ons` when None (``()``: none
+    of them). ``collaborators`` are added after them. A :class:`ConfigError` names an option
+    an add-on cannot use, before any worker starts.
+    """
     options = options or ElasticftConfig()
     started = time.monotonic()
     if not config.run_id:
@@ -180,6 +241,25 @@ def launch(
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)
     sweep_leftovers(options)
+    # Every add-on knows this agent by the name it claimed, and the run by its directory.
+    options = dataclasses.replace(options, agent=dataclasses.replace(
+        options.agent, node_id=node_id, run_dir=run_dir))
+    try:
+        collaborators = [
+            *build_add_ons(default_add_ons() if add_ons is None else add_ons,
+                           AddOnContext(options, config, os.environ)),
+            *collaborators,
+        ]
+    except Exception:
+        claim.release()
+        raise
+    # Once the options are known to be usable (a usage error is the only line).
+    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
+    logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
+                f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
+                if earlier else "")
+    logs_specs = worker_logs(config.logs_specs, run_dir, config.nproc_per_node,
+                             options.agent.capture_stderr)
     if options.agent.event_dir is not None:
         require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
     event_log = EventLog(options.agent.event_dir or run_dir, node_id)
@@ -188,6 +268,8 @@ def launch(
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
 
     entry_name = entrypoint if isinstance(entrypoint, str) else entrypoint.__name__
+    if not isinstance(entrypoint, str):
+        entrypoint = ArmedEntrypoint(entrypoint)
     event_log.emit(
         "run_start",
         run_id=config.run_id,
@@ -234,7 +316,7 @@ def launch(
     warm_pool = WarmPool() if options.agent.warm_start else None
     agent = agent_class(
         spec,
-        config.logs_specs,  # type: ignore[arg-type]
+        logs_specs,
         options=options,
         events=event_log,
         node_id=node_id,

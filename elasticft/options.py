@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -116,6 +117,8 @@ def tuning_specs() -> list[OptionSpec]:
 
 def describe(spec: OptionSpec) -> str:
     """The kind of value an option takes, as the help and the docs show it."""
+    if is_boolean(spec):
+        return f"the flag alone, {negative_flag(spec)}, or true or false"
     return spec.kind or _describe(_strip_optional(spec.type)[0])
 
 
@@ -312,15 +315,66 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
     for spec in option_specs():
         default = "none" if spec.default is None else spec.default
+        boolean = is_boolean(spec)
         group.add_argument(
             spec.flag,
             dest=f"elasticft_{spec.name}",
             default=argparse.SUPPRESS,
             metavar=spec.name.upper(),
+            # A boolean is written --warm-start, --no-warm-start or --warm-start false.
+            **({"nargs": "?", "const": "true"} if boolean else {}),
             # argparse %-formats help text: a literal % in an option's help must be doubled.
             help=f"{spec.help} [{describe(spec)}; "
             f"env {spec.env}; YAML {spec.yaml_key}; default {default}]".replace("%", "%%"),
         )
+        if boolean:
+            group.add_argument(negative_flag(spec), dest=f"elasticft_{spec.name}",
+                               action="store_const", const="false", default=argparse.SUPPRESS,
+                               help=f"the same as {spec.flag} false")
+
+
+def is_boolean(spec: OptionSpec) -> bool:
+    return _strip_optional(spec.type)[0] is bool and spec.parse is None
+
+
+def negative_flag(spec: OptionSpec) -> str:
+    """``--no-warm-start`` for ``--warm-start``."""
+    return "--no-" + spec.flag.removeprefix("--")
+
+
+def explicit_booleans(actions: Mapping[str, argparse.Action], argv: Sequence[str]) -> list[str]:
+    """``argv`` with each boolean flag before the training script written ``--flag=VALUE``.
+
+    A boolean flag takes an optional value (``--warm-start false``), and argparse would give it
+    the next word even when that word is the training script (``--warm-start train.py``). This
+    walks the launcher's own arguments, by the option strings in ``actions`` (a parser's
+    ``_option_string_actions``), up to the first word that is neither an option nor an option's
+    value: the script, whose arguments are left as they are.
+    """
+    booleans = {spec.flag for spec in option_specs() if is_boolean(spec)}
+    out = list(argv)
+    i = 0
+    while i < len(out):
+        word = out[i]
+        if word == "--" or not word.startswith("-") or word == "-":
+            break
+        name, has_value, _ = word.partition("=")
+        action = actions.get(name)
+        i += 1
+        if has_value or action is None:
+            continue
+        if name in booleans:
+            given = i < len(out) and out[i].lower() in _TRUE | _FALSE
+            out[i - 1] = f"{name}={out.pop(i) if given else 'true'}"
+        elif action.nargs is None or (action.nargs == "?" and i < len(out) \
+                and not out[i].startswith("-")):
+            i += 1
+        elif isinstance(action.nargs, int):
+            i += action.nargs
+        elif action.nargs in ("*", "+"):
+            while i < len(out) and not out[i].startswith("-"):
+                i += 1
+    return out
 
 
 def resolve(
@@ -372,8 +426,16 @@ def check_unknown_env(env: Mapping[str, str], extra_names: set[str] = frozenset(
             if removed is not None:
                 raise ConfigError(f"{name} is no longer an option: {removed}; unset it",
                                   reason="removed_env")
-            raise ConfigError(
-                f"unknown environment variable {name}; unset it or use one of "
-                f"{', '.join(sorted(known_env_names()))}",
-                reason="unknown_env",
-            )
+            raise ConfigError(unknown_env_message(name, known_env_names()), reason="unknown_env")
+
+
+def unknown_env_message(name: str, known: set[str]) -> str:
+    """The one line for an unknown ``ELASTICFT_*`` variable: the closest known name if one is
+    close, else where the known ones are listed."""
+    # Compared without the prefix every candidate shares, which would make any name "close".
+    stems = {k.removeprefix(ENV_PREFIX): k for k in known}
+    close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), sorted(stems), n=1,
+                                      cutoff=0.7)
+    fix = f"did you mean {stems[close[0]]}? Rename or unset it" if close else \
+        "unset it (elasticft-run --help names every option's variable)"
+    return f"unknown environment variable {name}; {fix}"

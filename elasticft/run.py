@@ -19,13 +19,12 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from elasticft import home, logs, slurm
 from elasticft import options as elasticft_options
-from elasticft import slurm
 from elasticft.config import ConfigError, ElasticftConfig, require_writable_dir, run_dir_default
 
 PROG = "elasticft-run"
@@ -98,30 +97,27 @@ def _check_entrypoint(args: argparse.Namespace) -> None:
 
 
 def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
-    """torchrun's own fix-ups: --standalone and single-node static become local c10d."""
+    """torchrun's own fix-ups: --standalone and single-node static become local c10d.
+
+    Unlike torchrun, such a launch keeps the user's --rdzv-id, and without one gets the id of
+    what it launches instead of a random one: a relaunch is the same job, in the same run
+    directory, and resumes from its checkpoints (:mod:`elasticft.home`)."""
     from elasticft.torch_compat import parse_min_max_nnodes
 
-    if args.standalone:
+    single_node = args.standalone
+    if not args.standalone and args.rdzv_backend == "static" and not args.rdzv_endpoint \
+            and args.master_port is None:
+        single_node = parse_min_max_nnodes(args.nnodes)[1] == 1
+    if single_node:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
-    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        _, max_nodes = parse_min_max_nnodes(args.nnodes)
-        if max_nodes == 1:
-            args.rdzv_backend = "c10d"
-            args.rdzv_endpoint = "localhost:0"
-            args.rdzv_id = str(uuid.uuid4())
+        if str(args.rdzv_id or "").strip() in home.UNGIVEN_IDS:
+            min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+            args.rdzv_id = home.launched_run_id(
+                args.training_script, args.module, args.no_python, args.training_script_args,
+                f"{min_nodes}:{max_nodes}", str(args.nproc_per_node))
     if args.master_port is None:
         args.master_port = 29500
-
-
-def _capture_stderr(args: argparse.Namespace) -> None:
-    """Tee workers' stderr to files (still shown on the console) so failures can be classified.
-
-    Only when the user asked for no redirect or tee of their own; theirs always wins.
-    """
-    if str(args.redirects) == "0" and str(args.tee) == "0":
-        args.tee = "2"
 
 
 def _logs_in_run_dir(args: argparse.Namespace, options: ElasticftConfig
@@ -193,7 +189,8 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConf
     from elasticft.agent.agent import WORKER_ENV_NAMES
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(elasticft_options.explicit_booleans(
+        parser._option_string_actions, sys.argv[1:] if argv is None else argv))
     try:
         options = elasticft_options.from_namespace(args, os.environ)
         elasticft_options.check_unknown_env(os.environ, set(WORKER_ENV_NAMES))
@@ -228,10 +225,7 @@ def main(argv: Sequence[str] | None = None, *,
          tune: Callable[[ElasticftConfig], ElasticftConfig] | None = None) -> int:
     """``elasticft-run``. ``tune`` lets a launcher built on this one (a custom agent, a test)
     set tuning constants, which no flag, variable or YAML key reaches, on the parsed options."""
-    logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "INFO").upper(),
-        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(os.environ.get("LOGLEVEL", "INFO"))
     problem = torch_version_problem(installed_torch_version())
     if problem is not None:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
@@ -248,8 +242,6 @@ def main(argv: Sequence[str] | None = None, *,
         _apply_torchrun_defaults(args)
         if allocation is not None:
             slurm.run_id_default(args, raw_argv, os.environ, allocation)
-        if options.agent.capture_stderr:
-            _capture_stderr(args)
         _check_extras(args, options)
         options, created = _logs_in_run_dir(args, options)
         torch_run_logger = logging.getLogger("torch.distributed.run")
@@ -265,28 +257,16 @@ def main(argv: Sequence[str] | None = None, *,
         _remove_empty(created)
         return USAGE_ERROR
 
-    from elasticft.launcher import default_collaborators, launch
-    from elasticft.rendezvous.identity import claim_node_id
+    from elasticft.launcher import launch
 
     try:
-        # Claimed before the add-ons are built, so that all of them know this agent by it.
-        claim = claim_node_id(str(launch_config.run_id or ""), options.agent.node_id,
-                              endpoint=str(launch_config.rdzv_endpoint or ""))
-        options = dataclasses.replace(
-            options, agent=dataclasses.replace(options.agent, node_id=claim.node_id))
-        collaborators = default_collaborators(options, launch_config)
-    except ConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        _remove_empty(created)
-        return USAGE_ERROR
-    try:
-        result = launch(launch_config, cmd, cmd_args, options, collaborators=collaborators)
-    except ConfigError as e:  # e.g. a bad --rdzv-conf value, found when the handler is built
+        # launch() builds the default add-ons, as it does for any caller of the Python API.
+        result = launch(launch_config, cmd, cmd_args, options)
+    except ConfigError as e:  # an option an add-on cannot use, a bad --rdzv-conf value...
         print(f"{PROG}: error: {e}", file=sys.stderr)
         _remove_empty(created)
         return USAGE_ERROR
     print(result.summary(), file=sys.stderr)
-    claim.release()
     return result.exit_code
 
 

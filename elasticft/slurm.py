@@ -15,8 +15,9 @@ gets one answer here, inside the launcher, so the training script does not have 
 * **scancel** (SIGTERM to every process of the job). torch's handler stops the workers and the
   launcher exits with 143. This module only logs it as a cancel and records it; it saves first
   only with ``--slurm-save-on-cancel``, and never resubmits.
-* **A user-code error.** The policy stops the run (exit 1); the checkpoint service flushes what
-  it holds; nothing is resubmitted: the same code would fail the same way.
+* **A user-code error, or a failure that repeated before the first step.** The policy stops the
+  run (exit 1) with ``Action.fails_again``; the checkpoint service flushes what it holds; nothing
+  is resubmitted: the same code would fail the same way.
 
 The handler for the time-limit signal never does work itself: a Python handler runs between
 bytecodes of the agent's main thread, which here is the monitor loop, so the work happens in
@@ -52,7 +53,6 @@ from elasticft.agent.api import (
     StopRun,
     run_ending_errors,
 )
-from elasticft.agent.classify import FailureClass
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.config import ConfigError, SlurmConfig
 from elasticft.events import EventLog
@@ -75,7 +75,6 @@ class SlurmEnv:
     job_id: str
     nodes: tuple[str, ...]
     """Hosts of the allocation in Slurm's order (SLURM_JOB_NODELIST expanded)."""
-    node_name: str | None
     procid: int | None
     nodeid: int | None
     restart_count: int
@@ -102,7 +101,6 @@ class SlurmEnv:
         return cls(
             job_id=job_id,
             nodes=expand_nodelist(nodelist),
-            node_name=env.get("SLURMD_NODENAME"),
             procid=_int_or_none(env.get("SLURM_PROCID")),
             nodeid=_int_or_none(env.get("SLURM_NODEID")),
             restart_count=_int_or_none(env.get("SLURM_RESTART_COUNT")) or 0,
@@ -377,11 +375,10 @@ class SlurmHandler(AgentCollaborator):
         return None
 
     def on_decision(self, group: GroupInfo, action: Action) -> None:
-        if action.kind is ActionKind.STOP and "user-code" in action.reason:
-            logger.error("Slurm job %s stops on a user-code error; it is not resubmitted "
-                         "(the same code would fail again)", self.slurm.job_id)
-            self._emit("slurm_no_resubmit", reason=action.reason,
-                       failure_class=FailureClass.USER_CODE.value)
+        if action.kind is ActionKind.STOP and action.fails_again:
+            logger.error("Slurm job %s stops on a failure that would come back; it is not "
+                         "resubmitted (%s)", self.slurm.job_id, action.reason)
+            self._emit("slurm_no_resubmit", reason=action.reason)
 
     def close(self) -> None:
         if self._events is not None:

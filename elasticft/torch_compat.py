@@ -20,6 +20,8 @@ there with the name of what changed, not somewhere deep in a run.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import inspect
 import logging
 import os
@@ -41,7 +43,12 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
+from torch.distributed.elastic.multiprocessing import (
+    DefaultLogsSpecs,
+    LogsSpecs,
+    ProcessFailure,
+    Std,
+)
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -66,6 +73,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
     "CONTRACTS",
+    "DefaultLogsSpecs",
     "LaunchConfig",
     "LocalElasticAgent",
     "LogsSpecs",
@@ -81,6 +89,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RunResult",
     "SignalException",
+    "Std",
     "SubprocessContext",
     "SubprocessHandler",
     "WorkerGroup",
@@ -179,6 +188,15 @@ def shutdown_timeout_of(config: LaunchConfig) -> int:
     if timeout < 0:
         raise ValueError(f"shutdown_timeout must be non-negative, got {timeout}")
     return timeout
+
+
+def default_logs_streams(specs: LogsSpecs | None) -> tuple[str, Any, Any, Any] | None:
+    """(root log directory, redirects, tee, local ranks filter) of torch's own
+    ``DefaultLogsSpecs`` (which keeps the last three private); None for any other kind."""
+    if type(specs) is not DefaultLogsSpecs:
+        return None
+    return (specs.root_log_dir, specs._redirects, specs._tee,  # type: ignore[attr-defined]
+            specs._local_ranks_filter)  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,6 +419,36 @@ def _has(obj: Any, *names: str) -> bool:
     return all(hasattr(obj, name) for name in names)
 
 
+@functools.cache
+def _fresh_agent() -> tuple[LocalElasticAgent, WorkerSpec, LogsSpecs]:
+    """A ``LocalElasticAgent`` as constructed, never started, with its spec and logs specs:
+    what its private attributes hold before the first rendezvous."""
+    spec = WorkerSpec(role="contract", local_world_size=1, rdzv_handler=None,  # type: ignore[arg-type]
+                      entrypoint="python", args=(), max_restarts=3)
+    logs_specs = DefaultLogsSpecs(os.devnull)
+    agent = LocalElasticAgent(spec, logs_specs=logs_specs, log_line_prefix_template="[${rank}]")
+    return agent, spec, logs_specs
+
+
+def _agent_keeps(name: str, expected: Callable[[Any, WorkerSpec, LogsSpecs], bool]) -> bool:
+    """A fresh agent has the instance attribute ``name``, and ``expected(value, spec, logs)``."""
+    agent, spec, logs_specs = _fresh_agent()
+    return name in vars(agent) and expected(vars(agent)[name], spec, logs_specs)
+
+
+def _called_by_name(module: str, function: str, parameters: list[str]) -> bool:
+    """``module`` has ``function(*parameters)`` and calls it through its globals (so that
+    replacing the module's attribute replaces the calls)."""
+    found = importlib.import_module(module)
+    return (list(_parameters(getattr(found, function))) == parameters
+            and f"{function}({', '.join(parameters)})" in inspect.getsource(found))
+
+
+def _reads(cls: type, attribute: str, *methods: str) -> bool:
+    """Each of ``cls``'s ``methods`` reads ``self.<attribute>``."""
+    return all(f"self.{attribute}" in inspect.getsource(getattr(cls, m)) for m in methods)
+
+
 CONTRACTS: dict[str, Callable[[], bool]] = {
     "torch.distributed.run.get_args_parser() -> argparse parser":
         lambda: hasattr(torch_run.get_args_parser(), "parse_args"),
@@ -418,6 +466,9 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "WorkerSpec(role, local_world_size, entrypoint, args, rdzv_handler, ...)": lambda: {
         "role", "local_world_size", "entrypoint", "args", "rdzv_handler", "max_restarts",
         "monitor_interval", "master_addr", "master_port", "local_addr"} <= WORKER_SPEC_FIELDS,
+    "DefaultLogsSpecs(log_dir, redirects, tee, local_ranks_filter) keeps them as _redirects, "
+    "_tee, _local_ranks_filter": lambda: default_logs_streams(DefaultLogsSpecs(
+        os.devnull, Std.OUT, Std.ERR, {1})) == (os.devnull, Std.OUT, Std.ERR, {1}),
     "LocalElasticAgent(spec, logs_specs, start_method, exit_barrier_timeout, "
     "log_line_prefix_template)": lambda: {
         "spec", "logs_specs", "start_method", "exit_barrier_timeout",
@@ -426,6 +477,29 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         LocalElasticAgent, "_rendezvous", "_set_local_rank_env", "_start_workers",
         "_stop_workers", "_monitor_workers", "_invoke_run", "_initialize_workers",
         "_restart_workers", "_exit_barrier", "_shutdown", "get_event_succeeded"),
+    # The agent's own state, read and written by elasticft's agent (agent/agent.py) and its
+    # warm start (agent/warmpool.py), which takes over the process context torch would make.
+    "LocalElasticAgent._worker_group (a WorkerGroup of the agent's spec)": lambda: _agent_keeps(
+        "_worker_group", lambda group, spec, _: isinstance(group, WorkerGroup)
+        and group.spec is spec),
+    "LocalElasticAgent._remaining_restarts (spec.max_restarts, counted down by the run loop)":
+        lambda: _agent_keeps("_remaining_restarts", lambda left, spec, _: left == spec.max_restarts)
+        and _reads(LocalElasticAgent, "_remaining_restarts", "_invoke_run"),
+    "LocalElasticAgent._pcontext (None until _start_workers sets the workers' process context, "
+    "which _monitor_workers and _shutdown use)": lambda: _agent_keeps(
+        "_pcontext", lambda context, *_: context is None)
+        and _reads(LocalElasticAgent, "_pcontext", "_start_workers", "_monitor_workers",
+                   "_shutdown"),
+    "LocalElasticAgent._logs_specs (the LogsSpecs it was given)": lambda: _agent_keeps(
+        "_logs_specs", lambda kept, _, logs_specs: kept is logs_specs),
+    "LocalElasticAgent._log_line_prefix_template (the template it was given)":
+        lambda: _agent_keeps("_log_line_prefix_template", lambda kept, *_: kept == "[${rank}]"),
+    "LocalElasticAgent._store (the round's store, set by _rendezvous)": lambda: _agent_keeps(
+        "_store", lambda store, *_: store is None) and _reads(LocalElasticAgent, "_store",
+                                                              "_rendezvous"),
+    "LocalElasticAgent._shutdown_timeout (kept where the agent takes one; elasticft sets it on "
+    "every torch)": lambda: not AGENT_TAKES_SHUTDOWN_TIMEOUT or _agent_keeps(
+        "_shutdown_timeout", lambda timeout, *_: isinstance(timeout, int)),
     "LocalElasticAgent._set_local_rank_env(worker_env, local_rank, spec)":
         lambda: list(_parameters(LocalElasticAgent._set_local_rank_env))
         == ["self", "worker_env", "local_rank", "spec"],
@@ -476,6 +550,11 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: callable(getattr(torch.distributed.distributed_c10d,
                                  "_new_process_group_helper", None))
         and hasattr(torch.distributed.distributed_c10d._world, "pg_map"),
+    # Replaced for the duration of a save or restore by ckpt/state.py (optimizer_state_as_is):
+    # the state-dict helpers must look it up as a module global when they call it.
+    "torch.distributed.checkpoint.state_dict._init_optim_state(optim), called by name":
+        lambda: _called_by_name("torch.distributed.checkpoint.state_dict", "_init_optim_state",
+                                ["optim"]),
     "torch.distributed.checkpoint.filesystem._StorageInfo(relative_path, offset, length)":
         lambda: [f.name for f in dataclasses.fields(dcp_filesystem._StorageInfo)][:3]
         == ["relative_path", "offset", "length"],

@@ -3,16 +3,18 @@
 Same model, data and optimizer (imported from train_plain.py); the difference is the checkpoint:
 a snapshot of every step goes to shared memory without stalling the step, and a restart
 resumes from the newest step every rank holds, from the fastest source (memory, local disk,
-backup peer, remote directory). Under elasticft-run the agent owns the memory and persists it;
-under plain torchrun or python the script's own process does (--ckpt-dir, --persist-every).
+backup peer, remote directory). Under elasticft-run the agent owns the memory and persists it,
+in --ckpt-dir when given, else in the run directory; under plain torchrun or python the
+script's own process does (--ckpt-dir, --persist-every). Launched again the same way, it
+resumes from the newest committed checkpoint (elasticft-run --fresh starts from step 0).
 
     elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 examples/train_elasticft.py
-    torchrun --standalone --nproc-per-node 2 examples/train_elasticft.py --persist-every 10
+    torchrun --standalone --nproc-per-node 2 examples/train_elasticft.py --ckpt-dir ckpt
 
 --crash-at-step N makes --fault-rank SIGKILL itself at step N of the first attempt, right after
 the save returns (mid-save: the copy is still running) or once it is complete (--crash-mode
 after-save), for tests and demos of recovery; --infra-error-at-step N makes it raise a
-connection error before step N instead.
+connection error before step N instead. --fsdp2 shards the model with FSDP2 instead of DDP.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ def first_attempt() -> bool:
     return attempt in (None, "0")
 
 
+def parallelize(model: TinyGPT, fsdp2: bool) -> torch.nn.Module:
+    """DDP, or FSDP2 as torchtitan shards a transformer: each block, then the root. The
+    checkpoint code is the same either way: each rank saves and restores its own shards."""
+    if not fsdp2:
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -47,8 +62,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--ckpt-dir", type=Path, default=Path("checkpoints-elasticft"),
-                        help="without elasticft-run: where this process persists")
+    parser.add_argument("--ckpt-dir", type=Path,
+                        help="where checkpoints persist (default: elasticft-run's directory; "
+                        "without elasticft-run, none: memory only)")
     parser.add_argument("--persist-every", type=int, default=10,
                         help="without elasticft-run: persist every N steps (0: memory only)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
@@ -56,6 +72,9 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-mode", choices=("mid-save", "after-save"), default="mid-save")
     parser.add_argument("--fault-rank", type=int, default=0)
+    parser.add_argument("--fsdp2", action="store_true",
+                        help="shard the model with FSDP2 (fully_shard on each block and on the "
+                        "root) instead of replicating it with DDP")
     parser.add_argument("--infra-error-at-step", type=int, default=-1,
                         help="--fault-rank raises a connection error before this step "
                         "(first attempt): an infrastructure fault, not a bug")
@@ -64,7 +83,7 @@ def main() -> None:
     device = setup_device()  # NCCL on the local rank's GPU when there is one, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DistributedDataParallel(TinyGPT(dim=args.dim, layers=args.layers).to(device))
+    model = parallelize(TinyGPT(dim=args.dim, layers=args.layers).to(device), args.fsdp2)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt = Checkpointer.from_env(optimizers=[optim], ckpt_dir=args.ckpt_dir,
                                  persist_every=args.persist_every)

@@ -1,18 +1,20 @@
 """The demo: a short training run under elasticft-run with a worker SIGKILLed mid-run.
 
 It starts ``elasticft-run --standalone --nproc-per-node 2`` on examples/train_plain.py (a plain
-torchrun script), waits until the job has written a checkpoint, SIGKILLs rank 1 with
-``elasticft chaos kill``, lets the agent restart the group, and prints the run's summary and
-report when training completes. Exit code: the launcher's.
+torchrun script), SIGKILLs rank 1 right after step ``--kill-at-step`` (as ``elasticft chaos
+kill`` does), lets the agent restart the group, and prints the run's summary and report when
+training completes. Exit code: the launcher's.
 
 ``--gpu`` (the default when CUDA is available): one worker per GPU, on NCCL, and after the crash
-a hang too (``elasticft chaos stop`` at ``--hang-at-step``), found and recovered by the agent.
+a hang too (a SIGSTOP, as ``elasticft chaos stop``, after ``--hang-at-step``), found and
+recovered by the agent.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +65,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("LOGLEVEL", "WARNING")
+    # torch's own default for several workers a node; set, it is not announced in a banner.
+    env.setdefault("OMP_NUM_THREADS", "1")
     command = [
         *tool("elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
         "--max-restarts", "3",
@@ -79,16 +83,21 @@ def main() -> int:
         lines = loss_log.read_text().split("\n")
         return max((int(line.split()[0]) for line in lines if line.strip()), default=0)
 
-    faults = [(args.kill_at_step, "kill", "SIGKILL")]
+    # The signal is sent from here, as `elasticft chaos kill` sends it, the moment rank 0 has
+    # logged the step: a new interpreter for the command would land it steps later.
+    from elasticft.chaos import signal_rank
+
+    faults = [(args.kill_at_step, signal.SIGKILL, "SIGKILL")]
     if hang_at is not None:
-        faults.append((hang_at, "stop", "SIGSTOP (a hang)"))
-    for at_step, kind, what in faults:
+        faults.append((hang_at, signal.SIGSTOP, "SIGSTOP (a hang)"))
+    for at_step, sig, what in faults:
         while job.poll() is None and latest_step() < at_step:
-            time.sleep(0.1)
+            time.sleep(0.01)
         if job.poll() is None:
-            print(f"\n>>> demo: {what} rank {fault_rank} at step {latest_step()}\n", flush=True)
-            subprocess.run([*tool("elasticft"), "chaos", kind, "--run-dir", str(run_dir),
-                            "--rank", fault_rank], check=True)
+            signal_rank(run_dir, int(fault_rank), sig)
+            print(f"\n>>> demo: {what} to rank {fault_rank} after step {latest_step()} "
+                  f"(elasticft chaos {'kill' if sig is signal.SIGKILL else 'stop'} "
+                  f"--run-dir {run_dir} --rank {fault_rank})\n", flush=True)
     code = job.wait()
 
     report = subprocess.run([*tool("elasticft"), "report", str(run_dir)], capture_output=True,

@@ -4,14 +4,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# Runs a command with its output kept aside, shown only when it fails: pip's build output
+# (setuptools' warnings about an editable install) is no part of a demo.
+quietly() {
+  local log status=0
+  log=$(mktemp)
+  "$@" >"$log" 2>&1 || status=$?
+  [ "$status" = 0 ] || cat "$log" >&2
+  rm -f "$log"
+  return "$status"
+}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch, elasticft, nvidia.nccl, xdist" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.elasticft-installed ] || [ setup.py -nt .venv/.elasticft-installed ]; then
-  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  quietly .venv/bin/python -m pip install --upgrade pip || true
+  quietly .venv/bin/python -m pip install "torch==2.13.0" || true
+  quietly .venv/bin/python -m pip install -e ".[dev]" || true
   .venv/bin/python -c "import torch, elasticft" || { echo "setup: installing elasticft failed" >&2; exit 1; }
   touch .venv/.elasticft-installed
 fi

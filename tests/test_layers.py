@@ -40,7 +40,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
               "elasticft.unnamed", "elasticft.extras", "elasticft.config", "elasticft.options",
-              "elasticft.steps", "elasticft.cli")),
+              "elasticft.steps", "elasticft.logs", "elasticft.cli")),
     ("agent interface", ("elasticft.agent.api", "elasticft.agent.classify",
                          "elasticft.agent.policy")),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",

@@ -37,6 +37,47 @@ def test_torch_still_has(api: str) -> None:
     assert ok, f"torch {torch.__version__} changed {api}; update elasticft/torch_compat.py"
 
 
+def test_every_private_attribute_of_torch_s_agent_that_elasticft_uses_has_a_contract() -> None:
+    """The agent and its warm start use the instance attributes torch's agent keeps: each name
+    of one in the package is in CONTRACTS, so a torch that renames it fails there, by name."""
+    import re
+
+    import elasticft
+
+    agent, _, _ = torch_compat._fresh_agent()
+    used: set[str] = set()
+    for module in Path(elasticft.__file__).parent.rglob("*.py"):
+        used |= set(re.findall(r"self\.(_\w+)", module.read_text())) & vars(agent).keys()
+    assert {"_pcontext", "_worker_group", "_remaining_restarts", "_logs_specs"} <= used
+    named = " ".join(torch_compat.CONTRACTS)
+    assert not [a for a in sorted(used) if f"LocalElasticAgent.{a} " not in named]
+
+
+@pytest.mark.parametrize("attribute", ["_pcontext", "_worker_group", "_remaining_restarts",
+                                       "_logs_specs", "_store"])
+def test_an_agent_attribute_torch_drops_fails_its_contract(
+        monkeypatch: pytest.MonkeyPatch, attribute: str) -> None:
+    agent, _, _ = torch_compat._fresh_agent()
+    monkeypatch.delattr(agent, attribute)
+    [contract] = [c for name, c in torch_compat.CONTRACTS.items()
+                  if name.startswith(f"LocalElasticAgent.{attribute} ")]
+    assert not contract()
+
+
+def test_a_patched_function_torch_no_longer_calls_by_name_fails_its_contract(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.checkpoint.state_dict as torch_state_dict
+
+    [name] = [n for n in torch_compat.CONTRACTS if "_init_optim_state" in n]
+    assert torch_compat.CONTRACTS[name]()
+    monkeypatch.setattr(torch_compat.inspect, "getsource", lambda obj: "")
+    monkeypatch.setattr(torch_state_dict, "_init_optim_state", lambda optim: None)
+    assert not torch_compat.CONTRACTS[name]()
+    monkeypatch.delattr(torch_state_dict, "_init_optim_state")
+    with pytest.raises(AttributeError):
+        torch_compat.CONTRACTS[name]()
+
+
 @pytest.mark.parametrize(
     ("version", "refused"),
     [

@@ -40,14 +40,17 @@ from elasticft.agent.inprocess import (
     failed_exits,
     kill_and_reap,
     phases,
+    start_replacements,
 )
-from elasticft.agent.policy import Action, ActionKind, FailureFacts, decide
-from elasticft.agent.warmpool import (
-    WarmPool,
-    WarmStartMixin,
-    WarmSubprocessContext,
-    WarmSubprocessHandler,
+from elasticft.agent.policy import (
+    Action,
+    ActionKind,
+    FailureFacts,
+    FailureSignature,
+    decide,
+    root_cause,
 )
+from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
@@ -129,6 +132,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._started_at = 0.0
         self._steady_reported = False
         self._detection: Detection | None = None
+        self._previous_failure: FailureSignature | None = None
+        """The last attempt's failure, when that attempt completed no step (the policy's
+        ``FailureFacts.previous_failure``)."""
         self.warm_pool = warm_pool
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
         self.inprocess = InProcessCoordinator(run_dir / "inprocess" / node_id,
@@ -353,7 +359,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             failures = self._classify(run_result)
             suspect = False
         for failure in failures:
-            logger.error("worker failure: %s", failure.summary())
+            # A failure the job recovers from is a warning; the decision to stop is the error.
+            logger.warning("worker failure: %s", failure.summary())
             self.events.emit("failure", attempt=self._attempt, **failure.to_json())
         self.failures.extend(failures)
         self._each_collaborator("on_failure", group, failures)
@@ -366,6 +373,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             restart_on_user_error=self.options.agent.restart_on_user_error,
             node_suspect=suspect,
             can_evict=False,
+            previous_failure=self._previous_failure,
         )
         for extra in self._each_collaborator("failure_facts", group, failures):
             facts = dataclasses.replace(facts, **(extra or {}))
@@ -376,11 +384,16 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             logger.info("no in-process recovery: %s", why_not)
         self._decided = failures
         action = decide(facts)
-        log = logger.warning if action.kind in (ActionKind.RESTART_IN_PLACE,
-                                                ActionKind.RECOVER_IN_PROCESS) else logger.error
+        signature = FailureSignature.of(root_cause(failures)) if failures else None
+        self._previous_failure = signature if facts.step_completed is False else None
+        log = logger.error if action.kind is ActionKind.STOP else logger.warning
         log("decision: %s (%s)", action.kind.value, action.reason)
-        self.events.emit("decision", action=action.kind.value, reason=action.reason,
-                         attempt=self._attempt, checkpoint=action.checkpoint.value)
+        self.events.emit(
+            "decision", action=action.kind.value, reason=action.reason, attempt=self._attempt,
+            checkpoint=action.checkpoint.value, step_completed=facts.step_completed,
+            signature=signature.to_json() if signature else None,
+            previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
+                              else None))
         self._each_collaborator("on_decision", group, action)
         if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS):
             if action.consumes_user_error_restart:
@@ -411,6 +424,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._attempt += 1
         if counted:
             self.restarts += 1
+        else:  # the attempts around a membership change are not "in a row"
+            self._previous_failure = None
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
         self._each_collaborator("before_restart", self.group_info(), cause, counted)
         self._restart_workers(self._worker_group)
@@ -495,18 +510,12 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                                                 world)
             self._attempt += 1
             self.restarts += 1
-            replaced = {}
-            for local_rank in replace:
-                env = self.inprocess.replacement_env(
-                    pcontext.envs[local_rank], generation, self._attempt, ATTEMPT_ENV)
-                handler = torch_compat.replace_worker(pcontext, local_rank, env,
-                                                      self._handler_factory(pcontext))
-                launch = getattr(handler, "launch", None)
-                if self.warm_pool is not None and launch is not None:
-                    self.warm_pool.refill(local_rank, *launch)
-                replaced[local_rank] = handler.proc.pid
-                # torch's monitor compares the workers' ids with the context's pids.
-                self._worker_group.workers[local_rank].id = handler.proc.pid
+            replaced = start_replacements(
+                pcontext, replace, self.warm_pool,
+                lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
+                                                           ATTEMPT_ENV))
+            for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
+                self._worker_group.workers[local_rank].id = pid
         except Exception as e:  # anything: the restart below starts from the same snapshots
             logger.exception("could not replace workers %s in process", replace)
             return f"{type(e).__name__}: {e}"
@@ -530,12 +539,6 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
         workers = self._worker_group.workers
         return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
-
-    def _handler_factory(self, pcontext: Any) -> Callable[..., Any]:
-        if isinstance(pcontext, WarmSubprocessContext) and self.warm_pool is not None:
-            pool = self.warm_pool
-            return lambda **kwargs: WarmSubprocessHandler(pool, **kwargs)
-        return torch_compat.SubprocessHandler
 
     def _failed_result(self, run_result: RunResult) -> RunResult:
         """A FAILED result with at least one ProcessFailure, so callers never see success.

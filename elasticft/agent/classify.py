@@ -4,6 +4,15 @@ Evidence comes from three places, best first: torch's error file (written by ``@
 last Python traceback in the worker's captured stderr, and the exit code or signal. The class
 decides what the policy may do: an infrastructure fault is worth a restart, a bug in the user's
 code is not (restarting it only fails again and hides the bug).
+
+A traceback also says whose code raised. Frames of the standard library and of installed
+packages (torch) are the tools the code called, not the code; the innermost frame that is
+neither is where it went wrong. When that frame is elasticft's own (its restore path, say), the
+failure is elasticft's (:attr:`FailureClass.ELASTICFT`), not the user's; the innermost frame of
+the user's own code is kept either way (:attr:`FailureRecord.user_frame`): it is where the
+policy looks to tell a failure that repeats from a new one. elasticft's frames that only pass a
+user's call through (the diagnostics wrappers of torch's collectives, the worker bootstraps)
+count as the tools.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import enum
 import json
 import re
 import signal
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +44,9 @@ class FailureClass(str, enum.Enum):
     NUMERIC = "numeric"
     """Training diverged: a NaN/inf or spiking loss (reported by diagnostics). Every replica's
     weights may hold it, so recovery resumes from a snapshot, never a just-in-time checkpoint."""
+    ELASTICFT = "elasticft"
+    """An exception raised in elasticft's own code (its checkpoint restore, say), not the user's
+    nor a communication fault: worth a restart, and a bug to report when it repeats."""
     UNKNOWN = "unknown"
     """Exited non-zero with nothing that names a cause."""
 
@@ -111,6 +124,8 @@ class FailureRecord:
     """Innermost frame of the traceback: ``file:line in func``."""
     source: str = "exitcode"
     """Where the evidence came from: error_file, stderr, exitcode or a detector's name."""
+    user_frame: str | None = None
+    """Innermost frame of the user's own code (not a library's, not elasticft's)."""
 
     def summary(self) -> str:
         exit_text = f"signal {self.signal}" if self.signal else f"exit {self.exitcode}"
@@ -118,6 +133,8 @@ class FailureRecord:
         if self.message:
             what += f": {self.message}"
         where = f" at {self.location}" if self.location else ""
+        if self.user_frame and self.user_frame != self.location:
+            where += f" (called from {self.user_frame})"
         return f"rank {self.rank} ({self.failure_class.value}) {what}{where}"
 
     def to_json(self) -> dict[str, Any]:
@@ -131,6 +148,50 @@ class ExceptionInfo:
     type_name: str
     message: str
     location: str | None
+    """Innermost frame."""
+    user_frame: str | None = None
+    """Innermost frame in the user's own code."""
+    raised_in_elasticft: bool = False
+    """The innermost frame that is not a library's is elasticft's own."""
+
+
+_ELASTICFT_DIR = str(Path(__file__).resolve().parent.parent) + "/"
+_INSTALLED_ELASTICFT = ("/site-packages/elasticft/", "/dist-packages/elasticft/")
+_PASS_THROUGH = ("diag/recorder.py", "diag/autoinstall.py", "diag/bootstrap/",
+                 "agent/warm_bootstrap/")
+"""elasticft's modules whose frames only carry a user's call (the collective wrappers, the
+worker bootstraps): a library's frames, not elasticft's own."""
+_LIBRARY_DIRS = tuple(sorted({
+    str(Path(path).resolve()) + "/"
+    for key in ("stdlib", "platstdlib", "purelib", "platlib")
+    if (path := sysconfig.get_paths().get(key))
+}))
+_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/")
+
+
+def _within_elasticft(path: str) -> str | None:
+    """``path`` relative to the elasticft package it is in, or None."""
+    if path.startswith(_ELASTICFT_DIR):
+        return path[len(_ELASTICFT_DIR):]
+    for part in _INSTALLED_ELASTICFT:
+        at = path.find(part)
+        if at >= 0:
+            return path[at + len(part):]
+    return None
+
+
+def frame_owner(file: str) -> str:
+    """Whose code a traceback frame's file is: ``elasticft``, ``library`` or ``user`` (pure but
+    for this install's paths: elasticft's package directory, the standard library's)."""
+    if file.startswith("<"):  # <frozen runpy> is the interpreter's; <string> is python -c's
+        return "library" if file.startswith("<frozen") else "user"
+    path = str(Path(file).resolve())
+    inside = _within_elasticft(path)
+    if inside is not None:
+        return "library" if inside.startswith(_PASS_THROUGH) else "elasticft"
+    if path.startswith(_LIBRARY_DIRS) or any(part in path for part in _LIBRARY_PARTS):
+        return "library"
+    return "user"
 
 
 def parse_traceback(text: str) -> ExceptionInfo | None:
@@ -145,19 +206,27 @@ def parse_traceback(text: str) -> ExceptionInfo | None:
             break
     if start is None:
         return None
-    location = None
+    frames: list[tuple[str, str]] = []  # (file, "file:line in func"), outermost first
     for i in range(start + 1, len(lines)):
         body = _strip_prefix(lines[i])
         frame = _FRAME_LINE.match(body)
         if frame:
-            location = f"{frame['file']}:{frame['line']} in {frame['func']}"
+            frames.append((frame["file"], f"{frame['file']}:{frame['line']} in {frame['func']}"))
             continue
         if body.startswith((" ", "\t")) or not body:
             continue
         match = _EXC_LINE.match(body)
         if match:
             type_name = match["type"].rsplit(".", 1)[-1]
-            return ExceptionInfo(type_name, (match["msg"] or "").strip(), location)
+            owners = [(frame_owner(file), where) for file, where in frames]
+            raiser = next((owner for owner, _ in reversed(owners) if owner != "library"), None)
+            return ExceptionInfo(
+                type_name, (match["msg"] or "").strip(),
+                frames[-1][1] if frames else None,
+                user_frame=next((where for owner, where in reversed(owners) if owner == "user"),
+                                None),
+                raised_in_elasticft=raiser == "elasticft",
+            )
     return None
 
 
@@ -208,6 +277,8 @@ def read_tail(path: str | Path | None, max_bytes: int = 64 * 1024) -> str:
 def classify_exception(info: ExceptionInfo) -> FailureClass:
     if info.type_name in INFRA_EXCEPTIONS or INFRA_PATTERN.search(info.message):
         return FailureClass.INFRASTRUCTURE
+    if info.raised_in_elasticft and info.type_name not in ("KeyboardInterrupt", "SystemExit"):
+        return FailureClass.ELASTICFT
     if info.type_name in USER_EXCEPTIONS:
         return FailureClass.USER_CODE
     if info.type_name in ("KeyboardInterrupt", "SystemExit"):
@@ -251,5 +322,6 @@ def classify_exit(
                 message=info.message[:500],
                 location=info.location,
                 source=source,
+                user_frame=info.user_frame,
             )
     return FailureRecord(**base, failure_class=FailureClass.UNKNOWN)

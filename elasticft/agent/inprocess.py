@@ -35,13 +35,14 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from elasticft import torch_compat
+from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
 from elasticft.recovery.inprocess import (
     DIR_ENV,
     GENERATION_ENV,
@@ -211,6 +212,27 @@ def failed_exits(context: Any, workers: Sequence[Any]) -> dict[int, Any]:
                 local_rank=worker.local_rank, pid=proc.pid, exitcode=exitcode,
                 error_file=context.error_files.get(worker.local_rank, ""))
     return failures
+
+
+def start_replacements(context: Any, local_ranks: Sequence[int], pool: WarmPool | None,
+                       env_of: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[int, int]:
+    """Starts a new process for each of ``local_ranks`` in torch's process ``context``, from the
+    warm pool when there is one (which then prepares the next warm interpreter), with
+    ``env_of(the old worker's environment)``; returns their pids by local rank."""
+    def make(**kwargs: Any) -> Any:
+        if pool is not None and isinstance(context, WarmSubprocessContext):
+            return WarmSubprocessHandler(pool, **kwargs)
+        return torch_compat.SubprocessHandler(**kwargs)
+
+    started = {}
+    for local_rank in local_ranks:
+        handler = torch_compat.replace_worker(context, local_rank,
+                                              env_of(context.envs[local_rank]), make)
+        launch = getattr(handler, "launch", None)
+        if pool is not None and launch is not None:
+            pool.refill(local_rank, *launch)
+        started[local_rank] = handler.proc.pid
+    return started
 
 
 def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:

@@ -9,6 +9,11 @@ node was the culprit (a repeat offender is suspect hardware), whether every data
 still has a healthy replica (then the healthy replicas take a just-in-time checkpoint of the
 state after the last completed step instead of falling back to the newest snapshot), and which
 nodes left a round without a word (they are evicted and blacklisted).
+
+A failure that repeats is not transient: when the previous attempt failed before its first step
+and this one fails the same way (:class:`FailureSignature`: class, exception type and the
+innermost frame of the user's code) before its first step too, a restart would only fail again,
+so the run stops and says which restarts it leaves unused.
 """
 
 from __future__ import annotations
@@ -41,8 +46,6 @@ class ActionKind(str, enum.Enum):
     """This node leaves the job (blacklisted); the others re-rendezvous without it."""
     STOP = "stop"
     """Stop the job; the launcher exits non-zero with the reason."""
-    CHECKPOINT_AND_REQUEUE = "checkpoint_and_requeue"
-    """Save now, hand the job back to the scheduler, exit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,9 @@ class Action:
     """A restart granted by --restart-on-user-error (not by --max-restarts)."""
     checkpoint: CheckpointSource = CheckpointSource.SNAPSHOT
     """Where the next attempt resumes from (see :func:`checkpoint_source`)."""
+    fails_again: bool = False
+    """A stop whose cause would come back on any new attempt (a user-code error, a failure that
+    repeated before the first step): a scheduler must not resubmit it either."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +88,41 @@ class FailureFacts:
     in_process: bool = False
     """The survivors can regroup in their processes (every worker runs under
     ``elasticft.recovery.inprocess``, one node, no recovery already under way)."""
+    step_completed: bool | None = None
+    """A training step completed in this attempt (None: unknown, no step records are kept)."""
+    previous_failure: FailureSignature | None = None
+    """The signature of the previous attempt's failure when that attempt completed no step
+    (None otherwise, or when it ended without a failure)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureSignature:
+    """What makes two failures the same: class, exception type and the innermost frame of the
+    user's code (the innermost frame when there is none)."""
+
+    failure_class: FailureClass
+    exception: str
+    frame: str
+
+    @classmethod
+    def of(cls, failure: FailureRecord) -> FailureSignature | None:
+        """The signature of ``failure``, or None when it cannot repeat in this sense: no
+        exception and frame to compare, or a class whose cause lies outside the code (a
+        communication fault, a stop request) and may clear by itself."""
+        frame = failure.user_frame or failure.location
+        if failure.exception is None or frame is None or \
+                failure.failure_class not in _REPEATABLE:
+            return None
+        return cls(failure.failure_class, failure.exception, frame)
+
+    def to_json(self) -> dict[str, str]:
+        return {"failure_class": self.failure_class.value, "exception": self.exception,
+                "frame": self.frame}
+
+
+_REPEATABLE = frozenset({FailureClass.USER_CODE, FailureClass.ELASTICFT, FailureClass.UNKNOWN})
+"""Classes whose repetition before the first step stops the run (user code only when
+--restart-on-user-error grants it a restart)."""
 
 
 # When several ranks fail together, the root cause is the most specific class: a user bug in one
@@ -89,6 +130,7 @@ class FailureFacts:
 _ROOT_CAUSE_ORDER = (
     FailureClass.USER_CODE,
     FailureClass.SIGNAL_CRASH,
+    FailureClass.ELASTICFT,
     FailureClass.HANG,
     FailureClass.SLOW,
     FailureClass.NUMERIC,
@@ -184,6 +226,15 @@ IN_PROCESS_CLASSES = frozenset({FailureClass.SIGNAL_CRASH, FailureClass.HANG,
 (every replica holds the NaN), not a stop request, not a slow rank (it would stay slow)."""
 
 
+def repeated(facts: FailureFacts) -> FailureSignature | None:
+    """The signature of this failure when it repeats the previous attempt's, both before their
+    first step; None otherwise (also when no step records say whether a step completed)."""
+    if facts.step_completed is not False or facts.previous_failure is None or not facts.failures:
+        return None
+    signature = FailureSignature.of(root_cause(facts.failures))
+    return signature if signature == facts.previous_failure else None
+
+
 def decide(facts: FailureFacts) -> Action:
     action = _decide(facts)
     return dataclasses.replace(action, checkpoint=checkpoint_source(facts))
@@ -192,8 +243,12 @@ def decide(facts: FailureFacts) -> Action:
 def _decide(facts: FailureFacts) -> Action:
     cause = root_cause(facts.failures)
     what = cause.summary()
+    same = repeated(facts) is not None
     if cause.failure_class is FailureClass.USER_CODE:
-        if facts.user_error_restarts_used < facts.restart_on_user_error:
+        left = facts.restart_on_user_error - facts.user_error_restarts_used
+        if left > 0 and same:
+            return _repeat_stop(left, "--restart-on-user-error", facts.restart_on_user_error, what)
+        if left > 0:
             return Action(
                 ActionKind.RESTART_IN_PLACE,
                 f"user-code error, restart {facts.user_error_restarts_used + 1} of "
@@ -205,12 +260,16 @@ def _decide(facts: FailureFacts) -> Action:
             f"user-code error, not restarted (a restart would fail the same way; "
             f"--restart-on-user-error allows it): {what}",
             exit_code=1,
+            fails_again=True,
         )
     suspect = suspect_reason(facts)
     if suspect is not None and facts.can_evict:
         return Action(ActionKind.EVICT_NODE,
                       f"this node is suspect hardware ({suspect}), evicting it: {what}",
                       exit_code=1)
+    if same and facts.restarts_used < facts.max_restarts:
+        return _repeat_stop(facts.max_restarts - facts.restarts_used, "--max-restarts",
+                            facts.max_restarts, what)
     if facts.restarts_used >= facts.max_restarts:
         return Action(
             ActionKind.STOP,
@@ -228,6 +287,16 @@ def _decide(facts: FailureFacts) -> Action:
         ActionKind.RESTART_IN_PLACE,
         f"{cause.failure_class.value}, restart {facts.restarts_used + 1} of "
         f"--max-restarts {facts.max_restarts}: {what}",
+    )
+
+
+def _repeat_stop(left: int, flag: str, budget: int, what: str) -> Action:
+    return Action(
+        ActionKind.STOP,
+        f"the same failure before the first step of two attempts in a row, not restarted (a "
+        f"restart would fail the same way; {left} of {flag} {budget} left unused): {what}",
+        exit_code=1,
+        fails_again=True,
     )
 
 

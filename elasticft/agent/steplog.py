@@ -3,17 +3,22 @@
 Every worker gets ``ELASTICFT_STEP_LOG`` and, so that scripts which write no records still get
 them, the diagnostics bootstrap first on ``PYTHONPATH`` (its ``sitecustomize`` installs the
 optimizer-step recorder once torch is imported; :mod:`elasticft.diag.autoinstall`).
+
+The records are also how the agent knows whether an attempt completed a step: the files'
+sizes when its workers started against their sizes when it failed (the policy's
+``FailureFacts.step_completed``; a failure that repeats before the first step stops the run).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.agent.classify import FailureRecord
 from elasticft.diag.workerenv import bootstrap_pythonpath
-from elasticft.steps import STEP_LOG_ENV, step_log_path
+from elasticft.steps import STEP_LOG_ENV, STEPS_DIR, step_log_path
 
 
 class StepLogEnv(AgentCollaborator):
@@ -22,11 +27,32 @@ class StepLogEnv(AgentCollaborator):
 
     def __init__(self, base_env: Mapping[str, str]) -> None:
         self._base_env = dict(base_env)
+        self._sizes_at_start: dict[Path, int] = {}
 
     def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
         path = step_log_path(Path(group.run_dir), worker.global_rank)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         return {STEP_LOG_ENV: str(path), "PYTHONPATH": bootstrap_pythonpath(self._base_env)}
+
+    def on_workers_started(self, group: GroupInfo) -> None:
+        self._sizes_at_start = record_sizes(Path(group.run_dir))
+
+    def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
+                      ) -> Mapping[str, Any]:
+        now = record_sizes(Path(group.run_dir))
+        grown = any(size > self._sizes_at_start.get(path, 0) for path, size in now.items())
+        return {"step_completed": grown}
+
+
+def record_sizes(run_dir: Path) -> dict[Path, int]:
+    """The size of every step-record file of the run (explicit and automatic), by path."""
+    sizes = {}
+    for path in (run_dir / STEPS_DIR).glob("rank*.jsonl"):
+        try:
+            sizes[path] = path.stat().st_size
+        except OSError:  # removed meanwhile
+            continue
+    return sizes
 
 
 class StepLogAddOn:

@@ -13,7 +13,8 @@ Worker API::
     ckpt.save(step, snapshot(extra={"step": step}))   # returns at once
 
 Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier),
-``durable`` (disk/remote tiers, DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint
+``shards`` (DTensor shards back into live DTensors), ``durable`` (disk/remote tiers,
+DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint
 now"), ``checkpointer`` (worker side), ``service`` (agent side), ``commands`` (CLI).
 """
 
@@ -22,11 +23,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from elasticft.ckpt.api import CheckpointError, StateMismatch
     from elasticft.ckpt.checkpointer import Checkpointer, SaveRequest
     from elasticft.ckpt.settings import WorkerSettings
     from elasticft.ckpt.state import StateCapture, capture, restore
 
 _LAZY = {
+    "CheckpointError": ("elasticft.ckpt.api", "CheckpointError"),
+    "StateMismatch": ("elasticft.ckpt.api", "StateMismatch"),
     "Checkpointer": ("elasticft.ckpt.checkpointer", "Checkpointer"),
     "SaveRequest": ("elasticft.ckpt.checkpointer", "SaveRequest"),
     "WorkerSettings": ("elasticft.ckpt.settings", "WorkerSettings"),
@@ -35,7 +39,8 @@ _LAZY = {
     "restore": ("elasticft.ckpt.state", "restore"),
 }
 
-__all__ = ["Checkpointer", "SaveRequest", "StateCapture", "WorkerSettings", "capture", "restore"]
+__all__ = ["CheckpointError", "Checkpointer", "SaveRequest", "StateCapture", "StateMismatch",
+           "WorkerSettings", "capture", "restore"]
 
 
 def __getattr__(name: str) -> Any:

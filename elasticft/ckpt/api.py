@@ -53,6 +53,14 @@ class UnsupportedState(CheckpointError):
     reason = "unsupported_state"
 
 
+class StateMismatch(CheckpointError):
+    """A snapshot does not fit the model or optimizer it is restored into: another model, or
+    the same one sharded another way. The message names the tensor, both shapes and the
+    likely cause."""
+
+    reason = "state_mismatch"
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """One rank's state at one step, as stored: manifest plus raw tensor bytes.

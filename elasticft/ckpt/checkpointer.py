@@ -35,8 +35,15 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from elasticft.ckpt import durable
 from elasticft.ckpt.api import CheckpointError, StorageFull
-from elasticft.ckpt.control import ControlWatcher, report_loaded, report_skip
+from elasticft.ckpt.control import (
+    ControlWatcher,
+    announce_dir,
+    report_loaded,
+    report_restored,
+    report_skip,
+)
 from elasticft.ckpt.device import DeviceCopier, PendingCopy
 from elasticft.ckpt.hostcopy import copy_bytes
 from elasticft.ckpt.loader import SnapshotLoader
@@ -162,6 +169,10 @@ class Checkpointer:
             ControlWatcher(settings.control_dir, settings.local_rank, self._answer_request)
             if settings.control_dir else None
         )
+        if settings.control_dir is not None and settings.chosen_dir is not None:
+            announce_dir(settings.control_dir, settings.local_rank, settings.chosen_dir)
+        if settings.fresh_launch and settings.local_dir is not None:
+            durable.start_fresh(settings.local_dir, settings.fresh_launch)
         self._loaded_hook: Any = None
         """The one-shot optimizer-step hook that reports the first step after a load."""
         self._loaded_reported = threading.Event()
@@ -556,9 +567,22 @@ class Checkpointer:
         try:
             result = load()
             step = result[0] if result is not None else None
+            self._report_restored(step)
             return result
         finally:
             self._report_after_first_step(step)
+
+    def _report_restored(self, step: int | None) -> None:
+        """Tells the agent what was restored and from where (it logs the line)."""
+        if self.settings.control_dir is None:
+            return
+        loader = self._loader
+        try:
+            report_restored(self.settings.control_dir, self.settings.local_rank, step,
+                            loader.last_source if step is not None else None,
+                            loader.last_where if step is not None else "", loader.looked)
+        except OSError:
+            logger.debug("could not tell the agent what was restored", exc_info=True)
 
     def _report_after_first_step(self, step: int | None) -> None:
         """Tells the agent (``report_loaded``) when the first optimizer step after a load ends.

@@ -2,15 +2,19 @@
 
 A worker's main thread may be stuck inside a collective when the agent needs a checkpoint (a
 hang, a Slurm time limit, a preemption). Python signal handlers do not run until the collective
-returns (torch 2.13 notes, G7), so the request goes to a daemon thread instead: the agent writes
-``request.json`` (an id and a reason) into the run's control directory, each worker's watcher
-thread sees it within a poll interval, makes sure its newest snapshot is complete in shared
-memory (waiting for the copy in flight, which runs on its own thread), and answers with
-``ack-l<local_rank>.json`` naming the step it holds. The agent then persists that step.
+returns (CPython runs them on the main thread between bytecodes), so the request goes to a
+daemon thread instead: the agent writes ``request.json`` (an id and a reason) into the run's
+control directory, each worker's watcher thread sees it within a poll interval, makes sure its
+newest snapshot is complete in shared memory (waiting for the copy in flight, which runs on its
+own thread), and answers with ``ack-l<local_rank>.json`` naming the step it holds. The agent
+then persists that step.
 The other way, a worker appends a line to ``skipped-l<local_rank>.jsonl`` for every save it
 could not take (no free slot), which the agent turns into ``snapshot_skipped`` events, and
 writes ``loaded-l<local_rank>.json`` once its load or restore and the first optimizer step
-after it are over, which lets the agent's deferred flush start.
+after it are over, which lets the agent's deferred flush start. A worker whose script chose its
+own checkpoint directory announces it in ``ckpt-dir-l<local_rank>.json`` before its first save,
+and the agent persists there (:func:`announce_dir`); what a load restored, and from where, is
+``restored-l<local_rank>.json``, which the agent logs in one line (:func:`report_restored`).
 Files rather than a socket: nothing to bind, owner-only permissions, and it works while the
 worker's main thread holds the GIL-free C++ wait of a gloo collective.
 """
@@ -70,6 +74,67 @@ def clear_loaded(control_dir: Path, local_ranks: Iterable[int]) -> None:
 def all_loaded(control_dir: Path, local_ranks: Iterable[int]) -> bool:
     """Agent side: every one of these local ranks reported its load and first step over."""
     return all(loaded_path(control_dir, rank).exists() for rank in local_ranks)
+
+
+def announce_dir(control_dir: Path, local_rank: int, directory: Path) -> None:
+    """Worker side: the script chose ``directory`` for its checkpoints (``ckpt_dir=``); the
+    agent persists this worker's snapshots there instead of in its own directory."""
+    _write_json(control_dir / f"ckpt-dir-l{local_rank}.json",
+                {"dir": str(directory), "pid": os.getpid()})
+
+
+def announced_dirs(control_dir: Path, local_ranks: Iterable[int]) -> dict[int, Path]:
+    """Agent side: the directories these local ranks' scripts chose, by local rank."""
+    found = {}
+    for rank in local_ranks:
+        record = _read_json(control_dir / f"ckpt-dir-l{rank}.json")
+        if record and record.get("dir"):
+            found[rank] = Path(record["dir"])
+    return found
+
+
+def report_restored(control_dir: Path, local_rank: int, step: int | None, source: str | None,
+                    where: str, looked: Iterable[str]) -> None:
+    """Worker side: what this worker's load restored (``step`` None: nothing), from which tier
+    (``source``) and where that is, and which places it looked in."""
+    _write_json(control_dir / f"restored-l{local_rank}.json",
+                {"pid": os.getpid(), "step": step, "source": source, "where": where,
+                 "looked": list(looked), "time": time.time()})
+
+
+def restore_line(report: dict) -> str:
+    """The agent's one line for a worker's :func:`report_restored` (pure)."""
+    step, source, where = report.get("step"), report.get("source"), report.get("where") or ""
+    if step is None:
+        looked = ", ".join(report.get("looked") or ()) or "no checkpoint tier"
+        return f"no checkpoint to resume from (looked in {looked}): starting from the beginning"
+    if source in ("local", "remote"):
+        return f"resumed from step {step} in {where} ({source} checkpoint directory)"
+    if source == "memory":
+        return f"resumed from step {step} in shared memory"
+    if source == "reshard" and where:
+        return f"resumed from step {step} in {where} (resharded from another world size)"
+    return f"resumed from step {step} from {where} ({source})" if where else \
+        f"resumed from step {step} ({source})"
+
+
+class RestoreReader:
+    """Agent side: the restores workers reported since the last call, one per worker process."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def new_restores(self, control_dir: Path, local_ranks: Iterable[int]) -> dict[int, dict]:
+        found = {}
+        for rank in local_ranks:
+            record = _read_json(control_dir / f"restored-l{rank}.json")
+            if not record:
+                continue
+            key = (int(record.get("pid", 0)), float(record.get("time", 0.0)))
+            if self._seen.get(rank) != key:
+                self._seen[rank] = key
+                found[rank] = record
+        return found
 
 
 def skips_path(control_dir: Path, local_rank: int) -> Path:

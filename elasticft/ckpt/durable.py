@@ -21,6 +21,7 @@ never loaded. Retention keeps the newest ``keep`` committed steps.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import logging
@@ -64,6 +65,8 @@ from elasticft.ckpt.snapshot import decode_json, dtype_from_name, stored_here, t
 logger = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
+LAUNCH_MARK = ".elasticft-launch"
+"""The launch that last started fresh in a directory (:func:`start_fresh`)."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -213,7 +216,7 @@ def try_commit(root: Path, step: int, world_size: int, ranks: Iterable[int]) -> 
     }
     atomic_write(directory / COMMIT_MARKER, json.dumps(marker).encode())
     fsync_dir(directory)
-    logger.info("committed checkpoint step %d in %s (%d rank(s))", step, root, len(expected))
+    logger.debug("committed checkpoint step %d in %s (%d rank(s))", step, root, len(expected))
     return True
 
 
@@ -257,6 +260,34 @@ def committed_steps(root: Path) -> dict[int, dict[str, Any]]:
         if info is not None:
             out[step] = info
     return out
+
+
+def start_fresh(root: Path, launch: str) -> list[int]:
+    """Removes the steps earlier launches left in ``root``, once per launch (``--fresh``).
+
+    Every worker of the launch calls it before it restores. The first (under an exclusive lock
+    on :data:`LAUNCH_MARK`) removes every step directory and writes the launch's token there;
+    the others, and the launch's restarted workers, find the token and remove nothing: what is
+    there now is this launch's own. Returns the steps removed.
+    """
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(root / LAUNCH_MARK, "a+") as mark:
+        fcntl.flock(mark, fcntl.LOCK_EX)  # released when the file closes
+        mark.seek(0)
+        if mark.read().strip() == launch:
+            return []
+        steps = list_steps(root)
+        for directory in steps.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        mark.seek(0)
+        mark.truncate()
+        mark.write(launch)
+        mark.flush()
+        os.fsync(mark.fileno())
+    if steps:
+        logger.info("--fresh: removed the checkpoint steps %s of earlier launches from %s",
+                    sorted(steps), root)
+    return sorted(steps)
 
 
 def retain(root: Path, keep: int) -> list[int]:

@@ -7,6 +7,8 @@ the backup peer, the remote directory. The ranks agree on the newest step they a
 uncommitted or corrupt source falls through to the next, and if some rank cannot restore the step
 after all, every rank moves to an older one (:mod:`elasticft.ckpt.reassembly`, which also fetches
 deduplicated replicas). From shared memory a restore copies straight into the live tensors.
+When no tier holds a step of this world size, ``restore`` reshards the newest durable step
+written at another one with ``dcp.load`` (:mod:`elasticft.ckpt.reshard`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from elasticft.ckpt import durable
+from elasticft.ckpt import durable, reshard
 from elasticft.ckpt.api import CheckpointError, Snapshot, Tier
 from elasticft.ckpt.peer import PeerClient, PeerTier
 from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
@@ -40,6 +42,10 @@ class SnapshotLoader:
         self._reassembler = ReplicaReassembler(self._ranks, settings.shm_slots, slot_count)
         self.last_source: str | None = None
         """Tier the last successful load came from."""
+        self.last_where = ""
+        """Where that tier is (a directory, or the tier's name)."""
+        self.looked: list[str] = []
+        """Where the last load looked, in load order."""
 
     def tiers(self) -> list[Tier]:
         """Sources in load order: own memory, local disk, this node's agent, a replica's node,
@@ -65,6 +71,7 @@ class SnapshotLoader:
         (a :class:`~elasticft.ckpt.state.LiveState`) the state is applied to it instead and
         ``(step, extras)`` returned. Collective when a process group is initialized."""
         tiers = self.tiers()
+        self.looked = [_where(tier) for tier in tiers]
         held: dict[str, list[int]] = {}
         for tier in tiers:
             try:
@@ -77,6 +84,8 @@ class SnapshotLoader:
         while True:
             step = self._ranks.agree([s for s in candidates if s not in excluded])
             if step is None:
+                if live is not None and not excluded:
+                    return self._reshard(tiers, live)
                 logger.info("no checkpoint that every rank can load")
                 return None
             with contextlib.ExitStack() as stack:
@@ -90,12 +99,36 @@ class SnapshotLoader:
                     if self._ranks.all_ok(replicas is not None):
                         assert replicas is not None
                         self.last_source = source
+                        self.last_where = next(_where(t) for t in tiers if t.name == source)
                         logger.info("restored step %d from %s", step, source)
                         if live is None:
                             return step, unflatten(snapshot.manifest, snapshot.payload,
                                                    copy=False, replicas=replicas)
                         return step, live.apply(snapshot.manifest, snapshot.payload, replicas)
             excluded.add(step)
+
+    def _reshard(self, tiers: list[Tier], live: Any) -> Any:
+        """``(step, extras)`` of the newest durable step written at another world size, loaded
+        by ``dcp.load`` (:mod:`elasticft.ckpt.reshard`); None if there is none."""
+        roots = [t.root for t in tiers if isinstance(t, durable.DurableTier)]
+        found = reshard.other_world_steps(roots, self.world_size)
+        candidates = sorted(found, reverse=True)
+        while True:
+            step = self._ranks.agree(candidates)
+            if step is None:
+                logger.info("no checkpoint that every rank can load")
+                return None
+            directory = found[step]
+            if self._ranks.all_ok(reshard.verify_share(directory, self.rank, self.world_size)):
+                break
+            candidates.remove(step)
+        info = durable.commit_info(directory) or {}
+        extras = reshard.restore_resharded(directory, live)
+        self.last_source = "reshard"
+        self.last_where = str(directory)
+        logger.info("restored step %d from %s, written at world size %s, resharded to %d by "
+                    "dcp.load", step, directory, info.get("world_size"), self.world_size)
+        return step, extras
 
     def _read_step(
         self, step: int, tiers: list[Tier], held: Mapping[str, list[int]],
@@ -113,3 +146,13 @@ class SnapshotLoader:
                 logger.warning("step %d from %s unusable, trying the next source: %s", step,
                                tier.name, e)
         return None, None
+
+
+def _where(tier: Tier) -> str:
+    """A tier as a place: a directory for the durable tiers, else the tier's name."""
+    if isinstance(tier, durable.DurableTier):
+        return str(tier.root.absolute())
+    if isinstance(tier, MemoryTier):
+        return "shared memory"
+    return {"node": "this node's agent", "replica": "a replica's node"}.get(tier.name,
+                                                                           "the backup node")

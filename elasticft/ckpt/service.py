@@ -5,7 +5,7 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
 * **Memory it owns.** It creates every local worker's shared-memory slots as files with no
   name (:mod:`elasticft.unnamed`), empty until the worker sizes them (see
   :mod:`elasticft.ckpt.shm`), and passes their ``/proc/<agent pid>/fd/<n>`` paths to the
-  workers (``ELASTICFT_CKPT_*``). A worker that crashes loses nothing: the agent holds the
+  workers (``ELASTICFT_WORKER_CKPT_*``). A worker that crashes loses nothing: the agent holds the
   files. When the agent exits, however it exits, the kernel frees them: nothing is left to
   sweep (named segments that older versions left are swept at start).
 * **Persistence in the background.** Every monitor tick it peeks at the slot headers; when all
@@ -40,6 +40,11 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
   is a ``checkpoint`` event.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
+* **The job's directory.** Checkpoints persist in the directory the script chose
+  (``Checkpointer.from_env(ckpt_dir=...)``, announced by its workers before their first save),
+  else ``--ckpt-dir``, else ``<run-dir>/ckpt``; a relaunch restores from there, and the service
+  logs one line saying what each attempt resumed from (a ``restore`` event). Under ``--fresh``
+  the workers first remove what earlier launches left there.
 """
 
 from __future__ import annotations
@@ -69,7 +74,15 @@ from elasticft.agent.classify import FailureRecord
 from elasticft.agent.policy import Action, ActionKind
 from elasticft.ckpt import diskfile, durable, settings, shm
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
-from elasticft.ckpt.control import SkipReader, all_loaded, clear_loaded, request_checkpoint
+from elasticft.ckpt.control import (
+    RestoreReader,
+    SkipReader,
+    all_loaded,
+    announced_dirs,
+    clear_loaded,
+    request_checkpoint,
+    restore_line,
+)
 from elasticft.ckpt.peer import (
     PeerClient,
     PeerServer,
@@ -80,6 +93,7 @@ from elasticft.ckpt.peer import (
 )
 from elasticft.config import (
     CheckpointConfig,
+    ConfigError,
     checkpoint_dir_default,
     require_writable_dir,
 )
@@ -113,8 +127,13 @@ class CheckpointService(AgentCollaborator):
         shm_dir: Path = shm.SHM_DIR,
         event_dir: Path | None = None,
         layout: tuple[int, int, int] | None = None,
+        fresh: bool = False,
     ) -> None:
         self.config = config
+        self.fresh_launch = f"{os.getpid()}-{time.time_ns()}" if fresh else None
+        """``--fresh``: this launch's token (see :func:`durable.start_fresh`)."""
+        self._chosen_dir: Path | None = None
+        self._restores = RestoreReader()
         self.layout = layout
         """The job's (tp, pp, dp) when fully given (--layout): backups then go to a node
         outside this node's parallel groups; None: to the next node in a ring."""
@@ -163,10 +182,34 @@ class CheckpointService(AgentCollaborator):
     # Where things are.
 
     def local_dir(self, group: GroupInfo) -> Path:
-        root = checkpoint_dir_default(self.config.ckpt_dir, group.run_dir)
         # Each node keeps its own shards on its own disk; a single node's directory is a
         # complete DCP checkpoint.
-        return root if group.group_world_size <= 1 else root / f"node-{group.node_id}"
+        return self.local_root(group) / self._node_dir(group)
+
+    @staticmethod
+    def _node_dir(group: GroupInfo) -> str:
+        return "" if group.group_world_size <= 1 else f"node-{group.node_id}"
+
+    def local_root(self, group: GroupInfo) -> Path:
+        """The job's local checkpoint directory: the one the script chose, else --ckpt-dir,
+        else ``<run-dir>/ckpt``."""
+        try:
+            chosen = announced_dirs(self.control_dir(group), (w.local_rank for w in group.workers))
+        except OSError:
+            chosen = {}
+        if chosen:
+            directory = chosen[min(chosen)]
+            if directory != self._chosen_dir:
+                self._chosen_dir = directory
+                instead = checkpoint_dir_default(self.config.ckpt_dir, group.run_dir)
+                logger.info("checkpoints persist in %s, the directory the script chose%s",
+                            directory, "" if directory == instead.absolute()
+                            else f" (not {instead})")
+                if len(set(chosen.values())) > 1:
+                    logger.warning("the local ranks chose different checkpoint directories "
+                                   "(%s); local rank %d's is used", sorted(map(str, set(
+                                       chosen.values()))), min(chosen))
+        return self._chosen_dir or checkpoint_dir_default(self.config.ckpt_dir, group.run_dir)
 
     def control_dir(self, group: GroupInfo) -> Path:
         return group.run_dir / "ckpt-control" / str(self._owner)
@@ -252,6 +295,10 @@ class CheckpointService(AgentCollaborator):
             settings.ENV_CONTROL: str(control),
             settings.ENV_GPU_STAGING: str(self.config.ckpt_gpu_staging_mb * (1 << 20)),
         }
+        if self._node_dir(group):
+            env[settings.ENV_NODE_DIR] = self._node_dir(group)
+        if self.fresh_launch is not None:
+            env[settings.ENV_FRESH] = self.fresh_launch
         if self.config.ckpt_remote_dir is not None:
             env[settings.ENV_REMOTE] = str(self.config.ckpt_remote_dir)
         if self._holder_addr and self._secret:
@@ -269,6 +316,7 @@ class CheckpointService(AgentCollaborator):
     def check(self, group: GroupInfo) -> None:
         self._group = group
         self._count_skips(group)
+        self._log_restores(group)
         self._flush_when_resumed(group)
         every = self.config.ckpt_persist_every
         if every <= 0 or self._busy.is_set():
@@ -283,6 +331,22 @@ class CheckpointService(AgentCollaborator):
             self._busy.set()
             self._jobs.put(step)
         return None
+
+    def _log_restores(self, group: GroupInfo) -> None:
+        """One line (and a ``restore`` event) per attempt: what local rank 0 resumed from."""
+        if not group.workers:
+            return
+        first = min(w.local_rank for w in group.workers)
+        try:
+            reports = self._restores.new_restores(self.control_dir(group), [first])
+        except OSError:
+            return
+        if first in reports:
+            report = reports[first]
+            logger.info("%s", restore_line(report))
+            self._event(group, "restore", step=report.get("step"),
+                        source=report.get("source"), where=report.get("where"),
+                        restart_count=group.restart_count)
 
     def _count_skips(self, group: GroupInfo) -> None:
         """Every save a worker could not take becomes a ``snapshot_skipped`` event."""
@@ -468,6 +532,7 @@ class CheckpointService(AgentCollaborator):
 
     def _persist_final(self, group: GroupInfo) -> None:
         self._count_skips(group)
+        self._log_restores(group)
         self._wait_flush()
         step = self.newest_common_step(group)
         if step is not None and step > self._persisted:
@@ -494,6 +559,11 @@ class CheckpointService(AgentCollaborator):
         self._slot_fds.clear()
         if self._peer_server is not None:
             self._peer_server.close()
+        if group is not None:  # this agent's own channel; a relaunch makes its own
+            control = self.control_dir(group)
+            shutil.rmtree(control, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                control.parent.rmdir()  # unless another agent of the run still uses it
         if self._events is not None:
             self._events.close()
 
@@ -602,8 +672,10 @@ class CheckpointService(AgentCollaborator):
                     if taken is None:
                         return False
                     step, copies = taken
-                    logger.info("took step %d out of shared memory in %.2f s (%s)", step,
-                                time.monotonic() - started, cause or "persist")
+                    # One INFO line per periodic persist (below); a flush's steps are told.
+                    logger.log(logging.DEBUG if cause == "periodic" else logging.INFO,
+                               "took step %d out of shared memory in %.2f s (%s)", step,
+                               time.monotonic() - started, cause or "persist")
                 if not self._write(step, group, copies, started, cause):
                     return False
             self._replicate(step, group)
@@ -761,6 +833,13 @@ class CheckpointAddOn:
                                 ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
             if directory is not None:
                 require_writable_dir(flag, Path(directory))
+        remote = options.ckpt.ckpt_remote_dir
+        if options.agent.fresh and remote is not None and durable.committed_steps(Path(remote)):
+            # Shared by every node, and by a node that joins later: never removed by one.
+            raise ConfigError(f"--fresh: --ckpt-remote-dir {remote} holds checkpoints of earlier "
+                              "launches, which a restore would use; give a new remote directory "
+                              "or remove them", reason="fresh_remote")
         layout = options.plan.layout.complete() if options.plan.layout is not None else None
         return CheckpointService(options.ckpt, local_addr=context.launch.local_addr,
-                                 event_dir=options.agent.event_dir, layout=layout)
+                                 event_dir=options.agent.event_dir, layout=layout,
+                                 fresh=options.agent.fresh)

@@ -1,10 +1,12 @@
 """What a worker's checkpointer needs to know, read from the environment in one place.
 
-Under ``elasticft-run`` the agent's checkpoint service hands every worker its shared-memory
-slots, directories, backup peer and control directory through ``ELASTICFT_CKPT_*`` variables
-(:data:`WORKER_ENV`). Without an agent (plain ``torchrun`` or one process) the worker owns its
-memory tier and persists it itself; the same settings are then given to
-:meth:`WorkerSettings.from_env` as arguments.
+Under ``elasticft-run`` the agent's checkpoint service hands every worker its shared-memory slots,
+directories, backup peer and control directory through ``ELASTICFT_WORKER_CKPT_*`` variables
+(:data:`WORKER_ENV`; no option's variable begins with ``ELASTICFT_WORKER_``). Without an agent
+(plain ``torchrun`` or one process) the worker owns its memory tier and persists it itself; the same
+settings are then given to :meth:`WorkerSettings.from_env` as arguments. A local directory the
+script gives explicitly (``ckpt_dir=``) is the job's under both: the worker announces it to the
+agent, which persists there (:func:`elasticft.ckpt.control.announce_dir`).
 """
 
 from __future__ import annotations
@@ -16,21 +18,26 @@ from pathlib import Path
 
 from elasticft.ckpt import shm
 
-ENV_SHM = "ELASTICFT_CKPT_SHM"
-ENV_SLOTS = "ELASTICFT_CKPT_SLOTS"
-ENV_MEMORY_CAP = "ELASTICFT_CKPT_MEMORY_CAP"
-ENV_LOCAL = "ELASTICFT_CKPT_LOCAL"
-ENV_REMOTE = "ELASTICFT_CKPT_REMOTE"
-ENV_PEER = "ELASTICFT_CKPT_PEER"
-ENV_REPLICA_PEER = "ELASTICFT_CKPT_REPLICA_PEER"
-ENV_NODE_PEER = "ELASTICFT_CKPT_NODE_PEER"
-ENV_SECRET = "ELASTICFT_CKPT_SECRET"
-ENV_CONTROL = "ELASTICFT_CKPT_CONTROL"
-ENV_GPU_STAGING = "ELASTICFT_CKPT_GPU_STAGING"
+ENV_SHM = "ELASTICFT_WORKER_CKPT_SHM"
+ENV_SLOTS = "ELASTICFT_WORKER_CKPT_SLOTS"
+ENV_MEMORY_CAP = "ELASTICFT_WORKER_CKPT_MEMORY_CAP"
+ENV_LOCAL = "ELASTICFT_WORKER_CKPT_LOCAL"
+ENV_REMOTE = "ELASTICFT_WORKER_CKPT_REMOTE"
+ENV_PEER = "ELASTICFT_WORKER_CKPT_PEER"
+ENV_REPLICA_PEER = "ELASTICFT_WORKER_CKPT_REPLICA_PEER"
+ENV_NODE_PEER = "ELASTICFT_WORKER_CKPT_NODE_PEER"
+ENV_SECRET = "ELASTICFT_WORKER_CKPT_SECRET"
+ENV_CONTROL = "ELASTICFT_WORKER_CKPT_CONTROL"
+ENV_GPU_STAGING = "ELASTICFT_WORKER_CKPT_GPU_STAGING"
+ENV_NODE_DIR = "ELASTICFT_WORKER_CKPT_NODE_DIR"
+"""The subdirectory of the local checkpoint directory that holds this node's shards (a
+multi-node job: ``node-<node id>``); unset for a single node."""
+ENV_FRESH = "ELASTICFT_WORKER_CKPT_FRESH"
+"""Set by ``--fresh``: this launch's token; see :func:`elasticft.ckpt.durable.start_fresh`."""
 
 WORKER_ENV = frozenset(
     {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_REPLICA_PEER,
-     ENV_NODE_PEER, ENV_SECRET, ENV_CONTROL, ENV_GPU_STAGING}
+     ENV_NODE_PEER, ENV_SECRET, ENV_CONTROL, ENV_GPU_STAGING, ENV_NODE_DIR, ENV_FRESH}
 )
 """Worker variables the checkpoint service sets (listed in the agent's WORKER_ENV_NAMES)."""
 
@@ -49,6 +56,13 @@ class WorkerSettings:
     memory_cap_bytes: int = 0
     """Most bytes this rank's slots may take together (0: no cap)."""
     local_dir: Path | None = None
+    """Where this rank's shards persist and are restored from (this node's part of it)."""
+    chosen_dir: Path | None = None
+    """The local directory the script gave (``ckpt_dir=``), absolute: under an agent the worker
+    announces it, and the agent persists there instead of its own."""
+    fresh_launch: str | None = None
+    """``--fresh``: this launch's token; the checkpoints earlier launches left in
+    ``local_dir`` are removed before anything is restored."""
     remote_dir: Path | None = None
     peer_addr: str | None = None
     """host:port of the agent holding this node's backup."""
@@ -85,17 +99,24 @@ class WorkerSettings:
     ) -> WorkerSettings:
         """Agent-owned settings when the agent set them, else a process-owned memory tier.
 
-        The keyword arguments are the process-owned defaults; the agent's values win.
+        The keyword arguments are the process-owned defaults; the agent's values win, except
+        ``ckpt_dir``: the directory the script chose is where the agent persists too.
         """
         env = os.environ if env is None else env
         local_rank = int(env.get("LOCAL_RANK", "0"))
         if ENV_SHM in env:
+            chosen = Path(ckpt_dir).absolute() if ckpt_dir is not None else None
+            local = Path(env[ENV_LOCAL]) if env.get(ENV_LOCAL) else None
+            if chosen is not None:
+                local = chosen / env[ENV_NODE_DIR] if env.get(ENV_NODE_DIR) else chosen
             return cls(
                 local_rank=local_rank,
                 shm_slots=env[ENV_SHM] or None,
                 slots=int(env.get(ENV_SLOTS, "3")),
                 memory_cap_bytes=int(env.get(ENV_MEMORY_CAP, "0")),
-                local_dir=Path(env[ENV_LOCAL]) if env.get(ENV_LOCAL) else None,
+                local_dir=local,
+                chosen_dir=chosen,
+                fresh_launch=env.get(ENV_FRESH) or None,
                 remote_dir=Path(env[ENV_REMOTE]) if env.get(ENV_REMOTE) else None,
                 peer_addr=env.get(ENV_PEER) or None,
                 replica_peer_addr=env.get(ENV_REPLICA_PEER) or None,

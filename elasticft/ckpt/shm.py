@@ -4,9 +4,9 @@ Design (who owns what)
 ----------------------
 The *agent* owns the files; the *worker* sizes them. At start the agent creates every local
 rank's slots as files with no name in /dev/shm (:mod:`elasticft.unnamed`) and gives the worker
-their ``/proc/<agent pid>/fd/<n>`` paths (``ELASTICFT_CKPT_SHM``). At its first save the worker,
-the only process that knows how large its state is, grows them and allocates their pages once
-with ``posix_fallocate`` (so later saves never take first-touch page faults), off the training
+their ``/proc/<agent pid>/fd/<n>`` paths (``ELASTICFT_WORKER_CKPT_SHM``). At its first save the
+worker, the only process that knows how large its state is, grows them and allocates their pages
+once with ``posix_fallocate`` (so later saves never take first-touch page faults), off the training
 thread (:class:`SlotMaker`), and maps them. The agent reads them when it persists, flushes or
 serves them, keeps the bytes through the worker's death (tmpfs pages belong to the file, not
 the process), and the restarted worker maps the same files again. When the agent exits,

@@ -105,6 +105,8 @@ class TensorEntry:
     """Byte offset in the payload (in the owner's payload for an item another rank stores)."""
     replica_of: int | None = None
     """For replicated state: the rank whose snapshot stores this item (None: stored here)."""
+    sharding: Mapping[str, Any] | None = None
+    """For a DTensor's local shard: its mesh shape and placements (:func:`sharding_of`)."""
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +123,8 @@ class TensorEntry:
             "chunk_offsets": list(self.chunk_offsets),
             "nbytes": self.nbytes,
         }
+        if self.sharding is not None:
+            item["sharding"] = dict(self.sharding)
         if self.replica_of is None:
             item["offset"] = self.offset
         else:
@@ -200,6 +204,7 @@ def flatten(state: Mapping[str, Any]) -> Layout:
                 {"fqn": fqn, "path": list(path), "kind": "json", "value": encode_json(obj, fqn)}
             )
             continue
+        source = planner.state_dict.get(fqn)
         tensor = obj.detach()
         if tensor.device.type not in ("cpu", "cuda"):
             # Another accelerator: a host copy now. CUDA tensors stay live; the checkpointer
@@ -215,11 +220,23 @@ def flatten(state: Mapping[str, Any]) -> Layout:
             global_size=tuple(item.tensor_data.size),
             chunk_offsets=tuple(item.tensor_data.chunk.offsets),
             offset=offset,
+            sharding=sharding_of(source),
         )
         tensors.append(entry)
         offset = align_up(offset + entry.nbytes)
     return Layout(tuple(tensors), tuple(values), offset,
                   _items_json([t.to_json() for t in tensors]))
+
+
+def sharding_of(value: Any) -> dict[str, Any] | None:
+    """How a DTensor is laid out over its mesh, as the manifest records it; None for a plain
+    tensor. Placements are torch's short forms (``S(0)`` sharded on dim 0, ``R`` replicated),
+    compared as text when a snapshot is restored into a live DTensor."""
+    mesh = getattr(value, "device_mesh", None)
+    placements = getattr(value, "placements", None)
+    if mesh is None or placements is None:
+        return None
+    return {"mesh": list(mesh.shape), "placements": [str(p) for p in placements]}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 :func:`capture` builds ``{"model", "optim", "extra", "rng"}`` with torch's
 ``torch.distributed.checkpoint.state_dict`` helpers, which strip DDP/FSDP wrapper prefixes and
-key optimizer state by parameter name, so the state works for plain modules, DDP and FSDP2
-(DTensor shards) alike and does not depend on the world size. :func:`restore` is the inverse.
-:class:`LiveState` restores a snapshot by copying straight into the live tensors.
+key optimizer state by parameter name, so the state works for plain modules, DDP, FSDP2 and
+tensor parallelism alike (a DTensor stays a DTensor; a save stores its local shard).
+:func:`restore` is the inverse. :class:`LiveState` restores a snapshot by copying straight into
+the live tensors, a DTensor's shard into its local tensor (:mod:`elasticft.ckpt.shards`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from elasticft.ckpt.device import restore_copy
 from elasticft.ckpt.hostcopy import copy_bytes
+from elasticft.ckpt.shards import into_live, is_dtensor, like_param, local_of, storage_key
 from elasticft.ckpt.snapshot import (
     decode_json,
     dtype_from_name,
@@ -213,8 +215,21 @@ def restore(
     state: Mapping[str, Any],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    placed: bool = False,
 ) -> dict[str, Any]:
-    """Applies a loaded state to ``model`` and ``optimizer``; returns its extras."""
+    """Applies a loaded state to ``model`` and ``optimizer``; returns its extras.
+
+    A sharded model's (FSDP2, tensor parallel) tensors may come as this rank's local shards
+    (what :meth:`Checkpointer.load` returns) or as whole tensors: each is put into the live
+    DTensor of its name. A tensor that fits neither raises
+    :class:`~elasticft.ckpt.api.StateMismatch` naming it. ``placed``: that was done already.
+    """
+    if not placed:
+        state = {**state, "model": dict(state["model"])}
+        if "optim" in state:
+            state["optim"] = _copied_tree(state["optim"])
+        LiveState(model, optimizer).into_live(state)
     optim_sd = dict(state.get("optim", {})) if optimizer is not None else {}
     if optim_sd and "state" not in optim_sd:
         # An optimizer without state (plain SGD) is saved with an empty "state", which a
@@ -231,6 +246,15 @@ def restore(
     if "rng" in state:
         set_rng_state(state["rng"])
     return dict(state.get("extra", {}))
+
+
+def _copied_tree(value: Any) -> Any:
+    """The dicts and lists of a state copied (its leaves shared), to be changed in place."""
+    if isinstance(value, Mapping):
+        return {k: _copied_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied_tree(v) for v in value]
+    return value
 
 
 class LiveState:
@@ -256,40 +280,44 @@ class LiveState:
         self.model = model
         self.optimizer = optimizer
         self._tensors: dict[str, torch.Tensor] | None = None
+        self._whole: dict[str, torch.Tensor] | None = None
         self._params: dict[str, torch.Tensor] | None = None
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every live tensor by DCP name (model and optimizer state)."""
+        """Every live tensor by DCP name (model and optimizer state); a DTensor's local shard."""
         if self._tensors is None:
-            live = capture(self.model, self.optimizer, rng=False)
-            tensors: dict[str, torch.Tensor] = {}
-            for path, value in walk_leaves(live):
-                if isinstance(value, torch.Tensor):
-                    local = value.to_local() if hasattr(value, "to_local") else value
-                    tensors[".".join(map(str, path))] = local.detach()
-            self._tensors = tensors
+            self._tensors = {fqn: local_of(value) for fqn, value in self.whole.items()}
         return self._tensors
 
+    @property
+    def whole(self) -> dict[str, torch.Tensor]:
+        """Every live tensor by DCP name as the state dict holds it (DTensors as DTensors)."""
+        if self._whole is None:
+            live = capture(self.model, self.optimizer, rng=False)
+            self._whole = {".".join(map(str, path)): value.detach()
+                           for path, value in walk_leaves(live)
+                           if isinstance(value, torch.Tensor)}
+        return self._whole
+
     def params_by_fqn(self) -> dict[str, torch.Tensor]:
-        """The optimizer's parameters by DCP name (plain parameters only; else empty)."""
+        """The optimizer's parameters by DCP name (plain parameters and DTensors)."""
         if self._params is None:
             self._params = {}
             if self.optimizer is not None:
-                owned = {(p.data_ptr(), p.dtype, tuple(p.shape)): p
+                owned = {storage_key(p): p
                          for group in self.optimizer.param_groups for p in group["params"]}
-                if not any(hasattr(p, "to_local") for p in owned.values()):
-                    for fqn, value in get_model_state_dict(self.model).items():
-                        if isinstance(value, torch.Tensor):
-                            key = (value.data_ptr(), value.dtype, tuple(value.shape))
-                            if key in owned:
-                                self._params[fqn] = owned[key]
+                for fqn, value in get_model_state_dict(self.model).items():
+                    if isinstance(value, torch.Tensor):
+                        param = owned.get(storage_key(value))
+                        if param is not None:
+                            self._params[fqn] = param
         return self._params
 
     def prepare(self, manifest: Mapping[str, Any]) -> None:
         """Creates the optimizer state the snapshot holds, if the optimizer has none yet."""
         optimizer = self.optimizer
-        if optimizer is None or optimizer.state or self._tensors is not None:
+        if optimizer is None or optimizer.state or self._whole is not None:
             return
         items = [i for i in manifest["items"] if i["path"][:2] == ["optim", "state"]]
         params = self.params_by_fqn()
@@ -303,15 +331,45 @@ class LiveState:
             rest = tuple(item["path"][3:])
             if item["kind"] == "tensor":
                 # "step" stays on the host unless fused/capturable (load_state_dict's policy
-                # moves it then); everything else goes where the parameter is.
+                # moves it then); everything else goes where the parameter is, a shard of a
+                # sharded parameter's shape in its DTensor spec.
                 device = torch.device("cpu") if rest[0] == "step" else param.device
-                value: Any = torch.empty(tuple(item["shape"]),
-                                         dtype=dtype_from_name(item["dtype"]), device=device)
+                value: Any = None if rest[0] == "step" else like_param(param, item)
+                if value is None:
+                    value = torch.empty(tuple(item["shape"]),
+                                        dtype=dtype_from_name(item["dtype"]), device=device)
             else:
                 value = decode_json(item["value"])
             set_path(state.setdefault(index[id(param)], {}), rest, value)
         groups = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def into_live(self, state: dict[str, Any],
+                  items: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """Makes each model and optimizer tensor of ``state`` fit torch's ``set_state_dict``
+        for the live tensor of its name (:func:`~elasticft.ckpt.shards.into_live`: a local
+        shard becomes a DTensor of the live spec); raises
+        :class:`~elasticft.ckpt.api.StateMismatch` for one that does not fit. ``items``: the
+        snapshot's manifest items by name, whose recorded layout is checked."""
+        params = self.params_by_fqn()
+        for path, value in walk_leaves({k: state[k] for k in ("model", "optim") if k in state}):
+            if not isinstance(value, torch.Tensor):
+                continue
+            fqn = ".".join(map(str, path))
+            live = self.whole.get(fqn)
+            if live is None and path[:2] == ("optim", "state") and len(path) > 3:
+                param = params.get(str(path[2]))
+                # State the fresh optimizer does not have yet: the parameter's spec, when it
+                # is of the parameter's shape (a step count or other scalar stays as it is).
+                if param is not None and is_dtensor(param) and path[3] != "step":
+                    item = (items or {}).get(fqn)
+                    saved = item.get("global_size") if item is not None else list(value.shape)
+                    live = param.detach() if list(saved) == list(param.shape) or \
+                        list(value.shape) == list(local_of(param).shape) else None
+            # Plain optimizer state is left to torch, which takes it as it is (an optimizer's
+            # state may legitimately change shape, LBFGS's history for one).
+            if live is not None and (path[0] == "model" or is_dtensor(live)):
+                set_path(state, path, into_live(fqn, value, live, (items or {}).get(fqn)))
 
     def target(self, item: Mapping[str, Any]) -> torch.Tensor | None:
         """The live tensor a snapshot item is copied into, if it fits exactly."""
@@ -357,7 +415,8 @@ class LiveState:
         self.prepare(manifest)
         if not self.fits(manifest):
             state = unflatten(manifest, payload, copy=True, replicas=replicas)
-            return restore(state, self.model, self.optimizer)
+            self.into_live(state, {i["fqn"]: i for i in manifest["items"]})
+            return restore(state, self.model, self.optimizer, placed=True)
         side = []
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for item in manifest["items"]:

@@ -5,13 +5,16 @@ for scripts that never call :func:`elasticft.init`.
 it only adds an import hook. When the script imports ``torch``, the hook lets the import finish
 and then installs the recorder (:func:`elasticft.diag.recorder.install`) when the worker has
 diagnostics rings (:class:`elasticft.diag.ring.RingFiles`), and the optimizer-step recorder
-(:class:`elasticft.steps.AutoStepRecorder`) when it has a step log. Child processes (data
+(:class:`elasticft.steps.AutoStepRecorder`) when it has a step log. A function entrypoint gets
+its environment only once its process runs, after start-up: :class:`ArmedEntrypoint` arms it
+there instead. Child processes (data
 loader workers started with *spawn*) inherit the environment and so run the bootstrap too; the
 owner pid, exported at install, keeps them from recording as if they were the rank.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -113,3 +116,20 @@ def arm(env: Mapping[str, str]) -> bool:
     else:
         sys.meta_path.insert(0, _AfterImport("torch", install))
     return True
+
+
+class ArmedEntrypoint:
+    """A function entrypoint that arms the recorders first (torch sets a function worker's
+    environment after its interpreter has started, so the bootstrap never sees it); then calls
+    the function. Picklable when the function is, as torch's *spawn* needs."""
+
+    def __init__(self, function: Callable[..., object]) -> None:
+        self.function = function
+        functools.update_wrapper(self, function)  # torch names the entrypoint by __qualname__
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        try:
+            arm(os.environ)
+        except Exception:  # never stop the training function from running
+            logger.warning("elasticft diagnostics could not be armed", exc_info=True)
+        return self.function(*args, **kwargs)

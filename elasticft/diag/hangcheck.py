@@ -8,11 +8,12 @@ job's views into the :class:`~elasticft.diag.verdict.RankEvidence` that
 :func:`~elasticft.diag.verdict.judge` weighs: process state, heartbeat, CPU use per wall second
 (measured over about a second with :func:`elasticft.procs.cpu_seconds`), the in-flight calls and
 positions per communicator, and whether GPU kernels still complete. Other nodes' ranks come
-without CPU or GPU measurements: their own node judges those. :func:`stacks_moving` samples the
-Python stacks of ranks twice, the costly evidence asked for only before a collective is called
-stuck; :func:`with_stacks` adds sampled stacks to the evidence. :func:`hang_limits` maps the
-options onto the verdict's limits, and :func:`hang_event_evidence` writes a hang verdict and its
-evidence for the event log.
+without CPU or GPU measurements: their own node judges those. :func:`sample_stacks` samples the
+Python stacks of ranks (twice for those in a call: does the stack move?), the costly evidence
+gathered only when the cheaper evidence finds a hang
+(:func:`~elasticft.diag.verdict.stacks_wanted`); :func:`with_stacks` adds them to the evidence.
+:func:`hang_limits` maps the options onto the verdict's limits, and :func:`hang_event_evidence`
+writes a hang verdict and its evidence for the event log.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from elasticft import procs
@@ -151,11 +152,18 @@ def _positions(view: detectors.RankView) -> dict[str, Any]:
             "comm_positions": dict(view.comm_seqs), "facts_age_s": view.view_age_s}
 
 
-def with_stacks(evidence: list[verdict.RankEvidence], dumps: Mapping[int, str]
-                ) -> list[verdict.RankEvidence]:
-    """The evidence with each dumped rank's main-thread stack (its py-spy ``dumps``)."""
-    return [dataclasses.replace(e, stack=stack_signature(dumps[e.rank]))
-            if e.rank in dumps else e for e in evidence]
+def with_stacks(evidence: list[verdict.RankEvidence], moving: Mapping[int, bool],
+                dumps: Mapping[int, str]) -> list[verdict.RankEvidence]:
+    """The evidence with whether each sampled rank's stack moves and each dumped rank's
+    main-thread stack (its py-spy ``dumps``)."""
+    result = []
+    for e in evidence:
+        if e.rank in moving:
+            e = dataclasses.replace(e, stack_changed=moving[e.rank])
+        if e.rank in dumps:
+            e = dataclasses.replace(e, stack=stack_signature(dumps[e.rank]))
+        result.append(e)
+    return result
 
 
 def _local_evidence(view: detectors.RankView, track: RankTrack, now: int,
@@ -188,22 +196,25 @@ def _local_evidence(view: detectors.RankView, track: RankTrack, now: int,
                                 **_positions(view))
 
 
-def stacks_moving(pids: Mapping[int, int],
+def sample_stacks(pids: Mapping[int, int], in_call: Collection[int],
                   dump: Callable[[Mapping[int, int]], dict[int, str]],
                   apart_s: float = 0.5) -> tuple[dict[int, bool], dict[int, str]]:
-    """Rank -> whether its main thread's Python stack (frames and line numbers) changed between
-    two samples ``apart_s`` apart, and the second sample (the stacks as they are now). Ranks
-    whose stack could not be read are left out: no stack is no evidence either way."""
-    first = dump(pids)
-    time.sleep(apart_s)
-    second = dump(pids)
+    """The ranks' Python stacks as they are now (rank -> py-spy's dump), and for the ranks
+    ``in_call`` whether their main thread's stack (frames and line numbers) changed since a
+    sample ``apart_s`` before. Ranks whose stack could not be read twice are left out of the
+    motion: no stack is no evidence either way."""
+    calling = {rank: pid for rank, pid in pids.items() if rank in in_call}
+    first = dump(calling) if calling else {}
+    if calling:
+        time.sleep(apart_s)
+    now = dump(pids)
     moving = {}
-    for rank in pids:
+    for rank in calling:
         before = stack_signature(first.get(rank, ""), line_numbers=True)
-        after = stack_signature(second.get(rank, ""), line_numbers=True)
+        after = stack_signature(now.get(rank, ""), line_numbers=True)
         if before and after:
             moving[rank] = before != after
-    return moving, second
+    return moving, now
 
 
 def hang_limits(config: DiagConfig) -> verdict.HangLimits:

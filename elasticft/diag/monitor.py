@@ -3,15 +3,16 @@
 Before workers start it prepares their progress rings (owner-only files with no name on
 ``/dev/shm``, which need no removal: :class:`elasticft.diag.workerenv.WorkerFiles`) and computes
 their environment (:mod:`elasticft.diag.workerenv`: the ring files, the bootstrap
-on ``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU nodes). On the
-first start it runs the pre-flight check. Then, every monitor interval,
-:meth:`DiagMonitor.check` polls the rings and runs the detectors (:mod:`elasticft.diag.detectors`):
+on ``PYTHONPATH`` for unmodified scripts, the NCCL shim in ``LD_PRELOAD`` on GPU nodes). After
+the first rendezvous, before any worker, it runs the pre-flight check of the node. Then, every
+monitor interval, :meth:`DiagMonitor.check` makes one pass: it gathers the evidence (polls the
+rings, and asks :mod:`elasticft.diag.hangcheck` for every rank's facts, py-spy stacks only when
+the cheaper facts find a hang), judges the hang once (:func:`elasticft.diag.verdict.judge`), and
+acts on the first finding (:mod:`elasticft.diag.detectors` for the others):
 
-* a hang returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks. The
-  verdict (:func:`elasticft.diag.verdict.judge`, over the evidence
-  :mod:`elasticft.diag.hangcheck` gathers, py-spy stacks included) alone judges the hang and
-  names them; the monitor acts on it and records its evidence (every rank's position per
-  communicator, process states, the grouped stacks);
+* a hang returns a :class:`Detection` (``FailureClass.HANG``) naming the culprit ranks the
+  verdict names, and records its evidence (every rank's position per communicator, process
+  states, the grouped stacks);
 * a NaN/inf loss or a loss spike returns one too (``diag_loss_action=restart``, the default);
 * a slow rank, an error-line burst in the logs and non-critical node issues are reported;
 * a critical node issue (vanished GPU, ECC errors, full disk, memory exhausted) returns a
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import re
@@ -102,8 +102,6 @@ class DiagMonitor(AgentCollaborator):
         self._tracks: dict[int, RankTrack] = {}
         self._coll_history: collections.deque[float] = collections.deque(
             maxlen=config.hang_history)
-        self._step_history: collections.deque[float] = collections.deque(
-            maxlen=config.hang_history)
         self._last_eval_ns = 0
         self._pending: Detection | None = None
         self._pending_lock = threading.Lock()
@@ -120,7 +118,7 @@ class DiagMonitor(AgentCollaborator):
         self._exchange = views_exchange or exchange.ViewExchange()
         self._limits_hang = hang_limits(config)
         self.last_verdict: verdict.Verdict | None = None
-        self._stack_motion: tuple[float, dict[int, bool]] | None = None
+        self._stack_sample: tuple[float, dict[int, bool], dict[int, str]] | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -144,10 +142,6 @@ class DiagMonitor(AgentCollaborator):
     def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
         self._open(group)
         assert self._ring_base is not None
-        if not self._preflight_done:
-            self._preflight_done = True
-            if self.config.diag_preflight != "off":
-                self._run_preflight(group)
         # Fresh files for every start: the previous worker of this rank is gone.
         previous = self._files.pop(worker.global_rank, None)
         if previous is not None:
@@ -179,6 +173,12 @@ class DiagMonitor(AgentCollaborator):
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._exchange.attach(store, group.node_id, group.group_rank, group.group_world_size,
                               hub_host=group.master_addr or None)
+        if not self._preflight_done:
+            # The node is checked once, when the first round is known and before any worker.
+            self._preflight_done = True
+            if self.config.diag_preflight != "off":
+                self._open(group)
+                self._run_preflight(group)
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._open(group)
@@ -217,6 +217,7 @@ class DiagMonitor(AgentCollaborator):
         for track in self._tracks.values():
             track.close()
         self._tracks = {}
+        self._stack_sample = None
         with self._pending_lock:
             if self._pending is not None and not self._pending.node_suspect:
                 self._pending = None
@@ -274,6 +275,9 @@ class DiagMonitor(AgentCollaborator):
         return tuple(self._coll_history)
 
     def check(self, group: GroupInfo) -> Detection | None:
+        """One pass: gather the evidence (the rings, this node's ranks, the job's), judge the hang
+        once, then act on the first finding: the hang, a loss, a slow rank, an error burst. A
+        critical node issue the health thread found meanwhile comes before all of them."""
         with self._pending_lock:
             pending, self._pending = self._pending, None
         if pending is not None:
@@ -290,7 +294,11 @@ class DiagMonitor(AgentCollaborator):
         if self._exchange.active:
             self._exchange.offer(views, busy)
         job = self._exchange.job_view()
-        return (self._check_hang(group, now, views, job) or self._check_loss() or
+        evidence, stacks_now = self._hang_evidence(views, job, now)
+        judged = verdict.judge(verdict.JobSnapshot(tuple(evidence), tuple(self._coll_history)),
+                               self._limits_hang)
+        self.last_verdict = judged
+        return (self._act_on_hang(judged, views, job, stacks_now) or self._check_loss() or
                 self._check_slow(now, busy, job) or self._check_logs(group, now))
 
     def _poll(self, track: RankTrack, now: int) -> None:
@@ -316,20 +324,11 @@ class DiagMonitor(AgentCollaborator):
     def _report_shim(self, track: RankTrack) -> None:
         """The worker's NCCL shim self-check, when it is written and each time the worker
         rewrites it (it finds that torch's NCCL calls bypass the shim); one log line a node."""
-        path = track.files.status if track.files is not None else None
-        if path is None:
+        changed = shimcheck.changed_status(track.files.status if track.files else None,
+                                           track.shim_status_version)
+        if changed is None:
             return
-        try:
-            stat = path.stat()
-        except OSError:
-            return
-        version = (stat.st_mtime_ns, stat.st_size)
-        if version == track.shim_status_version:
-            return
-        status = shimcheck.read_status(path)
-        if status is None:
-            return
-        track.shim_status_version = version
+        track.shim_status_version, status = changed
         message = str(status.get("message", ""))
         if self._events is not None:
             self._events.emit(shimcheck.EVENT_KIND, **status)
@@ -347,8 +346,6 @@ class DiagMonitor(AgentCollaborator):
             track.steps = int(record.value)
             track.step_ns = record.complete_ns
             if track.steps > 1:
-                duration = (record.complete_ns - record.enqueue_ns) / 1e9
-                self._step_history.append(duration)
                 track.busy.append(detectors.busy_time(record.enqueue_ns, record.complete_ns,
                                                       track.spans))
             # Steps start later and later: a call that ended before this one began is of no
@@ -395,52 +392,55 @@ class DiagMonitor(AgentCollaborator):
 
     def evidence(self, views: list[detectors.RankView], now: int) -> list[verdict.RankEvidence]:
         """Each rank's evidence for the hang verdict (:func:`hangcheck.rank_evidence`)."""
-        return hangcheck.rank_evidence(views, self._tracks, self._node(), now, self._limits_hang)
-
-    def _node(self) -> str:
-        return self._group.node_id if self._group is not None else ""
+        node = self._group.node_id if self._group is not None else ""
+        return hangcheck.rank_evidence(views, self._tracks, node, now, self._limits_hang)
 
     def views(self, group: GroupInfo, now: int) -> list[detectors.RankView]:
         """This node's ranks as the detectors see them (:func:`hangcheck.rank_views`)."""
         return hangcheck.rank_views(self._tracks, group, now)
 
-    def _check_hang(self, group: GroupInfo, now: int, views: list[detectors.RankView],
-                    job: exchange.JobView) -> Detection | None:
-        # Every fresh rank of the job is evidence; this node acts on what its own ranks show.
-        job_views = [*views, *job.views]
-        judged = self._judge(job_views, now)
-        sampled: dict[int, str] = {}  # stacks dumped during this check, reused below
-        moving: dict[int, bool] = {}
-        if judged.kind == "stuck" and self.config.hang_stacks:
-            # The costly evidence last: a rank whose Python still moves is working, not stuck.
-            moving, sampled = self._stacks_moving(views)
-            if any(moving.values()):
-                judged = self._judge(job_views, now, moving)
-        self.last_verdict = judged
+    def _hang_evidence(self, views: list[detectors.RankView], job: exchange.JobView, now: int
+                       ) -> tuple[list[verdict.RankEvidence], dict[int, str]]:
+        """Every fresh rank of the job as the verdict's evidence (this node acts on what its own
+        ranks show), with py-spy's stacks of this node's ranks when the cheaper evidence finds a
+        hang they take part in; and those stacks (rank -> dump)."""
+        evidence = self.evidence([*views, *job.views], now)
+        if not self.config.hang_stacks:
+            return evidence, {}
+        cheap = verdict.JobSnapshot(tuple(evidence), tuple(self._coll_history))
+        if not verdict.stacks_wanted(cheap, self._limits_hang) & {v.rank for v in views}:
+            return evidence, {}
+        moving, dumps = self._sample_stacks(views)
+        return hangcheck.with_stacks(evidence, moving, dumps), dumps
+
+    def _sample_stacks(self, views: list[detectors.RankView]
+                       ) -> tuple[dict[int, bool], dict[int, str]]:
+        """This node's ranks' stacks and, for those in a call, whether they move
+        (:func:`hangcheck.sample_stacks`); sampled at most every ``_STACK_MOTION_TTL_S``."""
+        at = time.monotonic()
+        if self._stack_sample is not None and at - self._stack_sample[0] < _STACK_MOTION_TTL_S:
+            return self._stack_sample[1], self._stack_sample[2]
+        pids = {v.rank: v.pid for v in views if v.pid}
+        in_call = {v.rank for v in views if v.in_flight}
+        moving, dumps = hangcheck.sample_stacks(pids, in_call, self._dump_stacks)
+        self._stack_sample = (at, moving, dumps)
+        return moving, dumps
+
+    def _act_on_hang(self, judged: verdict.Verdict, views: list[detectors.RankView],
+                     job: exchange.JobView, stacks_now: Mapping[int, str]) -> Detection | None:
+        """Reports a long wait that is no hang (once); the hang this node acts on, if any."""
         if judged.kind == "working" and judged.waited_s > _REPORT_WAIT_S:
-            key = f"waiting:{judged.culprits}"
-            if key not in self._reported:
-                # Not a hang: say once who the others wait for and what it is doing.
-                self._reported.add(key)
-                stacks_now = self._stack_tops(views, judged.culprits, sampled)
-                doing = "".join(f"; rank {rank} is at {top}" for rank, top in stacks_now.items())
-                self.emit("hang_verdict", f"not a hang: {judged.what}{doing}",
-                          verdict=judged.to_json(),
-                          stacks={str(rank): top for rank, top in stacks_now.items()})
+            self._report_wait(judged, views, stacks_now)
         elif judged.kind != "working":
             self._reported = {k for k in self._reported if not k.startswith("waiting:")}
         local = {v.rank for v in views}
         if not judged.hang or not local & {*judged.waiting, *judged.culprits}:
             return None  # a hang none of this node's ranks takes part in is its nodes' to act on
-        if (not judged.culprits and self._exchange.active and
+        if ((not judged.culprits or judged.named_by_stacks) and self._exchange.active and
                 judged.waited_s < (judged.timeout_s or 0.0) + self._exchange.stale_after_s):
             # Another node's summary may not show the culprit yet: give it a few publications.
             return None
-        if self.config.hang_stacks:
-            # The stacks of this node's ranks: the verdict's last resort for naming a culprit,
-            # and evidence in the event whatever it names.
-            pids = {v.rank: v.pid for v in views if v.pid}
-            judged = self._judge(job_views, now, moving, self._stacks_of(pids, sampled))
+        job_views = [*views, *job.views]
         node_of = {v.rank: v.node for v in job_views}
         names = ", ".join(f"rank {rank} on {node_of.get(rank, '')}"
                           for rank in judged.culprits) or "not localised"
@@ -458,46 +458,28 @@ class DiagMonitor(AgentCollaborator):
         return Detection(FailureClass.HANG, judged.culprits or local_waiting, "hang", message,
                          evidence=evidence)
 
-    def _judge(self, job_views: list[detectors.RankView], now: int,
-               stacks_moving: Mapping[int, bool] | None = None,
-               stack_dumps: Mapping[int, str] | None = None) -> verdict.Verdict:
-        evidence = self.evidence(job_views, now)
-        if stacks_moving:
-            evidence = [dataclasses.replace(e, stack_changed=stacks_moving[e.rank])
-                        if e.rank in stacks_moving else e for e in evidence]
-        if stack_dumps:
-            evidence = hangcheck.with_stacks(evidence, stack_dumps)
-        return verdict.judge(verdict.JobSnapshot(tuple(evidence), tuple(self._coll_history)),
-                             self._limits_hang)
-
-    def _stacks_moving(self, views: list[detectors.RankView]
-                       ) -> tuple[dict[int, bool], dict[int, str]]:
-        """This node's ranks in a call -> whether their stacks move, sampled at most every
-        ``_STACK_MOTION_TTL_S`` (two py-spy runs per rank); and the stacks dumped by this call
-        (none when the answer came from that window)."""
-        at = time.monotonic()
-        if self._stack_motion is not None and at - self._stack_motion[0] < _STACK_MOTION_TTL_S:
-            return self._stack_motion[1], {}
-        pids = {v.rank: v.pid for v in views if v.pid and v.in_flight}
-        moving, latest = hangcheck.stacks_moving(pids, self._dump_stacks) if pids else ({}, {})
-        self._stack_motion = (at, moving)
-        return moving, latest
-
-    def _stacks_of(self, pids: Mapping[int, int], sampled: Mapping[int, str]) -> dict[int, str]:
-        """py-spy dumps of ``pids``, taken from ``sampled`` (this check's) when it has them all."""
-        if pids and all(rank in sampled for rank in pids):
-            return {rank: sampled[rank] for rank in pids}
-        return self._dump_stacks(pids)
+    def _report_wait(self, judged: verdict.Verdict, views: list[detectors.RankView],
+                     stacks_now: Mapping[int, str]) -> None:
+        """Not a hang: says once who the others wait for and what it is doing."""
+        key = f"waiting:{judged.culprits}"
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        tops = self._stack_tops(views, judged.culprits, stacks_now)
+        doing = "".join(f"; rank {rank} is at {top}" for rank, top in tops.items())
+        self.emit("hang_verdict", f"not a hang: {judged.what}{doing}", verdict=judged.to_json(),
+                  stacks={str(rank): top for rank, top in tops.items()})
 
     def _stack_tops(self, views: list[detectors.RankView], ranks: tuple[int, ...],
-                    sampled: Mapping[int, str]
-                    ) -> dict[int, str]:
-        """The innermost frames of this node's ``ranks`` (what the others wait for)."""
+                    stacks_now: Mapping[int, str]) -> dict[int, str]:
+        """The innermost frames of this node's ``ranks`` (what the others wait for), from this
+        check's stacks when it sampled them all."""
         pids = {v.rank: v.pid for v in views if v.pid and v.rank in ranks}
         if not pids or not self.config.hang_stacks:
             return {}
-        signatures = {rank: stacks.stack_signature(text)
-                      for rank, text in self._stacks_of(pids, sampled).items()}
+        dumps = ({rank: stacks_now[rank] for rank in pids} if pids.keys() <= stacks_now.keys()
+                 else self._dump_stacks(pids))
+        signatures = {rank: stacks.stack_signature(text) for rank, text in dumps.items()}
         return {rank: sig.splitlines()[0] for rank, sig in signatures.items() if sig}
 
     def _check_loss(self) -> Detection | None:

@@ -189,14 +189,6 @@ class Recorder:
             )
             self._heartbeat.start()
 
-    def stop_heartbeat(self) -> None:
-        """Stops the heartbeat thread (the monitor then sees this worker as frozen)."""
-        thread, self._heartbeat = self._heartbeat, None
-        if thread is not None:
-            self._stop.set()
-            thread.join()
-            self._stop = threading.Event()
-
     def _beat(self) -> None:
         stop = self._stop
         while not stop.wait(self._heartbeat_interval_s):

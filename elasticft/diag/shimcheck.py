@@ -232,3 +232,20 @@ def read_status(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def changed_status(path: Path | None, seen: tuple[int, int] | None
+                   ) -> tuple[tuple[int, int], dict[str, Any]] | None:
+    """The status file's version (mtime ns, size) and content when it changed since the version
+    ``seen``; None when it did not, or when it is absent or unreadable."""
+    if path is None:
+        return None
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    version = (stat.st_mtime_ns, stat.st_size)
+    if version == seen:
+        return None
+    status = read_status(path)
+    return None if status is None else (version, status)

@@ -30,7 +30,7 @@ A rank that progresses but slower than its peers is the slow-rank detector's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal
 
 from elasticft.diag.detectors import percentile
@@ -140,6 +140,9 @@ class Verdict:
     """Rank -> the facts that decided its part in the verdict."""
     stacks: StackGroups | None = None
     """The sampled stacks, grouped; None when none were sampled."""
+    named_by_stacks: bool = False
+    """The culprits are named by their stacks alone (unlike the majority's): the weakest
+    evidence, which another node's newer facts may still overrule."""
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "hang": self.hang, "culprits": list(self.culprits),
@@ -251,9 +254,9 @@ def _calls(r: RankEvidence) -> tuple[Call, ...]:
     return r.in_flight or ((r.call,) if r.call is not None else ())
 
 
-def stuck_culprits(ranks: Sequence[RankEvidence], limits: HangLimits,
-                   stacks: StackGroups | None) -> dict[int, str]:
-    """Rank -> why it is a culprit of a stuck job; empty when the evidence names nobody."""
+def stuck_culprits(ranks: Sequence[RankEvidence], limits: HangLimits) -> dict[int, str]:
+    """Rank -> why it is a culprit of a stuck job by its process, its recorder or its position
+    on a communicator; empty when these name nobody (the stacks may then: :func:`judge`)."""
     culprits: dict[int, str] = {}
     for r in ranks:
         if r.state in UNRESPONSIVE_STATES:
@@ -281,10 +284,6 @@ def stuck_culprits(ranks: Sequence[RankEvidence], limits: HangLimits,
                     culprits[peer.rank] = (
                         f"never reached {call.op} #{call.comm_seq} on comm {call.comm:x} that "
                         f"rank {r.rank} waits in (its last call there is #{reached})")
-    if not culprits and stacks is not None:
-        # The weakest evidence, used alone: a rank elsewhere than the majority.
-        culprits = {rank: f"stack differs from the majority: {frame}"
-                    for rank, frame in stacks.outliers.items()}
     return dict(sorted(culprits.items()))
 
 
@@ -299,9 +298,21 @@ def judge(snapshot: JobSnapshot, limits: HangLimits) -> Verdict:
     return dataclasses.replace(judged, stacks=stacks) if stacks is not None else judged
 
 
-def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None) -> Verdict:
+def stacks_wanted(snapshot: JobSnapshot, limits: HangLimits) -> frozenset[int]:
+    """The ranks whose py-spy stacks are worth sampling before :func:`judge`: those taking part
+    in a hang the cheaper evidence finds (its culprits and the ranks that wait), where a moving
+    stack shows work and an outlier's stack names a culprit. Empty when it finds no hang: a
+    healthy or working job is never sampled."""
+    if not any(r.call is not None or frozen_reason(r, limits) for r in snapshot.ranks):
+        return frozenset()  # nobody waits and nobody is frozen: no hang (the common case)
+    cheap = _weigh(snapshot, limits, None, describe=lambda _: "")  # no words: only who
+    return frozenset((*cheap.culprits, *cheap.waiting)) if cheap.hang else frozenset()
+
+
+def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None,
+           describe: Callable[[RankEvidence], str] = _describe) -> Verdict:
     ranks = snapshot.ranks
-    evidence = {r.rank: _describe(r) for r in ranks}
+    evidence = {r.rank: describe(r) for r in ranks}
     waiting = tuple(sorted(r.rank for r in ranks if r.call is not None))
     frozen = {r.rank: why for r in ranks if (why := frozen_reason(r, limits)) is not None}
     # Peers blocked outside recorded collectives (a checkpoint barrier, a store wait) show it
@@ -375,7 +386,14 @@ def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None
             f"(timeout {timeout:.1f} s: {basis})")
     if waited <= timeout:
         return Verdict("healthy", False, (), waiting, what, waited, timeout, evidence)
-    culprits = stuck_culprits(ranks, limits, stacks)
+    culprits = stuck_culprits(ranks, limits)
+    named_by_stacks = not culprits and stacks is not None and bool(stacks.outliers)
+    if named_by_stacks:
+        # The weakest evidence, used alone: a rank elsewhere than the majority.
+        assert stacks is not None
+        culprits = {rank: f"stack differs from the majority: {frame}"
+                    for rank, frame in sorted(stacks.outliers.items())}
     for rank, why in culprits.items():
         evidence[rank] = f"{why}; {evidence[rank]}"
-    return Verdict("stuck", True, tuple(culprits), waiting, what, waited, timeout, evidence)
+    return Verdict("stuck", True, tuple(culprits), waiting, what, waited, timeout, evidence,
+                   named_by_stacks=named_by_stacks)

@@ -236,8 +236,8 @@ class RecoveryOrchestrator(AgentCollaborator):
                 time.sleep(0.5)
             departed.append(DepartedNode(node, alive, blacklisted))
         for eviction in judge_departed(departed, previous):
-            logger.error("leader %s evicts node %s: %s", self.node_id, eviction.node_id,
-                         eviction.reason)
+            logger.warning("leader %s evicts node %s: %s", self.node_id, eviction.node_id,
+                           eviction.reason)
             try:
                 membership.blacklist(eviction.node_id, eviction.reason,
                                      f"leader {self.node_id}, round {group.round}")
@@ -307,7 +307,11 @@ class RecoveryOrchestrator(AgentCollaborator):
                    "no healthy worker on this node to ask" if not healthy else
                    "the workers keep no elasticft snapshot" if control is not None else
                    "no checkpoint service")
-            logger.info("resuming from the newest complete snapshot: %s", why)
+            if control is not None and intact and healthy:
+                logger.info("the script resumes from its own checkpoint, if it keeps one "
+                            "(its workers keep no elasticft snapshot)")
+            else:
+                logger.info("resuming from the newest complete snapshot: %s", why)
             self._emit("recovery_checkpoint", source=source.value, reason=why,
                        offending_ranks=sorted(offending))
 
@@ -501,7 +505,7 @@ class RecoveryOrchestrator(AgentCollaborator):
                    reason=action.reason, offences=self.offences)
         if action.kind is not ActionKind.EVICT_NODE:
             return
-        logger.error("node %s evicts itself: %s", self.node_id, action.reason)
+        logger.warning("node %s evicts itself: %s", self.node_id, action.reason)
         blacklisted = False
         if self.membership is not None and self.config.recovery_blacklist:
             try:

@@ -196,9 +196,9 @@ def _failover_client_class() -> type:
 
     pyetcd marks a failed endpoint and moves to another only when the failed one is asked for
     again within its retry pause (:data:`ENDPOINT_RETRY_S`); past the pause it uses the dead
-    member again, since it is still the endpoint in use. A node polling every second then
-    failed every poll while one member of a 3-member cluster was down. Here the client moves
-    to a working endpoint as soon as one fails, and goes back only when that one fails too.
+    member again, since it is still the endpoint in use, so a node polling every second would
+    fail every poll while one member of the cluster is down. Here the client moves to a working
+    endpoint as soon as one fails, and goes back only when that one fails too.
     """
     from pyetcd.client import MultiEndpointEtcd3Client
 

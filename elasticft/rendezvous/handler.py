@@ -99,8 +99,8 @@ COORDINATOR_POLL_S = 0.1
 WAITER_POLL_S = (0.5, 1.5)
 """Everyone else polls at a random interval in this range: about one request a second. (A
 watch of the result instead would hold a gRPC stream per waiting node, whose Python thread wakes
-ten times a second: 0.6 ms of CPU a second a watcher here, about what a poll costs the client,
-so with all agents of the bench on two cores it saves etcd's share only, docs/scale.md.)"""
+ten times a second and costs the client about what a poll does: it would save etcd's share only;
+docs/scale.md has the figures.)"""
 OUTAGE_RETRY_S = (0.5, 4.0)
 """While etcd does not answer, a node asks again after a pause that doubles from the first value
 to the second, times a random factor in [0.5, 1]: when etcd is overloaded rather than down
@@ -219,10 +219,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def round(self) -> int:
         """The round this node last completed as a participant (-1 before its first)."""
         return self._round
-
-    @property
-    def round_view(self) -> RoundView | None:
-        return self._round_view
 
     def is_leader(self) -> bool:
         """Whether this agent leads the round it last joined (group rank 0)."""

@@ -34,6 +34,8 @@ class EventSummary:
     restarts: int
     failures: tuple[FailureSummary, ...]
     why_no_tor: str
+    end_reason: str = ""
+    """Why the run ended, as its launcher said (empty for a success)."""
 
     @property
     def lost_s(self) -> float:
@@ -41,7 +43,8 @@ class EventSummary:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "run_id": self.run_id, "end_state": self.end_state, "observed_s": self.observed_s,
+            "run_id": self.run_id, "end_state": self.end_state, "end_reason": self.end_reason,
+            "observed_s": self.observed_s,
             "tor": None, "ettr": None, "why_no_tor": self.why_no_tor,
             "restarts": self.restarts, "failures": len(self.failures), "lost_s": self.lost_s,
             "faults": [dataclasses.asdict(f) | {"ranks": list(f.ranks)} for f in self.failures],
@@ -101,12 +104,14 @@ def summarize(events: Sequence[dict[str, Any]], why_no_tor: str) -> EventSummary
         restarts=restarts,
         failures=tuple(sorted(failures, key=lambda f: f.time)),
         why_no_tor=why_no_tor,
+        end_reason=str(ends[-1].get("reason") or "") if ends else "",
     )
 
 
 def format_summary(s: EventSummary) -> str:
     lines = [
         f"elasticft report: run {s.run_id} ({s.end_state})",
+        *([f"  ended: {s.end_reason}"] if s.end_reason else []),
         f"  TOR and ETTR not computed: {s.why_no_tor}",
         f"  wall time {s.observed_s:.1f} s, {s.restarts} restart(s), {len(s.failures)} "
         f"failure(s), {s.lost_s:.1f} s from failures to restarted workers",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 from elasticft.report.tor import Analysis
 
@@ -26,11 +27,25 @@ COLORS = {
 }
 # Phases worth shading; healthy and slow steps are the background.
 SHADED = ("checkpoint_stall", "detection", "repair", "rollback", "startup", "slow_recovery",
-          "queued")
+          "shutdown", "queued")
 
 
 def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
-    """Draws the timeline; :class:`elasticft.extras.MissingExtra` without matplotlib."""
+    """Draws the timeline to ``out``; :class:`elasticft.extras.MissingExtra` without
+    matplotlib."""
+    import matplotlib.pyplot as plt
+
+    fig = draw_timeline(a, title)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def draw_timeline(a: Analysis, title: str | None = None) -> Any:
+    """The timeline's matplotlib figure: its time axis spans the whole run, from the launch to
+    the end of the shutdown."""
     from elasticft import extras
 
     (matplotlib,) = extras.require(extras.MATPLOTLIB, "the report's timeline plot", "report")
@@ -78,6 +93,7 @@ def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
         top.annotate(f"failure {i}: {fault.failure_class}", (fault.time - t0, a.last_step),
                      rotation=90, va="top", ha="right", fontsize=8, color="#c62828")
     bottom.set_ylim(bottom=0)
+    bottom.set_xlim(0, a.end - t0)  # the whole run, its start-up and shutdown included
     top.set_ylabel("step")
     bottom.set_ylabel("steps / s")
     bottom.set_xlabel("seconds since the run started")
@@ -94,8 +110,4 @@ def plot_timeline(a: Analysis, out: Path, title: str | None = None) -> Path:
     for axis in (top, bottom):
         axis.grid(alpha=0.3)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig

@@ -1,6 +1,7 @@
 """A run's wall time split into the phases of the Training Overhead Ratio model.
 
-TOR (seeds/003) is optimal time over observed time. The optimal time is what the run's useful
+TOR (Lu et al., "Training Overhead Ratio: A Practical Reliability Metric for Large Language Model
+Training Systems") is optimal time over observed time. The optimal time is what the run's useful
 work would take at the healthy step time: ``T_opt = N * t_healthy``, with ``N`` the steps that
 moved training forward and ``t_healthy`` the median duration of an uninterrupted step (checkpoint
 time excluded). The observed time is the wall time of the run's allocations (time queued between
@@ -9,7 +10,8 @@ two Slurm allocations is shown but not counted).
 Every second of observed time gets exactly one label, so the phases add up to the wall time:
 
 =================  =============================================================================
-healthy            ``t_healthy`` of every step that moved training forward
+healthy            the time of every step that moved training forward, up to ``t_healthy`` each
+                   (steps faster than the median make it a little less than the optimal time)
 slow steps         what those steps took beyond ``t_healthy`` (fail-slow, and noise around it)
 slow recovery      that excess in the first steps after a restart, until a step is healthy again
 checkpoint stall   time steps spent saving (``ckpt_s`` of the step records), and a Slurm
@@ -25,6 +27,10 @@ shutdown           last step to the end of the run
 
 ETTR is the time in steps that moved training forward (healthy + slow + slow recovery) over the
 wall time; MTBF is wall time over the number of failures.
+
+On a short run, start-up and shutdown (paid once per launch) can be most of the wall time: TOR
+then measures the launch more than the reliability. The report says so when they are more than
+:data:`LAUNCH_NOTE_SHARE` of it, with the TOR of the time between them.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ PHASES = (
 )
 # A step no slower than this times t_healthy ends a slow recovery.
 HEALTHY_TOLERANCE = 1.2
+LAUNCH_NOTE_SHARE = 0.2
+"""Start-up and shutdown above this share of the wall time get a note in the report."""
 
 
 @dataclasses.dataclass
@@ -107,8 +115,9 @@ class Analysis:
     reference_rank: int
     spans: list[Span]
     steps: list[StepRecord]
-    step_labels: list[str]
     end_state: str
+    end_reason: str = ""
+    """Why the run ended, as its launcher said (empty for a success)."""
 
     @property
     def step_source(self) -> str:
@@ -132,6 +141,17 @@ class Analysis:
         return productive / self.observed_s if self.observed_s > 0 else 0.0
 
     @property
+    def launch_s(self) -> float:
+        """Start-up and shutdown: what every launch pays once."""
+        return self.phases["startup"] + self.phases["shutdown"]
+
+    @property
+    def tor_between_launch_and_exit(self) -> float:
+        """TOR of the time after start-up and before shutdown."""
+        between = self.observed_s - self.launch_s
+        return self.optimal_s / between if between > 0 else 0.0
+
+    @property
     def mtbf_s(self) -> float | None:
         return self.observed_s / len(self.faults) if self.faults else None
 
@@ -139,6 +159,7 @@ class Analysis:
         return {
             "run_id": self.run_id,
             "end_state": self.end_state,
+            "end_reason": self.end_reason,
             "observed_s": self.observed_s,
             "optimal_s": self.optimal_s,
             "queued_s": self.queued_s,
@@ -160,8 +181,8 @@ class Analysis:
 
 # When ranks fail together, the most specific class names the fault (a crash makes its peers
 # fail with connection errors, not the other way round); the agent's policy orders them alike.
-_CAUSE_ORDER = ("user_code", "signal_crash", "hang", "slow", "numeric", "infrastructure",
-                "stop_requested")
+_CAUSE_ORDER = ("user_code", "signal_crash", "elasticft", "hang", "slow", "numeric",
+                "infrastructure", "stop_requested")
 
 
 def _cause_rank(failure_class: str) -> int:
@@ -312,7 +333,6 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
     phases = dict.fromkeys(PHASES, 0.0)
     spans: list[Span] = []
     faults: list[Fault] = []
-    labels: list[str] = []
 
     def add(phase: str, start: float, seconds: float) -> None:
         if seconds <= 0:
@@ -357,7 +377,6 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
             start = prev_time + overhead
             if record.step <= best:
                 add("rollback", start, work)
-                labels.append("rollback")
                 if last_fault is not None:
                     last_fault.rollback_s += work
                     last_fault.rollback_steps += 1
@@ -375,15 +394,8 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
                     add("slow_recovery", start + healthy, excess)
                     if last_fault is not None:
                         last_fault.slow_recovery_s += excess
-                    labels.append("slow_recovery")
                 else:
                     add("slow_steps", start + healthy, excess)
-                    labels.append("healthy" if excess <= (HEALTHY_TOLERANCE - 1) * t_h
-                                  else "slow")
-                # Work beyond t_h that is faster than median shows as a negative excess.
-                if compute < t_h:
-                    phases["slow_steps"] -= t_h - compute
-                    phases["healthy"] += t_h - compute
                 best = record.step
         elif kind == "failure":
             fault: Fault = payload
@@ -417,8 +429,8 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
         reference_rank=rank,
         spans=spans,
         steps=records,
-        step_labels=labels,
         end_state=str(end_event.get("state")) if end_event else "running or killed",
+        end_reason=str(end_event.get("reason") or "") if end_event else "",
     )
 
 
@@ -431,6 +443,18 @@ _STEP_SOURCE_NOTES = {
 }
 
 
+def _launch_note(a: Analysis) -> list[str]:
+    """What TOR means when start-up and shutdown are much of the run (a short run)."""
+    share = a.launch_s / a.observed_s if a.observed_s > 0 else 0.0
+    if share <= LAUNCH_NOTE_SHARE:
+        return []
+    between = f"between them TOR is {a.tor_between_launch_and_exit:.3f}"
+    return [f"  start-up and shutdown are {share:.0%} of this {a.observed_s:.1f} s run. A launch "
+            "pays them once, so",
+            f"  this run's TOR mostly measures its launch; {between}" if share > 0.5 else
+            f"  a longer run scores higher; {between}"]
+
+
 def format_report(a: Analysis) -> str:
     lines = [
         f"elasticft report: run {a.run_id} ({a.end_state}), {a.allocations} allocation(s), "
@@ -439,12 +463,14 @@ def format_report(a: Analysis) -> str:
         f"{a.healthy_step_s * 1000:.1f} ms",
         f"  observed {a.observed_s:.1f} s, optimal {a.optimal_s:.1f} s"
         + (f", queued between allocations {a.queued_s:.1f} s (not counted)" if a.queued_s else ""),
+        *([f"  ended: {a.end_reason}"] if a.end_reason else []),
         *_STEP_SOURCE_NOTES[a.step_source],
         "",
         f"  TOR   {a.tor:.3f}   (optimal / observed time)",
         f"  ETTR  {a.ettr:.3f}   (time in steps that counted / wall time)",
         "  MTBF  " + (f"{a.mtbf_s:.1f} s over {len(a.faults)} failure(s)" if a.mtbf_s
                       else f"no failures in {a.observed_s:.1f} s"),
+        *_launch_note(a),
         "",
         "  where the time went:",
     ]

@@ -1,6 +1,8 @@
 """What-if: the TOR a system would get, and the checkpoint interval that maximises it.
 
-The fail-stop equation of the TOR paper (seeds/003, Eq. 4), for one failure-repair period::
+The fail-stop equation of the TOR paper (Lu et al., "Training Overhead Ratio: A Practical
+Reliability Metric for Large Language Model Training Systems", Eq. 4), for one failure-repair
+period::
 
     TOR = (MTBF - T_sr (1 - R_sr) - T_rb - N_ckpt T_ckpt) / (MTBF + T_r)
 

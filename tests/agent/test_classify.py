@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+import elasticft
 from elasticft.agent.classify import FailureClass, classify_exit, parse_traceback
 
 USER_TRACEBACK = """\
@@ -106,3 +108,49 @@ def test_cuda_oom_is_infrastructure() -> None:
     from elasticft.agent.classify import classify_exception
 
     assert classify_exception(info) is FailureClass.INFRASTRUCTURE
+
+
+TORCH_DIR = Path(torch.__file__).parent
+ELASTICFT_DIR = Path(elasticft.__file__).parent
+
+
+def traceback_through(*frames: Path | str, error: str = "RuntimeError: size mismatch") -> str:
+    lines = ["Traceback (most recent call last):"]
+    for i, file in enumerate(frames):
+        lines += [f'  File "{file}", line {10 + i}, in f{i}', "    call()"]
+    return "\n".join([*lines, error, ""])
+
+
+@pytest.mark.parametrize(("frames", "error", "cls", "user_frame"), [
+    # elasticft's restore path raised (through torch's load_state_dict): elasticft's failure.
+    (("/job/train.py", ELASTICFT_DIR / "ckpt" / "restore.py", TORCH_DIR / "nn" / "module.py"),
+     "RuntimeError: size mismatch for 0.weight", FailureClass.ELASTICFT, "/job/train.py:10"),
+    (("/job/train.py", ELASTICFT_DIR / "ckpt" / "restore.py"), "ValueError: bad shard",
+     FailureClass.ELASTICFT, "/job/train.py:10"),
+    # A communication fault stays one, wherever it surfaced.
+    (("/job/train.py", ELASTICFT_DIR / "ckpt" / "peer.py"), "ConnectionResetError: reset",
+     FailureClass.INFRASTRUCTURE, "/job/train.py:10"),
+    # The user's call into torch: the user's frame, the user's class.
+    (("/job/train.py", TORCH_DIR / "nn" / "module.py"), "TypeError: bad argument",
+     FailureClass.USER_CODE, "/job/train.py:10"),
+    # Collective wrappers and worker bootstraps only pass the call through.
+    (("/job/train.py", ELASTICFT_DIR / "diag" / "recorder.py", TORCH_DIR / "distributed.py"),
+     "TypeError: bad tensor", FailureClass.USER_CODE, "/job/train.py:10"),
+    ((ELASTICFT_DIR / "agent" / "warm_bootstrap" / "sitecustomize.py", "/job/train.py"),
+     "RuntimeError: boom", FailureClass.UNKNOWN, "/job/train.py:11"),
+    # The standard library and frozen modules are tools, python -c is the user's.
+    (("<frozen runpy>", "/job/train.py", Path(json.__file__)), "ValueError: bad json",
+     FailureClass.USER_CODE, "/job/train.py:11"),
+    (("<string>",), "RuntimeError: boom", FailureClass.UNKNOWN, "<string>:10"),
+    ((TORCH_DIR / "a.py",), "RuntimeError: boom", FailureClass.UNKNOWN, None),
+])
+def test_whose_code_raised(frames: tuple[Path | str, ...], error: str, cls: FailureClass,
+                           user_frame: str | None, tmp_path: Path) -> None:
+    record = classify_exit(0, 0, 1, 1, stderr_file=stderr_file(
+        tmp_path, traceback_through(*frames, error=error)))
+    assert record.failure_class is cls
+    assert (record.user_frame or "").startswith(user_frame or "") and \
+        (record.user_frame is None) == (user_frame is None)
+    assert record.location is not None and record.location.startswith(str(frames[-1]))
+    if record.user_frame and record.user_frame != record.location:
+        assert f"(called from {record.user_frame})" in record.summary()

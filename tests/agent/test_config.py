@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         # A former option says what replaced it, or why it is gone.
         ("plan:\n  layout_tp: 2\n", "no longer an option: replaced by --layout TP,PP,DP"),
         ("diag:\n  hang_multiple: 3\n", "tuning constant"),
-        ("agent:\n  event_dir: /x\n", "events are always written under --run-dir"),
+        ("agent:\n  event_dir: /x\n", "events are written under --run-dir"),
     ],
 )
 def test_bad_yaml_is_one_line_naming_the_fix(tmp_path: Path, text: str, fragment: str) -> None:
@@ -121,6 +122,70 @@ def test_unknown_elasticft_env_is_rejected() -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ELASTICFT_WARM_STRAT", "unknown environment variable ELASTICFT_WARM_STRAT; did you mean "
+                                 "ELASTICFT_WARM_START? Rename or unset it"),
+        ("ELASTICFT_RUNDIR", "did you mean ELASTICFT_RUN_DIR?"),
+        ("ELASTICFT_CKPT_DIRS", "did you mean ELASTICFT_CKPT_DIR?"),
+        ("ELASTICFT_ZZZ", "unknown environment variable ELASTICFT_ZZZ; unset it "
+                          "(elasticft-run --help names every option's variable)"),
+    ],
+)
+def test_unknown_env_names_the_closest_known_variable(name: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        option_reading.check_unknown_env({name: "1"})
+    assert "\n" not in str(caught.value)
+
+
+def boolean_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc-per-node")
+    parser.add_argument("--standalone", action="store_true")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    option_reading.add_options(parser)
+    return parser
+
+
+@pytest.mark.parametrize(
+    ("argv", "warm_start", "script_args"),
+    [
+        ([], True, []),
+        (["--warm-start"], True, []),
+        (["--no-warm-start"], False, []),
+        (["--warm-start", "false"], False, []),
+        (["--warm-start", "False"], False, []),
+        (["--warm-start=false"], False, []),
+        (["--warm-start", "true"], True, []),
+        (["--warm-start", "0"], False, []),
+        (["--no-warm-start", "--nproc-per-node", "2"], False, []),
+        (["--standalone", "--warm-start", "--nproc-per-node", "2"], True, []),
+        # the script's own arguments are the script's, even when they look like ours
+        ([], True, ["--warm-start", "false"]),
+        (["--no-warm-start"], False, ["--warm-start", "true"]),
+    ],
+)
+def test_a_boolean_is_written_as_torchrun_users_write_flags(
+        argv: list[str], warm_start: bool, script_args: list[str]) -> None:
+    """``--warm-start``, ``--no-warm-start`` and ``--warm-start false`` all work, and a bare
+    boolean flag before the script never takes the script as its value."""
+    parser = boolean_parser()
+    words = option_reading.explicit_booleans(parser._option_string_actions,
+                                             [*argv, "train.py", *script_args])
+    args = parser.parse_args(words)
+    assert args.script == "train.py" and args.script_args == script_args
+    assert option_reading.from_namespace(args, {}).agent.warm_start is warm_start
+
+
+def test_a_boolean_flag_with_a_word_that_is_no_boolean_names_the_fix() -> None:
+    parser = boolean_parser()
+    args = parser.parse_args(["--warm-start=maybe", "train.py"])
+    with pytest.raises(ConfigError, match=r"--warm-start='maybe' is not valid.*true or false"):
+        option_reading.from_namespace(args, {})
+
+
+@pytest.mark.parametrize(
     ("name", "fragment"),
     [
         ("ELASTICFT_LAYOUT_TP", "replaced by --layout TP,PP,DP"),
@@ -128,7 +193,7 @@ def test_unknown_elasticft_env_is_rejected() -> None:
         ("ELASTICFT_SLURM_SIGNAL_LEAD_TIME", "replaced by --slurm-signal SIG@SECONDS"),
         ("ELASTICFT_DIAG_PREFLIGHT_ALLREDUCE", "replaced by --diag-preflight allreduce"),
         ("ELASTICFT_DIAG_METRICS_PORT", "replaced by --diag-metrics [HOST:]PORT"),
-        ("ELASTICFT_CAPTURE_STDERR", "stderr is always captured"),
+        ("ELASTICFT_CAPTURE_STDERR", "stderr is captured, unless"),
         ("ELASTICFT_HANG_MULTIPLE", "tuning constant, settable only through the Python API "
                                     "(DiagConfig.hang_multiple)"),
     ],

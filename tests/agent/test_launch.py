@@ -275,3 +275,35 @@ def test_a_signal_during_the_clean_up_is_noted_not_raised() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         wait_until(lambda: noted == [signal.SIGTERM], 10, "the signal to be noted")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+TRAIN_WITH_A_BAD_VALUE = """\
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("bad config value")
+dist.barrier()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_python_api_example_runs_as_written(tmp_path: Path, job_env: dict[str, str]) -> None:
+    """docs/launcher.md's launch() example, over a train.py whose rank 1 raises a user error:
+    classified and decided as elasticft-run does (stop, no restart), the pager paged."""
+    docs = (HERE.parent.parent / "docs" / "launcher.md").read_text()
+    api = docs[docs.index("**Python API.**"):]
+    example = api[api.index("```python\n") + len("```python\n"):]
+    (tmp_path / "example.py").write_text(example[:example.index("```")])
+    (tmp_path / "train.py").write_text(TRAIN_WITH_A_BAD_VALUE)
+    env = {**job_env, "PATH": f"{BIN}{os.pathsep}{job_env.get('PATH', '')}"}  # its "python"
+    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "run job1 failed (exit code 1)" in proc.stdout and "0 restart(s)" in proc.stdout
+    assert "rank 1 (user_code) ValueError: bad config value at " in proc.stdout
+    assert "train.py:5 in <module>" in proc.stdout
+    assert "paging on-call: user-code error, not restarted" in proc.stderr
+    events = read_events(tmp_path / "elasticft-runs" / "job1")
+    assert [e["action"] for e in events if e["kind"] == "decision"] == ["stop"]
+    assert any(e["kind"] == "workers_started" for e in events)

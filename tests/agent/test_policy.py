@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
 from elasticft.agent.classify import FailureClass, FailureRecord
-from elasticft.agent.policy import ActionKind, FailureFacts, decide, root_cause
+from elasticft.agent.policy import (
+    ActionKind,
+    FailureFacts,
+    FailureSignature,
+    decide,
+    root_cause,
+)
 
 
 def failure(rank: int, cls: FailureClass) -> FailureRecord:
@@ -52,6 +59,7 @@ def test_user_errors_stop_unless_allowed(used: int, allowed: int) -> None:
         assert action.exit_code == 1
         assert "user-code error, not restarted" in action.reason
         assert "rank 1" in action.reason
+    assert action.fails_again == (action.kind is ActionKind.STOP)
 
 
 def test_user_error_is_root_cause_over_collateral_connection_errors() -> None:
@@ -76,3 +84,92 @@ def test_suspect_node_is_evicted_when_others_can_go_on() -> None:
 def test_root_cause_needs_a_failure() -> None:
     with pytest.raises(ValueError):
         root_cause(())
+
+
+def raised(cls: FailureClass, exception: str | None = "RuntimeError",
+           frame: str | None = "/job/train.py:12 in main", rank: int = 0) -> FailureRecord:
+    return FailureRecord(rank=rank, local_rank=rank, pid=100 + rank, exitcode=1,
+                         failure_class=cls, exception=exception, message="boom",
+                         location=frame, user_frame=frame)
+
+
+UNKNOWN_AT_12 = raised(FailureClass.UNKNOWN)
+SAME = FailureSignature.of(UNKNOWN_AT_12)
+
+
+@pytest.mark.parametrize(
+    ("failure", "previous", "stepped", "used", "expected"),
+    [
+        # The same failure before the first step of two attempts in a row: stop.
+        (UNKNOWN_AT_12, SAME, False, 1, ActionKind.STOP),
+        (raised(FailureClass.ELASTICFT), FailureSignature.of(raised(FailureClass.ELASTICFT)),
+         False, 1, ActionKind.STOP),
+        # A step completed in this attempt, or nobody knows: restart.
+        (UNKNOWN_AT_12, SAME, True, 1, ActionKind.RESTART_IN_PLACE),
+        (UNKNOWN_AT_12, SAME, None, 1, ActionKind.RESTART_IN_PLACE),
+        # The previous attempt stepped, or did not fail: restart.
+        (UNKNOWN_AT_12, None, False, 1, ActionKind.RESTART_IN_PLACE),
+        # Another place, another exception, another class: restart.
+        (raised(FailureClass.UNKNOWN, frame="/job/train.py:13 in main"), SAME, False, 1,
+         ActionKind.RESTART_IN_PLACE),
+        (raised(FailureClass.UNKNOWN, exception="OSError"), SAME, False, 1,
+         ActionKind.RESTART_IN_PLACE),
+        (raised(FailureClass.ELASTICFT), SAME, False, 1, ActionKind.RESTART_IN_PLACE),
+        # Causes outside the code may clear: restart.
+        (raised(FailureClass.INFRASTRUCTURE),
+         FailureSignature(FailureClass.INFRASTRUCTURE, "RuntimeError", "/job/train.py:12 in main"),
+         False, 1, ActionKind.RESTART_IN_PLACE),
+        (failure(0, FailureClass.SIGNAL_CRASH), None, False, 1, ActionKind.RESTART_IN_PLACE),
+        # No restarts left: the budget's stop, not this one.
+        (UNKNOWN_AT_12, SAME, False, 3, ActionKind.STOP),
+    ],
+)
+def test_a_failure_repeated_before_the_first_step_stops(
+    failure: FailureRecord, previous: FailureSignature | None, stepped: bool | None, used: int,
+    expected: ActionKind,
+) -> None:
+    facts = FailureFacts((failure,), restarts_used=used, max_restarts=3,
+                         step_completed=stepped, previous_failure=previous)
+    action = decide(facts)
+    assert action.kind is expected
+    repeat = "the same failure before the first step of two attempts in a row" in action.reason
+    assert repeat == (expected is ActionKind.STOP and used < 3), action.reason
+    assert action.fails_again == repeat, "a scheduler resubmits only what may not fail again"
+    if repeat:
+        assert action.exit_code == 1
+        assert f"{3 - used} of --max-restarts 3 left unused" in action.reason
+        assert failure.user_frame in action.reason
+
+
+@pytest.mark.parametrize(("used", "allowed", "expected"), [
+    (0, 2, ActionKind.STOP),  # granted restarts are not spent on a failure that repeats
+    (0, 0, ActionKind.STOP),
+])
+def test_user_code_granted_restarts_stop_on_a_repeat(used: int, allowed: int,
+                                                     expected: ActionKind) -> None:
+    bug = raised(FailureClass.USER_CODE, exception="ValueError")
+    facts = FailureFacts((bug,), restarts_used=0, max_restarts=3, user_error_restarts_used=used,
+                         restart_on_user_error=allowed, step_completed=False,
+                         previous_failure=FailureSignature.of(bug))
+    action = decide(facts)
+    assert action.kind is expected
+    if allowed:
+        assert f"{allowed - used} of --restart-on-user-error {allowed} left unused" in \
+            action.reason
+
+
+@pytest.mark.parametrize(("record", "signature"), [
+    (UNKNOWN_AT_12, ("unknown", "RuntimeError", "/job/train.py:12 in main")),
+    (dataclasses.replace(UNKNOWN_AT_12, user_frame=None), ("unknown", "RuntimeError",
+                                                           "/job/train.py:12 in main")),
+    (dataclasses.replace(UNKNOWN_AT_12, user_frame="/job/a.py:3 in f"),
+     ("unknown", "RuntimeError", "/job/a.py:3 in f")),
+    (raised(FailureClass.UNKNOWN, exception=None), None),
+    (raised(FailureClass.UNKNOWN, frame=None), None),
+    (raised(FailureClass.STOP_REQUESTED), None),
+    (raised(FailureClass.INFRASTRUCTURE), None),
+    (failure(0, FailureClass.HANG), None),
+])
+def test_failure_signature(record: FailureRecord, signature: tuple[str, str, str] | None) -> None:
+    got = FailureSignature.of(record)
+    assert (None if got is None else tuple(got.to_json().values())) == signature

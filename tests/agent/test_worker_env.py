@@ -41,3 +41,20 @@ def test_the_launcher_accepts_worker_variables_and_refuses_a_misspelt_option(
     monkeypatch.setenv("ELASTICFT_RESTARTZ", "1")
     with pytest.raises(run.UsageError, match="unknown environment variable ELASTICFT_RESTARTZ"):
         run.parse(["--standalone", "train.py"])
+
+
+def test_the_checkpoint_service_s_worker_variables_cannot_be_taken_for_options(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """They sit under ELASTICFT_WORKER_, where no option's variable is, so the option a user
+    meant (ELASTICFT_CKPT_REMOTE_DIR) is never one typo away from a variable the launcher
+    accepts: ELASTICFT_CKPT_REMOTE is refused, naming the option."""
+    from elasticft import options
+
+    assert not [name for name in options.known_env_names()
+                if name.startswith("ELASTICFT_WORKER_")]
+    assert all(name.startswith("ELASTICFT_WORKER_CKPT_") for name in ckpt_settings.WORKER_ENV)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setenv("ELASTICFT_CKPT_REMOTE", "/mnt/ckpt")
+    with pytest.raises(run.UsageError, match="did you mean ELASTICFT_CKPT_REMOTE_DIR"):
+        run.parse(["--standalone", "train.py"])

@@ -14,6 +14,7 @@ from elasticft.diag.verdict import (
     RankEvidence,
     group_stacks,
     judge,
+    stacks_wanted,
 )
 
 LIMITS = HangLimits()
@@ -170,6 +171,26 @@ def test_verdict_table(name: str, ranks: list[RankEvidence], history: list[float
     verdict = judge(JobSnapshot(tuple(ranks), history), LIMITS)
     assert (verdict.kind, verdict.hang, verdict.culprits) == (kind, hang, culprits), verdict.what
     assert set(verdict.evidence) == {r.rank for r in ranks}
+
+
+@pytest.mark.parametrize("name,ranks,history,kind,hang,culprits", CASES, ids=[c[0] for c in CASES])
+def test_stacks_are_wanted_for_the_ranks_of_a_hang_the_other_evidence_finds(
+        name: str, ranks: list[RankEvidence], history: list[float], kind: str, hang: bool,
+        culprits: tuple[int, ...]) -> None:
+    bare = JobSnapshot(tuple(dataclasses.replace(r, stack=None, stack_changed=None)
+                             for r in ranks), history)
+    cheap = judge(bare, LIMITS)
+    assert stacks_wanted(bare, LIMITS) == ({*cheap.culprits, *cheap.waiting} if cheap.hang
+                                           else set())
+
+
+def test_culprits_named_by_their_stacks_alone_say_so() -> None:
+    alone = judge(JobSnapshot((sampled(0, MAIN), sampled(1, MAIN), sampled(2, ELSEWHERE)),
+                              HISTORY), LIMITS)
+    assert alone.culprits == (2,) and alone.named_by_stacks
+    behind = judge(JobSnapshot((sampled(0, MAIN, seq=42), sampled(1, MAIN, seq=41),
+                                sampled(2, ELSEWHERE, seq=42)), HISTORY), LIMITS)
+    assert behind.culprits == (1,) and not behind.named_by_stacks
 
 
 def test_frozen_verdict_names_its_evidence() -> None:

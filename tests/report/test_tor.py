@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 
 import pytest
 
@@ -140,6 +142,66 @@ def test_recorder_files_round_trip_and_cli(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["steps_done"] == 5
     assert cli_main(["report", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_steps_faster_than_the_median_leave_no_phase_negative():
+    """Healthy counts each step's own time up to the median; a faster step is not an excess of
+    minus its saving elsewhere (the table showed 'slow steps -0.06 s')."""
+    events = [
+        ev(0.0, "run_start", run_id="r"),
+        ev(0.0, "workers_started", attempt=0, pids={"0": 1}),
+        ev(12.0, "run_end", state="succeeded"),
+    ]
+    # Steps of 1, 1, 0.5, 1, 1, 2, 1, 0.5, 1, 1 s: median 1 s.
+    gaps = [1, 1, 0.5, 1, 1, 2, 1, 0.5, 1, 1]
+    times = list(itertools.accumulate(gaps))
+    a = analyze(events, {0: steps([(t, i + 1) for i, t in enumerate(times)])})
+    assert a.healthy_step_s == pytest.approx(1.0)
+    assert min(a.phases.values()) >= 0.0, a.phases
+    assert a.phases["healthy"] == pytest.approx(9.0)  # 8 steps of 1 s, 2 of 0.5 s
+    assert a.phases["slow_steps"] == pytest.approx(1.0)  # the 2 s step
+    assert sum(a.phases.values()) == pytest.approx(a.observed_s)
+    assert a.tor == pytest.approx(10 / 12)  # the optimal time counts every step at the median
+    assert not re.search(r"\s-\d", format_report(a)), format_report(a)
+
+
+@pytest.mark.parametrize(
+    ("launch_s", "noted"),
+    [(0.5, False), (1.0, False), (3.0, True), (30.0, True)],
+)
+def test_a_short_run_says_start_up_dominates_and_what_tor_means_there(launch_s: float,
+                                                                       noted: bool):
+    events = [
+        ev(0.0, "run_start", run_id="r"),
+        ev(launch_s, "workers_started", attempt=0, pids={"0": 1}),
+        ev(launch_s + 11.0, "run_end", state="succeeded"),
+    ]
+    records = [(launch_s + 1.0 + i, i + 1) for i in range(10)]  # 10 steps of 1 s, 1 s shutdown
+    a = analyze(events, {0: steps(records)})
+    text = format_report(a)
+    assert ("start-up and shutdown are" in text) is noted, text
+    if noted:
+        share = (launch_s + 1.0) / (launch_s + 11.0)
+        assert f"start-up and shutdown are {share:.0%} of this {launch_s + 11.0:.1f} s run" in text
+        assert "between them TOR is 1.000" in text, text
+        assert a.tor_between_launch_and_exit == pytest.approx(1.0)
+
+
+def test_the_plot_shows_the_whole_run():
+    """Its time axis runs from the launch to the end of the shutdown, not to the last step."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from elasticft.report.plot import draw_timeline
+
+    a = analyze(*crash_run())
+    fig = draw_timeline(a)
+    try:
+        for axis in fig.axes:
+            assert axis.get_xlim() == pytest.approx((0.0, a.end - a.start))
+        assert a.end - a.start == pytest.approx(43.0)  # last step at 41, the run ends at 42
+    finally:
+        plt.close(fig)
 
 
 def test_an_in_process_recovery_is_a_fault_with_its_phases():

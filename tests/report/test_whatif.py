@@ -1,4 +1,5 @@
-"""The what-if model (seeds/003 Eq. 4 with a checkpoint interval) against simulated runs."""
+"""The what-if model (Eq. 4 of the TOR paper, with a checkpoint interval) against simulated
+runs."""
 
 from __future__ import annotations
 

@@ -1,0 +1,97 @@
+"""A job's run id (elasticft.home): the same launch from the same directory is the same job,
+anything that makes it another job gives another id, and an id the user gave wins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elasticft import run
+from elasticft.home import derived_run_id
+
+BASE = dict(entry="/src/train.py", kind="script", script_args=["--lr", "0.1"], nnodes="1",
+            nproc_per_node="2", cwd="/work/a")
+
+
+@pytest.mark.parametrize(
+    ("change", "same_job"),
+    [
+        ({}, True),
+        ({"script_args": ["--lr", "0.2"]}, False),        # a sweep: another job
+        ({"script_args": ["--lr=0.1"]}, False),
+        ({"nproc_per_node": "4"}, False),
+        ({"nnodes": "1:2"}, False),
+        ({"cwd": "/work/b"}, False),                      # another directory, another home
+        ({"entry": "/src/other.py"}, False),
+        ({"kind": "module", "entry": "train"}, False),
+    ],
+)
+def test_derived_run_id_changes_exactly_with_what_was_launched(change: dict, same_job: bool
+                                                               ) -> None:
+    assert (derived_run_id(**{**BASE, **change}) == derived_run_id(**BASE)) is same_job
+
+
+@pytest.mark.parametrize(
+    ("entry", "kind", "prefix"),
+    [
+        ("/src/train.py", "script", "train-"),
+        ("pkg.train", "module", "pkg.train-"),
+        ("/usr/bin/my trainer", "program", "my_trainer-"),
+        ("/src/__.py", "script", "job-"),
+    ],
+)
+def test_derived_run_id_reads_as_the_script_name_and_a_digest(entry: str, kind: str,
+                                                              prefix: str) -> None:
+    run_id = derived_run_id(entry, kind, [], "1", "2", "/w")  # type: ignore[arg-type]
+    assert run_id.startswith(prefix) and len(run_id) == len(prefix) + 10
+
+
+def _run_id(argv: list[str], monkeypatch: pytest.MonkeyPatch, cwd: Path,
+            env: dict[str, str] | None = None) -> str:
+    monkeypatch.chdir(cwd)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    args, _ = run.parse(argv)
+    run._apply_torchrun_defaults(args)
+    return str(args.rdzv_id)
+
+
+@pytest.mark.timeout(60)
+def test_a_relaunch_in_the_same_directory_gets_the_same_run_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "train.py").write_text("")
+    other = tmp_path / "other"
+    other.mkdir()
+    argv = ["--standalone", "--nproc-per-node", "2", "train.py", "--steps", "20"]
+    first = _run_id(argv, monkeypatch, tmp_path)
+    assert first.startswith("train-")
+    # Launcher flags that vary per launch do not count; the script's path is its real path.
+    assert _run_id(["--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
+                    "--ckpt-persist-every", "5", str(tmp_path / "train.py"), "--steps", "20"],
+                   monkeypatch, tmp_path) == first
+    # One static node is a single-node launch too.
+    assert _run_id(["--nnodes", "1", "--nproc-per-node", "2", "train.py", "--steps", "20"],
+                   monkeypatch, tmp_path) == first
+    assert _run_id([*argv[:-1], "40"], monkeypatch, tmp_path) != first
+    assert _run_id(["--standalone", "--nproc-per-node", "2", str(tmp_path / "train.py"),
+                    "--steps", "20"], monkeypatch, other) != first
+
+
+@pytest.mark.timeout(60)
+def test_a_given_rendezvous_id_wins_even_standalone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "train.py").write_text("")
+    assert _run_id(["--standalone", "--rdzv-id", "mine", "train.py"], monkeypatch,
+                   tmp_path) == "mine"
+    assert _run_id(["--standalone", "train.py"], monkeypatch, tmp_path,
+                   {"PET_RDZV_ID": "from-env"}) == "from-env"
+
+
+@pytest.mark.timeout(60)
+def test_a_multi_node_launch_keeps_torchruns_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "train.py").write_text("")
+    # Every node must agree on it; a derived id would differ with --node-rank.
+    assert _run_id(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    "127.0.0.1:29400", "train.py"], monkeypatch, tmp_path) == "none"
