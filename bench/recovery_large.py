@@ -232,8 +232,9 @@ def worker(args: argparse.Namespace) -> int:
                  from_env_s=called - started, mem_available_gb=available)
             start = int(restored[1]["step"]) if restored else 0
         else:
-            path = Path(f"{args.ckpt_file}.{os.environ.get('RANK', '0')}")
-            if path.exists():
+            base = f"{args.ckpt_file}.{os.environ.get('RANK', '0')}"
+            path = _torch_resume_file(base, grouped)
+            if path is not None:
                 state = torch.load(path, map_location=device, weights_only=True)
                 model.load_state_dict(state["model"])
                 optim.load_state_dict(state["optim"])
@@ -251,9 +252,12 @@ def worker(args: argparse.Namespace) -> int:
                     save_s = time.perf_counter() - called
                     request_of = request
                 else:
+                    saved = Path(f"{base}.step{step + 1}")
                     torch.save({"model": model.state_dict(), "optim": optim.state_dict(),
-                                "step": step + 1}, f"{path}.tmp")
-                    os.replace(f"{path}.tmp", path)
+                                "step": step + 1}, f"{saved}.tmp")
+                    os.replace(f"{saved}.tmp", saved)
+                    for old in _torch_steps(base)[:-2]:  # the newest two stay
+                        Path(f"{base}.step{old}").unlink(missing_ok=True)
                     save_s, request_of = time.perf_counter() - called, None
                 _log(log, event="save", step=step + 1, save_s=save_s)
                 if request_of is not None:  # logged when its copy lands, off the training thread
@@ -273,6 +277,26 @@ def worker(args: argparse.Namespace) -> int:
     if grouped:
         dist.destroy_process_group()
     return 0
+
+
+def _torch_steps(base: str) -> list[int]:
+    """Steps of the torch.save files of one rank, oldest first."""
+    return sorted(int(p.name.rsplit(".step", 1)[1]) for p in Path(base).parent.glob(
+        f"{Path(base).name}.step*") if p.name.rsplit(".step", 1)[1].isdigit())
+
+
+def _torch_resume_file(base: str, grouped: bool) -> Path | None:
+    """The torch.save file of the newest step every rank holds (each keeps its newest two: a
+    rank killed during a save holds one step fewer than the others)."""
+    import torch
+    import torch.distributed as dist
+
+    held = _torch_steps(base)
+    newest = torch.tensor([held[-1] if held else 0])
+    if grouped:
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+    step = int(newest.item())
+    return Path(f"{base}.step{step}") if step in held else None
 
 
 def _train_step(args: argparse.Namespace, log: Path, model: Any, optim: Any, batch: Any,
