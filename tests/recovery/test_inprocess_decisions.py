@@ -243,3 +243,23 @@ def test_a_survivor_waits_for_the_next_generation_and_rejoins_it(
         if dist.is_initialized():
             dist.destroy_process_group()
         coordinator.close()
+
+
+@pytest.mark.timeout(60)
+def test_no_generation_in_time_raises_for_the_agents_restart(tmp_path: Path) -> None:
+    """A survivor whose agent publishes nothing (it decided a full restart, or it is another
+    node's failure) gives up after its timeout with the original error as the cause."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                            world_size=1)
+    recovery = InProcess(InProcessSettings(directory=tmp_path / "ip", timeout_s=0.3))
+    try:
+        with pytest.raises(inprocess.RecoveryTimeout, match="no in-process regroup") as raised:
+            recovery.run(_raise, RuntimeError(GLOO_CLOSED))
+        assert isinstance(raised.value.__cause__, RuntimeError)
+        assert not dist.is_initialized() and recovery.recoveries == 0
+        failed = worker_file(tmp_path / "ip", "failed", 0).read_text()
+        assert "Connection closed by peer" in failed
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
