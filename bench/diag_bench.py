@@ -128,7 +128,7 @@ def bench_recorder(steps: int) -> tuple[float, float]:
 
 
 def bench_hang() -> float | None:
-    from elasticft.chaos import current_worker_pids
+    from elasticft.chaos import worker_pid
     from elasticft.events import read_events
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,7 +146,7 @@ def bench_hang() -> float | None:
             deadline = time.monotonic() + 120
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-            victim = current_worker_pids(run_dir)[1]
+            victim = worker_pid(run_dir, 1)
             stopped = time.time()
             os.kill(victim, signal.SIGSTOP)
             while time.monotonic() < deadline + 60:

@@ -274,9 +274,12 @@ def fault_to_step(tmp: Path, name: str, fault: str, fault_step: int = 30,
                     return f"step {fault_step} not reached in {RUN_LIMIT_S} s"
                 time.sleep(0.05)
             if name == "elasticft-run":  # as `elasticft chaos` finds it (not the warm server)
-                from elasticft.chaos import current_worker_pids
+                from elasticft.chaos import ChaosError, worker_pid
 
-                worker: int | None = current_worker_pids(tmp / f"{fault}-run").get(0)
+                try:
+                    worker: int | None = worker_pid(tmp / f"{fault}-run", 0)
+                except ChaosError:
+                    worker = None
             else:
                 worker = script_worker(proc.pid)
             if worker is None:

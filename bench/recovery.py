@@ -116,11 +116,11 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
                 raise RuntimeError(f"{tag}: never reached step {args.fault_step}; see "
                                    f"{work / f'{tag}.out'}")
             time.sleep(0.02)
-        pids = torchrun_pids(proc) if launcher == "torchrun" else chaos.current_worker_pids(
-            run_dir)
+        victim = torchrun_pids(proc)[1] if launcher == "torchrun" else chaos.worker_pid(
+            run_dir, 1)
         before = read_log(loss_log)
         fault_at = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         last_before = max(before)
         seen = len(before)
         first = past = None

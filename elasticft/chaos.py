@@ -37,20 +37,6 @@ class ChaosError(Exception):
     pass
 
 
-def current_worker_pids(run_dir: Path) -> dict[int, int]:
-    """Global rank -> pid of the newest attempt's workers in ``run_dir``."""
-    started = [e for e in read_events(run_dir) if e["kind"] == "workers_started"]
-    if not started:
-        raise ChaosError(f"no workers_started event under {run_dir}; is the job running there?")
-    pids: dict[int, int] = {}
-    newest_by_node: dict[str, dict] = {}
-    for event in started:
-        newest_by_node[event["node"]] = event
-    for event in newest_by_node.values():
-        pids.update({int(rank): int(pid) for rank, pid in event["pids"].items()})
-    return pids
-
-
 def locate_rank(events: Sequence[dict[str, Any]], run_dir: Path, rank: int,
                 is_running: Callable[[int], bool]) -> int:
     """The pid of ``rank``'s current worker, from the run's events; or a :class:`ChaosError`
@@ -103,9 +89,14 @@ def wait_for(path: Path | None, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def worker_pid(run_dir: Path, rank: int) -> int:
+    """The pid of ``rank``'s current worker in the run at ``run_dir`` (:func:`locate_rank`)."""
+    return locate_rank(read_events(run_dir), run_dir, rank, process_running)
+
+
 def signal_rank(run_dir: Path, rank: int, sig: signal.Signals) -> int:
     """Sends ``sig`` to the current worker of ``rank``; returns its pid."""
-    pid = locate_rank(read_events(run_dir), run_dir, rank, process_running)
+    pid = worker_pid(run_dir, rank)
     try:
         os.kill(pid, sig)
     except ProcessLookupError:  # it exited between the look and the signal

@@ -65,8 +65,8 @@ logger = logging.getLogger(__name__)
 
 # A wait longer than this that is not a hang is reported (once per wait).
 _REPORT_WAIT_S = 5.0
-# How long two stack samples stand as evidence that a rank's Python moves.
-_STACK_MOTION_TTL_S = 5.0
+# How long a sample of the stacks stands as evidence (where they are, and whether they move).
+_STACK_SAMPLE_TTL_S = 5.0
 
 
 class DiagMonitor(AgentCollaborator):
@@ -416,9 +416,9 @@ class DiagMonitor(AgentCollaborator):
     def _sample_stacks(self, views: list[detectors.RankView]
                        ) -> tuple[dict[int, bool], dict[int, str]]:
         """This node's ranks' stacks and, for those in a call, whether they move
-        (:func:`hangcheck.sample_stacks`); sampled at most every ``_STACK_MOTION_TTL_S``."""
+        (:func:`hangcheck.sample_stacks`); sampled at most every ``_STACK_SAMPLE_TTL_S``."""
         at = time.monotonic()
-        if self._stack_sample is not None and at - self._stack_sample[0] < _STACK_MOTION_TTL_S:
+        if self._stack_sample is not None and at - self._stack_sample[0] < _STACK_SAMPLE_TTL_S:
             return self._stack_sample[1], self._stack_sample[2]
         pids = {v.rank: v.pid for v in views if v.pid}
         in_call = {v.rank for v in views if v.in_flight}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.chaos import current_worker_pids
+from elasticft.chaos import signal_rank
 from elasticft.events import read_events
 from tests.conftest import BIN
 from tests.tuned_run import tuned_run
@@ -63,9 +63,8 @@ def test_sigstopped_worker_is_detected_named_and_the_group_recovers(tmp_path, jo
         tmp_path, job_env, [],
         ["--steps", "90", "--marker-at", "25", "--marker", str(marker)])
     _wait(marker.exists, 120, "steady state marker", proc, log)
-    victim = current_worker_pids(run_dir)[1]
     stopped_at = time.time()
-    os.kill(victim, signal.SIGSTOP)
+    victim = signal_rank(run_dir, 1, signal.SIGSTOP)
     try:
         hang = _wait(lambda: _detections(run_dir, "hang"), 90, "hang detection", proc, log)[0]
     finally:

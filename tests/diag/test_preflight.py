@@ -60,3 +60,30 @@ def test_elasticft_run_reports_the_probe_as_a_preflight_event(tmp_path: Path, jo
     assert preflight["ok"] is True
     assert preflight["allreduce"]["world"] == 2 and preflight["allreduce"]["ok"] is True
     assert preflight["allreduce"]["busbw_gbps"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_the_node_is_checked_once_after_the_first_rendezvous_and_never_in_worker_env(
+        tmp_path: Path) -> None:
+    from elasticft.agent.api import GroupInfo, WorkerInfo
+    from elasticft.config import DiagConfig
+    from elasticft.diag.monitor import DiagMonitor
+
+    monitor = DiagMonitor(DiagConfig(diag_preflight="on", health_interval_s=3600), base_env={},
+                          event_dir=tmp_path / "events")
+    group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
+
+    def preflights() -> int:
+        events = tmp_path / "events"
+        return sum(e["kind"] == "preflight" for e in read_events(events)) if events.exists() else 0
+
+    try:
+        monitor.worker_env(group, group.workers[0])
+        assert preflights() == 0
+        monitor.on_rendezvous(group, None)
+        assert preflights() == 1
+        monitor.on_rendezvous(group, None)  # a later round: the node was checked
+        monitor.worker_env(group, group.workers[0])
+        assert preflights() == 1
+    finally:
+        monitor.close()
