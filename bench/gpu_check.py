@@ -2,7 +2,7 @@
 
     bash bench/gpu_check.sh            (installs elasticft into the machine's torch, then this)
     python bench/gpu_check.py [--dry-run] [--torchrun-hang-s 90]
-                              [--parts ops,overhead,hang,ckpt,recovery,persist,tests]
+                              [--parts ops,overhead,hang,ckpt,recovery,inprocess,persist,tests]
 
 With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the script):
 
@@ -22,7 +22,10 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    steps): its worker SIGKILLed, then SIGSTOPped (a hang), at step 30; seconds to the first step
    after, under ``elasticft-run`` (targets 1.5 s and 5 s) and plain ``torchrun``;
 5. bench/ckpt_gpu.py, the GPU checkpoint figures, and (``recovery``) bench/recovery_large.py,
-   SIGKILL with 4.8 GB of CUDA state;
+   SIGKILL with 4.8 GB of CUDA state; (``inprocess``) the same with two ranks in three modes:
+   torchrun, elasticft-run's restart and its in-process recovery (the survivor keeps its
+   process and its CUDA context; NCCL's communicators are aborted through
+   ``torch.distributed.distributed_c10d._abort_process_group``);
 6. (``persist``) bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and
    through the page cache, against the machine's disk;
 7. the test suite's ``gpu``-marked tests (pytest must be installed).
@@ -359,6 +362,16 @@ def check_recovery(rows: list[tuple[str, str]]) -> None:
     rows.extend(("  recovery", line[:160]) for line in text.strip().splitlines()[-8:])
 
 
+def check_inprocess(rows: list[tuple[str, str]]) -> None:
+    """bench/recovery_large.py with two ranks: torchrun, elasticft-run, elasticft in process."""
+    code, text = run([sys.executable, str(RECOVERY_BENCH), "--nproc", "2", "--launchers",
+                      "torchrun,elasticft-run,elasticft-inprocess"], child_env(), limit_s=2400)
+    rows.append(("in-process recovery, 4.8 GB x 2 ranks (bench/recovery_large.py)",
+                 f"exit {code}"))
+    rows.extend(("  inprocess", line[:160]) for line in text.strip().splitlines()
+                if line.startswith(("launcher", "torchrun", "elasticft")))
+
+
 def check_persist(rows: list[tuple[str, str]]) -> None:
     """bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and through the
     page cache, against the machine's disk (under the checkout, not tmpfs)."""
@@ -379,7 +392,7 @@ def check_gpu_tests(rows: list[tuple[str, str]]) -> None:
     rows.extend(("  failed", line[:160]) for line in lines if line.startswith("FAILED"))
 
 
-def dry_run(reason: str) -> int:
+def dry_run(reason: str, parts: list[str] | None = None) -> int:
     from elasticft.diag.workerenv import shim_library
 
     py_compile.compile(str(WORKER), doraise=True)
@@ -388,13 +401,25 @@ def dry_run(reason: str) -> int:
     py_compile.compile(str(PERSIST_BENCH), doraise=True)
     shim = shim_library()
     launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
+    broken: list[str] = []
+    inprocess = ""
+    if parts is not None and "inprocess" in parts:
+        from elasticft.torch_compat import CONTRACTS
+
+        named = [name.split("(")[0].strip() for name in CONTRACTS if "_abort_process_group" in name
+                 or "replacing one worker" in name]
+        broken = [name for name in CONTRACTS if name.split("(")[0].strip() in named
+                  and not CONTRACTS[name]()]
+        inprocess = (f"; in-process recovery's torch parts ({', '.join(named)}) "
+                     + ("present" if not broken else f"MISSING {broken}"))
     print(f"gpu_check: dry run, {reason}: shim {'built' if shim else 'NOT BUILT'}, worker script "
-          f"and bench/ckpt_gpu.py compile, launchers {launchers[0]!r} and {launchers[1]!r}; "
-          "nothing measured")
-    return 0 if shim else 1
+          f"and bench/ckpt_gpu.py compile, launchers {launchers[0]!r} and {launchers[1]!r}"
+          f"{inprocess}; nothing measured")
+    return 0 if shim and not broken else 1
 
 
-PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "recovery", "persist", "tests")
+PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "recovery", "inprocess",
+         "persist", "tests")
 CPU_PARTS = ("gloo", "restart", "persist")
 """Parts that need no GPU: asked for alone (``--parts gloo,restart``), they run on a CPU machine
 too (gloo)."""
@@ -418,9 +443,9 @@ def main() -> int:
         return dry_run("no torch")
     cpu_only = set(parts) <= set(CPU_PARTS)
     if not torch.cuda.is_available() and not (cpu_only and not args.dry_run):
-        return dry_run(f"no CUDA device (torch {torch.__version__})")
+        return dry_run(f"no CUDA device (torch {torch.__version__})", parts)
     if args.dry_run:
-        return dry_run("--dry-run")
+        return dry_run("--dry-run", parts)
     when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     if torch.cuda.is_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
@@ -439,6 +464,7 @@ def main() -> int:
                   "hang": lambda: check_hang(tmp, rows, args.torchrun_hang_s),
                   "restart": lambda: check_restart(tmp, rows),
                   "ckpt": lambda: check_ckpt(rows), "recovery": lambda: check_recovery(rows),
+                  "inprocess": lambda: check_inprocess(rows),
                   "persist": lambda: check_persist(rows),
                   "tests": lambda: check_gpu_tests(rows)}
         shown = 0

@@ -1,11 +1,16 @@
-"""Crash recovery with gigabytes of state per rank: elasticft-run against torchrun, one run.
+"""Crash recovery with gigabytes of state per rank: elasticft-run (restart and in process)
+against torchrun, one run.
 
-One worker trains an MLP whose parameters and AdamW state come to ``--gb`` GB on ``--device``
-(4.8 GB on CUDA by default, as in shared/notes/gpu-findings.md). Under ``elasticft-run`` with
-default options it uses the documented API (``Checkpointer.from_env``, ``StateCapture``,
-``restore``) and saves every ``--every`` steps; under ``torchrun --max-restarts 1`` the same
-script uses ``torch.save``/``torch.load`` at the same cadence. The worker is SIGKILLed two steps
-after its ``--kill-after-saves``-th save. Printed per launcher:
+Each of ``--nproc`` workers trains an MLP whose parameters and AdamW state come to ``--gb`` GB
+on ``--device`` (4.8 GB on CUDA by default, as in shared/notes/gpu-findings.md). Under
+``elasticft-run`` with default options it uses the documented API (``Checkpointer.from_env``,
+``StateCapture``, ``restore``) and saves every ``--every`` steps; under ``torchrun
+--max-restarts 1`` the same script uses ``torch.save``/``torch.load`` at the same cadence. With
+``--nproc 2`` or more the workers form a gloo (CUDA: NCCL) group and all-reduce one number per
+step, the collective a survivor meets a dead peer in; the launcher ``elasticft-inprocess`` is
+``elasticft-run`` with the loop under ``elasticft.recovery.inprocess.InProcess``: the survivors
+keep their processes. The last rank is SIGKILLed two steps after its ``--kill-after-saves``-th
+save. Printed per launcher:
 
 * kill -> first step: seconds from the SIGKILL to the first step the restarted worker finishes;
 * failure -> decision: from the agent's event log (elasticft-run only);
@@ -16,11 +21,15 @@ after its ``--kill-after-saves``-th save. Printed per launcher:
 * kill -> first step split into the restarted script's own start-up (process start to model
   built), its first step, and the rest: what the launcher and the restore cost;
 * on CPU, the copy floor: the same bytes copied out of /dev/shm by plain numpy in the
-  restarted worker (after training), into fresh memory and into touched memory.
+  restarted worker (after training), into fresh memory and into touched memory;
+* survivors (``--nproc`` 2 or more): whether rank 0 kept its process, and its first step after
+  the kill against its median step.
 
     python bench/recovery_large.py                          # CUDA, 4.8 GB
     python bench/recovery_large.py --device cpu --gb 3      # the CPU bench (docs/benchmarks.md)
     python bench/recovery_large.py --device cpu --gb 0.05   # a dry run (tests/bench)
+    python bench/recovery_large.py --device cpu --gb 1 --nproc 2 \
+        --launchers torchrun,elasticft-run,elasticft-inprocess  # the three modes
 
 ``bench/gpu_check.sh --parts recovery`` runs it on a GPU. Not a test: the numbers are the
 machine's. The table also goes to ``$OUT/recovery_large.json`` when ``OUT`` is set.
@@ -56,7 +65,7 @@ WORKER_SPEC = "RECOVERY_LARGE_WORKER"
 
 
 def _log(path: Path, **record: Any) -> None:
-    record.update(t=time.time(), pid=os.getpid())
+    record.update(t=time.time(), pid=os.getpid(), rank=int(os.environ.get("RANK", "0")))
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -168,6 +177,7 @@ def _vmstat() -> dict[str, int]:
 
 def worker(args: argparse.Namespace) -> int:
     import torch
+    import torch.distributed as dist
 
     log = Path(args.log)
     device = args.device
@@ -179,89 +189,163 @@ def worker(args: argparse.Namespace) -> int:
                                   for _ in range(layers)]).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     batch = torch.randn(args.batch, width, device=device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    grouped = world > 1
+    if grouped:
+        # NCCL with a GPU per rank; ranks sharing one GPU all-reduce their number over gloo.
+        nccl = device == "cuda" and torch.cuda.device_count() >= world
+        if nccl:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if nccl else "gloo"
+        if args.mode == "torch":
+            # torchrun's restarted workers meet on its agent's store of the first attempt,
+            # whose keys the new group would read (its gloo group never forms): a prefix of
+            # their own per attempt.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            dist.init_process_group(backend)
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
     _log(log, event="built", startup_s=_process_age_s())
-    start = 0
-    started = time.perf_counter()
-    if args.mode == "elasticft":
+    if args.mode != "torch":
         from elasticft.ckpt import Checkpointer, StateCapture
 
         ckpt = Checkpointer.from_env(optimizers=[optim])
         snapshot = StateCapture(model, optim)
-        called = time.perf_counter()
-        available = _meminfo_gb()
-        restored = ckpt.restore(model, optim)
-        _log(log, event="restore_call", seconds=time.perf_counter() - called,
-             from_env_s=called - started, mem_available_gb=available)
-        start = int(restored[1]["step"]) if restored else 0
-    else:
-        path = Path(args.ckpt_file)
-        if path.exists():
-            state = torch.load(path, map_location=device, weights_only=True)
-            model.load_state_dict(state["model"])
-            optim.load_state_dict(state["optim"])
-            start = int(state["step"])
-            del state
-    sync()
-    _log(log, event="start", resumed=start, restore_s=time.perf_counter() - started
-         if start else None)
-    for step in range(start, args.steps):
-        # Read before and after the step, outside its time: where a slow step's time goes.
-        threads, machine, vmstat = _thread_cpu(), _machine_cpu(), _vmstat()
-        free_gb = _meminfo_gb("MemFree")
-        began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        model(batch).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        sync()
-        step_s, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF)
-        threads_after, machine_after, vmstat_after = _thread_cpu(), _machine_cpu(), _vmstat()
-        tick = os.sysconf("SC_CLK_TCK")
-        # CPU of its own (by thread), page faults, waiting for a core, and what the whole
-        # machine did meanwhile (the agent, the launcher, the kernel).
-        _log(log, event="step", step=step + 1, step_s=step_s,
-             user_s=after.ru_utime - usage.ru_utime, sys_s=after.ru_stime - usage.ru_stime,
-             minor_faults=after.ru_minflt - usage.ru_minflt,
-             preempted=after.ru_nivcsw - usage.ru_nivcsw,
-             threads={name: [round(u - threads.get(name, [0.0, 0.0])[0], 2),
-                             round(s - threads.get(name, [0.0, 0.0])[1], 2)]
-                      for name, (u, s) in threads_after.items()
-                      if u + s - sum(threads.get(name, [0.0, 0.0])) >= 0.02},
-             machine_s=[round((a - b) / tick, 2) for a, b in zip(machine_after, machine,
-                                                                    strict=True)],
-             vmstat={k: v - vmstat.get(k, 0) for k, v in vmstat_after.items()
-                     if v != vmstat.get(k, 0)},
-             mem_free_gb=free_gb)
-        if (step + 1) % args.every == 0:
+
+    def train() -> int:
+        start = 0
+        started = time.perf_counter()
+        if args.mode != "torch":
             called = time.perf_counter()
-            if args.mode == "elasticft":
-                request = ckpt.save(step + 1, snapshot(extra={"step": step + 1}))
-                save_s = time.perf_counter() - called
-                request_of = request
-            else:
-                torch.save({"model": model.state_dict(), "optim": optim.state_dict(),
-                            "step": step + 1}, args.ckpt_file + ".tmp")
-                os.replace(args.ckpt_file + ".tmp", args.ckpt_file)
-                save_s, request_of = time.perf_counter() - called, None
-            _log(log, event="save", step=step + 1, save_s=save_s)
-            if request_of is not None:  # logged when its copy lands, off the training thread
-                threading.Thread(target=_landed, args=(log, request_of), daemon=True).start()
-    if args.mode == "elasticft":
+            available = _meminfo_gb()
+            restored = ckpt.restore(model, optim)
+            _log(log, event="restore_call", seconds=time.perf_counter() - called,
+                 from_env_s=called - started, mem_available_gb=available)
+            start = int(restored[1]["step"]) if restored else 0
+        else:
+            base = f"{args.ckpt_file}.{os.environ.get('RANK', '0')}"
+            path = _torch_resume_file(base, grouped)
+            if path is not None:
+                state = torch.load(path, map_location=device, weights_only=True)
+                model.load_state_dict(state["model"])
+                optim.load_state_dict(state["optim"])
+                start = int(state["step"])
+                del state
+        sync()
+        _log(log, event="start", resumed=start, restore_s=time.perf_counter() - started
+             if start else None)
+        for step in range(start, args.steps):
+            _train_step(args, log, model, optim, batch, sync, grouped, step)
+            if (step + 1) % args.every == 0:
+                called = time.perf_counter()
+                if args.mode != "torch":
+                    request = ckpt.save(step + 1, snapshot(extra={"step": step + 1}))
+                    save_s = time.perf_counter() - called
+                    request_of = request
+                else:
+                    saved = Path(f"{base}.step{step + 1}")
+                    torch.save({"model": model.state_dict(), "optim": optim.state_dict(),
+                                "step": step + 1}, f"{saved}.tmp")
+                    os.replace(f"{saved}.tmp", saved)
+                    for old in _torch_steps(base)[:-2]:  # the newest two stay
+                        Path(f"{base}.step{old}").unlink(missing_ok=True)
+                    save_s, request_of = time.perf_counter() - called, None
+                _log(log, event="save", step=step + 1, save_s=save_s)
+                if request_of is not None:  # logged when its copy lands, off the training thread
+                    threading.Thread(target=_landed, args=(log, request_of), daemon=True).start()
+        return start
+
+    if args.mode == "inprocess":
+        from elasticft.recovery.inprocess import InProcess
+
+        start = InProcess().run(train)
+    else:
+        start = train()
+    if args.mode != "torch":
         ckpt.close()
         if start and device == "cpu":  # after training: not part of kill -> first step
             _log(log, event="floor", **_copy_floor())
+    if grouped:
+        dist.destroy_process_group()
     return 0
+
+
+def _torch_steps(base: str) -> list[int]:
+    """Steps of the torch.save files of one rank, oldest first."""
+    return sorted(int(p.name.rsplit(".step", 1)[1]) for p in Path(base).parent.glob(
+        f"{Path(base).name}.step*") if p.name.rsplit(".step", 1)[1].isdigit())
+
+
+def _torch_resume_file(base: str, grouped: bool) -> Path | None:
+    """The torch.save file of the newest step every rank holds (each keeps its newest two: a
+    rank killed during a save holds one step fewer than the others)."""
+    import torch
+    import torch.distributed as dist
+
+    held = _torch_steps(base)
+    newest = torch.tensor([held[-1] if held else 0])
+    if grouped:
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+    step = int(newest.item())
+    return Path(f"{base}.step{step}") if step in held else None
+
+
+def _train_step(args: argparse.Namespace, log: Path, model: Any, optim: Any, batch: Any,
+                sync: Any, grouped: bool, step: int) -> None:
+    """One step, logged with what its time went to; in a group, with its one all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    # Read before and after the step, outside its time: where a slow step's time goes.
+    threads, machine, vmstat = _thread_cpu(), _machine_cpu(), _vmstat()
+    free_gb = _meminfo_gb("MemFree")
+    began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    model(batch).pow(2).mean().backward()
+    if grouped:
+        on_gpu = dist.get_backend() == "nccl"
+        dist.all_reduce(torch.ones(1, device=batch.device if on_gpu else "cpu"))
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    sync()
+    step_s, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF)
+    threads_after, machine_after, vmstat_after = _thread_cpu(), _machine_cpu(), _vmstat()
+    tick = os.sysconf("SC_CLK_TCK")
+    # CPU of its own (by thread), page faults, waiting for a core, and what the whole
+    # machine did meanwhile (the agent, the launcher, the kernel).
+    _log(log, event="step", step=step + 1, step_s=step_s,
+         user_s=after.ru_utime - usage.ru_utime, sys_s=after.ru_stime - usage.ru_stime,
+         minor_faults=after.ru_minflt - usage.ru_minflt,
+         preempted=after.ru_nivcsw - usage.ru_nivcsw,
+         threads={name: [round(u - threads.get(name, [0.0, 0.0])[0], 2),
+                         round(s - threads.get(name, [0.0, 0.0])[1], 2)]
+                  for name, (u, s) in threads_after.items()
+                  if u + s - sum(threads.get(name, [0.0, 0.0])) >= 0.02},
+         machine_s=[round((a - b) / tick, 2) for a, b in zip(machine_after, machine,
+                                                                strict=True)],
+         vmstat={k: v - vmstat.get(k, 0) for k, v in vmstat_after.items()
+                 if v != vmstat.get(k, 0)},
+         mem_free_gb=free_gb)
 
 
 # ----------------------------------------------------------------------------------------------
 # The driver.
 
 
+MODES = {"elasticft-run": "elasticft", "elasticft-inprocess": "inprocess", "torchrun": "torch"}
+"""Launcher name in the table → how the worker checkpoints and recovers."""
+
+
 def _launcher(name: str) -> list[str]:
+    name = "torchrun" if name == "torchrun" else "elasticft-run"
     module = {"elasticft-run": "elasticft.run", "torchrun": "torch.distributed.run"}[name]
     script = Path(sys.executable).parent / name
     return [str(script)] if script.exists() else [sys.executable, "-m", module]
@@ -276,22 +360,23 @@ def _records(log: Path) -> list[dict[str, Any]]:
 def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     log = tmp / f"{name}.jsonl"
     run_dir = tmp / f"run-{name}"
-    mode = "elasticft" if name == "elasticft-run" else "torch"
+    mode = MODES[name]
     # The worker's settings go by environment: the launchers parse options that would clash.
     spec = {"mode": mode, "log": str(log), "device": args.device, "gb": args.gb,
             "every": args.every, "steps": args.steps, "batch": args.batch,
             "ckpt_file": str(tmp / "torch_ckpt.pt")}
     worker_args = [str(Path(__file__).resolve())]
-    if name == "elasticft-run":
-        command = [*_launcher("elasticft-run"), "--nproc-per-node", "1", "--max-restarts", "1",
-                   "--run-dir",
-                   str(run_dir), *worker_args]
+    nproc = str(args.nproc)
+    if mode != "torch":
+        command = [*_launcher(name), "--nproc-per-node", nproc, "--max-restarts", "1",
+                   "--run-dir", str(run_dir), *worker_args]
     else:
-        command = [*_launcher("torchrun"), "--nproc-per-node", "1", "--max-restarts", "1",
+        command = [*_launcher("torchrun"), "--nproc-per-node", nproc, "--max-restarts", "1",
                    "--standalone", "--log-dir", str(tmp / "torchrun-logs"), *worker_args]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                **{WORKER_SPEC: json.dumps(spec)})
     kill_step = args.every * args.kill_after_saves + 2
+    victim_rank = args.nproc - 1
     with (tmp / f"{name}.stderr").open("w") as stderr:
         proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
                                 start_new_session=True)
@@ -302,7 +387,8 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         while proc.poll() is None and time.monotonic() < deadline:
             records = _records(log)
             if killed_at is None:
-                hit = [r for r in records if r["event"] == "step" and r["step"] == kill_step]
+                hit = [r for r in records if r["event"] == "step" and r["step"] == kill_step
+                       and r.get("rank", 0) == victim_rank]
                 if hit:
                     victim = hit[0]["pid"]
                     killed_at = time.time()
@@ -313,6 +399,8 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     records = _records(log)
+    survivor = [r for r in records if r.get("rank", 0) != victim_rank]
+    records = [r for r in records if r.get("rank", 0) == victim_rank]
     before = [r for r in records if r["pid"] == victim]
     after = [r for r in records if killed_at is not None and r["pid"] != victim
              and r["t"] > killed_at]
@@ -353,10 +441,18 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "restore_call_s": next((r["seconds"] for r in after if r["event"] == "restore_call"),
                                None),
     }
+    if survivor and killed_at is not None:
+        # Rank 0: did it keep its process, and how long was its first step after the kill?
+        steps0 = [r for r in survivor if r["event"] == "step" and r.get("rank") == 0]
+        later = [r for r in steps0 if r["t"] > killed_at]
+        row["survivor_pids"] = len({r["pid"] for r in steps0})
+        row["survivor_first_step_s"] = later[0]["step_s"] if later else None
+        row["survivor_median_step_s"] = statistics.median(
+            [r["step_s"] for r in steps0[1:]]) if len(steps0) > 1 else None
     if None not in (row["kill_to_first_step_s"], row["startup_s"], row["first_step_s"]):
         row["launcher_share_s"] = (row["kill_to_first_step_s"] - row["startup_s"]
                                    - row["first_step_s"])
-    if name == "elasticft-run" and killed_at is not None:
+    if mode != "torch" and killed_at is not None:
         events = []
         for path in run_dir.rglob("events-*.jsonl"):
             events += [json.loads(line) for line in path.read_text().splitlines() if line]
@@ -369,6 +465,8 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             row["kill_to_failure_s"] = failure["time"] - killed_at
         if failure is not None and decision is not None:
             row["failure_to_decision_s"] = decision["time"] - failure["time"]
+        row["in_process"] = next((e["phases"] for e in events
+                                  if e["kind"] == "recover_in_process"), None)
     if proc.returncode != 0 or killed_at is None:
         row["stderr_tail"] = (tmp / f"{name}.stderr").read_text()[-1500:]
     return row
@@ -394,7 +492,10 @@ def main() -> int:
                         help="steps in all (default: two saves past the kill)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--limit-s", type=float, default=900.0, help="per launcher")
-    parser.add_argument("--launchers", default="elasticft-run,torchrun")
+    parser.add_argument("--launchers", default="elasticft-run,torchrun",
+                        help=f"any of {', '.join(MODES)}")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="workers (elasticft-inprocess needs 2 or more: a survivor)")
     if os.environ.get(WORKER_SPEC):
         return worker(argparse.Namespace(**json.loads(os.environ[WORKER_SPEC])))
     args = parser.parse_args()
@@ -404,6 +505,12 @@ def main() -> int:
         args.steps = args.every * (args.kill_after_saves + 2) + 2
     import torch
 
+    unknown = sorted(set(args.launchers.split(",")) - set(MODES))
+    if unknown:
+        parser.error(f"--launchers {','.join(unknown)}: unknown; choose from {', '.join(MODES)}")
+    if "elasticft-inprocess" in args.launchers.split(",") and args.nproc < 2:
+        parser.error("--launchers elasticft-inprocess needs --nproc 2 or more (a survivor that "
+                     "keeps its process)")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"recovery_large: no CUDA device (torch {torch.__version__}); nothing measured")
         return 0
@@ -415,7 +522,8 @@ def main() -> int:
     where = (torch.cuda.get_device_name(0) if args.device == "cuda"
              else f"CPU ({platform.machine()}, {os.cpu_count()} cores)")
     print(f"recovery_large: {where}, torch {torch.__version__}, {when}; {args.gb} GB of state, "
-          f"a save every {args.every} step(s), SIGKILL two steps after save "
+          f"{args.nproc} rank(s), a save every {args.every} step(s), SIGKILL of the last rank two "
+          f"steps after save "
           f"{args.kill_after_saves}; free page reporting: {page_reporting()} (new memory costs "
           f"more where it is on: bench/fresh_memory.py)")
     print(f"{'launcher':<14} {'kill->step':>10} {'kill->fail':>10} {'fail->dec':>10} "
@@ -453,6 +561,12 @@ def main() -> int:
                       f"the whole machine meanwhile: {user:.2f} s user, {system:.2f} s system, "
                       f"{idle:.2f} s idle; the kernel's page counters: {r['first_step_vmstat']}; "
                       f"{r['first_step_mem_free_gb']:.1f} GB free before it")
+    for r in rows:
+        if r.get("survivor_pids") is not None:
+            print(f"{r['launcher']}: rank 0 ran in {r['survivor_pids']} process(es); its first "
+                  f"step after the kill {_fmt(r.get('survivor_first_step_s'))}, median step "
+                  f"{_fmt(r.get('survivor_median_step_s'))}"
+                  + (f"; in-process phases {r['in_process']}" if r.get("in_process") else ""))
     for r in rows:
         if "snapshots_skipped" in r:
             print(f"{r['launcher']}: snapshots skipped: {r['snapshots_skipped']}")

@@ -499,6 +499,9 @@ class RecoveryConfig:
     recovery_quarantine_s: float = tuning(
         300.0, "How long a node that disappeared from a round is kept out of this job (its id, "
         "this job only; a per-process id and the agent itself, alive after all, are not).")
+    recovery_inprocess_timeout_s: float = tuning(
+        60.0, "Longest an in-process recovery may take, from the failure to every worker's "
+        "first step in the new group, before the agent falls back to a full restart.")
     recovery_departed_grace_s: float = tuning(
         6.0, "How long the leader waits for a node missing from a new round to show a live "
         "membership record before it counts as vanished.")

@@ -267,9 +267,58 @@ def worker_exit_code(context: Any, local_rank: int) -> int | None:
     return context.subprocess_handlers[local_rank].proc.poll()
 
 
+def worker_process(context: Any, local_rank: int) -> Any:
+    """The ``Popen`` of a local rank's worker."""
+    return context.subprocess_handlers[local_rank].proc
+
+
 def wrap_poll(context: Any, wrapper: Callable[[Callable[[], Any]], Callable[[], Any]]) -> None:
     """Replaces ``context._poll`` by ``wrapper(original_poll)``."""
     context._poll = wrapper(context._poll)
+
+
+REPLACE_WORKER_PARTS = ("subprocess_handlers", "envs", "args", "entrypoint", "stdouts",
+                        "stderrs", "error_files", "_running_local_ranks", "_failures")
+"""What replacing one worker of a running ``SubprocessContext`` reads and updates (in-process
+recovery, :mod:`elasticft.agent.inprocess`)."""
+
+
+def replace_worker_unavailable(context: Any) -> str | None:
+    """Why one worker of ``context`` cannot be replaced while the others run (None: it can)."""
+    if not isinstance(context, SubprocessContext):
+        return f"the workers run in a {type(context).__name__}, not a SubprocessContext"
+    missing = [part for part in REPLACE_WORKER_PARTS if not hasattr(context, part)]
+    return f"SubprocessContext has no {', '.join(missing)}" if missing else None
+
+
+def replace_worker(context: Any, local_rank: int, env: Mapping[str, str],
+                   make_handler: Callable[..., Any]) -> Any:
+    """Starts a new process for ``local_rank`` of a running ``SubprocessContext`` with ``env``
+    (its old process has exited and was reaped); the other workers are not touched.
+
+    ``make_handler(**kwargs)`` builds the ``SubprocessHandler`` (torch's, or the warm pool's)
+    from :func:`subprocess_handler_kwargs`. The old worker's error file is removed (its
+    failure was read) and its log files are kept beside the new ones, named by its pid.
+    """
+    old = context.subprocess_handlers[local_rank]
+    for stream in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
+        if stream is not None:
+            stream.close()
+    for path in (context.stdouts.get(local_rank), context.stderrs.get(local_rank)):
+        if path and os.path.exists(path):
+            os.replace(path, f"{path}.{old.proc.pid}")
+    error_file = context.error_files.get(local_rank)
+    if error_file and os.path.exists(error_file):
+        os.remove(error_file)
+    context.envs[local_rank] = dict(env)
+    handler = make_handler(**subprocess_handler_kwargs(
+        entrypoint=context.entrypoint, args=context.args[local_rank], env=dict(env),
+        stdout=context.stdouts.get(local_rank), stderr=context.stderrs.get(local_rank),
+        local_rank_id=local_rank, numa_options=numa_options_of(context)))
+    context.subprocess_handlers[local_rank] = handler
+    context._failures.pop(local_rank, None)
+    context._running_local_ranks.add(local_rank)
+    return handler
 
 
 WARM_START_NEEDS = {
@@ -466,6 +515,12 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: "safe_substitute" in inspect.getsource(LocalElasticAgent._start_workers),
     "warm start (SubprocessHandler._popen, _setup_local_watchdog, ...)":
         lambda: warm_start_unavailable() is None,
+    "SubprocessContext parts replacing one worker (in-process recovery)": lambda: all(
+        part in inspect.getsource(SubprocessContext) + inspect.getsource(
+            torch.distributed.elastic.multiprocessing.api.PContext)
+        for part in REPLACE_WORKER_PARTS),
+    "torch.distributed.distributed_c10d._abort_process_group(group)": lambda: list(
+        _parameters(torch.distributed.distributed_c10d._abort_process_group)) == ["group"],
     "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval
         == signal.SIGTERM,
     "RendezvousHandler abstract methods (the etcd-v3 handler implements them)":

@@ -8,7 +8,9 @@ log and the event log. It also fixes what torch 2.13 gets wrong on restart: rest
 ``--shutdown-timeout`` and a group that ends unhealthy is reported as failed, never as success.
 One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
 agent wraps that step to let the collaborators act on the survivors first
-(:func:`notify_before_survivors_stopped`).
+(:func:`notify_before_survivors_stopped`). When the workers recover in process
+(:mod:`elasticft.agent.inprocess`), the agent sees a failed worker before torch does
+(:func:`~elasticft.agent.inprocess.failed_exits`) and replaces only that one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,15 @@ from elasticft.agent.api import (
     run_ending_errors,
 )
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
+from elasticft.agent.inprocess import (
+    InProcessCoordinator,
+    Recovery,
+    blocker,
+    failed_exits,
+    kill_and_reap,
+    phases,
+    start_replacements,
+)
 from elasticft.agent.policy import (
     Action,
     ActionKind,
@@ -46,6 +57,7 @@ from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
+from elasticft.recovery import inprocess as inprocess_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
     LogsSpecs,
@@ -67,11 +79,12 @@ WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV, lifeli
 
 WORKER_ENV_NAMES = (
     WORKER_ENV | ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV | plan_worker.WORKER_ENV
-    | steps.WORKER_ENV
+    | steps.WORKER_ENV | inprocess_worker.WORKER_ENV
 )
 """Every worker variable elasticft adds to torch's (documented in the README), each owned by the
 subsystem that sets or reads it: the agent's own, the checkpoint tiers, the diagnostics rings and
-shim, the round's 3D-parallel layout and the step records of ``elasticft report``."""
+shim, the round's 3D-parallel layout, the step records of ``elasticft report`` and in-process
+recovery."""
 _STEADY_AFTER_S = 2.0
 
 
@@ -125,6 +138,12 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         ``FailureFacts.previous_failure``)."""
         self.warm_pool = warm_pool
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
+        self.inprocess = InProcessCoordinator(run_dir / "inprocess" / node_id,
+                                              options.recovery.recovery_inprocess_timeout_s)
+        self._armed: dict[int, int | None] = {}
+        """The workers (local rank → pid) last seen all armed for in-process recovery."""
+        self._decided: tuple[FailureRecord, ...] = ()
+        self._seen_at = 0.0
 
     # ------------------------------------------------------------------------------------------
     # What the collaborators see.
@@ -146,6 +165,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             ),
             master_addr=wg.master_addr or "",
             master_port=wg.master_port or 0,
+            in_process=bool(self._armed),
         )
 
     def _each_collaborator(self, hook: str, *args: Any) -> list[Any]:
@@ -188,12 +208,15 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         worker_env[ROUND_ENV] = str(self._round)
         worker_env[ATTEMPT_ENV] = str(self._attempt)
         worker_env.update(lifeline.worker_env())
+        worker_env.update(self.inprocess.worker_env())
         group = self.group_info()
         worker = next(w for w in group.workers if w.local_rank == local_rank)
         for extra in self._each_collaborator("worker_env", group, worker):
             worker_env.update(extra or {})
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.inprocess.reset()
+        self._armed = {}
         pids = super()._start_workers(worker_group)
         self._hook_survivor_stop()
         self._started_at = time.monotonic()
@@ -236,10 +259,19 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         ending = self._failed_while_exiting()
         if ending:
             return RunResult(state=WorkerState.FAILED, failures=ending)
+        if self._all_armed():
+            # Before torch's poll, which would stop the survivors on seeing the failure.
+            exited = failed_exits(self._pcontext, self._worker_group.workers)
+            if exited:
+                return RunResult(state=WorkerState.FAILED, failures=exited)
         result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY:
             return result
         group = self.group_info()
+        detection = self._in_process_progress(group)
+        if detection is not None:
+            self._detection = detection
+            return RunResult(state=WorkerState.UNHEALTHY)
         if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
             self._steady_reported = True
             self.events.emit("steady", attempt=self._attempt, round=self._round)
@@ -295,6 +327,14 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                 return run_result
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
                 action = self._handle_failure(run_result)
+                if action.kind is ActionKind.RECOVER_IN_PROCESS:
+                    failed = self._recover_in_process(action)
+                    if failed is not None:
+                        logger.error("in-process recovery failed (%s); restarting the workers",
+                                     failed)
+                        self._restart(cause=f"in-process recovery failed: {failed}",
+                                      counted=False)
+                    continue
                 if action.kind is ActionKind.RESTART_IN_PLACE:
                     self._restart(cause=action.reason)
                     continue
@@ -313,6 +353,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             raise RuntimeError(f"[{role}] worker group in unexpected state {state.name}")
 
     def _handle_failure(self, run_result: RunResult) -> Action:
+        self._seen_at = time.time()
         group = self.group_info()
         if self._detection is not None:
             failures = self._detection.as_failures(group)
@@ -340,6 +381,12 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         )
         for extra in self._each_collaborator("failure_facts", group, failures):
             facts = dataclasses.replace(facts, **(extra or {}))
+        why_not = self._in_process_blocker(group, failures)
+        if why_not is None:
+            facts = dataclasses.replace(facts, in_process=True)
+        elif self._armed:
+            logger.info("no in-process recovery: %s", why_not)
+        self._decided = failures
         action = decide(facts)
         signature = FailureSignature.of(root_cause(failures)) if failures else None
         self._previous_failure = signature if facts.step_completed is False else None
@@ -352,7 +399,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
                               else None))
         self._each_collaborator("on_decision", group, action)
-        if action.kind is ActionKind.RESTART_IN_PLACE:
+        if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS):
             if action.consumes_user_error_restart:
                 self._user_error_restarts += 1
             else:
@@ -386,6 +433,116 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
         self._each_collaborator("before_restart", self.group_info(), cause, counted)
         self._restart_workers(self._worker_group)
+
+    # ------------------------------------------------------------------------------------------
+    # In-process recovery (elasticft.agent.inprocess).
+
+    def _worker_pids(self) -> dict[int, int | None]:
+        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
+
+    def _all_armed(self) -> bool:
+        """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
+        set: an armed worker stays armed)."""
+        pids = self._worker_pids()
+        if pids and pids == self._armed:
+            return True
+        if self.inprocess.armed(pids):
+            self._armed = pids
+            return True
+        return False
+
+    def _in_process_blocker(self, group: GroupInfo,
+                            failures: tuple[FailureRecord, ...]) -> str | None:
+        pids = self._worker_pids()
+        waiting = self.inprocess.waiting(pids)
+        replace = {f.local_rank for f in failures if f.local_rank in pids} - set(waiting)
+        return blocker(
+            armed=self._all_armed(), nodes=group.group_world_size,
+            recovering=self.inprocess.recovery is not None, failed=len(replace),
+            workers=len(pids),
+            replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
+
+    def _in_process_progress(self, group: GroupInfo) -> Detection | None:
+        """Completes a recovery under way, or reports one that is overdue; sees workers that all
+        caught a communication error with none exited (a regroup with no replacement)."""
+        recovery = self.inprocess.recovery
+        pids = self._worker_pids()
+        if recovery is not None:
+            records = self.inprocess.resumed(pids)
+            if records is not None:
+                self.inprocess.recovery = None
+                self.inprocess.completed += 1
+                timings = phases(recovery, records)
+                logger.warning("in-process recovery of generation %d done: %s",
+                               recovery.generation, timings)
+                self.events.emit("recover_in_process", attempt=self._attempt,
+                                 generation=recovery.generation, cause=recovery.cause,
+                                 replaced=self._by_global_rank(recovery.replaced),
+                                 phases=timings)
+                return None
+            if self.inprocess.overdue(time.monotonic()):
+                return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                                 f"in-process recovery of generation {recovery.generation} "
+                                 f"not resumed within {self.inprocess.timeout_s:.0f} s")
+            return None
+        if not self._all_armed():
+            return None
+        waiting = self.inprocess.waiting(pids)
+        if waiting and len(waiting) == len(pids):
+            by_local = {w.local_rank: w.global_rank for w in group.workers}
+            first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
+            return Detection(FailureClass.INFRASTRUCTURE, (by_local[first],), "inprocess",
+                             f"every worker caught a communication error, rank "
+                             f"{by_local[first]} first: {waiting[first][1]}")
+        return None
+
+    def _recover_in_process(self, action: Action) -> str | None:
+        """Replaces the failed workers and publishes the next generation; returns why that
+        failed (the caller then restarts the group), or None."""
+        seen_at = self._seen_at
+        decided_at = time.time()
+        pcontext = self._pcontext
+        pids = self._worker_pids()
+        waiting = self.inprocess.waiting(pids)
+        replace = sorted({f.local_rank for f in self._decided if f.local_rank in pids}
+                         - set(waiting))
+        try:
+            kill_and_reap([torch_compat.worker_process(pcontext, lr) for lr in replace],
+                          self._shutdown_timeout)
+            world = self._worker_group.workers[0].world_size
+            generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1",
+                                                world)
+            self._attempt += 1
+            self.restarts += 1
+            replaced = start_replacements(
+                pcontext, replace, self.warm_pool,
+                lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
+                                                           ATTEMPT_ENV))
+            for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
+                self._worker_group.workers[local_rank].id = pid
+        except Exception as e:  # anything: the restart below starts from the same snapshots
+            logger.exception("could not replace workers %s in process", replace)
+            return f"{type(e).__name__}: {e}"
+        self.inprocess.recovery = Recovery(
+            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
+            time.monotonic() + self.inprocess.timeout_s)
+        self._hook_survivor_stop()
+        self._armed = {}
+        group = self.group_info()
+        logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
+                       "%s (pids %s), %d survivor(s) regroup", generation.generation,
+                       generation.master_port, replace, list(replaced.values()),
+                       len(pids) - len(replace))
+        self.events.emit("worker_replaced", attempt=self._attempt,
+                         generation=generation.generation,
+                         pids={str(w.global_rank): w.pid for w in group.workers},
+                         replaced=self._by_global_rank(replaced))
+        self._each_collaborator("on_workers_started", group)
+        return None
+
+    def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
+        workers = self._worker_group.workers
+        return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
 
     def _failed_result(self, run_result: RunResult) -> RunResult:
         """A FAILED result with at least one ProcessFailure, so callers never see success.

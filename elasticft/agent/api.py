@@ -44,6 +44,9 @@ class GroupInfo:
     workers: tuple[WorkerInfo, ...]
     master_addr: str = ""
     master_port: int = 0
+    in_process: bool = False
+    """Every worker recovers in process (:mod:`elasticft.recovery.inprocess`): the survivors
+    keep their processes and restore their own newest snapshot after a failure."""
 
 
 @dataclasses.dataclass(frozen=True)

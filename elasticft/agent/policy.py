@@ -39,6 +39,9 @@ class CheckpointSource(str, enum.Enum):
 class ActionKind(str, enum.Enum):
     RESTART_IN_PLACE = "restart_in_place"
     """Stop this node's workers and start them again (a new rendezvous round)."""
+    RECOVER_IN_PROCESS = "recover_in_process"
+    """Replace only the failed workers; the others regroup and roll back in their processes
+    (:mod:`elasticft.agent.inprocess`). Counted against --max-restarts like a restart."""
     EVICT_NODE = "evict_node"
     """This node leaves the job (blacklisted); the others re-rendezvous without it."""
     STOP = "stop"
@@ -82,6 +85,9 @@ class FailureFacts:
     jit_available: bool = False
     """A healthy replica can be asked for a just-in-time checkpoint (a checkpoint control
     channel exists)."""
+    in_process: bool = False
+    """The survivors can regroup in their processes (every worker runs under
+    ``elasticft.recovery.inprocess``, one node, no recovery already under way)."""
     step_completed: bool | None = None
     """A training step completed in this attempt (None: unknown, no step records are kept)."""
     previous_failure: FailureSignature | None = None
@@ -214,6 +220,12 @@ def suspect_reason(facts: FailureFacts) -> str | None:
     return None
 
 
+IN_PROCESS_CLASSES = frozenset({FailureClass.SIGNAL_CRASH, FailureClass.HANG,
+                                FailureClass.INFRASTRUCTURE, FailureClass.UNKNOWN})
+"""Failures a replacement process repairs: not a bug (it would fail again), not a divergence
+(every replica holds the NaN), not a stop request, not a slow rank (it would stay slow)."""
+
+
 def repeated(facts: FailureFacts) -> FailureSignature | None:
     """The signature of this failure when it repeats the previous attempt's, both before their
     first step; None otherwise (also when no step records say whether a step completed)."""
@@ -264,6 +276,12 @@ def _decide(facts: FailureFacts) -> Action:
             f"no restarts left ({facts.restarts_used} of --max-restarts {facts.max_restarts} "
             f"used): {what}",
             exit_code=1,
+        )
+    if facts.in_process and cause.failure_class in IN_PROCESS_CLASSES:
+        return Action(
+            ActionKind.RECOVER_IN_PROCESS,
+            f"{cause.failure_class.value}, in-process recovery {facts.restarts_used + 1} of "
+            f"--max-restarts {facts.max_restarts}: {what}",
         )
     return Action(
         ActionKind.RESTART_IN_PLACE,

@@ -427,8 +427,8 @@ class CheckpointService(AgentCollaborator):
         self._flusher.start()
 
     def on_decision(self, group: GroupInfo, action: Action) -> None:
-        if action.kind is ActionKind.RESTART_IN_PLACE and self._flusher is not None \
-                and not self._flush_go.is_set():
+        restarting = action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS)
+        if restarting and self._flusher is not None and not self._flush_go.is_set():
             # The restarted workers restore from memory and take a step first; the flush follows.
             clear_loaded(self.control_dir(group), (w.local_rank for w in group.workers))
             self._flush_deferred_since = time.monotonic()

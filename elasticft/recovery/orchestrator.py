@@ -289,7 +289,12 @@ class RecoveryOrchestrator(AgentCollaborator):
                              jit_available=facts["jit_available"])
         source = checkpoint_source(probe)
         what = "; ".join(f.summary() for f in failures[:3])
-        if source is CheckpointSource.JIT and control is not None:
+        if group.in_process and group.group_world_size <= 1:
+            # The survivors stay and restore their newest snapshot themselves, after finishing
+            # the copy in flight (Checkpointer.restore): nothing to ask them for.
+            self._emit("recovery_checkpoint", source=CheckpointSource.SNAPSHOT.value,
+                       reason="in-process recovery", offending_ranks=sorted(offending))
+        elif source is CheckpointSource.JIT and control is not None:
             asked = remote and self._broadcast_jit(group, what)
             if healthy:
                 self._shared_jit(group, control, healthy, f"on node {self.node_id}: {what}")

@@ -96,6 +96,26 @@ def format_detections(detections: list[dict[str, Any]], run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def recoveries(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """The run's in-process recoveries (``recover_in_process`` events, oldest first) and its
+    restarts of whole worker groups."""
+    events = read_events(run_dir)
+    return ([e for e in events if e.get("kind") == "recover_in_process"],
+            sum(1 for e in events if e.get("kind") == "restart" and e.get("counted", True)))
+
+
+def format_recoveries(found: list[dict[str, Any]], restarts: int) -> str:
+    lines = [f"recoveries: {len(found)} in process, {restarts} restart(s)"]
+    for event in found[-3:]:
+        when = time.strftime("%H:%M:%S", time.localtime(event.get("time", 0.0)))
+        phases = ", ".join(f"{name.removesuffix('_s')} {seconds:.2f} s"
+                           for name, seconds in event.get("phases", {}).items())
+        replaced = ",".join(sorted(event.get("replaced", {}))) or "none"
+        lines.append(f"  {when}  {event.get('node', '?')}  generation "
+                     f"{event.get('generation')}, replaced rank(s) {replaced}: {phases}")
+    return "\n".join(lines)
+
+
 def nccl_timings(run_dir: Path) -> dict[tuple[str, str], list[int]]:
     """Each node's newest NCCL shim self-check messages, with the ranks that reported them."""
     newest: dict[tuple[str, int], str] = {}
@@ -140,6 +160,9 @@ def _status(args: argparse.Namespace) -> int:
             {k: e.get(k) for k in ("time", "node", "detector", "message")} for e in detections
         ]
         text.append(format_detections(detections, args.run_dir))
+        found, restarts = recoveries(args.run_dir)
+        output["recoveries"] = {"in_process": found, "restarts": restarts}
+        text.append(format_recoveries(found, restarts))
         timings = nccl_timings(args.run_dir)
         output["nccl_timings"] = [{"node": node, "message": message, "ranks": ranks}
                                   for (node, message), ranks in timings.items()]

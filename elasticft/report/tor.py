@@ -75,6 +75,8 @@ class Fault:
     rollback_s: float = 0.0
     rollback_steps: int = 0
     slow_recovery_s: float = 0.0
+    in_process: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The phases of an in-process recovery (its ``recover_in_process`` event), if it was one."""
 
     @property
     def total_s(self) -> float:
@@ -308,6 +310,8 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
             elif kind == "decision" and pending_fault is not None and not pending_fault.action:
                 pending_fault.action = str(event.get("action", ""))
                 pending_fault.reason = str(event.get("reason", ""))
+            elif kind == "recover_in_process" and pending_fault is not None:
+                pending_fault.in_process = dict(event.get("phases", {}))
             elif kind == "slurm_time_limit":
                 time_limited.add(si)
         marks.append((segment.end, "segment_end", si))
@@ -487,4 +491,8 @@ def format_report(a: Analysis) -> str:
                 f"{f.rollback_s:6.2f}s ({f.rollback_steps:>3}) {f.slow_recovery_s:8.2f}s "
                 f"{f.total_s:6.2f}s"
             )
+            if f.in_process:
+                lines.append("       in process: " + ", ".join(
+                    f"{name.removesuffix('_s').replace('_', '+')} {seconds:.2f} s"
+                    for name, seconds in f.in_process.items()))
     return "\n".join(lines)

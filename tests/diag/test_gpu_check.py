@@ -33,4 +33,15 @@ def test_an_unknown_part_is_a_usage_error_that_names_the_choices():
                            "ops,bogus"], capture_output=True, text=True, timeout=50)
     assert done.returncode == 2
     assert ("unknown --parts ['bogus']; choose from ops, overhead, gloo, hang, restart, ckpt, "
-            "recovery, persist, tests") in done.stderr
+            "recovery, inprocess, persist, tests") in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_inprocess_part_dry_runs_and_checks_the_torch_parts_it_names():
+    done = subprocess.run(["bash", str(SCRIPT), "--parts", "inprocess"], capture_output=True,
+                          text=True, timeout=100,
+                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: dry run, no CUDA device"), lines
+    assert "_abort_process_group" in lines[0] and ") present; nothing measured" in lines[0]

@@ -202,3 +202,29 @@ def test_the_plot_shows_the_whole_run():
         assert a.end - a.start == pytest.approx(43.0)  # last step at 41, the run ends at 42
     finally:
         plt.close(fig)
+
+
+def test_an_in_process_recovery_is_a_fault_with_its_phases():
+    """Rank 1 crashes at 23; rank 0 keeps its process (no workers_started); both resume from
+    step 20 at 24.5 (one step redone: 21, in flight at the crash)."""
+    phases = {"detect_s": 0.01, "abort_s": 0.0, "regroup_s": 0.6, "restore_redo_s": 0.2,
+              "total_s": 0.81}
+    events = [
+        ev(0.0, "run_start", run_id="r"),
+        ev(0.0, "workers_started", attempt=0, pids={"0": 10, "1": 11}),
+        ev(23.0, "failure", attempt=0, rank=1, failure_class="signal_crash"),
+        ev(23.0, "decision", attempt=0, action="recover_in_process", reason="crash"),
+        ev(23.1, "worker_replaced", attempt=1, pids={"0": 10, "1": 12}, replaced={"1": 12}),
+        ev(23.9, "recover_in_process", attempt=1, generation=1, phases=phases),
+        ev(30.0, "run_end", state="succeeded"),
+    ]
+    records = [(1.0 + i, i + 1) for i in range(21)]  # steps 1..21 at t=1..21
+    records += [(24.5 + i, 21 + i) for i in range(5)]  # 21 again, then 22..25
+    a = analyze(events, {0: steps(records)})
+    (fault,) = a.faults
+    assert fault.action == "recover_in_process" and fault.in_process == phases
+    assert fault.rollback_steps == 1
+    assert sum(a.phases.values()) == pytest.approx(a.observed_s)
+    text = format_report(a)
+    assert "recover_in_process" in text
+    assert "in process: detect 0.01 s, abort 0.00 s, regroup 0.60 s, restore+redo 0.20 s" in text

@@ -1,0 +1,248 @@
+"""In-process recovery, the agent's side: replace the failed worker, keep the others running.
+
+Workers whose training runs under :class:`elasticft.recovery.inprocess.InProcess` say so with an
+``armed`` file in this node's in-process directory. When one of them fails and the policy
+decides :attr:`~elasticft.agent.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, one
+node, the failure is a crash, a hang or a communication error, restarts left), the agent does
+not stop the survivors. It
+
+1. makes sure the failed rank's process is gone (a frozen one is killed; its sockets close, so
+   the survivors' collectives with it raise),
+2. starts a store for the next **generation** (a TCPStore this agent hosts, on a port of its
+   own: no key of an earlier group can be read by the new one) and publishes it
+   (``generation.json``), for the survivors to regroup on,
+3. starts the replacement at once, from the warm interpreter when there is one, with the failed
+   worker's environment and the new store as its ``MASTER_PORT``: its unchanged
+   ``init_process_group()`` meets the survivors' regroup,
+4. keeps monitoring. The recovery is over when every worker reports its first optimizer step in
+   the new generation (``resumed``); the event log then gets a ``recover_in_process`` event
+   with its phases (detect, abort, regroup, restore and redo).
+
+A failure while a recovery is still under way, a replacement that cannot be started, or a
+generation that does not resume within the timeout falls back to the full restart from the same
+snapshots (:meth:`InProcessCoordinator.overdue`).
+
+A communication error raised by a worker that is itself alive and waiting (every worker
+``failed`` in the current generation, none exited) is recovered the same way with no process
+replaced: all of them regroup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from elasticft import torch_compat
+from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
+from elasticft.recovery.inprocess import (
+    DIR_ENV,
+    GENERATION_ENV,
+    TIMEOUT_ENV,
+    Generation,
+    read_json,
+    worker_file,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: int,
+            replaceable: str | None) -> str | None:
+    """Why this failure cannot be recovered in process (None: it can); pure.
+
+    ``failed``: local workers that failed (crashed, hung, or raised while the others did not);
+    ``replaceable``: why torch's process context cannot replace one worker, or None.
+    """
+    if not armed:
+        return "the workers do not all run under elasticft.recovery.inprocess"
+    if nodes != 1:
+        return f"the job spans {nodes} nodes (in-process recovery is for one node for now)"
+    if recovering:
+        return "a failure during an in-process recovery"
+    if failed >= workers:
+        return "no worker survived"
+    return replaceable
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One in-process recovery under way."""
+
+    generation: int
+    cause: str
+    seen_at: float
+    """Wall clock when the agent saw the failure."""
+    decided_at: float
+    published_at: float
+    replaced: dict[int, int]
+    """Local rank → pid of its replacement."""
+    deadline: float
+    """Monotonic time by which every worker must have resumed."""
+
+
+class InProcessCoordinator:
+    """This node's in-process directory and generations."""
+
+    def __init__(self, directory: Path, timeout_s: float) -> None:
+        self.directory = directory
+        self.timeout_s = timeout_s
+        self.generation = 0
+        self.recovery: Recovery | None = None
+        self.completed = 0
+        self._stores: list[Any] = []
+
+    def worker_env(self) -> dict[str, str]:
+        return {DIR_ENV: str(self.directory), GENERATION_ENV: str(self.generation),
+                TIMEOUT_ENV: str(self.timeout_s)}
+
+    def reset(self) -> None:
+        """A full start of the workers: the old records are stale (their pids are gone)."""
+        self.recovery = None
+        if self.directory.exists():
+            for path in self.directory.glob("*-l*.json"):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _record(self, kind: str, local_rank: int, pid: int | None,
+                generation: int | None = None) -> dict[str, Any] | None:
+        record = read_json(worker_file(self.directory, kind, local_rank))
+        if record is None or pid is None or record.get("pid") != pid:
+            return None
+        if generation is not None and record.get("generation") != generation:
+            return None
+        return record
+
+    def armed(self, pids: Mapping[int, int | None]) -> bool:
+        """Whether every worker (local rank → pid) runs under ``InProcess``."""
+        return bool(pids) and all(self._record("armed", lr, pid) is not None
+                                  for lr, pid in pids.items())
+
+    def waiting(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
+        """Workers that caught a peer failure in the current generation: when, and its cause."""
+        found = {}
+        for local_rank, pid in pids.items():
+            record = self._record("failed", local_rank, pid, self.generation)
+            if record is not None:
+                found[local_rank] = (float(record.get("failed", 0.0)),
+                                     str(record.get("cause", "")))
+        return found
+
+    def publish(self, master_addr: str, world_size: int) -> Generation:
+        """Starts the next generation's store and tells the survivors where it is."""
+        store = dist.TCPStore(master_addr, 0, is_master=True, multi_tenant=True,
+                              wait_for_workers=False)
+        self._stores = [*self._stores[-1:], store]  # the previous generation's may be in use
+        self.generation += 1
+        generation = Generation(self.generation, master_addr, store.port, world_size)
+        generation.write(self.directory)
+        return generation
+
+    def replacement_env(self, env: Mapping[str, str], generation: Generation, attempt: int,
+                        attempt_env: str) -> dict[str, str]:
+        # The store is the agent's: every rank connects as a client, rank 0 included.
+        return {**env, "MASTER_ADDR": generation.master_addr,
+                "MASTER_PORT": str(generation.master_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                attempt_env: str(attempt), GENERATION_ENV: str(generation.generation)}
+
+    def resumed(self, pids: Mapping[int, int | None]) -> dict[int, dict[str, Any]] | None:
+        """Every worker's ``resumed`` record of the current generation, or None until all have
+        one."""
+        records = {}
+        for local_rank, pid in pids.items():
+            record = self._record("resumed", local_rank, pid, self.generation)
+            if record is None:
+                return None
+            records[local_rank] = record
+        return records
+
+    def overdue(self, now: float) -> bool:
+        return self.recovery is not None and now > self.recovery.deadline
+
+    def close(self) -> None:
+        self._stores = []
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.directory)
+
+
+def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+    """The recovery's phases in seconds (pure), from the agent's times and the workers' records.
+
+    detect: failure seen → decision; abort: the slowest survivor's teardown of its groups;
+    regroup: decision → the last worker in the new group; restore and redo: from there to the
+    last worker's first optimizer step; total: failure seen → that step.
+    """
+    def latest(key: str) -> float | None:
+        values = [float(r[key]) for r in records.values() if key in r]
+        return max(values) if values else None
+
+    aborts = [float(r["aborted"]) - float(r["failed"]) for r in records.values()
+              if "aborted" in r and "failed" in r]
+    joined, resumed = latest("joined"), latest("resumed")
+    out = {"detect_s": recovery.decided_at - recovery.seen_at,
+           "abort_s": max(aborts) if aborts else 0.0}
+    if joined is not None:
+        out["regroup_s"] = joined - recovery.decided_at
+    if joined is not None and resumed is not None:
+        out["restore_redo_s"] = resumed - joined
+    if resumed is not None:
+        out["total_s"] = resumed - recovery.seen_at
+    return {k: round(max(v, 0.0), 4) for k, v in out.items()}
+
+
+def failed_exits(context: Any, workers: Sequence[Any]) -> dict[int, Any]:
+    """Workers of torch's process ``context`` that exited with a failing status, as torch's
+    ``ProcessFailure`` by global rank; reaped here, before torch's poll would see them and stop
+    the others."""
+    failures = {}
+    for worker in workers:
+        proc = torch_compat.worker_process(context, worker.local_rank)
+        exitcode = proc.poll()
+        if exitcode not in (None, 0):
+            failures[worker.global_rank] = torch_compat.ProcessFailure(
+                local_rank=worker.local_rank, pid=proc.pid, exitcode=exitcode,
+                error_file=context.error_files.get(worker.local_rank, ""))
+    return failures
+
+
+def start_replacements(context: Any, local_ranks: Sequence[int], pool: WarmPool | None,
+                       env_of: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[int, int]:
+    """Starts a new process for each of ``local_ranks`` in torch's process ``context``, from the
+    warm pool when there is one (which then prepares the next warm interpreter), with
+    ``env_of(the old worker's environment)``; returns their pids by local rank."""
+    def make(**kwargs: Any) -> Any:
+        if pool is not None and isinstance(context, WarmSubprocessContext):
+            return WarmSubprocessHandler(pool, **kwargs)
+        return torch_compat.SubprocessHandler(**kwargs)
+
+    started = {}
+    for local_rank in local_ranks:
+        handler = torch_compat.replace_worker(context, local_rank,
+                                              env_of(context.envs[local_rank]), make)
+        launch = getattr(handler, "launch", None)
+        if pool is not None and launch is not None:
+            pool.refill(local_rank, *launch)
+        started[local_rank] = handler.proc.pid
+    return started
+
+
+def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
+    """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
+    for proc in procs:
+        if proc.poll() is None:
+            for sig in (9, 18):  # SIGKILL, then SIGCONT for a stopped one
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, sig)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))

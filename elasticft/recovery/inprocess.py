@@ -1,0 +1,358 @@
+"""In-process recovery, the worker's side: a failed peer costs the survivors a roll-back, not
+their process.
+
+A training function wrapped by :meth:`InProcess.run` is re-entered in the same process after a
+peer fails. When it raises an error of the communication layer (:func:`peer_failure`: gloo's
+"connection closed by peer" when another rank died, a ``DistError``, a connection reset), the
+survivor
+
+1. **reports** it to the agent (a file in the agent's in-process directory),
+2. **aborts** its process groups (``destroy_process_group``; on NCCL torch's
+   ``_abort_process_group`` first, which ends the communicators' kernels without waiting),
+3. **waits for the agent's next generation**: the agent starts a replacement for the failed
+   rank at once, in parallel, from its warm interpreter, and publishes a new store for the
+   generation (``generation.json``: its address and port),
+4. **regroups**: ``init_process_group`` on that store, with the same backend, rank and world
+   size; the replacement's own unchanged ``init_process_group()`` (``env://``, its
+   ``MASTER_PORT`` is the new store's) meets it there,
+5. **re-enters the function**, which restores the newest step every rank holds into the live
+   tensors (:meth:`elasticft.ckpt.Checkpointer.restore`, an in-place copy from the agent's
+   memory: no new allocation) and continues from there.
+
+Everything built outside the function stays alive: the model, the optimizer and its state
+tensors, the data, compiled graphs. What is bound to a process group is built inside it, since
+the group it was bound to is gone: ``DistributedDataParallel`` is re-wrapped around the same
+module on every entry (its constructor broadcasts nothing new: the restore makes every rank
+equal), as are groups made with ``new_group`` and FSDP2's device mesh (FSDP2 in process is not
+supported yet: its parameters are re-sharded by ``fully_shard``, which does not re-point an
+existing module; such jobs fall back to a restart when the function raises a second time).
+
+Whatever goes wrong during recovery falls back to the agent's full restart from the same
+snapshots: an error that is not a peer failure (a bug, a CUDA error: the device's context may be
+unusable after it) is raised as before, and a generation that does not come within the timeout
+re-raises the original error, so the process exits and the agent restarts the group.
+
+Without ``elasticft-run`` (no in-process directory in the environment) :meth:`InProcess.run`
+just calls the function once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from elasticft.agent.classify import ExceptionInfo, FailureClass, classify_exception
+
+logger = logging.getLogger(__name__)
+
+DIR_ENV = "ELASTICFT_INPROCESS_DIR"
+GENERATION_ENV = "ELASTICFT_INPROCESS_GEN"
+TIMEOUT_ENV = "ELASTICFT_INPROCESS_TIMEOUT"
+WORKER_ENV = frozenset({DIR_ENV, GENERATION_ENV, TIMEOUT_ENV})
+"""Worker variables the agent sets for in-process recovery."""
+
+GENERATION_FILE = "generation.json"
+_STORE_PREFIX = "default_pg"
+"""The prefix torch's ``init_process_group`` puts before the keys of an ``env://`` group: a
+survivor's regroup uses the same one, so it meets the replacement's unchanged call."""
+
+_T = TypeVar("_T")
+
+# Device faults: the CUDA context of this process may be unusable after one (CUDA's
+# "sticky" errors: an illegal address, a device-side assert, an ECC error, a launch failure),
+# so only a new process can go on; NCCL's "unhandled cuda error" is one of them.
+_DEVICE_FAULT = ("cuda", "device-side", "illegal memory", "illegal address", "ecc error",
+                 "uncorrectable", "xid", "launch failure", "outofmemory", "out of memory")
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is the communication layer's report of a failed peer or link, which
+    a regroup repairs (pure).
+
+    An infrastructure error by :func:`elasticft.agent.classify.classify_exception` (torch's
+    ``DistError`` family, connection errors, gloo's and NCCL's messages), anywhere in the chain
+    of causes, unless it names a device fault.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    found = False
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        message = str(current)
+        names = {cls.__name__ for cls in type(current).__mro__}
+        if any(fault in f"{type(current).__name__} {message}".lower()
+               for fault in _DEVICE_FAULT):
+            return False
+        if any(classify_exception(ExceptionInfo(name, message, None))
+               is FailureClass.INFRASTRUCTURE for name in names):
+            found = True
+        current = current.__cause__ or current.__context__
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class InProcessSettings:
+    """One worker's view of in-process recovery, read from the environment in one place."""
+
+    directory: Path | None = None
+    """The agent's in-process directory of this node (None: no agent, no recovery)."""
+    generation: int = 0
+    """The generation this process started in (above 0: a replacement)."""
+    local_rank: int = 0
+    timeout_s: float = 60.0
+    """Longest wait for the agent's next generation and for the regrouped process group."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> InProcessSettings:
+        env = os.environ if env is None else env
+        directory = env.get(DIR_ENV)
+        return cls(
+            directory=Path(directory) if directory else None,
+            generation=int(env.get(GENERATION_ENV, "0") or 0),
+            local_rank=int(env.get("LOCAL_RANK", "0") or 0),
+            timeout_s=float(env.get(TIMEOUT_ENV, "60") or 60),
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The files between a worker and its agent (all written whole: a temporary file, then rename).
+
+def worker_file(directory: Path, kind: str, local_rank: int) -> Path:
+    """``armed`` (the worker recovers in process), ``failed`` (it caught a peer failure and
+    waits for the next generation), ``joined`` (it is in the generation's group), ``resumed``
+    (its first optimizer step in that generation is over)."""
+    return directory / f"{kind}-l{local_rank}.json"
+
+
+def write_json(path: Path, value: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The agent's answer to a failure: the new group's store and its members."""
+
+    generation: int
+    master_addr: str
+    master_port: int
+    world_size: int
+
+    @classmethod
+    def read(cls, directory: Path) -> Generation | None:
+        record = read_json(directory / GENERATION_FILE)
+        try:
+            return None if record is None else cls(
+                int(record["generation"]), str(record["master_addr"]),
+                int(record["master_port"]), int(record["world_size"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def write(self, directory: Path) -> None:
+        write_json(directory / GENERATION_FILE, {**dataclasses.asdict(self), "time": time.time()})
+
+
+# ------------------------------------------------------------------------------------------------
+# Process groups: abort and regroup (the backend seam the tests drive).
+
+@dataclasses.dataclass
+class GroupOps:
+    """How a process group is torn down and made: torch's functions, replaceable in tests."""
+
+    abort: Callable[[], None] | None = None
+    """Ends the default group without waiting for its work (NCCL); None: this torch has none."""
+    destroy: Callable[[], None] = dist.destroy_process_group
+    init: Callable[..., None] = dist.init_process_group
+
+    @classmethod
+    def for_torch(cls) -> GroupOps:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        return cls(abort=abort if callable(abort) else None)
+
+
+def tear_down(backend: str, ops: GroupOps) -> str:
+    """Ends this process's process groups; returns how (for the log).
+
+    NCCL: the communicators are aborted first, which returns while their kernels still wait
+    for the dead peer (a plain destroy would wait for them); the CUDA streams then hold no
+    NCCL work, and the caching allocator frees the blocks those kernels used once their
+    streams are synchronised. Gloo's destroy closes its sockets, which also ends the waits of
+    peers that are still inside a collective with this process.
+    """
+    if "nccl" in backend.lower() and ops.abort is not None:
+        ops.abort()
+        if dist.is_initialized():
+            ops.destroy()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return "abort"
+    ops.destroy()
+    return "destroy"
+
+
+def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
+            ops: GroupOps) -> None:
+    """Joins the generation's group (same backend, rank and world size)."""
+    os.environ["MASTER_ADDR"] = generation.master_addr
+    os.environ["MASTER_PORT"] = str(generation.master_port)
+    store = dist.TCPStore(generation.master_addr, generation.master_port,
+                          world_size=generation.world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
+             world_size=generation.world_size)
+
+
+# ------------------------------------------------------------------------------------------------
+
+class RecoveryTimeout(RuntimeError):
+    """The agent published no next generation in time; the process exits for a restart."""
+
+
+class InProcess:
+    """Runs a training function, and runs it again in this process after a peer failed.
+
+    ``InProcess().run(train)``: ``train`` builds what is bound to the process group (DDP),
+    restores the newest checkpoint into the live model and optimizer, and trains. Call it after
+    ``init_process_group`` and with no collective between the two: a replacement process runs
+    the script from its start and must reach the same first collective as the survivors.
+    """
+
+    def __init__(self, settings: InProcessSettings | None = None,
+                 ops: GroupOps | None = None) -> None:
+        self.settings = settings if settings is not None else InProcessSettings.from_env()
+        self.ops = ops if ops is not None else GroupOps.for_torch()
+        self.generation = self.settings.generation
+        self.recoveries = 0
+        """How often this process regrouped."""
+        self._phases: dict[str, float] = {}
+        self._resume_hook: Any = None
+
+    def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        directory = self.settings.directory
+        if directory is None:
+            return fn(*args, **kwargs)
+        self._write("armed", {})
+        if self.generation > 0:  # a replacement: the script's own init joined the generation
+            now = time.time()
+            self._phases = {"joined": now}
+            self._write("joined", self._phases)
+            self._report_first_step()
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as error:
+                if not self._recoverable(error):
+                    raise
+                self._recover(error)
+                self._report_first_step()
+
+    # -- the steps of one recovery ------------------------------------------------------------
+
+    def _recoverable(self, error: BaseException) -> bool:
+        return (isinstance(error, Exception) and dist.is_available()
+                and dist.is_initialized() and peer_failure(error))
+
+    def _recover(self, error: BaseException) -> None:
+        settings = self.settings
+        assert settings.directory is not None
+        failed_at = time.time()
+        cause = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        logger.warning("in-process recovery of generation %d: %s", self.generation, cause)
+        self._write("failed", {"cause": cause, "failed": failed_at})
+        backend = str(dist.get_backend())
+        rank = dist.get_rank()
+        _release(error)
+        how = tear_down(backend, self.ops)
+        aborted_at = time.time()
+        deadline = time.monotonic() + settings.timeout_s
+        generation = self._wait_generation(deadline)
+        if generation is None:
+            raise RecoveryTimeout(
+                f"no in-process regroup after {settings.timeout_s:.0f} s (the agent restarts "
+                f"the workers): {cause}") from error
+        regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops)
+        self.generation = generation.generation
+        self.recoveries += 1
+        self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time()}
+        logger.warning("rank %d rejoined in generation %d (%s %.3f s, regroup %.3f s)", rank,
+                       self.generation, how, aborted_at - failed_at,
+                       self._phases["joined"] - aborted_at)
+        self._write("joined", self._phases)
+
+    def _wait_generation(self, deadline: float) -> Generation | None:
+        assert self.settings.directory is not None
+        while time.monotonic() < deadline:
+            generation = Generation.read(self.settings.directory)
+            if generation is not None and generation.generation > self.generation:
+                return generation
+            time.sleep(0.005)
+        return None
+
+    def _report_first_step(self) -> None:
+        """Reports ``resumed`` once the first optimizer step after (re-)entry is over."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        if self._resume_hook is not None:
+            self._resume_hook.remove()
+        generation = self.generation
+        done = False
+
+        def resumed(*_: Any) -> None:
+            nonlocal done
+            if done or generation != self.generation:
+                return
+            done = True
+            self._write("resumed", {**self._phases, "resumed": time.time()})
+
+        self._resume_hook = register_optimizer_step_post_hook(resumed)
+
+    def _write(self, kind: str, record: Mapping[str, Any]) -> None:
+        assert self.settings.directory is not None
+        try:
+            write_json(worker_file(self.settings.directory, kind, self.settings.local_rank),
+                       {**record, "pid": os.getpid(), "generation": self.generation})
+        except OSError as e:  # the agent then falls back to a restart after its timeout
+            logger.warning("could not write the in-process %s record: %s", kind, e)
+
+
+def _release(error: BaseException) -> None:
+    """Drops what the failed call still holds: the locals of its finished frames (the DDP
+    wrapper, the step's tensors) and the cycles they were in.
+
+    A gloo group closes its connections only once nothing holds it, and its peers' collectives
+    with this process end only then; ``destroy_process_group`` alone unregisters it.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    gc.collect()
+
+
+def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``InProcess().run(fn, *args, **kwargs)``."""
+    return InProcess().run(fn, *args, **kwargs)

@@ -1,0 +1,120 @@
+"""The training of train_elasticft.py, recovered in process: when a rank fails, the others keep
+their processes, roll back in place and go on with a replacement for the failed one.
+
+The difference from train_elasticft.py is where things are built. The model, the optimizer and
+the checkpointer are built once; what is bound to the process group (DDP) and the restore go in
+``train``, which ``InProcess().run`` re-enters after a peer failed:
+
+    elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 examples/train_inprocess.py
+
+Faults for tests and demos, injected once by --fault-rank in the first attempt:
+--crash-at-step N (SIGKILL right after the save of step N; --crash-mode after-save waits for
+it to complete), --hang-at-step N (SIGSTOP), --infra-error-at-step N (raises a connection error
+before step N), and --replacement-fails (a replacement process exits at once, which makes the
+agent fall back to a full restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_plain import VOCAB, TinyGPT, batch, record_step, setup_device
+
+from elasticft.ckpt import Checkpointer, StateCapture
+from elasticft.recovery.inprocess import InProcess
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument("--loss-log", type=Path, help="rank 0 appends 'step loss' lines here")
+    parser.add_argument("--pid-log", type=Path, help="every rank appends 'rank pid step' here")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--crash-at-step", type=int, default=-1)
+    parser.add_argument("--crash-mode", choices=("mid-save", "after-save"), default="mid-save")
+    parser.add_argument("--hang-at-step", type=int, default=-1)
+    parser.add_argument("--infra-error-at-step", type=int, default=-1)
+    parser.add_argument("--replacement-fails", action="store_true")
+    args = parser.parse_args()
+
+    if args.replacement_fails and os.environ.get("ELASTICFT_INPROCESS_GEN", "0") != "0" \
+            and os.environ.get("ELASTICFT_ATTEMPT") == os.environ.get("ELASTICFT_INPROCESS_GEN"):
+        sys.exit("injected: the replacement fails to start")
+    device = setup_device()  # init_process_group; no collective before InProcess().run
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = TinyGPT(dim=args.dim, layers=args.layers).to(device)
+    optim = torch.optim.AdamW(net.parameters(), lr=args.lr)
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    snapshot = StateCapture(net, optim)
+    faults = {"armed": os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and
+              rank == args.fault_rank}
+
+    def train() -> None:
+        model = DistributedDataParallel(net)  # bound to this generation's process group
+        start = 0
+        restored = ckpt.restore(net, optim)  # in place, into the live tensors
+        if restored is not None:
+            start, _ = restored
+            if rank == 0:
+                print(f"resumed from step {start} (source={ckpt.last_source})", flush=True)
+        for step in range(start, args.steps):
+            if faults["armed"] and step + 1 == args.infra_error_at_step:
+                faults["armed"] = False
+                raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
+            x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
+            loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+            done = step + 1
+            if rank == 0:
+                value = loss.item()
+                print(f"step {done} loss {value:.6f}", flush=True)
+                if args.loss_log:
+                    with open(args.loss_log, "a") as f:
+                        f.write(f"{done} {value!r}\n")
+            if args.pid_log:
+                with open(args.pid_log, "a") as f:
+                    f.write(f"{rank} {os.getpid()} {done}\n")
+            request = ckpt.save(done, snapshot(extra={"step": done}))
+            record_step(done, 0.0)
+            if faults["armed"] and done == args.crash_at_step:
+                if args.crash_mode == "after-save":
+                    request.wait()
+                    time.sleep(1.0)  # the others wait in the next step's collective
+                os.kill(os.getpid(), signal.SIGKILL)
+            if faults["armed"] and done == args.hang_at_step:
+                request.wait()
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if args.step_time:
+                time.sleep(args.step_time)
+
+    recovery = InProcess()
+    recovery.run(train)
+    ckpt.close()
+    dist.barrier()
+    if rank == 0:
+        print(f"finished {args.steps} steps; {recovery.recoveries} in-process recoveries in "
+              f"this process", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

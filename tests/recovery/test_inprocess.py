@@ -1,0 +1,90 @@
+"""In-process recovery end to end under a real ``elasticft-run --standalone --nproc-per-node 2``
+(gloo, real signals): rank 1 fails mid-run, rank 0 keeps its process and rolls back in place, a
+replacement takes rank 1, and the losses are an uninterrupted run's, bit for bit. A replacement
+that fails too makes the agent fall back to a full restart, with the same losses."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elasticft.events import read_events
+from tests.conftest import BIN, EXAMPLES
+
+STEPS = 10
+
+
+def _run(tmp: Path, name: str, env: dict[str, str], *extra: str) -> dict:
+    losses, pids = tmp / f"{name}.loss", tmp / f"{name}.pid"
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "3", "--run-dir", str(tmp / name), "--ckpt-persist-every", "0",
+           "--monitor-interval", "0.1", str(EXAMPLES / "train_inprocess.py"),
+           "--steps", str(STEPS), "--loss-log", str(losses), "--pid-log", str(pids), *extra]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    by_step: dict[int, str] = {}
+    for line in losses.read_text().splitlines():
+        step, value = line.split()
+        by_step[int(step)] = value  # a step redone after the recovery overwrites its first try
+    processes: dict[int, list[int]] = {}
+    for line in pids.read_text().splitlines():
+        rank, pid, _ = (int(v) for v in line.split())
+        if pid not in processes.setdefault(rank, []):
+            processes[rank].append(pid)
+    return {"text": text, "losses": by_step, "pids": processes,
+            "events": read_events(tmp / name)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    from tests.conftest import clean_job_env
+
+    run = _run(tmp_path_factory.mktemp("reference"), "reference", clean_job_env())
+    assert sorted(run["losses"]) == list(range(1, STEPS + 1))
+    return run["losses"]
+
+
+def _recovered_in_process(run: dict, replaced: list[int]) -> dict:
+    kinds = [e["kind"] for e in run["events"]]
+    assert "restart" not in kinds, run["text"][-5000:]
+    done = [e for e in run["events"] if e["kind"] == "recover_in_process"]
+    assert len(done) == 1, run["text"][-5000:]
+    assert sorted(int(r) for r in done[0]["replaced"]) == replaced
+    assert {"detect_s", "abort_s", "regroup_s", "restore_redo_s", "total_s"} <= set(
+        done[0]["phases"])
+    return done[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("fault", "replaced"), [
+    (("--crash-at-step", "6", "--crash-mode", "after-save"), [1]),  # SIGKILL
+    (("--hang-at-step", "6"), [1]),  # SIGSTOP: the hang verdict, then the frozen rank killed
+    (("--infra-error-at-step", "6"), []),  # rank 1 raises a connection error and stays
+], ids=["sigkill", "sigstop", "infra-error"])
+def test_survivors_keep_their_process_and_the_losses_are_exact(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str],
+        fault: tuple[str, ...], replaced: list[int]) -> None:
+    run = _run(tmp_path, "fault", job_env, "--fault-rank", "1", *fault)
+    _recovered_in_process(run, replaced)
+    assert len(run["pids"][0]) == 1, run["pids"]  # rank 0 never left its process
+    assert len(run["pids"][1]) == 1 + len(replaced), run["pids"]
+    assert "1 in-process recoveries in this process" in run["text"]
+    assert run["losses"] == reference  # bitwise on CPU (losses logged with repr)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_replacement_that_fails_falls_back_to_a_full_restart_with_the_same_losses(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
+    run = _run(tmp_path, "fallback", job_env, "--fault-rank", "1", "--crash-at-step", "6",
+               "--crash-mode", "after-save", "--replacement-fails")
+    decisions = [e["action"] for e in run["events"] if e["kind"] == "decision"]
+    assert decisions == ["recover_in_process", "restart_in_place"], run["text"][-5000:]
+    assert [e["kind"] for e in run["events"] if e["kind"] == "restart"] == ["restart"]
+    assert not [e for e in run["events"] if e["kind"] == "recover_in_process"]
+    assert len(run["pids"][0]) == 2  # the full restart started every worker again
+    assert run["losses"] == reference

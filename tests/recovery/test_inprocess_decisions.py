@@ -1,0 +1,265 @@
+"""In-process recovery's pure parts, by tables: which errors a regroup repairs, when the agent
+may recover in process, what the policy decides, the phases of a recovery, and the order in
+which a process group is torn down and made again (through the backend seam, no torch group)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from elasticft.agent.classify import FailureClass, FailureRecord
+from elasticft.agent.inprocess import InProcessCoordinator, Recovery, blocker, phases
+from elasticft.agent.policy import ActionKind, FailureFacts, decide
+from elasticft.recovery import inprocess
+from elasticft.recovery.inprocess import (
+    Generation,
+    GroupOps,
+    InProcess,
+    InProcessSettings,
+    peer_failure,
+    tear_down,
+    worker_file,
+    write_json,
+)
+
+GLOO_CLOSED = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:912. "
+               "This is typically caused by a remote worker crashing.")
+
+
+def _chained(outer: BaseException, inner: BaseException) -> BaseException:
+    outer.__cause__ = inner
+    return outer
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("error", "repairable"), [
+    (RuntimeError(GLOO_CLOSED), True),
+    (RuntimeError("Read error [127.0.0.1]:3275: Connection reset by peer"), True),
+    (ConnectionResetError("connection reset by peer (NIC flap)"), True),
+    (dist.DistBackendError("NCCL communicator was aborted on rank 1"), True),
+    (dist.DistNetworkError("Broken pipe"), True),
+    (TimeoutError("timed out waiting for the store"), True),
+    (_chained(RuntimeError("step failed"), ConnectionResetError("reset")), True),
+    # Not repaired by a regroup: bugs, and device faults that may leave CUDA unusable.
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)"), False),
+    (ValueError("bad batch"), False),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (dist.DistBackendError("NCCL error: unhandled cuda error"), False),
+    (RuntimeError("CUDA error: device-side assert triggered"), False),
+    (_chained(ConnectionResetError("reset"), RuntimeError("CUDA error: ECC error")), False),
+])
+def test_which_errors_a_regroup_repairs(error: BaseException, repairable: bool) -> None:
+    assert peer_failure(error) is repairable
+
+
+BASE = {"armed": True, "nodes": 1, "recovering": False, "failed": 1, "workers": 2,
+        "replaceable": None}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("change", "why"), [
+    ({}, None),
+    ({"failed": 0}, None),  # every worker raised and waits: all regroup, none replaced
+    ({"armed": False}, "do not all run under elasticft.recovery.inprocess"),
+    ({"nodes": 2}, "spans 2 nodes"),
+    ({"recovering": True}, "during an in-process recovery"),
+    ({"failed": 2}, "no worker survived"),
+    ({"workers": 1}, "no worker survived"),
+    ({"replaceable": "the workers run in a MultiprocessContext"}, "MultiprocessContext"),
+])
+def test_when_the_agent_may_recover_in_process(change: dict, why: str | None) -> None:
+    answer = blocker(**{**BASE, **change})
+    if why is None:
+        assert answer is None
+    else:
+        assert answer is not None and why in answer
+
+
+def _failure(cls: FailureClass) -> FailureRecord:
+    return FailureRecord(rank=1, local_rank=1, pid=101, exitcode=-9, failure_class=cls)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("cls", "in_process", "used", "kind"), [
+    (FailureClass.SIGNAL_CRASH, True, 0, ActionKind.RECOVER_IN_PROCESS),
+    (FailureClass.HANG, True, 0, ActionKind.RECOVER_IN_PROCESS),
+    (FailureClass.INFRASTRUCTURE, True, 1, ActionKind.RECOVER_IN_PROCESS),
+    (FailureClass.UNKNOWN, True, 0, ActionKind.RECOVER_IN_PROCESS),
+    (FailureClass.SIGNAL_CRASH, False, 0, ActionKind.RESTART_IN_PLACE),
+    (FailureClass.NUMERIC, True, 0, ActionKind.RESTART_IN_PLACE),
+    (FailureClass.SLOW, True, 0, ActionKind.RESTART_IN_PLACE),
+    (FailureClass.STOP_REQUESTED, True, 0, ActionKind.RESTART_IN_PLACE),
+    (FailureClass.USER_CODE, True, 0, ActionKind.STOP),
+    (FailureClass.SIGNAL_CRASH, True, 2, ActionKind.STOP),  # counted against --max-restarts
+])
+def test_the_policy_recovers_in_process_what_a_replacement_repairs(
+        cls: FailureClass, in_process: bool, used: int, kind: ActionKind) -> None:
+    action = decide(FailureFacts((_failure(cls),), restarts_used=used, max_restarts=2,
+                                 in_process=in_process))
+    assert action.kind is kind
+    if kind is ActionKind.RECOVER_IN_PROCESS:
+        assert f"in-process recovery {used + 1} of --max-restarts 2" in action.reason
+
+
+@pytest.mark.timeout(30)
+def test_phases_of_a_recovery_from_the_workers_records() -> None:
+    recovery = Recovery(1, "crash", seen_at=100.0, decided_at=100.05, published_at=100.1,
+                        replaced={1: 4242}, deadline=0.0)
+    records = {
+        0: {"failed": 100.02, "aborted": 100.03, "joined": 100.6, "resumed": 100.8},
+        1: {"joined": 100.7, "resumed": 100.9},  # the replacement: no abort of its own
+    }
+    assert phases(recovery, records) == {"detect_s": 0.05, "abort_s": 0.01, "regroup_s": 0.65,
+                                         "restore_redo_s": 0.2, "total_s": 0.9}
+
+
+@pytest.mark.timeout(30)
+def test_the_coordinator_reads_only_records_of_the_current_workers(tmp_path: Path) -> None:
+    coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
+    coordinator.reset()
+    pids = {0: 10, 1: 11}
+    assert not coordinator.armed(pids)
+    for local_rank, pid in pids.items():
+        write_json(worker_file(coordinator.directory, "armed", local_rank),
+                   {"pid": pid, "generation": 0})
+    assert coordinator.armed(pids)
+    assert not coordinator.armed({0: 10, 1: 12})  # a new process of local rank 1: not armed
+    write_json(worker_file(coordinator.directory, "failed", 0),
+               {"pid": 10, "generation": 0, "failed": 5.0, "cause": "RuntimeError: closed"})
+    write_json(worker_file(coordinator.directory, "failed", 1),
+               {"pid": 11, "generation": 1, "failed": 4.0, "cause": "stale"})
+    assert coordinator.waiting(pids) == {0: (5.0, "RuntimeError: closed")}
+    coordinator.reset()
+    assert not coordinator.armed(pids) and coordinator.waiting(pids) == {}
+
+
+@pytest.mark.timeout(30)
+def test_a_published_generation_is_a_live_store_the_workers_read(tmp_path: Path) -> None:
+    coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
+    coordinator.reset()
+    generation = coordinator.publish("127.0.0.1", world_size=2)
+    assert Generation.read(coordinator.directory) == generation
+    assert generation.generation == 1 == coordinator.generation
+    client = dist.TCPStore("127.0.0.1", generation.master_port, is_master=False)
+    client.set("k", "v")
+    assert client.get("k") == b"v"
+    env = coordinator.replacement_env({"RANK": "1", "MASTER_PORT": "1"}, generation, 3,
+                                      "ELASTICFT_ATTEMPT")
+    assert env["MASTER_PORT"] == str(generation.master_port)
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env[inprocess.GENERATION_ENV] == "1" and env["ELASTICFT_ATTEMPT"] == "3"
+    assert coordinator.publish("127.0.0.1", 2).generation == 2
+    coordinator.close()
+
+
+class _Ops:
+    """The backend seam, recording what a teardown and a regroup call, in order."""
+
+    def __init__(self, with_abort: bool = True) -> None:
+        self.calls: list[str] = []
+        ops = GroupOps(destroy=lambda: self.calls.append("destroy"),
+                       init=lambda backend, **kw: self.calls.append(
+                           f"init {backend} rank={kw['rank']} world={kw['world_size']}"))
+        if with_abort:
+            ops.abort = lambda: self.calls.append("abort")
+        self.ops = ops
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("backend", "with_abort", "calls", "how"), [
+    ("gloo", True, ["destroy"], "destroy"),
+    ("nccl", True, ["abort"], "abort"),  # aborted communicators: nothing left to destroy
+    ("cuda:nccl,cpu:gloo", True, ["abort"], "abort"),
+    ("nccl", False, ["destroy"], "destroy"),  # a torch without the abort
+])
+def test_teardown_aborts_nccl_communicators_and_destroys_gloo(
+        backend: str, with_abort: bool, calls: list[str], how: str) -> None:
+    ops = _Ops(with_abort)
+    assert tear_down(backend, ops.ops) == how
+    assert ops.calls == calls
+
+
+@pytest.mark.timeout(30)
+def test_without_an_agent_the_function_runs_once_and_its_errors_pass() -> None:
+    runs = []
+    recovery = InProcess(InProcessSettings(directory=None), ops=_Ops().ops)
+    assert recovery.run(lambda x: runs.append(x) or x * 2, 21) == 42
+    with pytest.raises(ConnectionResetError):
+        recovery.run(_raise, ConnectionResetError("reset"))
+    assert runs == [21] and recovery.recoveries == 0
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+@pytest.mark.timeout(60)
+def test_a_survivor_waits_for_the_next_generation_and_rejoins_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process, a real gloo group of one: the first call raises a peer failure; the
+    worker reports it, tears its group down through the seam, waits for the generation the
+    "agent" publishes, rejoins on its store and runs the function again."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                            world_size=1)
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    directory = tmp_path / "ip"
+    calls: list[str] = []
+    ops = GroupOps(destroy=lambda: (calls.append("destroy"), dist.destroy_process_group()),
+                   init=lambda *a, **kw: (calls.append("init"),
+                                          dist.init_process_group(*a, **kw)))
+    recovery = InProcess(InProcessSettings(directory=directory, timeout_s=30), ops=ops)
+    coordinator = InProcessCoordinator(directory, timeout_s=30)
+    coordinator.reset()
+    entries = []
+
+    def train() -> str:
+        entries.append(dist.get_world_size())
+        if len(entries) == 1:
+            failed = worker_file(directory, "failed", 0)
+
+            def agent() -> None:  # the agent's side: publishes once the failure is reported
+                deadline = time.monotonic() + 20
+                while not failed.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                coordinator.publish("127.0.0.1", world_size=1)
+
+            threading.Thread(target=agent, daemon=True).start()
+            raise RuntimeError(GLOO_CLOSED)
+        return "done"
+
+    try:
+        assert recovery.run(train) == "done"
+        assert entries == [1, 1] and calls == ["destroy", "init"]
+        assert recovery.generation == 1 and recovery.recoveries == 1
+        joined = coordinator._record("joined", 0, os.getpid(), 1)
+        assert joined is not None and joined["aborted"] >= joined["failed"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        coordinator.close()
+
+
+@pytest.mark.timeout(60)
+def test_no_generation_in_time_raises_for_the_agents_restart(tmp_path: Path) -> None:
+    """A survivor whose agent publishes nothing (it decided a full restart, or it is another
+    node's failure) gives up after its timeout with the original error as the cause."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                            world_size=1)
+    recovery = InProcess(InProcessSettings(directory=tmp_path / "ip", timeout_s=0.3))
+    try:
+        with pytest.raises(inprocess.RecoveryTimeout, match="no in-process regroup") as raised:
+            recovery.run(_raise, RuntimeError(GLOO_CLOSED))
+        assert isinstance(raised.value.__cause__, RuntimeError)
+        assert not dist.is_initialized() and recovery.recoveries == 0
+        failed = worker_file(tmp_path / "ip", "failed", 0).read_text()
+        assert "Connection closed by peer" in failed
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
