@@ -43,8 +43,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "elasticft.steps", "elasticft.logs", "elasticft.cli")),
     ("agent interface", ("elasticft.agent.api", "elasticft.agent.classify",
                          "elasticft.agent.policy")),
+    # recovery.inprocess is the workers' side of in-process recovery, a subsystem the agent
+    # drives as it drives ckpt's worker API; the rest of recovery/ orchestrates.
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
-                    "elasticft.slurm")),
+                    "elasticft.slurm", "elasticft.recovery.inprocess")),
     ("orchestration", ("elasticft.agent", "elasticft.recovery")),
     ("tools", ("elasticft.report", "elasticft.chaos")),
     ("entry points", ("elasticft.launcher", "elasticft.run", "elasticft.worker", "elasticft")),
