@@ -104,8 +104,10 @@ def finish(job: Job, reference: Losses, *names: str, timeout: float = 150,
 
 
 def resumed_from(job: Job, name: str) -> list[int]:
-    """The steps rank 0 on node ``name`` printed that it resumed from."""
-    return [int(m) for m in re.findall(r"resumed from step (\d+)", job.nodes[name].output())]
+    """The steps rank 0 on node ``name`` printed that it resumed from (the worker's line, not
+    the agent's ``resumed from step N in ...``)."""
+    return [int(m) for m in re.findall(r"resumed from step (\d+) \(source=",
+                                       job.nodes[name].output())]
 
 
 def decisions(job: Job) -> list[dict]:
