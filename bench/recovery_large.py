@@ -2,7 +2,7 @@
 against torchrun, one run.
 
 Each of ``--nproc`` workers trains an MLP whose parameters and AdamW state come to ``--gb`` GB
-on ``--device`` (4.8 GB on CUDA by default, as in shared/notes/gpu-findings.md). Under
+on ``--device`` (4.8 GB on CUDA by default, the size of docs/benchmarks.md's H100 run). Under
 ``elasticft-run`` with default options it uses the documented API (``Checkpointer.from_env``,
 ``StateCapture``, ``restore``) and saves every ``--every`` steps; under ``torchrun
 --max-restarts 1`` the same script uses ``torch.save``/``torch.load`` at the same cadence. With
