@@ -100,16 +100,17 @@ def test_node_loss_continues_in_smaller_layout(tmp_path: Path) -> None:
             [sys.executable, "-m", "elasticft.run", "--nnodes", "1:2", "--nproc-per-node", "2",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
              "--rdzv-id", "train3d", "--rdzv-conf",
-             "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=90",
+             "last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=90",
              "--local-addr", "127.0.0.1", "--node-id", node, "--max-restarts", "3",
              "--run-dir", str(tmp_path / "run"), *_plan_flags(),
              *_trainer_args(tmp_path, "elastic", 0.6)],
             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
 
-    # Both start at once: started one after the other on a loaded host, the second agent's
-    # start-up (importing torch) can outlast the first round's last call, and the first node
-    # then trains alone to the end. The one that bound the port first hosts the store.
+    # Both start at once, with a long last call: on a loaded host the second agent's start-up
+    # (importing torch beside the first one's warm interpreters) can outlast a short one, and
+    # the first node then trains alone to the end. A shrink does not wait for the last call.
+    # The one that bound the port first hosts the store.
     nodes = [agent("a"), agent("b")]
     store_host, other = nodes[0], nodes[1]
     try:
