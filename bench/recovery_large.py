@@ -405,7 +405,12 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     after = [r for r in records if killed_at is not None and r["pid"] != victim
              and r["t"] > killed_at]
     saves_before = [r["step"] for r in before if r["event"] == "save"]
-    landed_before = [r["step"] for r in before if r["event"] == "landed"]
+    # A save that was skipped (no free slot: the agent's persist held the other one) or failed
+    # never landed: only a snapshot whole in memory is one the restart must resume from.
+    landed_before = [r["step"] for r in before if r["event"] == "landed"
+                     and r["status"] == "memory"]
+    skipped_before = [r["step"] for r in before if r["event"] == "landed"
+                      and r["status"] != "memory"]
     start_after = next((r for r in after if r["event"] == "start"), None)
     first_step = next((r for r in after if r["event"] == "step"), None)
     built_after = next((r for r in after if r["event"] == "built"), None)
@@ -419,6 +424,7 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "resumed": start_after["resumed"] if start_after else None,
         "last_save": saves_before[-1] if saves_before else None,
         "last_landed": landed_before[-1] if landed_before else None,
+        "not_landed": skipped_before,
         "first_saves_s": (first_run_saves[:2], save_after[:2]),
         "later_save_s": statistics.median(first_run_saves[2:] + save_after[2:])
         if len(first_run_saves[2:] + save_after[2:]) else None,
@@ -537,7 +543,8 @@ def main() -> int:
               f"{_fmt(r['restore_s']):>9} {_fmt(r['resumed']):>8} {_fmt(r['last_save']):>9} "
               f"{_fmt(r['last_landed']):>7}  {first} | {again}, {_fmt(r['later_save_s'])}"
               + ("" if r["exit"] == 0 and r["killed"] else f"  (exit {r['exit']}, "
-                 f"killed: {r['killed']})"))
+                 f"killed: {r['killed']})")
+              + (f"  (saves skipped or failed: {r['not_landed']})" if r.get("not_landed") else ""))
     print(f"{'launcher':<14} {'start-up':>10} {'1st step':>10} {'rest':>10}   kill -> first step "
           "= the restarted script's start-up (process start to model built) + its first step "
           "+ the rest (detection, decision, restart, restore)")
