@@ -64,10 +64,11 @@ def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: 
     """
     if not armed:
         return "the workers do not all run under elasticft.recovery.inprocess"
-    if nodes != 1:
-        return f"the job spans {nodes} nodes (in-process recovery is for one node for now)"
     if recovering:
         return "a failure during an in-process recovery"
+    if nodes != 1 and failed:
+        return (f"a worker of this node failed in a job of {nodes} nodes (across nodes only the "
+                f"nodes whose workers all survived regroup in process)")
     if failed >= workers:
         return "no worker survived"
     return replaceable
@@ -144,6 +145,16 @@ class InProcessCoordinator:
         self._stores = [*self._stores[-1:], store]  # the previous generation's may be in use
         self.generation += 1
         generation = Generation(self.generation, master_addr, store.port, world_size)
+        generation.write(self.directory)
+        return generation
+
+    def publish_round(self, master_addr: str, master_port: int, world_size: int,
+                      agent_store: bool) -> Generation:
+        """Tells the survivors the workers' store of a new rendezvous round (whose new workers
+        on other nodes meet them there)."""
+        self.generation += 1
+        generation = Generation(self.generation, master_addr, master_port, world_size,
+                                agent_store)
         generation.write(self.directory)
         return generation
 

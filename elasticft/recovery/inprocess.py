@@ -159,6 +159,9 @@ class Generation:
     master_addr: str
     master_port: int
     world_size: int
+    agent_store: bool = True
+    """The store is an agent's (every rank connects as a client); False: rank 0 hosts it, as
+    torch's ``env://`` rendezvous makes it (a new rendezvous round's own address)."""
 
     @classmethod
     def read(cls, directory: Path) -> Generation | None:
@@ -166,7 +169,8 @@ class Generation:
         try:
             return None if record is None else cls(
                 int(record["generation"]), str(record["master_addr"]),
-                int(record["master_port"]), int(record["world_size"]))
+                int(record["master_port"]), int(record["world_size"]),
+                bool(record.get("agent_store", True)))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -214,12 +218,14 @@ def tear_down(backend: str, ops: GroupOps) -> str:
 
 def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
             ops: GroupOps) -> None:
-    """Joins the generation's group (same backend, rank and world size)."""
+    """Joins the generation's group (same backend, rank and world size); rank 0 hosts the store
+    when no agent does, and waits there for the others as torch's ``env://`` store does."""
     os.environ["MASTER_ADDR"] = generation.master_addr
     os.environ["MASTER_PORT"] = str(generation.master_port)
+    hosts = not generation.agent_store and rank == 0
     store = dist.TCPStore(generation.master_addr, generation.master_port,
-                          world_size=generation.world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
+                          world_size=generation.world_size, is_master=hosts,
+                          timeout=timedelta(seconds=timeout_s), multi_tenant=hosts)
     ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
              world_size=generation.world_size)
 

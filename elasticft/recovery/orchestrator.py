@@ -289,9 +289,10 @@ class RecoveryOrchestrator(AgentCollaborator):
                              jit_available=facts["jit_available"])
         source = checkpoint_source(probe)
         what = "; ".join(f.summary() for f in failures[:3])
-        if group.in_process and group.group_world_size <= 1:
+        if group.in_process and (group.group_world_size <= 1 or not offending):
             # The survivors stay and restore their newest snapshot themselves, after finishing
-            # the copy in flight (Checkpointer.restore): nothing to ask them for.
+            # the copy in flight (Checkpointer.restore): nothing to ask them for (across nodes:
+            # another node's failure, which this node's workers all survived).
             self._emit("recovery_checkpoint", source=CheckpointSource.SNAPSHOT.value,
                        reason="in-process recovery", offending_ranks=sorted(offending))
         elif source is CheckpointSource.JIT and control is not None:

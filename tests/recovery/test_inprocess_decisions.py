@@ -66,7 +66,8 @@ BASE = {"armed": True, "nodes": 1, "recovering": False, "failed": 1, "workers": 
     ({}, None),
     ({"failed": 0}, None),  # every worker raised and waits: all regroup, none replaced
     ({"armed": False}, "do not all run under elasticft.recovery.inprocess"),
-    ({"nodes": 2}, "spans 2 nodes"),
+    ({"nodes": 2}, "failed in a job of 2 nodes"),  # this node's worker: a restart
+    ({"nodes": 2, "failed": 0}, None),  # another node's: a new round, this node regroups
     ({"recovering": True}, "during an in-process recovery"),
     ({"failed": 2}, "no worker survived"),
     ({"workers": 1}, "no worker survived"),
@@ -155,6 +156,30 @@ def test_a_published_generation_is_a_live_store_the_workers_read(tmp_path: Path)
     assert env[inprocess.GENERATION_ENV] == "1" and env["ELASTICFT_ATTEMPT"] == "3"
     assert coordinator.publish("127.0.0.1", 2).generation == 2
     coordinator.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_new_rounds_generation_is_hosted_by_rank_0_as_env_init_would(tmp_path: Path) -> None:
+    """A generation of a new rendezvous round (no agent store): the survivor of rank 0 hosts
+    the round's store on the published port, where the other nodes' new workers connect."""
+    coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
+    coordinator.reset()
+    probe = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = probe.port
+    del probe  # a free port, as the rendezvous hands out
+    generation = coordinator.publish_round("127.0.0.1", port, world_size=1, agent_store=False)
+    assert Generation.read(coordinator.directory) == generation
+    assert not generation.agent_store and generation.generation == 1
+    try:
+        inprocess.regroup("gloo", 0, generation, 10.0, GroupOps())
+        assert dist.get_world_size() == 1
+        client = dist.TCPStore("127.0.0.1", port, is_master=False)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        coordinator.close()
 
 
 class _Ops:

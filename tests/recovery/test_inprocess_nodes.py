@@ -1,0 +1,66 @@
+"""In-process recovery across nodes (real etcd, elasticft-run agents as nodes, gloo): a node
+killed with all its processes is replaced by the warm standby, while the survivor's worker keeps
+its process and regroups in the new rendezvous round, and the losses are an uninterrupted
+run's, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elasticft import chaos
+from tests.conftest import EXAMPLES
+from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
+    LONG,
+    check_replaced,
+    make_job,
+    reference,
+    with_standby,
+)
+from tests.servers import EtcdServer
+
+pytestmark = pytest.mark.slow
+INPROCESS = EXAMPLES / "train_inprocess.py"
+
+
+def pids_by_rank(path: Path) -> dict[int, list[int]]:
+    """The processes each rank trained in (the example's ``--pid-log``), oldest first."""
+    found: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines():
+        rank, pid, _ = (int(v) for v in line.split())
+        if pid not in found.setdefault(rank, []):
+            found[rank].append(pid)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_is_replaced_by_the_standby_and_the_survivor_regroups_in_process(
+        etcd_server: EtcdServer, make_job, reference, tmp_path: Path) -> None:  # noqa: F811
+    pid_log = tmp_path / "pids.log"
+    job = make_job(etcd_server.endpoint, INPROCESS, steps=LONG, step_time=0.25,
+                   extra_train=["--pid-log", str(pid_log)])
+    standby = with_standby(job)
+    survivor, _ = chaos.leader_agent(etcd_server.endpoint, job.job_id)
+    lost = next(n for n in job.nodes if n not in (survivor, standby))
+    chaos.kill_node(job.tmp, lost)
+    losses = check_replaced(job, etcd_server.endpoint, lost, standby, reference[INPROCESS, LONG])
+    assert losses.recomputed <= 1
+
+    node = job.nodes[survivor]
+    assert not node.events("restart"), job.outputs()
+    assert len(node.events("workers_started")) == 1, job.outputs()
+    done = node.events("recover_in_process")
+    assert len(done) == 1, job.outputs()
+    assert done[0]["replaced"] == {}  # the standby's new worker took the lost rank
+    assert {"detect_s", "abort_s", "regroup_s", "restore_redo_s", "total_s"} <= set(
+        done[0]["phases"])
+    assert [e["action"] for e in node.events("decision")] == ["recover_in_process"]
+    pids = pids_by_rank(pid_log)
+    assert len(pids[0]) == 1, pids  # the survivor (rank 0) never left its process
+    assert len(pids[1]) == 2, pids  # the lost node's worker, then the standby's
+    assert "1 in-process recoveries in this process" in node.output()
+    # The standby's worker held nothing: the survivor's node served it the step from the
+    # replica in its worker's memory, over the peer channel.
+    restored = job.nodes[standby].events("restore")
+    assert restored and restored[-1]["source"] in ("peer", "replica", "node"), restored
