@@ -478,6 +478,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                                recovery.generation, timings)
                 self.events.emit("recover_in_process", attempt=self._attempt,
                                  generation=recovery.generation, cause=recovery.cause,
+                                 round=self._round,
                                  replaced=self._by_global_rank(recovery.replaced),
                                  phases=timings)
                 return None

@@ -2,9 +2,9 @@
 
 Workers whose training runs under :class:`elasticft.recovery.inprocess.InProcess` say so with an
 ``armed`` file in this node's in-process directory. When one of them fails and the policy
-decides :attr:`~elasticft.agent.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, one
-node, the failure is a crash, a hang or a communication error, restarts left), the agent does
-not stop the survivors. It
+decides :attr:`~elasticft.agent.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, the
+failed worker on this node of a one-node job or on another node, the failure is a crash, a hang
+or a communication error, restarts left), the agent does not stop the survivors. It
 
 1. makes sure the failed rank's process is gone (a frozen one is killed; its sockets close, so
    the survivors' collectives with it raise),
@@ -25,6 +25,13 @@ snapshots (:meth:`InProcessCoordinator.overdue`).
 A communication error raised by a worker that is itself alive and waiting (every worker
 ``failed`` in the current generation, none exited) is recovered the same way with no process
 replaced: all of them regroup.
+
+**Across nodes** that is how another node's failure looks here, a lost node's too: the agent
+joins the next rendezvous round with its workers still running (a warm standby takes the lost
+node's place there, with its ranks) and publishes that round's worker address as the next
+generation (:meth:`InProcessCoordinator.publish_round`; the survivor of rank 0 hosts the store,
+as torch's ``env://`` would). The other nodes' new workers meet the survivors there. A round
+that gives this node's workers other ranks restarts them in that round.
 """
 
 from __future__ import annotations

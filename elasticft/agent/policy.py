@@ -87,7 +87,8 @@ class FailureFacts:
     channel exists)."""
     in_process: bool = False
     """The survivors can regroup in their processes (every worker runs under
-    ``elasticft.recovery.inprocess``, one node, no recovery already under way)."""
+    ``elasticft.recovery.inprocess``, the failed one on this node of a one-node job or on
+    another node, no recovery already under way)."""
     step_completed: bool | None = None
     """A training step completed in this attempt (None: unknown, no step records are kept)."""
     previous_failure: FailureSignature | None = None

@@ -11,7 +11,9 @@ survivor
    ``_abort_process_group`` first, which ends the communicators' kernels without waiting),
 3. **waits for the agent's next generation**: the agent starts a replacement for the failed
    rank at once, in parallel, from its warm interpreter, and publishes a new store for the
-   generation (``generation.json``: its address and port),
+   generation (``generation.json``: its address and port); when the failed rank was on another
+   node, the generation is the next rendezvous round's, where a standby's new worker takes the
+   failed rank (rank 0 then hosts the store, as ``env://`` does),
 4. **regroups**: ``init_process_group`` on that store, with the same backend, rank and world
    size; the replacement's own unchanged ``init_process_group()`` (``env://``, its
    ``MASTER_PORT`` is the new store's) meets it there,
