@@ -460,7 +460,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         return blocker(
             armed=self._all_armed(), nodes=group.group_world_size,
             recovering=self.inprocess.recovery is not None, failed=len(replace),
-            workers=len(pids),
+            workers=len(pids), shared_store=self._shares_store(),
             replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
 
     def _in_process_progress(self, group: GroupInfo) -> Detection | None:
@@ -553,6 +553,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             self._worker_group.workers[local_rank].id = pid
         return generation, replaced
 
+    def _shares_store(self) -> bool:
+        return bool(getattr(self._worker_group.spec.rdzv_handler, "use_agent_store", False))
+
     def _next_round_generation(self, pids: dict[int, int | None]) -> Generation | None:
         """A job of several nodes: a new rendezvous round with no worker stopped (a standby
         takes the lost node's place there), published as the survivors' next generation. A
@@ -568,7 +571,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         if after == before:
             return self.inprocess.publish_round(
                 wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
-                bool(getattr(wg.spec.rdzv_handler, "use_agent_store", False)))
+                self._shares_store())
         cause = (f"round {self._round} gives this node's workers (rank, world size) {after}, "
                  f"not {before}: they restart")
         logger.warning("no in-process regroup: %s", cause)

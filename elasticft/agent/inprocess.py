@@ -63,11 +63,13 @@ logger = logging.getLogger(__name__)
 
 
 def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: int,
-            replaceable: str | None) -> str | None:
+            replaceable: str | None, shared_store: bool = False) -> str | None:
     """Why this failure cannot be recovered in process (None: it can); pure.
 
     ``failed``: local workers that failed (crashed, hung, or raised while the others did not);
-    ``replaceable``: why torch's process context cannot replace one worker, or None.
+    ``replaceable``: why torch's process context cannot replace one worker, or None;
+    ``shared_store``: the rounds' workers share one agent store (``share_tcp_store``), which
+    keeps the old group's keys.
     """
     if not armed:
         return "the workers do not all run under elasticft.recovery.inprocess"
@@ -76,6 +78,9 @@ def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: 
     if nodes != 1 and failed:
         return (f"a worker of this node failed in a job of {nodes} nodes (across nodes only the "
                 f"nodes whose workers all survived regroup in process)")
+    if nodes != 1 and shared_store:
+        return ("the rounds' workers share the agent's store (share_tcp_store), which keeps the "
+                "old group's keys")
     if failed >= workers:
         return "no worker survived"
     return replaceable

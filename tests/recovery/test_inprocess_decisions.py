@@ -68,6 +68,8 @@ BASE = {"armed": True, "nodes": 1, "recovering": False, "failed": 1, "workers": 
     ({"armed": False}, "do not all run under elasticft.recovery.inprocess"),
     ({"nodes": 2}, "failed in a job of 2 nodes"),  # this node's worker: a restart
     ({"nodes": 2, "failed": 0}, None),  # another node's: a new round, this node regroups
+    ({"nodes": 2, "failed": 0, "shared_store": True}, "share_tcp_store"),
+    ({"shared_store": True}, None),  # one node: the generation's store is a fresh one
     ({"recovering": True}, "during an in-process recovery"),
     ({"failed": 2}, "no worker survived"),
     ({"workers": 1}, "no worker survived"),
