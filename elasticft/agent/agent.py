@@ -35,13 +35,12 @@ from elasticft.agent.api import (
 )
 from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
 from elasticft.agent.inprocess import (
+    InProcessAgentMixin,
     InProcessCoordinator,
     Recovery,
     blocker,
     failed_exits,
-    kill_and_reap,
     phases,
-    start_replacements,
 )
 from elasticft.agent.policy import (
     Action,
@@ -58,7 +57,6 @@ from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
 from elasticft.recovery import inprocess as inprocess_worker
-from elasticft.recovery.inprocess import Generation
 from elasticft.torch_compat import (
     LocalElasticAgent,
     LogsSpecs,
@@ -89,8 +87,10 @@ recovery."""
 _STEADY_AFTER_S = 2.0
 
 
-class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
+class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
     """A ``LocalElasticAgent`` whose failure handling is decided by :func:`policy.decide`."""
+
+    attempt_env = ATTEMPT_ENV
 
     def __init__(
         self,
@@ -533,53 +533,6 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                          pids={str(w.global_rank): w.pid for w in group.workers},
                          replaced=self._by_global_rank(replaced))
         self._each_collaborator("on_workers_started", group)
-        return None
-
-    def _replace_in_process(self, replace: list[int]) -> tuple[Generation, dict[int, int]]:
-        """Kills the failed local workers, publishes the next generation on a store of this
-        agent's and starts their replacements at once; returns it and their pids."""
-        pcontext = self._pcontext
-        kill_and_reap([torch_compat.worker_process(pcontext, lr) for lr in replace],
-                      self._shutdown_timeout)
-        world = self._worker_group.workers[0].world_size
-        generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1", world)
-        self._attempt += 1
-        self.restarts += 1
-        replaced = start_replacements(
-            pcontext, replace, self.warm_pool,
-            lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
-                                                       ATTEMPT_ENV))
-        for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
-            self._worker_group.workers[local_rank].id = pid
-        return generation, replaced
-
-    def _shares_store(self) -> bool:
-        return bool(getattr(self._worker_group.spec.rdzv_handler, "use_agent_store", False))
-
-    def _next_round_generation(self, pids: dict[int, int | None]) -> Generation | None:
-        """A job of several nodes: a new rendezvous round with no worker stopped (a standby
-        takes the lost node's place there), published as the survivors' next generation. A
-        round that renumbers this node's ranks restarts its workers in that round (None)."""
-        wg = self._worker_group
-        before = [(w.global_rank, w.world_size) for w in wg.workers]
-        self._attempt += 1
-        self.restarts += 1
-        self._rendezvous(wg)
-        for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
-            worker.id = pids.get(worker.local_rank)
-        after = [(w.global_rank, w.world_size) for w in wg.workers]
-        if after == before:
-            return self.inprocess.publish_round(
-                wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
-                self._shares_store())
-        cause = (f"round {self._round} gives this node's workers (rank, world size) {after}, "
-                 f"not {before}: they restart")
-        logger.warning("no in-process regroup: %s", cause)
-        self.events.emit("restart", attempt=self._attempt, cause=cause, counted=False)
-        self._stop_workers(wg)
-        for local_rank, pid in self._start_workers(wg).items():
-            wg.workers[local_rank].id = pid
-        wg.state = WorkerState.HEALTHY
         return None
 
     def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:

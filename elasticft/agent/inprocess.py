@@ -44,7 +44,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -58,6 +58,7 @@ from elasticft.recovery.inprocess import (
     read_json,
     worker_file,
 )
+from elasticft.torch_compat import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -269,3 +270,72 @@ def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
     for proc in procs:
         with contextlib.suppress(Exception):
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+class InProcessAgentMixin:
+    """The agent's two ways to a next generation (:class:`elasticft.agent.agent.ElasticftAgent`
+    mixes it in): replacements on this node, or a new rendezvous round across nodes."""
+
+    attempt_env: str
+    """The worker variable of the attempt number (the agent's)."""
+    inprocess: InProcessCoordinator
+    warm_pool: WarmPool | None
+    restarts: int
+    _attempt: int
+    _round: int
+    _pcontext: Any
+    _worker_group: Any
+    _shutdown_timeout: int
+    events: Any
+
+    if TYPE_CHECKING:  # the agent's own (torch's LocalElasticAgent)
+        def _rendezvous(self, worker_group: Any) -> None: ...
+        def _stop_workers(self, worker_group: Any) -> None: ...
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]: ...
+
+    def _replace_in_process(self, replace: list[int]) -> tuple[Generation, dict[int, int]]:
+        """Kills the failed local workers, publishes the next generation on a store of this
+        agent's and starts their replacements at once; returns it and their pids."""
+        pcontext = self._pcontext
+        kill_and_reap([torch_compat.worker_process(pcontext, lr) for lr in replace],
+                      self._shutdown_timeout)
+        world = self._worker_group.workers[0].world_size
+        generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1", world)
+        self._attempt += 1
+        self.restarts += 1
+        replaced = start_replacements(
+            pcontext, replace, self.warm_pool,
+            lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
+                                                       self.attempt_env))
+        for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
+            self._worker_group.workers[local_rank].id = pid
+        return generation, replaced
+
+    def _shares_store(self) -> bool:
+        return bool(getattr(self._worker_group.spec.rdzv_handler, "use_agent_store", False))
+
+    def _next_round_generation(self, pids: dict[int, int | None]) -> Generation | None:
+        """A job of several nodes: a new rendezvous round with no worker stopped (a standby
+        takes the lost node's place there), published as the survivors' next generation. A
+        round that renumbers this node's ranks restarts its workers in that round (None)."""
+        wg = self._worker_group
+        before = [(w.global_rank, w.world_size) for w in wg.workers]
+        self._attempt += 1
+        self.restarts += 1
+        self._rendezvous(wg)
+        for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
+            worker.id = pids.get(worker.local_rank)
+        after = [(w.global_rank, w.world_size) for w in wg.workers]
+        if after == before:
+            return self.inprocess.publish_round(
+                wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
+                self._shares_store())
+        cause = (f"round {self._round} gives this node's workers (rank, world size) {after}, "
+                 f"not {before}: they restart")
+        logger.warning("no in-process regroup: %s", cause)
+        self.events.emit("restart", attempt=self._attempt, cause=cause, counted=False)
+        self._stop_workers(wg)
+        for local_rank, pid in self._start_workers(wg).items():
+            wg.workers[local_rank].id = pid
+        wg.state = WorkerState.HEALTHY
+        return None
