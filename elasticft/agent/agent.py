@@ -51,6 +51,7 @@ from elasticft.agent.policy import (
     decide,
     root_cause,
 )
+from elasticft.agent.spare import SpareKeeper
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
@@ -58,6 +59,7 @@ from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
 from elasticft.recovery import inprocess as inprocess_worker
+from elasticft.recovery import spare as spare_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
     LogsSpecs,
@@ -79,12 +81,12 @@ WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV, lifeli
 
 WORKER_ENV_NAMES = (
     WORKER_ENV | ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV | plan_worker.WORKER_ENV
-    | steps.WORKER_ENV | inprocess_worker.WORKER_ENV
+    | steps.WORKER_ENV | inprocess_worker.WORKER_ENV | spare_worker.WORKER_ENV
 )
 """Every worker variable elasticft adds to torch's (documented in the README), each owned by the
 subsystem that sets or reads it: the agent's own, the checkpoint tiers, the diagnostics rings and
 shim, the round's 3D-parallel layout, the step records of ``elasticft report`` and in-process
-recovery."""
+recovery (and its spare)."""
 _STEADY_AFTER_S = 2.0
 
 
@@ -140,6 +142,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
         self.inprocess = InProcessCoordinator(run_dir / "inprocess" / node_id,
                                               options.recovery.recovery_inprocess_timeout_s)
+        self.spare = SpareKeeper(self.inprocess.directory, events,
+                                 options.recovery.recovery_inprocess_spare)
         self._armed: dict[int, int | None] = {}
         """The workers (local rank → pid) last seen all armed for in-process recovery."""
         self._decided: tuple[FailureRecord, ...] = ()
@@ -253,6 +257,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
         self._shutdown(timeout=self._shutdown_timeout)
+        self.spare.stop()
         self._each_collaborator("on_workers_stopped", self.group_info())
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -272,6 +277,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         if detection is not None:
             self._detection = detection
             return RunResult(state=WorkerState.UNHEALTHY)
+        self.spare.tick(self._pcontext, self.warm_pool, armed=self._all_armed(),
+                        recovering=self.inprocess.recovery is not None)
         if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
             self._steady_reported = True
             self.events.emit("steady", attempt=self._attempt, round=self._round)
@@ -321,6 +328,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             self._worker_group.state = state
             if state == WorkerState.SUCCEEDED:
                 self.events.emit("workers_succeeded", attempt=self._attempt)
+                self.spare.stop()
                 self._each_collaborator("on_workers_stopped", self.group_info())
                 self._each_collaborator("on_workers_succeeded", self.group_info())
                 self._exit_barrier()
@@ -478,6 +486,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                 self.events.emit("recover_in_process", attempt=self._attempt,
                                  generation=recovery.generation, cause=recovery.cause,
                                  replaced=self._by_global_rank(recovery.replaced),
+                                 spare=self._by_global_rank(
+                                     self.spare.taken.get(recovery.generation, {})),
                                  phases=timings)
                 return None
             if self.inprocess.overdue(time.monotonic()):
@@ -514,10 +524,12 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                                                 world)
             self._attempt += 1
             self.restarts += 1
-            replaced = start_replacements(
-                pcontext, replace, self.warm_pool,
-                lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
-                                                           ATTEMPT_ENV))
+            def env_of(env: Any) -> dict[str, str]:
+                return self.inprocess.replacement_env(env, generation, self._attempt, ATTEMPT_ENV)
+
+            replaced = self.spare.take(pcontext, replace, generation, env_of)
+            replaced.update(start_replacements(
+                pcontext, [lr for lr in replace if lr not in replaced], self.warm_pool, env_of))
             for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
                 self._worker_group.workers[local_rank].id = pid
         except Exception as e:  # anything: the restart below starts from the same snapshots

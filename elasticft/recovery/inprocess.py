@@ -253,6 +253,11 @@ class InProcess:
         directory = self.settings.directory
         if directory is None:
             return fn(*args, **kwargs)
+        from elasticft.recovery import spare
+
+        if spare.is_spare():  # a pre-started spare: it waits here until it takes a rank
+            self.settings = spare.take_rank(self.settings, self.ops)
+            self.generation = self.settings.generation
         self._write("armed", {})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
             now = time.time()
