@@ -90,3 +90,23 @@ def test_a_rebound_checkpointer_is_the_same_object_for_the_new_rank(tmp_path: Pa
         assert len(optim._optimizer_step_pre_hooks) == 1  # the old hook went with close()
     finally:
         ckpt.close()
+
+
+@pytest.mark.timeout(30)
+def test_status_counts_the_spares_and_says_which_recovery_a_spare_made(tmp_path: Path) -> None:
+    from elasticft.events import EventLog
+    from elasticft.report.status import format_recoveries, format_spares, recoveries, spares
+
+    log = EventLog(tmp_path, "node-a")
+    for number, pid in ((1, 101), (2, 102)):
+        log.emit("spare_started", spare=number, pid=pid, warm=True)
+    log.emit("spare_ready", spare=1, pid=101, setup_s=1.5)
+    log.emit("recover_in_process", generation=1, replaced={"1": 101}, spare={"1": 101},
+             phases={"total_s": 0.5})
+    log.emit("spare_failed", spare=2, pid=102, exitcode=1)
+    log.close()
+    assert spares(tmp_path) == {"started": 2, "ready": 1, "took_rank": 1, "exited": 1}
+    assert format_spares(spares(tmp_path)) == (
+        "spares: 2 started, 1 ready, 1 took a rank, 1 exited while waiting")
+    assert "replaced rank(s) 1 (by the spare): total 0.50 s" in format_recoveries(
+        *recoveries(tmp_path))
