@@ -202,8 +202,9 @@ class SpareKeeper:
             return {}
         handler, self.handler = self.handler, None
         env = env_of(context.envs[local_rank])
-        Assignment(generation, local_rank, env).write(self.directory, str(self.number))
+        # In torch's context first: from there on a restart ends it like any worker.
         torch_compat.replace_worker(context, local_rank, env, lambda **_: handler)
+        Assignment(generation, local_rank, env).write(self.directory, str(self.number))
         self.taken[generation.generation] = {local_rank: handler.proc.pid}
         logger.warning("in-process spare %d (pid %d) takes local rank %d", self.number,
                        handler.proc.pid, local_rank)
