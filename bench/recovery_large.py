@@ -9,7 +9,10 @@ on ``--device`` (4.8 GB on CUDA by default, the size of docs/benchmarks.md's H10
 ``--nproc 2`` or more the workers form a gloo (CUDA: NCCL) group and all-reduce one number per
 step, the collective a survivor meets a dead peer in; the launcher ``elasticft-inprocess`` is
 ``elasticft-run`` with the loop under ``elasticft.recovery.inprocess.InProcess``: the survivors
-keep their processes. The last rank is SIGKILLed two steps after its ``--kill-after-saves``-th
+keep their processes, and ``elasticft-spare`` is that with ``--recovery-inprocess-spare``: a
+pre-started spare (its model built, its AdamW state made by one step of its own) takes the
+killed rank; its workers wait for the spare to be ready before their first step, so the kill
+finds it waiting. The last rank is SIGKILLed two steps after its ``--kill-after-saves``-th
 save. Printed per launcher:
 
 * kill -> first step: seconds from the SIGKILL to the first step the restarted worker finishes;
@@ -30,6 +33,8 @@ save. Printed per launcher:
     python bench/recovery_large.py --device cpu --gb 0.05   # a dry run (tests/bench)
     python bench/recovery_large.py --device cpu --gb 1 --nproc 2 \
         --launchers torchrun,elasticft-run,elasticft-inprocess  # the three modes
+    python bench/recovery_large.py --device cpu --gb 1 --nproc 2 \
+        --launchers elasticft-run,elasticft-inprocess,elasticft-spare  # and with the spare
 
 ``bench/gpu_check.sh --parts recovery`` runs it on a GPU. Not a test: the numbers are the
 machine's. The table also goes to ``$OUT/recovery_large.json`` when ``OUT`` is set.
@@ -190,7 +195,8 @@ def worker(args: argparse.Namespace) -> int:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     batch = torch.randn(args.batch, width, device=device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    grouped = world > 1
+    spare = args.mode == "spare" and _is_spare()
+    grouped = world > 1 or spare  # a spare is rank 0 of 1 until it takes the killed rank
     if grouped:
         # NCCL with a GPU per rank; ranks sharing one GPU all-reduce their number over gloo.
         nccl = device == "cuda" and torch.cuda.device_count() >= world
@@ -220,6 +226,12 @@ def worker(args: argparse.Namespace) -> int:
 
         ckpt = Checkpointer.from_env(optimizers=[optim])
         snapshot = StateCapture(model, optim)
+    if spare:  # the state a first step makes, in memory it touches; the restore overwrites it
+        model(batch).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        sync()
+        _log(log, event="spare_ready", startup_s=_process_age_s())
 
     def train() -> int:
         start = 0
@@ -231,6 +243,8 @@ def worker(args: argparse.Namespace) -> int:
             _log(log, event="restore_call", seconds=time.perf_counter() - called,
                  from_env_s=called - started, mem_available_gb=available)
             start = int(restored[1]["step"]) if restored else 0
+            if args.mode == "spare" and not start:
+                _wait_for_spare()
         else:
             base = f"{args.ckpt_file}.{os.environ.get('RANK', '0')}"
             path = _torch_resume_file(base, grouped)
@@ -264,7 +278,7 @@ def worker(args: argparse.Namespace) -> int:
                     threading.Thread(target=_landed, args=(log, request_of), daemon=True).start()
         return start
 
-    if args.mode == "inprocess":
+    if args.mode in ("inprocess", "spare"):
         from elasticft.recovery.inprocess import InProcess
 
         start = InProcess().run(train)
@@ -277,6 +291,23 @@ def worker(args: argparse.Namespace) -> int:
     if grouped:
         dist.destroy_process_group()
     return 0
+
+
+def _is_spare() -> bool:
+    from elasticft.recovery.spare import is_spare
+
+    return is_spare()
+
+
+def _wait_for_spare(timeout_s: float = 600.0) -> None:
+    """Waits until this node's spare has finished its set-up (before the first step)."""
+    from elasticft.recovery.inprocess import InProcessSettings
+
+    directory = InProcessSettings.from_env().directory
+    deadline = time.monotonic() + timeout_s
+    while directory is not None and time.monotonic() < deadline and not any(
+            directory.glob("spare-*.json")):
+        time.sleep(0.05)
 
 
 def _torch_steps(base: str) -> list[int]:
@@ -340,7 +371,8 @@ def _train_step(args: argparse.Namespace, log: Path, model: Any, optim: Any, bat
 # The driver.
 
 
-MODES = {"elasticft-run": "elasticft", "elasticft-inprocess": "inprocess", "torchrun": "torch"}
+MODES = {"elasticft-run": "elasticft", "elasticft-inprocess": "inprocess",
+         "elasticft-spare": "spare", "torchrun": "torch"}
 """Launcher name in the table → how the worker checkpoints and recovers."""
 
 
@@ -368,8 +400,9 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     worker_args = [str(Path(__file__).resolve())]
     nproc = str(args.nproc)
     if mode != "torch":
+        spare = ["--recovery-inprocess-spare"] if mode == "spare" else []
         command = [*_launcher(name), "--nproc-per-node", nproc, "--max-restarts", "1",
-                   "--run-dir", str(run_dir), *worker_args]
+                   "--run-dir", str(run_dir), *spare, *worker_args]
     else:
         command = [*_launcher("torchrun"), "--nproc-per-node", nproc, "--max-restarts", "1",
                    "--standalone", "--log-dir", str(tmp / "torchrun-logs"), *worker_args]
@@ -447,6 +480,9 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "restore_call_s": next((r["seconds"] for r in after if r["event"] == "restore_call"),
                                None),
     }
+    took = next((r for r in survivor if r["event"] == "spare_ready" and first_step
+                 and r["pid"] == first_step["pid"]), None)
+    row["spare_setup_s"] = took["startup_s"] if took else None
     if survivor and killed_at is not None:
         # Rank 0: did it keep its process, and how long was its first step after the kill?
         steps0 = [r for r in survivor if r["event"] == "step" and r.get("rank") == 0]
@@ -501,7 +537,7 @@ def main() -> int:
     parser.add_argument("--launchers", default="elasticft-run,torchrun",
                         help=f"any of {', '.join(MODES)}")
     parser.add_argument("--nproc", type=int, default=1,
-                        help="workers (elasticft-inprocess needs 2 or more: a survivor)")
+                        help="workers (the in-process modes need 2 or more: a survivor)")
     if os.environ.get(WORKER_SPEC):
         return worker(argparse.Namespace(**json.loads(os.environ[WORKER_SPEC])))
     args = parser.parse_args()
@@ -514,9 +550,10 @@ def main() -> int:
     unknown = sorted(set(args.launchers.split(",")) - set(MODES))
     if unknown:
         parser.error(f"--launchers {','.join(unknown)}: unknown; choose from {', '.join(MODES)}")
-    if "elasticft-inprocess" in args.launchers.split(",") and args.nproc < 2:
-        parser.error("--launchers elasticft-inprocess needs --nproc 2 or more (a survivor that "
-                     "keeps its process)")
+    in_process = {"elasticft-inprocess", "elasticft-spare"} & set(args.launchers.split(","))
+    if in_process and args.nproc < 2:
+        parser.error(f"--launchers {','.join(sorted(in_process))} needs --nproc 2 or more (a "
+                     "survivor that keeps its process)")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"recovery_large: no CUDA device (torch {torch.__version__}); nothing measured")
         return 0
@@ -573,7 +610,9 @@ def main() -> int:
             print(f"{r['launcher']}: rank 0 ran in {r['survivor_pids']} process(es); its first "
                   f"step after the kill {_fmt(r.get('survivor_first_step_s'))}, median step "
                   f"{_fmt(r.get('survivor_median_step_s'))}"
-                  + (f"; in-process phases {r['in_process']}" if r.get("in_process") else ""))
+                  + (f"; in-process phases {r['in_process']}" if r.get("in_process") else "")
+                  + (f"; the spare that took the rank was ready {r['spare_setup_s']:.2f} s "
+                     "after its start" if r.get("spare_setup_s") else ""))
     for r in rows:
         if "snapshots_skipped" in r:
             print(f"{r['launcher']}: snapshots skipped: {r['snapshots_skipped']}")

@@ -502,6 +502,10 @@ class RecoveryConfig:
     recovery_inprocess_timeout_s: float = tuning(
         60.0, "Longest an in-process recovery may take, from the failure to every worker's "
         "first step in the new group, before the agent falls back to a full restart.")
+    recovery_inprocess_spare: bool = option(
+        False, "Keep one pre-started spare process per node for in-process recovery: it runs "
+        "the script's set-up before any failure and takes a failed rank's place, so recovery "
+        "does not wait for a new process's start-up (costs one rank's memory more per node).")
     recovery_departed_grace_s: float = tuning(
         6.0, "How long the leader waits for a node missing from a new round to show a live "
         "membership record before it counts as vanished.")

@@ -67,6 +67,7 @@ def main() -> None:
               rank == args.fault_rank}
 
     def train() -> None:
+        rank = dist.get_rank()  # read here: a spare takes its rank in InProcess().run
         model = DistributedDataParallel(net)  # bound to this generation's process group
         start = 0
         restored = ckpt.restore(net, optim)  # in place, into the live tensors
@@ -108,6 +109,7 @@ def main() -> None:
 
     recovery = InProcess()
     recovery.run(train)
+    rank = dist.get_rank()
     ckpt.close()
     dist.barrier()
     if rank == 0:

@@ -50,6 +50,7 @@ from elasticft.agent.policy import (
     decide,
     root_cause,
 )
+from elasticft.agent.spare import SpareKeeper
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
@@ -57,6 +58,7 @@ from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
 from elasticft.recovery import inprocess as inprocess_worker
+from elasticft.recovery import spare as spare_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
     LogsSpecs,
@@ -78,12 +80,12 @@ WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV, lifeli
 
 WORKER_ENV_NAMES = (
     WORKER_ENV | ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV | plan_worker.WORKER_ENV
-    | steps.WORKER_ENV | inprocess_worker.WORKER_ENV
+    | steps.WORKER_ENV | inprocess_worker.WORKER_ENV | spare_worker.WORKER_ENV
 )
 """Every worker variable elasticft adds to torch's (documented in the README), each owned by the
 subsystem that sets or reads it: the agent's own, the checkpoint tiers, the diagnostics rings and
 shim, the round's 3D-parallel layout, the step records of ``elasticft report`` and in-process
-recovery."""
+recovery (and its spare)."""
 _STEADY_AFTER_S = 2.0
 
 
@@ -141,6 +143,8 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
         self.inprocess = InProcessCoordinator(run_dir / "inprocess" / node_id,
                                               options.recovery.recovery_inprocess_timeout_s)
+        self.spare = SpareKeeper(self.inprocess.directory, events,
+                                 options.recovery.recovery_inprocess_spare)
         self._armed: dict[int, int | None] = {}
         """The workers (local rank → pid) last seen all armed for in-process recovery."""
         self._decided: tuple[FailureRecord, ...] = ()
@@ -254,6 +258,7 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
         self._shutdown(timeout=self._shutdown_timeout)
+        self.spare.stop()
         self._each_collaborator("on_workers_stopped", self.group_info())
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -273,6 +278,10 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
         if detection is not None:
             self._detection = detection
             return RunResult(state=WorkerState.UNHEALTHY)
+        # One node only: a job of several nodes replaces a lost rank with a standby node's.
+        self.spare.tick(self._pcontext, self.warm_pool,
+                        armed=self._worker_group.group_world_size == 1 and self._all_armed(),
+                        recovering=self.inprocess.recovery is not None)
         if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
             self._steady_reported = True
             self.events.emit("steady", attempt=self._attempt, round=self._round)
@@ -322,6 +331,7 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             self._worker_group.state = state
             if state == WorkerState.SUCCEEDED:
                 self.events.emit("workers_succeeded", attempt=self._attempt)
+                self.spare.stop()
                 self._each_collaborator("on_workers_stopped", self.group_info())
                 self._each_collaborator("on_workers_succeeded", self.group_info())
                 self._exit_barrier()
@@ -480,6 +490,8 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
                                  generation=recovery.generation, cause=recovery.cause,
                                  round=self._round,
                                  replaced=self._by_global_rank(recovery.replaced),
+                                 spare=self._by_global_rank(
+                                     self.spare.taken.get(recovery.generation, {})),
                                  phases=timings)
                 return None
             if self.inprocess.overdue(time.monotonic()):

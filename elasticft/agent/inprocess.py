@@ -303,10 +303,14 @@ class InProcessAgentMixin:
         generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1", world)
         self._attempt += 1
         self.restarts += 1
-        replaced = start_replacements(
-            pcontext, replace, self.warm_pool,
-            lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
-                                                       self.attempt_env))
+
+        def env_of(env: Any) -> dict[str, str]:
+            return self.inprocess.replacement_env(env, generation, self._attempt,
+                                                  self.attempt_env)
+
+        replaced = self.spare.take(pcontext, replace, generation, env_of)  # a ready spare first
+        replaced.update(start_replacements(
+            pcontext, [lr for lr in replace if lr not in replaced], self.warm_pool, env_of))
         for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
             self._worker_group.workers[local_rank].id = pid
         return generation, replaced

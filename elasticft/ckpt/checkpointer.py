@@ -131,6 +131,8 @@ class Checkpointer:
         self.optimizers = tuple(optimizers)
         self.dedup_replicas = dedup_replicas and self.world_size > 1
         """Each rank stores only its share of the replicated state (see :meth:`save`)."""
+        self.dedup_requested = dedup_replicas
+        """What the caller asked for (a spare's one-member world rebinds to the real one)."""
         self._placements: dict[tuple[Any, ...], ReplicaPlacement] = {}
         self._prepared: tuple[Any, set[int], Layout, tuple[bool, ...]] | None = None
         self._host_stall_s = 0.0

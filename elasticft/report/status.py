@@ -111,9 +111,26 @@ def format_recoveries(found: list[dict[str, Any]], restarts: int) -> str:
         phases = ", ".join(f"{name.removesuffix('_s')} {seconds:.2f} s"
                            for name, seconds in event.get("phases", {}).items())
         replaced = ",".join(sorted(event.get("replaced", {}))) or "none"
+        by_spare = " (by the spare)" if event.get("spare") else ""
         lines.append(f"  {when}  {event.get('node', '?')}  generation "
-                     f"{event.get('generation')}, replaced rank(s) {replaced}: {phases}")
+                     f"{event.get('generation')}, replaced rank(s) {replaced}{by_spare}: {phases}")
     return "\n".join(lines)
+
+
+def spares(run_dir: Path) -> dict[str, int]:
+    """The run's pre-started spares (``--recovery-inprocess-spare``): started, ready, that took
+    a rank, that exited while waiting."""
+    events = read_events(run_dir)
+    return {"started": sum(e.get("kind") == "spare_started" for e in events),
+            "ready": sum(e.get("kind") == "spare_ready" for e in events),
+            "took_rank": sum(bool(e.get("spare")) for e in events
+                             if e.get("kind") == "recover_in_process"),
+            "exited": sum(e.get("kind") == "spare_failed" for e in events)}
+
+
+def format_spares(counts: dict[str, int]) -> str:
+    return (f"spares: {counts['started']} started, {counts['ready']} ready, "
+            f"{counts['took_rank']} took a rank, {counts['exited']} exited while waiting")
 
 
 def nccl_timings(run_dir: Path) -> dict[tuple[str, str], list[int]]:
@@ -163,6 +180,9 @@ def _status(args: argparse.Namespace) -> int:
         found, restarts = recoveries(args.run_dir)
         output["recoveries"] = {"in_process": found, "restarts": restarts}
         text.append(format_recoveries(found, restarts))
+        output["spares"] = spare_counts = spares(args.run_dir)
+        if spare_counts["started"]:
+            text.append(format_spares(spare_counts))
         timings = nccl_timings(args.run_dir)
         output["nccl_timings"] = [{"node": node, "message": message, "ranks": ranks}
                                   for (node, message), ranks in timings.items()]

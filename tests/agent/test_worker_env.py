@@ -12,7 +12,7 @@ from elasticft.agent import agent
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv
 from elasticft.plan import worker as plan_worker
-from elasticft.recovery import inprocess
+from elasticft.recovery import inprocess, spare
 
 OWNERS = {
     "agent": agent.WORKER_ENV,
@@ -21,6 +21,7 @@ OWNERS = {
     "plan": plan_worker.WORKER_ENV,
     "steps": steps.WORKER_ENV,
     "inprocess": inprocess.WORKER_ENV,
+    "spare": spare.WORKER_ENV,
 }
 
 

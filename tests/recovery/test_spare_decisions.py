@@ -1,0 +1,112 @@
+"""The pre-started spare's pure parts, by tables: when the agent starts one, which failed rank it
+takes, the environment it starts with; and the spare's side without a job: an assignment read
+back whole, a Checkpointer rebound in place to another rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticft.agent.spare import FAILED_LIMIT, Step, next_step, pick, spare_env
+from elasticft.ckpt import Checkpointer
+from elasticft.ckpt.settings import ENV_CONTROL, ENV_SHM, WorkerSettings
+from elasticft.recovery.inprocess import Generation
+from elasticft.recovery.spare import Assignment, is_spare, rebind
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("enabled", "running", "failed", "armed", "recovering", "warm", "step"), [
+    (False, False, 0, True, False, None, Step.OFF),  # the option is off
+    (True, False, FAILED_LIMIT, True, False, None, Step.OFF),  # too many spares exited
+    (True, True, 0, True, False, True, Step.KEEP),  # one runs (or waits)
+    (True, True, 0, True, True, True, Step.KEEP),  # a recovery does not end a waiting spare
+    (True, False, 0, False, False, None, Step.WAIT),  # the workers are still starting
+    (True, False, 0, True, True, None, Step.WAIT),  # a recovery is under way
+    (True, False, 0, True, False, False, Step.WAIT),  # the warm interpreter still imports
+    (True, False, 0, True, False, True, Step.START),  # forked from the warm interpreter
+    (True, False, 0, True, False, None, Step.START),  # no warm interpreter: a cold start
+    (True, False, FAILED_LIMIT - 1, True, False, None, Step.START),  # another after a failure
+])
+def test_when_the_agent_starts_a_spare(enabled: bool, running: bool, failed: int, armed: bool,
+                                       recovering: bool, warm: bool | None, step: Step) -> None:
+    assert next_step(enabled=enabled, running=running, failed=failed, armed=armed,
+                     recovering=recovering, warm_ready=warm) is step
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("ready", "alive", "failed", "taken"), [
+    (True, True, [1], 1),
+    (True, True, [3, 1], 1),  # one spare: the lowest rank; the others get new processes
+    (False, True, [1], None),  # its set-up still runs: a new process is faster than waiting
+    (True, False, [1], None),  # it exited
+    (True, True, [], None),  # a regroup with no process replaced
+])
+def test_which_failed_rank_the_spare_takes(ready: bool, alive: bool, failed: list[int],
+                                           taken: int | None) -> None:
+    assert pick(ready=ready, alive=alive, failed_local_ranks=failed) == taken
+
+
+@pytest.mark.timeout(30)
+def test_the_spare_starts_in_a_world_of_its_own_without_the_rank_s_files() -> None:
+    worker = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_PORT": "29500",
+              "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_ERROR_FILE": "/e/1.json",
+              ENV_SHM: "/proc/1/fd/5", ENV_CONTROL: "/c", "ELASTICFT_STEP_LOG": "/s/3.jsonl",
+              "ELASTICFT_DIAG_RING_DIR": "/r", "PYTHONPATH": "/boot", "OMP_NUM_THREADS": "1"}
+    env = spare_env(worker, "2")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                "TORCHELASTIC_USE_AGENT_STORE")} == {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert not {ENV_SHM, ENV_CONTROL, "ELASTICFT_STEP_LOG", "ELASTICFT_DIAG_RING_DIR",
+                "TORCHELASTIC_ERROR_FILE"} & set(env)
+    assert env["PYTHONPATH"] == "/boot" and env["OMP_NUM_THREADS"] == "1"
+    assert is_spare(env) and not is_spare(worker)
+
+
+@pytest.mark.timeout(30)
+def test_an_assignment_is_read_back_whole_and_a_torn_one_is_none(tmp_path: Path) -> None:
+    generation = Generation(2, "127.0.0.1", 4321, 2)
+    assert Assignment.read(tmp_path, "1") is None
+    Assignment(generation, 1, {"RANK": "1"}).write(tmp_path, "1")
+    assert Assignment.read(tmp_path, "1") == Assignment(generation, 1, {"RANK": "1"})
+    (tmp_path / "assign-2.json").write_text('{"generation": {"generation": 2}}')
+    assert Assignment.read(tmp_path, "2") is None
+
+
+@pytest.mark.timeout(60)
+def test_a_rebound_checkpointer_is_the_same_object_for_the_new_rank(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.AdamW(model.parameters())
+    settings = WorkerSettings.from_env({}, ckpt_dir=tmp_path, keep=2, slots=2, memory=False)
+    ckpt = Checkpointer(settings, optimizers=[optim], rank=0, world_size=1, dedup_replicas=True)
+    try:
+        rebind(ckpt, {"LOCAL_RANK": "1"}, rank=3, world_size=4)
+        assert (ckpt.rank, ckpt.world_size, ckpt.optimizers) == (3, 4, (optim,))
+        assert ckpt.dedup_replicas  # asked for in a world of one, granted in the real one
+        assert (ckpt.settings.local_rank, ckpt.settings.local_dir, ckpt.settings.keep,
+                ckpt.settings.slots) == (1, tmp_path, 2, 2)
+        assert len(optim._optimizer_step_pre_hooks) == 1  # the old hook went with close()
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.timeout(30)
+def test_status_counts_the_spares_and_says_which_recovery_a_spare_made(tmp_path: Path) -> None:
+    from elasticft.events import EventLog
+    from elasticft.report.status import format_recoveries, format_spares, recoveries, spares
+
+    log = EventLog(tmp_path, "node-a")
+    for number, pid in ((1, 101), (2, 102)):
+        log.emit("spare_started", spare=number, pid=pid, warm=True)
+    log.emit("spare_ready", spare=1, pid=101, setup_s=1.5)
+    log.emit("recover_in_process", generation=1, replaced={"1": 101}, spare={"1": 101},
+             phases={"total_s": 0.5})
+    log.emit("spare_failed", spare=2, pid=102, exitcode=1)
+    log.close()
+    assert spares(tmp_path) == {"started": 2, "ready": 1, "took_rank": 1, "exited": 1}
+    assert format_spares(spares(tmp_path)) == (
+        "spares: 2 started, 1 ready, 1 took a rank, 1 exited while waiting")
+    assert "replaced rank(s) 1 (by the spare): total 0.50 s" in format_recoveries(
+        *recoveries(tmp_path))
