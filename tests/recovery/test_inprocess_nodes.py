@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 
 from elasticft import chaos
+from elasticft.events import read_events
+from elasticft.report.status import recoveries
+from elasticft.report.tor import analyze
+from elasticft.steps import read_steps
 from tests.conftest import EXAMPLES
 from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
     LONG,
@@ -65,6 +69,12 @@ def test_a_lost_node_is_replaced_by_the_standby_and_the_survivor_regroups_in_pro
     # replica in its worker's memory, over the peer channel.
     restored = job.nodes[standby].events("restore")
     assert restored and restored[-1]["source"] in ("peer", "replica", "node"), restored
+    # Counted by `elasticft status` and `elasticft report` over the job's run directories.
+    found, restarts = recoveries(job.tmp)
+    assert len(found) == 1 and restarts == 0
+    analysis = analyze(read_events(job.tmp), read_steps(job.tmp))
+    assert [f.action for f in analysis.faults] == ["recover_in_process"]
+    assert analysis.faults[0].in_process == done[0]["phases"]
 
 
 @pytest.mark.timeout(300)
