@@ -18,7 +18,9 @@ from elasticft.steps import read_steps
 from tests.conftest import EXAMPLES
 from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
     LONG,
+    STEPS,
     check_replaced,
+    finish,
     make_job,
     reference,
     with_standby,
@@ -94,3 +96,26 @@ def test_a_survivor_whose_rank_changes_restarts_its_worker_in_the_new_round(
         restarts[0]["cause"]
     assert len(node.events("workers_started")) == 2
     assert not node.events("recover_in_process")
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_crash_restarts_its_node_while_the_other_node_regroups_in_process(
+        etcd_server: EtcdServer, make_job, reference, tmp_path: Path) -> None:  # noqa: F811
+    pid_log = tmp_path / "pids.log"
+    job = make_job(etcd_server.endpoint, INPROCESS, steps=STEPS,
+                   extra_train=["--pid-log", str(pid_log), "--fault-rank", "1",
+                                "--crash-at-step", "6", "--crash-mode", "after-save"])
+    job.start("a")
+    job.start("b")
+    job.wait_for("a and b in one round", lambda: len(job.events("workers_started")) >= 2)
+    crashed = next(n for n, node in job.nodes.items()
+                   if node.events("workers_started")[0]["pids"].get("1"))
+    other = next(n for n in job.nodes if n != crashed)
+    finish(job, reference[INPROCESS, STEPS], "a", "b")
+    assert [e["action"] for e in job.nodes[crashed].events("decision")] == ["restart_in_place"]
+    assert len(job.nodes[crashed].events("workers_started")) == 2
+    assert [e["action"] for e in job.nodes[other].events("decision")] == ["recover_in_process"]
+    assert len(job.nodes[other].events("recover_in_process")) == 1, job.outputs()
+    assert not job.nodes[other].events("restart")
+    pids = pids_by_rank(pid_log)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
