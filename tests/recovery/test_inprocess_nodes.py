@@ -2,7 +2,8 @@
 killed with all its processes is replaced by the warm standby, while the survivor's worker keeps
 its process and regroups in the new rendezvous round, and the losses are an uninterrupted
 run's, bit for bit. When the lost node was the leader, the survivor moves to its rank in the new
-round, and its agent restarts its worker there instead (same losses)."""
+round, and its agent restarts its worker there instead (same losses). A crashed worker restarts
+its own node while the other node regroups in process."""
 
 from __future__ import annotations
 
