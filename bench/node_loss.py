@@ -11,6 +11,8 @@ Setups:
 
 * ``standby``: ``--nnodes 2:2``, 1 worker per node, a third agent waiting as a standby
   (``examples/train_plain.py``). The standby takes the lost node's place.
+* ``inprocess``: the ``standby`` setup with ``examples/train_inprocess.py`` (elasticft-run
+  only): the survivor's worker keeps its process and regroups in the new round.
 * ``shrink``: ``--nnodes 1:2``, 2 workers per node, no standby. elasticft-run trains
   ``examples/train_3d.py`` with ``--layout 2,1,*`` (TP2 x DP2): the survivor re-plans
   TP2 x DP1 with gradient accumulation 2 and resumes from its DCP checkpoint. torchrun has no
@@ -23,6 +25,7 @@ the kill.
 
     .venv/bin/python bench/node_loss.py                       # both setups, both launchers
     .venv/bin/python bench/node_loss.py --setups standby --launchers elasticft
+    .venv/bin/python bench/node_loss.py --setups standby inprocess --launchers elasticft
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from tests.servers import EtcdServer  # noqa: E402
 BIN = Path(sys.executable).parent
 PLAIN = ROOT / "examples" / "train_plain.py"
 THREE_D = ROOT / "examples" / "train_3d.py"
+INPROCESS = ROOT / "examples" / "train_inprocess.py"
 IN_FLIGHT_S = 0.5
 """A step logged this soon after the kill was already in flight."""
 
@@ -88,17 +92,21 @@ class Run:
         self.loss_log = tmp / "loss.log"
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         self.env = clean_job_env()
+        # One job per setup: the etcd server is shared, and an earlier setup's lost node stays
+        # quarantined in its job.
+        self.job_id = f"node-loss-{launcher}-{setup}"
 
     def command(self, name: str) -> list[str]:
-        standby = self.setup == "standby"
+        standby = self.setup in ("standby", "inprocess")
         nnodes, nproc = ("2:2", "1") if standby else ("1:2", "2")
         three_d = self.launcher == "elasticft" and not standby
-        script = THREE_D if three_d else PLAIN
-        train = ["--steps", str(self.steps), "--ckpt-dir", str(self.tmp / "ckpt"),
-                 "--loss-log", str(self.loss_log)]
-        train += (["--step-sleep", "0.1", "--ckpt-every", "2"] if three_d else
-                  ["--step-time", "0.1", "--batch-size", "4", "--ckpt-every", "2"])
-        common = ["--nnodes", nnodes, "--nproc-per-node", nproc, "--rdzv-id", "node-loss",
+        script = THREE_D if three_d else INPROCESS if self.setup == "inprocess" else PLAIN
+        train = ["--steps", str(self.steps), "--loss-log", str(self.loss_log)]
+        if script is not INPROCESS:  # its checkpoints are elasticft's
+            train += ["--ckpt-dir", str(self.tmp / "ckpt"), "--ckpt-every", "2"]
+        train += (["--step-sleep", "0.1"] if three_d else
+                  ["--step-time", "0.1", "--batch-size", "4"])
+        common = ["--nnodes", nnodes, "--nproc-per-node", nproc, "--rdzv-id", self.job_id,
                   "--rdzv-endpoint", self.endpoint, "--max-restarts", "3",
                   "--local-addr", "127.0.0.1"]
         if self.launcher == "elasticft":
@@ -123,7 +131,7 @@ class Run:
         (torchrun: the first node), and not the standby."""
         if self.launcher == "torchrun":
             return "b"
-        leader, _ = chaos.leader_agent(self.endpoint, "node-loss")
+        leader, _ = chaos.leader_agent(self.endpoint, self.job_id)
         return next(n for n in sorted(self.started_workers()) if n != leader)
 
     def close(self) -> None:
@@ -145,7 +153,7 @@ def wait(what: str, check, timeout: float) -> None:  # type: ignore[no-untyped-d
 def measure(launcher: str, setup: str, args: argparse.Namespace, endpoint: str) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f"node-loss-{launcher}-{setup}-"))
     run = Run(launcher, setup, tmp, endpoint, args.steps)
-    names = ("a", "b", "c") if setup == "standby" else ("a", "b")
+    names = ("a", "b") if setup == "shrink" else ("a", "b", "c")
     try:
         for name in names:
             run.start(name)
@@ -172,10 +180,10 @@ def measure(launcher: str, setup: str, args: argparse.Namespace, endpoint: str) 
             time.sleep(0.02)
         killed_text = f"node {victim} ({len(killed)} processes)"
         if first is None:
-            return (f"{launcher:9s} {setup:7s} killed {killed_text}: no step within "
+            return (f"{launcher:9s} {setup:9s} killed {killed_text}: no step within "
                     f"{args.cap:.0f} s")
         seconds, (step, layout) = first
-        return (f"{launcher:9s} {setup:7s} killed {killed_text}: kill -> first step "
+        return (f"{launcher:9s} {setup:9s} killed {killed_text}: kill -> first step "
                 f"{seconds:6.2f} s (step {step}{', ' + layout if layout else ''})")
     finally:
         run.close()
@@ -186,7 +194,7 @@ def measure(launcher: str, setup: str, args: argparse.Namespace, endpoint: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setups", nargs="+", default=["standby", "shrink"],
-                        choices=["standby", "shrink"])
+                        choices=["standby", "inprocess", "shrink"])
     parser.add_argument("--launchers", nargs="+", default=["elasticft", "torchrun"],
                         choices=["elasticft", "torchrun"])
     parser.add_argument("--steps", type=int, default=2000)
@@ -207,6 +215,8 @@ def main() -> None:
     try:
         for setup in args.setups:
             for launcher in args.launchers:
+                if setup == "inprocess" and launcher == "torchrun":
+                    continue  # torchrun has no in-process recovery: its standby row holds
                 print(measure(launcher, setup, args, server.endpoint), flush=True)
     finally:
         server.stop()

@@ -7,6 +7,12 @@ the checkpointer are built once; what is bound to the process group (DDP) and th
 
     elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 examples/train_inprocess.py
 
+On several nodes (etcd-v3, a third agent started the same way waits as a standby), a lost node
+costs the survivors no process either: the standby's worker takes the lost rank.
+
+    elasticft-run --nnodes 2:2 --nproc-per-node 1 --rdzv-backend etcd-v3 \
+        --rdzv-endpoint HOST:2379 --rdzv-id JOB examples/train_inprocess.py
+
 Faults for tests and demos, injected once by --fault-rank in the first attempt:
 --crash-at-step N (SIGKILL right after the save of step N; --crash-mode after-save waits for
 it to complete), --hang-at-step N (SIGSTOP), --infra-error-at-step N (raises a connection error

@@ -2,7 +2,8 @@
 killed with all its processes is replaced by the warm standby, while the survivor's worker keeps
 its process and regroups in the new rendezvous round, and the losses are an uninterrupted
 run's, bit for bit. When the lost node was the leader, the survivor moves to its rank in the new
-round, and its agent restarts its worker there instead (same losses)."""
+round, and its agent restarts its worker there instead (same losses). A crashed worker restarts
+its own node while the other node regroups in process."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ from pathlib import Path
 import pytest
 
 from elasticft import chaos
+from elasticft.events import read_events
+from elasticft.report.status import recoveries
+from elasticft.report.tor import analyze
+from elasticft.steps import read_steps
 from tests.conftest import EXAMPLES
 from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
     LONG,
+    STEPS,
     check_replaced,
+    finish,
     make_job,
     reference,
     with_standby,
@@ -65,6 +72,12 @@ def test_a_lost_node_is_replaced_by_the_standby_and_the_survivor_regroups_in_pro
     # replica in its worker's memory, over the peer channel.
     restored = job.nodes[standby].events("restore")
     assert restored and restored[-1]["source"] in ("peer", "replica", "node"), restored
+    # Counted by `elasticft status` and `elasticft report` over the job's run directories.
+    found, restarts = recoveries(job.tmp)
+    assert len(found) == 1 and restarts == 0
+    analysis = analyze(read_events(job.tmp), read_steps(job.tmp))
+    assert [f.action for f in analysis.faults] == ["recover_in_process"]
+    assert analysis.faults[0].in_process == done[0]["phases"]
 
 
 @pytest.mark.timeout(300)
@@ -84,3 +97,26 @@ def test_a_survivor_whose_rank_changes_restarts_its_worker_in_the_new_round(
         restarts[0]["cause"]
     assert len(node.events("workers_started")) == 2
     assert not node.events("recover_in_process")
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_crash_restarts_its_node_while_the_other_node_regroups_in_process(
+        etcd_server: EtcdServer, make_job, reference, tmp_path: Path) -> None:  # noqa: F811
+    pid_log = tmp_path / "pids.log"
+    job = make_job(etcd_server.endpoint, INPROCESS, steps=STEPS,
+                   extra_train=["--pid-log", str(pid_log), "--fault-rank", "1",
+                                "--crash-at-step", "6", "--crash-mode", "after-save"])
+    job.start("a")
+    job.start("b")
+    job.wait_for("a and b in one round", lambda: len(job.events("workers_started")) >= 2)
+    crashed = next(n for n, node in job.nodes.items()
+                   if node.events("workers_started")[0]["pids"].get("1"))
+    other = next(n for n in job.nodes if n != crashed)
+    finish(job, reference[INPROCESS, STEPS], "a", "b")
+    assert [e["action"] for e in job.nodes[crashed].events("decision")] == ["restart_in_place"]
+    assert len(job.nodes[crashed].events("workers_started")) == 2
+    assert [e["action"] for e in job.nodes[other].events("decision")] == ["recover_in_process"]
+    assert len(job.nodes[other].events("recover_in_process")) == 1, job.outputs()
+    assert not job.nodes[other].events("restart")
+    pids = pids_by_rank(pid_log)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
