@@ -43,10 +43,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "elasticft.steps", "elasticft.logs", "elasticft.cli")),
     ("agent interface", ("elasticft.agent.api", "elasticft.agent.classify",
                          "elasticft.agent.policy")),
-    # recovery.inprocess is the workers' side of in-process recovery, a subsystem the agent
-    # drives as it drives ckpt's worker API; the rest of recovery/ orchestrates.
+    # recovery.inprocess (and its spare) is the workers' side of in-process recovery, a
+    # subsystem the agent drives as it drives ckpt's worker API; the rest of recovery/
+    # orchestrates.
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
-                    "elasticft.slurm", "elasticft.recovery.inprocess")),
+                    "elasticft.slurm", "elasticft.recovery.inprocess",
+                    "elasticft.recovery.spare")),
     ("orchestration", ("elasticft.agent", "elasticft.recovery")),
     ("tools", ("elasticft.report", "elasticft.chaos")),
     ("entry points", ("elasticft.launcher", "elasticft.run", "elasticft.worker", "elasticft")),
@@ -54,7 +56,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 INDEPENDENT = {"subsystems", "orchestration"}
 """Layers whose packages must not import each other."""
 
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("elasticft.recovery.spare", "elasticft.ckpt.checkpointer"):
+        "a spare rebinds the checkpointers its set-up made to the rank it takes",
+    ("elasticft.recovery.spare", "elasticft.ckpt.settings"):
+        "a spare rebinds the checkpointers its set-up made to the rank it takes",
+    ("elasticft.recovery.spare", "elasticft.diag.autoinstall"):
+        "a spare arms the diagnostics recorders of the rank it takes",
+}
 """(importer, imported) pairs allowed to run up the layers, each with its reason."""
 
 

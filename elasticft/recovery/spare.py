@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import json
 import logging
 import os
 import time
@@ -79,9 +80,14 @@ class Assignment:
     env: dict[str, str]
 
     def write(self, directory: Path, spare: str) -> None:
-        write_json(assignment_file(directory, spare),
-                   {"generation": dataclasses.asdict(self.generation),
-                    "local_rank": self.local_rank, "env": self.env, "time": time.time()})
+        """Written whole and readable by this user only: the environment holds the rank's
+        checkpoint peer secret."""
+        path = assignment_file(directory, spare)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"generation": dataclasses.asdict(self.generation),
+                       "local_rank": self.local_rank, "env": self.env, "time": time.time()}, f)
+        os.replace(tmp, path)
 
     @classmethod
     def read(cls, directory: Path, spare: str) -> Assignment | None:

@@ -71,6 +71,7 @@ def test_an_assignment_is_read_back_whole_and_a_torn_one_is_none(tmp_path: Path)
     assert Assignment.read(tmp_path, "1") is None
     Assignment(generation, 1, {"RANK": "1"}).write(tmp_path, "1")
     assert Assignment.read(tmp_path, "1") == Assignment(generation, 1, {"RANK": "1"})
+    assert (tmp_path / "assign-1.json").stat().st_mode & 0o077 == 0  # the rank's secret
     (tmp_path / "assign-2.json").write_text('{"generation": {"generation": 2}}')
     assert Assignment.read(tmp_path, "2") is None
 
