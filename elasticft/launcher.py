@@ -246,25 +246,30 @@ def launch(
     # Every add-on knows this agent by the name it claimed, and the run by its directory.
     options = dataclasses.replace(options, agent=dataclasses.replace(
         options.agent, node_id=node_id, run_dir=run_dir))
+    # Once the options are known to be usable (a usage error is the only line).
+    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
+    if options.agent.event_dir is not None:
+        require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
+    # The agent's one event log: the add-ons get it from their context, the agent from here.
+    event_log = EventLog(options.agent.event_dir or run_dir, node_id)
     try:
         collaborators = [
             *build_add_ons(default_add_ons() if add_ons is None else add_ons,
-                           AddOnContext(options, config, os.environ)),
+                           AddOnContext(options, config, os.environ, events=event_log,
+                                        run_dir=run_dir)),
             *collaborators,
         ]
     except Exception:
+        # Nothing started: the file goes with the usage error, and so does the claim.
+        event_log.close()
+        event_log.path.unlink(missing_ok=True)
         claim.release()
         raise
-    # Once the options are known to be usable (a usage error is the only line).
-    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
     logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
                 f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
                 if earlier else "")
     logs_specs = worker_logs(config.logs_specs, run_dir, config.nproc_per_node,
                              options.agent.capture_stderr)
-    if options.agent.event_dir is not None:
-        require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
-    event_log = EventLog(options.agent.event_dir or run_dir, node_id)
     if not options.agent.share_rdzv_store:
         os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from elasticft.agent.classify import FailureClass, FailureRecord
 from elasticft.agent.policy import Action
+from elasticft.config import checkpoint_dir_default
+from elasticft.events import EventLog
 
 if TYPE_CHECKING:  # torch's launcher is loaded only once elasticft-run has checked its version
     from elasticft.config import ElasticftConfig
@@ -162,12 +164,39 @@ class AgentCollaborator:
 
 @dataclasses.dataclass(frozen=True)
 class AddOnContext:
-    """What every add-on is built from: elasticft's options, torch's launch config, and the
-    environment the launcher started in (read here, never inside a constructor)."""
+    """What every add-on is built from: elasticft's options, torch's launch config, the
+    environment the launcher started in (read here, never inside a constructor), and the
+    services the launcher made once for the whole agent.
+
+    An add-on takes the agent's event log from here instead of opening the file itself: one
+    open file per agent, whose events keep the order in which they happened."""
 
     options: ElasticftConfig
     launch: LaunchConfig
     env: Mapping[str, str]
+    events: EventLog | None = None
+    """The agent's event log, opened once by the launcher, which also closes it (None: an
+    add-on built outside an agent)."""
+    run_dir: Path | None = None
+    """The run directory (by default the options', which the launcher has resolved)."""
+
+    def __post_init__(self) -> None:
+        if self.run_dir is None and self.options.agent.run_dir is not None:
+            object.__setattr__(self, "run_dir", Path(self.options.agent.run_dir))
+
+    @property
+    def ckpt_dir(self) -> Path | None:
+        """This node's checkpoint directory: ``--ckpt-dir``, else ``<run-dir>/ckpt`` (None: no
+        run directory is known, an add-on built outside an agent)."""
+        if self.run_dir is None and self.options.ckpt.ckpt_dir is None:
+            return None
+        return checkpoint_dir_default(self.options.ckpt.ckpt_dir, self.run_dir or Path())
+
+    @property
+    def ckpt_remote_dir(self) -> Path | None:
+        """The directory every node shares for durable checkpoints (``--ckpt-remote-dir``)."""
+        remote = self.options.ckpt.ckpt_remote_dir
+        return None if remote is None else Path(remote)
 
 
 class AddOn(Protocol):

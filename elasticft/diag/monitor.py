@@ -77,6 +77,7 @@ class DiagMonitor(AgentCollaborator):
         config: DiagConfig,
         *,
         base_env: Mapping[str, str],
+        events: EventLog | None = None,
         event_dir: Path | None = None,
         log_root: Path | None = None,
         nccl_shim: Path | None = None,
@@ -96,7 +97,10 @@ class DiagMonitor(AgentCollaborator):
         self._limits = health.HealthLimits(config.health_min_free_gb,
                                            config.health_max_memory_percent,
                                            config.health_max_gpu_temp_c)
-        self._events: EventLog | None = None
+        self._events = events
+        """The agent's event log; opened here (under ``event_dir``, else the run directory)
+        only for a monitor built outside an agent, which then closes it too."""
+        self._owns_events = events is None
         self._ring_base: Path | None = None
         self._files: dict[int, WorkerFiles] = {}  # by global rank
         self._tracks: dict[int, RankTrack] = {}
@@ -237,7 +241,7 @@ class DiagMonitor(AgentCollaborator):
             for files in self._files.values():
                 files.close()
             self._files = {}
-            if self._events is not None:
+            if self._events is not None and self._owns_events:
                 self._events.close()
 
     # -- node health ----------------------------------------------------------------------------
@@ -585,7 +589,8 @@ class DiagAddOn:
             metrics = DiagMetrics()
             metrics.serve(config.diag_metrics.host, config.diag_metrics.port,
                           config.diag_metrics_token)
-        monitor = DiagMonitor(config, base_env=context.env, event_dir=options.agent.event_dir,
+        monitor = DiagMonitor(config, base_env=context.env, events=context.events,
+                              event_dir=options.agent.event_dir,
                               log_root=Path(log_root) if log_root else None, nccl_shim=shim,
                               metrics=metrics)
         if metrics is not None:

@@ -118,6 +118,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         checkpoints: CheckpointService | None = None,
         membership: Membership | None = None,
         layout: tuple[int, int, int] | None = None,
+        events: EventLog | None = None,
         event_dir: Path | None = None,
     ) -> None:
         self.config = config
@@ -129,7 +130,10 @@ class RecoveryOrchestrator(AgentCollaborator):
         self.layout = layout
         self.offences = 0
         self._event_dir = event_dir
-        self._events: EventLog | None = None
+        self._events = events
+        """The agent's event log; opened here (under ``event_dir``, else the run directory)
+        only for an orchestrator built outside an agent, which then closes it too."""
+        self._owns_events = events is None
         self._group: GroupInfo | None = None
         self._round_nodes: dict[int, tuple[str, ...]] = {}
         self._facts: dict[str, Any] = {}
@@ -538,7 +542,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         if callable(close):
             with contextlib.suppress(Exception):
                 close()
-        if self._events is not None:
+        if self._events is not None and self._owns_events:
             self._events.close()
 
 
@@ -608,5 +612,6 @@ class RecoveryAddOn:
             checkpoints=checkpoints if isinstance(checkpoints, CheckpointService) else None,
             membership=EtcdMembership.from_launch_config(context.launch),
             layout=layout,
+            events=context.events,
             event_dir=options.agent.event_dir,
         )
