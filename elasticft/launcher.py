@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, StopRun
+from elasticft.addon.classify import FailureRecord
+from elasticft.addon.policy import ActionKind
 from elasticft.agent import lifeline
 from elasticft.agent.addons import build_add_ons
 from elasticft.agent.agent import ElasticftAgent
-from elasticft.agent.api import AddOn, AddOnContext, AgentCollaborator, StopRun
-from elasticft.agent.classify import FailureRecord
-from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
 from elasticft.config import ElasticftConfig, require_writable_dir, run_dir_default
 from elasticft.diag.autoinstall import ArmedEntrypoint

@@ -46,14 +46,14 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from elasticft import procs
-from elasticft.agent.api import (
+from elasticft.addon.api import (
     AddOnContext,
     AgentCollaborator,
     GroupInfo,
     StopRun,
     run_ending_errors,
 )
-from elasticft.agent.policy import Action, ActionKind
+from elasticft.addon.policy import Action, ActionKind
 from elasticft.config import ConfigError, SlurmConfig
 from elasticft.events import EventLog
 
@@ -513,7 +513,7 @@ class SlurmHandler(AgentCollaborator):
 
 
 class SlurmAddOn:
-    """The Slurm handler as an add-on of the agent (:class:`elasticft.agent.api.AddOn`); None
+    """The Slurm handler as an add-on of the agent (:class:`elasticft.addon.api.AddOn`); None
     outside Slurm. It needs the checkpoint service, when there is one, for the time-limit
     checkpoint. Built on the main thread (signal handlers can only be installed there)."""
 

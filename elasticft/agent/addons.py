@@ -1,6 +1,6 @@
 """Ordering and building the agent's add-ons from what each declares.
 
-Each add-on (:class:`elasticft.agent.api.AddOn`) says which others it needs built first and
+Each add-on (:class:`elasticft.addon.api.AddOn`) says which others it needs built first and
 which others' hooks must run after its own. Two pure functions turn those declarations into a
 build order and a hook order (stable: declaration order breaks ties), and :func:`build_add_ons`
 builds the collaborators the agent is given, in hook order.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from elasticft.agent.api import AddOn, AddOnContext, AgentCollaborator
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator
 
 
 class AddOnOrderError(ValueError):

@@ -2,8 +2,8 @@
 collaborators.
 
 It overrides only torch's hooks. The run loop (``_invoke_run``) is torch's loop with the
-restart branch replaced: every failure is classified (:mod:`elasticft.agent.classify`), the
-pure policy (:mod:`elasticft.agent.policy`) decides, and the decision and its reason go to the
+restart branch replaced: every failure is classified (:mod:`elasticft.addon.classify`), the
+pure policy (:mod:`elasticft.addon.policy`) decides, and the decision and its reason go to the
 log and the event log. It also fixes what torch 2.13 gets wrong on restart: restarts honour
 ``--shutdown-timeout`` and a group that ends unhealthy is reported as failed, never as success.
 One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
@@ -25,15 +25,23 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs, steps, torch_compat
-from elasticft.agent import lifeline
-from elasticft.agent.api import (
+from elasticft.addon.api import (
     AgentCollaborator,
     Detection,
     GroupInfo,
     WorkerInfo,
     run_ending_errors,
 )
-from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
+from elasticft.addon.classify import FailureClass, FailureRecord, classify_exit
+from elasticft.addon.policy import (
+    Action,
+    ActionKind,
+    FailureFacts,
+    FailureSignature,
+    decide,
+    root_cause,
+)
+from elasticft.agent import lifeline
 from elasticft.agent.inprocess import (
     InProcessCoordinator,
     Recovery,
@@ -42,14 +50,6 @@ from elasticft.agent.inprocess import (
     kill_and_reap,
     phases,
     start_replacements,
-)
-from elasticft.agent.policy import (
-    Action,
-    ActionKind,
-    FailureFacts,
-    FailureSignature,
-    decide,
-    root_cause,
 )
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings

@@ -2,7 +2,7 @@
 
 Workers whose training runs under :class:`elasticft.recovery.inprocess.InProcess` say so with an
 ``armed`` file in this node's in-process directory. When one of them fails and the policy
-decides :attr:`~elasticft.agent.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, one
+decides :attr:`~elasticft.addon.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, one
 node, the failure is a crash, a hang or a communication error, restarts left), the agent does
 not stop the survivors. It
 

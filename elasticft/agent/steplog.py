@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
-from elasticft.agent.classify import FailureRecord
+from elasticft.addon.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.addon.classify import FailureRecord
 from elasticft.diag.workerenv import bootstrap_pythonpath
 from elasticft.steps import STEP_LOG_ENV, STEPS_DIR, step_log_path
 
@@ -56,7 +56,7 @@ def record_sizes(run_dir: Path) -> dict[Path, int]:
 
 
 class StepLogAddOn:
-    """Step records as an add-on of the agent (:class:`elasticft.agent.api.AddOn`): always on."""
+    """Step records as an add-on of the agent (:class:`elasticft.addon.api.AddOn`): always on."""
 
     name: ClassVar[str] = "steps"
     needs: ClassVar[tuple[str, ...]] = ()

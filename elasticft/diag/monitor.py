@@ -38,14 +38,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from elasticft import procs
-from elasticft.agent.api import (
+from elasticft.addon.api import (
     AddOnContext,
     AgentCollaborator,
     Detection,
     GroupInfo,
     WorkerInfo,
 )
-from elasticft.agent.classify import FailureClass
+from elasticft.addon.classify import FailureClass
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, hangcheck, health, shimcheck, stacks, verdict
 from elasticft.diag.hangcheck import NOT_HANG_OPS, RankTrack, hang_limits
@@ -561,7 +561,7 @@ class DiagMonitor(AgentCollaborator):
 
 
 class DiagAddOn:
-    """Diagnostics as an add-on of the agent (:class:`elasticft.agent.api.AddOn`)."""
+    """Diagnostics as an add-on of the agent (:class:`elasticft.addon.api.AddOn`)."""
 
     name: ClassVar[str] = "diag"
     needs: ClassVar[tuple[str, ...]] = ()

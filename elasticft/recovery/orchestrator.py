@@ -3,14 +3,14 @@ membership into hierarchical recovery.
 
 When a worker fails or diagnostics report a hang, the agent calls, in order, every
 collaborator's ``on_failure``, then ``failure_facts``, then the pure policy
-(:func:`elasticft.agent.policy.decide`), then ``on_decision``. The orchestrator sits before the
+(:func:`elasticft.addon.policy.decide`), then ``on_decision``. The orchestrator sits before the
 checkpoint service, so on a failure it
 
 1. **counts the offence** against this node when its own rank caused it
-   (:func:`~elasticft.agent.policy.is_node_offence`: a crash by signal, a hang this node's
+   (:func:`~elasticft.addon.policy.is_node_offence`: a crash by signal, a hang this node's
    monitor localised, a rank that stayed slow, a device error);
 2. **asks for a just-in-time checkpoint** when every data-parallel shard still has a healthy
-   replica (:func:`~elasticft.agent.policy.replicas_intact`) and a healthy local worker can be
+   replica (:func:`~elasticft.addon.policy.replicas_intact`) and a healthy local worker can be
    asked: through the checkpoint control channel (:mod:`elasticft.ckpt.control`), whose watcher
    thread answers while the worker's main thread waits in the broken collective, it completes
    the snapshot of the last completed step in shared memory; the checkpoint service's flush,
@@ -37,7 +37,7 @@ the others reuse its result.
 Job-wide, the **leader** of each round (group rank 0) compares the round's nodes with the
 previous round's: a node that is gone and whose membership lease ended (dead, or cut off
 from the network) is quarantined in this job for ``recovery_quarantine_s``, with the evidence
-(:func:`~elasticft.agent.policy.judge_departed`, :mod:`elasticft.rendezvous.quarantine`): that
+(:func:`~elasticft.addon.policy.judge_departed`, :mod:`elasticft.rendezvous.quarantine`): that
 says nothing about its machine, so it is not blacklisted. Every choice is logged with its reason and
 written to the event log (``jit_checkpoint``, ``eviction``, ``recovery``).
 """
@@ -60,9 +60,9 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from elasticft import procs
-from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, run_ending_errors
-from elasticft.agent.classify import FailureRecord
-from elasticft.agent.policy import (
+from elasticft.addon.api import AddOnContext, AgentCollaborator, GroupInfo, run_ending_errors
+from elasticft.addon.classify import FailureRecord
+from elasticft.addon.policy import (
     Action,
     ActionKind,
     CheckpointSource,
@@ -587,7 +587,7 @@ def _wait_key(store: Any, key: str, deadline: float, closing: threading.Event) -
 
 
 class RecoveryAddOn:
-    """Recovery as an add-on of the agent (:class:`elasticft.agent.api.AddOn`). It needs the
+    """Recovery as an add-on of the agent (:class:`elasticft.addon.api.AddOn`). It needs the
     checkpoint service (the just-in-time checkpoint goes through its control directory), and
     its hooks run before the service's: the service flushes the checkpoint recovery asked for.
     """

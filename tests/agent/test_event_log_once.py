@@ -1,5 +1,5 @@
 """One agent opens its event log once: every add-on writes through the log the launcher opened
-(:class:`elasticft.agent.api.AddOnContext`), never through a file handle of its own.
+(:class:`elasticft.addon.api.AddOnContext`), never through a file handle of its own.
 
 The count comes from the launcher process itself: a Python audit hook, installed before
 ``elasticft-run``'s ``main`` runs, sees every ``open`` and ``os.open`` of the process and

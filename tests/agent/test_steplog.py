@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.agent.steplog import StepLogEnv
 from elasticft.steps import StepRecorder, auto_step_path, step_log_path
 

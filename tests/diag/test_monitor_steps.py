@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.config import DiagConfig
 from elasticft.diag.monitor import DiagMonitor
 from elasticft.diag.ring import Op, RingWriter

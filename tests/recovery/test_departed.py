@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.config import RecoveryConfig
 from elasticft.recovery.membership import EtcdMembership
 from elasticft.recovery.orchestrator import RecoveryOrchestrator
