@@ -9,7 +9,8 @@ default, and a collaborator that raises is logged and never takes the agent down
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -113,6 +114,12 @@ class AgentCollaborator:
         """Extra environment for one worker (added to torch's, never replacing it)."""
         return {}
 
+    def python_path(self) -> Sequence[Path]:
+        """Directories every worker needs first on ``PYTHONPATH`` (a bootstrap whose
+        ``sitecustomize`` runs at start-up). The agent composes the variable once from every
+        collaborator's (:func:`prepend_paths`), the user's entries after them."""
+        return ()
+
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         """A rendezvous round completed; ``store`` is that round's (prefixed) store, shared by
         every agent of the round (e.g. for the leader to publish job-wide decisions)."""
@@ -156,6 +163,16 @@ class AgentCollaborator:
 
     def close(self) -> None:
         """The agent is exiting; release what this collaborator holds."""
+
+
+def prepend_paths(entries: Sequence[str | Path], existing: str | None,
+                  sep: str = os.pathsep) -> str:
+    """A search path (``PYTHONPATH``, ``LD_PRELOAD``) with ``entries`` first, in their order,
+    and ``existing``'s after them (pure). An entry ``existing`` holds already stays where it is:
+    the user's order is never changed, and nothing is listed twice."""
+    parts = [p for p in (existing or "").split(sep) if p]
+    new = [e for e in dict.fromkeys(str(e) for e in entries) if e not in parts]
+    return sep.join([*new, *parts])
 
 
 # ----------------------------------------------------------------------------------------------

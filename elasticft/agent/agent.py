@@ -30,6 +30,7 @@ from elasticft.addon.api import (
     Detection,
     GroupInfo,
     WorkerInfo,
+    prepend_paths,
     run_ending_errors,
 )
 from elasticft.addon.classify import FailureClass, FailureRecord, classify_exit
@@ -213,6 +214,15 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         worker = next(w for w in group.workers if w.local_rank == local_rank)
         for extra in self._each_collaborator("worker_env", group, worker):
             worker_env.update(extra or {})
+        if (path := self.worker_pythonpath(worker_env.get("PYTHONPATH"))) is not None:
+            worker_env["PYTHONPATH"] = path
+
+    def worker_pythonpath(self, existing: str | None) -> str | None:
+        """The workers' ``PYTHONPATH``: what the collaborators declare first
+        (:meth:`AgentCollaborator.python_path`), then ``existing`` (None: nothing declared,
+        ``existing`` stands)."""
+        declared = [p for paths in self._each_collaborator("python_path") for p in paths or ()]
+        return prepend_paths(declared, existing) if declared else None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.inprocess.reset()

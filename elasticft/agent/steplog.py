@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from elasticft.addon.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.addon.classify import FailureRecord
-from elasticft.diag.workerenv import bootstrap_pythonpath
+from elasticft.diag.workerenv import bootstrap_dir
 from elasticft.steps import STEP_LOG_ENV, STEPS_DIR, step_log_path
 
 
@@ -25,14 +25,16 @@ class StepLogEnv(AgentCollaborator):
     """Gives each worker the path of its step-record file, and the bootstrap that records
     optimizer steps for scripts that write no records themselves."""
 
-    def __init__(self, base_env: Mapping[str, str]) -> None:
-        self._base_env = dict(base_env)
+    def __init__(self) -> None:
         self._sizes_at_start: dict[Path, int] = {}
 
     def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
         path = step_log_path(Path(group.run_dir), worker.global_rank)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return {STEP_LOG_ENV: str(path), "PYTHONPATH": bootstrap_pythonpath(self._base_env)}
+        return {STEP_LOG_ENV: str(path)}
+
+    def python_path(self) -> tuple[Path, ...]:
+        return (bootstrap_dir(),)
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._sizes_at_start = record_sizes(Path(group.run_dir))
@@ -64,4 +66,4 @@ class StepLogAddOn:
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> StepLogEnv:
-        return StepLogEnv(context.env)
+        return StepLogEnv()

@@ -54,10 +54,10 @@ from elasticft.diag.metrics import DiagMetrics
 from elasticft.diag.ring import Op, Record
 from elasticft.diag.workerenv import (
     WorkerFiles,
+    bootstrap_dir,
     default_ring_base,
     diag_worker_env,
     shim_library,
-    sweep_dead_ring_dirs,
 )
 from elasticft.events import EventLog
 
@@ -130,11 +130,9 @@ class DiagMonitor(AgentCollaborator):
         if self._events is None:
             self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         if self._ring_base is None:
-            base = Path(self.config.diag_ring_dir or default_ring_base())
-            swept = sweep_dead_ring_dirs(base)
-            if swept:
-                logger.info("removed %d ring directories of agents that are gone", len(swept))
-            self._ring_base = base
+            # What gone agents left there, the launcher swept at the start
+            # (:func:`elasticft.launcher.sweep_leftovers`).
+            self._ring_base = Path(self.config.diag_ring_dir or default_ring_base())
 
     def emit(self, detector: str, message: str, **evidence: Any) -> None:
         logger.warning("detection (%s): %s", detector, message)
@@ -155,6 +153,10 @@ class DiagMonitor(AgentCollaborator):
         self._files[worker.global_rank] = files
         return diag_worker_env(files.files, auto_install=self.config.diag_auto_install,
                                shim=self._shim, base_env=self._base_env)
+
+    def python_path(self) -> tuple[Path, ...]:
+        # The recorder's bootstrap (elasticft.diag.autoinstall), for scripts that call nothing.
+        return (bootstrap_dir(),) if self.config.diag_auto_install else ()
 
     def _run_preflight(self, group: GroupInfo) -> None:
         started = time.monotonic()
