@@ -45,12 +45,8 @@ from elasticft.addon.policy import (
 from elasticft.agent import lifeline
 from elasticft.agent.inprocess import (
     InProcessCoordinator,
-    Recovery,
-    blocker,
+    InProcessRecoveryMixin,
     failed_exits,
-    kill_and_reap,
-    phases,
-    start_replacements,
 )
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
@@ -89,8 +85,10 @@ recovery."""
 _STEADY_AFTER_S = 2.0
 
 
-class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
+class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
     """A ``LocalElasticAgent`` whose failure handling is decided by :func:`policy.decide`."""
+
+    attempt_env = ATTEMPT_ENV
 
     def __init__(
         self,
@@ -443,116 +441,6 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
         self._each_collaborator("before_restart", self.group_info(), cause, counted)
         self._restart_workers(self._worker_group)
-
-    # ------------------------------------------------------------------------------------------
-    # In-process recovery (elasticft.agent.inprocess).
-
-    def _worker_pids(self) -> dict[int, int | None]:
-        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
-
-    def _all_armed(self) -> bool:
-        """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
-        set: an armed worker stays armed)."""
-        pids = self._worker_pids()
-        if pids and pids == self._armed:
-            return True
-        if self.inprocess.armed(pids):
-            self._armed = pids
-            return True
-        return False
-
-    def _in_process_blocker(self, group: GroupInfo,
-                            failures: tuple[FailureRecord, ...]) -> str | None:
-        pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = {f.local_rank for f in failures if f.local_rank in pids} - set(waiting)
-        return blocker(
-            armed=self._all_armed(), nodes=group.group_world_size,
-            recovering=self.inprocess.recovery is not None, failed=len(replace),
-            workers=len(pids),
-            replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
-
-    def _in_process_progress(self, group: GroupInfo) -> Detection | None:
-        """Completes a recovery under way, or reports one that is overdue; sees workers that all
-        caught a communication error with none exited (a regroup with no replacement)."""
-        recovery = self.inprocess.recovery
-        pids = self._worker_pids()
-        if recovery is not None:
-            records = self.inprocess.resumed(pids)
-            if records is not None:
-                self.inprocess.recovery = None
-                self.inprocess.completed += 1
-                timings = phases(recovery, records)
-                logger.warning("in-process recovery of generation %d done: %s",
-                               recovery.generation, timings)
-                self.events.emit("recover_in_process", attempt=self._attempt,
-                                 generation=recovery.generation, cause=recovery.cause,
-                                 replaced=self._by_global_rank(recovery.replaced),
-                                 phases=timings)
-                return None
-            if self.inprocess.overdue(time.monotonic()):
-                return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
-                                 f"in-process recovery of generation {recovery.generation} "
-                                 f"not resumed within {self.inprocess.timeout_s:.0f} s")
-            return None
-        if not self._all_armed():
-            return None
-        waiting = self.inprocess.waiting(pids)
-        if waiting and len(waiting) == len(pids):
-            by_local = {w.local_rank: w.global_rank for w in group.workers}
-            first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
-            return Detection(FailureClass.INFRASTRUCTURE, (by_local[first],), "inprocess",
-                             f"every worker caught a communication error, rank "
-                             f"{by_local[first]} first: {waiting[first][1]}")
-        return None
-
-    def _recover_in_process(self, action: Action) -> str | None:
-        """Replaces the failed workers and publishes the next generation; returns why that
-        failed (the caller then restarts the group), or None."""
-        seen_at = self._seen_at
-        decided_at = time.time()
-        pcontext = self._pcontext
-        pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = sorted({f.local_rank for f in self._decided if f.local_rank in pids}
-                         - set(waiting))
-        try:
-            kill_and_reap([torch_compat.worker_process(pcontext, lr) for lr in replace],
-                          self._shutdown_timeout)
-            world = self._worker_group.workers[0].world_size
-            generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1",
-                                                world)
-            self._attempt += 1
-            self.restarts += 1
-            replaced = start_replacements(
-                pcontext, replace, self.warm_pool,
-                lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
-                                                           ATTEMPT_ENV))
-            for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
-                self._worker_group.workers[local_rank].id = pid
-        except Exception as e:  # anything: the restart below starts from the same snapshots
-            logger.exception("could not replace workers %s in process", replace)
-            return f"{type(e).__name__}: {e}"
-        self.inprocess.recovery = Recovery(
-            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
-            time.monotonic() + self.inprocess.timeout_s)
-        self._hook_survivor_stop()
-        self._armed = {}
-        group = self.group_info()
-        logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
-                       "%s (pids %s), %d survivor(s) regroup", generation.generation,
-                       generation.master_port, replace, list(replaced.values()),
-                       len(pids) - len(replace))
-        self.events.emit("worker_replaced", attempt=self._attempt,
-                         generation=generation.generation,
-                         pids={str(w.global_rank): w.pid for w in group.workers},
-                         replaced=self._by_global_rank(replaced))
-        self._each_collaborator("on_workers_started", group)
-        return None
-
-    def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
-        workers = self._worker_group.workers
-        return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
 
     def _failed_result(self, run_result: RunResult) -> RunResult:
         """A FAILED result with at least one ProcessFailure, so callers never see success.

@@ -37,12 +37,16 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
 from elasticft import torch_compat
+from elasticft.addon.api import Detection, GroupInfo
+from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.policy import Action
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
+from elasticft.events import EventLog
 from elasticft.recovery.inprocess import (
     DIR_ENV,
     GENERATION_ENV,
@@ -246,3 +250,138 @@ def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
     for proc in procs:
         with contextlib.suppress(Exception):
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+class InProcessRecoveryMixin:
+    """Mixed into the agent: in-process recovery as the agent carries it out (the steps in this
+    module's docstring) on its own process context, workers and event log."""
+
+    attempt_env: ClassVar[str]
+    """The worker variable that numbers the attempts (the agent's)."""
+    inprocess: InProcessCoordinator
+    events: EventLog
+    warm_pool: WarmPool | None
+    restarts: int
+    _attempt: int
+    _armed: dict[int, int | None]
+    _decided: tuple[FailureRecord, ...]
+    _seen_at: float
+    _pcontext: Any
+    _worker_group: Any
+    _shutdown_timeout: int
+
+    def group_info(self) -> GroupInfo:
+        raise NotImplementedError
+
+    def _hook_survivor_stop(self) -> None:
+        raise NotImplementedError
+
+    def _each_collaborator(self, hook: str, *args: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _worker_pids(self) -> dict[int, int | None]:
+        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
+
+    def _all_armed(self) -> bool:
+        """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
+        set: an armed worker stays armed)."""
+        pids = self._worker_pids()
+        if pids and pids == self._armed:
+            return True
+        if self.inprocess.armed(pids):
+            self._armed = pids
+            return True
+        return False
+
+    def _in_process_blocker(self, group: GroupInfo,
+                            failures: tuple[FailureRecord, ...]) -> str | None:
+        pids = self._worker_pids()
+        waiting = self.inprocess.waiting(pids)
+        replace = {f.local_rank for f in failures if f.local_rank in pids} - set(waiting)
+        return blocker(
+            armed=self._all_armed(), nodes=group.group_world_size,
+            recovering=self.inprocess.recovery is not None, failed=len(replace),
+            workers=len(pids),
+            replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
+
+    def _in_process_progress(self, group: GroupInfo) -> Detection | None:
+        """Completes a recovery under way, or reports one that is overdue; sees workers that all
+        caught a communication error with none exited (a regroup with no replacement)."""
+        recovery = self.inprocess.recovery
+        pids = self._worker_pids()
+        if recovery is not None:
+            records = self.inprocess.resumed(pids)
+            if records is not None:
+                self.inprocess.recovery = None
+                self.inprocess.completed += 1
+                timings = phases(recovery, records)
+                logger.warning("in-process recovery of generation %d done: %s",
+                               recovery.generation, timings)
+                self.events.emit("recover_in_process", attempt=self._attempt,
+                                 generation=recovery.generation, cause=recovery.cause,
+                                 replaced=self._by_global_rank(recovery.replaced),
+                                 phases=timings)
+                return None
+            if self.inprocess.overdue(time.monotonic()):
+                return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                                 f"in-process recovery of generation {recovery.generation} "
+                                 f"not resumed within {self.inprocess.timeout_s:.0f} s")
+            return None
+        if not self._all_armed():
+            return None
+        waiting = self.inprocess.waiting(pids)
+        if waiting and len(waiting) == len(pids):
+            by_local = {w.local_rank: w.global_rank for w in group.workers}
+            first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
+            return Detection(FailureClass.INFRASTRUCTURE, (by_local[first],), "inprocess",
+                             f"every worker caught a communication error, rank "
+                             f"{by_local[first]} first: {waiting[first][1]}")
+        return None
+
+    def _recover_in_process(self, action: Action) -> str | None:
+        """Replaces the failed workers and publishes the next generation; returns why that
+        failed (the caller then restarts the group), or None."""
+        seen_at = self._seen_at
+        decided_at = time.time()
+        pcontext = self._pcontext
+        pids = self._worker_pids()
+        waiting = self.inprocess.waiting(pids)
+        replace = sorted({f.local_rank for f in self._decided if f.local_rank in pids}
+                         - set(waiting))
+        try:
+            kill_and_reap([torch_compat.worker_process(pcontext, lr) for lr in replace],
+                          self._shutdown_timeout)
+            world = self._worker_group.workers[0].world_size
+            generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1",
+                                                world)
+            self._attempt += 1
+            self.restarts += 1
+            replaced = start_replacements(
+                pcontext, replace, self.warm_pool,
+                lambda env: self.inprocess.replacement_env(env, generation, self._attempt,
+                                                           self.attempt_env))
+            for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
+                self._worker_group.workers[local_rank].id = pid
+        except Exception as e:  # anything: the restart below starts from the same snapshots
+            logger.exception("could not replace workers %s in process", replace)
+            return f"{type(e).__name__}: {e}"
+        self.inprocess.recovery = Recovery(
+            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
+            time.monotonic() + self.inprocess.timeout_s)
+        self._hook_survivor_stop()
+        self._armed = {}
+        group = self.group_info()
+        logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
+                       "%s (pids %s), %d survivor(s) regroup", generation.generation,
+                       generation.master_port, replace, list(replaced.values()),
+                       len(pids) - len(replace))
+        self.events.emit("worker_replaced", attempt=self._attempt,
+                         generation=generation.generation,
+                         pids={str(w.global_rank): w.pid for w in group.workers},
+                         replaced=self._by_global_rank(replaced))
+        self._each_collaborator("on_workers_started", group)
+        return None
+
+    def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
+        workers = self._worker_group.workers
+        return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
