@@ -14,8 +14,12 @@ Worker API::
 
 Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier),
 ``shards`` (DTensor shards back into live DTensors), ``durable`` (disk/remote tiers,
-DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint
-now"), ``checkpointer`` (worker side), ``service`` (agent side), ``commands`` (CLI).
+DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint now"), ``checkpointer``
+(worker side), ``pipeline`` (the persist pipeline) and its two persisters, ``agentpersist``
+(the agent's) and ``persister`` (a worker's own, without an agent); the agent side:
+``service`` (the agent's collaborator) with ``slots`` (the memory it owns), ``places`` (its
+directories), ``flush`` (the flush on failure) and ``replicas`` (replica serving);
+``commands`` (CLI).
 """
 
 from __future__ import annotations
