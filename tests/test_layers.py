@@ -17,8 +17,10 @@ those under ``TYPE_CHECKING``. From the bottom up:
    (``plan``), the etcd rendezvous (``rendezvous``) and Slurm (``slurm``). Each stands alone:
    none imports another (checked below), so each can be read, tested and changed by itself.
 4. **orchestration**: the agent (``agent``, with its warm pool and the order of its add-ons)
-   gathers the subsystems' worker environments and collaborators; recovery (``recovery``)
-   coordinates checkpoints across a rendezvous. Neither imports the other.
+   gathers the subsystems' worker environments and collaborators (``agent.api``,
+   ``agent.classify`` and ``agent.policy`` only re-export the add-on interface under its earlier
+   names); recovery (``recovery``) coordinates checkpoints across a rendezvous. Neither imports
+   the other.
 5. **tools**: what reads a run, or acts on one, from outside: ``report`` (including
    ``elasticft status``) and ``chaos``.
 6. **entry points**: ``launcher`` (builds the agent and its collaborators from the options),
@@ -26,7 +28,7 @@ those under ``TYPE_CHECKING``. From the bottom up:
    lazy names reach all of them.
 
 A module may import its own layer and the ones below. Each layer is named by its packages (one
-subpackage of recovery aside, below), so the folders show the layers. A new module has to be
+module of recovery aside, below), so the folders show the layers. A new module has to be
 placed here before its test passes.
 """
 
@@ -42,10 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
               "elasticft.unnamed", "elasticft.extras", "elasticft.config", "elasticft.options",
               "elasticft.steps", "elasticft.logs", "elasticft.cli")),
-    # agent.api, agent.classify and agent.policy re-export the interface's earlier names until
-    # no module of the package imports them.
-    ("add-on interface", ("elasticft.addon", "elasticft.agent.api", "elasticft.agent.classify",
-                          "elasticft.agent.policy")),
+    ("add-on interface", ("elasticft.addon",)),
     # recovery.inprocess is the workers' side of in-process recovery, a subsystem the agent
     # drives as it drives ckpt's worker API; the rest of recovery/ orchestrates.
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
