@@ -5,7 +5,8 @@ joins the checkpoint engine's agent-side concepts to the agent's hooks:
 
 * **Slots it owns** (:mod:`elasticft.ckpt.slots`): every local worker's shared-memory slots,
   passed to the workers (``ELASTICFT_WORKER_CKPT_*``) and held for the job's life, so a worker
-  that crashes loses nothing. Named segments of older versions are swept at start.
+  that crashes loses nothing. Named segments of older versions are swept by the launcher's one
+  sweep of leftovers.
 * **Persistence in the background** (:mod:`elasticft.ckpt.agentpersist`): every monitor tick,
   a step due for persistence that every local worker holds is written to the local directory
   and the remote one on a background thread, DCP-readable, committed once every rank is
@@ -26,7 +27,8 @@ joins the checkpoint engine's agent-side concepts to the agent's hooks:
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
 * **What each attempt resumed from**: one log line and a ``restore`` event; every save a
-  worker could not take is a ``snapshot_skipped`` event. Where checkpoints persist:
+  worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
+  log (``AddOnContext.events``). Where checkpoints persist:
   :mod:`elasticft.ckpt.places`. Under ``--fresh`` the workers first remove what earlier
   launches left there.
 """
@@ -99,6 +101,7 @@ class CheckpointService(AgentCollaborator):
         *,
         local_addr: str | None = None,
         shm_dir: Path = shm.SHM_DIR,
+        events: EventLog | None = None,
         event_dir: Path | None = None,
         layout: tuple[int, int, int] | None = None,
         fresh: bool = False,
@@ -120,12 +123,14 @@ class CheckpointService(AgentCollaborator):
         self._backup_addr: str | None = None
         self._holder_addr: str | None = None
         self._replica_addr: str | None = None
+        self._events = events
+        """The agent's event log; opened here (under ``event_dir``, else the run directory)
+        only for a service built outside an agent, which then closes it too."""
+        self._owns_events = events is None
         self._event_dir = event_dir
-        self._events: EventLog | None = None
         self._events_lock = threading.Lock()  # the agent's thread and the persist threads
         self._skips = SkipReader()
         self.snapshots_skipped = 0
-        shm.sweep_orphans(shm_dir)
         self.persister = AgentPersister(config, self.slots, self.places, self._event,
                                         self._replicate)
         self._flush = FailureFlush(self.persister)
@@ -386,7 +391,7 @@ class CheckpointService(AgentCollaborator):
             shutil.rmtree(control, ignore_errors=True)
             with contextlib.suppress(OSError):
                 control.parent.rmdir()  # unless another agent of the run still uses it
-        if self._events is not None:
+        if self._events is not None and self._owns_events:
             self._events.close()
 
 
@@ -421,5 +426,5 @@ class CheckpointAddOn:
                               "or remove them", reason="fresh_remote")
         layout = options.plan.layout.complete() if options.plan.layout is not None else None
         return CheckpointService(options.ckpt, local_addr=context.launch.local_addr,
-                                 event_dir=options.agent.event_dir, layout=layout,
-                                 fresh=options.agent.fresh)
+                                 events=context.events, event_dir=options.agent.event_dir,
+                                 layout=layout, fresh=options.agent.fresh)

@@ -46,7 +46,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.xfail(reason="ckpt/service.py still opens its own", strict=False)
 @pytest.mark.timeout(300)
 def test_one_agent_opens_its_event_log_once(tmp_path: Path, job_env: dict[str, str]) -> None:
     run_dir, count_file = tmp_path / "run", tmp_path / "opens.json"
