@@ -22,7 +22,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from elasticft import procs, steps, torch_compat
 from elasticft.addon.api import (
@@ -66,6 +66,7 @@ from elasticft.torch_compat import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RUN_DIR_ENV = "ELASTICFT_RUN_DIR"
 NODE_ID_ENV = "ELASTICFT_NODE_ID"
@@ -167,11 +168,13 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             in_process=bool(self._armed),
         )
 
-    def _each_collaborator(self, hook: str, *args: Any) -> list[Any]:
+    def _each_collaborator(self, hook: str, call: Callable[[AgentCollaborator], T]) -> list[T]:
+        """``call(collaborator)`` for each collaborator, in hook order; ``hook`` names the hook
+        in the log line of a collaborator that fails."""
         results = []
         for collaborator in self.collaborators:
             try:
-                results.append(getattr(collaborator, hook)(*args))
+                results.append(call(collaborator))
             except run_ending_errors():
                 raise  # a collaborator ends the run on purpose, or the launcher was signalled
             except Exception:
@@ -196,7 +199,8 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             master_addr=worker_group.master_addr,
             master_port=worker_group.master_port,
         )
-        self._each_collaborator("on_rendezvous", self.group_info(), self._store)
+        group = self.group_info()
+        self._each_collaborator("on_rendezvous", lambda c: c.on_rendezvous(group, self._store))
 
     def _set_local_rank_env(
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
@@ -210,7 +214,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         worker_env.update(self.inprocess.worker_env())
         group = self.group_info()
         worker = next(w for w in group.workers if w.local_rank == local_rank)
-        for extra in self._each_collaborator("worker_env", group, worker):
+        for extra in self._each_collaborator("worker_env", lambda c: c.worker_env(group, worker)):
             worker_env.update(extra or {})
         if (path := self.worker_pythonpath(worker_env.get("PYTHONPATH"))) is not None:
             worker_env["PYTHONPATH"] = path
@@ -219,7 +223,8 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         """The workers' ``PYTHONPATH``: what the collaborators declare first
         (:meth:`AgentCollaborator.python_path`), then ``existing`` (None: nothing declared,
         ``existing`` stands)."""
-        declared = [p for paths in self._each_collaborator("python_path") for p in paths or ()]
+        declared = [p for paths in self._each_collaborator("python_path", lambda c: c.python_path())
+                    for p in paths or ()]
         return prepend_paths(declared, existing) if declared else None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -239,15 +244,16 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             world_size=group.workers[0].world_size if group.workers else 0,
             warm_local_ranks=list(self.warm_ranks),
         )
-        self._each_collaborator("on_workers_started", group)
+        self._each_collaborator("on_workers_started", lambda c: c.on_workers_started(group))
         return pids
 
     def _hook_survivor_stop(self) -> None:
         if self._pcontext is not None:
             notify_before_survivors_stopped(
                 self._pcontext,
-                lambda failed: self._each_collaborator("before_survivors_stopped",
-                                                       self.group_info(), failed),
+                lambda failed: self._each_collaborator(
+                    "before_survivors_stopped",
+                    lambda c: c.before_survivors_stopped(self.group_info(), failed)),
             )
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
@@ -261,7 +267,8 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
         self._shutdown(timeout=self._shutdown_timeout)
-        self._each_collaborator("on_workers_stopped", self.group_info())
+        group = self.group_info()
+        self._each_collaborator("on_workers_stopped", lambda c: c.on_workers_stopped(group))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         ending = self._failed_while_exiting()
@@ -283,7 +290,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
             self._steady_reported = True
             self.events.emit("steady", attempt=self._attempt, round=self._round)
-        for detection in self._each_collaborator("check", group):
+        for detection in self._each_collaborator("check", lambda c: c.check(group)):
             if detection is not None:
                 self._detection = detection
                 return RunResult(state=WorkerState.UNHEALTHY)
@@ -329,8 +336,11 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             self._worker_group.state = state
             if state == WorkerState.SUCCEEDED:
                 self.events.emit("workers_succeeded", attempt=self._attempt)
-                self._each_collaborator("on_workers_stopped", self.group_info())
-                self._each_collaborator("on_workers_succeeded", self.group_info())
+                done = self.group_info()
+                self._each_collaborator("on_workers_stopped",
+                                        lambda c, g=done: c.on_workers_stopped(g))
+                self._each_collaborator("on_workers_succeeded",
+                                        lambda c, g=done: c.on_workers_succeeded(g))
                 self._exit_barrier()
                 return run_result
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
@@ -375,7 +385,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             logger.warning("worker failure: %s", failure.summary())
             self.events.emit("failure", attempt=self._attempt, **failure.to_json())
         self.failures.extend(failures)
-        self._each_collaborator("on_failure", group, failures)
+        self._each_collaborator("on_failure", lambda c: c.on_failure(group, failures))
         spec = self._worker_group.spec
         facts = FailureFacts(
             failures=failures,
@@ -387,7 +397,8 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             can_evict=False,
             previous_failure=self._previous_failure,
         )
-        for extra in self._each_collaborator("failure_facts", group, failures):
+        for extra in self._each_collaborator("failure_facts",
+                                             lambda c: c.failure_facts(group, failures)):
             facts = dataclasses.replace(facts, **(extra or {}))
         why_not = self._in_process_blocker(group, failures)
         if why_not is None:
@@ -406,7 +417,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             signature=signature.to_json() if signature else None,
             previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
                               else None))
-        self._each_collaborator("on_decision", group, action)
+        self._each_collaborator("on_decision", lambda c: c.on_decision(group, action))
         if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS):
             if action.consumes_user_error_restart:
                 self._user_error_restarts += 1
@@ -439,7 +450,8 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         else:  # the attempts around a membership change are not "in a row"
             self._previous_failure = None
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
-        self._each_collaborator("before_restart", self.group_info(), cause, counted)
+        group = self.group_info()
+        self._each_collaborator("before_restart", lambda c: c.before_restart(group, cause, counted))
         self._restart_workers(self._worker_group)
 
     def _failed_result(self, run_result: RunResult) -> RunResult:

@@ -276,7 +276,7 @@ class InProcessRecoveryMixin:
     def _hook_survivor_stop(self) -> None:
         raise NotImplementedError
 
-    def _each_collaborator(self, hook: str, *args: Any) -> list[Any]:
+    def _each_collaborator(self, hook: str, call: Callable[[Any], Any]) -> list[Any]:
         raise NotImplementedError
 
     def _worker_pids(self) -> dict[int, int | None]:
@@ -379,7 +379,7 @@ class InProcessRecoveryMixin:
                          generation=generation.generation,
                          pids={str(w.global_rank): w.pid for w in group.workers},
                          replaced=self._by_global_rank(replaced))
-        self._each_collaborator("on_workers_started", group)
+        self._each_collaborator("on_workers_started", lambda c: c.on_workers_started(group))
         return None
 
     def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
