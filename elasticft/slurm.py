@@ -47,6 +47,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from elasticft import procs
 from elasticft.addon.api import (
+    AddOn,
     AddOnContext,
     AgentCollaborator,
     GroupInfo,
@@ -512,14 +513,13 @@ class SlurmHandler(AgentCollaborator):
         logger.info("SIGTERM after the requeue (Slurm ends this allocation); exiting")
 
 
-class SlurmAddOn:
+class SlurmAddOn(AddOn):
     """The Slurm handler as an add-on of the agent (:class:`elasticft.addon.api.AddOn`); None
     outside Slurm. It needs the checkpoint service, when there is one, for the time-limit
     checkpoint. Built on the main thread (signal handlers can only be installed there)."""
 
     name: ClassVar[str] = "slurm"
     needs: ClassVar[tuple[str, ...]] = ("ckpt",)
-    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> SlurmHandler | None:

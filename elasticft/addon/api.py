@@ -224,12 +224,13 @@ class AddOn(Protocol):
     first, and one that is off arrives as None. ``runs_before`` names the add-ons whose hooks
     must run after this one's. The launcher orders both from these declarations
     (:func:`elasticft.agent.addons.build_order`, :func:`~elasticft.agent.addons.hook_order`),
-    so no order lives in comments.
+    so no order lives in comments. An add-on that subclasses this protocol needs none and runs
+    before none unless it says so.
     """
 
     name: ClassVar[str]
-    needs: ClassVar[tuple[str, ...]]
-    runs_before: ClassVar[tuple[str, ...]]
+    needs: ClassVar[tuple[str, ...]] = ()
+    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> AgentCollaborator | None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from elasticft.addon.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.addon.classify import FailureRecord
 from elasticft.diag.workerenv import bootstrap_dir
 from elasticft.steps import STEP_LOG_ENV, STEPS_DIR, step_log_path
@@ -57,12 +57,10 @@ def record_sizes(run_dir: Path) -> dict[Path, int]:
     return sizes
 
 
-class StepLogAddOn:
+class StepLogAddOn(AddOn):
     """Step records as an add-on of the agent (:class:`elasticft.addon.api.AddOn`): always on."""
 
     name: ClassVar[str] = "steps"
-    needs: ClassVar[tuple[str, ...]] = ()
-    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> StepLogEnv:

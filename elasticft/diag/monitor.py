@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 from elasticft import procs
 from elasticft.addon.api import (
+    AddOn,
     AddOnContext,
     AgentCollaborator,
     Detection,
@@ -562,12 +563,10 @@ class DiagMonitor(AgentCollaborator):
         return None
 
 
-class DiagAddOn:
+class DiagAddOn(AddOn):
     """Diagnostics as an add-on of the agent (:class:`elasticft.addon.api.AddOn`)."""
 
     name: ClassVar[str] = "diag"
-    needs: ClassVar[tuple[str, ...]] = ()
-    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> DiagMonitor | None:

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from elasticft import procs
-from elasticft.addon.api import AddOnContext, AgentCollaborator, GroupInfo, run_ending_errors
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, run_ending_errors
 from elasticft.addon.classify import FailureRecord
 from elasticft.addon.policy import (
     Action,
@@ -541,7 +541,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             self._events.close()
 
 
-class RecoveryAddOn:
+class RecoveryAddOn(AddOn):
     """Recovery as an add-on of the agent (:class:`elasticft.addon.api.AddOn`). It needs the
     checkpoint service (the just-in-time checkpoint goes through its control directory), and
     its hooks run before the service's: the service flushes the checkpoint recovery asked for.

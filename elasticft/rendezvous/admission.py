@@ -14,6 +14,7 @@ entries, the last completed round, its member record) in the same request.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -45,36 +46,35 @@ OUTAGE_LOG_EVERY_S = 10.0
 """While etcd does not answer, a waiting node says so this often."""
 
 
+@dataclasses.dataclass(frozen=True)
 class Admission:
     """One node's waits before it joins (see the module docstring)."""
 
-    def __init__(self, rounds: RoundStore, blacklist: Blacklist, node_id: str, host: str,
-                 endpoints: str, ttl_s: float, addr: str, run_id: str) -> None:
-        self._rounds = rounds
-        self._blacklist = blacklist
-        self._node_id = node_id
-        self._host = host
-        self._endpoints = endpoints
-        """etcd's endpoints as a line names them."""
-        self._ttl_s = ttl_s
-        """The lease time of a member record."""
-        self._addr = addr
-        self._run_id = run_id
+    rounds: RoundStore
+    blacklist: Blacklist
+    node_id: str
+    host: str
+    endpoints: str
+    """etcd's endpoints as a line names them."""
+    ttl_s: float
+    """The lease time of a member record."""
+    addr: str
+    run_id: str
 
     def duplicate(self, probe: ProbeView, deadline: float) -> ProbeView:
         """Waits while another agent's member record holds this node's id (an agent that died
         leaves one until its lease expires); raises :class:`DuplicateNodeIdError` naming both
         agents when the other is alive (its record outlives a lease) or the join time is up."""
-        ttl_deadline = min(deadline, time.monotonic() + self._ttl_s + DUPLICATE_GRACE_S)
-        while (other := other_agent(probe.member, self._addr)) is not None:
+        ttl_deadline = min(deadline, time.monotonic() + self.ttl_s + DUPLICATE_GRACE_S)
+        while (other := other_agent(probe.member, self.addr)) is not None:
             if time.monotonic() >= ttl_deadline:
                 raise DuplicateNodeIdError(
-                    f"node id {self._node_id!r} of job {self._run_id!r} is taken by another live "
-                    f"agent ({other.addr}, pid {other.pid}); this agent is ({self._addr}, pid "
+                    f"node id {self.node_id!r} of job {self.run_id!r} is taken by another live "
+                    f"agent ({other.addr}, pid {other.pid}); this agent is ({self.addr}, pid "
                     f"{os.getpid()}): give each agent its own --node-id, or leave --node-id "
                     "out for a unique default")
             logger.info("node id %s is held by the record of (%s, pid %d); waiting for it to "
-                        "expire", self._node_id, other.addr, other.pid)
+                        "expire", self.node_id, other.addr, other.pid)
             time.sleep(DUPLICATE_POLL_S)
             probe = self.etcd(deadline)
         return probe
@@ -88,8 +88,8 @@ class Admission:
             latest[0] = self.etcd(deadline)
             return latest[0].quarantined
 
-        quarantine.wait_out(probe.quarantined, again, self._node_id, self._host, round_,
-                            self._run_id, deadline, self._endpoints)
+        quarantine.wait_out(probe.quarantined, again, self.node_id, self.host, round_,
+                            self.run_id, deadline, self.endpoints)
         return latest[0]
 
     def etcd(self, deadline: float) -> ProbeView:
@@ -100,10 +100,10 @@ class Admission:
         pause_s = OUTAGE_RETRY_S[0]
         while True:
             try:
-                names = dict.fromkeys((self._node_id, self._host))
-                found = self._rounds.probe(tuple(self._blacklist.key(n) for n in names))
+                names = dict.fromkeys((self.node_id, self.host))
+                found = self.rounds.probe(tuple(self.blacklist.key(n) for n in names))
                 if last_said > -math.inf:
-                    logger.warning("etcd at %s answers after %.0f s", self._endpoints,
+                    logger.warning("etcd at %s answers after %.0f s", self.endpoints,
                                    time.monotonic() - started)
                 return found
             except RendezvousConnectionError as e:
@@ -111,7 +111,7 @@ class Admission:
                 cause = describe_error(e.__cause__) if e.__cause__ else str(e)
                 if now >= deadline:
                     raise RendezvousConnectionError(
-                        f"cannot reach etcd at {self._endpoints} within "
+                        f"cannot reach etcd at {self.endpoints} within "
                         f"{now - started:.0f} s ({cause}); start etcd or fix "
                         "--rdzv-endpoint / --rdzv-conf (TLS, user, password)"
                     ) from None
@@ -122,7 +122,7 @@ class Admission:
                     logger.warning(
                         "waiting for etcd at %s (%s); giving up in %.0f s (set "
                         "--rdzv-conf connect_timeout=SECONDS to wait less or more)",
-                        self._endpoints, cause, deadline - now)
+                        self.endpoints, cause, deadline - now)
                 time.sleep(min(pause_s * random.uniform(0.5, 1.0), max(0.0, deadline - now)))
                 pause_s = min(2 * pause_s, OUTAGE_RETRY_S[1])
 
