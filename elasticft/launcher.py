@@ -103,7 +103,7 @@ def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
     return run_dir_default(options.agent.run_dir, log_dir, str(config.run_id))
 
 
-def default_add_ons() -> list[AddOn]:
+def default_add_ons() -> list[AddOn[Any]]:
     """The add-ons ``elasticft-run`` gives its agent, one per subsystem; their declarations order
     them (:mod:`elasticft.agent.addons`). Imported here so that a launcher with none of them
     loads none."""
@@ -223,7 +223,7 @@ def launch(
     options: ElasticftConfig | None = None,
     *,
     collaborators: Sequence[AgentCollaborator] = (),
-    add_ons: Sequence[AddOn] | None = None,
+    add_ons: Sequence[AddOn[Any]] | None = None,
     agent_class: type[ElasticftAgent] = ElasticftAgent,
 ) -> LaunchResult:
     """Runs this node's agent until the job ends for it; never raises for worker failures.

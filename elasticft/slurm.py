@@ -513,7 +513,7 @@ class SlurmHandler(AgentCollaborator):
         logger.info("SIGTERM after the requeue (Slurm ends this allocation); exiting")
 
 
-class SlurmAddOn(AddOn):
+class SlurmAddOn(AddOn[SlurmHandler]):
     """The Slurm handler as an add-on of the agent (:class:`elasticft.addon.api.AddOn`); None
     outside Slurm. It needs the checkpoint service, when there is one, for the time-limit
     checkpoint. Built on the main thread (signal handlers can only be installed there)."""

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
@@ -216,23 +216,42 @@ class AddOnContext:
         return None if remote is None else Path(remote)
 
 
-class AddOn(Protocol):
+C = TypeVar("C", bound=AgentCollaborator, covariant=True)
+
+
+class AddOn(Protocol[C]):
     """One subsystem's way into the agent (checkpoints, diagnostics, recovery, the layout plan,
     step records, Slurm).
 
-    ``needs`` names the add-ons whose collaborators :meth:`build` receives: they are built
-    first, and one that is off arrives as None. ``runs_before`` names the add-ons whose hooks
-    must run after this one's. The launcher orders both from these declarations
-    (:func:`elasticft.agent.addons.build_order`, :func:`~elasticft.agent.addons.hook_order`),
-    so no order lives in comments. An add-on that subclasses this protocol needs none and runs
-    before none unless it says so.
+    ``needs`` names the add-ons whose collaborators :meth:`build` receives, by their class (or
+    by name, for one a subsystem may not import): they are built first, and one that is off
+    arrives as None; :meth:`Built.of` gives each typed as its add-on builds it. ``runs_before``
+    names the add-ons whose hooks must run after this one's. The launcher orders both from these
+    declarations (:func:`elasticft.agent.addons.build_order`,
+    :func:`~elasticft.agent.addons.hook_order`), so no order lives in comments. An add-on that
+    subclasses this protocol needs none and runs before none unless it says so.
     """
 
     name: ClassVar[str]
-    needs: ClassVar[tuple[str, ...]] = ()
+    needs: ClassVar[tuple[str | type[AddOn[Any]], ...]] = ()
     runs_before: ClassVar[tuple[str, ...]] = ()
 
-    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
-              ) -> AgentCollaborator | None:
+    def build(self, context: AddOnContext, built: Built) -> C | None:
         """The collaborator, or None when the options turn this add-on off."""
         ...
+
+
+def add_on_name(add_on: str | type[AddOn[Any]]) -> str:
+    """The name of an add-on named in ``needs``, by class or by name."""
+    return add_on if isinstance(add_on, str) else add_on.name
+
+
+T = TypeVar("T", bound=AgentCollaborator)
+
+
+class Built(dict[str, AgentCollaborator | None]):
+    """The collaborators of the add-ons one add-on needs, by add-on name."""
+
+    def of(self, add_on: type[AddOn[T]]) -> T | None:
+        """The collaborator ``add_on`` built (None: it is off), typed as that add-on builds it."""
+        return cast("T | None", self.get(add_on.name))

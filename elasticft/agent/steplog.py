@@ -57,7 +57,7 @@ def record_sizes(run_dir: Path) -> dict[Path, int]:
     return sizes
 
 
-class StepLogAddOn(AddOn):
+class StepLogAddOn(AddOn[StepLogEnv]):
     """Step records as an add-on of the agent (:class:`elasticft.addon.api.AddOn`): always on."""
 
     name: ClassVar[str] = "steps"

@@ -563,7 +563,7 @@ class DiagMonitor(AgentCollaborator):
         return None
 
 
-class DiagAddOn(AddOn):
+class DiagAddOn(AddOn[DiagMonitor]):
     """Diagnostics as an add-on of the agent (:class:`elasticft.addon.api.AddOn`)."""
 
     name: ClassVar[str] = "diag"

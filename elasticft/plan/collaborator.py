@@ -118,7 +118,7 @@ class LayoutCollaborator(AgentCollaborator):
         return layout_env(self.layout) if self.layout is not None else {}
 
 
-class LayoutAddOn(AddOn):
+class LayoutAddOn(AddOn[LayoutCollaborator]):
     """The layout planner as an add-on of the agent (:class:`elasticft.addon.api.AddOn`)."""
 
     name: ClassVar[str] = "plan"

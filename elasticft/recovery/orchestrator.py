@@ -58,7 +58,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from elasticft import procs
-from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, run_ending_errors
+from elasticft.addon.api import (
+    AddOn,
+    AddOnContext,
+    AgentCollaborator,
+    Built,
+    GroupInfo,
+    run_ending_errors,
+)
 from elasticft.addon.classify import FailureRecord
 from elasticft.addon.policy import (
     Action,
@@ -72,7 +79,7 @@ from elasticft.addon.policy import (
     replicas_intact,
 )
 from elasticft.ckpt.control import request_checkpoint, watching_pid
-from elasticft.ckpt.service import CheckpointService
+from elasticft.ckpt.service import CheckpointAddOn, CheckpointService
 from elasticft.config import RecoveryConfig
 from elasticft.events import EventLog
 from elasticft.recovery.roster import EtcdRoster, Roster
@@ -541,30 +548,29 @@ class RecoveryOrchestrator(AgentCollaborator):
             self._events.close()
 
 
-class RecoveryAddOn(AddOn):
+class RecoveryAddOn(AddOn[RecoveryOrchestrator]):
     """Recovery as an add-on of the agent (:class:`elasticft.addon.api.AddOn`). It needs the
     checkpoint service (the just-in-time checkpoint goes through its control directory), and
     its hooks run before the service's: the service flushes the checkpoint recovery asked for.
     """
 
     name: ClassVar[str] = "recovery"
-    needs: ClassVar[tuple[str, ...]] = ("ckpt",)
-    runs_before: ClassVar[tuple[str, ...]] = ("ckpt",)
+    needs: ClassVar[tuple[str | type[AddOn[Any]], ...]] = (CheckpointAddOn,)
+    runs_before: ClassVar[tuple[str, ...]] = (CheckpointAddOn.name,)
 
-    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
-              ) -> RecoveryOrchestrator | None:
+    def build(self, context: AddOnContext, built: Built) -> RecoveryOrchestrator | None:
         options = context.options
         if not options.recovery.recovery_enabled:
             return None
         import socket
 
-        checkpoints = built["ckpt"]
+        checkpoints = built.of(CheckpointAddOn)
         layout = options.plan.layout.complete() if options.plan.layout else None
         return RecoveryOrchestrator(
             options.recovery,
             node_id=options.agent.node_id or socket.gethostname(),
             min_nodes=int(context.launch.min_nodes or 1),
-            checkpoints=checkpoints if isinstance(checkpoints, CheckpointService) else None,
+            checkpoints=checkpoints,
             roster=EtcdRoster.from_launch_config(context.launch),
             layout=layout,
             events=context.events,
