@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 from elasticft.addon.classify import FailureClass, FailureRecord
-from elasticft.addon.policy import Action
+from elasticft.addon.policy import Action, KnownFacts
 from elasticft.config import checkpoint_dir_default
 from elasticft.events import EventLog
 
@@ -140,9 +140,8 @@ class AgentCollaborator:
         """A failure was found; runs before the agent's restart or stop (e.g. to flush state).
         A worker process that failed has already made torch stop the others."""
 
-    def failure_facts(
-        self, group: GroupInfo, failures: tuple[FailureRecord, ...]
-    ) -> Mapping[str, Any]:
+    def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
+                      ) -> KnownFacts:
         """Facts this collaborator knows about a failure, as ``FailureFacts`` field values
         (e.g. ``can_evict``, ``replicas_intact``); runs after ``on_failure``, before the policy."""
         return {}

@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import re
 from collections.abc import Iterable
+from typing import TypedDict
 
 from elasticft.addon.classify import FailureClass, FailureRecord
 
@@ -93,6 +94,19 @@ class FailureFacts:
     previous_failure: FailureSignature | None = None
     """The signature of the previous attempt's failure when that attempt completed no step
     (None otherwise, or when it ended without a failure)."""
+
+
+class KnownFacts(TypedDict, total=False):
+    """The fields of :class:`FailureFacts` a collaborator of the agent may know about a failure
+    (its ``failure_facts`` hook); the agent fills in the rest."""
+
+    node_suspect: bool
+    can_evict: bool
+    node_offences: int
+    repeat_offender_limit: int
+    replicas_intact: bool
+    jit_available: bool
+    step_completed: bool | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.addon.classify import FailureRecord
+from elasticft.addon.policy import KnownFacts
 from elasticft.diag.workerenv import bootstrap_dir
 from elasticft.steps import STEP_LOG_ENV, STEPS_DIR, step_log_path
 
@@ -40,7 +41,7 @@ class StepLogEnv(AgentCollaborator):
         self._sizes_at_start = record_sizes(Path(group.run_dir))
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
-                      ) -> Mapping[str, Any]:
+                      ) -> KnownFacts:
         now = record_sizes(Path(group.run_dir))
         grown = any(size > self._sizes_at_start.get(path, 0) for path, size in now.items())
         return {"step_completed": grown}

@@ -52,7 +52,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -73,6 +72,7 @@ from elasticft.addon.policy import (
     CheckpointSource,
     DepartedNode,
     FailureFacts,
+    KnownFacts,
     checkpoint_source,
     is_node_offence,
     judge_departed,
@@ -138,7 +138,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._owns_events = events is None
         self._group: GroupInfo | None = None
         self._round_nodes: dict[int, tuple[str, ...]] = {}
-        self._facts: dict[str, Any] = {}
+        self._facts: KnownFacts = {}
         self._threads: list[threading.Thread] = []
         self._jit_lock = threading.Lock()
         self._round_jit: dict[int, _RoundJit] = {}
@@ -283,7 +283,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         # The other nodes' replicas can be asked through the round's store.
         remote = intact and uses_api and group.group_world_size > 1 and \
             self._round_store is not None
-        facts: dict[str, Any] = {
+        facts: KnownFacts = {
             "node_offences": self.offences,
             "repeat_offender_limit": self.config.recovery_repeat_offender,
             "replicas_intact": intact,
@@ -511,7 +511,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._node_jit(group, cause)
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
-                      ) -> Mapping[str, Any]:
+                      ) -> KnownFacts:
         return self._facts
 
     def on_decision(self, group: GroupInfo, action: Action) -> None:
