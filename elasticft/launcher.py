@@ -166,20 +166,19 @@ def worker_logs(specs: LogsSpecs | None, run_dir: Path, nproc: int, capture_stde
     return DefaultLogsSpecs(new_dir, redirects, new_tee, ranks_filter)
 
 
-def sweep_leftovers(options: ElasticftConfig, shm_dir: Path | None = None) -> None:
+def sweep_leftovers(options: ElasticftConfig) -> None:
     """Removes what agents of this user that are gone (SIGKILLed) left in shared memory: their
     progress rings and checkpoint segments. The one place that sweeps: every start does it,
     whichever subsystems it runs; another user's files and those of live processes are never
-    touched. ``shm_dir``: where checkpoint segments are kept (the default one when None)."""
+    touched."""
     from elasticft.ckpt import shm
     from elasticft.diag.workerenv import default_ring_base, sweep_dead_ring_dirs
 
     rings = sweep_dead_ring_dirs(Path(options.diag.diag_ring_dir or default_ring_base()))
     if rings:
         logger.info("removed %d ring directories of agents that are gone", len(rings))
-    segments = shm.SHM_DIR if shm_dir is None else shm_dir
-    if segments.is_dir():
-        shm.sweep_orphans(segments)
+    if shm.SHM_DIR.is_dir():
+        shm.sweep_orphans(shm.SHM_DIR)
 
 
 @contextlib.contextmanager
