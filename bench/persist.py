@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, diskfile, durable
-from elasticft.ckpt.pipeline import copy_out, hold
-from elasticft.ckpt.shm import SlotSet, StagingBuffer, segment_prefix
+from elasticft.ckpt.pipeline import StagingBuffer, copy_out, hold
+from elasticft.ckpt.shm import SlotSet, segment_prefix
 
 CHUNK = 64 << 20
 

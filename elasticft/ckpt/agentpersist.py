@@ -37,7 +37,6 @@ from elasticft.addon.api import GroupInfo
 from elasticft.ckpt import durable, pipeline
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
 from elasticft.ckpt.places import NodePlaces
-from elasticft.ckpt.shm import StagingBuffer
 from elasticft.ckpt.slots import NodeSlots
 from elasticft.config import CheckpointConfig
 
@@ -70,7 +69,7 @@ class AgentPersister:
         self.persisted = -1
         """The newest step persisted (-1: none)."""
         self._lock = threading.Lock()
-        self._staging: dict[int, StagingBuffer] = {}
+        self._staging: dict[int, pipeline.StagingBuffer] = {}
         self._storage_full_reported = False
         self._remote = pipeline.PendingCommits(config.ckpt_keep)
         self._copy_delay_s = float(os.environ.get(COPY_DELAY_ENV) or 0)
@@ -193,7 +192,8 @@ class AgentPersister:
             slots = self.slots.slot_set(worker.local_rank)
             taken = pipeline.take(
                 slots, step, worker.global_rank, held,
-                lambda rank=worker.local_rank: self._staging.setdefault(rank, StagingBuffer()),
+                lambda rank=worker.local_rank: self._staging.setdefault(
+                    rank, pipeline.StagingBuffer()),
                 in_place=lambda slot, slots=slots: self.slots.usable(slots, slot) >= 3,
                 delay_s=self._copy_delay_s)
             if taken is None:

@@ -49,17 +49,17 @@ from elasticft.ckpt.hostcopy import copy_bytes
 from elasticft.ckpt.loader import SnapshotLoader
 from elasticft.ckpt.persister import OwnPersister
 from elasticft.ckpt.settings import WorkerSettings
-from elasticft.ckpt.shm import (
+from elasticft.ckpt.shm import SlotSet
+from elasticft.ckpt.slotformat import (
     COMPLETE,
     HEADER_BYTES,
     SEAL_NONE,
     SEAL_SAMPLED,
     WRITING,
     SlotHeader,
-    SlotMaker,
-    SlotSet,
     seal_of,
 )
+from elasticft.ckpt.slotmaker import SlotMaker
 from elasticft.ckpt.snapshot import (
     Flattener,
     Layout,

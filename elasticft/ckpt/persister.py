@@ -16,7 +16,7 @@ import contextlib
 
 from elasticft.ckpt import pipeline
 from elasticft.ckpt.settings import WorkerSettings
-from elasticft.ckpt.shm import SlotSet, StagingBuffer
+from elasticft.ckpt.shm import SlotSet
 
 COMMIT_RETRY_S = 0.2
 """How often the committing rank looks again at a step that waits for other ranks' shards."""
@@ -34,7 +34,7 @@ class OwnPersister:
         # Its own file descriptors, never the writer's: flock is per open file, so sharing the
         # writer's would let the writer's exclusive lock silently convert this reader's shared one.
         self._slots = slots
-        self._staging = StagingBuffer()
+        self._staging = pipeline.StagingBuffer()
         self._roots = [r for r in (settings.local_dir, settings.remote_dir) if r is not None]
         self._commits = pipeline.PendingCommits(settings.keep)
         self._thread = pipeline.PersistThread(self._commits.commit, self._commits.waiting,

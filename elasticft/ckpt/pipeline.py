@@ -30,16 +30,56 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy
 
 from elasticft.ckpt import diskfile, durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
-from elasticft.ckpt.shm import Slot, SlotSet, StagingBuffer, read_slot
+from elasticft.ckpt.shm import Slot, SlotSet, read_slot
 
 logger = logging.getLogger(__name__)
 
 LOCK_TIMEOUT_S = 30.0
 """How long a take waits for a slot's shared lock (a worker holds it exclusively while it
 copies a snapshot in)."""
+
+
+class StagingBuffer:
+    """A reusable private buffer for copying a snapshot out of its slot.
+
+    Readers copy out so they hold a slot's lock for one memory copy only; reusing the buffer
+    keeps that copy warm (a fresh allocation of hundreds of MB pays first-touch page faults,
+    several times the cost of the copy itself).
+
+    The copy releases the GIL: it runs on the agent's persist thread, and a copy of gigabytes
+    holding the GIL (as memoryview slicing does) stalled the agent's monitor loop for seconds,
+    so it saw a worker's death that much later. numpy's copy releases it and, unlike torch's,
+    stays on one core instead of waking an intra-op thread pool beside training.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = numpy.empty(0, dtype=numpy.uint8)
+
+    def copy_of(self, data: Any) -> memoryview:
+        view = memoryview(data).cast("B")
+        if len(self._buffer) < len(view):
+            # Not bytearray(n): it zeroes every page holding the GIL (about a second a GB,
+            # measured), which stalled the agent's loop in the middle of a failure. numpy's
+            # empty buffer is faulted in by the copy below, which releases the GIL.
+            self._buffer = numpy.empty(len(view), dtype=numpy.uint8)
+        target = memoryview(self._buffer)[: len(view)]
+        copy_unlocked(target, view)
+        return target
+
+
+def copy_unlocked(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` for byte views of equal length, without holding the GIL."""
+    if len(src) < 1 << 20:
+        dst[:] = src  # too short to matter; skips numpy's per-call cost
+        return
+    numpy.copyto(numpy.frombuffer(dst, dtype=numpy.uint8),
+                 numpy.frombuffer(src, dtype=numpy.uint8))
 
 
 def copy_out(slot: Slot, step: int, staging: StagingBuffer,

@@ -20,7 +20,8 @@ from typing import Any
 
 from elasticft.addon.api import GroupInfo
 from elasticft.ckpt import durable, pipeline
-from elasticft.ckpt.shm import SlotHeader, SlotSet, StagingBuffer
+from elasticft.ckpt.shm import SlotSet
+from elasticft.ckpt.slotformat import SlotHeader
 from elasticft.ckpt.slots import NodeSlots
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class Replicas:
                 continue
             slot = slots.get(index)
             # A buffer of its own: the persist thread may be using the staging buffers.
-            snapshot = (pipeline.copy_out(slot, step, StagingBuffer())
+            snapshot = (pipeline.copy_out(slot, step, pipeline.StagingBuffer())
                         if slot is not None else None)
             if snapshot is None or not whole_tensors(snapshot.manifest):
                 continue
