@@ -103,25 +103,23 @@ class AgentPersister:
         multiples = [s for s in steps if s % every == 0 and s > self.persisted]
         return max(multiples) if multiples else newest
 
-    def persist(self, step: int, group: GroupInfo,
-                copies: Mapping[int, Snapshot] | None = None, *, cause: str = "") -> bool:
-        """Writes the local workers' snapshots of ``step`` (or ``copies`` of them, by global
-        rank) to disk, commits, replicates. A ``step`` the workers have overwritten since it
-        was picked gives way to the newest one they all hold. ``cause`` goes in the event."""
+    def persist(self, step: int, group: GroupInfo, *, cause: str = "") -> bool:
+        """Writes the local workers' snapshots of ``step`` to disk, commits, replicates. A
+        ``step`` the workers have overwritten since it was picked gives way to the newest one
+        they all hold. ``cause`` goes in the event."""
         with self._lock:
             if step <= self.persisted:
                 return True
             started = time.monotonic()
             with contextlib.ExitStack() as held:  # slots read in place stay locked till written
-                if copies is None:
-                    taken = self._take_newest(step, group, held)
-                    if taken is None:
-                        return False
-                    step, copies = taken
-                    # One INFO line per periodic persist (below); a flush's steps are told.
-                    logger.log(logging.DEBUG if cause == "periodic" else logging.INFO,
-                               "took step %d out of shared memory in %.2f s (%s)", step,
-                               time.monotonic() - started, cause or "persist")
+                taken = self._take_newest(step, group, held)
+                if taken is None:
+                    return False
+                step, copies = taken
+                # One INFO line per periodic persist (below); a flush's steps are told.
+                logger.log(logging.DEBUG if cause == "periodic" else logging.INFO,
+                           "took step %d out of shared memory in %.2f s (%s)", step,
+                           time.monotonic() - started, cause or "persist")
                 if not self._write(step, group, copies, started, cause):
                     return False
             self._replicate(step, group)

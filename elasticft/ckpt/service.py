@@ -57,7 +57,7 @@ from elasticft.addon.classify import FailureRecord
 from elasticft.addon.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
 from elasticft.ckpt.agentpersist import AgentPersister
-from elasticft.ckpt.api import CheckpointError, Snapshot
+from elasticft.ckpt.api import CheckpointError
 from elasticft.ckpt.control import (
     RestoreReader,
     SkipReader,
@@ -144,10 +144,6 @@ class CheckpointService(AgentCollaborator):
         """This node's shards (see :mod:`elasticft.ckpt.places`)."""
         return self.places.local_dir(group)
 
-    def local_root(self, group: GroupInfo) -> Path:
-        """The job's local checkpoint directory (see :mod:`elasticft.ckpt.places`)."""
-        return self.places.local_root(group)
-
     def control_dir(self, group: GroupInfo) -> Path:
         return self.places.control_dir(group)
 
@@ -155,19 +151,13 @@ class CheckpointService(AgentCollaborator):
         """A local rank's slots (see :mod:`elasticft.ckpt.slots`)."""
         return self.slots.slot_set(local_rank)
 
-    def common_steps(self, group: GroupInfo) -> set[int]:
-        """Steps every local worker holds complete in shared memory (each for its rank)."""
-        return self.slots.common_steps(group.workers)
-
     def newest_common_step(self, group: GroupInfo) -> int | None:
         """Newest step every local worker holds complete in shared memory (for its rank)."""
         return self.slots.newest_common_step(group.workers)
 
-    def replica_steps(self, rank: int, world_size: int) -> list[int]:
-        return self.replicas.replica_steps(rank, world_size)
-
     def replica_shard(self, step: int, rank: int, world_size: int
                       ) -> tuple[dict[str, Any], bytes] | None:
+        """See :meth:`Replicas.replica_shard`."""
         return self.replicas.replica_shard(step, rank, world_size)
 
     # ------------------------------------------------------------------------------------------
@@ -345,11 +335,6 @@ class CheckpointService(AgentCollaborator):
         while self.persister.busy and time.monotonic() < deadline:
             time.sleep(0.05)
         return self.persister.persist(step, group, cause=f"request: {reason}")
-
-    def persist(self, step: int, group: GroupInfo,
-                copies: Mapping[int, Snapshot] | None = None, *, cause: str = "") -> bool:
-        """See :meth:`AgentPersister.persist`."""
-        return self.persister.persist(step, group, copies, cause=cause)
 
     def on_workers_succeeded(self, group: GroupInfo) -> None:
         # The final state goes to disk and to the backup node now: after the exit barrier the
