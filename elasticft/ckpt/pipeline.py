@@ -146,34 +146,35 @@ def write_shards(roots: Sequence[Path], copies: Iterable[Snapshot]) -> int:
 
 
 class PendingCommits:
-    """Steps written to a directory and not committed there yet, until every rank's shard is.
-
-    Not thread-safe: its persister calls it from one thread at a time.
-    """
+    """Steps written to a directory and not committed there yet, until every rank's shard is."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self.world_size = 0
         self._pending: dict[Path, set[int]] = {}
+        self._lock = threading.Lock()  # the persist thread asks; a flush or a request adds
 
     def add(self, step: int, roots: Iterable[Path], world_size: int) -> None:
-        self.world_size = world_size
-        for root in roots:
-            self._pending.setdefault(root, set()).add(step)
+        with self._lock:
+            self.world_size = world_size
+            for root in roots:
+                self._pending.setdefault(root, set()).add(step)
 
     def waiting(self) -> bool:
-        return any(self._pending.values())
+        with self._lock:
+            return any(self._pending.values())
 
     def commit(self) -> None:
         """Commits every pending step whose ranks are all durable now; never waits."""
-        world = self.world_size
-        for root, steps in self._pending.items():
-            if not steps:
-                continue
-            try:
-                durable.commit_pending(root, steps, world, range(world), self.keep)
-            except (CheckpointError, OSError) as e:
-                logger.error("committing in %s failed: %s", root, e)
+        with self._lock:
+            world = self.world_size
+            for root, steps in self._pending.items():
+                if not steps:
+                    continue
+                try:
+                    durable.commit_pending(root, steps, world, range(world), self.keep)
+                except (CheckpointError, OSError) as e:
+                    logger.error("committing in %s failed: %s", root, e)
 
     def drain(self, timeout_s: float) -> None:
         """Gives the other writers' last shards up to ``timeout_s`` to land, committing each
