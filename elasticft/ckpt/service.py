@@ -5,8 +5,8 @@ joins the checkpoint engine's agent-side concepts to the agent's hooks:
 
 * **Slots it owns** (:mod:`elasticft.ckpt.slots`): every local worker's shared-memory slots,
   passed to the workers (``ELASTICFT_WORKER_CKPT_*``) and held for the job's life, so a worker
-  that crashes loses nothing. Named segments of older versions are swept by the launcher's one
-  sweep of leftovers.
+  that crashes loses nothing. Named segments that processes now gone left behind are removed by
+  the launcher's one sweep of leftovers.
 * **Persistence in the background** (:mod:`elasticft.ckpt.agentpersist`): every monitor tick,
   a step due for persistence that every local worker holds is written to the local directory
   and the remote one on a background thread, DCP-readable, committed once every rank is
