@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -60,7 +59,8 @@ class AgentPersister:
     """Persists the local workers' snapshots of a step, one persist at a time."""
 
     def __init__(self, config: CheckpointConfig, slots: NodeSlots, places: NodePlaces,
-                 emit: Emit, replicate: Callable[[int, GroupInfo], None]) -> None:
+                 emit: Emit, replicate: Callable[[int, GroupInfo], None], *,
+                 copy_delay_s: float = 0.0) -> None:
         self.config = config
         self.slots = slots
         self.places = places
@@ -72,7 +72,8 @@ class AgentPersister:
         self._staging: dict[int, pipeline.StagingBuffer] = {}
         self._storage_full_reported = False
         self._remote = pipeline.PendingCommits(config.ckpt_keep)
-        self._copy_delay_s = float(os.environ.get(COPY_DELAY_ENV) or 0)
+        self._copy_delay_s = copy_delay_s
+        """See :data:`COPY_DELAY_ENV`."""
         self._thread = pipeline.PersistThread(self._commit_remote, self._remote.waiting,
                                               REMOTE_RETRY_S)
 

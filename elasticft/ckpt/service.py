@@ -56,7 +56,7 @@ from elasticft.addon.api import (
 from elasticft.addon.classify import FailureRecord
 from elasticft.addon.policy import Action, ActionKind
 from elasticft.ckpt import durable, settings, shm
-from elasticft.ckpt.agentpersist import AgentPersister
+from elasticft.ckpt.agentpersist import COPY_DELAY_ENV, AgentPersister
 from elasticft.ckpt.api import CheckpointError
 from elasticft.ckpt.control import (
     RestoreReader,
@@ -105,6 +105,7 @@ class CheckpointService(AgentCollaborator):
         event_dir: Path | None = None,
         layout: tuple[int, int, int] | None = None,
         fresh: bool = False,
+        copy_delay_s: float = 0.0,
     ) -> None:
         self.config = config
         self.fresh_launch = f"{os.getpid()}-{time.time_ns()}" if fresh else None
@@ -132,7 +133,7 @@ class CheckpointService(AgentCollaborator):
         self._skips = SkipReader()
         self.snapshots_skipped = 0
         self.persister = AgentPersister(config, self.slots, self.places, self._event,
-                                        self._replicate)
+                                        self._replicate, copy_delay_s=copy_delay_s)
         self._flush = FailureFlush(self.persister)
         self.replicas = Replicas(self.slots, layout, lambda: self._group,
                                  self.places.default_root)
@@ -412,4 +413,5 @@ class CheckpointAddOn:
         layout = options.plan.layout.complete() if options.plan.layout is not None else None
         return CheckpointService(options.ckpt, local_addr=context.launch.local_addr,
                                  events=context.events, event_dir=options.agent.event_dir,
-                                 layout=layout, fresh=options.agent.fresh)
+                                 layout=layout, fresh=options.agent.fresh,
+                                 copy_delay_s=float(context.env.get(COPY_DELAY_ENV) or 0))
