@@ -194,7 +194,7 @@ def free_port() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elasticft.agent.api import GroupInfo, WorkerInfo
+    from elasticft.addon.api import GroupInfo, WorkerInfo
     from elasticft.config import DiagConfig
     from elasticft.diag.monitor import DiagMonitor
     from elasticft.diag.ring import PY_RING_ENV

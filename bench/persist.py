@@ -9,11 +9,11 @@ In one process, one after the other (``--repeat`` rounds, alternating):
   of the three;
 * **persist**: an N GB snapshot (a model's parameters and AdamW state, a few large tensors and
   many small ones) saved with ``Checkpointer.save`` into real shared-memory slots, then what the
-  agent does to persist it with the default three slots: hold the slot (``service._hold``) and
+  agent does to persist it with the default three slots: hold the slot (``pipeline.hold``) and
   write the rank's shard straight from it (``durable.write_rank_shard``: a checksummed
   ``torch.save`` blob per tensor, fsync, manifest), with ``O_DIRECT`` as the agent does and
   through the page cache, one after the other. ``--copy`` measures the two-slot path instead: a
-  copy out of the slot into a reused staging buffer (``service._copy_out``) first, timed apart
+  copy out of the slot into a reused staging buffer (``pipeline.copy_out``) first, timed apart
   from the write.
 
 Printed: each round's seconds and GB/s, the medians, and persist/disk (the ratio of speeds).
@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, diskfile, durable
-from elasticft.ckpt.service import _copy_out, _hold
-from elasticft.ckpt.shm import SlotSet, StagingBuffer, segment_prefix
+from elasticft.ckpt.pipeline import StagingBuffer, copy_out, hold
+from elasticft.ckpt.shm import SlotSet, segment_prefix
 
 CHUNK = 64 << 20
 
@@ -181,8 +181,8 @@ def main() -> None:
                     started = time.perf_counter()
                     persist_from = time.monotonic()
                     with contextlib.ExitStack() as held:
-                        snapshot = (_copy_out(slot, step, staging) if args.copy
-                                    else _hold(slot, step, held))
+                        snapshot = (copy_out(slot, step, staging) if args.copy
+                                    else hold(slot, step, held))
                         assert snapshot is not None
                         copied = time.perf_counter()
                         durable.write_rank_shard(root / "ckpt", snapshot, direct=direct)

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, StopRun
+from elasticft.addon.classify import FailureRecord
+from elasticft.addon.policy import ActionKind
 from elasticft.agent import lifeline
 from elasticft.agent.addons import build_add_ons
 from elasticft.agent.agent import ElasticftAgent
-from elasticft.agent.api import AddOn, AddOnContext, AgentCollaborator, StopRun
-from elasticft.agent.classify import FailureRecord
-from elasticft.agent.policy import ActionKind
 from elasticft.agent.warmpool import WarmPool
 from elasticft.config import ElasticftConfig, require_writable_dir, run_dir_default
 from elasticft.diag.autoinstall import ArmedEntrypoint
@@ -103,7 +103,7 @@ def default_run_dir(options: ElasticftConfig, config: LaunchConfig) -> Path:
     return run_dir_default(options.agent.run_dir, log_dir, str(config.run_id))
 
 
-def default_add_ons() -> list[AddOn]:
+def default_add_ons() -> list[AddOn[Any]]:
     """The add-ons ``elasticft-run`` gives its agent, one per subsystem; their declarations order
     them (:mod:`elasticft.agent.addons`). Imported here so that a launcher with none of them
     loads none."""
@@ -168,8 +168,9 @@ def worker_logs(specs: LogsSpecs | None, run_dir: Path, nproc: int, capture_stde
 
 def sweep_leftovers(options: ElasticftConfig) -> None:
     """Removes what agents of this user that are gone (SIGKILLed) left in shared memory: their
-    progress rings and checkpoint segments. Every start does it, whichever subsystems it runs;
-    another user's files and those of live processes are never touched."""
+    progress rings and checkpoint segments. The one place that sweeps: every start does it,
+    whichever subsystems it runs; another user's files and those of live processes are never
+    touched."""
     from elasticft.ckpt import shm
     from elasticft.diag.workerenv import default_ring_base, sweep_dead_ring_dirs
 
@@ -221,7 +222,7 @@ def launch(
     options: ElasticftConfig | None = None,
     *,
     collaborators: Sequence[AgentCollaborator] = (),
-    add_ons: Sequence[AddOn] | None = None,
+    add_ons: Sequence[AddOn[Any]] | None = None,
     agent_class: type[ElasticftAgent] = ElasticftAgent,
 ) -> LaunchResult:
     """Runs this node's agent until the job ends for it; never raises for worker failures.
@@ -246,25 +247,30 @@ def launch(
     # Every add-on knows this agent by the name it claimed, and the run by its directory.
     options = dataclasses.replace(options, agent=dataclasses.replace(
         options.agent, node_id=node_id, run_dir=run_dir))
+    # Once the options are known to be usable (a usage error is the only line).
+    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
+    if options.agent.event_dir is not None:
+        require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
+    # The agent's one event log: the add-ons get it from their context, the agent from here.
+    event_log = EventLog(options.agent.event_dir or run_dir, node_id)
     try:
         collaborators = [
             *build_add_ons(default_add_ons() if add_ons is None else add_ons,
-                           AddOnContext(options, config, os.environ)),
+                           AddOnContext(options, config, os.environ, events=event_log,
+                                        run_dir=run_dir)),
             *collaborators,
         ]
     except Exception:
+        # Nothing started: the file goes with the usage error, and so does the claim.
+        event_log.close()
+        event_log.path.unlink(missing_ok=True)
         claim.release()
         raise
-    # Once the options are known to be usable (a usage error is the only line).
-    earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
     logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
                 f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
                 if earlier else "")
     logs_specs = worker_logs(config.logs_specs, run_dir, config.nproc_per_node,
                              options.agent.capture_stderr)
-    if options.agent.event_dir is not None:
-        require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
-    event_log = EventLog(options.agent.event_dir or run_dir, node_id)
     if not options.agent.share_rdzv_store:
         os.environ.setdefault(DISABLE_SHARED_STORE_ENV, "1")
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle

@@ -46,14 +46,15 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from elasticft import procs
-from elasticft.agent.api import (
+from elasticft.addon.api import (
+    AddOn,
     AddOnContext,
     AgentCollaborator,
     GroupInfo,
     StopRun,
     run_ending_errors,
 )
-from elasticft.agent.policy import Action, ActionKind
+from elasticft.addon.policy import Action, ActionKind
 from elasticft.config import ConfigError, SlurmConfig
 from elasticft.events import EventLog
 
@@ -512,14 +513,13 @@ class SlurmHandler(AgentCollaborator):
         logger.info("SIGTERM after the requeue (Slurm ends this allocation); exiting")
 
 
-class SlurmAddOn:
-    """The Slurm handler as an add-on of the agent (:class:`elasticft.agent.api.AddOn`); None
+class SlurmAddOn(AddOn[SlurmHandler]):
+    """The Slurm handler as an add-on of the agent (:class:`elasticft.addon.api.AddOn`); None
     outside Slurm. It needs the checkpoint service, when there is one, for the time-limit
     checkpoint. Built on the main thread (signal handlers can only be installed there)."""
 
     name: ClassVar[str] = "slurm"
     needs: ClassVar[tuple[str, ...]] = ("ckpt",)
-    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> SlurmHandler | None:

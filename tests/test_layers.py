@@ -10,23 +10,26 @@ those under ``TYPE_CHECKING``. From the bottom up:
    step records (``steps``: the format every worker writes and the report reads) and ``cli``:
    the ``elasticft`` dispatcher names its command modules as strings and imports only the chosen
    one, so what the layers see of it is ``CliError``, which every command raises.
-2. **agent interface**: what a collaborator of the agent implements and decides with
-   (``agent.api``, ``agent.classify``, ``agent.policy``). The subsystems plug into the agent
-   through it, so it sits below them, apart from the agent itself.
+2. **add-on interface** (``addon``): what an add-on of the agent implements and decides with
+   (``addon.api``, ``addon.classify``, ``addon.policy``). The subsystems plug into the agent
+   through it, so it sits below them, in a package of its own, apart from the agent itself.
 3. **subsystems**: checkpoints (``ckpt``), diagnostics (``diag``), the layout planner
    (``plan``), the etcd rendezvous (``rendezvous``) and Slurm (``slurm``). Each stands alone:
    none imports another (checked below), so each can be read, tested and changed by itself.
-4. **orchestration**: the agent (``agent.agent``, with its warm pool and add-ons) gathers the
-   subsystems' worker environments and collaborators; recovery (``recovery``) coordinates
-   checkpoints across a rendezvous. Neither imports the other.
+4. **orchestration**: the agent (``agent``, with its warm pool and the order of its add-ons)
+   gathers the subsystems' worker environments and collaborators (``agent.api``,
+   ``agent.classify`` and ``agent.policy`` only re-export the add-on interface under its earlier
+   names); recovery (``recovery``) coordinates checkpoints across a rendezvous. Neither imports
+   the other.
 5. **tools**: what reads a run, or acts on one, from outside: ``report`` (including
    ``elasticft status``) and ``chaos``.
 6. **entry points**: ``launcher`` (builds the agent and its collaborators from the options),
    ``run`` (``elasticft-run``), ``worker`` (``elasticft.init``) and the package itself, whose
    lazy names reach all of them.
 
-A module may import its own layer and the ones below. A new module has to be placed here before
-its test passes.
+A module may import its own layer and the ones below. Each layer is named by its packages (one
+module of recovery aside, below), so the folders show the layers. A new module has to be
+placed here before its test passes.
 """
 
 from __future__ import annotations
@@ -41,8 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
               "elasticft.unnamed", "elasticft.extras", "elasticft.config", "elasticft.options",
               "elasticft.steps", "elasticft.logs", "elasticft.cli")),
-    ("agent interface", ("elasticft.agent.api", "elasticft.agent.classify",
-                         "elasticft.agent.policy")),
+    ("add-on interface", ("elasticft.addon",)),
     # recovery.inprocess (and its spare) is the workers' side of in-process recovery, a
     # subsystem the agent drives as it drives ckpt's worker API; the rest of recovery/
     # orchestrates.

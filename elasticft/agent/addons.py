@@ -1,6 +1,6 @@
 """Ordering and building the agent's add-ons from what each declares.
 
-Each add-on (:class:`elasticft.agent.api.AddOn`) says which others it needs built first and
+Each add-on (:class:`elasticft.addon.api.AddOn`) says which others it needs built first and
 which others' hooks must run after its own. Two pure functions turn those declarations into a
 build order and a hook order (stable: declaration order breaks ties), and :func:`build_add_ons`
 builds the collaborators the agent is given, in hook order.
@@ -9,8 +9,9 @@ builds the collaborators the agent is given, in hook order.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from elasticft.agent.api import AddOn, AddOnContext, AgentCollaborator
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, Built, add_on_name
 
 
 class AddOnOrderError(ValueError):
@@ -37,12 +38,15 @@ def _topological(names: Sequence[str], after: Mapping[str, set[str]], what: str)
     return ordered
 
 
-def build_order(declared: Sequence[tuple[str, tuple[str, ...]]]) -> list[str]:
+def build_order(declared: Sequence[tuple[str, tuple[str | type[AddOn[Any]], ...]]]
+                ) -> list[str]:
     """Names in an order that builds every add-on after those it needs (pure).
 
-    ``declared``: (name, needs) per add-on, in declaration order."""
+    ``declared``: (name, needs) per add-on, in declaration order; a need is an add-on's class
+    or its name."""
     names = [name for name, _ in declared]
-    return _topological(names, {name: set(needs) for name, needs in declared}, "needs")
+    return _topological(names, {name: {add_on_name(n) for n in needs} for name, needs in declared},
+                        "needs")
 
 
 def hook_order(declared: Sequence[tuple[str, tuple[str, ...]]]) -> list[str]:
@@ -59,13 +63,14 @@ def hook_order(declared: Sequence[tuple[str, tuple[str, ...]]]) -> list[str]:
     return _topological(names, after, "run before")
 
 
-def build_add_ons(add_ons: Sequence[AddOn], context: AddOnContext) -> list[AgentCollaborator]:
+def build_add_ons(add_ons: Sequence[AddOn[Any]], context: AddOnContext
+                  ) -> list[AgentCollaborator]:
     """Builds every add-on after those it needs; returns the collaborators that are on, in hook
     order."""
     by_name = {add_on.name: add_on for add_on in add_ons}
     built: dict[str, AgentCollaborator | None] = {}
     for name in build_order([(a.name, a.needs) for a in add_ons]):
-        needed = {need: built[need] for need in by_name[name].needs}
+        needed = Built({(n := add_on_name(need)): built[n] for need in by_name[name].needs})
         built[name] = by_name[name].build(context, needed)
     return [collaborator for name in hook_order([(a.name, a.runs_before) for a in add_ons])
             if (collaborator := built[name]) is not None]

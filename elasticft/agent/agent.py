@@ -2,8 +2,8 @@
 collaborators.
 
 It overrides only torch's hooks. The run loop (``_invoke_run``) is torch's loop with the
-restart branch replaced: every failure is classified (:mod:`elasticft.agent.classify`), the
-pure policy (:mod:`elasticft.agent.policy`) decides, and the decision and its reason go to the
+restart branch replaced: every failure is classified (:mod:`elasticft.addon.classify`), the
+pure policy (:mod:`elasticft.addon.policy`) decides, and the decision and its reason go to the
 log and the event log. It also fixes what torch 2.13 gets wrong on restart: restarts honour
 ``--shutdown-timeout`` and a group that ends unhealthy is reported as failed, never as success.
 One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
@@ -22,33 +22,31 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from elasticft import procs, steps, torch_compat
-from elasticft.agent import lifeline
-from elasticft.agent.api import (
+from elasticft.addon.api import (
     AgentCollaborator,
     Detection,
     GroupInfo,
     WorkerInfo,
+    prepend_paths,
     run_ending_errors,
 )
-from elasticft.agent.classify import FailureClass, FailureRecord, classify_exit
-from elasticft.agent.inprocess import (
-    InProcessAgentMixin,
-    InProcessCoordinator,
-    Recovery,
-    blocker,
-    failed_exits,
-    phases,
-)
-from elasticft.agent.policy import (
+from elasticft.addon.classify import FailureClass, FailureRecord, classify_exit
+from elasticft.addon.policy import (
     Action,
     ActionKind,
     FailureFacts,
     FailureSignature,
     decide,
     root_cause,
+)
+from elasticft.agent import lifeline
+from elasticft.agent.inprocess import (
+    InProcessCoordinator,
+    InProcessRecoveryMixin,
+    failed_exits,
 )
 from elasticft.agent.spare import SpareKeeper
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
@@ -70,6 +68,7 @@ from elasticft.torch_compat import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RUN_DIR_ENV = "ELASTICFT_RUN_DIR"
 NODE_ID_ENV = "ELASTICFT_NODE_ID"
@@ -89,7 +88,7 @@ recovery (and its spare)."""
 _STEADY_AFTER_S = 2.0
 
 
-class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
+class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
     """A ``LocalElasticAgent`` whose failure handling is decided by :func:`policy.decide`."""
 
     attempt_env = ATTEMPT_ENV
@@ -173,11 +172,13 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             in_process=bool(self._armed),
         )
 
-    def _each_collaborator(self, hook: str, *args: Any) -> list[Any]:
+    def _each_collaborator(self, hook: str, call: Callable[[AgentCollaborator], T]) -> list[T]:
+        """``call(collaborator)`` for each collaborator, in hook order; ``hook`` names the hook
+        in the log line of a collaborator that fails."""
         results = []
         for collaborator in self.collaborators:
             try:
-                results.append(getattr(collaborator, hook)(*args))
+                results.append(call(collaborator))
             except run_ending_errors():
                 raise  # a collaborator ends the run on purpose, or the launcher was signalled
             except Exception:
@@ -202,7 +203,8 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             master_addr=worker_group.master_addr,
             master_port=worker_group.master_port,
         )
-        self._each_collaborator("on_rendezvous", self.group_info(), self._store)
+        group = self.group_info()
+        self._each_collaborator("on_rendezvous", lambda c: c.on_rendezvous(group, self._store))
 
     def _set_local_rank_env(
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
@@ -216,8 +218,18 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
         worker_env.update(self.inprocess.worker_env())
         group = self.group_info()
         worker = next(w for w in group.workers if w.local_rank == local_rank)
-        for extra in self._each_collaborator("worker_env", group, worker):
+        for extra in self._each_collaborator("worker_env", lambda c: c.worker_env(group, worker)):
             worker_env.update(extra or {})
+        if (path := self.worker_pythonpath(worker_env.get("PYTHONPATH"))) is not None:
+            worker_env["PYTHONPATH"] = path
+
+    def worker_pythonpath(self, existing: str | None) -> str | None:
+        """The workers' ``PYTHONPATH``: what the collaborators declare first
+        (:meth:`AgentCollaborator.python_path`), then ``existing`` (None: nothing declared,
+        ``existing`` stands)."""
+        declared = [p for paths in self._each_collaborator("python_path", lambda c: c.python_path())
+                    for p in paths or ()]
+        return prepend_paths(declared, existing) if declared else None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.inprocess.reset()
@@ -236,15 +248,16 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             world_size=group.workers[0].world_size if group.workers else 0,
             warm_local_ranks=list(self.warm_ranks),
         )
-        self._each_collaborator("on_workers_started", group)
+        self._each_collaborator("on_workers_started", lambda c: c.on_workers_started(group))
         return pids
 
     def _hook_survivor_stop(self) -> None:
         if self._pcontext is not None:
             notify_before_survivors_stopped(
                 self._pcontext,
-                lambda failed: self._each_collaborator("before_survivors_stopped",
-                                                       self.group_info(), failed),
+                lambda failed: self._each_collaborator(
+                    "before_survivors_stopped",
+                    lambda c: c.before_survivors_stopped(self.group_info(), failed)),
             )
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
@@ -259,7 +272,8 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
         # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
         self._shutdown(timeout=self._shutdown_timeout)
         self.spare.stop()
-        self._each_collaborator("on_workers_stopped", self.group_info())
+        group = self.group_info()
+        self._each_collaborator("on_workers_stopped", lambda c: c.on_workers_stopped(group))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         ending = self._failed_while_exiting()
@@ -285,7 +299,7 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
         if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
             self._steady_reported = True
             self.events.emit("steady", attempt=self._attempt, round=self._round)
-        for detection in self._each_collaborator("check", group):
+        for detection in self._each_collaborator("check", lambda c: c.check(group)):
             if detection is not None:
                 self._detection = detection
                 return RunResult(state=WorkerState.UNHEALTHY)
@@ -332,8 +346,11 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             if state == WorkerState.SUCCEEDED:
                 self.events.emit("workers_succeeded", attempt=self._attempt)
                 self.spare.stop()
-                self._each_collaborator("on_workers_stopped", self.group_info())
-                self._each_collaborator("on_workers_succeeded", self.group_info())
+                done = self.group_info()
+                self._each_collaborator("on_workers_stopped",
+                                        lambda c, g=done: c.on_workers_stopped(g))
+                self._each_collaborator("on_workers_succeeded",
+                                        lambda c, g=done: c.on_workers_succeeded(g))
                 self._exit_barrier()
                 return run_result
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
@@ -378,7 +395,7 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             logger.warning("worker failure: %s", failure.summary())
             self.events.emit("failure", attempt=self._attempt, **failure.to_json())
         self.failures.extend(failures)
-        self._each_collaborator("on_failure", group, failures)
+        self._each_collaborator("on_failure", lambda c: c.on_failure(group, failures))
         spec = self._worker_group.spec
         facts = FailureFacts(
             failures=failures,
@@ -390,7 +407,8 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             can_evict=False,
             previous_failure=self._previous_failure,
         )
-        for extra in self._each_collaborator("failure_facts", group, failures):
+        for extra in self._each_collaborator("failure_facts",
+                                             lambda c: c.failure_facts(group, failures)):
             facts = dataclasses.replace(facts, **(extra or {}))
         why_not = self._in_process_blocker(group, failures)
         if why_not is None:
@@ -409,7 +427,7 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
             signature=signature.to_json() if signature else None,
             previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
                               else None))
-        self._each_collaborator("on_decision", group, action)
+        self._each_collaborator("on_decision", lambda c: c.on_decision(group, action))
         if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS):
             if action.consumes_user_error_restart:
                 self._user_error_restarts += 1
@@ -442,114 +460,9 @@ class ElasticftAgent(InProcessAgentMixin, WarmStartMixin, LocalElasticAgent):
         else:  # the attempts around a membership change are not "in a row"
             self._previous_failure = None
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
-        self._each_collaborator("before_restart", self.group_info(), cause, counted)
-        self._restart_workers(self._worker_group)
-
-    # ------------------------------------------------------------------------------------------
-    # In-process recovery (elasticft.agent.inprocess).
-
-    def _worker_pids(self) -> dict[int, int | None]:
-        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
-
-    def _all_armed(self) -> bool:
-        """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
-        set: an armed worker stays armed)."""
-        pids = self._worker_pids()
-        if pids and pids == self._armed:
-            return True
-        if self.inprocess.armed(pids):
-            self._armed = pids
-            return True
-        return False
-
-    def _in_process_blocker(self, group: GroupInfo,
-                            failures: tuple[FailureRecord, ...]) -> str | None:
-        pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = {f.local_rank for f in failures if f.local_rank in pids} - set(waiting)
-        return blocker(
-            armed=self._all_armed(), nodes=group.group_world_size,
-            recovering=self.inprocess.recovery is not None, failed=len(replace),
-            workers=len(pids), shared_store=self._shares_store(),
-            replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
-
-    def _in_process_progress(self, group: GroupInfo) -> Detection | None:
-        """Completes a recovery under way, or reports one that is overdue; sees workers that all
-        caught a communication error with none exited (a regroup with no replacement)."""
-        recovery = self.inprocess.recovery
-        pids = self._worker_pids()
-        if recovery is not None:
-            records = self.inprocess.resumed(pids)
-            if records is not None:
-                self.inprocess.recovery = None
-                self.inprocess.completed += 1
-                timings = phases(recovery, records)
-                logger.warning("in-process recovery of generation %d done: %s",
-                               recovery.generation, timings)
-                self.events.emit("recover_in_process", attempt=self._attempt,
-                                 generation=recovery.generation, cause=recovery.cause,
-                                 round=self._round,
-                                 replaced=self._by_global_rank(recovery.replaced),
-                                 spare=self._by_global_rank(
-                                     self.spare.taken.get(recovery.generation, {})),
-                                 phases=timings)
-                return None
-            if self.inprocess.overdue(time.monotonic()):
-                return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
-                                 f"in-process recovery of generation {recovery.generation} "
-                                 f"not resumed within {self.inprocess.timeout_s:.0f} s")
-            return None
-        if not self._all_armed():
-            return None
-        waiting = self.inprocess.waiting(pids)
-        if waiting and len(waiting) == len(pids):
-            by_local = {w.local_rank: w.global_rank for w in group.workers}
-            first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
-            return Detection(FailureClass.INFRASTRUCTURE, (by_local[first],), "inprocess",
-                             f"every worker caught a communication error, rank "
-                             f"{by_local[first]} first: {waiting[first][1]}")
-        return None
-
-    def _recover_in_process(self, action: Action) -> str | None:
-        """Replaces the failed workers and publishes the next generation; returns why that
-        failed (the caller then restarts the group), or None."""
-        seen_at = self._seen_at
-        decided_at = time.time()
-        pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = sorted({f.local_rank for f in self._decided if f.local_rank in pids}
-                         - set(waiting))
-        replaced: dict[int, int] = {}
-        if self._worker_group.group_world_size > 1:  # another node's worker failed
-            generation = self._next_round_generation(pids)
-            if generation is None:
-                return None
-        else:
-            try:
-                generation, replaced = self._replace_in_process(replace)
-            except Exception as e:  # anything: the restart below starts from the same snapshots
-                logger.exception("could not replace workers %s in process", replace)
-                return f"{type(e).__name__}: {e}"
-        self.inprocess.recovery = Recovery(
-            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
-            time.monotonic() + self.inprocess.timeout_s)
-        self._hook_survivor_stop()
-        self._armed = {}
         group = self.group_info()
-        logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
-                       "%s (pids %s), %d survivor(s) regroup", generation.generation,
-                       generation.master_port, replace, list(replaced.values()),
-                       len(pids) - len(replace))
-        self.events.emit("worker_replaced", attempt=self._attempt,
-                         generation=generation.generation,
-                         pids={str(w.global_rank): w.pid for w in group.workers},
-                         replaced=self._by_global_rank(replaced))
-        self._each_collaborator("on_workers_started", group)
-        return None
-
-    def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
-        workers = self._worker_group.workers
-        return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
+        self._each_collaborator("before_restart", lambda c: c.before_restart(group, cause, counted))
+        self._restart_workers(self._worker_group)
 
     def _failed_result(self, run_result: RunResult) -> RunResult:
         """A FAILED result with at least one ProcessFailure, so callers never see success.

@@ -2,7 +2,7 @@
 
 Workers whose training runs under :class:`elasticft.recovery.inprocess.InProcess` say so with an
 ``armed`` file in this node's in-process directory. When one of them fails and the policy
-decides :attr:`~elasticft.agent.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, the
+decides :attr:`~elasticft.addon.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, the
 failed worker on this node of a one-node job or on another node, the failure is a crash, a hang
 or a communication error, restarts left), the agent does not stop the survivors. It
 
@@ -44,12 +44,16 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
 from elasticft import torch_compat
+from elasticft.addon.api import Detection, GroupInfo
+from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.policy import Action
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
+from elasticft.events import EventLog
 from elasticft.recovery.inprocess import (
     DIR_ENV,
     GENERATION_ENV,
@@ -59,6 +63,9 @@ from elasticft.recovery.inprocess import (
     worker_file,
 )
 from elasticft.torch_compat import WorkerState
+
+if TYPE_CHECKING:
+    from elasticft.agent.spare import SpareKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -272,26 +279,142 @@ def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
 
 
-class InProcessAgentMixin:
-    """The agent's two ways to a next generation (:class:`elasticft.agent.agent.ElasticftAgent`
-    mixes it in): replacements on this node, or a new rendezvous round across nodes."""
+class InProcessRecoveryMixin:
+    """Mixed into the agent: in-process recovery as the agent carries it out (the steps in this
+    module's docstring) on its own process context, workers and event log."""
 
-    attempt_env: str
-    """The worker variable of the attempt number (the agent's)."""
+    attempt_env: ClassVar[str]
+    """The worker variable that numbers the attempts (the agent's)."""
     inprocess: InProcessCoordinator
+    events: EventLog
     warm_pool: WarmPool | None
     restarts: int
     _attempt: int
-    _round: int
+    _armed: dict[int, int | None]
+    _decided: tuple[FailureRecord, ...]
+    _seen_at: float
     _pcontext: Any
     _worker_group: Any
     _shutdown_timeout: int
-    events: Any
+    _round: int
+    spare: SpareKeeper
+
+    def group_info(self) -> GroupInfo:
+        raise NotImplementedError
+
+    def _hook_survivor_stop(self) -> None:
+        raise NotImplementedError
+
+    def _each_collaborator(self, hook: str, call: Callable[[Any], Any]) -> list[Any]:
+        raise NotImplementedError
 
     if TYPE_CHECKING:  # the agent's own (torch's LocalElasticAgent)
         def _rendezvous(self, worker_group: Any) -> None: ...
         def _stop_workers(self, worker_group: Any) -> None: ...
         def _start_workers(self, worker_group: Any) -> dict[int, Any]: ...
+
+    def _worker_pids(self) -> dict[int, int | None]:
+        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
+
+    def _all_armed(self) -> bool:
+        """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
+        set: an armed worker stays armed)."""
+        pids = self._worker_pids()
+        if pids and pids == self._armed:
+            return True
+        if self.inprocess.armed(pids):
+            self._armed = pids
+            return True
+        return False
+
+    def _in_process_blocker(self, group: GroupInfo,
+                            failures: tuple[FailureRecord, ...]) -> str | None:
+        pids = self._worker_pids()
+        waiting = self.inprocess.waiting(pids)
+        replace = {f.local_rank for f in failures if f.local_rank in pids} - set(waiting)
+        return blocker(
+            armed=self._all_armed(), nodes=group.group_world_size,
+            recovering=self.inprocess.recovery is not None, failed=len(replace),
+            workers=len(pids), shared_store=self._shares_store(),
+            replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
+
+    def _in_process_progress(self, group: GroupInfo) -> Detection | None:
+        """Completes a recovery under way, or reports one that is overdue; sees workers that all
+        caught a communication error with none exited (a regroup with no replacement)."""
+        recovery = self.inprocess.recovery
+        pids = self._worker_pids()
+        if recovery is not None:
+            records = self.inprocess.resumed(pids)
+            if records is not None:
+                self.inprocess.recovery = None
+                self.inprocess.completed += 1
+                timings = phases(recovery, records)
+                logger.warning("in-process recovery of generation %d done: %s",
+                               recovery.generation, timings)
+                self.events.emit("recover_in_process", attempt=self._attempt,
+                                 generation=recovery.generation, cause=recovery.cause,
+                                 round=self._round,
+                                 replaced=self._by_global_rank(recovery.replaced),
+                                 spare=self._by_global_rank(
+                                     self.spare.taken.get(recovery.generation, {})),
+                                 phases=timings)
+                return None
+            if self.inprocess.overdue(time.monotonic()):
+                return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                                 f"in-process recovery of generation {recovery.generation} "
+                                 f"not resumed within {self.inprocess.timeout_s:.0f} s")
+            return None
+        if not self._all_armed():
+            return None
+        waiting = self.inprocess.waiting(pids)
+        if waiting and len(waiting) == len(pids):
+            by_local = {w.local_rank: w.global_rank for w in group.workers}
+            first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
+            return Detection(FailureClass.INFRASTRUCTURE, (by_local[first],), "inprocess",
+                             f"every worker caught a communication error, rank "
+                             f"{by_local[first]} first: {waiting[first][1]}")
+        return None
+
+    def _recover_in_process(self, action: Action) -> str | None:
+        """Replaces the failed workers and publishes the next generation; returns why that
+        failed (the caller then restarts the group), or None."""
+        seen_at = self._seen_at
+        decided_at = time.time()
+        pids = self._worker_pids()
+        waiting = self.inprocess.waiting(pids)
+        replace = sorted({f.local_rank for f in self._decided if f.local_rank in pids}
+                         - set(waiting))
+        replaced: dict[int, int] = {}
+        if self._worker_group.group_world_size > 1:  # another node's worker failed
+            generation = self._next_round_generation(pids)
+            if generation is None:
+                return None
+        else:
+            try:
+                generation, replaced = self._replace_in_process(replace)
+            except Exception as e:  # anything: the restart below starts from the same snapshots
+                logger.exception("could not replace workers %s in process", replace)
+                return f"{type(e).__name__}: {e}"
+        self.inprocess.recovery = Recovery(
+            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
+            time.monotonic() + self.inprocess.timeout_s)
+        self._hook_survivor_stop()
+        self._armed = {}
+        group = self.group_info()
+        logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
+                       "%s (pids %s), %d survivor(s) regroup", generation.generation,
+                       generation.master_port, replace, list(replaced.values()),
+                       len(pids) - len(replace))
+        self.events.emit("worker_replaced", attempt=self._attempt,
+                         generation=generation.generation,
+                         pids={str(w.global_rank): w.pid for w in group.workers},
+                         replaced=self._by_global_rank(replaced))
+        self._each_collaborator("on_workers_started", lambda c: c.on_workers_started(group))
+        return None
+
+    def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
+        workers = self._worker_group.workers
+        return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
 
     def _replace_in_process(self, replace: list[int]) -> tuple[Generation, dict[int, int]]:
         """Kills the failed local workers, publishes the next generation on a store of this

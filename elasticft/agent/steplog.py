@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
-from elasticft.agent.classify import FailureRecord
-from elasticft.diag.workerenv import bootstrap_pythonpath
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.addon.classify import FailureRecord
+from elasticft.addon.policy import KnownFacts
+from elasticft.diag.workerenv import bootstrap_dir
 from elasticft.steps import STEP_LOG_ENV, STEPS_DIR, step_log_path
 
 
@@ -25,20 +26,22 @@ class StepLogEnv(AgentCollaborator):
     """Gives each worker the path of its step-record file, and the bootstrap that records
     optimizer steps for scripts that write no records themselves."""
 
-    def __init__(self, base_env: Mapping[str, str]) -> None:
-        self._base_env = dict(base_env)
+    def __init__(self) -> None:
         self._sizes_at_start: dict[Path, int] = {}
 
     def worker_env(self, group: GroupInfo, worker: WorkerInfo) -> Mapping[str, str]:
         path = step_log_path(Path(group.run_dir), worker.global_rank)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return {STEP_LOG_ENV: str(path), "PYTHONPATH": bootstrap_pythonpath(self._base_env)}
+        return {STEP_LOG_ENV: str(path)}
+
+    def python_path(self) -> tuple[Path, ...]:
+        return (bootstrap_dir(),)
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._sizes_at_start = record_sizes(Path(group.run_dir))
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
-                      ) -> Mapping[str, Any]:
+                      ) -> KnownFacts:
         now = record_sizes(Path(group.run_dir))
         grown = any(size > self._sizes_at_start.get(path, 0) for path, size in now.items())
         return {"step_completed": grown}
@@ -55,13 +58,11 @@ def record_sizes(run_dir: Path) -> dict[Path, int]:
     return sizes
 
 
-class StepLogAddOn:
-    """Step records as an add-on of the agent (:class:`elasticft.agent.api.AddOn`): always on."""
+class StepLogAddOn(AddOn[StepLogEnv]):
+    """Step records as an add-on of the agent (:class:`elasticft.addon.api.AddOn`): always on."""
 
     name: ClassVar[str] = "steps"
-    needs: ClassVar[tuple[str, ...]] = ()
-    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> StepLogEnv:
-        return StepLogEnv(context.env)
+        return StepLogEnv()

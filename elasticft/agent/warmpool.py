@@ -64,6 +64,7 @@ from subprocess import Popen
 from typing import Any
 
 from elasticft import torch_compat
+from elasticft.addon.api import prepend_paths
 from elasticft.agent import lifeline
 from elasticft.torch_compat import SubprocessContext, SubprocessHandler
 
@@ -206,8 +207,7 @@ class WarmInterpreter:
         child_env = dict(env)
         if device != "off":
             child_env[DEVICE_ENV] = device
-        path = child_env.get("PYTHONPATH")
-        child_env["PYTHONPATH"] = str(bootstrap_dir()) + (os.pathsep + path if path else "")
+        child_env["PYTHONPATH"] = prepend_paths([bootstrap_dir()], child_env.get("PYTHONPATH"))
         child_env[FD_ENV] = str(child_end.fileno())
         child_env[PRELOAD_ENV] = ",".join(preload)
         try:
@@ -496,20 +496,24 @@ class WarmStartMixin:
     """Local ranks of the latest start that began in a pre-started interpreter."""
     _capturing_worker_envs = False
 
+    def worker_pythonpath(self, existing: str | None) -> str | None:
+        """The workers' ``PYTHONPATH`` as the agent composes it (None: ``existing`` stands)."""
+        raise NotImplementedError
+
     def prewarm(self, spec: Any) -> None:
         """Starts the warm interpreters before the first rendezvous, so that their imports
         overlap the wait (all of it for a standby, whose workers then start as fast as a
         survivor's). The environment is the one the workers most likely get: this process's,
-        plus what torch and the step records add to every worker; a worker whose environment
-        differs starts cold, as before."""
+        plus what torch adds and the ``PYTHONPATH`` the collaborators declare; a worker whose
+        environment differs starts cold, as before."""
         if (self.warm_pool is None or not isinstance(spec.entrypoint, str)
                 or spec.numa_options is not None or torch_compat.warm_start_unavailable()):
             return
-        from elasticft.diag.workerenv import bootstrap_pythonpath
-
-        env = {**os.environ, "PYTHONPATH": bootstrap_pythonpath(os.environ),
+        env = {**os.environ,
                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                             "1")}
+        if (path := self.worker_pythonpath(os.environ.get("PYTHONPATH"))) is not None:
+            env["PYTHONPATH"] = path
         for local_rank in range(spec.local_world_size):
             args = torch_compat.macros.substitute(list(spec.args), str(local_rank))
             argv = (spec.entrypoint, *[str(a) for a in args])

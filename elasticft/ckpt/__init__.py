@@ -12,10 +12,15 @@ Worker API::
     snapshot = StateCapture(model, optim)       # capture() made cheap for every step
     ckpt.save(step, snapshot(extra={"step": step}))   # returns at once
 
-Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier),
-``shards`` (DTensor shards back into live DTensors), ``durable`` (disk/remote tiers,
-DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint
-now"), ``checkpointer`` (worker side), ``service`` (agent side), ``commands`` (CLI).
+Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier:
+segments and slots) with ``slotformat`` (a slot's header and seal) and ``slotmaker`` (slots made
+off the training thread), ``shards`` (DTensor shards back into live DTensors), ``durable``
+(disk/remote tiers, DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint now"),
+``checkpointer`` (worker side) with ``slotwriter`` (a save into a slot, on the copy thread),
+``pipeline`` (the persist pipeline) and its two persisters, ``agentpersist`` (the agent's) and
+``persister`` (a worker's own, without an agent); the agent side: ``service`` (the agent's
+collaborator) with ``slots`` (the memory it owns), ``places`` (its directories), ``flush`` (the
+flush on failure) and ``replicas`` (replica serving); ``commands`` (CLI).
 """
 
 from __future__ import annotations
@@ -24,15 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elasticft.ckpt.api import CheckpointError, StateMismatch
-    from elasticft.ckpt.checkpointer import Checkpointer, SaveRequest
+    from elasticft.ckpt.checkpointer import Checkpointer
     from elasticft.ckpt.settings import WorkerSettings
+    from elasticft.ckpt.slotwriter import SaveRequest
     from elasticft.ckpt.state import StateCapture, capture, restore
 
 _LAZY = {
     "CheckpointError": ("elasticft.ckpt.api", "CheckpointError"),
     "StateMismatch": ("elasticft.ckpt.api", "StateMismatch"),
     "Checkpointer": ("elasticft.ckpt.checkpointer", "Checkpointer"),
-    "SaveRequest": ("elasticft.ckpt.checkpointer", "SaveRequest"),
+    "SaveRequest": ("elasticft.ckpt.slotwriter", "SaveRequest"),
     "WorkerSettings": ("elasticft.ckpt.settings", "WorkerSettings"),
     "capture": ("elasticft.ckpt.state", "capture"),
     "StateCapture": ("elasticft.ckpt.state", "StateCapture"),

@@ -21,20 +21,17 @@ Slots and consistency
 ---------------------
 Each local rank has ``slots`` (>= 2, 3 by default) files, so the save in progress never
 touches the newest complete snapshot, nor the one a reader (the agent persisting) is copying
-out. A slot file is a 4 KiB header, the manifest (JSON), then
-the payload. The writer holds an exclusive ``flock`` on the slot for the whole write and marks
-the header ``WRITING`` first and ``COMPLETE`` (with a new generation) last; a reader (the agent
-persisting, the worker loading) holds a shared ``flock``. A crash mid-write releases the lock
-and leaves ``WRITING`` behind, so a torn slot is never mistaken for a snapshot. The writer
-never waits for a reader: if the slot it wants is being read, it takes the next oldest, and if
-all are busy it skips that memory snapshot (the request says so). The oldest snapshot is
-always overwritten first (oldest-first eviction under the memory cap, which bounds ``slots``).
+out. The writer never waits for a reader: if the slot it wants is being read, it takes the next
+oldest, and if all are busy it skips that memory snapshot (the request says so). The oldest
+snapshot is always overwritten first (oldest-first eviction under the memory cap, which bounds
+``slots``). What a slot file holds, and how a torn or overwritten snapshot is told apart, is
+:mod:`elasticft.ckpt.slotformat`; slots are made off the training thread by
+:mod:`elasticft.ckpt.slotmaker`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import json
@@ -42,38 +39,35 @@ import logging
 import mmap
 import os
 import re
-import struct
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy
 import torch
 
 from elasticft import procs, unnamed
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, StorageFull, Tier
 from elasticft.ckpt.hostcopy import copy_all
-from elasticft.ckpt.snapshot import align_up
+from elasticft.ckpt.slotformat import (
+    COMPLETE,
+    HEADER_BYTES,
+    PACKED_HEADER_BYTES,
+    SEAL_SAMPLED,
+    WRITING,
+    SlotHeader,
+    item_offsets,
+    seal_of,
+)
+
+if TYPE_CHECKING:
+    from elasticft.ckpt.slotmaker import SlotMaker
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "elasticft-ckpt"
-HEADER_BYTES = 4096
-_MAGIC = b"EFTSNAP1"
-# magic, version, state, generation, step, rank, world, manifest_len, payload_off, payload_len,
-# seal_kind, seal, completed_at
-_HEADER = struct.Struct("<8sIIQqiiQQQII d")
-EMPTY, WRITING, COMPLETE = 0, 1, 2
-SEAL_NONE, SEAL_SAMPLED = 0, 2
-"""``seal_kind``: no seal, or :func:`seal_of` (1 was a CRC-32 of every payload byte, computed by
-the agent; no longer written: checking it cost a restore as much as the copy itself)."""
-SEAL_STRIDE = 64 * 1024
-SEAL_SAMPLE = 32
-_SEALED_FIELDS = struct.Struct("<QqiiQQQ")
 _MADV_POPULATE_READ = 22
 """Linux >= 5.14; Python's mmap module does not name it."""
 
@@ -116,37 +110,6 @@ def sweep_orphans(shm_dir: Path = SHM_DIR) -> list[Path]:
     if removed:
         logger.info("removed %d shared-memory segment(s) of dead owners", len(removed))
     return removed
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotHeader:
-    state: int
-    generation: int
-    step: int
-    rank: int
-    world_size: int
-    manifest_len: int
-    payload_offset: int
-    payload_len: int
-    seal_kind: int
-    seal: int
-    completed_at: float
-
-    @classmethod
-    def parse(cls, raw: bytes) -> SlotHeader | None:
-        if len(raw) < _HEADER.size:
-            return None
-        fields = _HEADER.unpack_from(raw)
-        if fields[0] != _MAGIC:
-            return None
-        return cls(*fields[2:])
-
-    def pack(self) -> bytes:
-        return _HEADER.pack(
-            _MAGIC, 1, self.state, self.generation, self.step, self.rank, self.world_size,
-            self.manifest_len, self.payload_offset, self.payload_len, self.seal_kind, self.seal,
-            self.completed_at,
-        )
 
 
 class Slot:
@@ -264,10 +227,10 @@ class Slot:
     # -- header ----------------------------------------------------------------------------
 
     def header(self) -> SlotHeader | None:
-        return SlotHeader.parse(self.map[: _HEADER.size])
+        return SlotHeader.parse(self.map[:PACKED_HEADER_BYTES])
 
     def write_header(self, header: SlotHeader) -> None:
-        self.map[: _HEADER.size] = header.pack()
+        self.map[:PACKED_HEADER_BYTES] = header.pack()
 
     def manifest(self, header: SlotHeader) -> dict[str, Any]:
         raw = self.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
@@ -298,156 +261,6 @@ class Slot:
             self.map.madvise(_MADV_POPULATE_READ, start, length)
         except (OSError, ValueError):
             logger.debug("MADV_POPULATE_READ unavailable; pages fault in on first touch")
-
-
-class StagingBuffer:
-    """A reusable private buffer for copying a snapshot out of its slot.
-
-    Readers copy out so they hold a slot's lock for one memory copy only; reusing the buffer
-    keeps that copy warm (a fresh allocation of hundreds of MB pays first-touch page faults,
-    several times the cost of the copy itself).
-
-    The copy releases the GIL: it runs on the agent's persist thread, and a copy of gigabytes
-    holding the GIL (as memoryview slicing does) stalled the agent's monitor loop for seconds,
-    so it saw a worker's death that much later. numpy's copy releases it and, unlike torch's,
-    stays on one core instead of waking an intra-op thread pool beside training.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = numpy.empty(0, dtype=numpy.uint8)
-
-    def copy_of(self, data: Any) -> memoryview:
-        view = memoryview(data).cast("B")
-        if len(self._buffer) < len(view):
-            # Not bytearray(n): it zeroes every page holding the GIL (about a second a GB,
-            # measured), which stalled the agent's loop in the middle of a failure. numpy's
-            # empty buffer is faulted in by the copy below, which releases the GIL.
-            self._buffer = numpy.empty(len(view), dtype=numpy.uint8)
-        target = memoryview(self._buffer)[: len(view)]
-        copy_unlocked(target, view)
-        return target
-
-
-def copy_unlocked(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` for byte views of equal length, without holding the GIL."""
-    if len(src) < 1 << 20:
-        dst[:] = src  # too short to matter; skips numpy's per-call cost
-        return
-    numpy.copyto(numpy.frombuffer(dst, dtype=numpy.uint8),
-                 numpy.frombuffer(src, dtype=numpy.uint8))
-
-
-class SlotMaker:
-    """Creates and grows slot files on a thread of its own.
-
-    Allocating a slot's pages (``posix_fallocate``) takes about 0.2 s a GB; a worker's first
-    save used to pay it on the training thread, and on CUDA the registration of the new slot
-    besides. The checkpointer asks for its slots as soon as it knows their size (its first
-    save) and picks them up once made; a save that finds none ready yet stages its copy and
-    its copy thread waits here (:meth:`wait`). After a restart the slots already exist at
-    their size and nothing is made.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._wanted: dict[Path, int] = {}
-        self._made: dict[Path, Slot] = {}
-        """Made and not yet taken by the writer's set."""
-        self._latest: dict[Path, Slot] = {}
-        """The last slot made per path, for :meth:`wait` (taken or not)."""
-        self._failed: dict[Path, BaseException] = {}
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self.made_count = 0
-
-    def request(self, path: Path, size: int) -> None:
-        """Asks for ``path`` of at least ``size`` bytes (no-op if already asked)."""
-        with self._cond:
-            made = self._made.get(path)
-            if self._closed or (made is not None and made.size >= size) \
-                    or self._wanted.get(path, -1) >= size:
-                return
-            self._wanted[path] = size
-            self._failed.pop(path, None)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="elasticft-ckpt-slots",
-                                                daemon=True)
-                self._thread.start()
-
-    def pending(self, path: Path) -> bool:
-        """``path`` is being made, or was made and not yet taken: a save that found no slot a
-        moment ago may have raced with its making, and must not count as skipped."""
-        with self._cond:
-            return path in self._wanted or path in self._made
-
-    def take(self, path: Path) -> Slot | None:
-        """A slot made since the last call, handed over to the caller's set (or None)."""
-        with self._cond:
-            return self._made.pop(path, None)
-
-    def wait(self, path: Path, size: int, timeout_s: float) -> Slot:
-        """The slot at ``path`` once made with ``size`` bytes (for the copy thread); the maker
-        keeps it for :meth:`take` as well."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                made = self._latest.get(path)
-                if made is not None and made.size >= size:
-                    return made
-                if path in self._failed:
-                    raise self._failed[path]
-                left = deadline - time.monotonic()
-                if left <= 0 or path not in self._wanted:
-                    raise StorageFull(f"shared memory {path} was not made within {timeout_s} s")
-                self._cond.wait(left)
-
-    def close(self) -> None:
-        """Stops making slots. The one being made is finished first: a thread cut off at exit
-        would leave its file under a temporary name that nobody removes. What was made and
-        not taken is closed."""
-        with self._cond:
-            self._closed = True
-            self._wanted.clear()
-            thread = self._thread
-            self._cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        with self._cond:
-            made, self._made = list(self._made.values()), {}
-            self._latest.clear()
-        for slot in made:
-            slot.close()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._wanted:
-                    self._thread = None
-                    return
-                path, size = next(iter(self._wanted.items()))
-            try:
-                slot: Slot | None = Slot.create_or_grow(path, size)
-                error: BaseException | None = None
-            except BaseException as e:  # the saves that wait for it say so
-                slot, error = None, e
-                logger.error("making the checkpoint slot %s failed: %s", path, e)
-            with self._cond:
-                if self._wanted.get(path) == size:
-                    del self._wanted[path]
-                if slot is not None:
-                    stale = self._made.pop(path, None)
-                    if stale is not None:
-                        stale.close()
-                    self._made[path] = self._latest[path] = slot
-                    self.made_count += 1
-                elif error is not None:
-                    self._failed[path] = error
-                    self._wanted.pop(path, None)
-                self._cond.notify_all()
-
-
-def payload_offset(manifest_len: int) -> int:
-    return align_up(HEADER_BYTES + manifest_len, 4096)
 
 
 class SlotSet:
@@ -555,41 +368,6 @@ class SlotSet:
         for index in range(max(self.count, 8)):
             with contextlib.suppress(FileNotFoundError):
                 slot_path(self.where, index, self.shm_dir).unlink()
-
-
-def seal_of(header: SlotHeader, manifest: Any, payload: Any,
-            item_offsets: Iterable[int]) -> int:
-    """A cheap integrity mark of a complete snapshot, written by the writer with ``COMPLETE``.
-
-    CRC-32 of the header's placement fields, the whole manifest, and ``SEAL_SAMPLE`` bytes at
-    the start of every tensor item (``item_offsets``) and of every ``SEAL_STRIDE`` bytes of the
-    payload: a few thousand samples, about 2 ms where a CRC of every byte cost as much as the
-    restore's copy (sampling every 4 KiB page cost 40-50 ms here: a TLB miss per page). Torn
-    writes are already excluded by the header state under the writer's lock; what the seal
-    catches is a complete snapshot overwritten afterwards in bulk (training state aliasing the
-    snapshot, a stray writer): any tensor rewritten from its start, or any run of 64 KiB. A
-    single flipped bit between samples passes; the durable tiers keep a CRC-32 of every byte.
-    """
-    crc = zlib.crc32(_SEALED_FIELDS.pack(
-        header.generation, header.step, header.rank, header.world_size, header.manifest_len,
-        header.payload_offset, header.payload_len))
-    crc = zlib.crc32(manifest, crc)
-    data = memoryview(payload).cast("B")
-    if not len(data):
-        return crc
-    starts = numpy.array(sorted({*range(0, len(data), SEAL_STRIDE),
-                                 *(o for o in item_offsets if 0 <= o < len(data))}),
-                         dtype=numpy.int64)
-    # numpy, not torch: a gather this small must not wake torch's intra-op thread pool.
-    index = numpy.minimum(numpy.add.outer(starts, numpy.arange(SEAL_SAMPLE)).ravel(),
-                          len(data) - 1)
-    return zlib.crc32(numpy.frombuffer(data, dtype=numpy.uint8).take(index), crc)
-
-
-def item_offsets(manifest: Mapping[str, Any]) -> list[int]:
-    """Payload offsets of the tensor items a snapshot stores itself (sampled by the seal)."""
-    return [int(item["offset"]) for item in manifest["items"]
-            if item["kind"] == "tensor" and "offset" in item]
 
 
 def read_slot(slot: Slot, *, verify: bool = True, prefault: bool = True) -> Snapshot:

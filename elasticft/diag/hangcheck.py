@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from elasticft import procs
-from elasticft.agent.api import GroupInfo
+from elasticft.addon.api import GroupInfo
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, verdict
 from elasticft.diag.ring import Op, Record, RingFiles, RingReader

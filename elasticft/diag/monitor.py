@@ -38,14 +38,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from elasticft import procs
-from elasticft.agent.api import (
+from elasticft.addon.api import (
+    AddOn,
     AddOnContext,
     AgentCollaborator,
     Detection,
     GroupInfo,
     WorkerInfo,
 )
-from elasticft.agent.classify import FailureClass
+from elasticft.addon.classify import FailureClass
 from elasticft.config import DiagConfig
 from elasticft.diag import detectors, exchange, hangcheck, health, shimcheck, stacks, verdict
 from elasticft.diag.hangcheck import NOT_HANG_OPS, RankTrack, hang_limits
@@ -54,10 +55,10 @@ from elasticft.diag.metrics import DiagMetrics
 from elasticft.diag.ring import Op, Record
 from elasticft.diag.workerenv import (
     WorkerFiles,
+    bootstrap_dir,
     default_ring_base,
     diag_worker_env,
     shim_library,
-    sweep_dead_ring_dirs,
 )
 from elasticft.events import EventLog
 
@@ -77,6 +78,7 @@ class DiagMonitor(AgentCollaborator):
         config: DiagConfig,
         *,
         base_env: Mapping[str, str],
+        events: EventLog | None = None,
         event_dir: Path | None = None,
         log_root: Path | None = None,
         nccl_shim: Path | None = None,
@@ -96,7 +98,10 @@ class DiagMonitor(AgentCollaborator):
         self._limits = health.HealthLimits(config.health_min_free_gb,
                                            config.health_max_memory_percent,
                                            config.health_max_gpu_temp_c)
-        self._events: EventLog | None = None
+        self._events = events
+        """The agent's event log; opened here (under ``event_dir``, else the run directory)
+        only for a monitor built outside an agent, which then closes it too."""
+        self._owns_events = events is None
         self._ring_base: Path | None = None
         self._files: dict[int, WorkerFiles] = {}  # by global rank
         self._tracks: dict[int, RankTrack] = {}
@@ -126,11 +131,9 @@ class DiagMonitor(AgentCollaborator):
         if self._events is None:
             self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         if self._ring_base is None:
-            base = Path(self.config.diag_ring_dir or default_ring_base())
-            swept = sweep_dead_ring_dirs(base)
-            if swept:
-                logger.info("removed %d ring directories of agents that are gone", len(swept))
-            self._ring_base = base
+            # What gone agents left there, the launcher swept at the start
+            # (:func:`elasticft.launcher.sweep_leftovers`).
+            self._ring_base = Path(self.config.diag_ring_dir or default_ring_base())
 
     def emit(self, detector: str, message: str, **evidence: Any) -> None:
         logger.warning("detection (%s): %s", detector, message)
@@ -151,6 +154,10 @@ class DiagMonitor(AgentCollaborator):
         self._files[worker.global_rank] = files
         return diag_worker_env(files.files, auto_install=self.config.diag_auto_install,
                                shim=self._shim, base_env=self._base_env)
+
+    def python_path(self) -> tuple[Path, ...]:
+        # The recorder's bootstrap (elasticft.diag.autoinstall), for scripts that call nothing.
+        return (bootstrap_dir(),) if self.config.diag_auto_install else ()
 
     def _run_preflight(self, group: GroupInfo) -> None:
         started = time.monotonic()
@@ -237,7 +244,7 @@ class DiagMonitor(AgentCollaborator):
             for files in self._files.values():
                 files.close()
             self._files = {}
-            if self._events is not None:
+            if self._events is not None and self._owns_events:
                 self._events.close()
 
     # -- node health ----------------------------------------------------------------------------
@@ -556,12 +563,10 @@ class DiagMonitor(AgentCollaborator):
         return None
 
 
-class DiagAddOn:
-    """Diagnostics as an add-on of the agent (:class:`elasticft.agent.api.AddOn`)."""
+class DiagAddOn(AddOn[DiagMonitor]):
+    """Diagnostics as an add-on of the agent (:class:`elasticft.addon.api.AddOn`)."""
 
     name: ClassVar[str] = "diag"
-    needs: ClassVar[tuple[str, ...]] = ()
-    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> DiagMonitor | None:
@@ -585,7 +590,8 @@ class DiagAddOn:
             metrics = DiagMetrics()
             metrics.serve(config.diag_metrics.host, config.diag_metrics.port,
                           config.diag_metrics_token)
-        monitor = DiagMonitor(config, base_env=context.env, event_dir=options.agent.event_dir,
+        monitor = DiagMonitor(config, base_env=context.env, events=context.events,
+                              event_dir=options.agent.event_dir,
                               log_root=Path(log_root) if log_root else None, nccl_shim=shim,
                               metrics=metrics)
         if metrics is not None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from elasticft import procs
+from elasticft.addon.api import prepend_paths
 from elasticft.diag.autoinstall import AUTO_INSTALL_ENV
 from elasticft.diag.recorder import OWNER_PID_ENV
 from elasticft.diag.ring import (
@@ -51,16 +52,9 @@ def bootstrap_dir() -> Path:
     return _PACKAGE_DIR / "bootstrap"
 
 
-def _prepend(value: str, existing: str | None, sep: str) -> str:
-    parts = [p for p in (existing or "").split(sep) if p]
-    if value in parts:
-        return sep.join(parts)
-    return sep.join([value, *parts])
-
-
 def bootstrap_pythonpath(base_env: Mapping[str, str]) -> str:
     """``PYTHONPATH`` with the bootstrap directory first (the user's entries kept after it)."""
-    return _prepend(str(bootstrap_dir()), base_env.get("PYTHONPATH"), os.pathsep)
+    return prepend_paths([bootstrap_dir()], base_env.get("PYTHONPATH"))
 
 
 def diag_worker_env(
@@ -87,7 +81,7 @@ def diag_worker_env(
         env[SHIM_ENV] = "1"
         # The dynamic linker accepts spaces or colons; keep the user's entries after ours.
         existing = " ".join((base_env.get("LD_PRELOAD") or "").replace(":", " ").split())
-        env["LD_PRELOAD"] = _prepend(str(shim), existing.replace(" ", ":"), ":")
+        env["LD_PRELOAD"] = prepend_paths([shim], existing.replace(" ", ":"), ":")
     return env
 
 

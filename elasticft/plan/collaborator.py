@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, WorkerInfo
 from elasticft.plan.api import Cluster, Hardware, Layout, ModelSpec, Pins, PlanError
 from elasticft.plan.search import plan
 from elasticft.plan.worker import layout_env
@@ -118,12 +118,10 @@ class LayoutCollaborator(AgentCollaborator):
         return layout_env(self.layout) if self.layout is not None else {}
 
 
-class LayoutAddOn:
-    """The layout planner as an add-on of the agent (:class:`elasticft.agent.api.AddOn`)."""
+class LayoutAddOn(AddOn[LayoutCollaborator]):
+    """The layout planner as an add-on of the agent (:class:`elasticft.addon.api.AddOn`)."""
 
     name: ClassVar[str] = "plan"
-    needs: ClassVar[tuple[str, ...]] = ()
-    runs_before: ClassVar[tuple[str, ...]] = ()
 
     def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
               ) -> LayoutCollaborator | None:

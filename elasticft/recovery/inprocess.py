@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elasticft.agent.classify import ExceptionInfo, FailureClass, classify_exception
+from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def peer_failure(error: BaseException) -> bool:
     """Whether ``error`` is the communication layer's report of a failed peer or link, which
     a regroup repairs (pure).
 
-    An infrastructure error by :func:`elasticft.agent.classify.classify_exception` (torch's
+    An infrastructure error by :func:`elasticft.addon.classify.classify_exception` (torch's
     ``DistError`` family, connection errors, gloo's and NCCL's messages), anywhere in the chain
     of causes, unless it names a device fault.
     """

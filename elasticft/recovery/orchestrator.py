@@ -3,14 +3,14 @@ membership into hierarchical recovery.
 
 When a worker fails or diagnostics report a hang, the agent calls, in order, every
 collaborator's ``on_failure``, then ``failure_facts``, then the pure policy
-(:func:`elasticft.agent.policy.decide`), then ``on_decision``. The orchestrator sits before the
+(:func:`elasticft.addon.policy.decide`), then ``on_decision``. The orchestrator sits before the
 checkpoint service, so on a failure it
 
 1. **counts the offence** against this node when its own rank caused it
-   (:func:`~elasticft.agent.policy.is_node_offence`: a crash by signal, a hang this node's
+   (:func:`~elasticft.addon.policy.is_node_offence`: a crash by signal, a hang this node's
    monitor localised, a rank that stayed slow, a device error);
 2. **asks for a just-in-time checkpoint** when every data-parallel shard still has a healthy
-   replica (:func:`~elasticft.agent.policy.replicas_intact`) and a healthy local worker can be
+   replica (:func:`~elasticft.addon.policy.replicas_intact`) and a healthy local worker can be
    asked: through the checkpoint control channel (:mod:`elasticft.ckpt.control`), whose watcher
    thread answers while the worker's main thread waits in the broken collective, it completes
    the snapshot of the last completed step in shared memory; the checkpoint service's flush,
@@ -37,7 +37,7 @@ the others reuse its result.
 Job-wide, the **leader** of each round (group rank 0) compares the round's nodes with the
 previous round's: a node that is gone and whose membership lease ended (dead, or cut off
 from the network) is quarantined in this job for ``recovery_quarantine_s``, with the evidence
-(:func:`~elasticft.agent.policy.judge_departed`, :mod:`elasticft.rendezvous.quarantine`): that
+(:func:`~elasticft.addon.policy.judge_departed`, :mod:`elasticft.rendezvous.quarantine`): that
 says nothing about its machine, so it is not blacklisted. Every choice is logged with its reason and
 written to the event log (``jit_checkpoint``, ``eviction``, ``recovery``).
 """
@@ -52,50 +52,52 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch.distributed as dist
-
 from elasticft import procs
-from elasticft.agent.api import AddOnContext, AgentCollaborator, GroupInfo, run_ending_errors
-from elasticft.agent.classify import FailureRecord
-from elasticft.agent.policy import (
+from elasticft.addon.api import (
+    AddOn,
+    AddOnContext,
+    AgentCollaborator,
+    Built,
+    GroupInfo,
+    run_ending_errors,
+)
+from elasticft.addon.classify import FailureRecord
+from elasticft.addon.policy import (
     Action,
     ActionKind,
     CheckpointSource,
     DepartedNode,
     FailureFacts,
+    KnownFacts,
     checkpoint_source,
     is_node_offence,
     judge_departed,
     replicas_intact,
 )
 from elasticft.ckpt.control import request_checkpoint, watching_pid
-from elasticft.ckpt.service import CheckpointService
+from elasticft.ckpt.service import CheckpointAddOn, CheckpointService
 from elasticft.config import RecoveryConfig
 from elasticft.events import EventLog
-from elasticft.recovery.membership import EtcdMembership, Membership
+from elasticft.recovery.roster import EtcdRoster, Roster
+from elasticft.recovery.roundstore import (
+    INTERRUPTIBLE_WAKE_S,
+    JIT_DONE_KEY,
+    JIT_REQUEST_KEY,
+    KNOWN_ROUND_KEY,
+    NODE_KEY,
+    WATCH_WAKE_S,
+    interrupter,
+    own_connection,
+    text,
+    wait_key,
+)
 from elasticft.rendezvous.quarantine import machine_name
 
 logger = logging.getLogger(__name__)
-
-_NODE_KEY = "elasticft/recovery/node/{}"
-_KNOWN_ROUND_KEY = "elasticft/recovery/known-round/{}"
-"""The newest earlier round a node took part in, and that round's nodes (JSON)."""
-_JIT_REQUEST_KEY = "elasticft/recovery/jit/request"
-_JIT_DONE_KEY = "elasticft/recovery/jit/done/{}"
-_WATCH_WAKE_S = 1.0
-"""A blocking store wait wakes this often to see whether its round (or the agent) is over: a
-thread must not be inside a store call when the interpreter exits (the store's C++ side calls
-back into Python, which crashes the exiting agent)."""
-_INTERRUPTIBLE_WAKE_S = 60.0
-"""The JIT watcher's wait on a store that can end it on demand (the etcd store's
-``interrupt_waits``): the watcher is interrupted when its round or the agent ends, so it need not
-wake every second, which on etcd costs a request a second a node."""
-
 
 @dataclasses.dataclass
 class _RoundJit:
@@ -116,8 +118,9 @@ class RecoveryOrchestrator(AgentCollaborator):
         node_id: str,
         min_nodes: int,
         checkpoints: CheckpointService | None = None,
-        membership: Membership | None = None,
+        roster: Roster | None = None,
         layout: tuple[int, int, int] | None = None,
+        events: EventLog | None = None,
         event_dir: Path | None = None,
     ) -> None:
         self.config = config
@@ -125,14 +128,17 @@ class RecoveryOrchestrator(AgentCollaborator):
         self.min_nodes = min_nodes
         self.checkpoints = checkpoints
         """The node's CheckpointService (its control directory and memory), if it runs."""
-        self.membership = membership
+        self.roster = roster
         self.layout = layout
         self.offences = 0
         self._event_dir = event_dir
-        self._events: EventLog | None = None
+        self._events = events
+        """The agent's event log; opened here (under ``event_dir``, else the run directory)
+        only for an orchestrator built outside an agent, which then closes it too."""
+        self._owns_events = events is None
         self._group: GroupInfo | None = None
         self._round_nodes: dict[int, tuple[str, ...]] = {}
-        self._facts: dict[str, Any] = {}
+        self._facts: KnownFacts = {}
         self._threads: list[threading.Thread] = []
         self._jit_lock = threading.Lock()
         self._round_jit: dict[int, _RoundJit] = {}
@@ -163,9 +169,9 @@ class RecoveryOrchestrator(AgentCollaborator):
             return
         if group.group_world_size > 1:
             self._watch_stop = threading.Event()
-            watch_store = _own_connection(store)
-            interrupt = _interrupter(watch_store)
-            wake_s = _INTERRUPTIBLE_WAKE_S if interrupt is not None else _WATCH_WAKE_S
+            watch_store = own_connection(store)
+            interrupt = interrupter(watch_store)
+            wake_s = INTERRUPTIBLE_WAKE_S if interrupt is not None else WATCH_WAKE_S
             watcher = threading.Thread(target=self._watch_jit,
                                        args=(group, watch_store, self._watch_stop, wake_s),
                                        daemon=True, name="elasticft-recovery-jit-watch")
@@ -175,8 +181,8 @@ class RecoveryOrchestrator(AgentCollaborator):
         known = max((r for r in self._round_nodes if r < group.round), default=None)
         record = {} if known is None else {"round": known, "nodes": self._round_nodes[known]}
         try:
-            store.set(_KNOWN_ROUND_KEY.format(group.group_rank), json.dumps(record))
-            store.set(_NODE_KEY.format(group.group_rank), group.node_id)
+            store.set(KNOWN_ROUND_KEY.format(group.group_rank), json.dumps(record))
+            store.set(NODE_KEY.format(group.group_rank), group.node_id)
         except run_ending_errors():
             raise
         except Exception as e:
@@ -196,9 +202,9 @@ class RecoveryOrchestrator(AgentCollaborator):
         The last round is the newest earlier round any node of this one took part in, as the
         nodes report it: a standby that now leads saw no earlier round itself."""
         try:
-            nodes = tuple(store.get(_NODE_KEY.format(r)).decode()
+            nodes = tuple(store.get(NODE_KEY.format(r)).decode()
                           for r in range(group.group_world_size))
-            known = [json.loads(store.get(_KNOWN_ROUND_KEY.format(r)))
+            known = [json.loads(store.get(KNOWN_ROUND_KEY.format(r)))
                      for r in range(group.group_world_size)]
         except run_ending_errors():
             raise
@@ -216,8 +222,8 @@ class RecoveryOrchestrator(AgentCollaborator):
             self._judge_departed(gone, previous, group)
 
     def _judge_departed(self, gone: list[str], previous: int, group: GroupInfo) -> None:
-        membership = self.membership
-        if membership is None or not self.config.recovery_blacklist:
+        roster = self.roster
+        if roster is None or not self.config.recovery_blacklist:
             logger.warning("node(s) %s left after round %d (no blacklist with this "
                            "rendezvous backend)", ", ".join(gone), previous)
             return
@@ -228,8 +234,8 @@ class RecoveryOrchestrator(AgentCollaborator):
             alive = True
             while True:
                 try:
-                    alive = membership.alive(node)
-                    blacklisted = membership.is_blacklisted(node)
+                    alive = roster.alive(node)
+                    blacklisted = roster.is_blacklisted(node)
                 except run_ending_errors():
                     raise
                 except Exception as e:
@@ -244,7 +250,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             logger.warning("leader %s quarantines node %s in this job for %.0f s: %s",
                            self.node_id, eviction.node_id, quarantine_s, eviction.reason)
             try:
-                membership.quarantine(eviction.node_id, eviction.reason, previous,
+                roster.quarantine(eviction.node_id, eviction.reason, previous,
                                       f"leader {self.node_id}, round {group.round}",
                                       quarantine_s)
             except run_ending_errors():
@@ -277,7 +283,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         # The other nodes' replicas can be asked through the round's store.
         remote = intact and uses_api and group.group_world_size > 1 and \
             self._round_store is not None
-        facts: dict[str, Any] = {
+        facts: KnownFacts = {
             "node_offences": self.offences,
             "repeat_offender_limit": self.config.recovery_repeat_offender,
             "replicas_intact": intact,
@@ -343,10 +349,10 @@ class RecoveryOrchestrator(AgentCollaborator):
     def _can_evict(self, group: GroupInfo) -> bool:
         if group.group_world_size > self.min_nodes:
             return True
-        if self.membership is None:
+        if self.roster is None:
             return False
         try:
-            return self.membership.standbys() > 0
+            return self.roster.standbys() > 0
         except run_ending_errors():
             raise
         except Exception as e:
@@ -419,13 +425,13 @@ class RecoveryOrchestrator(AgentCollaborator):
         request = json.dumps({"by": self.node_id, "group_rank": group.group_rank,
                               "cause": cause[:300], "round": group.round, "time": time.time()})
         try:
-            held = store.compare_set(_JIT_REQUEST_KEY, "", request)
+            held = store.compare_set(JIT_REQUEST_KEY, "", request)
         except run_ending_errors():
             raise
         except Exception as e:
             logger.warning("could not ask the other nodes for a JIT checkpoint: %s", e)
             return False
-        if _text(held) != request:
+        if text(held) != request:
             logger.info("the other nodes were already asked for a JIT checkpoint this round")
             return False
         logger.warning("asked every node of round %d for a just-in-time checkpoint",
@@ -439,10 +445,10 @@ class RecoveryOrchestrator(AgentCollaborator):
         for rank in range(group.group_world_size):
             if rank == group.group_rank:
                 continue
-            key = _JIT_DONE_KEY.format(rank)
+            key = JIT_DONE_KEY.format(rank)
             try:
-                found = _wait_key(store, key, deadline, self._closing)
-                reports[str(rank)] = json.loads(_text(store.get(key))) if found else None
+                found = wait_key(store, key, deadline, self._closing)
+                reports[str(rank)] = json.loads(text(store.get(key))) if found else None
             except run_ending_errors():
                 raise
             except Exception:
@@ -469,11 +475,11 @@ class RecoveryOrchestrator(AgentCollaborator):
         while not stop.is_set() and not self._closing.is_set():
             started = time.monotonic()
             try:
-                store.wait([_JIT_REQUEST_KEY], timedelta(seconds=wake_s))
-                request = json.loads(_text(store.get(_JIT_REQUEST_KEY)))
+                store.wait([JIT_REQUEST_KEY], timedelta(seconds=wake_s))
+                request = json.loads(text(store.get(JIT_REQUEST_KEY)))
             except Exception:
-                if time.monotonic() - started < _WATCH_WAKE_S / 2:
-                    stop.wait(_WATCH_WAKE_S)  # the store is unreachable: do not spin
+                if time.monotonic() - started < WATCH_WAKE_S / 2:
+                    stop.wait(WATCH_WAKE_S)  # the store is unreachable: do not spin
                 continue
             if stop.is_set() or self._closing.is_set():
                 return
@@ -486,7 +492,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             report = {"node": self.node_id, "step": record.step if record else None,
                       "ranks": {str(r): s for r, s in (record.ranks if record else {}).items()}}
             try:
-                store.set(_JIT_DONE_KEY.format(group.group_rank), json.dumps(report))
+                store.set(JIT_DONE_KEY.format(group.group_rank), json.dumps(report))
             except run_ending_errors():
                 raise
             except Exception as e:
@@ -506,7 +512,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._node_jit(group, cause)
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
-                      ) -> Mapping[str, Any]:
+                      ) -> KnownFacts:
         return self._facts
 
     def on_decision(self, group: GroupInfo, action: Action) -> None:
@@ -518,9 +524,9 @@ class RecoveryOrchestrator(AgentCollaborator):
         blacklisted = False
         # Evidence about the machine: its name goes on the blacklist, never a per-process id.
         machine = machine_name(self.node_id, socket.gethostname())
-        if self.membership is not None and self.config.recovery_blacklist:
+        if self.roster is not None and self.config.recovery_blacklist:
             try:
-                self.membership.blacklist(machine, action.reason,
+                self.roster.blacklist(machine, action.reason,
                                           f"node {self.node_id} itself (pid {os.getpid()})")
                 blacklisted = True
             except run_ending_errors():
@@ -534,80 +540,40 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._closing.set()
         self._stop_jit_watcher()
         for thread in self._threads:
-            thread.join(timeout=2 * _WATCH_WAKE_S + 1)
-        close = getattr(self.membership, "close", None)
+            thread.join(timeout=2 * WATCH_WAKE_S + 1)
+        close = getattr(self.roster, "close", None)
         if callable(close):
             with contextlib.suppress(Exception):
                 close()
-        if self._events is not None:
+        if self._events is not None and self._owns_events:
             self._events.close()
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
-
-
-def _own_connection(store: Any) -> Any:
-    """A connection of its own for a thread that blocks on the store: a TCPStore client holds
-    one lock per connection for a whole wait, which would stall the agent's own store calls.
-    A store that cannot be cloned (the etcd store, whose client is thread-safe) is shared."""
-    try:
-        return store.clone()
-    except Exception:
-        return store
-
-
-def _interrupter(store: Any) -> Any:
-    """The ``interrupt_waits`` of the store under ``store``'s prefixes, or None: only a store
-    written in Python (the etcd store) can end a thread's wait on demand."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    interrupt = getattr(store, "interrupt_waits", None)
-    return interrupt if callable(interrupt) else None
-
-
-def _wait_key(store: Any, key: str, deadline: float, closing: threading.Event) -> bool:
-    """Waits for ``key`` until ``deadline``, in short slices so an exiting agent is not held."""
-    while not closing.is_set():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            store.wait([key], timedelta(seconds=min(left, _WATCH_WAKE_S)))
-            return True
-        except run_ending_errors():
-            raise
-        except Exception:
-            if store.check([key]):
-                return True
-    return False
-
-
-class RecoveryAddOn:
-    """Recovery as an add-on of the agent (:class:`elasticft.agent.api.AddOn`). It needs the
+class RecoveryAddOn(AddOn[RecoveryOrchestrator]):
+    """Recovery as an add-on of the agent (:class:`elasticft.addon.api.AddOn`). It needs the
     checkpoint service (the just-in-time checkpoint goes through its control directory), and
     its hooks run before the service's: the service flushes the checkpoint recovery asked for.
     """
 
     name: ClassVar[str] = "recovery"
-    needs: ClassVar[tuple[str, ...]] = ("ckpt",)
-    runs_before: ClassVar[tuple[str, ...]] = ("ckpt",)
+    needs: ClassVar[tuple[str | type[AddOn[Any]], ...]] = (CheckpointAddOn,)
+    runs_before: ClassVar[tuple[str, ...]] = (CheckpointAddOn.name,)
 
-    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
-              ) -> RecoveryOrchestrator | None:
+    def build(self, context: AddOnContext, built: Built) -> RecoveryOrchestrator | None:
         options = context.options
         if not options.recovery.recovery_enabled:
             return None
         import socket
 
-        checkpoints = built["ckpt"]
+        checkpoints = built.of(CheckpointAddOn)
         layout = options.plan.layout.complete() if options.plan.layout else None
         return RecoveryOrchestrator(
             options.recovery,
             node_id=options.agent.node_id or socket.gethostname(),
             min_nodes=int(context.launch.min_nodes or 1),
-            checkpoints=checkpoints if isinstance(checkpoints, CheckpointService) else None,
-            membership=EtcdMembership.from_launch_config(context.launch),
+            checkpoints=checkpoints,
+            roster=EtcdRoster.from_launch_config(context.launch),
             layout=layout,
+            events=context.events,
             event_dir=options.agent.event_dir,
         )

@@ -13,8 +13,8 @@ from elasticft.extras import require_etcd
 from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.handler import (
     DISABLE_SHARED_STORE_ENV,
+    EtcdParts,
     EtcdRendezvousHandler,
-    Membership,
 )
 from elasticft.rendezvous.health import HealthCheck, basic_health_check
 from elasticft.rendezvous.identity import claim_node_id
@@ -96,7 +96,7 @@ def create_handler(
     )
     join_s = timeout.join.total_seconds()
     connect_timeout = _conf_int(params, "connect_timeout", int(join_s))
-    membership = Membership(
+    parts = EtcdParts(
         client=client,
         settings=settings,
         keys=keys,
@@ -117,6 +117,6 @@ def create_handler(
         params.local_addr or socket.getfqdn(),
         timeout,
         store,
-        membership,
+        parts,
         timedelta(seconds=rejoin_s),
     )

@@ -11,7 +11,8 @@ compare-and-set, O(N²) writes a round.
 
 Around each ``next_rendezvous``:
 
-1. **etcd reachable?** Probed until the join deadline (``connect_timeout``); if not, one
+1. **etcd reachable?** (the waits before a join: :mod:`elasticft.rendezvous.admission`)
+   Probed until the join deadline (``connect_timeout``); if not, one
    :class:`RendezvousConnectionError` line naming the endpoints.
 2. **Blacklist.** A node whose ``node_id`` has a verdict is refused with
    :class:`NodeBlacklistedError`, whose message carries the reason.
@@ -46,20 +47,19 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import psutil
 import torch.distributed as dist
 
-from elasticft.rendezvous import liveness, quarantine
+from elasticft.rendezvous import liveness
+from elasticft.rendezvous.admission import OUTAGE_LOG_EVERY_S, Admission
 from elasticft.rendezvous.etcd import (
     EtcdConfigError,
     EtcdSettings,
     Keys,
-    describe_error,
     etcd_errors,
     lease_lost,
 )
 from elasticft.rendezvous.health import HealthCheck
-from elasticft.rendezvous.identity import DuplicateNodeIdError, NodeClaim
+from elasticft.rendezvous.identity import NodeClaim
 from elasticft.rendezvous.liveness import PROBE_EVERY_S, ControlEndpoint
 from elasticft.rendezvous.membership import (
     Blacklist,
@@ -78,7 +78,7 @@ from elasticft.rendezvous.protocol import (
     round_may_close,
     waits_as_standby,
 )
-from elasticft.rendezvous.rounds import ProbeView, RoundStore
+from elasticft.rendezvous.rounds import RoundStore
 from elasticft.rendezvous.store import EtcdStore
 from elasticft.torch_compat import (
     RendezvousClosedError,
@@ -96,7 +96,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
 DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_OUTAGE_LOG_EVERY_S = 10.0
 COORDINATOR_POLL_S = 0.1
 """The coordinator of a round that may close polls this often (its decision is the latency)."""
 WAITER_POLL_S = (1.0, 3.0)
@@ -105,17 +104,7 @@ it waits for (the round's result; the coordinator: the previous round's keys), w
 its own closed at the end of the interval (pyetcd's shared watcher would hold a stream per
 waiting node whose Python thread wakes ten times a second): a poll and a watch every 2 s, about
 one request a second, and the result is seen as soon as it is written."""
-OUTAGE_RETRY_S = (0.5, 4.0)
-"""While etcd does not answer, a node asks again after a pause that doubles from the first value
-to the second, times a random factor in [0.5, 1]: when etcd is overloaded rather than down
-(thousands of nodes at once), nodes retrying at a fixed pace add load exactly when it hurts,
-and spread out they let it recover."""
 RUNNING_POLL_S = 2.0
-DUPLICATE_POLL_S = 1.0
-"""How often a node whose id another agent's member record holds looks again."""
-DUPLICATE_GRACE_S = 2.0
-"""How long past a lease's TTL a foreign member record may stay before its agent counts as
-alive (records of a dead agent vanish when its lease expires)."""
 """``num_nodes_waiting`` asks etcd at most this often (the agent's monitor asks more often);
 with the lease refresh every TTL/3 (5 s) the rendezvous costs a running node 0.7 etcd requests
 a second."""
@@ -147,8 +136,10 @@ class RoundView:
 
 
 @dataclasses.dataclass
-class Membership:
-    """The etcd-side companions of one handler (set once by :func:`create_handler`)."""
+class EtcdParts:
+    """What one handler holds in etcd, besides its rounds: the client, this node's name and
+    claim, the blacklist and the publisher of its member records (set once by
+    :func:`create_handler`)."""
 
     client: Any
     settings: EtcdSettings
@@ -175,7 +166,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         addr: str,
         timeout: RendezvousTimeout,
         store: EtcdStore,
-        membership: Membership,
+        parts: EtcdParts,
         rejoin_timeout: timedelta = timedelta(seconds=60),
     ) -> None:
         if min_nodes < 1 or max_nodes < min_nodes:
@@ -189,9 +180,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.timeout = timeout
         self.rejoin_timeout = rejoin_timeout
         self._store = store
-        self._membership = membership
-        self._rounds = RoundStore(membership.client, membership.keys, membership.settings,
-                                  membership.node_id)
+        self._parts = parts
+        self._rounds = RoundStore(parts.client, parts.keys, parts.settings, parts.node_id)
+        self._admission = Admission(self._rounds, parts.blacklist, parts.node_id, parts.host,
+                                    parts.settings.endpoint_text, parts.publisher.ttl_s, addr,
+                                    run_id)
         self._round = -1
         self._round_size = 0
         self._joined_round: int | None = None
@@ -210,16 +203,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @property
     def node_id(self) -> str:
-        return self._membership.node_id
+        return self._parts.node_id
 
     @property
     def keys(self) -> Keys:
-        return self._membership.keys
+        return self._parts.keys
 
     @property
     def blacklist(self) -> Blacklist:
         """Mark a node bad with ``handler.blacklist.add(node_id, reason, added_by)``."""
-        return self._membership.blacklist
+        return self._parts.blacklist
 
     @property
     def round(self) -> int:
@@ -236,7 +229,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def leader(self) -> LeaderRecord | None:
         """The leader of the latest round as published in etcd (None while it is re-elected)."""
-        m = self._membership
+        m = self._parts
         return read_leader(m.client, m.keys, m.settings)
 
     # -- torch's handler interface ----------------------------------------------------------
@@ -252,13 +245,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return os.getenv(DISABLE_SHARED_STORE_ENV, "0") != "1"
 
     def next_rendezvous(self) -> RendezvousInfo:
-        m = self._membership
+        m = self._parts
         started = time.monotonic()
         join_deadline = started + self.timeout.join.total_seconds()
         if self._control is None:
             self._control = ControlEndpoint(self.addr)
-        probe = self._wait_for_etcd(min(join_deadline, time.monotonic() + m.connect_timeout_s))
-        probe = self._wait_for_duplicate(probe, join_deadline)
+        probe = self._admission.etcd(min(join_deadline, time.monotonic() + m.connect_timeout_s))
+        probe = self._admission.duplicate(probe, join_deadline)
         last_round = probe.last_round
         entry = Blacklist.parse(probe.blacklisted)
         if entry is not None:
@@ -269,7 +262,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 f"{m.settings.endpoint_text}`",
                 reason=entry.reason,
             )
-        probe = self._wait_out_quarantine(probe, join_deadline)
+        probe = self._admission.quarantine(probe, self._round, join_deadline)
         report = m.health_check()
         member = self._member_record("waiting", health_ok=report.ok,
                                      health_detail=report.detail)
@@ -290,7 +283,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if lease_lost(e):
                     m.publisher.lease_lost()
                 logger.warning("rendezvous interrupted by an etcd outage (%s); retrying", e)
-                last_round = self._wait_for_etcd(join_deadline).last_round
+                last_round = self._admission.etcd(join_deadline).last_round
                 if self._joined_round is not None and self._joined_round > previous_round:
                     # Back to the round this node had joined: it may have closed, with this
                     # node in it, during the outage. Joining the round after it would leave
@@ -300,7 +293,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._round, self._round_size = round_, world_size
         with self._waiting_lock:
             self._waiting_checked, self._waiting_answer = time.monotonic(), 0
-        store = dist.PrefixStore(self._membership.keys.round_store(round_), self._store)
+        store = dist.PrefixStore(self._parts.keys.round_store(round_), self._store)
         while True:
             try:
                 info = RendezvousInfo(store, rank, world_size, self._store_info(rank, store))
@@ -311,7 +304,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     raise
                 logger.warning("reading round %d's worker address interrupted (%s); retrying",
                                round_, e)
-                self._wait_for_etcd(join_deadline)
+                self._admission.etcd(join_deadline)
         logger.info("node %s joined round %d of rendezvous %s as rank %d of %d", m.node_id,
                     round_, self._run_id, rank, world_size)
         view = RoundView(round_, rank, world_size)
@@ -331,7 +324,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 view = self._rounds.running_view(self._round)
             except RendezvousConnectionError as e:
                 # Nobody can join through an unreachable etcd; the workers keep training.
-                if now - self._last_outage_log >= _OUTAGE_LOG_EVERY_S:
+                if now - self._last_outage_log >= OUTAGE_LOG_EVERY_S:
                     self._last_outage_log = now
                     logger.warning("etcd unreachable, training goes on: %s", e)
                 return 0
@@ -365,7 +358,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def close_membership(self) -> None:
         """Withdraws this node's records now (they would expire with its lease anyway)."""
-        self._membership.publisher.close()
+        self._parts.publisher.close()
         if self._control is not None:
             self._control.close()
 
@@ -375,7 +368,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                        member: bytes) -> tuple[int, tuple[str, ...]]:
         """Joins the round after ``last_round`` (writing the ``member`` record with it) and
         polls until this node is a participant of a closed round."""
-        m = self._membership
+        m = self._parts
         round_ = last_round + 1
         previous_size = self._join(round_, {m.keys.member(m.node_id): member})
         coordinating, quorum_since, standby = False, None, False
@@ -454,7 +447,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Writes this node's join key of ``round_`` (leaving its previous round, and saying so
         with that round's ``restart`` key if it was a participant; the keys in ``also`` go on
         the lease in the same request); returns the size of round ``round_ - 1``."""
-        m = self._membership
+        m = self._parts
         record = json.dumps({"node_id": m.node_id, "addr": self.addr, "pid": os.getpid(),
                              "joined_at": time.time(),
                              "probe": self._control.endpoint if self._control else ""}).encode()
@@ -487,76 +480,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _wait_for_duplicate(self, probe: ProbeView, deadline: float) -> ProbeView:
-        """Waits while another agent's member record holds this node's id (an agent that died
-        leaves one until its lease expires); raises :class:`DuplicateNodeIdError` naming both
-        agents when the other is alive (its record outlives a lease) or the join time is up."""
-        m = self._membership
-        ttl_deadline = min(deadline, time.monotonic() + m.publisher.ttl_s + DUPLICATE_GRACE_S)
-        while (other := _other_agent(probe.member, self.addr)) is not None:
-            if time.monotonic() >= ttl_deadline:
-                raise DuplicateNodeIdError(
-                    f"node id {m.node_id!r} of job {self._run_id!r} is taken by another live "
-                    f"agent ({other.addr}, pid {other.pid}); this agent is ({self.addr}, pid "
-                    f"{os.getpid()}): give each agent its own --node-id, or leave --node-id "
-                    "out for a unique default")
-            logger.info("node id %s is held by the record of (%s, pid %d); waiting for it to "
-                        "expire", m.node_id, other.addr, other.pid)
-            time.sleep(DUPLICATE_POLL_S)
-            probe = self._wait_for_etcd(deadline)
-        return probe
-
-    def _wait_out_quarantine(self, probe: ProbeView, deadline: float) -> ProbeView:
-        """Waits while this node's id is quarantined in this job
-        (:func:`elasticft.rendezvous.quarantine.wait_out`); returns the latest probe."""
-        m = self._membership
-        latest = [probe]
-
-        def again() -> bytes | None:
-            latest[0] = self._wait_for_etcd(deadline)
-            return latest[0].quarantined
-
-        quarantine.wait_out(probe.quarantined, again, m.node_id, m.host, self._round,
-                            self._run_id, deadline, m.settings.endpoint_text)
-        return latest[0]
-
-    def _wait_for_etcd(self, deadline: float) -> ProbeView:
-        """Waits until etcd answers; returns what the probe read (this node's blacklist
-        entries, the last completed round, its member record) in the same request."""
-        m = self._membership
-        started = time.monotonic()
-        last_said = -math.inf
-        pause_s = OUTAGE_RETRY_S[0]
-        while True:
-            try:
-                names = (m.node_id,) if m.host == m.node_id else (m.node_id, m.host)
-                found = self._rounds.probe(tuple(m.blacklist.key(n) for n in names))
-                if last_said > -math.inf:
-                    logger.warning("etcd at %s answers after %.0f s", m.settings.endpoint_text,
-                                   time.monotonic() - started)
-                return found
-            except RendezvousConnectionError as e:
-                now = time.monotonic()
-                cause = describe_error(e.__cause__) if e.__cause__ else str(e)
-                if now >= deadline:
-                    raise RendezvousConnectionError(
-                        f"cannot reach etcd at {m.settings.endpoint_text} within "
-                        f"{now - started:.0f} s ({cause}); start etcd or fix "
-                        "--rdzv-endpoint / --rdzv-conf (TLS, user, password)"
-                    ) from None
-                # etcd may legitimately start after the agents, so this waits; but a mistyped
-                # endpoint must not look like a silent hang for the whole join timeout.
-                if now - last_said >= _OUTAGE_LOG_EVERY_S:
-                    last_said = now
-                    logger.warning(
-                        "waiting for etcd at %s (%s); giving up in %.0f s (set "
-                        "--rdzv-conf connect_timeout=SECONDS to wait less or more)",
-                        m.settings.endpoint_text, cause, deadline - now)
-                time.sleep(min(pause_s * random.uniform(0.5, 1.0), max(0.0, deadline - now)))
-                pause_s = min(2 * pause_s, OUTAGE_RETRY_S[1])
-
     def _member_record(self, state: str, **fields: Any) -> MemberRecord:
-        m = self._membership
+        m = self._parts
         view = self._round_view
         return MemberRecord(
             node_id=m.node_id,
@@ -571,12 +496,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         )
 
     def _publish_member(self, state: str, **fields: Any) -> None:
-        m = self._membership
+        m = self._parts
         m.publisher.publish(m.keys.member(m.node_id), self._member_record(state, **fields))
 
     def _publish_round(self, view: RoundView) -> None:
         """Records the round; membership records are advisory, so a failure here only logs."""
-        m = self._membership
+        m = self._parts
         try:
             self._publish_member("participant")
             if not view.is_leader:
@@ -598,14 +523,3 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         view.group_world_size)
         except RendezvousConnectionError as e:
             logger.warning("could not publish round %d membership: %s", view.round, e)
-
-
-def _other_agent(raw_member: bytes | None, addr: str) -> MemberRecord | None:
-    """The member record ``raw_member`` when it belongs to another live agent: not this
-    process, and not a process of this host that is gone (a killed agent this one replaces)."""
-    record = MemberRecord.parse(raw_member)
-    if record is None or (record.addr == addr and record.pid == os.getpid()):
-        return None
-    if record.addr == addr and not psutil.pid_exists(record.pid):
-        return None
-    return record

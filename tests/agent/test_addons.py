@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import pytest
 
+from elasticft.addon.api import AddOnContext, AgentCollaborator
 from elasticft.agent.addons import AddOnOrderError, build_add_ons, build_order, hook_order
-from elasticft.agent.api import AddOnContext, AgentCollaborator
 from elasticft.config import ElasticftConfig
 from elasticft.launcher import default_add_ons
 

@@ -210,8 +210,8 @@ def launch_with_collaborator(tmp_path: Path, collaborator: str, nproc: int, max_
 import os, signal, sys, time
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig
-from elasticft.agent.api import AgentCollaborator, Detection
-from elasticft.agent.classify import FailureClass
+from elasticft.addon.api import AgentCollaborator, Detection
+from elasticft.addon.classify import FailureClass
 from elasticft.config import AgentConfig, ElasticftConfig
 from elasticft.launcher import launch
 
@@ -264,7 +264,7 @@ def test_a_sigterm_after_the_run_ended_on_purpose_leaves_its_outcome(tmp_path: P
     """A Slurm requeue SIGTERMs the job it just requeued, often while the launcher closes the
     run: the run still ends as requeued, with exit code 0."""
     proc = launch_with_collaborator(tmp_path, """
-from elasticft.agent.api import StopRun
+from elasticft.addon.api import StopRun
 
 class Scripted(AgentCollaborator):  # ends the run, then is signalled while closing
     def check(self, group):

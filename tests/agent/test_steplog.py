@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.agent.steplog import StepLogEnv
 from elasticft.steps import StepRecorder, auto_step_path, step_log_path
 
@@ -27,7 +27,7 @@ def group(run_dir: Path) -> GroupInfo:
 ])
 def test_a_step_counts_when_a_record_was_written_during_the_attempt(
         tmp_path: Path, before: tuple[str, ...], during: tuple[str, ...], stepped: bool) -> None:
-    collaborator = StepLogEnv({})
+    collaborator = StepLogEnv()
     info = group(tmp_path)
     for worker in info.workers:
         collaborator.worker_env(info, worker)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.ckpt import durable
-from elasticft.ckpt.service import COPY_DELAY_ENV
+from elasticft.ckpt.agentpersist import COPY_DELAY_ENV
 from tests.conftest import BIN, EXAMPLES
 from tests.tuned_run import tuned_run
 

@@ -17,7 +17,9 @@ import torch
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture, restore
 from elasticft.ckpt.api import StorageFull
 from elasticft.ckpt.control import SkipReader
-from elasticft.ckpt.shm import COMPLETE, WRITING, MemoryTier, SlotMaker, SlotSet
+from elasticft.ckpt.shm import MemoryTier, SlotSet
+from elasticft.ckpt.slotformat import COMPLETE, WRITING
+from elasticft.ckpt.slotmaker import SlotMaker
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]

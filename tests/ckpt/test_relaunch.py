@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elasticft.agent.api import AddOnContext
+from elasticft.addon.api import AddOnContext
 from elasticft.ckpt import durable, settings
 from elasticft.ckpt.control import announce_dir, announced_dirs, restore_line
 from elasticft.ckpt.service import CheckpointAddOn

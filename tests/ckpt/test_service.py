@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elasticft import unnamed
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.ckpt import Checkpointer, WorkerSettings, durable, settings
 from elasticft.ckpt import service as service_module
 from elasticft.ckpt.service import CheckpointService

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.config import DiagConfig
 from elasticft.diag import shimcheck
 from elasticft.diag.monitor import DiagMonitor

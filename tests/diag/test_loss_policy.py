@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elasticft.agent.api import Detection, GroupInfo, WorkerInfo
-from elasticft.agent.classify import FailureClass
-from elasticft.agent.policy import (
+from elasticft.addon.api import Detection, GroupInfo, WorkerInfo
+from elasticft.addon.classify import FailureClass
+from elasticft.addon.policy import (
     ActionKind,
     CheckpointSource,
     FailureFacts,

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
-from elasticft.config import DiagConfig
+from elasticft.addon.api import GroupInfo, WorkerInfo
+from elasticft.config import DiagConfig, ElasticftConfig
 from elasticft.diag.monitor import DiagMonitor
 from elasticft.diag.ring import Op, RingWriter
+from elasticft.launcher import sweep_leftovers
 
 MS = 1_000_000
 
@@ -70,6 +71,7 @@ def test_rings_have_no_name_and_older_ring_directories_of_dead_agents_are_swept(
     config = DiagConfig(diag_preflight="off", diag_ring_dir=rings, health_interval_s=3600)
     monitor = DiagMonitor(config, base_env={}, event_dir=tmp_path, nccl_shim=Path("/x/shim.so"))
     group = GroupInfo("run", "node0", tmp_path, 0, 0, 1, 0, (WorkerInfo(0, 0, 1),))
+    sweep_leftovers(ElasticftConfig(diag=config))  # every start's one sweep, before any worker
     env = monitor.worker_env(group, group.workers[0])
     assert not dead.exists() and alive.exists() and unnamed.exists()
     names = [f"ELASTICFT_DIAG_{n}" for n in ("PY_RING", "NCCL_RING", "NCCL_STATUS")]

@@ -65,7 +65,7 @@ def test_elasticft_run_reports_the_probe_as_a_preflight_event(tmp_path: Path, jo
 @pytest.mark.timeout(60)
 def test_the_node_is_checked_once_after_the_first_rendezvous_and_never_in_worker_env(
         tmp_path: Path) -> None:
-    from elasticft.agent.api import GroupInfo, WorkerInfo
+    from elasticft.addon.api import GroupInfo, WorkerInfo
     from elasticft.config import DiagConfig
     from elasticft.diag.monitor import DiagMonitor
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticft.agent.api import AddOnContext, GroupInfo, WorkerInfo
+from elasticft.addon.api import AddOnContext, GroupInfo, WorkerInfo
 from elasticft.cli import main as cli_main
 from elasticft.config import ConfigError, ElasticftConfig, PinnedLayout, PlanConfig
 from elasticft.plan.api import Layout, Pins

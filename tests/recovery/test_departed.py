@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.config import RecoveryConfig
-from elasticft.recovery.membership import EtcdMembership
 from elasticft.recovery.orchestrator import RecoveryOrchestrator
+from elasticft.recovery.roster import EtcdRoster
 from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist
 from elasticft.rendezvous.quarantine import Quarantine
@@ -35,7 +35,7 @@ def test_a_standby_that_now_leads_still_quarantines_the_node_that_vanished(
 
     def node(name: str) -> RecoveryOrchestrator:
         return RecoveryOrchestrator(config, node_id=name, min_nodes=2,
-                                    membership=EtcdMembership(settings, "job"),
+                                    roster=EtcdRoster(settings, "job"),
                                     event_dir=tmp_path / "events")
 
     a, b, c = node("a"), node("b"), node("c")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticft.agent.classify import FailureClass, FailureRecord
+from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.policy import ActionKind, FailureFacts, decide
 from elasticft.agent.inprocess import InProcessCoordinator, Recovery, blocker, phases
-from elasticft.agent.policy import ActionKind, FailureFacts, decide
 from elasticft.recovery import inprocess
 from elasticft.recovery.inprocess import (
     Generation,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
-from elasticft.agent.classify import FailureClass, FailureRecord
+from elasticft.addon.api import GroupInfo, WorkerInfo
+from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.ckpt.control import ControlWatcher
 from elasticft.config import RecoveryConfig
 from elasticft.events import read_events

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, WorkerInfo
+from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.ckpt.api import CheckpointError
 from elasticft.ckpt.peer import PeerClient
 from elasticft.ckpt.service import CheckpointService

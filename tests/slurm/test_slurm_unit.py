@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.api import GroupInfo, StopRun, WorkerInfo
+from elasticft.addon.api import GroupInfo, StopRun, WorkerInfo
 from elasticft.config import ConfigError, SlurmConfig, SlurmSignal, parse_signal_name
 from elasticft.events import read_events
 from elasticft.run import build_parser

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from elasticft.agent.classify import FailureClass, FailureRecord
-from elasticft.agent.policy import (
+from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.policy import (
     ActionKind,
     FailureFacts,
     FailureSignature,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import elasticft
-from elasticft.agent.classify import FailureClass, classify_exit, parse_traceback
+from elasticft.addon.classify import FailureClass, classify_exit, parse_traceback
 
 USER_TRACEBACK = """\
 [rank1]: Traceback (most recent call last):
@@ -105,7 +105,7 @@ def test_cuda_oom_is_infrastructure() -> None:
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
     )
     assert info is not None
-    from elasticft.agent.classify import classify_exception
+    from elasticft.addon.classify import classify_exception
 
     assert classify_exception(info) is FailureClass.INFRASTRUCTURE
 

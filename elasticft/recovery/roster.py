@@ -1,4 +1,4 @@
-"""What recovery asks the rendezvous: who is alive, who waits as a standby, who is banned.
+"""The job's roster as recovery reads it: who is alive, who waits as a standby, who is banned.
 
 Only the ``etcd-v3`` rendezvous keeps these facts outside the training nodes (membership records
 on agent leases, a blacklist of machines without lease, the job's quarantine of nodes that
@@ -19,7 +19,7 @@ from elasticft.rendezvous.quarantine import Quarantine
 logger = logging.getLogger(__name__)
 
 
-class Membership(Protocol):
+class Roster(Protocol):
     def alive(self, node_id: str) -> bool: ...
 
     def standbys(self) -> int: ...
@@ -32,8 +32,8 @@ class Membership(Protocol):
                    seconds: float) -> None: ...
 
 
-class EtcdMembership:
-    """:class:`Membership` over the job's etcd keys; every call is one or two reads."""
+class EtcdRoster:
+    """:class:`Roster` over the job's etcd keys; every call is one or two reads."""
 
     def __init__(self, settings: EtcdSettings, run_id: str) -> None:
         self._settings = settings
@@ -42,13 +42,13 @@ class EtcdMembership:
         self._blacklist = Blacklist(self._client, settings.root, settings)
 
     @classmethod
-    def from_launch_config(cls, config: Any) -> EtcdMembership | None:
+    def from_launch_config(cls, config: Any) -> EtcdRoster | None:
         if getattr(config, "rdzv_backend", None) != "etcd-v3":
             return None
         try:
             settings = EtcdSettings.from_conf(config.rdzv_endpoint, dict(config.rdzv_configs))
         except ValueError as e:
-            logger.warning("recovery runs without membership facts: %s", e)
+            logger.warning("recovery runs without the roster: %s", e)
             return None
         return cls(settings, str(config.run_id))
 

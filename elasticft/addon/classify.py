@@ -1,0 +1,327 @@
+"""Failure classification: what kind of failure a dead worker had, from the evidence it left.
+
+Evidence comes from three places, best first: torch's error file (written by ``@record``), the
+last Python traceback in the worker's captured stderr, and the exit code or signal. The class
+decides what the policy may do: an infrastructure fault is worth a restart, a bug in the user's
+code is not (restarting it only fails again and hides the bug).
+
+A traceback also says whose code raised. Frames of the standard library and of installed
+packages (torch) are the tools the code called, not the code; the innermost frame that is
+neither is where it went wrong. When that frame is elasticft's own (its restore path, say), the
+failure is elasticft's (:attr:`FailureClass.ELASTICFT`), not the user's; the innermost frame of
+the user's own code is kept either way (:attr:`FailureRecord.user_frame`): it is where the
+policy looks to tell a failure that repeats from a new one. elasticft's frames that only pass a
+user's call through (the diagnostics wrappers of torch's collectives, the worker bootstraps)
+count as the tools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+import signal
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+
+class FailureClass(str, enum.Enum):
+    SIGNAL_CRASH = "signal_crash"
+    """Killed by a signal it did not ask for: SIGKILL (OOM killer, kill -9), SIGSEGV, SIGBUS..."""
+    INFRASTRUCTURE = "infrastructure"
+    """Communication or device errors: gloo, NCCL, CUDA, connection reset, store timeouts."""
+    USER_CODE = "user_code"
+    """A bug in the training script: SyntaxError, NameError, TypeError, a failed assertion..."""
+    STOP_REQUESTED = "stop_requested"
+    """The worker was sent SIGTERM/SIGINT from outside the agent."""
+    HANG = "hang"
+    """Alive but making no progress (reported by diagnostics, never by an exit)."""
+    SLOW = "slow"
+    """Making progress, but steadily slower than its peers for long enough (reported by
+    diagnostics with ``--slow-action restart``): fail-slow, which points at its node."""
+    NUMERIC = "numeric"
+    """Training diverged: a NaN/inf or spiking loss (reported by diagnostics). Every replica's
+    weights may hold it, so recovery resumes from a snapshot, never a just-in-time checkpoint."""
+    ELASTICFT = "elasticft"
+    """An exception raised in elasticft's own code (its checkpoint restore, say), not the user's
+    nor a communication fault: worth a restart, and a bug to report when it repeats."""
+    UNKNOWN = "unknown"
+    """Exited non-zero with nothing that names a cause."""
+
+
+# Exceptions that a restart cannot fix: the code itself is wrong.
+USER_EXCEPTIONS = frozenset(
+    {
+        "SyntaxError",
+        "IndentationError",
+        "TabError",
+        "ImportError",
+        "ModuleNotFoundError",
+        "NameError",
+        "UnboundLocalError",
+        "AttributeError",
+        "TypeError",
+        "ValueError",
+        "KeyError",
+        "IndexError",
+        "AssertionError",
+        "ZeroDivisionError",
+        "NotImplementedError",
+        "RecursionError",
+        "FileNotFoundError",
+    }
+)
+
+# torch.distributed's own error types, and message fragments of communication and device faults.
+INFRA_EXCEPTIONS = frozenset(
+    {
+        "DistError",
+        "DistBackendError",
+        "DistNetworkError",
+        "DistStoreError",
+        "DistQueueEmptyError",
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionRefusedError",
+        "ConnectionAbortedError",
+        "BrokenPipeError",
+        "TimeoutError",
+        "OutOfMemoryError",
+    }
+)
+INFRA_PATTERN = re.compile(
+    r"gloo|nccl|cuda|cudnn|cublas|connection (reset|refused|closed|timed out)|"
+    r"broken pipe|connectFullMesh|timed out waiting|socket timeout|ecc error|"
+    r"device-side assert|unhandled system error|peer closed|TCPStore|DistStore",
+    re.IGNORECASE,
+)
+_EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)|"
+                       r"[A-Za-z_][\w.]*Error)(: (?P<msg>.*))?$")
+_FRAME_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+
+_CRASH_SIGNALS = {
+    signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE,
+}
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureRecord:
+    """One failed worker and what is known about why."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int
+    failure_class: FailureClass
+    signal: str | None = None
+    exception: str | None = None
+    """Exception type name, e.g. ``ZeroDivisionError``."""
+    message: str | None = None
+    location: str | None = None
+    """Innermost frame of the traceback: ``file:line in func``."""
+    source: str = "exitcode"
+    """Where the evidence came from: error_file, stderr, exitcode or a detector's name."""
+    user_frame: str | None = None
+    """Innermost frame of the user's own code (not a library's, not elasticft's)."""
+
+    def summary(self) -> str:
+        exit_text = f"signal {self.signal}" if self.signal else f"exit {self.exitcode}"
+        what = self.exception or exit_text
+        if self.message:
+            what += f": {self.message}"
+        where = f" at {self.location}" if self.location else ""
+        if self.user_frame and self.user_frame != self.location:
+            where += f" (called from {self.user_frame})"
+        return f"rank {self.rank} ({self.failure_class.value}) {what}{where}"
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["failure_class"] = self.failure_class.value
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class ExceptionInfo:
+    type_name: str
+    message: str
+    location: str | None
+    """Innermost frame."""
+    user_frame: str | None = None
+    """Innermost frame in the user's own code."""
+    raised_in_elasticft: bool = False
+    """The innermost frame that is not a library's is elasticft's own."""
+
+
+_ELASTICFT_DIR = str(Path(__file__).resolve().parent.parent) + "/"
+_INSTALLED_ELASTICFT = ("/site-packages/elasticft/", "/dist-packages/elasticft/")
+_PASS_THROUGH = ("diag/recorder.py", "diag/autoinstall.py", "diag/bootstrap/",
+                 "agent/warm_bootstrap/")
+"""elasticft's modules whose frames only carry a user's call (the collective wrappers, the
+worker bootstraps): a library's frames, not elasticft's own."""
+_LIBRARY_DIRS = tuple(sorted({
+    str(Path(path).resolve()) + "/"
+    for key in ("stdlib", "platstdlib", "purelib", "platlib")
+    if (path := sysconfig.get_paths().get(key))
+}))
+_LIBRARY_PARTS = ("/site-packages/", "/dist-packages/")
+
+
+def _within_elasticft(path: str) -> str | None:
+    """``path`` relative to the elasticft package it is in, or None."""
+    if path.startswith(_ELASTICFT_DIR):
+        return path[len(_ELASTICFT_DIR):]
+    for part in _INSTALLED_ELASTICFT:
+        at = path.find(part)
+        if at >= 0:
+            return path[at + len(part):]
+    return None
+
+
+def frame_owner(file: str) -> str:
+    """Whose code a traceback frame's file is: ``elasticft``, ``library`` or ``user`` (pure but
+    for this install's paths: elasticft's package directory, the standard library's)."""
+    if file.startswith("<"):  # <frozen runpy> is the interpreter's; <string> is python -c's
+        return "library" if file.startswith("<frozen") else "user"
+    path = str(Path(file).resolve())
+    inside = _within_elasticft(path)
+    if inside is not None:
+        return "library" if inside.startswith(_PASS_THROUGH) else "elasticft"
+    if path.startswith(_LIBRARY_DIRS) or any(part in path for part in _LIBRARY_PARTS):
+        return "library"
+    return "user"
+
+
+def parse_traceback(text: str) -> ExceptionInfo | None:
+    """The last exception of the last Python traceback in ``text`` (a stderr log or callstack)."""
+    lines = [line.rstrip("\n") for line in text.splitlines()]
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)") or lines[i].endswith(
+            "Traceback (most recent call last):"
+        ):
+            start = i
+            break
+    if start is None:
+        return None
+    frames: list[tuple[str, str]] = []  # (file, "file:line in func"), outermost first
+    for i in range(start + 1, len(lines)):
+        body = _strip_prefix(lines[i])
+        frame = _FRAME_LINE.match(body)
+        if frame:
+            frames.append((frame["file"], f"{frame['file']}:{frame['line']} in {frame['func']}"))
+            continue
+        if body.startswith((" ", "\t")) or not body:
+            continue
+        match = _EXC_LINE.match(body)
+        if match:
+            type_name = match["type"].rsplit(".", 1)[-1]
+            owners = [(frame_owner(file), where) for file, where in frames]
+            raiser = next((owner for owner, _ in reversed(owners) if owner != "library"), None)
+            return ExceptionInfo(
+                type_name, (match["msg"] or "").strip(),
+                frames[-1][1] if frames else None,
+                user_frame=next((where for owner, where in reversed(owners) if owner == "user"),
+                                None),
+                raised_in_elasticft=raiser == "elasticft",
+            )
+    return None
+
+
+def _strip_prefix(line: str) -> str:
+    # torch prefixes worker lines with "[rank<N>]: " (and its tee with "[role<N>]:"); drop them.
+    while line.startswith("[") and "]:" in line[:40]:
+        line = line.split("]:", 1)[1]
+        line = line[1:] if line.startswith(" ") else line
+    return line
+
+
+def read_error_file(path: str | Path | None) -> ExceptionInfo | None:
+    """torch's ``@record`` error file: ``{"message": {"message": ..., "extraInfo": {...}}}``."""
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message")
+    if isinstance(message, dict):
+        callstack = message.get("extraInfo", {}).get("py_callstack", "")
+        parsed = parse_traceback(callstack) if callstack else None
+        if parsed:
+            return parsed
+        text = str(message.get("message", ""))
+    else:
+        text = str(message or "")
+    head, _, rest = text.partition(": ")
+    if head and _EXC_LINE.match(head + ": x"):
+        return ExceptionInfo(head.rsplit(".", 1)[-1], rest.strip(), None)
+    return None
+
+
+def read_tail(path: str | Path | None, max_bytes: int = 64 * 1024) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def classify_exception(info: ExceptionInfo) -> FailureClass:
+    if info.type_name in INFRA_EXCEPTIONS or INFRA_PATTERN.search(info.message):
+        return FailureClass.INFRASTRUCTURE
+    if info.raised_in_elasticft and info.type_name not in ("KeyboardInterrupt", "SystemExit"):
+        return FailureClass.ELASTICFT
+    if info.type_name in USER_EXCEPTIONS:
+        return FailureClass.USER_CODE
+    if info.type_name in ("KeyboardInterrupt", "SystemExit"):
+        return FailureClass.STOP_REQUESTED
+    return FailureClass.UNKNOWN
+
+
+def classify_exit(
+    rank: int,
+    local_rank: int,
+    pid: int,
+    exitcode: int,
+    *,
+    error_file: str | Path | None = None,
+    stderr_file: str | Path | None = None,
+) -> FailureRecord:
+    """Classifies one worker's exit from its exit code, error file and captured stderr."""
+    base = {"rank": rank, "local_rank": local_rank, "pid": pid, "exitcode": exitcode}
+    signum = -exitcode if exitcode < 0 else (exitcode - 128 if 128 < exitcode < 160 else None)
+    if signum is not None:
+        try:
+            sig = signal.Signals(signum)
+        except ValueError:
+            sig = None
+        if sig is not None:
+            if sig in _STOP_SIGNALS:
+                return FailureRecord(**base, failure_class=FailureClass.STOP_REQUESTED,
+                                     signal=sig.name)
+            if sig in _CRASH_SIGNALS or exitcode < 0:
+                return FailureRecord(**base, failure_class=FailureClass.SIGNAL_CRASH,
+                                     signal=sig.name)
+    for source, info in (
+        ("error_file", read_error_file(error_file)),
+        ("stderr", parse_traceback(read_tail(stderr_file))),
+    ):
+        if info is not None:
+            return FailureRecord(
+                **base,
+                failure_class=classify_exception(info),
+                exception=info.type_name,
+                message=info.message[:500],
+                location=info.location,
+                source=source,
+                user_frame=info.user_frame,
+            )
+    return FailureRecord(**base, failure_class=FailureClass.UNKNOWN)

@@ -1,0 +1,345 @@
+"""The recovery policy: a pure function from the facts of a failure to one action.
+
+Nothing here does I/O or reads a clock, so every branch is unit-tested and every decision comes
+with a reason that the agent logs and writes to the event log. Later subsystems add facts
+(suspect hardware, a blacklisted node, a Slurm time limit) and the actions that answer them.
+
+Recovery (:mod:`elasticft.recovery`) adds the facts of hierarchical recovery: how often this
+node was the culprit (a repeat offender is suspect hardware), whether every data-parallel shard
+still has a healthy replica (then the healthy replicas take a just-in-time checkpoint of the
+state after the last completed step instead of falling back to the newest snapshot), and which
+nodes left a round without a word (they are quarantined in the job).
+
+A failure that repeats is not transient: when the previous attempt failed before its first step
+and this one fails the same way (:class:`FailureSignature`: class, exception type and the
+innermost frame of the user's code) before its first step too, a restart would only fail again,
+so the run stops and says which restarts it leaves unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Iterable
+from typing import TypedDict
+
+from elasticft.addon.classify import FailureClass, FailureRecord
+
+
+class CheckpointSource(str, enum.Enum):
+    """What the next attempt resumes from."""
+
+    JIT = "jit"
+    """Healthy replicas save the state after the last completed step now (at most the step in
+    flight is lost)."""
+    SNAPSHOT = "snapshot"
+    """The newest complete snapshot (memory, peer or disk), whatever step it holds."""
+
+
+class ActionKind(str, enum.Enum):
+    RESTART_IN_PLACE = "restart_in_place"
+    """Stop this node's workers and start them again (a new rendezvous round)."""
+    RECOVER_IN_PROCESS = "recover_in_process"
+    """Replace only the failed workers; the others regroup and roll back in their processes
+    (:mod:`elasticft.agent.inprocess`). Counted against --max-restarts like a restart."""
+    EVICT_NODE = "evict_node"
+    """This node leaves the job (blacklisted); the others re-rendezvous without it."""
+    STOP = "stop"
+    """Stop the job; the launcher exits non-zero with the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str
+    exit_code: int = 0
+    """The launcher's exit code when the action ends the run."""
+    consumes_user_error_restart: bool = False
+    """A restart granted by --restart-on-user-error (not by --max-restarts)."""
+    checkpoint: CheckpointSource = CheckpointSource.SNAPSHOT
+    """Where the next attempt resumes from (see :func:`checkpoint_source`)."""
+    fails_again: bool = False
+    """A stop whose cause would come back on any new attempt (a user-code error, a failure that
+    repeated before the first step): a scheduler must not resubmit it either."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureFacts:
+    """What the agent knows when a worker group fails."""
+
+    failures: tuple[FailureRecord, ...]
+    restarts_used: int
+    max_restarts: int
+    user_error_restarts_used: int = 0
+    restart_on_user_error: int = 0
+    node_suspect: bool = False
+    """Diagnostics found this node's hardware or host unhealthy."""
+    can_evict: bool = False
+    """Other nodes can carry on without this one (elastic min nodes allows it)."""
+    node_offences: int = 0
+    """Failures this node's own ranks caused in this run, this one included."""
+    repeat_offender_limit: int = 0
+    """That many offences make the node suspect hardware (0: never)."""
+    replicas_intact: bool = False
+    """Every data-parallel shard still has a healthy replica."""
+    jit_available: bool = False
+    """A healthy replica can be asked for a just-in-time checkpoint (a checkpoint control
+    channel exists)."""
+    in_process: bool = False
+    """The survivors can regroup in their processes (every worker runs under
+    ``elasticft.recovery.inprocess``, one node, no recovery already under way)."""
+    step_completed: bool | None = None
+    """A training step completed in this attempt (None: unknown, no step records are kept)."""
+    previous_failure: FailureSignature | None = None
+    """The signature of the previous attempt's failure when that attempt completed no step
+    (None otherwise, or when it ended without a failure)."""
+
+
+class KnownFacts(TypedDict, total=False):
+    """The fields of :class:`FailureFacts` a collaborator of the agent may know about a failure
+    (its ``failure_facts`` hook); the agent fills in the rest."""
+
+    node_suspect: bool
+    can_evict: bool
+    node_offences: int
+    repeat_offender_limit: int
+    replicas_intact: bool
+    jit_available: bool
+    step_completed: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureSignature:
+    """What makes two failures the same: class, exception type and the innermost frame of the
+    user's code (the innermost frame when there is none)."""
+
+    failure_class: FailureClass
+    exception: str
+    frame: str
+
+    @classmethod
+    def of(cls, failure: FailureRecord) -> FailureSignature | None:
+        """The signature of ``failure``, or None when it cannot repeat in this sense: no
+        exception and frame to compare, or a class whose cause lies outside the code (a
+        communication fault, a stop request) and may clear by itself."""
+        frame = failure.user_frame or failure.location
+        if failure.exception is None or frame is None or \
+                failure.failure_class not in _REPEATABLE:
+            return None
+        return cls(failure.failure_class, failure.exception, frame)
+
+    def to_json(self) -> dict[str, str]:
+        return {"failure_class": self.failure_class.value, "exception": self.exception,
+                "frame": self.frame}
+
+
+_REPEATABLE = frozenset({FailureClass.USER_CODE, FailureClass.ELASTICFT, FailureClass.UNKNOWN})
+"""Classes whose repetition before the first step stops the run (user code only when
+--restart-on-user-error grants it a restart)."""
+
+
+# When several ranks fail together, the root cause is the most specific class: a user bug in one
+# rank makes its peers fail with connection errors, not the other way round.
+_ROOT_CAUSE_ORDER = (
+    FailureClass.USER_CODE,
+    FailureClass.SIGNAL_CRASH,
+    FailureClass.ELASTICFT,
+    FailureClass.HANG,
+    FailureClass.SLOW,
+    FailureClass.NUMERIC,
+    FailureClass.INFRASTRUCTURE,
+    FailureClass.STOP_REQUESTED,
+    FailureClass.UNKNOWN,
+)
+
+
+def root_cause(failures: tuple[FailureRecord, ...]) -> FailureRecord:
+    """The failure that most likely caused the others (lowest rank breaks ties)."""
+    if not failures:
+        raise ValueError("root_cause needs at least one failure")
+    return min(failures, key=lambda f: (_ROOT_CAUSE_ORDER.index(f.failure_class), f.rank))
+
+
+# Messages of device and host faults: evidence against the node itself, unlike a connection
+# error, which usually only reports a peer's death.
+_DEVICE_FAULT = re.compile(
+    r"cuda|nccl|cudnn|cublas|ecc|xid|device-side|uncorrectable|illegal memory|bus error|"
+    r"nvlink|hardware",
+    re.IGNORECASE,
+)
+
+
+def is_node_offence(failure: FailureRecord) -> bool:
+    """Whether ``failure`` counts against the node its rank ran on.
+
+    A crash by signal (SIGKILL from the OOM killer, SIGSEGV, SIGBUS), a hang whose culprit this
+    node's monitor named, a rank that stayed slower than its peers (the detector compares ranks
+    of the same job, so the node is the odd one out), and a device error do; a user bug, a stop
+    request, and a connection error (the usual echo of another rank's death) do not.
+    """
+    cls = failure.failure_class
+    if cls is FailureClass.SIGNAL_CRASH or cls is FailureClass.SLOW:
+        return True
+    if cls is FailureClass.HANG:
+        return "culprit: rank" in (failure.message or "")
+    if cls is FailureClass.INFRASTRUCTURE:
+        return bool(_DEVICE_FAULT.search(f"{failure.exception or ''} {failure.message or ''}"))
+    return False
+
+
+def replicas_intact(
+    world_size: int, lost_ranks: Iterable[int], layout: tuple[int, int, int] | None = None
+) -> bool:
+    """Whether every data-parallel shard still has a rank outside ``lost_ranks`` holding it.
+
+    ``layout`` is (tp, pp, dp) with tensor parallel fastest, then data, then pipeline (the rank
+    order :mod:`elasticft.ckpt.peer` uses); None is pure data parallelism (every rank holds the
+    whole model). A layout that does not match ``world_size`` is treated as having no replicas.
+    """
+    lost = {r for r in lost_ranks if 0 <= r < world_size}
+    if world_size <= 0:
+        return False
+    tp, pp, dp = layout if layout is not None else (1, 1, world_size)
+    if tp * pp * dp != world_size:
+        return False
+    for pp_index in range(pp):
+        for tp_index in range(tp):
+            holders = {pp_index * tp * dp + dp_index * tp + tp_index for dp_index in range(dp)}
+            if holders <= lost:
+                return False
+    return True
+
+
+def checkpoint_source(facts: FailureFacts) -> CheckpointSource:
+    """Just in time when a healthy replica of every shard can be asked, else the snapshot.
+
+    Never just in time after a divergence: the replicas' weights hold the NaN too (DDP averaged
+    it into every rank's gradients).
+    """
+    if facts.failures and root_cause(facts.failures).failure_class is FailureClass.NUMERIC:
+        return CheckpointSource.SNAPSHOT
+    if facts.replicas_intact and facts.jit_available:
+        return CheckpointSource.JIT
+    return CheckpointSource.SNAPSHOT
+
+
+def suspect_reason(facts: FailureFacts) -> str | None:
+    """Why this node is suspect hardware, or None when it is not."""
+    if facts.node_suspect:
+        return "failed health check"
+    if 0 < facts.repeat_offender_limit <= facts.node_offences:
+        return (f"repeat offender ({facts.node_offences} failures caused by its ranks, limit "
+                f"{facts.repeat_offender_limit})")
+    return None
+
+
+IN_PROCESS_CLASSES = frozenset({FailureClass.SIGNAL_CRASH, FailureClass.HANG,
+                                FailureClass.INFRASTRUCTURE, FailureClass.UNKNOWN})
+"""Failures a replacement process repairs: not a bug (it would fail again), not a divergence
+(every replica holds the NaN), not a stop request, not a slow rank (it would stay slow)."""
+
+
+def repeated(facts: FailureFacts) -> FailureSignature | None:
+    """The signature of this failure when it repeats the previous attempt's, both before their
+    first step; None otherwise (also when no step records say whether a step completed)."""
+    if facts.step_completed is not False or facts.previous_failure is None or not facts.failures:
+        return None
+    signature = FailureSignature.of(root_cause(facts.failures))
+    return signature if signature == facts.previous_failure else None
+
+
+def decide(facts: FailureFacts) -> Action:
+    action = _decide(facts)
+    return dataclasses.replace(action, checkpoint=checkpoint_source(facts))
+
+
+def _decide(facts: FailureFacts) -> Action:
+    cause = root_cause(facts.failures)
+    what = cause.summary()
+    same = repeated(facts) is not None
+    if cause.failure_class is FailureClass.USER_CODE:
+        left = facts.restart_on_user_error - facts.user_error_restarts_used
+        if left > 0 and same:
+            return _repeat_stop(left, "--restart-on-user-error", facts.restart_on_user_error, what)
+        if left > 0:
+            return Action(
+                ActionKind.RESTART_IN_PLACE,
+                f"user-code error, restart {facts.user_error_restarts_used + 1} of "
+                f"--restart-on-user-error {facts.restart_on_user_error}: {what}",
+                consumes_user_error_restart=True,
+            )
+        return Action(
+            ActionKind.STOP,
+            f"user-code error, not restarted (a restart would fail the same way; "
+            f"--restart-on-user-error allows it): {what}",
+            exit_code=1,
+            fails_again=True,
+        )
+    suspect = suspect_reason(facts)
+    if suspect is not None and facts.can_evict:
+        return Action(ActionKind.EVICT_NODE,
+                      f"this node is suspect hardware ({suspect}), evicting it: {what}",
+                      exit_code=1)
+    if same and facts.restarts_used < facts.max_restarts:
+        return _repeat_stop(facts.max_restarts - facts.restarts_used, "--max-restarts",
+                            facts.max_restarts, what)
+    if facts.restarts_used >= facts.max_restarts:
+        return Action(
+            ActionKind.STOP,
+            f"no restarts left ({facts.restarts_used} of --max-restarts {facts.max_restarts} "
+            f"used): {what}",
+            exit_code=1,
+        )
+    if facts.in_process and cause.failure_class in IN_PROCESS_CLASSES:
+        return Action(
+            ActionKind.RECOVER_IN_PROCESS,
+            f"{cause.failure_class.value}, in-process recovery {facts.restarts_used + 1} of "
+            f"--max-restarts {facts.max_restarts}: {what}",
+        )
+    return Action(
+        ActionKind.RESTART_IN_PLACE,
+        f"{cause.failure_class.value}, restart {facts.restarts_used + 1} of "
+        f"--max-restarts {facts.max_restarts}: {what}",
+    )
+
+
+def _repeat_stop(left: int, flag: str, budget: int, what: str) -> Action:
+    return Action(
+        ActionKind.STOP,
+        f"the same failure before the first step of two attempts in a row, not restarted (a "
+        f"restart would fail the same way; {left} of {flag} {budget} left unused): {what}",
+        exit_code=1,
+        fails_again=True,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DepartedNode:
+    """A node of the previous round that is not in the new one."""
+
+    node_id: str
+    alive: bool
+    """Its agent still holds its membership record (it is alive and only late)."""
+    blacklisted: bool
+    """Already on the blacklist (it evicted itself, or an operator put it there) or in this
+    job's quarantine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+    node_id: str
+    reason: str
+
+
+def judge_departed(departed: Iterable[DepartedNode], previous_round: int) -> tuple[Eviction, ...]:
+    """The leader's verdict on nodes that left: one that vanished (its agent's membership lease
+    ended: dead, or cut off from the job) is quarantined in the job; one that is alive and only
+    late, or already blacklisted or quarantined, is not."""
+    return tuple(
+        Eviction(node.node_id,
+                 f"node disappeared: in round {previous_round}, then no keep-alive and no "
+                 "membership record (agent dead or unreachable)")
+        for node in sorted(departed, key=lambda n: n.node_id)
+        if not node.alive and not node.blacklisted
+    )
