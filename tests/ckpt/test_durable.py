@@ -236,9 +236,7 @@ def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
 ) -> None:
     model, optim = trained_model()
     snapshot = slot_snapshot(capture(model, optim, {"step": 1}), 1)
-    assert torch.serialization.get_crc32_options()
     durable.write_rank_shard(tmp_path, snapshot)
-    assert torch.serialization.get_crc32_options()  # the user's setting is back
     directory = durable.step_dir(tmp_path, 1)
     record = durable.read_rank_manifest(directory, 0)
     data = (directory / durable.shard_name(0)).read_bytes()
@@ -247,6 +245,23 @@ def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
     assert zlib.crc32(blob) == weight["crc32"]  # the shard's own checksum covers the blob
     loaded = torch.load(io.BytesIO(blob), weights_only=True)
     assert torch.equal(loaded, model.state_dict()["0.weight"])
+    # torch's switch is process-wide, and a persist left running by another test in this
+    # process would hold it off: the user's setting is checked in a process of its own.
+    check = textwrap.dedent(f"""
+        from pathlib import Path
+        import torch
+        from elasticft.ckpt import durable
+        from tests.ckpt.test_durable import slot_snapshot
+        for setting in (True, False):
+            torch.serialization.set_crc32_options(setting)
+            durable.write_rank_shard(Path({str(tmp_path / "own")!r}),
+                                     slot_snapshot({{"w": torch.ones(5)}}, 1))
+            assert torch.serialization.get_crc32_options() is setting, setting
+        print("restored")
+    """)
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == "restored", done.stderr[-2000:]
 
 
 @pytest.mark.timeout(60)

@@ -48,7 +48,7 @@ def test_rounds_survive_a_member_restart_and_the_leader_killed_mid_round(
     # after. The round completes over the two members left, with everyone's lease intact.
     a, b, c = nodes
     first = [Joiner(a), Joiner(b)]
-    keys, client = a.keys, a._membership.client
+    keys, client = a.keys, a._parts.client
     wait_until(lambda: all(client.get(keys.join(1, n))[0] for n in "ab"))
     leader = etcd_cluster.leader()
     leader.stop(signal.SIGKILL)
@@ -63,7 +63,7 @@ def test_rounds_survive_a_member_restart_and_the_leader_killed_mid_round(
     leader.start()
     assert sorted(j.result(60) for j in [Joiner(h) for h in nodes]) == [
         (0, 3, 2), (1, 3, 2), (2, 3, 2)]
-    status = read_status(client, keys, a._membership.settings)
+    status = read_status(client, keys, a._parts.settings)
     assert status.round is not None and status.round.round == 2
     assert sorted(m.node_id for m in status.participants) == ["a", "b", "c"]
 

@@ -123,7 +123,7 @@ def test_round_still_closes_after_its_coordinator_is_lost(
 ) -> None:
     a, b, c, d = (make(n, (3, 4)) for n in "abcd")
     first = Joiner(a)
-    keys, client = a.keys, a._membership.client
+    keys, client = a.keys, a._parts.client
     wait_until(lambda: client.get(keys.coordinator(0))[0] == b"a")
     waiting_b = Joiner(b)
     wait_until(lambda: client.get(keys.join(0, "b"))[0] is not None)
@@ -133,7 +133,7 @@ def test_round_still_closes_after_its_coordinator_is_lost(
     others = [Joiner(c), Joiner(d)]
     outcomes = sorted([waiting_b.result()] + [j.result() for j in others])
     assert outcomes == [(0, 3, 0), (1, 3, 0), (2, 3, 0)]  # closed at min after the last call
-    status = read_status(client, keys, a._membership.settings)
+    status = read_status(client, keys, a._parts.settings)
     assert sorted(m.node_id for m in status.participants) == ["b", "c", "d"]
 
 
@@ -144,9 +144,9 @@ def test_a_standby_does_not_restart_a_full_job_and_leaves_when_it_closes(
     joiners = [Joiner(a), Joiner(b)]
     assert sorted(j.result() for j in joiners) == [(0, 2, 0), (1, 2, 0)]
     standby = Joiner(c)
-    keys, client = a.keys, a._membership.client
+    keys, client = a.keys, a._parts.client
     wait_until(lambda: client.get(keys.join(1, "c"))[0] is not None)
-    status = read_status(client, keys, a._membership.settings)
+    status = read_status(client, keys, a._parts.settings)
     assert [m.node_id for m in status.standbys] == ["c"]
     for _ in range(8):  # well past the 0.2 s between etcd queries, the standby polling too
         assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
@@ -162,13 +162,13 @@ def test_a_node_whose_lease_expired_while_waiting_joins_again_on_a_new_lease(
 ) -> None:
     a, b = make("a", (2, 2)), make("b", (2, 2))
     waiting = Joiner(a)
-    keys, client = a.keys, a._membership.client
+    keys, client = a.keys, a._parts.client
     wait_until(lambda: client.get(keys.join(0, "a"))[0] is not None)
-    client.revoke_lease(a._membership.publisher.lease().id)  # as if it had expired
+    client.revoke_lease(a._parts.publisher.lease().id)  # as if it had expired
     assert client.get(keys.join(0, "a"))[0] is None
     other = Joiner(b)
     assert sorted([waiting.result(), other.result()]) == [(0, 2, 0), (1, 2, 0)]
-    status = read_status(client, keys, a._membership.settings)
+    status = read_status(client, keys, a._parts.settings)
     assert sorted(m.node_id for m in status.participants) == ["a", "b"]
 
 
@@ -176,7 +176,7 @@ def test_closing_a_round_deletes_the_keys_and_store_of_the_round_two_before(
     make: Callable[..., EtcdRendezvousHandler],
 ) -> None:
     a, b = make("a", (2, 2)), make("b", (2, 2))
-    keys, client = a.keys, a._membership.client
+    keys, client = a.keys, a._parts.client
 
     def keys_of(round_: int) -> list[str]:
         prefixes = (keys.round_keys(round_), keys.round_store_keys(round_))
