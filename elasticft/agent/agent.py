@@ -279,7 +279,8 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         ending = self._failed_while_exiting()
         if ending:
             return RunResult(state=WorkerState.FAILED, failures=ending)
-        if self._all_armed():
+        armed = self._all_armed()  # once a tick: for a plain script it is a file that is not there
+        if armed:
             # Before torch's poll, which would stop the survivors on seeing the failure.
             exited = failed_exits(self._pcontext, self._worker_group.workers)
             if exited:
@@ -288,13 +289,13 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         if result.state != WorkerState.HEALTHY:
             return result
         group = self.group_info()
-        detection = self._in_process_progress(group)
+        detection = self._in_process_progress(group, armed)
         if detection is not None:
             self._detection = detection
             return RunResult(state=WorkerState.UNHEALTHY)
         # One node only: a job of several nodes replaces a lost rank with a standby node's.
         self.spare.tick(self._pcontext, self.warm_pool,
-                        armed=self._worker_group.group_world_size == 1 and self._all_armed(),
+                        armed=armed and self._worker_group.group_world_size == 1,
                         recovering=self.inprocess.recovery is not None)
         if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
             self._steady_reported = True

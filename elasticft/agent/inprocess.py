@@ -338,7 +338,7 @@ class InProcessRecoveryMixin:
             workers=len(pids), shared_store=self._shares_store(),
             replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
 
-    def _in_process_progress(self, group: GroupInfo) -> Detection | None:
+    def _in_process_progress(self, group: GroupInfo, armed: bool) -> Detection | None:
         """Completes a recovery under way, or reports one that is overdue; sees workers that all
         caught a communication error with none exited (a regroup with no replacement)."""
         recovery = self.inprocess.recovery
@@ -364,7 +364,7 @@ class InProcessRecoveryMixin:
                                  f"in-process recovery of generation {recovery.generation} "
                                  f"not resumed within {self.inprocess.timeout_s:.0f} s")
             return None
-        if not self._all_armed():
+        if not armed:
             return None
         waiting = self.inprocess.waiting(pids)
         if waiting and len(waiting) == len(pids):
