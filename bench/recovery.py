@@ -13,6 +13,10 @@ Runs: the plain torchrun script (``examples/train_plain.py``, torch.save every
 (``examples/train_elasticft.py``, a memory snapshot every step) under ``elasticft-run``, whose
 agent persists snapshots to disk at the same cadence as the plain script's torch.save
 (``--persist-every``, default ``--ckpt-every``). Faults:
+and the in-process example (``examples/train_inprocess.py``, the same training under
+``elasticft.recovery.inprocess.InProcess``: the survivor keeps its process), also with
+``--recovery-inprocess-spare`` (launcher ``elasticft-run+spare``: a pre-started spare takes the
+failed rank). Faults:
 ``kill`` (SIGKILL of rank 1) and ``hang`` (SIGSTOP of rank 1; torchrun waits for gloo's
 30-minute timeout, so it is given up after ``--hang-cap`` seconds).
 
@@ -58,6 +62,7 @@ from tests.tuned_run import tuned_run  # noqa: E402  (tuning constants have no f
 BIN = Path(sys.executable).parent
 PLAIN = ROOT / "examples" / "train_plain.py"
 API = ROOT / "examples" / "train_elasticft.py"
+INPROCESS = ROOT / "examples" / "train_inprocess.py"
 _IN_FLIGHT_S = 0.5
 """A step logged this soon after the fault, right after the last one, was already in flight."""
 
@@ -101,7 +106,8 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
         cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "3", "--log-dir", str(work / f"{tag}-torchrun-logs"), *train]
     else:
-        cmd = [*elasticft_run(args), "--standalone", "--nproc-per-node", "2",
+        spare = ["--recovery-inprocess-spare"] if launcher == "elasticft-run+spare" else []
+        cmd = [*elasticft_run(args), *spare, "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "3", "--run-dir", str(run_dir), "--monitor-interval", "0.1",
                "--shutdown-timeout", "5",
                "--ckpt-persist-every", str(persist_every(args)), *train]
@@ -263,7 +269,8 @@ def main() -> None:
           f"{args.fault_step}; plain script saves every {args.ckpt_every} steps; elasticft "
           f"hang tuning {hang_tuning(args) or 'default'}")
     print(f"{'run':34} {'fault':6} {'first step':>11} {'recomputed':>10} {'past fault':>11}")
-    runs = [("torchrun", PLAIN), ("elasticft-run", PLAIN), ("elasticft-run", API)]
+    runs = [("torchrun", PLAIN), ("elasticft-run", PLAIN), ("elasticft-run", API),
+            ("elasticft-run", INPROCESS), ("elasticft-run+spare", INPROCESS)]
     results: dict[tuple[str, str], dict[str, object]] = {}
     try:
         for fault in [f for f in args.faults.split(",") if f]:
@@ -273,6 +280,15 @@ def main() -> None:
                 print(f"{r['run']:34} {fault:6} {fmt(r['first_step_s'], ' s'):>11} "
                       f"{fmt(r['recomputed']):>10} {fmt(r['past_fault_s'], ' s'):>11}",
                       flush=True)
+        for fault in [f for f in args.faults.split(",") if f]:
+            restart = results.get(("elasticft-run train_elasticft.py", fault), {})
+            for name in ("elasticft-run", "elasticft-run+spare"):
+                inproc = results.get((f"{name} train_inprocess.py", fault), {})
+                if restart.get("first_step_s") and inproc.get("first_step_s"):
+                    print(f"{fault}, first step: {name} in process "
+                          f"{inproc['first_step_s']:.2f} s, restart "
+                          f"{restart['first_step_s']:.2f} s, ratio "
+                          f"{inproc['first_step_s'] / restart['first_step_s']:.2f}")
         base = results.get(("torchrun train_plain.py", "kill"), {})
         for name in ("train_plain.py", "train_elasticft.py"):
             ours = results.get((f"elasticft-run {name}", "kill"), {})
