@@ -509,6 +509,10 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             row["failure_to_decision_s"] = decision["time"] - failure["time"]
         row["in_process"] = next((e["phases"] for e in events
                                   if e["kind"] == "recover_in_process"), None)
+    if mode != "torch":  # the workers' own account of an in-process recovery
+        row["recovery_lines"] = [line.split("] ", 1)[-1] for line in (
+            tmp / f"{name}.stderr").read_text().splitlines()
+            if "took rank" in line or "rejoined in generation" in line]
     if proc.returncode != 0 or killed_at is None:
         row["stderr_tail"] = (tmp / f"{name}.stderr").read_text()[-1500:]
     return row
@@ -613,6 +617,9 @@ def main() -> int:
                   + (f"; in-process phases {r['in_process']}" if r.get("in_process") else "")
                   + (f"; the spare that took the rank was ready {r['spare_setup_s']:.2f} s "
                      "after its start" if r.get("spare_setup_s") else ""))
+    for r in rows:
+        for line in r.get("recovery_lines", []):
+            print(f"{r['launcher']}: {line}")
     for r in rows:
         if "snapshots_skipped" in r:
             print(f"{r['launcher']}: snapshots skipped: {r['snapshots_skipped']}")

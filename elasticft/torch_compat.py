@@ -294,7 +294,8 @@ def replace_worker_unavailable(context: Any) -> str | None:
 def replace_worker(context: Any, local_rank: int, env: Mapping[str, str],
                    make_handler: Callable[..., Any]) -> Any:
     """Starts a new process for ``local_rank`` of a running ``SubprocessContext`` with ``env``
-    (its old process has exited and was reaped); the other workers are not touched.
+    (its old process has exited, or is still in the kernel's teardown); the other workers are
+    not touched.
 
     ``make_handler(**kwargs)`` builds the ``SubprocessHandler`` (torch's, or the warm pool's)
     from :func:`subprocess_handler_kwargs`. The old worker's error file is removed (its

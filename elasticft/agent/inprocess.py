@@ -7,7 +7,11 @@ failed worker on this node of a one-node job or on another node, the failure is 
 or a communication error, restarts left), the agent does not stop the survivors. It
 
 1. makes sure the failed rank's process is gone (a frozen one is killed; its sockets close, so
-   the survivors' collectives with it raise),
+   the survivors' collectives with it raise). A dead process stays in the kernel's teardown of
+   its mappings for up to a second with gigabytes of checkpoint slots mapped; on a CPU node the
+   next steps do not wait for it (the process is reaped in the background), while on a node
+   with GPUs they do, since the device memory of the dead process is released only at its end
+   (:func:`reap_first`),
 2. starts a store for the next **generation** (a TCPStore this agent hosts, on a port of its
    own: no key of an earlier group can be read by the new one) and publishes it
    (``generation.json``), for the survivors to regroup on,
@@ -41,10 +45,11 @@ import dataclasses
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch.distributed as dist
 
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
     from elasticft.agent.spare import SpareKeeper
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
 def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: int,
@@ -266,17 +272,60 @@ def start_replacements(context: Any, local_ranks: Sequence[int], pool: WarmPool 
     return started
 
 
-def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
-    """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
+def kill(procs: Sequence[Any]) -> None:
+    """SIGKILLs (and continues, if stopped) each ``Popen`` still running."""
     for proc in procs:
         if proc.poll() is None:
             for sig in (9, 18):  # SIGKILL, then SIGCONT for a stopped one
                 with contextlib.suppress(OSError):
                     os.kill(proc.pid, sig)
+
+
+def reap(procs: Sequence[Any], timeout_s: float) -> None:
+    """Waits for each ``Popen`` to end, ``timeout_s`` for all of them."""
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         with contextlib.suppress(Exception):
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
+    """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
+    kill(procs)
+    reap(procs, timeout_s)
+
+
+def reap_first(gpu_node: bool) -> bool:
+    """Whether a failed worker must be reaped before its replacement is started (pure).
+
+    On a node with GPUs, yes: the device memory the dead process held is released only when
+    its teardown ends, and a replacement that allocated before then could run out of it. On a
+    CPU node the teardown (most of a second with gigabytes of checkpoint slots mapped) frees
+    only host memory, and the replacement or the spare need not wait for it.
+    """
+    return gpu_node
+
+
+def has_gpus() -> bool:
+    """Whether this node has GPU devices (NVIDIA's or AMD's device files): no CUDA call, so
+    the agent never makes a context of its own."""
+    return any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd"))
+
+
+def replace_after_kill(procs: Sequence[Any], timeout_s: float, first: bool,
+                       replace: Callable[[], _R]) -> _R:
+    """Kills ``procs``, then runs ``replace``: after reaping them when ``first``
+    (:func:`reap_first`), else at once, while a thread reaps them."""
+    kill(procs)
+    if first:
+        reap(procs, timeout_s)
+        return replace()
+    try:
+        return replace()
+    finally:
+        if procs:
+            threading.Thread(target=reap, args=(list(procs), timeout_s),
+                             name="elasticft-reap", daemon=True).start()
 
 
 class InProcessRecoveryMixin:
@@ -420,23 +469,28 @@ class InProcessRecoveryMixin:
         """Kills the failed local workers, publishes the next generation on a store of this
         agent's and starts their replacements at once; returns it and their pids."""
         pcontext = self._pcontext
-        kill_and_reap([torch_compat.worker_process(pcontext, lr) for lr in replace],
-                      self._shutdown_timeout)
-        world = self._worker_group.workers[0].world_size
-        generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1", world)
-        self._attempt += 1
-        self.restarts += 1
 
-        def env_of(env: Any) -> dict[str, str]:
-            return self.inprocess.replacement_env(env, generation, self._attempt,
-                                                  self.attempt_env)
+        def publish_and_start() -> tuple[Generation, dict[int, int]]:
+            world = self._worker_group.workers[0].world_size
+            generation = self.inprocess.publish(self._worker_group.master_addr or "127.0.0.1",
+                                                world)
+            self._attempt += 1
+            self.restarts += 1
 
-        replaced = self.spare.take(pcontext, replace, generation, env_of)  # a ready spare first
-        replaced.update(start_replacements(
-            pcontext, [lr for lr in replace if lr not in replaced], self.warm_pool, env_of))
-        for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
-            self._worker_group.workers[local_rank].id = pid
-        return generation, replaced
+            def env_of(env: Any) -> dict[str, str]:
+                return self.inprocess.replacement_env(env, generation, self._attempt,
+                                                      self.attempt_env)
+
+            replaced = self.spare.take(pcontext, replace, generation, env_of)  # a ready spare
+            replaced.update(start_replacements(
+                pcontext, [lr for lr in replace if lr not in replaced], self.warm_pool, env_of))
+            for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
+                self._worker_group.workers[local_rank].id = pid
+            return generation, replaced
+
+        return replace_after_kill([torch_compat.worker_process(pcontext, lr) for lr in replace],
+                                  self._shutdown_timeout, reap_first(has_gpus()),
+                                  publish_and_start)
 
     def _shares_store(self) -> bool:
         return bool(getattr(self._worker_group.spec.rdzv_handler, "use_agent_store", False))
