@@ -10,7 +10,9 @@ Submodules are imported lazily so that ``import elasticft`` in a worker stays ch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elasticft.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -20,21 +22,12 @@ if TYPE_CHECKING:
     from elasticft.plan.worker import layout
     from elasticft.worker import init
 
-_LAZY = {
-    "launch": ("elasticft.launcher", "launch"),
-    "LaunchResult": ("elasticft.launcher", "LaunchResult"),
-    "ElasticftConfig": ("elasticft.config", "ElasticftConfig"),
-    "layout": ("elasticft.plan.worker", "layout"),
-    "init": ("elasticft.worker", "init"),
-}
-
 __all__ = ["ElasticftConfig", "LaunchResult", "__version__", "init", "launch", "layout"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'elasticft' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, {
+    "launch": "elasticft.launcher",
+    "LaunchResult": "elasticft.launcher",
+    "ElasticftConfig": "elasticft.config",
+    "layout": "elasticft.plan.worker",
+    "init": "elasticft.worker",
+})

@@ -6,10 +6,11 @@ those under ``TYPE_CHECKING``. From the bottom up:
 
 1. **base**: facilities that know no subsystem. The event log (``events``), process helpers
    (``procs``), the torch compatibility shim (``torch_compat``), files with no name
-   (``unnamed``), optional-extra errors (``extras``), the options (``config``, ``options``), the
-   step records (``steps``: the format every worker writes and the report reads) and ``cli``:
-   the ``elasticft`` dispatcher names its command modules as strings and imports only the chosen
-   one, so what the layers see of it is ``CliError``, which every command raises.
+   (``unnamed``), optional-extra errors (``extras``), a package's lazy names (``lazy``), the
+   options (``config``, ``options``), the step records (``steps``: the format every worker
+   writes and the report reads) and ``cli``: the ``elasticft`` dispatcher names its command
+   modules as strings and imports only the chosen one, so what the layers see of it is
+   ``CliError``, which every command raises.
 2. **add-on interface** (``addon``): what an add-on of the agent implements and decides with
    (``addon.api``, ``addon.classify``, ``addon.policy``). The subsystems plug into the agent
    through it, so it sits below them, in a package of its own, apart from the agent itself.
@@ -46,7 +47,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
               "elasticft.unnamed", "elasticft.extras", "elasticft.config", "elasticft.options",
-              "elasticft.steps", "elasticft.logs", "elasticft.cli")),
+              "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.cli")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm")),

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action, KnownFacts
-from elasticft.config import checkpoint_dir_default
 from elasticft.events import EventLog
 
 if TYPE_CHECKING:  # torch's launcher is loaded only once elasticft-run has checked its version
@@ -199,20 +198,6 @@ class AddOnContext:
     def __post_init__(self) -> None:
         if self.run_dir is None and self.options.agent.run_dir is not None:
             object.__setattr__(self, "run_dir", Path(self.options.agent.run_dir))
-
-    @property
-    def ckpt_dir(self) -> Path | None:
-        """This node's checkpoint directory: ``--ckpt-dir``, else ``<run-dir>/ckpt`` (None: no
-        run directory is known, an add-on built outside an agent)."""
-        if self.run_dir is None and self.options.ckpt.ckpt_dir is None:
-            return None
-        return checkpoint_dir_default(self.options.ckpt.ckpt_dir, self.run_dir or Path())
-
-    @property
-    def ckpt_remote_dir(self) -> Path | None:
-        """The directory every node shares for durable checkpoints (``--ckpt-remote-dir``)."""
-        remote = self.options.ckpt.ckpt_remote_dir
-        return None if remote is None else Path(remote)
 
 
 C = TypeVar("C", bound=AgentCollaborator, covariant=True)

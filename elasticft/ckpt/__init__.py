@@ -25,7 +25,9 @@ flush on failure) and ``replicas`` (replica serving); ``commands`` (CLI).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elasticft.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from elasticft.ckpt.api import CheckpointError, StateMismatch
@@ -34,25 +36,16 @@ if TYPE_CHECKING:
     from elasticft.ckpt.slotwriter import SaveRequest
     from elasticft.ckpt.state import StateCapture, capture, restore
 
-_LAZY = {
-    "CheckpointError": ("elasticft.ckpt.api", "CheckpointError"),
-    "StateMismatch": ("elasticft.ckpt.api", "StateMismatch"),
-    "Checkpointer": ("elasticft.ckpt.checkpointer", "Checkpointer"),
-    "SaveRequest": ("elasticft.ckpt.slotwriter", "SaveRequest"),
-    "WorkerSettings": ("elasticft.ckpt.settings", "WorkerSettings"),
-    "capture": ("elasticft.ckpt.state", "capture"),
-    "StateCapture": ("elasticft.ckpt.state", "StateCapture"),
-    "restore": ("elasticft.ckpt.state", "restore"),
-}
-
 __all__ = ["CheckpointError", "Checkpointer", "SaveRequest", "StateCapture", "StateMismatch",
            "WorkerSettings", "capture", "restore"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'elasticft.ckpt' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, {
+    "CheckpointError": "elasticft.ckpt.api",
+    "StateMismatch": "elasticft.ckpt.api",
+    "Checkpointer": "elasticft.ckpt.checkpointer",
+    "SaveRequest": "elasticft.ckpt.slotwriter",
+    "WorkerSettings": "elasticft.ckpt.settings",
+    "capture": "elasticft.ckpt.state",
+    "StateCapture": "elasticft.ckpt.state",
+    "restore": "elasticft.ckpt.state",
+})

@@ -156,11 +156,6 @@ class CheckpointService(AgentCollaborator):
         """Newest step every local worker holds complete in shared memory (for its rank)."""
         return self.slots.newest_common_step(group.workers)
 
-    def replica_shard(self, step: int, rank: int, world_size: int
-                      ) -> tuple[dict[str, Any], bytes] | None:
-        """See :meth:`Replicas.replica_shard`."""
-        return self.replicas.replica_shard(step, rank, world_size)
-
     # ------------------------------------------------------------------------------------------
     # Agent hooks.
 

@@ -10,29 +10,28 @@ Resilio's HPPS evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from elasticft.plan.api import Hardware, ModelSpec, PlanError
 
-HARDWARE: dict[str, Hardware] = {
-    "a100-80g": Hardware(
-        name="a100-80g", memory_gib=80, peak_tflops=312, compute_efficiency=0.55,
-        intra_node_gbps=230, inter_node_gbps=200, latency_us=10,
-    ),
-    "a100-40g": Hardware(
-        name="a100-40g", memory_gib=40, peak_tflops=312, compute_efficiency=0.55,
-        intra_node_gbps=230, inter_node_gbps=200, latency_us=10,
-    ),
-    "h100-80g": Hardware(
+_A100_80G = Hardware(
+    name="a100-80g", memory_gib=80, peak_tflops=312, compute_efficiency=0.55,
+    intra_node_gbps=230, inter_node_gbps=200, latency_us=10,
+)
+HARDWARE: dict[str, Hardware] = {hardware.name: hardware for hardware in (
+    _A100_80G,
+    dataclasses.replace(_A100_80G, name="a100-40g", memory_gib=40),
+    Hardware(
         name="h100-80g", memory_gib=80, peak_tflops=989, compute_efficiency=0.5,
         intra_node_gbps=360, inter_node_gbps=400, latency_us=8,
     ),
-    "cpu": Hardware(
+    Hardware(
         name="cpu", memory_gib=4, peak_tflops=0.05, compute_efficiency=0.5,
         intra_node_gbps=2, inter_node_gbps=1, latency_us=50,
     ),
-}
+)}
 
 
 def _megatron(name: str, heads: int, hidden: int, layers: int, batch: int) -> ModelSpec:
@@ -42,27 +41,30 @@ def _megatron(name: str, heads: int, hidden: int, layers: int, batch: int) -> Mo
     )
 
 
-MODELS: dict[str, ModelSpec] = {
-    "gpt-1.7b": _megatron("gpt-1.7b", 24, 2304, 24, 512),
-    "gpt-3.6b": _megatron("gpt-3.6b", 32, 3072, 30, 512),
-    "gpt-7.5b": _megatron("gpt-7.5b", 32, 4096, 36, 512),
-    "gpt-18.4b": _megatron("gpt-18.4b", 48, 6144, 40, 1024),
-    "gpt-39.1b": _megatron("gpt-39.1b", 64, 8192, 48, 1536),
-    "gpt-76.1b": _megatron("gpt-76.1b", 80, 10240, 60, 1792),
-    "gpt-145.6b": _megatron("gpt-145.6b", 96, 12288, 80, 2304),
-    "gpt-310.1b": _megatron("gpt-310.1b", 128, 16384, 96, 2160),
-    "gpt-529.6b": _megatron("gpt-529.6b", 128, 20480, 105, 2520),
-    "gpt-1008b": _megatron("gpt-1008b", 160, 25600, 128, 3072),
+def _hpps(name: str, heads: int, hidden: int, layers: int, vocab: int = 50272) -> ModelSpec:
+    return ModelSpec(
+        name=name, layers=layers, hidden=hidden, heads=heads, seq_len=1024, vocab=vocab,
+        global_batch=256, micro_batch=4,
+    )
+
+
+MODELS: dict[str, ModelSpec] = {model.name: model for model in (
+    _megatron("gpt-1.7b", 24, 2304, 24, 512),
+    _megatron("gpt-3.6b", 32, 3072, 30, 512),
+    _megatron("gpt-7.5b", 32, 4096, 36, 512),
+    _megatron("gpt-18.4b", 48, 6144, 40, 1024),
+    _megatron("gpt-39.1b", 64, 8192, 48, 1536),
+    _megatron("gpt-76.1b", 80, 10240, 60, 1792),
+    _megatron("gpt-145.6b", 96, 12288, 80, 2304),
+    _megatron("gpt-310.1b", 128, 16384, 96, 2160),
+    _megatron("gpt-529.6b", 128, 20480, 105, 2520),
+    _megatron("gpt-1008b", 160, 25600, 128, 3072),
     # Resilio HPPS (Table 10: batch 256); sequence length 1024 as in the GPT-2 benchmarks.
-    "opt-1.3b": ModelSpec(name="opt-1.3b", layers=24, hidden=2048, heads=32, seq_len=1024,
-                          vocab=50272, global_batch=256, micro_batch=4),
-    "opt-2.7b": ModelSpec(name="opt-2.7b", layers=32, hidden=2560, heads=32, seq_len=1024,
-                          vocab=50272, global_batch=256, micro_batch=4),
-    "opt-6.7b": ModelSpec(name="opt-6.7b", layers=32, hidden=4096, heads=32, seq_len=1024,
-                          vocab=50272, global_batch=256, micro_batch=4),
-    "gpt2-1.5b": ModelSpec(name="gpt2-1.5b", layers=48, hidden=1600, heads=25, seq_len=1024,
-                           vocab=50257, global_batch=256, micro_batch=4),
-}
+    _hpps("opt-1.3b", 32, 2048, 24),
+    _hpps("opt-2.7b", 32, 2560, 32),
+    _hpps("opt-6.7b", 32, 4096, 32),
+    _hpps("gpt2-1.5b", 25, 1600, 48, vocab=50257),
+)}
 
 
 def load_hardware(spec: str) -> Hardware:

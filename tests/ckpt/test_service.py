@@ -152,7 +152,7 @@ def test_one_replica_serves_several_ranks_asking_at_once(tmp_path: Path) -> None
                           world_size=2) as ckpt:
             assert ckpt.save(3, state).wait(30).status == "memory"
         with ThreadPoolExecutor(6) as pool:
-            served = list(pool.map(lambda rank: service.replica_shard(3, rank, 2),
+            served = list(pool.map(lambda rank: service.replicas.replica_shard(3, rank, 2),
                                    [0, 1, 0, 1, 0, 1]))
         assert all(s is not None for s in served)
         assert [s[0]["rank"] for s in served if s is not None] == [0, 1, 0, 1, 0, 1]
