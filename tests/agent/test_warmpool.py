@@ -82,6 +82,33 @@ def start_both(
     return results
 
 
+@pytest.mark.timeout(120)
+def test_the_worker_gets_the_agents_signal_dispositions_not_the_interpreters(
+        tmp_path: Path) -> None:
+    """An interpreter started while the agent ignored SIGINT (a job in the background) gives its
+    worker SIGINT as a cold start from the agent would: the agent handles it by now, so Python's
+    own handler; and a signal the agent ignores at the start stays ignored."""
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "ok"]
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        warm = WarmInterpreter.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
+        wait_until(warm.ready, 60, "the pre-started interpreter")
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    user1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        with open(tmp_path / "w.out", "w") as out, open(tmp_path / "w.err", "w") as err:
+            proc = warm.start(argv, attempt_env(tmp_path, "warm"), str(tmp_path), out.fileno(),
+                              err.fileno())
+    finally:
+        signal.signal(signal.SIGUSR1, user1)
+    assert proc.wait(timeout=60) == 0
+    signals = json.loads((tmp_path / "out" / "warm.json").read_text())["signals"]
+    assert signals["SIGINT"] == repr(signal.default_int_handler)
+    assert signals["SIGUSR1"] == repr(signal.SIG_IGN)
+    assert signals["SIGTERM"] == repr(signal.SIG_DFL)
+
+
 def comparable(state: dict) -> dict:
     """A start's state without what names the process itself."""
     state = json.loads(json.dumps(state))

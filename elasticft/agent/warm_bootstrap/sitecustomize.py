@@ -121,8 +121,24 @@ def _bind_to_agent(env):
         os._exit(1)  # re-parented elsewhere: the agent died during the start
 
 
+def _start_signals(ignored):
+    """The signal dispositions a cold start of the worker would have: those the agent ignores
+    stay ignored, the others are the default (SIGINT: Python's KeyboardInterrupt handler)."""
+    import signal
+
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+        number = getattr(signal, name)
+        if name in ignored:
+            signal.signal(number, signal.SIG_IGN)
+        elif number == signal.SIGINT:
+            signal.signal(number, signal.default_int_handler)
+        else:
+            signal.signal(number, signal.SIG_DFL)
+
+
 def _become_worker(request, fds, preload_error):
     _bind_to_agent(request["env"])
+    _start_signals(request.get("ignored", ()))
     out_fd, err_fd = fds
     warm_output = (_captured(1), _captured(2))
     os.dup2(out_fd, 1)
