@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,28 +36,21 @@ def _kill_rank_1_once_the_spare_is_ready(run_dir: Path, pid_log: Path, killed: d
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_spare_takes_the_killed_rank_and_the_losses_are_exact(
-        tmp_path: Path, job_env: dict[str, str]) -> None:
-    from tests.conftest import clean_job_env
-
+        tmp_path: Path, job_env: dict[str, str], inprocess_reference: dict[int, str]) -> None:
+    reference = {step: loss for step, loss in inprocess_reference.items() if step <= STEPS}
+    assert sorted(reference) == list(range(1, STEPS + 1))
     killed: dict[str, int] = {}
     stop = threading.Event()
     killer = threading.Thread(target=_kill_rank_1_once_the_spare_is_ready, daemon=True, args=(
         tmp_path / "spare", tmp_path / "spare.pid", killed, stop))
     killer.start()
     started = time.monotonic()
-    # The uninterrupted reference runs alongside the spare's run, which mostly sleeps.
-    with ThreadPoolExecutor(1) as pool:
-        uninterrupted = pool.submit(_run, tmp_path, "reference", clean_job_env(), "--steps",
-                                    str(STEPS))
-        try:
-            run = _run(tmp_path, "spare",
-                       {**job_env, "ELASTICFT_RECOVERY_INPROCESS_SPARE": "1"},
-                       "--steps", str(STEPS), "--step-time", "0.3")
-        finally:
-            stop.set()
-            killer.join(timeout=10)
-        reference = uninterrupted.result()["losses"]
-    assert sorted(reference) == list(range(1, STEPS + 1))
+    try:
+        run = _run(tmp_path, "spare", {**job_env, "ELASTICFT_RECOVERY_INPROCESS_SPARE": "1"},
+                   "--steps", str(STEPS), "--step-time", "0.3")
+    finally:
+        stop.set()
+        killer.join(timeout=10)
     assert killed and killed["step"] < STEPS, (killed, time.monotonic() - started,
                                                run["text"][-3000:])
     kinds = [e["kind"] for e in run["events"]]
