@@ -18,8 +18,9 @@ bash scripts/setup.sh
 bash scripts/install-servers.sh
 .venv/bin/ruff check elasticft tests bench examples scripts
 set +e
+# Files go to the workers longest first (tests/conftest.py orders them; xdist must not reorder).
 TEST_PHASE=parallel .venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 \
-  -n "$TEST_WORKERS" --dist loadfile "$@"
+  -n "$TEST_WORKERS" --dist loadfile --no-loadscope-reorder "$@"
 parallel=$?
 # Tests marked `serial` judge thread timing in the pytest process: they run alone, afterwards.
 TEST_PHASE=serial .venv/bin/python -m pytest -p no:cacheprovider -q "$@"

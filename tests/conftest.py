@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked ``gpu`` run where CUDA is; elsewhere they show as skipped, with the reason.
 
     ``TEST_PHASE`` (set by scripts/test.sh) splits a run in two: ``parallel`` leaves out the
-    tests marked ``serial``, ``serial`` keeps only them; unset, every test runs.
+    tests marked ``serial``, ``serial`` keeps only them; unset, every test runs. Whole files
+    are then ordered longest first (:func:`longest_files_first`).
     """
     phase = os.environ.get("TEST_PHASE")
     if phase in ("parallel", "serial"):
@@ -46,6 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(
             items=[item for item in items if ("serial" in item.keywords) != wanted])
         items[:] = [item for item in items if ("serial" in item.keywords) == wanted]
+    longest_files_first(items, float(config.getini("timeout") or 0))
     import torch
 
     if torch.cuda.is_available():
@@ -54,6 +56,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def longest_files_first(items: list[pytest.Item], default_timeout: float) -> None:
+    """Orders whole test files by the time their slow tests are allowed (the sum of their
+    timeouts, a rough measure of how long they take), longest first; the tests of a file keep
+    their order and stay together.
+
+    pytest-xdist's ``--dist loadfile`` hands files to its workers in this order when it does
+    not reorder them itself (scripts/test.sh passes ``--no-loadscope-reorder``; by default it
+    puts the files with the most tests first, which leaves the one-test multi-process files
+    of a minute each for the end, one worker running them while the other has nothing left).
+    Long files first, the unit-test files fill the end.
+    """
+    budget: dict[Path, float] = {}
+    first: dict[Path, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path, index)
+        if "slow" in item.keywords and "gpu" not in item.keywords:
+            marker = item.get_closest_marker("timeout")
+            allowed = marker.kwargs.get("timeout", marker.args[0] if marker.args else None) \
+                if marker is not None else None
+            budget[item.path] = budget.get(item.path, 0.0) + float(allowed or default_timeout)
+    items.sort(key=lambda item: (-budget.get(item.path, 0.0), first[item.path]))
 
 
 def free_port() -> int:

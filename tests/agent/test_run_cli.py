@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import BIN, EXAMPLES, clean_job_env
 
+pytestmark = pytest.mark.slow  # the answers fixture: fifteen elasticft-run processes, ~50 s
 SCRIPT = str(EXAMPLES / "train_plain.py")
 
 # name -> (arguments, with {dir} for its directory; extra environment; files written in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -47,9 +48,12 @@ def test_sigkilled_worker_resumes_from_agent_memory_with_identical_losses(
     tmp_path: Path, job_env
 ) -> None:
     before = _segments()
-    _, reference = _run(tmp_path, "reference", job_env)
-    text, resumed = _run(tmp_path, "crash", job_env, "--crash-at-step", "6",
-                         "--fault-rank", "1", "--crash-mode", "after-save")
+    # The uninterrupted reference runs alongside the crashed run.
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(_run, tmp_path, "reference", job_env)
+        text, resumed = _run(tmp_path, "crash", job_env, "--crash-at-step", "6",
+                             "--fault-rank", "1", "--crash-mode", "after-save")
+        _, reference = uninterrupted.result()
     assert "signal SIGKILL" in text
     assert "resumed from step 6 (source=memory)" in text
     # The flush waits for the restore, then writes the newest step the workers hold: the

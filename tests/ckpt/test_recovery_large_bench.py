@@ -12,23 +12,20 @@ from tests.conftest import ROOT
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_large_recovery_bench_runs_both_launchers_on_the_cpu() -> None:
+def test_the_large_recovery_bench_runs_torchrun_on_the_cpu() -> None:
+    # elasticft-run's mode is run on two ranks, below, where its figures are checked.
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "recovery_large.py"), "--device", "cpu", "--gb",
-         "0.02", "--limit-s", "120"],
+         "0.02", "--limit-s", "120", "--launchers", "torchrun"],
         capture_output=True, text=True, timeout=280,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("recovery_large: CPU"), lines
-    rows = {line.split()[0]: line.split() for line in lines[2:4]}
-    assert set(rows) == {"elasticft-run", "torchrun"}, lines
-    # Every figure of the elasticft-run row was measured, and it resumed from a save at least
-    # as new as the newest one seen landed before the kill (a copy may land unlogged).
-    elasticft = rows["elasticft-run"]
-    assert "-" not in elasticft[1:8], lines
-    resumed, last_save, landed = map(int, elasticft[5:8])
-    assert landed <= resumed <= last_save, lines
+    torchrun = lines[2].split()
+    assert torchrun[0] == "torchrun", lines
+    # torchrun's restarted script resumed from a save of its own.
+    assert torchrun[5] != "-", lines
 
 
 def test_the_gpu_check_has_a_recovery_part() -> None:
@@ -53,6 +50,12 @@ def test_the_large_recovery_bench_runs_both_elasticft_modes_on_two_ranks() -> No
     lines = done.stdout.splitlines()
     rows = {line.split()[0]: line.split() for line in lines[2:4]}
     assert set(rows) == {"elasticft-run", "elasticft-inprocess"}, lines
+    # Every figure of the elasticft-run row was measured, and it resumed from a save at least
+    # as new as the newest one seen landed before the kill (a copy may land unlogged).
+    elasticft = rows["elasticft-run"]
+    assert "-" not in elasticft[1:8], lines
+    resumed, last_save, landed = map(int, elasticft[5:8])
+    assert landed <= resumed <= last_save, lines
     survivors = {line.split(":")[0]: line for line in lines if "rank 0 ran in" in line}
     assert "rank 0 ran in 1 process(es)" in survivors["elasticft-inprocess"], lines
     assert "rank 0 ran in 2 process(es)" in survivors["elasticft-run"], lines

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +73,19 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         for path in shm.SHM_DIR.glob(f"elasticft-ckpt-{os.getpid()}-tbl-*"):
             path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """An uninterrupted run of examples/train_elasticft.py --fsdp2 on 2 workers, made once for
+    the module: a step's loss does not depend on ``--steps`` (no schedule looks at the total),
+    so its first N steps are the losses of any uninterrupted N-step run of the same script."""
+    from tests.ckpt.test_recovery import _run
+    from tests.conftest import clean_job_env
+
+    _, losses = _run(tmp_path_factory.mktemp("fsdp2-reference"), "reference", clean_job_env(),
+                     "--fsdp2")
+    return losses
 
 
 def _cells(table: Path, row: str, name: str) -> list[dict[str, Any]]:
@@ -144,13 +156,13 @@ def test_a_sharded_snapshot_into_an_unsharded_model_is_one_error_naming_the_tens
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_an_fsdp2_worker_sigkilled_under_elasticft_run_resumes_with_identical_losses(
-    tmp_path: Path, job_env: dict[str, str]
+    tmp_path: Path, job_env: dict[str, str], fsdp2_reference: dict[int, str]
 ) -> None:
     """examples/train_elasticft.py with --fsdp2 (fully_shard on each block and the root), a
     snapshot every step, rank 1 SIGKILLed after its save of step 6 on 2 gloo workers."""
     from tests.ckpt.test_recovery import _run
 
-    _, reference = _run(tmp_path, "reference", job_env, "--fsdp2")
+    reference = fsdp2_reference
     text, resumed = _run(tmp_path, "crash", job_env, "--fsdp2", "--crash-at-step", "6",
                          "--fault-rank", "1", "--crash-mode", "after-save")
     assert "signal SIGKILL" in text
@@ -162,11 +174,11 @@ def test_an_fsdp2_worker_sigkilled_under_elasticft_run_resumes_with_identical_lo
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_an_fsdp2_job_relaunched_on_fewer_workers_resumes_from_its_checkpoint_resharded(
-    tmp_path: Path, job_env: dict[str, str]
+    tmp_path: Path, job_env: dict[str, str], fsdp2_reference: dict[int, str]
 ) -> None:
     """6 steps on 2 workers, then the same command on 1: the second launch resumes from step 6
     of the first, resharded by dcp.load, and its first loss (rank 0's batch through the
-    restored parameters) is the first launch's step 7 loss, bit for bit."""
+    restored parameters) is an uninterrupted 2-worker run's step 7 loss, bit for bit."""
     from tests.conftest import BIN, EXAMPLES
 
     ckpt_dir = tmp_path / "ckpt"
@@ -180,12 +192,10 @@ def test_an_fsdp2_job_relaunched_on_fewer_workers_resumes_from_its_checkpoint_re
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         return out.stdout + out.stderr
 
-    launch(2, 7, tmp_path / "reference.loss")  # the uninterrupted step 7
-    shutil.rmtree(ckpt_dir)
     launch(2, 6, tmp_path / "first.loss")
     text = launch(1, 7, tmp_path / "second.loss")
     assert "resumed from step 6 (source=reshard)" in text, text[-4000:]
     def losses(name: str) -> dict[str, str]:
         return dict(line.split() for line in (tmp_path / name).read_text().splitlines())
 
-    assert losses("second.loss") == {"7": losses("reference.loss")["7"]}
+    assert losses("second.loss") == {"7": fsdp2_reference[7]}

@@ -49,9 +49,10 @@ def _plan_flags() -> list[str]:
     return ["--plan-model", str(MODEL), "--plan-hardware", "cpu", "--layout", "2,1,*"]
 
 
-def _trainer_args(tmp: Path, name: str, sleep: float) -> list[str]:
+def _trainer_args(tmp: Path, name: str, sleep: float, ckpt_every: int = 1) -> list[str]:
     return [str(TRAINER), "--steps", str(STEPS), "--ckpt-dir", str(tmp / f"ckpt-{name}"),
-            "--loss-log", str(tmp / f"loss-{name}.jsonl"), "--step-sleep", str(sleep)]
+            "--ckpt-every", str(ckpt_every), "--loss-log", str(tmp / f"loss-{name}.jsonl"),
+            "--step-sleep", str(sleep)]
 
 
 def _losses(path: Path) -> list[dict]:
@@ -84,12 +85,14 @@ def _listener(procs: list[subprocess.Popen], port: int) -> subprocess.Popen:
 @pytest.mark.timeout(400)
 def test_node_loss_continues_in_smaller_layout(tmp_path: Path) -> None:
     # Reference: uninterrupted TP2xDP2 on one agent with four workers. It runs alongside the
-    # elastic job, which mostly sleeps (--step-sleep), and is read once that job is done.
+    # elastic job, which mostly sleeps (--step-sleep), and is read once that job is done. It
+    # never resumes, so it saves only its last step (a save every step would take CPU from the
+    # elastic job).
     with open(tmp_path / "reference.log", "w") as ref_log:
         reference = subprocess.Popen(
             [sys.executable, "-m", "elasticft.run", "--standalone", "--nproc-per-node", "4",
              "--run-dir", str(tmp_path / "run-ref"), *_plan_flags(),
-             *_trainer_args(tmp_path, "ref", 0.0)],
+             *_trainer_args(tmp_path, "ref", 0.0, ckpt_every=STEPS)],
             env=_env(), stdout=ref_log, stderr=subprocess.STDOUT, text=True,
         )
 

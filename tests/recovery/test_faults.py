@@ -33,7 +33,6 @@ from tests.recovery.cluster import (
     NetNamespace,
     VethEtcd,
     losses_of,
-    reference_losses,
 )
 from tests.servers import EtcdServer
 from tests.tuned_run import tuned_run
@@ -44,33 +43,6 @@ LONG = 40
 """Steps of the runs whose fault needs set-up first (a standby) or time to show (slowness)."""
 FAULT_AFTER = 5
 PLAIN_CKPT_EVERY = 3
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Losses]:
-    """Uninterrupted runs, one per example script, each made once for the whole module.
-
-    A step's loss does not depend on ``--steps`` (no schedule looks at the total), so the
-    first N steps of one LONG-step run are the losses of an uninterrupted N-step run: one
-    reference run per script serves every run length up to LONG."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_", "SLURM_"))}
-    env["PYTHONUNBUFFERED"] = "1"
-    full: dict[Path, Losses] = {}
-
-    class Lazy(dict):
-        def __missing__(self, key: tuple[Path, int]) -> Losses:
-            script, steps = key
-            assert steps <= LONG, f"reference runs have {LONG} steps, not {steps}"
-            if script not in full:
-                full[script] = reference_losses(tmp_path_factory.mktemp(script.stem), env,
-                                                script, LONG)
-            whole = full[script]
-            self[key] = Losses({s: v for s, v in whole.values.items() if s <= steps},
-                               {s: n for s, n in whole.logged.items() if s <= steps})
-            return self[key]
-
-    return Lazy()
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
     check_replaced,
     finish,
     make_job,
-    reference,
     with_standby,
 )
 from tests.servers import EtcdServer
