@@ -11,7 +11,7 @@ or a communication error, restarts left), the agent does not stop the survivors.
    its mappings for up to a second with gigabytes of checkpoint slots mapped; on a CPU node the
    next steps do not wait for it (the process is reaped in the background), while on a node
    with GPUs they do, since the device memory of the dead process is released only at its end
-   (:func:`reap_first`),
+   (:func:`replace_after_kill`),
 2. starts a store for the next **generation** (a TCPStore this agent hosts, on a port of its
    own: no key of an earlier group can be read by the new one) and publishes it
    (``generation.json``), for the survivors to regroup on,
@@ -58,6 +58,7 @@ from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
+from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.recovery.inprocess import (
     DIR_ENV,
@@ -295,29 +296,18 @@ def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
     reap(procs, timeout_s)
 
 
-def reap_first(gpu_node: bool) -> bool:
-    """Whether a failed worker must be reaped before its replacement is started (pure).
+def replace_after_kill(procs: Sequence[Any], timeout_s: float, reap_first: bool,
+                       replace: Callable[[], _R]) -> _R:
+    """Kills ``procs``, then runs ``replace``: after reaping them when ``reap_first``, else at
+    once, while a thread reaps them.
 
-    On a node with GPUs, yes: the device memory the dead process held is released only when
+    A node with GPUs reaps first: the device memory a dead process held is released only when
     its teardown ends, and a replacement that allocated before then could run out of it. On a
     CPU node the teardown (most of a second with gigabytes of checkpoint slots mapped) frees
     only host memory, and the replacement or the spare need not wait for it.
     """
-    return gpu_node
-
-
-def has_gpus() -> bool:
-    """Whether this node has GPU devices (NVIDIA's or AMD's device files): no CUDA call, so
-    the agent never makes a context of its own."""
-    return any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd"))
-
-
-def replace_after_kill(procs: Sequence[Any], timeout_s: float, first: bool,
-                       replace: Callable[[], _R]) -> _R:
-    """Kills ``procs``, then runs ``replace``: after reaping them when ``first``
-    (:func:`reap_first`), else at once, while a thread reaps them."""
     kill(procs)
-    if first:
+    if reap_first:
         reap(procs, timeout_s)
         return replace()
     try:
@@ -489,7 +479,7 @@ class InProcessRecoveryMixin:
             return generation, replaced
 
         return replace_after_kill([torch_compat.worker_process(pcontext, lr) for lr in replace],
-                                  self._shutdown_timeout, reap_first(has_gpus()),
+                                  self._shutdown_timeout, gpu_devices_present(),
                                   publish_and_start)
 
     def _shares_store(self) -> bool:

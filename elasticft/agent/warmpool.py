@@ -120,18 +120,13 @@ def not_warm_startable(argv: Sequence[str], python: str = sys.executable) -> str
     return None
 
 
-_START_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-"""Signals whose disposition a started worker inherits from the agent (see
-:func:`ignored_signals`)."""
-
-
-def ignored_signals() -> list[str]:
-    """The signals this process ignores now, by name: a worker it starts cold inherits exactly
-    these ignored; every other signal is reset to its default at ``exec`` (a handler cannot
-    cross it). The warm interpreter was started earlier, maybe while the agent ignored others
-    (``nohup``, a background job), so its worker is given the same dispositions."""
-    return [name for name in _START_SIGNALS
-            if signal.getsignal(getattr(signal, name)) is signal.SIG_IGN]
+def start_signals() -> dict[str, bool]:
+    """Whether this process ignores each signal a worker's start inherits: a worker started cold
+    keeps exactly the ignored ones, every other is reset to its default at ``exec``. The warm
+    interpreter started earlier, maybe while the agent ignored more (``nohup``, a job in the
+    background), so its worker is given these dispositions."""
+    return {name: signal.getsignal(getattr(signal, name)) is signal.SIG_IGN
+            for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")}
 
 
 def startup_mismatch(started: Mapping[str, str], requested: Mapping[str, str]) -> list[str]:
@@ -278,7 +273,7 @@ class WarmInterpreter:
             raise OSError(f"warm interpreter {self.proc.pid} not ready after {ready_timeout} s")
         payload = json.dumps(
             {"argv": [str(a) for a in argv], "env": dict(env), "cwd": cwd,
-             "ignored": ignored_signals()}
+             "signals": start_signals()}
         ).encode()
         with self._lock, adopting_orphans():
             socket.send_fds(self._channel, [struct.pack("!Q", len(payload))], [stdout, stderr])

@@ -9,14 +9,9 @@ import time
 
 import pytest
 
-from elasticft.agent.inprocess import reap_first, replace_after_kill
+from elasticft.agent.inprocess import replace_after_kill
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.mark.parametrize(("gpu_node", "first"), [(True, True), (False, False)])
-def test_only_a_gpu_node_reaps_before_replacing(gpu_node: bool, first: bool) -> None:
-    assert reap_first(gpu_node) is first
 
 
 def _sleeper() -> subprocess.Popen[bytes]:

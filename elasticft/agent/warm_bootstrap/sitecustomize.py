@@ -122,13 +122,13 @@ def _bind_to_agent(env):
 
 
 def _start_signals(ignored):
-    """The signal dispositions a cold start of the worker would have: those the agent ignores
-    stay ignored, the others are the default (SIGINT: Python's KeyboardInterrupt handler)."""
+    """The signal dispositions a cold start of the worker would have (``ignored``: signal name
+    -> whether the agent ignores it): ignored, or the default (SIGINT: Python's handler)."""
     import signal
 
-    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+    for name, ignore in ignored.items():
         number = getattr(signal, name)
-        if name in ignored:
+        if ignore:
             signal.signal(number, signal.SIG_IGN)
         elif number == signal.SIGINT:
             signal.signal(number, signal.default_int_handler)
@@ -138,7 +138,7 @@ def _start_signals(ignored):
 
 def _become_worker(request, fds, preload_error):
     _bind_to_agent(request["env"])
-    _start_signals(request.get("ignored", ()))
+    _start_signals(request.get("signals", {}))
     out_fd, err_fd = fds
     warm_output = (_captured(1), _captured(2))
     os.dup2(out_fd, 1)
