@@ -25,7 +25,8 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    SIGKILL with 4.8 GB of CUDA state; (``inprocess``) the same with two ranks in three modes:
    torchrun, elasticft-run's restart and its in-process recovery (the survivor keeps its
    process and its CUDA context; NCCL's communicators are aborted through
-   ``torch.distributed.distributed_c10d._abort_process_group``);
+   ``torch.distributed.distributed_c10d._abort_process_group``), and in process with a spare
+   that takes the killed rank;
 6. (``persist``) bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and
    through the page cache, against the machine's disk;
 7. the test suite's ``gpu``-marked tests (pytest must be installed).
@@ -78,6 +79,7 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_")) and k != "LD_PRELOAD"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"  # the children's lines reach the log as they are printed
     key, _, value = RUN_MARK.partition("=")
     return {**env, key: value, **extra}
 
@@ -104,8 +106,14 @@ def run(cmd: list[str], env: dict[str, str], limit_s: float = RUN_LIMIT_S
 
     At the limit the launcher gets SIGTERM, so that it stops its workers (elasticft-run's and
     torchrun's workers run in sessions of their own), then SIGKILL 30 s later. The output goes
-    to a file: a pipe would also wait for any worker left behind."""
-    with tempfile.TemporaryFile("w+") as log:
+    to a file: a pipe would also wait for any worker left behind. With ``OUT`` set, that file
+    is ``$OUT/gpu_check_children.log``, every run appended as it prints, so that a run stopped
+    at a machine's time limit still brings back what its children said."""
+    kept = Path(os.environ["OUT"], "gpu_check_children.log") if os.environ.get("OUT") else None
+    with (kept.open("a+") if kept else tempfile.TemporaryFile("w+")) as log:
+        log.write(f"\n### {' '.join(cmd)}\n")
+        log.flush()
+        start = log.tell()
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         code: int | None
@@ -116,7 +124,7 @@ def run(cmd: list[str], env: dict[str, str], limit_s: float = RUN_LIMIT_S
             proc.terminate()
             _reap(proc)
         end_leftovers()
-        log.seek(0)
+        log.seek(start)
         return code, log.read()[-2000:]
 
 
@@ -357,19 +365,33 @@ def check_ckpt(rows: list[tuple[str, str]]) -> None:
 
 def check_recovery(rows: list[tuple[str, str]]) -> None:
     """bench/recovery_large.py: SIGKILL with 4.8 GB of CUDA state, elasticft-run vs torchrun."""
-    code, text = run([sys.executable, str(RECOVERY_BENCH)], child_env(), limit_s=1800)
+    code, text = run([sys.executable, str(RECOVERY_BENCH), "--limit-s", "300"],
+                     child_env(**part_out("recovery")), limit_s=900)
     rows.append(("recovery, 4.8 GB (bench/recovery_large.py)", f"exit {code}"))
     rows.extend(("  recovery", line[:160]) for line in text.strip().splitlines()[-8:])
 
 
 def check_inprocess(rows: list[tuple[str, str]]) -> None:
-    """bench/recovery_large.py with two ranks: torchrun, elasticft-run, elasticft in process."""
-    code, text = run([sys.executable, str(RECOVERY_BENCH), "--nproc", "2", "--launchers",
-                      "torchrun,elasticft-run,elasticft-inprocess"], child_env(), limit_s=2400)
+    """bench/recovery_large.py with two ranks: torchrun, elasticft-run, elasticft in process,
+    and in process with a spare."""
+    code, text = run([sys.executable, str(RECOVERY_BENCH), "--nproc", "2", "--limit-s", "300",
+                      "--launchers",
+                      "torchrun,elasticft-run,elasticft-inprocess,elasticft-spare"],
+                     child_env(**part_out("inprocess")), limit_s=1500)
     rows.append(("in-process recovery, 4.8 GB x 2 ranks (bench/recovery_large.py)",
                  f"exit {code}"))
     rows.extend(("  inprocess", line[:160]) for line in text.strip().splitlines()
                 if line.startswith(("launcher", "torchrun", "elasticft")))
+
+
+def part_out(part: str) -> dict[str, str]:
+    """``OUT`` for a bench that writes its table there: a folder of the part's own, so that two
+    parts running the same bench keep both tables."""
+    if not os.environ.get("OUT"):
+        return {}
+    folder = Path(os.environ["OUT"], part)
+    folder.mkdir(exist_ok=True)
+    return {"OUT": str(folder)}
 
 
 def check_persist(rows: list[tuple[str, str]]) -> None:
