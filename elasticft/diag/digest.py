@@ -51,15 +51,23 @@ _ALARM_STATES = UNRESPONSIVE_STATES | {UNINTERRUPTIBLE_STATE}
 
 @dataclasses.dataclass(frozen=True)
 class DigestLimits:
+    """How much of a larger job the digest keeps: its size is bounded by these, not the job's."""
+
     full_ranks: int = 64
     """Up to this many ranks in the job, the digest keeps every rank."""
     max_views: int = 64
+    """Ranks whose view a larger job's digest keeps, the most important first."""
     max_comms: int = 8
+    """Communicators with a call in flight whose positions it keeps, the longest wait first."""
     per_comm: int = 4
+    """Ranks it keeps of those at a communicator's lowest position, and of those outside
+    collectives (the fewest steps first)."""
     top_busy: int = 8
+    """Ranks whose busy time it keeps, the busiest first (the rest only as their middle)."""
     alarm_heartbeat_s: float = 0.5
     """A rank whose heartbeat (every 0.1 s) is this late is always kept."""
     max_silent: int = 64
+    """Silent nodes it names, the longest silent first (it counts all of them)."""
 
 
 @dataclasses.dataclass(frozen=True)
