@@ -295,30 +295,24 @@ def describe_status(status: int) -> str:
     return f"exit {os.WEXITSTATUS(status)}"
 
 
+@dataclasses.dataclass(eq=False)
 class SlurmHandler(AgentCollaborator):
     """The agent's answer to Slurm's time-limit signal and cancel (see the module docstring)."""
 
-    def __init__(
-        self,
-        config: SlurmConfig,
-        slurm: SlurmEnv,
-        *,
-        event_dir: Path | None = None,
-        node_id: str = "",
-        checkpointer: CheckpointNow | None = None,
-        runner: CommandRunner = run_command,
-        clock: Callable[[], float] = time.monotonic,
-        poll_interval: float = 0.1,
-    ) -> None:
-        self.config = config
-        self.slurm = slurm
-        self.signal = config.slurm_signal.signal
-        self.checkpointer = checkpointer
-        self._runner = runner
-        self._clock = clock
-        self._poll = poll_interval
-        self._event_dir = event_dir
-        self._node_id = node_id
+    config: SlurmConfig
+    slurm: SlurmEnv
+    _: dataclasses.KW_ONLY
+    event_dir: Path | None = None
+    """The ``slurm`` event log goes below it (None: the run directory, known at rendezvous)."""
+    node_id: str = ""
+    checkpointer: CheckpointNow | None = None
+    runner: CommandRunner = run_command
+    clock: Callable[[], float] = time.monotonic
+    poll_interval: float = 0.1
+    """Seconds between checks of whether the signalled workers have exited."""
+
+    def __post_init__(self) -> None:
+        self.signal = self.config.slurm_signal.signal
         self._events: EventLog | None = None
         self._signalled_at: float | None = None
         self._signal_seen = threading.Event()
@@ -341,23 +335,23 @@ class SlurmHandler(AgentCollaborator):
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Runs between bytecodes of the agent's main thread: record only, act in check().
         if self._signalled_at is None:
-            self._signalled_at = self._clock()
+            self._signalled_at = self.clock()
         self._signal_seen.set()
 
     def _emit(self, kind: str, **payload: Any) -> None:
-        if self._events is None and self._event_dir is not None:
+        if self._events is None and self.event_dir is not None:
             # A file of its own (a subdirectory of the event dir): never interleaves with the
             # agent's writes; read_events merges them.
-            self._events = EventLog(self._event_dir / "slurm", self._node_id or "node")
+            self._events = EventLog(self.event_dir / "slurm", self.node_id or "node")
         if self._events is not None:
             self._events.emit(kind, job_id=self.slurm.job_id, **payload)
 
     # -- hooks ----------------------------------------------------------------------------------
 
     def on_workers_started(self, group: GroupInfo) -> None:
-        if self._event_dir is None:
-            self._event_dir = group.run_dir
-            self._node_id = self._node_id or group.node_id
+        if self.event_dir is None:
+            self.event_dir = group.run_dir
+            self.node_id = self.node_id or group.node_id
         if not self._handled:
             self._emit("slurm_allocation", restart_count=self.slurm.restart_count,
                        nodes=list(self.slurm.nodes), node_rank=self.slurm.node_rank)
@@ -389,16 +383,16 @@ class SlurmHandler(AgentCollaborator):
 
     def _time_limit(self, group: GroupInfo) -> None:
         lead = self.config.slurm_signal.lead_time.total_seconds()
-        signalled = self._signalled_at if self._signalled_at is not None else self._clock()
+        signalled = self._signalled_at if self._signalled_at is not None else self.clock()
         deadline = signalled + SAVE_SHARE_OF_LEAD_TIME * lead
         logger.warning(
             "Slurm time limit in about %gs (%s): checkpointing, then requeue (%s)",
             lead, self.signal.name, self.config.slurm_requeue,
         )
         self._emit("slurm_time_limit", signal=self.signal.name, lead_time_s=lead)
-        started = self._clock()
+        started = self.clock()
         durable, how = self._checkpoint(group, deadline)
-        save_s = self._clock() - started
+        save_s = self.clock() - started
         self._emit("slurm_checkpoint", durable=durable, how=how, duration_s=save_s)
         if not durable:
             logger.error("the time-limit checkpoint was not confirmed (%s); the next allocation "
@@ -419,7 +413,7 @@ class SlurmHandler(AgentCollaborator):
         raise StopRun("requeued", f"{reason}; requeued ({detail})", exit_code=0)
 
     def _checkpoint(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:
-        timeout = max(deadline - self._clock(), 1.0)
+        timeout = max(deadline - self.clock(), 1.0)
         if self.checkpointer is not None and self._service_has_snapshot(group):
             try:
                 if self.checkpointer.checkpoint_now("slurm time limit", timeout):
@@ -455,7 +449,7 @@ class SlurmHandler(AgentCollaborator):
         logger.info("forwarded %s to workers %s; waiting for them to save and exit",
                     self.signal.name, pids)
         statuses: dict[int, int] = {}
-        while self._clock() < deadline:
+        while self.clock() < deadline:
             for pid in pids:
                 if pid not in statuses:
                     status = procs.exit_status(pid)
@@ -463,7 +457,7 @@ class SlurmHandler(AgentCollaborator):
                         statuses[pid] = status
             if len(statuses) == len(pids):
                 break
-            time.sleep(self._poll)
+            time.sleep(self.poll_interval)
         if len(statuses) < len(pids):
             left = sorted(set(pids) - set(statuses))
             return False, f"workers {left} still running at the deadline"
@@ -476,8 +470,8 @@ class SlurmHandler(AgentCollaborator):
     def _requeue(self) -> tuple[bool, str]:
         try:
             cmd = requeue_command(self.config.slurm_requeue, self.slurm,
-                                  self.config.slurm_resubmit_script, self._runner)
-            done = self._runner(cmd, 60)
+                                  self.config.slurm_resubmit_script, self.runner)
+            done = self.runner(cmd, 60)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             return False, str(e)
         text = " ".join(cmd)

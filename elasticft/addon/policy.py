@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import TypedDict
 
 from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.decision import Decision
 
 
 class CheckpointSource(str, enum.Enum):
@@ -50,9 +51,7 @@ class ActionKind(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Action:
-    kind: ActionKind
-    reason: str
+class Action(Decision[ActionKind]):
     exit_code: int = 0
     """The launcher's exit code when the action ends the run."""
     consumes_user_error_restart: bool = False

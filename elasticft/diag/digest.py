@@ -41,37 +41,47 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from elasticft.diag.detectors import BusyStats, RankView
-from elasticft.diag.summary import JobView, RemoteNode, rank_from_json, rank_json
+from elasticft.diag.summary import (
+    JobView,
+    NodeSummary,
+    RemoteNode,
+    rank_from_json,
+    rank_json,
+)
 from elasticft.procs import UNINTERRUPTIBLE_STATE, UNRESPONSIVE_STATES
 
 DIGEST_KEY = "elasticft.diag.digest"
-DIGEST_SCHEMA = 1
+DIGEST_SCHEMA = 2
 _ALARM_STATES = UNRESPONSIVE_STATES | {UNINTERRUPTIBLE_STATE}
 
 
 @dataclasses.dataclass(frozen=True)
 class DigestLimits:
+    """How much of a larger job the digest keeps: its size is bounded by these, not the job's."""
+
     full_ranks: int = 64
     """Up to this many ranks in the job, the digest keeps every rank."""
     max_views: int = 64
+    """Ranks whose view a larger job's digest keeps, the most important first."""
     max_comms: int = 8
+    """Communicators with a call in flight whose positions it keeps, the longest wait first."""
     per_comm: int = 4
+    """Ranks it keeps of those at a communicator's lowest position, and of those outside
+    collectives (the fewest steps first)."""
     top_busy: int = 8
+    """Ranks whose busy time it keeps, the busiest first (the rest only as their middle)."""
     alarm_heartbeat_s: float = 0.5
     """A rank whose heartbeat (every 0.1 s) is this late is always kept."""
     max_silent: int = 64
+    """Silent nodes it names, the longest silent first (it counts all of them)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class DigestNode:
-    """A fresh node's ranks that the digest keeps."""
+class DigestNode(NodeSummary):
+    """What the digest keeps of a fresh node's summary: the ranks that matter, and its age."""
 
-    group_rank: int
-    node: str
     age_s: float
     """Seconds since its summary last changed, on the leader's clock."""
-    views: tuple[RankView, ...]
-    busy: Mapping[int, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +192,8 @@ def build_digest(nodes: Sequence[RemoteNode], publisher: int, seq: int,
         node_views = tuple(v for v in n.summary.views if v.rank in kept)
         node_busy = {r: b for r, b in n.summary.busy.items() if r in kept_busy}
         if node_views or node_busy:
-            digest_nodes.append(DigestNode(n.group_rank, n.node, n.age_s, node_views, node_busy))
+            digest_nodes.append(DigestNode(n.node, n.group_rank, n.summary.seq, node_views,
+                                           node_busy, n.age_s))
     silent = tuple(SilentNode(n.group_rank, n.node, n.age_s, n.summary is not None)
                    for n in sorted(silent_nodes, key=lambda n: -n.age_s)[:limits.max_silent])
     return Digest(publisher, seq, tuple(digest_nodes), publisher_node, silent, stats,
@@ -196,7 +207,7 @@ def encode_digest(digest: Digest) -> bytes:
         "v": DIGEST_SCHEMA, "publisher": digest.publisher, "seq": digest.seq,
         "publisher_node": digest.publisher_node,
         "ranks": digest.ranks, "omitted": digest.omitted, "silent_count": digest.silent_count,
-        "nodes": [{"gr": n.group_rank, "node": n.node, "age": round(n.age_s, 3),
+        "nodes": [{"gr": n.group_rank, "node": n.node, "seq": n.seq, "age": round(n.age_s, 3),
                    "views": [rank_json(v, n.busy.get(v.rank)) for v in n.views],
                    "busy": {str(r): round(b, 6) for r, b in n.busy.items()}}
                   for n in digest.nodes],
@@ -219,7 +230,8 @@ def decode_digest(data: bytes | str) -> Digest:
             node = str(n["node"])
             views = tuple(rank_from_json(r, node)[0] for r in n["views"])
             busy = {int(r): float(b) for r, b in n["busy"].items()}
-            nodes.append(DigestNode(int(n["gr"]), node, float(n["age"]), views, busy))
+            nodes.append(DigestNode(node, int(n["gr"]), int(n["seq"]), views, busy,
+                                    float(n["age"])))
         silent = tuple(SilentNode(int(g), str(name), float(age), bool(published))
                        for g, name, age, published in doc["silent"])
         stats = doc["busy_stats"]

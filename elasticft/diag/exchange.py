@@ -96,32 +96,33 @@ class _Round:
     hub_retry_at: float = 0.0
 
 
+@dataclasses.dataclass(eq=False)
 class ViewExchange:
     """Publishes this node's summary; the leader gathers all of them into the job digest, the
     others read the digest."""
 
-    def __init__(
-        self,
-        *,
-        interval_s: float = 1.0,
-        poll_s: float = 0.5,
-        stale_after_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        digest_limits: job_digest.DigestLimits | None = None,
-        hub: bool = True,
-        hub_timeout_s: float = 2.0,
-        hub_retry_s: float = 10.0,
-    ) -> None:
-        self.interval_s = interval_s
-        self.poll_s = poll_s
-        self.hub = hub
-        """Whether the leader serves the exchange (off: everyone uses the round's store)."""
-        self.hub_timeout_s = hub_timeout_s
-        self.hub_retry_s = hub_retry_s
-        self.stale_after_s = stale_after_s if stale_after_s is not None else max(
-            3.0, 3 * interval_s)
-        self.digest_limits = digest_limits or job_digest.DigestLimits()
-        self._clock = clock
+    _: dataclasses.KW_ONLY
+    interval_s: float = 1.0
+    """Seconds between this node's publications (at once when one of its ranks is newly seen
+    stopped)."""
+    poll_s: float = 0.5
+    """Seconds between the background thread's exchanges."""
+    stale_after_s: float = None  # type: ignore[assignment]
+    """A node whose summary has not changed for this many seconds is silent (by default
+    three intervals, at least 3 s)."""
+    clock: Callable[[], float] = time.monotonic
+    digest_limits: job_digest.DigestLimits = dataclasses.field(
+        default_factory=job_digest.DigestLimits)
+    hub: bool = True
+    """Whether the leader serves the exchange (off: everyone uses the round's store)."""
+    hub_timeout_s: float = 2.0
+    """Deadline of every call to the leader's hub."""
+    hub_retry_s: float = 10.0
+    """Seconds after a failed hub call before the hub's address is read again."""
+
+    def __post_init__(self) -> None:
+        if self.stale_after_s is None:
+            self.stale_after_s = max(3.0, 3 * self.interval_s)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -172,7 +173,7 @@ class ViewExchange:
             self._generation += 1
             generation = self._generation
             previous = self._round
-            self._round = _Round(store, node_id, group_rank, group_world_size, self._clock(),
+            self._round = _Round(store, node_id, group_rank, group_world_size, self.clock(),
                                  hub_host)
             self._remote, self._present, self._payloads = {}, set(), {}
             self._digest, self._digest_present, self._acting = None, False, False
@@ -204,7 +205,7 @@ class ViewExchange:
         current = self._round
         if current is None or current.group_world_size <= 1:
             return JobView()
-        now = self._clock()
+        now = self.clock()
         with self._lock:
             entry = self._digest
         if entry is None:  # nothing yet this round: every other node is silent since its start
@@ -288,7 +289,7 @@ class ViewExchange:
             if not self._current(generation):
                 return False
             offer, alarm = self._offer, self._offer_alarm
-            now = self._clock()
+            now = self.clock()
             due = offer is not None and (now >= self._next_publish or
                                          bool(alarm - self._published_alarm))
             if due:
@@ -325,7 +326,7 @@ class ViewExchange:
             return self._switch(self._served_hub(generation, current) or current.store)
         if current.hub is not None:
             return self._switch(current.store if current.hub.busy else current.hub)
-        now = self._clock()
+        now = self.clock()
         if now < current.hub_retry_at:
             return self._switch(current.store)
         if current.hub_address is None:
@@ -383,7 +384,7 @@ class ViewExchange:
         if isinstance(error, HubUnavailable) and not isinstance(error, HubBusy) \
                 and current.group_rank != 0:
             hub, current.hub, current.hub_address = current.hub, None, None
-            current.hub_retry_at = self._clock() + self.hub_retry_s
+            current.hub_retry_at = self.clock() + self.hub_retry_s
             if hub is not None:
                 hub.close()
 
@@ -401,7 +402,7 @@ class ViewExchange:
                     payload = store.multi_get([job_digest.DIGEST_KEY])[0]
             except Exception as e:
                 self._failed(current, "reading the job digest failed", e)
-        now = self._clock()
+        now = self.clock()
         with self._lock:
             if not self._current(generation):
                 return
@@ -434,7 +435,7 @@ class ViewExchange:
     def _gather(self, generation: int, current: _Round, store: Any) -> None:
         """Reads every node's summary (its own included) and publishes the job digest."""
         payloads = self._fetch_summaries(generation, current, store)
-        now = self._clock()
+        now = self.clock()
         with self._lock:
             if not self._current(generation):
                 return

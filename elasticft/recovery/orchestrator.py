@@ -108,34 +108,26 @@ class _RoundJit:
     ranks: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(eq=False)
 class RecoveryOrchestrator(AgentCollaborator):
     """Just-in-time checkpoints, offence counting, eviction and blacklisting for one node."""
 
-    def __init__(
-        self,
-        config: RecoveryConfig,
-        *,
-        node_id: str,
-        min_nodes: int,
-        checkpoints: CheckpointService | None = None,
-        roster: Roster | None = None,
-        layout: tuple[int, int, int] | None = None,
-        events: EventLog | None = None,
-        event_dir: Path | None = None,
-    ) -> None:
-        self.config = config
-        self.node_id = node_id
-        self.min_nodes = min_nodes
-        self.checkpoints = checkpoints
-        """The node's CheckpointService (its control directory and memory), if it runs."""
-        self.roster = roster
-        self.layout = layout
+    config: RecoveryConfig
+    _: dataclasses.KW_ONLY
+    node_id: str
+    min_nodes: int
+    checkpoints: CheckpointService | None = None
+    """The node's CheckpointService (its control directory and memory), if it runs."""
+    roster: Roster | None = None
+    layout: tuple[int, int, int] | None = None
+    events: EventLog | None = None
+    """The agent's event log; opened here (under ``event_dir``, else the run directory)
+    only for an orchestrator built outside an agent, which then closes it too."""
+    event_dir: Path | None = None
+
+    def __post_init__(self) -> None:
         self.offences = 0
-        self._event_dir = event_dir
-        self._events = events
-        """The agent's event log; opened here (under ``event_dir``, else the run directory)
-        only for an orchestrator built outside an agent, which then closes it too."""
-        self._owns_events = events is None
+        self._owns_events = self.events is None
         self._group: GroupInfo | None = None
         self._round_nodes: dict[int, tuple[str, ...]] = {}
         self._facts: KnownFacts = {}
@@ -153,16 +145,16 @@ class RecoveryOrchestrator(AgentCollaborator):
     # -- events -------------------------------------------------------------------------------
 
     def _emit(self, kind: str, **payload: Any) -> None:
-        if self._events is not None:
-            self._events.emit(kind, **payload)
+        if self.events is not None:
+            self.events.emit(kind, **payload)
 
     # -- rounds and the leader's verdict on departed nodes -------------------------------------
 
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
         self.node_id = group.node_id  # the name the agent claimed (unique on its host)
-        if self._events is None:
-            self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
+        if self.events is None:
+            self.events = EventLog(self.event_dir or group.run_dir, group.node_id)
         self._stop_jit_watcher()  # the previous round's
         self._round_store = store
         if store is None:
@@ -545,8 +537,8 @@ class RecoveryOrchestrator(AgentCollaborator):
         if callable(close):
             with contextlib.suppress(Exception):
                 close()
-        if self._events is not None and self._owns_events:
-            self._events.close()
+        if self.events is not None and self._owns_events:
+            self.events.close()
 
 
 class RecoveryAddOn(AddOn[RecoveryOrchestrator]):

@@ -403,7 +403,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 rejoin_s=self.rejoin_timeout.total_seconds(),
                 waited_s=now - started, join_timeout_s=join_deadline - started, standby=standby,
             ))
-            verdict = decision.verdict
+            verdict = decision.kind
             if verdict is Verdict.PARTICIPANT:
                 assert view.result is not None
                 return round_, view.result

@@ -46,6 +46,7 @@ import socket
 import threading
 from collections.abc import Callable
 
+from elasticft.decision import Decision
 from elasticft.rendezvous.rounds import RoundStore
 from elasticft.torch_compat import RendezvousConnectionError
 
@@ -74,24 +75,23 @@ class Evidence:
     endpoint: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    dead: bool
-    reason: str
+class Liveness(enum.Enum):
+    DEAD = "dead"
+    """Dead on evidence: its membership may be ended now."""
+    NOT_KNOWN = "not known"
+    """Not known to be dead: its lease's TTL decides."""
 
 
-def judge(evidence: Evidence) -> Verdict:
-    """Whether the missing agent is dead on evidence (its membership may be ended now), or not
-    known to be (its lease TTL decides)."""
+def judge(evidence: Evidence) -> Decision[Liveness]:
+    """Whether the missing agent is dead on evidence."""
+    agent, at = f"agent of node {evidence.node_id}", evidence.endpoint
     if evidence.probe is Probe.REFUSED:
-        return Verdict(True, f"agent of node {evidence.node_id} is gone: its control endpoint "
-                             f"{evidence.endpoint} refused the connection")
+        return Decision(Liveness.DEAD,
+                        f"{agent} is gone: its control endpoint {at} refused the connection")
     if evidence.probe is Probe.ANSWERED:
-        return Verdict(False, f"agent of node {evidence.node_id} answers at "
-                              f"{evidence.endpoint}: alive, only late")
-    return Verdict(False, f"agent of node {evidence.node_id} did not answer a probe"
-                          f"{' at ' + evidence.endpoint if evidence.endpoint else ''}: "
-                          "its lease decides")
+        return Decision(Liveness.NOT_KNOWN, f"{agent} answers at {at}: alive, only late")
+    return Decision(Liveness.NOT_KNOWN, f"{agent} did not answer a probe"
+                                        f"{' at ' + at if at else ''}: its lease decides")
 
 
 def probe(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
@@ -127,7 +127,7 @@ def end_dead_members(rounds: RoundStore, node_id: str, round_: int,
         if node == node_id:
             continue
         verdict = judge(gather(node, str(record.get("probe") or "")))
-        if not verdict.dead or not lease_id:
+        if verdict.kind is not Liveness.DEAD or not lease_id:
             logger.debug("%s", verdict.reason)
             continue
         try:

@@ -26,11 +26,18 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
+    """A system's failure and recovery figures, in the equation's terms."""
+
     mtbf_s: float
+    """``MTBF``: seconds of running between failures, repair excluded."""
     ckpt_cost_s: float
+    """``T_ckpt``: seconds training stalls for one checkpoint."""
     recovery_s: float
+    """``T_r``: seconds of one repair (detection, restart, reload)."""
     slow_recovery_s: float = 0.0
+    """``T_sr``: seconds of the slow phase after a repair."""
     slow_recovery_ratio: float = 1.0
+    """``R_sr``: the speed during that phase, relative to full speed (0 to 1)."""
 
     def __post_init__(self) -> None:
         if self.mtbf_s <= 0:

@@ -8,7 +8,14 @@ import socket
 
 import pytest
 
-from elasticft.rendezvous.liveness import ControlEndpoint, Evidence, Probe, judge, probe
+from elasticft.rendezvous.liveness import (
+    ControlEndpoint,
+    Evidence,
+    Liveness,
+    Probe,
+    judge,
+    probe,
+)
 
 
 @pytest.mark.parametrize(("evidence", "dead", "words"), [
@@ -20,7 +27,8 @@ from elasticft.rendezvous.liveness import ControlEndpoint, Evidence, Probe, judg
 @pytest.mark.timeout(10)
 def test_judge(evidence: Evidence, dead: bool, words: str) -> None:
     verdict = judge(evidence)
-    assert verdict.dead is dead and words in verdict.reason and "node b" in verdict.reason
+    assert (verdict.kind is Liveness.DEAD) is dead
+    assert words in verdict.reason and "node b" in verdict.reason
 
 
 @pytest.mark.timeout(30)

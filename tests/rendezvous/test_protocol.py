@@ -78,7 +78,7 @@ DECIDE_CASES = [
 @pytest.mark.parametrize(("change", "verdict", "fast"), DECIDE_CASES)
 def test_decide(change: dict, verdict: Verdict, fast: bool) -> None:
     decision = decide(dataclasses.replace(BASE, **change))
-    assert (decision.verdict, decision.fast) == (verdict, fast), decision.reason
+    assert (decision.kind, decision.fast) == (verdict, fast), decision.reason
     assert decision.reason
 
 
