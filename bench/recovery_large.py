@@ -199,7 +199,9 @@ def worker(args: argparse.Namespace) -> int:
     grouped = world > 1 or spare  # a spare is rank 0 of 1 until it takes the killed rank
     if grouped:
         # NCCL with a GPU per rank; ranks sharing one GPU all-reduce their number over gloo.
-        nccl = device == "cuda" and torch.cuda.device_count() >= world
+        # By the job's size, not the world of one a spare waits in: the rank it takes joins
+        # the survivors' group, whose backend they chose by the job's size.
+        nccl = device == "cuda" and torch.cuda.device_count() >= args.nproc
         if nccl:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if nccl else "gloo"
@@ -396,7 +398,7 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     # The worker's settings go by environment: the launchers parse options that would clash.
     spec = {"mode": mode, "log": str(log), "device": args.device, "gb": args.gb,
             "every": args.every, "steps": args.steps, "batch": args.batch,
-            "ckpt_file": str(tmp / "torch_ckpt.pt")}
+            "ckpt_file": str(tmp / "torch_ckpt.pt"), "nproc": args.nproc}
     worker_args = [str(Path(__file__).resolve())]
     nproc = str(args.nproc)
     if mode != "torch":

@@ -269,6 +269,13 @@ def launch(
     logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
                 f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
                 if earlier else "")
+    if config.rdzv_backend == "static" and config.max_nodes > 1 and config.max_restarts > 0:
+        # torch's static rendezvous has no rounds: a node that restarts meets the others' old
+        # workers on the old store, and they never learn of it.
+        logger.warning("the static rendezvous (--master-addr/--master-port across %d nodes) "
+                       "cannot restart nodes together: a restart on one node leaves it and the "
+                       "others waiting; use --rdzv-backend c10d or etcd-v3 for restarts across "
+                       "nodes", config.max_nodes)
     logs_specs = worker_logs(config.logs_specs, run_dir, config.nproc_per_node,
                              options.agent.capture_stderr)
     if not options.agent.share_rdzv_store:

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = torch_compat.get_args_parser()
     torch_compat.add_missing_launcher_flags(parser)
+    torch_compat.no_default_master_port(parser)
     parser.prog = PROG
     parser.description = (
         "Fault-tolerant drop-in for torchrun: same flags and PET_* variables, plus elasticft's "

@@ -167,6 +167,19 @@ def add_missing_launcher_flags(parser: Any) -> None:
     )
 
 
+def no_default_master_port(parser: Any, environ: Mapping[str, str] = os.environ) -> None:
+    """``--master-port`` is None unless given (flag or ``PET_MASTER_PORT``), on every torch.
+
+    torch 2.12 made it so; torch 2.10 and 2.11 default it to 29500, and a single-node launch
+    that names no port then cannot be told from one that names 29500. It would stay on the
+    static rendezvous, whose one TCP store every restart's workers share: the restarted workers
+    read their peers' addresses of the attempt before (gloo: "connection refused"; NCCL: the old
+    unique id) and never form their group."""
+    for action in parser._actions:
+        if action.dest == "master_port" and "PET_MASTER_PORT" not in environ:
+            action.default = None
+
+
 def config_from_args(args: Any) -> tuple[LaunchConfig, Any, list[str]]:
     """torchrun's ``config_from_args``; the config carries ``shutdown_timeout`` on every torch."""
     config, cmd, cmd_args = torch_run.config_from_args(args)
@@ -374,6 +387,14 @@ def numa_options_of(context: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------
 # Rendezvous and checkpoint internals.
+
+def keeps_one_store(handler: Any, nodes: int | None) -> bool:
+    """torch's static rendezvous of one node: one TCP store for every round, which its
+    ``use_agent_store`` hands the workers of every attempt (the other handlers make a store, or
+    a prefix, a round). Across nodes a static rendezvous cannot restart together at all: a node
+    that restarts meets no new round of the others."""
+    return bool(handler.get_backend() == "static") and nodes == 1
+
 
 def rendezvous_round(handler: Any, default: int) -> int:
     """The round ``handler`` last completed (``default`` if it has none).

@@ -164,6 +164,32 @@ def test_a_torch_without_the_flag_gets_elasticft_s(monkeypatch: pytest.MonkeyPat
     assert parser.parse_args([]).shutdown_timeout is None
 
 
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ([], {}, None),  # torch 2.10/2.11's 29500 is no longer a port the user named
+        (["--master-port", "29500"], {}, 29500),
+        (["--master_port", "1234"], {}, 1234),
+        ([], {"PET_MASTER_PORT": "4321"}, 4321),
+    ],
+)
+def test_master_port_is_none_unless_given_on_every_torch(
+    argv: list[str], environ: dict[str, str], expected: int | None,
+) -> None:
+    # torch 2.10 and 2.11's parser: the port defaults to 29500 (or PET_MASTER_PORT).
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--master-port", "--master_port", type=int,
+                        default=int(environ.get("PET_MASTER_PORT", 29500)))
+    torch_compat.no_default_master_port(parser, environ)
+    assert parser.parse_args(argv).master_port == expected
+
+
+def test_this_torchs_launcher_names_no_port_unless_given() -> None:
+    from elasticft import run
+
+    assert run.build_parser().parse_args(["train.py"]).master_port is None
+
+
 def test_worker_spec_drops_unset_options_and_refuses_set_ones_this_torch_lacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

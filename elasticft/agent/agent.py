@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch.distributed as dist
+
 from elasticft import procs, steps, torch_compat
 from elasticft.addon.api import (
     AgentCollaborator,
@@ -69,6 +71,7 @@ from elasticft.torch_compat import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+USE_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 RUN_DIR_ENV = "ELASTICFT_RUN_DIR"
 NODE_ID_ENV = "ELASTICFT_NODE_ID"
@@ -195,6 +198,9 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         super()._rendezvous(worker_group)
         self._round = torch_compat.rendezvous_round(worker_group.spec.rdzv_handler,
                                                     self._round + 1)
+        if torch_compat.keeps_one_store(worker_group.spec.rdzv_handler,
+                                        worker_group.group_world_size):
+            self._fresh_worker_store(worker_group)
         self.events.emit(
             "rendezvous",
             round=self._round,
@@ -206,10 +212,22 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         group = self.group_info()
         self._each_collaborator("on_rendezvous", lambda c: c.on_rendezvous(group, self._store))
 
+    def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
+        """Gives this round's workers a store of their own, which their rank 0 hosts on a free
+        port (as torch's c10d rendezvous does), instead of the static rendezvous's one store:
+        every round's workers would meet there, and a restarted rank would read its peers'
+        addresses of the attempt before (gloo: "connection refused"; NCCL: the old unique id)
+        and never form its group."""
+        round_store = dist.PrefixStore(f"elasticft/worker-store/{self._round}", self._store)
+        info = torch_compat.bootstrap_store_info(
+            worker_group.group_rank or 0, round_store, worker_group.master_addr)
+        worker_group.master_addr, worker_group.master_port = info.master_addr, info.master_port
+
     def _set_local_rank_env(
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
     ) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
+        worker_env[USE_AGENT_STORE_ENV] = str(self.workers_use_agent_store())
         worker_env[RUN_DIR_ENV] = str(self.run_dir)
         worker_env[NODE_ID_ENV] = self.node_id
         worker_env[ROUND_ENV] = str(self._round)

@@ -374,7 +374,7 @@ class InProcessRecoveryMixin:
         return blocker(
             armed=self._all_armed(), nodes=group.group_world_size,
             recovering=self.inprocess.recovery is not None, failed=len(replace),
-            workers=len(pids), shared_store=self._shares_store(),
+            workers=len(pids), shared_store=self.workers_use_agent_store(),
             replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
 
     def _in_process_progress(self, group: GroupInfo, armed: bool) -> Detection | None:
@@ -482,8 +482,13 @@ class InProcessRecoveryMixin:
                                   self._shutdown_timeout, gpu_devices_present(),
                                   publish_and_start)
 
-    def _shares_store(self) -> bool:
-        return bool(getattr(self._worker_group.spec.rdzv_handler, "use_agent_store", False))
+    def workers_use_agent_store(self) -> bool:
+        """Whether the workers' ``env://`` store is this agent's (``TORCHELASTIC_USE_AGENT_STORE``):
+        as the handler says, except for torch's static rendezvous, whose workers get a store of
+        their own every round (the agent's ``_fresh_worker_store``)."""
+        wg = self._worker_group
+        return (bool(getattr(wg.spec.rdzv_handler, "use_agent_store", False))
+                and not torch_compat.keeps_one_store(wg.spec.rdzv_handler, wg.group_world_size))
 
     def _next_round_generation(self, pids: dict[int, int | None]) -> Generation | None:
         """A job of several nodes: a new rendezvous round with no worker stopped (a standby
@@ -500,7 +505,7 @@ class InProcessRecoveryMixin:
         if after == before:
             return self.inprocess.publish_round(
                 wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
-                self._shares_store())
+                self.workers_use_agent_store())
         cause = (f"round {self._round} gives this node's workers (rank, world size) {after}, "
                  f"not {before}: they restart")
         logger.warning("no in-process regroup: %s", cause)

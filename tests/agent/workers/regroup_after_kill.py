@@ -1,0 +1,22 @@
+"""A gloo group of the launch's ranks; on the first attempt the last rank SIGKILLs itself once
+the group has formed. On the restart rank 0 arrives last, so a rank that reads a stale address
+of the attempt before connects to it first. Prints ``grouped <attempt> <rank>``."""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+if attempt > 0 and rank == 0:
+    time.sleep(2.0)
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+print(f"grouped {attempt} {rank}", flush=True)
+if attempt == 0 and rank == world - 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier() if attempt > 0 else time.sleep(1.0)
+dist.destroy_process_group()
