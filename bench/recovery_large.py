@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from fresh_memory import page_reporting  # bench/ is the path when run as a script
+from machine_counters import machine_cpu, meminfo_gb, page_counters, process_age_s, thread_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_SPEC = "RECOVERY_LARGE_WORKER"
@@ -79,20 +80,6 @@ def _landed(log: Path, request: Any) -> None:
     with contextlib.suppress(Exception):  # the status says it
         request.wait(600)
     _log(log, event="landed", step=request.step, status=request.status)
-
-
-def _process_age_s() -> float:
-    """Seconds since this process started (its start-up: interpreter, imports, the model)."""
-    from elasticft import procs
-
-    return time.time() - procs.started_at(os.getpid())
-
-
-def _meminfo_gb(field: str = "MemAvailable") -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1e6
-    return 0.0
 
 
 def _copy_floor() -> dict[str, float]:
@@ -141,45 +128,6 @@ def _copy_floor() -> dict[str, float]:
         slots.close()
 
 
-def _thread_cpu() -> dict[str, list[float]]:
-    """CPU seconds (user, system) of this process's threads so far, summed by thread name (the
-    Python name where the thread is Python's, else the kernel's: torch's OpenMP threads)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    python_names = {t.native_id: t.name for t in threading.enumerate()}
-    totals: dict[str, list[float]] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            name = python_names.get(int(task.name)) or (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        total = totals.setdefault(name, [0.0, 0.0])
-        total[0] += int(fields[11]) / tick  # utime, field 14 of stat(5)
-        total[1] += int(fields[12]) / tick  # stime, field 15
-    return totals
-
-
-def _machine_cpu() -> list[int]:
-    """Jiffies of the whole machine so far: user + nice, system + irq + softirq, idle + iowait."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return [values[0] + values[1], values[2] + values[5] + values[6], values[3] + values[4]]
-
-
-_VMSTAT = ("allocstall_normal", "allocstall_movable", "pgscan_direct", "pgsteal_direct",
-           "pgscan_kswapd", "pgsteal_kswapd", "pgalloc_dma32", "workingset_refault_file",
-           "compact_stall", "thp_fault_alloc", "pgfault", "pgfree", "pgalloc_normal")
-
-
-def _vmstat() -> dict[str, int]:
-    """The kernel's counters of page allocation and reclaim (whole machine)."""
-    counters = {}
-    for line in Path("/proc/vmstat").read_text().splitlines():
-        name, value = line.split()
-        if name in _VMSTAT:
-            counters[name] = int(value)
-    return counters
-
-
 def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -222,7 +170,7 @@ def worker(args: argparse.Namespace) -> int:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    _log(log, event="built", startup_s=_process_age_s())
+    _log(log, event="built", startup_s=process_age_s())
     if args.mode != "torch":
         from elasticft.ckpt import Checkpointer, StateCapture
 
@@ -233,14 +181,14 @@ def worker(args: argparse.Namespace) -> int:
         optim.step()
         optim.zero_grad(set_to_none=True)
         sync()
-        _log(log, event="spare_ready", startup_s=_process_age_s())
+        _log(log, event="spare_ready", startup_s=process_age_s())
 
     def train() -> int:
         start = 0
         started = time.perf_counter()
         if args.mode != "torch":
             called = time.perf_counter()
-            available = _meminfo_gb()
+            available = meminfo_gb()
             restored = ckpt.restore(model, optim)
             _log(log, event="restore_call", seconds=time.perf_counter() - called,
                  from_env_s=called - started, mem_available_gb=available)
@@ -339,8 +287,8 @@ def _train_step(args: argparse.Namespace, log: Path, model: Any, optim: Any, bat
     import torch.distributed as dist
 
     # Read before and after the step, outside its time: where a slow step's time goes.
-    threads, machine, vmstat = _thread_cpu(), _machine_cpu(), _vmstat()
-    free_gb = _meminfo_gb("MemFree")
+    threads, machine, vmstat = thread_cpu(), machine_cpu(), page_counters()
+    free_gb = meminfo_gb("MemFree")
     began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     model(batch).pow(2).mean().backward()
     if grouped:
@@ -350,7 +298,7 @@ def _train_step(args: argparse.Namespace, log: Path, model: Any, optim: Any, bat
     optim.zero_grad(set_to_none=True)
     sync()
     step_s, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF)
-    threads_after, machine_after, vmstat_after = _thread_cpu(), _machine_cpu(), _vmstat()
+    threads_after, machine_after, vmstat_after = thread_cpu(), machine_cpu(), page_counters()
     tick = os.sysconf("SC_CLK_TCK")
     # CPU of its own (by thread), page faults, waiting for a core, and what the whole
     # machine did meanwhile (the agent, the launcher, the kernel).

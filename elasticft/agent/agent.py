@@ -71,7 +71,6 @@ from elasticft.torch_compat import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-USE_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 RUN_DIR_ENV = "ELASTICFT_RUN_DIR"
 NODE_ID_ENV = "ELASTICFT_NODE_ID"
@@ -227,7 +226,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
     ) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
-        worker_env[USE_AGENT_STORE_ENV] = str(self.workers_use_agent_store())
+        worker_env["TORCHELASTIC_USE_AGENT_STORE"] = str(self.workers_use_agent_store())
         worker_env[RUN_DIR_ENV] = str(self.run_dir)
         worker_env[NODE_ID_ENV] = self.node_id
         worker_env[ROUND_ENV] = str(self._round)
