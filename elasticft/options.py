@@ -15,7 +15,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -148,8 +148,11 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+DEST_PREFIX = "elasticft_"
+"""What the namespace attribute of every elasticft option starts with (``elasticft_ckpt_dir``),
+and no torchrun option's does."""
+TRUE_WORDS = {"1", "true", "yes", "on"}
+FALSE_WORDS = {"0", "false", "no", "off"}
 
 
 def convert(spec: OptionSpec, value: Any, source: str) -> Any:
@@ -172,8 +175,8 @@ def convert(spec: OptionSpec, value: Any, source: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
+        if isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
+            return value.lower() in TRUE_WORDS
         raise bad()
     if tp in (int, float, timedelta):
         if isinstance(value, bool):
@@ -308,7 +311,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--config",
-        dest="elasticft_config",
+        dest=DEST_PREFIX + "config",
         default=argparse.SUPPRESS,
         metavar="FILE.yaml",
         help="YAML file of elasticft options (env: ELASTICFT_CONFIG).",
@@ -318,7 +321,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         boolean = is_boolean(spec)
         group.add_argument(
             spec.flag,
-            dest=f"elasticft_{spec.name}",
+            dest=DEST_PREFIX + spec.name,
             default=argparse.SUPPRESS,
             metavar=spec.name.upper(),
             # A boolean is written --warm-start, --no-warm-start or --warm-start false.
@@ -328,7 +331,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
             f"env {spec.env}; YAML {spec.yaml_key}; default {default}]".replace("%", "%%"),
         )
         if boolean:
-            group.add_argument(negative_flag(spec), dest=f"elasticft_{spec.name}",
+            group.add_argument(negative_flag(spec), dest=DEST_PREFIX + spec.name,
                                action="store_const", const="false", default=argparse.SUPPRESS,
                                help=f"the same as {spec.flag} false")
 
@@ -342,39 +345,9 @@ def negative_flag(spec: OptionSpec) -> str:
     return "--no-" + spec.flag.removeprefix("--")
 
 
-def explicit_booleans(actions: Mapping[str, argparse.Action], argv: Sequence[str]) -> list[str]:
-    """``argv`` with each boolean flag before the training script written ``--flag=VALUE``.
-
-    A boolean flag takes an optional value (``--warm-start false``), and argparse would give it
-    the next word even when that word is the training script (``--warm-start train.py``). This
-    walks the launcher's own arguments, by the option strings in ``actions`` (a parser's
-    ``_option_string_actions``), up to the first word that is neither an option nor an option's
-    value: the script, whose arguments are left as they are.
-    """
-    booleans = {spec.flag for spec in option_specs() if is_boolean(spec)}
-    out = list(argv)
-    i = 0
-    while i < len(out):
-        word = out[i]
-        if word == "--" or not word.startswith("-") or word == "-":
-            break
-        name, has_value, _ = word.partition("=")
-        action = actions.get(name)
-        i += 1
-        if has_value or action is None:
-            continue
-        if name in booleans:
-            given = i < len(out) and out[i].lower() in _TRUE | _FALSE
-            out[i - 1] = f"{name}={out.pop(i) if given else 'true'}"
-        elif action.nargs is None or (action.nargs == "?" and i < len(out) \
-                and not out[i].startswith("-")):
-            i += 1
-        elif isinstance(action.nargs, int):
-            i += action.nargs
-        elif action.nargs in ("*", "+"):
-            while i < len(out) and not out[i].startswith("-"):
-                i += 1
-    return out
+def boolean_flags() -> set[str]:
+    """The flags of the boolean options (``--warm-start``; its ``--no-warm-start`` aside)."""
+    return {spec.flag for spec in option_specs() if is_boolean(spec)}
 
 
 def resolve(
@@ -402,11 +375,11 @@ def resolve(
 def from_namespace(args: argparse.Namespace, env: Mapping[str, str]) -> ElasticftConfig:
     """Resolves the config from a namespace parsed by a parser that went through add_options."""
     cli = {
-        spec.name: getattr(args, f"elasticft_{spec.name}")
+        spec.name: getattr(args, DEST_PREFIX + spec.name)
         for spec in option_specs()
-        if hasattr(args, f"elasticft_{spec.name}")
+        if hasattr(args, DEST_PREFIX + spec.name)
     }
-    path = getattr(args, "elasticft_config", None)
+    path = getattr(args, DEST_PREFIX + "config", None)
     return resolve(cli, env, Path(path) if path else None)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from elasticft import home, logs, slurm
+from elasticft import command_line, home, logs, slurm
 from elasticft import options as elasticft_options
 from elasticft.config import ConfigError, ElasticftConfig, require_writable_dir, run_dir_default
 
@@ -187,11 +187,20 @@ def _slurm_allocation(options: ElasticftConfig) -> slurm.SlurmEnv | None:
 
 
 def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConfig]:
+    """The launcher's arguments and elasticft's options; everything after the script is the
+    script's, verbatim (:mod:`elasticft.command_line`)."""
+    args, options, _ = _parse(argv)
+    return args, options
+
+
+def _parse(argv: Sequence[str] | None
+           ) -> tuple[argparse.Namespace, ElasticftConfig, list[str]]:
+    """:func:`parse`, and the option strings given before the script."""
     from elasticft.agent.agent import WORKER_ENV_NAMES
 
     parser = build_parser()
-    args = parser.parse_args(elasticft_options.explicit_booleans(
-        parser._option_string_actions, sys.argv[1:] if argv is None else argv))
+    line = command_line.split(parser, sys.argv[1:] if argv is None else argv)
+    args = command_line.parse_args(parser, line)
     try:
         options = elasticft_options.from_namespace(args, os.environ)
         elasticft_options.check_unknown_env(os.environ, set(WORKER_ENV_NAMES))
@@ -200,7 +209,7 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ElasticftConf
     if not args.training_script:
         raise UsageError("no training script given; usage: elasticft-run [options] script.py ...")
     _check_entrypoint(args)
-    return args, options
+    return args, options, line.given
 
 
 def _torch_launch_config(args: argparse.Namespace) -> tuple[Any, Any, list[str]]:
@@ -233,16 +242,15 @@ def main(argv: Sequence[str] | None = None, *,
         return USAGE_ERROR
     created: list[Path] = []
     try:
-        args, options = parse(argv)
+        args, options, given = _parse(argv)
         if tune is not None:
             options = tune(options)
-        raw_argv = list(sys.argv[1:] if argv is None else argv)
         allocation = _slurm_allocation(options)
         if allocation is not None:
-            slurm.node_defaults(args, raw_argv, os.environ, allocation)
+            slurm.node_defaults(args, given, os.environ, allocation)
         _apply_torchrun_defaults(args)
         if allocation is not None:
-            slurm.run_id_default(args, raw_argv, os.environ, allocation)
+            slurm.run_id_default(args, given, os.environ, allocation)
         _check_extras(args, options)
         options, created = _logs_in_run_dir(args, options)
         torch_run_logger = logging.getLogger("torch.distributed.run")

@@ -219,7 +219,7 @@ def quick_start_commands() -> list[str]:
 
 
 def test_every_quick_start_command_parses() -> None:
-    from elasticft import cli
+    from elasticft import cli, command_line
     from elasticft import options as elasticft_options
     from elasticft.run import build_parser
 
@@ -230,9 +230,7 @@ def test_every_quick_start_command_parses() -> None:
         argv = shlex.split(command, comments=True)
         program, args = argv[0], argv[1:]
         if program == "elasticft-run":
-            parser = build_parser()
-            parsed = parser.parse_args(
-                elasticft_options.explicit_booleans(parser._option_string_actions, args))
+            parsed = command_line.parse_args(build_parser(), args)
             elasticft_options.from_namespace(parsed, {})
             script = parsed.training_script
             assert script == "train.py" or (ROOT / script).is_file(), command

@@ -7,7 +7,8 @@ those under ``TYPE_CHECKING``. From the bottom up:
 1. **base**: facilities that know no subsystem. The event log (``events``), process helpers
    (``procs``), the torch compatibility shim (``torch_compat``), files with no name
    (``unnamed``), optional-extra errors (``extras``), a package's lazy names (``lazy``), the
-   options (``config``, ``options``), the step records (``steps``: the format every worker
+   options (``config``, ``options``) and where the launcher's own arguments end
+   (``command_line``), the step records (``steps``: the format every worker
    writes and the report reads) and ``cli``: the ``elasticft`` dispatcher names its command
    modules as strings and imports only the chosen one, so what the layers see of it is
    ``CliError``, which every command raises.
@@ -47,8 +48,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
               "elasticft.unnamed", "elasticft.extras", "elasticft.config", "elasticft.options",
-              "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
-              "elasticft.cli")),
+              "elasticft.command_line", "elasticft.steps", "elasticft.logs", "elasticft.lazy",
+              "elasticft.decision", "elasticft.cli")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm")),

@@ -60,7 +60,7 @@ def documented_run_commands() -> list[tuple[str, str]]:
 
 
 def test_every_documented_command_line_parses() -> None:
-    from elasticft import options
+    from elasticft import command_line, options
     from elasticft.run import UsageError, build_parser
 
     commands = documented_run_commands()
@@ -68,9 +68,7 @@ def test_every_documented_command_line_parses() -> None:
     for page, command in commands:
         argv = shlex.split(command, comments=True)[1:]
         try:
-            parser = build_parser()
-            args = parser.parse_args(options.explicit_booleans(parser._option_string_actions,
-                                                               argv))
+            args = command_line.parse_args(build_parser(), argv)
             options.from_namespace(args, {})
         except (UsageError, ConfigError) as e:
             raise AssertionError(f"{page}: `{command}` does not parse: {e}") from None

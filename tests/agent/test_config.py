@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticft import command_line
 from elasticft import options as option_reading
 from elasticft.config import (
     RUNS_DIR,
@@ -171,9 +172,7 @@ def test_a_boolean_is_written_as_torchrun_users_write_flags(
     """``--warm-start``, ``--no-warm-start`` and ``--warm-start false`` all work, and a bare
     boolean flag before the script never takes the script as its value."""
     parser = boolean_parser()
-    words = option_reading.explicit_booleans(parser._option_string_actions,
-                                             [*argv, "train.py", *script_args])
-    args = parser.parse_args(words)
+    args = command_line.parse_args(parser, [*argv, "train.py", *script_args])
     assert args.script == "train.py" and args.script_args == script_args
     assert option_reading.from_namespace(args, {}).agent.warm_start is warm_start
 
