@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -345,9 +346,10 @@ def negative_flag(spec: OptionSpec) -> str:
     return "--no-" + spec.flag.removeprefix("--")
 
 
-def boolean_flags() -> set[str]:
+@functools.cache
+def boolean_flags() -> frozenset[str]:
     """The flags of the boolean options (``--warm-start``; its ``--no-warm-start`` aside)."""
-    return {spec.flag for spec in option_specs() if is_boolean(spec)}
+    return frozenset(spec.flag for spec in option_specs() if is_boolean(spec))
 
 
 def resolve(
