@@ -86,9 +86,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | CommandLin
     (torchrun's ``training_script_args``)."""
     line = argv if isinstance(argv, CommandLine) else split(parser, argv)
     args = parser.parse_args(line.head)
-    rest = next(a.dest for a in parser._actions
-                if not a.option_strings and a.nargs == argparse.REMAINDER)
-    setattr(args, rest, list(line.script_args))
+    for action in parser._actions:
+        if not action.option_strings and action.nargs == argparse.REMAINDER:
+            setattr(args, action.dest, list(line.script_args))
     return args
 
 
@@ -103,7 +103,7 @@ def _read_option(parser: argparse.ArgumentParser, word: str
     if found is None:
         return None
     if isinstance(found, list):  # Python >= 3.12.7: the one reading, in a list
-        (found,) = found
+        found = found[0]
     # (action, option string, value) up to 3.11, (action, option string, "=", value) in 3.12
     return found[0], found[1], found[-1]
 
@@ -121,8 +121,12 @@ def _values_taken(parser: argparse.ArgumentParser, action: argparse.Action,
     nargs = action.nargs
     if nargs == 0:
         return 0
-    at_most = {None: 1, argparse.OPTIONAL: 1}.get(nargs, nargs if isinstance(nargs, int)
-                                                  else len(following))
+    if nargs in (None, argparse.OPTIONAL):
+        at_most = 1
+    elif isinstance(nargs, int):
+        at_most = nargs
+    else:  # *, + and the like: every positional word there is
+        at_most = len(following)
     taken = 0
     while taken < min(at_most, len(following)) and _is_positional(parser, following[taken]):
         taken += 1

@@ -131,8 +131,9 @@ def test_the_script_receives_its_arguments_verbatim(family: str, received) -> No
     assert result.returncode == 0, result.stderr[-5000:]
     expected = expected_words(family)
     assert argv is not None, result.stderr[-5000:]
-    first_difference = next((i for i, (got, want) in enumerate(zip(argv, expected))
-                             if got != want), min(len(argv), len(expected)))
+    pairs = enumerate(zip(argv, expected, strict=False))
+    first_difference = next((i for i, (got, want) in pairs if got != want),
+                            min(len(argv), len(expected)))
     assert argv == expected, (f"from word {first_difference}: got "
                               f"{argv[first_difference:first_difference + 6]}, expected "
                               f"{expected[first_difference:first_difference + 6]}")
