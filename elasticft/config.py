@@ -248,8 +248,9 @@ class AgentConfig:
         None,
         "Directory for this run's event log and agent files. Default: <log-dir>/<run-id> when "
         "--log-dir is given, else ./elasticft-runs/<run-id> (with the workers' logs in "
-        "<run-dir>/logs). The run id is --rdzv-id, else one derived from the script, its "
-        "arguments and the directory, so a relaunch finds its run directory.",
+        "<run-dir>/logs). The run id is --rdzv-id, else slurm-<job id> inside a Slurm job, else "
+        "one derived from the script, its arguments, the worker counts and the directory, so "
+        "a relaunch finds its run directory.",
     )
     fresh: bool = option(
         False,
