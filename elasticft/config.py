@@ -303,8 +303,8 @@ class PlanConfig:
         None, "Memory per GPU in GiB for the planner (overrides the hardware's).")
     plan_probe: bool = tuning(
         False,
-        "Measure this machine's matrix-multiply speed at start-up (a ~1 s probe) and plan with "
-        "it instead of the hardware's nominal compute speed.")
+        "Measure this machine's matrix-multiply speed at start-up (about 0.5 s of matrix "
+        "products) and plan with it instead of the hardware's nominal compute speed.")
     layout: PinnedLayout | None = option(
         None,
         "Pin the parallel layout TP,PP,DP, with * for a dimension left to the planner (2,*,*: "
