@@ -446,9 +446,9 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
                               else None))
         self._each_collaborator("on_decision", lambda c: c.on_decision(group, action))
-        if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS) \
-                and self._pcontext is not None:
-            console.run_goes_on(self._pcontext)  # a survivor's traceback: its worker log only
+        if self._pcontext is not None:  # a recovered failure's tracebacks: worker logs only
+            console.run_goes_on(self._pcontext, action.kind in (
+                ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS))
         if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS):
             if action.consumes_user_error_restart:
                 self._user_error_restarts += 1

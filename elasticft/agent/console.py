@@ -15,12 +15,17 @@ it belongs to is known:
   out of the console; the agent's WARNING line names the failure, the worker's log holds it;
 - the workers are stopped and the run stops: it is shown in full.
 
+Likewise torch's "Sending process N closing signal SIGTERM", one WARNING per worker still
+running (a killed one in the kernel's teardown included), is left out while the workers stop
+for a restart: the agent's decision line has said so.
+
 :class:`TracebackHold` decides line by line (pure); :class:`GatedTailLog` takes the place of torch's
 stderr tail, with one hold per rank.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -35,6 +40,10 @@ RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 GOES_ON = ("During handling of the above exception", "The above exception was the direct cause",
            "At:", TRACEBACK)
 """Lines that continue a traceback after its exception line: a chained one, gloo's ``At:``."""
+CLOSING_SIGNAL = "Sending process %s closing signal"
+TORCH_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+"""torch's WARNING for each worker it stops (``SubprocessContext._close``), and its logger
+(tests/agent/test_console.py checks both against torch)."""
 
 
 class TracebackHold:
@@ -77,8 +86,8 @@ class TracebackHold:
 class GatedTailLog:
     """What torch's stderr ``TailLog`` does (each rank's log file copied to ``dst``, each line
     after the rank's header), with each rank's tracebacks held (:class:`TracebackHold`).
-    :func:`run_goes_on` is called by the agent when it restarts or recovers the workers after a
-    failure: the tracebacks still held when they stop are then left out."""
+    The agent tells it after each decision whether the run goes on (:func:`run_goes_on`): the
+    tracebacks still held when the workers stop are left out if it does, and shown if not."""
 
     def __init__(self, name: str, log_files: dict[int, str], dst: TextIO | None,
                  log_line_prefixes: dict[int, str] | None = None,
@@ -89,8 +98,14 @@ class GatedTailLog:
         self._finished = Event()
         self._threads: list[Thread] = []
         self.run_goes_on = False
+        self._torch_logger = logging.getLogger(TORCH_LOGGER)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """torch's closing-signal line, left out while the run goes on (a logging filter)."""
+        return not (self.run_goes_on and str(record.msg).startswith(CLOSING_SIGNAL))
 
     def start(self) -> GatedTailLog:
+        self._torch_logger.addFilter(self)
         if self._dst is None:
             return self
         for rank, file in self._files.items():
@@ -103,6 +118,7 @@ class GatedTailLog:
     def stop(self) -> None:
         """Copies what the files hold still, then returns (the workers have stopped)."""
         self._finished.set()
+        self._torch_logger.removeFilter(self)
         for thread in self._threads:
             thread.join()
 
@@ -133,8 +149,9 @@ def gate_tracebacks(context: Any) -> None:
     context.elasticft_stderr_tail = torch_compat.replace_stderr_tail(context, GatedTailLog)
 
 
-def run_goes_on(context: Any) -> None:
-    """Tells ``context``'s stderr tail that the run goes on after its workers stop."""
+def run_goes_on(context: Any, goes_on: bool) -> None:
+    """Tells ``context``'s stderr tail whether the run goes on after the agent's latest
+    decision (its workers restarted or recovered in process) or stops."""
     tail = getattr(context, "elasticft_stderr_tail", None)
     if tail is not None:
-        tail.run_goes_on = True
+        tail.run_goes_on = goes_on

@@ -71,3 +71,24 @@ def tail_console(log: Path, run_goes_on: bool) -> str:
 def test_the_tail_leaves_out_a_recovered_failures_traceback_and_shows_a_stopping_one(
         tmp_path: Path, run_goes_on: bool, expected: str) -> None:
     assert tail_console(tmp_path / "stderr.log", run_goes_on) == expected
+
+
+def test_torchs_closing_signal_line_is_left_out_only_while_the_run_goes_on(
+        tmp_path: Path) -> None:
+    import inspect
+    import logging
+
+    from elasticft.agent import console
+    from elasticft.torch_compat import SubprocessContext
+
+    assert console.CLOSING_SIGNAL in inspect.getsource(SubprocessContext._close)
+    assert SubprocessContext.__module__ == console.TORCH_LOGGER
+    tail = GatedTailLog("default", {}, None).start()
+    line = logging.LogRecord(console.TORCH_LOGGER, logging.WARNING, "api.py", 1,
+                             console.CLOSING_SIGNAL + " %s", (12, "SIGTERM"), None)
+    torch_logger = logging.getLogger(console.TORCH_LOGGER)
+    assert torch_logger.filter(line)
+    tail.run_goes_on = True
+    assert not torch_logger.filter(line)
+    tail.stop()
+    assert torch_logger.filter(line)
