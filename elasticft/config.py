@@ -248,8 +248,9 @@ class AgentConfig:
         None,
         "Directory for this run's event log and agent files. Default: <log-dir>/<run-id> when "
         "--log-dir is given, else ./elasticft-runs/<run-id> (with the workers' logs in "
-        "<run-dir>/logs). The run id is --rdzv-id, else one derived from the script, its "
-        "arguments and the directory, so a relaunch finds its run directory.",
+        "<run-dir>/logs). The run id is --rdzv-id, else slurm-<job id> inside a Slurm job, else "
+        "one derived from the script, its arguments, the worker counts and the directory, so "
+        "a relaunch finds its run directory.",
     )
     fresh: bool = option(
         False,
@@ -302,8 +303,8 @@ class PlanConfig:
         None, "Memory per GPU in GiB for the planner (overrides the hardware's).")
     plan_probe: bool = tuning(
         False,
-        "Measure this machine's matrix-multiply speed at start-up (a ~1 s probe) and plan with "
-        "it instead of the hardware's nominal compute speed.")
+        "Measure this machine's matrix-multiply speed at start-up (about 0.5 s of matrix "
+        "products) and plan with it instead of the hardware's nominal compute speed.")
     layout: PinnedLayout | None = option(
         None,
         "Pin the parallel layout TP,PP,DP, with * for a dimension left to the planner (2,*,*: "

@@ -29,6 +29,7 @@ import signal
 import socket
 from collections.abc import Callable, Mapping
 from string import Template
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from torch.distributed.elastic.multiprocessing import (
     ProcessFailure,
     Std,
 )
+from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -385,6 +387,14 @@ def numa_options_of(context: Any) -> Any:
     return getattr(context, "_numa_options", None)
 
 
+def replace_stderr_tail(context: Any, make: Callable[..., Any]) -> Any:
+    """Replaces the ``TailLog`` copying a process context's teed stderr to the console by
+    ``make(name, log_files, dst, log_line_prefixes)``, which it returns."""
+    old = context._tail_logs[1]
+    context._tail_logs[1] = make(old._name, old._log_files, old._dst, old._log_line_prefixes)
+    return context._tail_logs[1]
+
+
 # ------------------------------------------------------------------------------------------------
 # Rendezvous and checkpoint internals.
 
@@ -529,6 +539,11 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: list(_parameters(LocalElasticAgent._shutdown))[:2] == ["self", "death_sig"],
     "SubprocessContext.close(death_sig, timeout)":
         lambda: list(_parameters(SubprocessContext.close))[:3] == ["self", "death_sig", "timeout"],
+    "PContext._tail_logs[1] is TailLog(name, tee_stderrs, sys.stderr, prefixes), kept as _name, "
+    "_log_files, _dst, _log_line_prefixes": lambda: "TailLog(name, logs_dest.tee_stderrs, "
+        "sys.stderr" in inspect.getsource(multiprocessing_api.PContext.__init__)
+        and replace_stderr_tail(SimpleNamespace(_tail_logs=[0, multiprocessing_api.TailLog(
+            "n", {}, None, {})]), lambda *a: a) == ("n", {}, None, {}),
     "SubprocessContext survivor hook (_poll, _running_local_ranks, subprocess_handlers)":
         lambda: "_poll" in vars(SubprocessContext) and "_running_local_ranks" in (
             inspect.getsource(SubprocessContext._start) + inspect.getsource(

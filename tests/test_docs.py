@@ -247,3 +247,83 @@ def test_every_quick_start_command_parses() -> None:
         else:
             raise AssertionError(f"README quick start: `{command}` runs no command of this "
                                  "repository")
+
+
+GLOSSARY = ROOT / "docs" / "glossary.md"
+ABBREVIATIONS = {
+    "TOR": "time-optimality ratio",
+    "ETTR": "effective training time ratio",
+    "MTBF": "mean time between failures",
+    "DCP": "torch.distributed.checkpoint",
+    "MFU": "model FLOPs utilisation",
+    "HPPS": None,  # the glossary only
+}
+"""Abbreviations a reader meets without knowing them, with the words that spell each out on a
+page (None: only the glossary explains it)."""
+
+
+def unexplained_abbreviations(page_name: str, text: str, glossary_terms: set[str]) -> list[str]:
+    """The abbreviations of :data:`ABBREVIATIONS` that ``text`` uses without explaining them
+    (pure): explained when the page spells it out, or the glossary defines it and the page
+    links the glossary."""
+    links_glossary = "glossary.md" in text or page_name == "glossary.md"
+    return [abbr for abbr, spelled in ABBREVIATIONS.items()
+            if re.search(rf"\b{abbr}\b", text)
+            and not (spelled and spelled.lower() in text.lower())
+            and not (links_glossary and abbr in glossary_terms)]
+
+
+@pytest.mark.parametrize(("text", "unexplained"), [
+    ("TOR 0.93", ["TOR"]),
+    ("TOR 0.93, the time-optimality ratio", []),
+    ("TOR 0.93 ([glossary](glossary.md))", []),
+    ("HPPS's times (the [glossary](glossary.md))", []),
+    ("HPPS's times", ["HPPS"]),
+    ("a TORQUE cluster", []),
+])
+def test_the_abbreviation_check(text: str, unexplained: list[str]) -> None:
+    assert unexplained_abbreviations("x.md", text, set(ABBREVIATIONS)) == unexplained
+
+
+def glossary_terms() -> set[str]:
+    return {m.group(1) for m in re.finditer(r"^#{2,3} (.+)$", GLOSSARY.read_text(), flags=re.M)}
+
+
+def test_the_glossary_defines_every_listed_abbreviation() -> None:
+    assert set(ABBREVIATIONS) <= glossary_terms()
+
+
+def test_every_abbreviation_a_page_uses_is_explained_there() -> None:
+    terms = glossary_terms()
+    unexplained = [f"{page.name}: {abbr}" for page in PAGES
+                   for abbr in unexplained_abbreviations(page.name, page.read_text(), terms)]
+    assert not unexplained, (
+        f"abbreviations used without being spelled out or the glossary linked: {unexplained}")
+
+
+MEASUREMENT = re.compile(r"\d(?:[\d.,]*\d)?\s?(?:s|ms|µs|ns|%|x|GB|MB)\b")
+
+
+def fixed_without_a_measurement(text: str) -> list[str]:
+    """The clauses of ``text`` (between ``.;|()`` and line ends of a table) that say a thing
+    was "since fixed" and give no figure (pure); the words in quotes are a mention."""
+    return [clause.strip()[:80] for clause in re.split(r"[.;|()]\s|\n\||[()|]", text)
+            if re.search(r'(?<!")since fixed(?!")', clause, flags=re.I)
+            and not MEASUREMENT.search(clause)]
+
+
+@pytest.mark.parametrize(("text", "flagged"), [
+    ("the spare failed there, since fixed: see the run", 1),
+    ("the spare failed there; since fixed, 2.3 s in the run after", 0),
+    ("nothing was fixed", 0),
+    ('the test fails on "since fixed" with no figure', 0),
+    ("| 17.39 s | 5.35 s (the restart mode failed there, since fixed: see the run) |", 1),
+])
+def test_the_since_fixed_check(text: str, flagged: int) -> None:
+    assert len(fixed_without_a_measurement(text)) == flagged
+
+
+def test_no_page_says_since_fixed_without_a_measurement() -> None:
+    claims = [f"{page.name}: {p}" for page in PAGES for p in fixed_without_a_measurement(
+        page.read_text())]
+    assert not claims, f'"since fixed" with no measurement beside it: {claims}'

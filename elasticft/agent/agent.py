@@ -44,7 +44,7 @@ from elasticft.addon.policy import (
     decide,
     root_cause,
 )
-from elasticft.agent import lifeline
+from elasticft.agent import console, lifeline
 from elasticft.agent.inprocess import (
     InProcessCoordinator,
     InProcessRecoveryMixin,
@@ -446,6 +446,9 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
                               else None))
         self._each_collaborator("on_decision", lambda c: c.on_decision(group, action))
+        if self._pcontext is not None:  # a recovered failure's tracebacks: worker logs only
+            console.run_goes_on(self._pcontext, action.kind in (
+                ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS))
         if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS):
             if action.consumes_user_error_restart:
                 self._user_error_restarts += 1

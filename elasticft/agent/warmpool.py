@@ -66,6 +66,7 @@ from typing import Any
 from elasticft import torch_compat
 from elasticft.addon.api import prepend_paths
 from elasticft.agent import lifeline
+from elasticft.agent.console import gate_tracebacks
 from elasticft.torch_compat import SubprocessContext, SubprocessHandler
 
 logger = logging.getLogger(__name__)
@@ -444,6 +445,7 @@ class WarmSubprocessContext(SubprocessContext):
     def __init__(self, pool: WarmPool | None, **kwargs: Any) -> None:
         self._pool = pool
         super().__init__(**kwargs)
+        gate_tracebacks(self)  # a recovered failure's tracebacks stay in the worker logs
 
     def _start(self) -> None:
         if self.subprocess_handlers:

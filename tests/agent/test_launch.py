@@ -156,6 +156,10 @@ def test_user_code_error_stops_without_restart(tmp_path: Path, job_env: dict[str
     assert "0 restart(s)" in summary
     assert "rank 1 (user_code) ZeroDivisionError: division by zero" in summary
     assert "train_plain.py:" in summary
+    # A failure that stops the run shows its traceback in full (agent/console.py).
+    console = stderr[:stderr.index("elasticft: run")]
+    assert "Traceback (most recent call last):" in console, console[-3000:]
+    assert "ZeroDivisionError: division by zero" in console, console[-3000:]
     kinds = [e["kind"] for e in read_events(run_dir)]
     assert kinds.count("workers_started") == 1 and "restart" not in kinds
 
