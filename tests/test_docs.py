@@ -41,7 +41,7 @@ OTHER_TOOLS_FLAGS = {
     "--signal", "--requeue", "--time", "--ntasks-per-node",  # sbatch, srun
     "--log-line-prefix-template",  # torchrun of releases newer than this environment's torch
 }
-ABBREVIATIONS = {"--ckpt", "--plan", "--log", "--nproc-per", "--re"}
+OPTION_ABBREVIATIONS = {"--ckpt", "--plan", "--log", "--nproc-per", "--re"}
 """Words docs/launcher.md names as abbreviations of the launcher's options (how they read before
 the script and after it); each must still abbreviate one."""
 SCRIPT_DIRS = ("bench/", "examples/", "scripts/", "elasticft/", ".ci/")
@@ -173,7 +173,7 @@ def test_no_page_names_an_option_that_does_not_exist() -> None:
     """A removed option (``--hang-floor-s``) or a misspelt one is a doc that lies."""
     from elasticft.config import REMOVED_OPTIONS
 
-    abbreviations = {word for word in ABBREVIATIONS
+    abbreviations = {word for word in OPTION_ABBREVIATIONS
                      if any(flag.startswith(word) for flag in existing_flags())}
     known = existing_flags() | OTHER_TOOLS_FLAGS | abbreviations
     removed = {"--" + name.replace("_", "-") for name in REMOVED_OPTIONS}
@@ -251,7 +251,7 @@ def test_every_quick_start_command_parses() -> None:
 
 GLOSSARY = ROOT / "docs" / "glossary.md"
 ABBREVIATIONS = {
-    "TOR": "time-optimality ratio",
+    "TOR": "training overhead ratio",
     "ETTR": "effective training time ratio",
     "MTBF": "mean time between failures",
     "DCP": "torch.distributed.checkpoint",
@@ -275,7 +275,7 @@ def unexplained_abbreviations(page_name: str, text: str, glossary_terms: set[str
 
 @pytest.mark.parametrize(("text", "unexplained"), [
     ("TOR 0.93", ["TOR"]),
-    ("TOR 0.93, the time-optimality ratio", []),
+    ("TOR 0.93, the Training Overhead Ratio", []),
     ("TOR 0.93 ([glossary](glossary.md))", []),
     ("HPPS's times (the [glossary](glossary.md))", []),
     ("HPPS's times", ["HPPS"]),
