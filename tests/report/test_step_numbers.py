@@ -15,9 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from elasticft.report.tor import STEP_SOURCE_LINES, analyze, format_report
 from elasticft.steps import (
     AutoStepRecorder,
     CountView,
+    StepRecord,
     is_init_step,
     must_read,
     number_step,
@@ -185,3 +187,43 @@ def test_in_process_recovery_counts_30_steps_with_the_redone_step_as_rollback(
     assert data["faults"][0]["rollback_steps"] == redone
     assert "steps 0 -> 30 (30 that counted)" in text
     assert_nothing_left(run_dir)
+
+
+def in_process_run(automatic: bool, counted: bool):
+    """Steps 1-12 at 1 s, rank 1 fails at 13.5, rank 0 recovers in process from step 11 and
+    does step 12 again, then 13-30."""
+    events = [
+        {"time": 0.0, "node": "n0", "kind": "run_start", "run_id": "r"},
+        {"time": 1.0, "node": "n0", "kind": "workers_started", "attempt": 0,
+         "pids": {"0": 10, "1": 11}},
+        {"time": 13.5, "node": "n0", "kind": "failure", "attempt": 0, "rank": 1,
+         "failure_class": "signal_crash"},
+        {"time": 13.5, "node": "n0", "kind": "decision", "attempt": 0,
+         "action": "recover_in_process", "reason": "crash"},
+        {"time": 14.5, "node": "n0", "kind": "recover_in_process", "attempt": 0,
+         "phases": {"total_s": 1.0}},
+        {"time": 35.0, "node": "n0", "kind": "run_end", "state": "succeeded"},
+    ]
+    # Counted on (no optimizer count): the redo of step 12 is numbered 13, the last step 31.
+    numbers = list(range(1, 13)) + (list(range(13, 32)) if counted else list(range(12, 31)))
+    times = [1.0 + i for i in range(12)] + [15.0 + i for i in range(len(numbers) - 12)]
+    return events, {0: [StepRecord(t, n, 0, automatic=automatic, counted=counted)
+                        for t, n in zip(times, numbers, strict=True)]}
+
+
+@pytest.mark.parametrize("automatic, counted, steps_line, source", [
+    (False, False, "steps 0 -> 30 (30 that counted)", "the script's own records"),
+    (True, False, "steps 0 -> 30 (30 that counted)", "the optimizer's own step count"),
+    (True, True, "31 optimizer steps (real step numbers not known)", "not known"),
+])
+def test_an_in_process_redo_is_rollback_and_the_report_names_its_step_numbers(
+        automatic, counted, steps_line, source):
+    a = analyze(*in_process_run(automatic, counted))
+    text = format_report(a)
+    assert steps_line in text
+    assert sum(line.startswith("  step numbers: ") for line in text.splitlines()) == 1
+    assert f"  step numbers: {source}" in text
+    (fault,) = a.faults
+    assert fault.action == "recover_in_process"
+    assert fault.rollback_steps == (0 if counted else 1)
+    assert a.to_json()["step_numbers"] == STEP_SOURCE_LINES[a.step_source]
