@@ -227,3 +227,54 @@ def test_an_in_process_redo_is_rollback_and_the_report_names_its_step_numbers(
     assert fault.action == "recover_in_process"
     assert fault.rollback_steps == (0 if counted else 1)
     assert a.to_json()["step_numbers"] == STEP_SOURCE_LINES[a.step_source]
+
+
+class DeviceCount:
+    """Stands for a step count kept on the GPU (fused or capturable optimizers): counts how
+    often the host reads it, each read a wait for the device."""
+
+    device = type("Device", (), {"type": "cuda"})()
+
+    def __init__(self, value: int) -> None:
+        self.value, self._version, self.reads = value, 0, 0
+
+    def add_(self, n: int) -> None:  # what a step does
+        self.value += n
+        self._version += 1
+
+    def copy_(self, value: int) -> None:  # what a restore in place does
+        self.value = value
+        self._version += 1
+
+    def __int__(self) -> int:
+        self.reads += 1
+        return self.value
+
+
+def test_a_count_on_the_device_is_read_only_after_a_restore(tmp_path):
+    path = tmp_path / "rank0.auto.jsonl"
+    param = torch.nn.Parameter(torch.zeros(1))
+    count = DeviceCount(0)
+    optim = type("FusedAdam", (), {"param_groups": [{"params": [param], "lr": 0.1}],
+                                   "state": {param: {"step": count}}})()
+    recorder = AutoStepRecorder(path)
+
+    def step() -> None:
+        count.add_(1)
+        recorder.on_step(optim, (), {})
+
+    try:
+        for _ in range(5):
+            step()
+        assert count.reads == 2  # the first step, and the second to learn a step's writes
+        count.copy_(3)  # an in-process restore of step 3
+        step()
+        step()  # the count's writes back to one a step: read once more to be sure
+        step()
+        reads = count.reads
+        optim.state[param]["step"] = count = DeviceCount(6)  # load_state_dict: a new tensor
+        step()
+        assert (reads, count.reads) == (4, 1)
+    finally:
+        recorder.close()
+    assert steps_of(path) == [1, 2, 3, 4, 5, 4, 5, 6, 7]
