@@ -15,15 +15,28 @@ seconds that step spent saving a checkpoint. A script can write these lines itse
 
 A script that writes none still gets records: the worker bootstrap (the ``sitecustomize`` the
 agent puts first on ``PYTHONPATH``, :mod:`elasticft.diag.autoinstall`) installs
-:class:`AutoStepRecorder` when torch is imported. It
-counts the steps of the first optimizer that steps, through torch's global optimizer step hook,
-and appends the same lines to a file beside the explicit one (``rank<R>.auto.jsonl``). The
-number of a process's first step is the optimizer's own (``state[p]["step"]``, which Adam-like
-optimizers keep and restore with the checkpoint), so steps redone after a restart are told
-apart; later steps count on from it. For an optimizer without one (plain SGD) it continues from
-the last recorded number, marked ``"counted": true``. :func:`read_steps`
-takes a rank's explicit records when it has any and its automatic ones otherwise, so a step is
-never counted twice.
+:class:`AutoStepRecorder` when torch is imported. It records the steps of the first optimizer
+that steps, through torch's global optimizer step hooks, in a file beside the explicit one
+(``rank<R>.auto.jsonl``). Each record carries the optimizer's own step count
+(``state[p]["step"]``, which Adam-like optimizers keep), read at every step, so the number
+follows the training through whatever sets that count back or forward: a restart that loads a
+checkpoint (elasticft's Checkpointer, DCP's ``set_state_dict``, a plain ``load_state_dict``)
+and an in-process recovery that restores the live optimizer in place. A step redone after
+either has a number reached before, and the report counts it as rollback.
+
+Two kinds of optimizer call are not training steps, and two kinds of count cannot be read cheaply:
+
+* The zero-gradient step DCP's ``get_state_dict`` takes to give a fresh optimizer its state
+  (learning rate 0, every gradient zero, no state yet: :func:`is_init_step`) is not recorded.
+* A count kept on the accelerator (fused or capturable optimizers) would make the host wait
+  for the device if read at every step; it is read when its tensor is new or was written
+  by something other than a step (:func:`must_read`), and counted on in between.
+* An optimizer with no count (plain SGD) gives no real step: its records are numbered on from
+  the last record and marked ``"counted": true``, and the report says the step is not known
+  (:func:`number_step`).
+
+:func:`read_steps` takes a rank's explicit records when it has any and its automatic ones
+otherwise, so a step is never counted twice.
 
 This module is the one owner of the format, the file names and the variable: the writers run in
 every worker (so it imports only the standard library), the reader serves ``elasticft report``.
@@ -35,7 +48,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,22 +102,40 @@ class StepRecorder:
 
 
 class AutoStepRecorder:
-    """Appends a step record at every step of one optimizer (the first that steps in this
-    process), from torch's global optimizer step post-hook. Never raises into the script."""
+    """Appends a step record at every training step of one optimizer (the first that steps in
+    this process), from torch's global optimizer step hooks. Never raises into the script."""
 
     def __init__(self, path: Path) -> None:
         self._recorder = StepRecorder(path)
         self._path = path
         self._optimizer_id: int | None = None
         self._step: int | None = None
-        self._counted = False
-        self._handle: Any = None
+        self._count = CountView(None)
+        self._count_delta: int | None = None
+        self._init_step = False
+        self._handles: list[Any] = []
 
     def install(self) -> AutoStepRecorder:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
-        self._handle = register_optimizer_step_post_hook(self.on_step)
+        self._handles = [register_optimizer_step_pre_hook(self.before_step),
+                         register_optimizer_step_post_hook(self.on_step)]
         return self
+
+    def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if self._optimizer_id not in (None, id(optimizer)):
+                return
+            # Only a fresh optimizer can be in DCP's initialising step: the rest of the check
+            # (every gradient zero) runs at most once per optimizer.
+            self._init_step = not optimizer.state and is_init_step(
+                bool(optimizer.state), [group.get("lr") for group in optimizer.param_groups],
+                _grads_zero(optimizer))
+        except Exception:  # a lost record must never stop training
+            self.close()
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -112,33 +143,112 @@ class AutoStepRecorder:
                 self._optimizer_id = id(optimizer)
             elif id(optimizer) != self._optimizer_id:
                 return
-            if self._step is None:
-                # Read once: the step count of a fused or capturable optimizer lives on the GPU,
-                # and reading it every step would make the host wait for the device.
-                own = optimizer_step(optimizer)
-                self._counted = own is None
-                self._step = last_recorded_step(self._path) + 1 if own is None else own
-            else:
-                self._step += 1
-            self._recorder.record(self._step, counted=self._counted)
+            if self._init_step:
+                self._init_step = False
+                self._count = CountView(None)  # the count it left is not a training step's
+                return
+            own = self._own_step(optimizer)
+            last = last_recorded_step(self._path) if self._step is None and own is None else 0
+            self._step, counted = number_step(own, self._step, last)
+            self._recorder.record(self._step, counted=counted)
         except Exception:  # a lost record must never stop training
             self.close()
 
+    def _own_step(self, optimizer: Any) -> int | None:
+        value = optimizer_step_value(optimizer)
+        if value is None:
+            return None
+        view = CountView.of(value)
+        delta = view.version - self._count.version if view.same_tensor(self._count) else None
+        if self._step is not None and not must_read(view, self._count, self._count_delta):
+            self._count, self._count_delta = view, delta
+            return self._step + 1
+        self._count, self._count_delta = view, delta
+        return int(value)
+
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self._recorder.close()
 
 
-def optimizer_step(optimizer: Any) -> int | None:
-    """The optimizer's own step count (Adam, AdamW, RMSprop... keep ``state[p]["step"]`` and
-    restore it with a checkpoint), or None when it keeps none (SGD)."""
+@dataclasses.dataclass(frozen=True)
+class CountView:
+    """What can be seen of an optimizer's step count without reading its value: where it lives,
+    which tensor it is, and how many in-place writes that tensor has had (torch's version
+    counter)."""
+
+    identity: int | None
+    """``id`` of the tensor (None: no count seen, or a plain number)."""
+    on_device: bool = False
+    version: int = 0
+
+    @classmethod
+    def of(cls, value: Any) -> CountView:
+        if not hasattr(value, "_version"):
+            return cls(None)
+        return cls(id(value), value.device.type != "cpu", int(value._version))
+
+    def same_tensor(self, other: CountView) -> bool:
+        return self.identity is not None and self.identity == other.identity
+
+
+def must_read(now: CountView, before: CountView, delta_before: int | None) -> bool:
+    """Whether the optimizer's step count must be read at this step (pure).
+
+    A number or a count in host memory is read at every step (no cost). A count on the device
+    is read when its tensor is not the one of the last step (a ``load_state_dict`` made a new
+    one), or when it had a different number of in-place writes than the step before (a restore
+    copied into it); otherwise the step counts on from the last one.
+    """
+    if now.identity is None or not now.on_device:
+        return True
+    if not now.same_tensor(before) or delta_before is None:
+        return True
+    return now.version - before.version != delta_before
+
+
+def number_step(own: int | None, previous: int | None,
+                last_recorded: int) -> tuple[int, bool]:
+    """The number of a finished step and whether it is only counted (pure).
+
+    ``own``: the optimizer's step count after the step (None: it keeps none); ``previous``: the
+    number this process gave its last step (None: none yet); ``last_recorded``: the last number
+    in the rank's file (earlier processes). The optimizer's count is the training's step; without
+    one the steps are counted on, which cannot see a restore.
+    """
+    if own is not None:
+        return own, False
+    if previous is not None:
+        return previous + 1, True
+    return last_recorded + 1, True
+
+
+def is_init_step(has_state: bool, lrs: Sequence[Any], grads_zero: bool) -> bool:
+    """Whether an optimizer step is the state-initialising step of DCP's ``get_state_dict``
+    (pure): a fresh optimizer (no ``state``), stepped with every learning rate 0 and every
+    gradient zero, which changes nothing but creates the state tensors. A real first step has a
+    learning rate or a gradient."""
+    if has_state or not lrs or not grads_zero:
+        return False
+    return all(lr is not None and float(lr) == 0.0 for lr in lrs)
+
+
+def _grads_zero(optimizer: Any) -> bool:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    return all(g is None or not bool(g.any()) for g in grads)
+
+
+def optimizer_step_value(optimizer: Any) -> Any:
+    """The optimizer's own step count as it keeps it (a tensor or a number; Adam, AdamW,
+    RMSprop... keep ``state[p]["step"]`` and restore it with a checkpoint), or None when it
+    keeps none (SGD)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             value = optimizer.state.get(param, {}).get("step")
             if value is not None:
-                return int(value)
+                return value
     return None
 
 

@@ -481,6 +481,18 @@ def _reads(cls: type, attribute: str, *methods: str) -> bool:
     return all(f"self.{attribute}" in inspect.getsource(getattr(cls, m)) for m in methods)
 
 
+def _dcp_init_step() -> bool:
+    """``get_state_dict`` steps a fresh optimizer once, lr 0, zero grads (steps.is_init_step)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(1, 1)
+    optim, seen = torch.optim.AdamW(model.parameters(), lr=0.5), []
+    optim.register_step_pre_hook(lambda o, *_: seen.append((o.param_groups[0]["lr"], all(
+        p.grad is not None and not p.grad.any() for p in model.parameters()))))
+    get_state_dict(model, optim)
+    return seen == [(0.0, True)] and optim.param_groups[0]["lr"] == 0.5
+
+
 CONTRACTS: dict[str, Callable[[], bool]] = {
     "torch.distributed.run.get_args_parser() -> argparse parser":
         lambda: hasattr(torch_run.get_args_parser(), "parse_args"),
@@ -595,6 +607,9 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "torch.distributed.checkpoint.filesystem._StorageInfo(relative_path, offset, length)":
         lambda: [f.name for f in dataclasses.fields(dcp_filesystem._StorageInfo)][:3]
         == ["relative_path", "offset", "length"],
+    "Tensor._version counts in-place writes (elasticft.steps.must_read)": lambda: (
+        (t := torch.zeros(1))._version + 1 == t.add_(1)._version),
+    "DCP get_state_dict's optimizer init step (lr 0, zero grads)": _dcp_init_step,
 }
 """What elasticft assumes about torch's private API, by name; each check is True on a torch that
 has it (tests/test_torch_compat.py)."""

@@ -15,9 +15,10 @@ costs the survivors no process either: the standby's worker takes the lost rank.
 
 Faults for tests and demos, injected once by --fault-rank in the first attempt:
 --crash-at-step N (SIGKILL right after the save of step N; --crash-mode after-save waits for
-it to complete), --hang-at-step N (SIGSTOP), --infra-error-at-step N (raises a connection error
-before step N), and --replacement-fails (a replacement process exits at once, which makes the
-agent fall back to a full restart).
+it to complete, before-save kills before it, so the others redo step N), --hang-at-step N
+(SIGSTOP), --infra-error-at-step N (raises a connection error before step N), and
+--replacement-fails (a replacement process exits at once, which makes the agent fall back to a
+full restart).
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ def main() -> None:
     parser.add_argument("--pid-log", type=Path, help="every rank appends 'rank pid step' here")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
-    parser.add_argument("--crash-mode", choices=("mid-save", "after-save"), default="mid-save")
+    parser.add_argument("--crash-mode", choices=("mid-save", "after-save", "before-save"),
+                        default="mid-save")
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--infra-error-at-step", type=int, default=-1)
     parser.add_argument("--replacement-fails", action="store_true")
+    parser.add_argument("--no-step-records", action="store_true",
+                        help="write no step records: the report numbers the steps by the "
+                        "optimizer's own count (elasticft's automatic records)")
     args = parser.parse_args()
 
     if args.replacement_fails and os.environ.get("ELASTICFT_INPROCESS_GEN", "0") != "0" \
@@ -100,8 +105,12 @@ def main() -> None:
             if args.pid_log:
                 with open(args.pid_log, "a") as f:
                     f.write(f"{rank} {os.getpid()} {done}\n")
+            if faults["armed"] and done == args.crash_at_step \
+                    and args.crash_mode == "before-save":
+                os.kill(os.getpid(), signal.SIGKILL)
             request = ckpt.save(done, snapshot(extra={"step": done}))
-            record_step(done, 0.0)
+            if not args.no_step_records:
+                record_step(done, 0.0)
             if faults["armed"] and done == args.crash_at_step:
                 if args.crash_mode == "after-save":
                     request.wait()

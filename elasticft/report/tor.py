@@ -121,8 +121,9 @@ class Analysis:
 
     @property
     def step_source(self) -> str:
-        """explicit (the script's records), optimizer (counted by elasticft), or counted (the
-        optimizer keeps no step number: steps redone after a restart look like progress)."""
+        """explicit (the script's records), optimizer (the optimizer's own step count, recorded
+        by elasticft), or counted (no step count: steps redone after a restore look like
+        progress)."""
         if not self.steps or not self.steps[0].automatic:
             return "explicit"
         return "counted" if any(r.counted for r in self.steps) else "optimizer"
@@ -174,6 +175,7 @@ class Analysis:
             "allocations": self.allocations,
             "reference_rank": self.reference_rank,
             "step_source": self.step_source,
+            "step_numbers": STEP_SOURCE_LINES[self.step_source],
             "phases_s": dict(self.phases),
             "faults": [f.to_json() for f in self.faults],
         }
@@ -434,13 +436,24 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
     )
 
 
-_STEP_SOURCE_NOTES = {
-    "explicit": [],
-    "optimizer": ["  steps: counted at each optimizer.step() (the script writes no step records)"],
-    "counted": ["  steps: counted at each optimizer.step(); this optimizer keeps no step number, "
-                "so steps redone after a restart count as progress (write step records to "
-                "$ELASTICFT_STEP_LOG for exact rollback)"],
+STEP_SOURCE_LINES = {
+    "explicit": "step numbers: the script's own records ($ELASTICFT_STEP_LOG)",
+    "optimizer": "step numbers: the optimizer's own step count, read at each optimizer.step() "
+                 "(it follows every restore; the script writes no step records)",
+    "counted": "step numbers: not known (the optimizer keeps no step count, the script writes "
+               "no step records): optimizer.step() calls counted and timed, so steps redone "
+               "after a restore count as progress; write step records to $ELASTICFT_STEP_LOG "
+               "for exact rollback",
 }
+"""The one line of the report that says where its step numbers came from, by step source."""
+
+
+def _steps_line(a: Analysis) -> str:
+    """Steps by number, or, where the real step is not known, by count and time."""
+    healthy = f"healthy step {a.healthy_step_s * 1000:.1f} ms"
+    if a.step_source == "counted":
+        return f"  {a.steps_done} optimizer steps (real step numbers not known), {healthy}"
+    return f"  steps {a.first_step} -> {a.last_step} ({a.steps_done} that counted), {healthy}"
 
 
 def _launch_note(a: Analysis) -> list[str]:
@@ -459,12 +472,11 @@ def format_report(a: Analysis) -> str:
     lines = [
         f"elasticft report: run {a.run_id} ({a.end_state}), {a.allocations} allocation(s), "
         f"reference rank {a.reference_rank}",
-        f"  steps {a.first_step} -> {a.last_step} ({a.steps_done} that counted), healthy step "
-        f"{a.healthy_step_s * 1000:.1f} ms",
+        _steps_line(a),
         f"  observed {a.observed_s:.1f} s, optimal {a.optimal_s:.1f} s"
         + (f", queued between allocations {a.queued_s:.1f} s (not counted)" if a.queued_s else ""),
         *([f"  ended: {a.end_reason}"] if a.end_reason else []),
-        *_STEP_SOURCE_NOTES[a.step_source],
+        f"  {STEP_SOURCE_LINES[a.step_source]}",
         "",
         f"  TOR   {a.tor:.3f}   (optimal / observed time)",
         f"  ETTR  {a.ettr:.3f}   (time in steps that counted / wall time)",
