@@ -15,11 +15,16 @@ elasticft's run id is instead, in this order:
 2. under Slurm, ``slurm-<job id>`` (:func:`elasticft.slurm.run_id_default`), the same across
    requeues;
 3. for a single-node launch, one derived from what was launched (:func:`derived_run_id`): the
-   same script (its real path), module or program, with the same arguments, the same
-   ``--nnodes`` and ``--nproc-per-node``, from the same directory. Two launches that differ
-   in any of these are two jobs, so a sweep of learning rates never resumes another's
-   checkpoints; the launcher's other flags (ports, restarts, elasticft's options) do not
-   count. The id reads ``<script name>-<10 hex digits>``.
+   same script (its real path), module or program, the same ``--nnodes`` and
+   ``--nproc-per-node``, from the same directory. The script's arguments do not count: the
+   most common relaunch is the same job told to train longer (``--steps 30`` after
+   ``--steps 20``), which must resume, as it would from a checkpoint folder the script names
+   itself. The launcher logs which arguments changed since the previous launch
+   (:mod:`elasticft.relaunch`); a change that makes the checkpoint unusable (another model
+   size) stops the run at once, naming ``--fresh``. Runs that must stay apart (a sweep of
+   learning rates) are given ids of their own with ``--rdzv-id`` or ``--run-dir``. The
+   launcher's other flags (ports, restarts, elasticft's options) do not count either. The id
+   reads ``<script name>-<10 hex digits>``.
 
 A multi-node launch without an id keeps torchrun's (``none``): every node must agree on it,
 and a derived one would differ between nodes whose command lines differ (``--node-rank``).
@@ -36,7 +41,8 @@ import os
 import re
 import shutil
 from collections.abc import Sequence
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 EntryKind = Literal["script", "module", "program"]
 
@@ -44,15 +50,14 @@ UNGIVEN_IDS = ("", "none")
 """Values of ``--rdzv-id`` that mean none was given (torchrun's default is ``none``)."""
 
 
-def derived_run_id(entry: str, kind: EntryKind, script_args: Sequence[str], nnodes: str,
-                   nproc_per_node: str, cwd: str) -> str:
+def derived_run_id(entry: str, kind: EntryKind, nnodes: str, nproc_per_node: str,
+                   cwd: str) -> str:
     """The run id of a single-node launch given no id: the same inputs give the same id.
 
     Pure: ``entry`` is already resolved (a script's real path, a module's name, a program's
     path), ``cwd`` the real path of the working directory.
     """
-    identity = json.dumps([kind, entry, list(script_args), str(nnodes), str(nproc_per_node),
-                           cwd])
+    identity = json.dumps([kind, entry, str(nnodes), str(nproc_per_node), cwd])
     digest = hashlib.blake2b(identity.encode(), digest_size=5).hexdigest()
     name = os.path.basename(entry) if kind != "module" else entry
     if kind == "script":
@@ -61,8 +66,8 @@ def derived_run_id(entry: str, kind: EntryKind, script_args: Sequence[str], nnod
     return f"{stem}-{digest}"
 
 
-def launched_run_id(training_script: str, module: bool, no_python: bool,
-                    script_args: Sequence[str], nnodes: str, nproc_per_node: str) -> str:
+def launched_run_id(training_script: str, module: bool, no_python: bool, nnodes: str,
+                    nproc_per_node: str) -> str:
     """:func:`derived_run_id` of what this process was asked to launch, from this directory."""
     kind: EntryKind = "program" if no_python else "module" if module else "script"
     if kind == "script":
@@ -71,5 +76,112 @@ def launched_run_id(training_script: str, module: bool, no_python: bool,
         entry = shutil.which(training_script) or os.path.realpath(training_script)
     else:
         entry = training_script
-    return derived_run_id(entry, kind, script_args, nnodes, nproc_per_node,
-                          os.path.realpath(os.getcwd()))
+    return derived_run_id(entry, kind, nnodes, nproc_per_node, os.path.realpath(os.getcwd()))
+
+
+# ----------------------------------------------------------------------------------------------
+# A relaunch: what the previous launch of the job was given, and what changed since.
+
+
+def script_arguments(args: Sequence[str]) -> list[str]:
+    """The script's own arguments in a launch's command arguments (pure): what follows
+    ``-u script.py`` or ``-u -m module`` (torch's form), else the arguments as they are."""
+    rest = list(args)
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+        return rest[2:] if rest[:1] == ["-m"] else rest[1:]
+    return rest
+
+
+def _is_flag(token: str) -> bool:
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False  # a negative number is a value
+
+
+def _by_name(args: Sequence[str]) -> dict[str, str | None]:
+    """``--name value``, ``--name=value`` and bare ``--flag`` by name; positional arguments as
+    ``argument N``."""
+    named: dict[str, str | None] = {}
+    position = 0
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if _is_flag(token):
+            name, equals, value = token.partition("=")
+            if equals:
+                named[name] = value
+            elif i + 1 < len(args) and not _is_flag(args[i + 1]):
+                named[name] = args[i + 1]
+                i += 1
+            else:
+                named[name] = None
+        else:
+            position += 1
+            named[f"argument {position}"] = token
+        i += 1
+    return named
+
+
+def changed_arguments(before: Sequence[str], after: Sequence[str]) -> list[str]:
+    """What changed between two launches' script arguments, one phrase per argument (pure):
+    ``--steps 20 -> 30``, ``--lr 0.1 added``, ``--fsdp2 removed``; empty when nothing did."""
+    old, new = _by_name(before), _by_name(after)
+
+    def shown(name: str, value: str | None) -> str:
+        return name if value is None else f"{name} {value}"
+
+    changes = []
+    for name in [*old, *(n for n in new if n not in old)]:
+        if name not in new:
+            changes.append(f"{shown(name, old[name])} removed")
+        elif name not in old:
+            changes.append(f"{shown(name, new[name])} added")
+        elif old[name] != new[name]:
+            changes.append(f"{name} {old[name] or '(flag)'} -> {new[name] or '(flag)'}")
+    if not changes and list(before) != list(after):
+        changes.append("the same arguments, reordered or repeated")
+    return changes
+
+
+def previous_launch(run_dir: Path) -> dict[str, Any] | None:
+    """The newest ``run_start`` event in ``run_dir`` (a previous launch's record: its run id,
+    entrypoint and arguments), or None for a new run directory."""
+    from elasticft.events import read_events
+
+    if not run_dir.is_dir():
+        return None
+    starts = [e for e in read_events(run_dir) if e.get("kind") == "run_start"]
+    return starts[-1] if starts else None
+
+
+def newest_checkpoint(ckpt_dir: Path) -> int | None:
+    """The newest committed step in a local checkpoint directory (or its nodes'
+    subdirectories), or None."""
+    from elasticft.ckpt.durable import committed_steps
+
+    steps = set(committed_steps(ckpt_dir))
+    if ckpt_dir.is_dir():
+        for node in ckpt_dir.glob("node-*"):
+            steps |= set(committed_steps(node))
+    return max(steps, default=None)
+
+
+def relaunch_line(run_id: str, previous_args: Sequence[str], args: Sequence[str],
+                  step: int | None, ckpt_dir: Path, fresh: bool = False) -> str:
+    """The launcher's line about a relaunch (pure): which run it continues, from which step,
+    and which arguments changed."""
+    changes = changed_arguments(script_arguments(previous_args), script_arguments(args))
+    changed = (f"script arguments changed since the last launch: {', '.join(changes)}"
+               if changes else "the same script arguments as the last launch")
+    if fresh:
+        return (f"relaunch of run {run_id} with --fresh: starts from step 0 (the checkpoints of "
+                f"earlier launches are removed); {changed}")
+    where = (f"resumes from its newest checkpoint, step {step} in {ckpt_dir}" if step is not None
+             else f"no committed checkpoint in {ckpt_dir} (one the script keeps elsewhere is "
+                  "restored from there)")
+    return f"relaunch of run {run_id}: {where}; {changed}; --fresh starts over"
