@@ -185,3 +185,64 @@ def relaunch_line(run_id: str, previous_args: Sequence[str], args: Sequence[str]
              else f"no committed checkpoint in {ckpt_dir} (one the script keeps elsewhere is "
                   "restored from there)")
     return f"relaunch of run {run_id}: {where}; {changed}; --fresh starts over"
+
+
+def script_path(args: Sequence[str]) -> str | None:
+    """The real path of the script in a launch's command arguments (``-u script.py ...``), or
+    None for a module or a program."""
+    if len(args) > 1 and args[0] == "-u" and args[1] != "-m":
+        return os.path.realpath(args[1])
+    return None
+
+
+def _first_run_start(run_dir: Path) -> dict[str, Any] | None:
+    """The ``run_start`` event of one of ``run_dir``'s event logs (among its first lines)."""
+    from elasticft.events import EVENT_FILE_GLOB
+
+    for path in sorted(run_dir.glob(EVENT_FILE_GLOB)):
+        try:
+            with open(path) as f:
+                for _, line in zip(range(50), f, strict=False):
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if event.get("kind") == "run_start":
+                        return dict(event)
+        except OSError:
+            continue
+    return None
+
+
+def same_script_elsewhere(run_dir: Path, script: str) -> list[tuple[Path, dict[str, Any], int]]:
+    """Other run directories beside ``run_dir`` whose job ran the same script (another number
+    of workers, another --rdzv-id) and left a committed checkpoint in their ``ckpt``: each
+    with its ``run_start`` event and its newest step."""
+    found = []
+    parent = run_dir.absolute().parent
+    try:
+        siblings = sorted(p for p in parent.iterdir() if p.is_dir())
+    except OSError:
+        return []
+    for other in siblings:
+        if other == run_dir.absolute():
+            continue
+        start = _first_run_start(other)
+        if start is None or start.get("script") != script:
+            continue
+        step = newest_checkpoint(other / "ckpt")
+        if step is not None:
+            found.append((other, start, step))
+    return found
+
+
+def elsewhere_line(run_id: str, other: Path, start: dict[str, Any], step: int,
+                   nnodes: str, nproc_per_node: int) -> str:
+    """The launcher's warning for a new run whose script has a checkpoint in another run's
+    directory beside it (pure)."""
+    before = (f"--nnodes {start.get('min_nodes')}:{start.get('max_nodes')} --nproc-per-node "
+              f"{start.get('nproc_per_node')}")
+    return (f"run {run_id} starts from step 0, but the same script has a checkpoint (step "
+            f"{step}) in {other}, run {start.get('run_id')} ({before}; this launch: --nnodes "
+            f"{nnodes} --nproc-per-node {nproc_per_node}): another job. To continue that one, "
+            f"give --run-dir {other} (its checkpoint is resharded to this number of workers)")

@@ -275,6 +275,13 @@ def launch(
     logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
                 f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
                 if earlier else "")
+    script = home.script_path([str(a) for a in args])
+    if previous is None and script is not None and options.ckpt.ckpt_dir is None:
+        # Never a silent start from step 0 beside a checkpoint of the same script.
+        for other, start, step in home.same_script_elsewhere(run_dir, script):
+            logger.warning("%s", home.elsewhere_line(
+                str(config.run_id), other, start, step, f"{config.min_nodes}:{config.max_nodes}",
+                config.nproc_per_node))
     if previous is not None:
         ckpt_dir = checkpoint_dir_default(options.ckpt.ckpt_dir, run_dir).absolute()
         previous_args = [str(a) for a in previous.get("args") or ()]
@@ -307,6 +314,7 @@ def launch(
         run_id=config.run_id,
         entrypoint=entry_name,
         args=[str(a) for a in args],
+        script=script,
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         nproc_per_node=config.nproc_per_node,

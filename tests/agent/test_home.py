@@ -152,3 +152,39 @@ def test_script_arguments_are_what_follows_the_script(args: list[str],
 def test_the_relaunch_line(step: int | None, fresh: bool, line: str) -> None:
     assert relaunch_line("r", ["-u", "t.py", "--steps", "20"], ["-u", "t.py", "--steps", "30"],
                          step, Path("/c"), fresh=fresh) == line
+
+
+def _run(runs: Path, name: str, script: str | None, nproc: int, step: int | None) -> Path:
+    from elasticft.ckpt import durable
+    from elasticft.events import EventLog
+
+    run_dir = runs / name
+    log = EventLog(run_dir, "node")
+    log.emit("workers_started", pids={})  # run_start need not come first
+    log.emit("run_start", run_id=name, script=script, min_nodes=1, max_nodes=1,
+             nproc_per_node=nproc)
+    log.close()
+    if step is not None:
+        durable.step_dir(run_dir / "ckpt", step).mkdir(parents=True)
+        (durable.step_dir(run_dir / "ckpt", step) / durable.COMMIT_MARKER).write_text("{}")
+    return run_dir
+
+
+@pytest.mark.timeout(60)
+def test_a_new_run_beside_a_checkpoint_of_the_same_script_is_told_of_it(tmp_path: Path) -> None:
+    from elasticft.home import elsewhere_line, same_script_elsewhere
+
+    runs = tmp_path / "elasticft-runs"
+    other = _run(runs, "train-4", "/src/train.py", 4, 20)
+    _run(runs, "train-8", "/src/train.py", 8, None)          # no checkpoint: nothing to lose
+    _run(runs, "eval-4", "/src/eval.py", 4, 7)               # another script
+    own = runs / "train-2"
+    own.mkdir()
+    ((found, start, step),) = same_script_elsewhere(own, "/src/train.py")
+    assert (found, start["run_id"], step) == (other, "train-4", 20)
+    assert same_script_elsewhere(own, "/src/other.py") == []
+    assert elsewhere_line("train-2", other, start, step, "1:1", 2) == (
+        f"run train-2 starts from step 0, but the same script has a checkpoint (step 20) in "
+        f"{other}, run train-4 (--nnodes 1:1 --nproc-per-node 4; this launch: --nnodes 1:1 "
+        f"--nproc-per-node 2): another job. To continue that one, give --run-dir {other} (its "
+        "checkpoint is resharded to this number of workers)")
