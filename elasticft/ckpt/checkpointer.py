@@ -306,12 +306,12 @@ class Checkpointer:
         except StateMismatch as e:
             # Another model than the checkpoint's (a relaunch whose arguments changed its
             # shapes): the agent stops the run at once (elasticft.addon.policy); say how to go on.
-            run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-            run = f"run {run_id}: " if run_id and self.settings.agent_owned else ""
-            fix = ("start this run over with elasticft-run --fresh (its checkpoints are "
-                   "removed), or give it another --run-dir" if self.settings.agent_owned else
-                   "give this model another checkpoint directory")
-            raise StateMismatch(f"{run}{e}; {fix}") from None
+            if not self.settings.agent_owned:
+                raise
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+            raise StateMismatch(f"run {run_id}: {e}; start this run over with elasticft-run "
+                                "--fresh (its checkpoints are removed), or give it another "
+                                "--run-dir") from None
 
     def _report_loaded(self, load: Callable[[], _Loaded | None]) -> _Loaded | None:
         """``load()``; the agent hears of it once the first optimizer step after it is over,

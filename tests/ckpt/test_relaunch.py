@@ -237,3 +237,15 @@ def test_a_relaunch_told_to_train_longer_resumes_another_model_stops_and_fresh_s
     assert f"relaunch of run {run_id} with --fresh: starts from step 0" in fresh
     assert "no checkpoint to resume from" in _agent_line(fresh)
     assert _trained(fresh) == list(range(1, 6))
+
+    # On another number of workers it is another job, which starts from step 0, not silently.
+    one = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "1",
+           "--monitor-interval", "0.2", TRAIN, "--steps", "2", "--layers", "1", "--dim", "32"]
+    alone = _launch(tmp_path, job_env, one)
+    warning = next(line for line in alone.splitlines() if "starts from step 0, but" in line)
+    assert warning.endswith(
+        f"the same script has a checkpoint (step 5) in {run_dir}, run {run_id} (--nnodes 1:1 "
+        f"--nproc-per-node 2; this launch: --nnodes 1:1 --nproc-per-node 1): another job. To "
+        f"continue that one, give --run-dir {run_dir} (its checkpoint is resharded to this "
+        "number of workers)"), warning
+    assert _trained(alone) == [1, 2]
