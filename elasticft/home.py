@@ -172,12 +172,17 @@ def newest_checkpoint(ckpt_dir: Path) -> int | None:
 
 
 def relaunch_line(run_id: str, previous_args: Sequence[str], args: Sequence[str],
-                  step: int | None, ckpt_dir: Path, fresh: bool = False) -> str:
+                  step: int | None, ckpt_dir: Path, fresh: bool = False,
+                  scripts: tuple[str | None, str | None] = (None, None)) -> str:
     """The launcher's line about a relaunch (pure): which run it continues, from which step,
-    and which arguments changed."""
+    and which arguments changed. ``scripts``: the previous launch's script and this one's
+    (real paths; None where unknown)."""
     changes = changed_arguments(script_arguments(previous_args), script_arguments(args))
     changed = (f"script arguments changed since the last launch: {', '.join(changes)}"
                if changes else "the same script arguments as the last launch")
+    before, now = scripts
+    if before is not None and now is not None and before != now:
+        changed = f"another script than the last launch ({before} -> {now}); {changed}"
     if fresh:
         return (f"relaunch of run {run_id} with --fresh: starts from step 0 (the checkpoints of "
                 f"earlier launches are removed); {changed}")

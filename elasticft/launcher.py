@@ -288,7 +288,8 @@ def launch(
         step = home.newest_checkpoint(ckpt_dir)
         logger.info("%s", home.relaunch_line(str(config.run_id), previous_args,
                                              [str(a) for a in args], step, ckpt_dir,
-                                             fresh=options.agent.fresh))
+                                             fresh=options.agent.fresh,
+                                             scripts=(previous.get("script"), script)))
         event_log.emit("relaunch", previous_args=previous_args, newest_step=step,
                        changed=home.changed_arguments(
                            home.script_arguments(previous_args),

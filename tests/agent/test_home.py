@@ -152,6 +152,12 @@ def test_script_arguments_are_what_follows_the_script(args: list[str],
 def test_the_relaunch_line(step: int | None, fresh: bool, line: str) -> None:
     assert relaunch_line("r", ["-u", "t.py", "--steps", "20"], ["-u", "t.py", "--steps", "30"],
                          step, Path("/c"), fresh=fresh) == line
+    # The same run directory given to another script: said too.
+    assert relaunch_line("r", ["-u", "t.py"], ["-u", "u.py"], 3, Path("/c"),
+                         scripts=("/s/t.py", "/s/u.py")) == (
+        "relaunch of run r: resumes from its newest checkpoint, step 3 in /c; another script "
+        "than the last launch (/s/t.py -> /s/u.py); the same script arguments as the last "
+        "launch; --fresh starts over")
 
 
 def _run(runs: Path, name: str, script: str | None, nproc: int, step: int | None) -> Path:
