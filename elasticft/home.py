@@ -20,8 +20,8 @@ elasticft's run id is instead, in this order:
    most common relaunch is the same job told to train longer (``--steps 30`` after
    ``--steps 20``), which must resume, as it would from a checkpoint folder the script names
    itself. The launcher logs which arguments changed since the previous launch
-   (:mod:`elasticft.relaunch`); a change that makes the checkpoint unusable (another model
-   size) stops the run at once, naming ``--fresh``. Runs that must stay apart (a sweep of
+   (:func:`relaunch_line`); a change that makes the checkpoint unusable (another model size)
+   stops the run at once, naming ``--fresh``. Runs that must stay apart (a sweep of
    learning rates) are given ids of their own with ``--rdzv-id`` or ``--run-dir``. The
    launcher's other flags (ports, restarts, elasticft's options) do not count either. The id
    reads ``<script name>-<10 hex digits>``.
@@ -31,6 +31,10 @@ and a derived one would differ between nodes whose command lines differ (``--nod
 
 The rendezvous itself is unaffected: a single-node launch hosts a fresh store on a port of its
 own, whatever its id.
+
+A new run never starts silently from step 0 beside a checkpoint of the same script: when a run
+directory next to its own holds one (another number of workers, another ``--rdzv-id``), the
+launcher warns and names the ``--run-dir`` that continues it (:func:`same_script_elsewhere`).
 """
 
 from __future__ import annotations
