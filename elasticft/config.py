@@ -244,13 +244,27 @@ class AgentConfig:
         "assertion...) is restarted before the job stops. 0 stops at the first one.",
         minimum=0,
     )
+    restart_backoff_s: float = option(
+        1.0,
+        "Wait before restarting when a communication fault repeats identically before the "
+        "first step (its cause may need time to clear); doubled at each further repeat, up to "
+        "--restart-backoff-max-s, less up to 25 % jitter. A step completed resets it. 0: no "
+        "wait.",
+        minimum=0.0,
+    )
+    restart_backoff_max_s: float = option(
+        30.0,
+        "The longest wait before a restart after a repeated communication fault.",
+        minimum=0.0,
+    )
     run_dir: Path | None = option(
         None,
         "Directory for this run's event log and agent files. Default: <log-dir>/<run-id> when "
         "--log-dir is given, else ./elasticft-runs/<run-id> (with the workers' logs in "
-        "<run-dir>/logs). The run id is --rdzv-id, else slurm-<job id> inside a Slurm job, else "
-        "one derived from the script, its arguments, the worker counts and the directory, so "
-        "a relaunch finds its run directory.",
+        "<run-dir>/logs). The run id is --rdzv-id, slurm-<job id> under Slurm, else (one node) "
+        "one derived from the script, the worker counts (--nnodes, --nproc-per-node) and the "
+        "directory, not the script's arguments: a relaunch, with other arguments too, finds "
+        "its run directory and resumes from its checkpoints.",
     )
     fresh: bool = option(
         False,

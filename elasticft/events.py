@@ -8,9 +8,10 @@ clock, for durations), ``node`` and ``kind``; the rest is the kind's own payload
 Kinds written by the agent (later subsystems add theirs; readers ignore what they do not know):
 
 =================  ============================================================================
-``run_start``      the agent started: run id, entrypoint, nnodes, nproc_per_node, max_restarts
+``run_start``      the agent started: run id, entrypoint, args, script (real path), nnodes,
+                   nproc_per_node, max_restarts
 ``rendezvous``     a round completed: round, group_rank, group_world_size, master addr/port
-``workers_started``  pids by local rank and global rank, restart count
+``workers_started``  pids by local rank and global rank, restart count, host
 ``steady``         the workers have been running for ``steady_after`` seconds without failure
 ``failure``        one failed worker: rank, class, exit code, signal, exception, evidence
 ``decision``       the policy's action and its reason
@@ -20,6 +21,10 @@ Kinds written by the agent (later subsystems add theirs; readers ignore what the
 ``snapshot_skipped``  a worker's save found no free memory slot: rank, step, reason
 ``restore``        what an attempt's workers resumed from (checkpoint subsystem): step (None:
                    nothing), source tier, where (its directory), restart count
+``backoff``        the wait before a restart after a communication fault repeated before the
+                   first step: wait_s, repeats, reason
+``relaunch``       a launch of a job that ran before: the previous launch's script arguments,
+                   those that changed, the newest committed step in its checkpoint directory
 ``stop``           the agent stops: reason, exit code
 ``run_end``        last event of the agent: state, exit code, restarts, wall time
 =================  ============================================================================

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from elasticft import procs
+from elasticft import home, procs
 from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, StopRun
 from elasticft.addon.classify import FailureRecord
 from elasticft.addon.policy import ActionKind
@@ -43,7 +43,12 @@ from elasticft.agent import lifeline
 from elasticft.agent.addons import build_add_ons
 from elasticft.agent.agent import ElasticftAgent
 from elasticft.agent.warmpool import WarmPool
-from elasticft.config import ElasticftConfig, require_writable_dir, run_dir_default
+from elasticft.config import (
+    ElasticftConfig,
+    checkpoint_dir_default,
+    require_writable_dir,
+    run_dir_default,
+)
 from elasticft.diag.autoinstall import ArmedEntrypoint
 from elasticft.events import EVENT_FILE_GLOB, EventLog
 from elasticft.rendezvous.handler import DISABLE_SHARED_STORE_ENV
@@ -249,6 +254,7 @@ def launch(
         options.agent, node_id=node_id, run_dir=run_dir))
     # Once the options are known to be usable (a usage error is the only line).
     earlier = sum(1 for _ in run_dir.glob(EVENT_FILE_GLOB))
+    previous = home.previous_launch(run_dir) if earlier else None
     if options.agent.event_dir is not None:
         require_writable_dir("AgentConfig.event_dir", Path(options.agent.event_dir))
     # The agent's one event log: the add-ons get it from their context, the agent from here.
@@ -269,6 +275,25 @@ def launch(
     logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
                 f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
                 if earlier else "")
+    script = home.script_path([str(a) for a in args])
+    if previous is None and script is not None and options.ckpt.ckpt_dir is None:
+        # Never a silent start from step 0 beside a checkpoint of the same script.
+        for other, start, step in home.same_script_elsewhere(run_dir, script):
+            logger.warning("%s", home.elsewhere_line(
+                str(config.run_id), other, start, step, f"{config.min_nodes}:{config.max_nodes}",
+                config.nproc_per_node))
+    if previous is not None:
+        ckpt_dir = checkpoint_dir_default(options.ckpt.ckpt_dir, run_dir).absolute()
+        previous_args = [str(a) for a in previous.get("args") or ()]
+        step = home.newest_checkpoint(ckpt_dir)
+        logger.info("%s", home.relaunch_line(str(config.run_id), previous_args,
+                                             [str(a) for a in args], step, ckpt_dir,
+                                             fresh=options.agent.fresh,
+                                             scripts=(previous.get("script"), script)))
+        event_log.emit("relaunch", previous_args=previous_args, newest_step=step,
+                       changed=home.changed_arguments(
+                           home.script_arguments(previous_args),
+                           home.script_arguments([str(a) for a in args])))
     if config.rdzv_backend == "static" and config.max_nodes > 1 and config.max_restarts > 0:
         # torch's static rendezvous has no rounds: a node that restarts meets the others' old
         # workers on the old store, and they never learn of it.
@@ -290,6 +315,7 @@ def launch(
         run_id=config.run_id,
         entrypoint=entry_name,
         args=[str(a) for a in args],
+        script=script,
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         nproc_per_node=config.nproc_per_node,

@@ -115,8 +115,8 @@ def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
         if str(args.rdzv_id or "").strip() in home.UNGIVEN_IDS:
             min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
             args.rdzv_id = home.launched_run_id(
-                args.training_script, args.module, args.no_python, args.training_script_args,
-                f"{min_nodes}:{max_nodes}", str(args.nproc_per_node))
+                args.training_script, args.module, args.no_python, f"{min_nodes}:{max_nodes}",
+                str(args.nproc_per_node))
     if args.master_port is None:
         args.master_port = 29500
 

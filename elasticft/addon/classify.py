@@ -74,6 +74,11 @@ USER_EXCEPTIONS = frozenset(
     }
 )
 
+# Exceptions that say the job cannot go on as launched, whatever is restarted: the checkpoint it
+# would resume from does not fit its model (a relaunch whose arguments changed its shapes).
+# Classed as the user's (their launch must change) and never restarted (elasticft.addon.policy).
+UNRESTARTABLE_EXCEPTIONS = frozenset({"StateMismatch"})
+
 # torch.distributed's own error types, and message fragments of communication and device faults.
 INFRA_EXCEPTIONS = frozenset(
     {
@@ -97,7 +102,8 @@ INFRA_PATTERN = re.compile(
     r"device-side assert|unhandled system error|peer closed|TCPStore|DistStore",
     re.IGNORECASE,
 )
-_EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)|"
+_EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning|"
+                       r"StateMismatch)|"
                        r"[A-Za-z_][\w.]*Error)(: (?P<msg>.*))?$")
 _FRAME_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
@@ -275,6 +281,8 @@ def read_tail(path: str | Path | None, max_bytes: int = 64 * 1024) -> str:
 
 
 def classify_exception(info: ExceptionInfo) -> FailureClass:
+    if info.type_name in UNRESTARTABLE_EXCEPTIONS:
+        return FailureClass.USER_CODE
     if info.type_name in INFRA_EXCEPTIONS or INFRA_PATTERN.search(info.message):
         return FailureClass.INFRASTRUCTURE
     if info.raised_in_elasticft and info.type_name not in ("KeyboardInterrupt", "SystemExit"):

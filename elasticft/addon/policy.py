@@ -14,6 +14,15 @@ A failure that repeats is not transient: when the previous attempt failed before
 and this one fails the same way (:class:`FailureSignature`: class, exception type and the
 innermost frame of the user's code) before its first step too, a restart would only fail again,
 so the run stops and says which restarts it leaves unused.
+
+A communication fault is left out of that rule: its cause (a peer's network, a storage server,
+a port still held) may clear by itself, but it needs time to. When one repeats identically
+before the first step (:func:`comm_repeats`), the restart waits first (:func:`backoff_delay`:
+growing, capped, jittered so that the nodes of a job do not retry in step). A fault after a
+step resets the wait.
+
+A failure that says the job cannot go on as launched (:data:`UNRESTARTABLE_EXCEPTIONS`: the
+checkpoint does not fit the model) stops the run at once, whatever restarts are left.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import re
 from collections.abc import Iterable
 from typing import TypedDict
 
-from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.classify import UNRESTARTABLE_EXCEPTIONS, FailureClass, FailureRecord
 from elasticft.decision import Decision
 
 
@@ -58,6 +67,9 @@ class Action(Decision[ActionKind]):
     """A restart granted by --restart-on-user-error (not by --max-restarts)."""
     checkpoint: CheckpointSource = CheckpointSource.SNAPSHOT
     """Where the next attempt resumes from (see :func:`checkpoint_source`)."""
+    wait_s: float = 0.0
+    """Seconds to wait before the restart (a communication fault that repeats, see
+    :func:`backoff_delay`)."""
     fails_again: bool = False
     """A stop whose cause would come back on any new attempt (a user-code error, a failure that
     repeated before the first step): a scheduler must not resubmit it either."""
@@ -93,6 +105,15 @@ class FailureFacts:
     previous_failure: FailureSignature | None = None
     """The signature of the previous attempt's failure when that attempt completed no step
     (None otherwise, or when it ended without a failure)."""
+    comm_repeats: int = 0
+    """How many attempts in a row before this one failed with this communication fault before
+    their first step (:func:`comm_repeats`); 0: not a repeat."""
+    backoff_first_s: float = 1.0
+    """The wait before the restart after the first repeat (``--restart-backoff-s``)."""
+    backoff_max_s: float = 30.0
+    """The longest wait (``--restart-backoff-max-s``)."""
+    jitter: float = 0.0
+    """A number in [0, 1) drawn by the agent: its share of :data:`BACKOFF_JITTER`."""
 
 
 class KnownFacts(TypedDict, total=False):
@@ -248,6 +269,42 @@ def repeated(facts: FailureFacts) -> FailureSignature | None:
     return signature if signature == facts.previous_failure else None
 
 
+BACKOFF_JITTER = 0.25
+"""The largest share of a wait the jitter takes off: waits are spread over (75 %, 100 %] of the
+nominal one, so the nodes of a job do not retry in step, and each wait stays longer than the
+one before while the doubled wait is below the cap (75 % of double is more than the whole)."""
+
+
+def comm_signature(failure: FailureRecord) -> FailureSignature | None:
+    """The signature of a communication fault (class, exception, innermost user frame), or None
+    for any other failure."""
+    frame = failure.user_frame or failure.location
+    if failure.failure_class is not FailureClass.INFRASTRUCTURE or failure.exception is None \
+            or frame is None:
+        return None
+    return FailureSignature(failure.failure_class, failure.exception, frame)
+
+
+def comm_repeats(previous: FailureSignature | None, previous_repeats: int,
+                 signature: FailureSignature | None, step_completed: bool | None) -> int:
+    """How many attempts in a row before this one failed with the same communication fault
+    before their first step: the count after ``previous_repeats`` once this attempt's
+    ``signature`` is known. Any step completed (or unknown), or another fault, resets it."""
+    if step_completed is not False or signature is None:
+        return 0
+    return previous_repeats + 1 if signature == previous else 0
+
+
+def backoff_delay(repeats: int, first_s: float, max_s: float, jitter: float) -> float:
+    """Seconds to wait before restarting after a communication fault repeated ``repeats`` times
+    in a row before the first step: 0 for none, then ``first_s`` doubled for each further
+    repeat, at most ``max_s``, less up to :data:`BACKOFF_JITTER` of it (``jitter`` in [0, 1))."""
+    if repeats < 1 or first_s <= 0 or max_s <= 0:
+        return 0.0
+    nominal = min(max_s, first_s * 2.0 ** min(repeats - 1, 60))
+    return nominal * (1.0 - BACKOFF_JITTER * min(max(jitter, 0.0), 1.0))
+
+
 def decide(facts: FailureFacts) -> Action:
     action = _decide(facts)
     return dataclasses.replace(action, checkpoint=checkpoint_source(facts))
@@ -257,6 +314,15 @@ def _decide(facts: FailureFacts) -> Action:
     cause = root_cause(facts.failures)
     what = cause.summary()
     same = repeated(facts) is not None
+    if cause.exception in UNRESTARTABLE_EXCEPTIONS:
+        return Action(
+            ActionKind.STOP,
+            f"cannot go on as launched, not restarted (a restart would fail the same way; "
+            f"{facts.max_restarts - facts.restarts_used} of --max-restarts {facts.max_restarts} "
+            f"left unused): {what}",
+            exit_code=1,
+            fails_again=True,
+        )
     if cause.failure_class is FailureClass.USER_CODE:
         left = facts.restart_on_user_error - facts.user_error_restarts_used
         if left > 0 and same:
@@ -296,10 +362,18 @@ def _decide(facts: FailureFacts) -> Action:
             f"{cause.failure_class.value}, in-process recovery {facts.restarts_used + 1} of "
             f"--max-restarts {facts.max_restarts}: {what}",
         )
+    wait = 0.0
+    if cause.failure_class is FailureClass.INFRASTRUCTURE:
+        wait = backoff_delay(facts.comm_repeats, facts.backoff_first_s, facts.backoff_max_s,
+                             facts.jitter)
+    waiting = (f" after a wait of {wait:.2f} s (the same communication fault before the first "
+               f"step {facts.comm_repeats + 1} times in a row: time for its cause to clear)"
+               if wait > 0 else "")
     return Action(
         ActionKind.RESTART_IN_PLACE,
         f"{cause.failure_class.value}, restart {facts.restarts_used + 1} of "
-        f"--max-restarts {facts.max_restarts}: {what}",
+        f"--max-restarts {facts.max_restarts}{waiting}: {what}",
+        wait_s=wait,
     )
 
 

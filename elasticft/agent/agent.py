@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +43,8 @@ from elasticft.addon.policy import (
     ActionKind,
     FailureFacts,
     FailureSignature,
+    comm_repeats,
+    comm_signature,
     decide,
     root_cause,
 )
@@ -73,6 +77,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RUN_DIR_ENV = "ELASTICFT_RUN_DIR"
+_HOST = socket.gethostname()
 NODE_ID_ENV = "ELASTICFT_NODE_ID"
 ROUND_ENV = "ELASTICFT_ROUND"
 ATTEMPT_ENV = "ELASTICFT_ATTEMPT"
@@ -140,6 +145,10 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         self._previous_failure: FailureSignature | None = None
         """The last attempt's failure, when that attempt completed no step (the policy's
         ``FailureFacts.previous_failure``)."""
+        self._previous_comm: FailureSignature | None = None
+        self._comm_repeats = 0
+        """The last attempt's communication fault before its first step, and how many attempts
+        in a row before it had the same (the policy's ``FailureFacts.comm_repeats``)."""
         self.warm_pool = warm_pool
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
         self.inprocess = InProcessCoordinator(run_dir / "inprocess" / node_id,
@@ -261,6 +270,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             attempt=self._attempt,
             round=self._round,
             pids={str(w.global_rank): w.pid for w in group.workers},
+            host=_HOST,
             local_ranks={str(w.global_rank): w.local_rank for w in group.workers},
             world_size=group.workers[0].world_size if group.workers else 0,
             warm_local_ranks=list(self.warm_ranks),
@@ -382,6 +392,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
                                       counted=False)
                     continue
                 if action.kind is ActionKind.RESTART_IN_PLACE:
+                    self._wait_before_restart(action)
                     self._restart(cause=action.reason)
                     continue
                 self._stop_workers(self._worker_group)
@@ -433,6 +444,15 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             facts = dataclasses.replace(facts, in_process=True)
         elif self._armed:
             logger.info("no in-process recovery: %s", why_not)
+        comm = comm_signature(root_cause(failures)) if failures else None
+        repeats = comm_repeats(self._previous_comm, self._comm_repeats, comm,
+                               facts.step_completed)
+        facts = dataclasses.replace(
+            facts, comm_repeats=repeats, jitter=random.random(),
+            backoff_first_s=self.options.agent.restart_backoff_s,
+            backoff_max_s=self.options.agent.restart_backoff_max_s)
+        self._previous_comm = comm if facts.step_completed is False else None
+        self._comm_repeats = repeats
         self._decided = failures
         action = decide(facts)
         signature = FailureSignature.of(root_cause(failures)) if failures else None
@@ -473,6 +493,18 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
                 )
             )
         return _without_collateral(tuple(records))
+
+    def _wait_before_restart(self, action: Action) -> None:
+        """The policy's wait before a restart (a communication fault that repeated before the
+        first step), logged and recorded as a ``backoff`` event."""
+        if action.wait_s <= 0:
+            return
+        logger.warning("waiting %.2f s before restart %d: the same communication fault before "
+                       "the first step %d times in a row; its cause may need time to clear",
+                       action.wait_s, self.restarts + 1, self._comm_repeats + 1)
+        self.events.emit("backoff", attempt=self._attempt, wait_s=round(action.wait_s, 3),
+                         repeats=self._comm_repeats, reason=action.reason)
+        time.sleep(action.wait_s)
 
     def _restart(self, cause: str, counted: bool = True) -> None:
         self._attempt += 1

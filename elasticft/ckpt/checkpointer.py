@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from elasticft.ckpt import durable
-from elasticft.ckpt.api import CheckpointError
+from elasticft.ckpt.api import CheckpointError, StateMismatch
 from elasticft.ckpt.control import (
     ControlWatcher,
     announce_dir,
@@ -301,7 +301,17 @@ class Checkpointer:
         from elasticft.ckpt.state import LiveState
 
         self._wait_inflight()
-        return self._report_loaded(lambda: self._loader.load(LiveState(model, optimizer)))
+        try:
+            return self._report_loaded(lambda: self._loader.load(LiveState(model, optimizer)))
+        except StateMismatch as e:
+            # Another model than the checkpoint's (a relaunch whose arguments changed its
+            # shapes): the agent stops the run at once (elasticft.addon.policy); say how to go on.
+            if not self.settings.agent_owned:
+                raise
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+            raise StateMismatch(f"run {run_id}: {e}; start this run over with elasticft-run "
+                                "--fresh (its checkpoints are removed), or give it another "
+                                "--run-dir") from None
 
     def _report_loaded(self, load: Callable[[], _Loaded | None]) -> _Loaded | None:
         """``load()``; the agent hears of it once the first optimizer step after it is over,

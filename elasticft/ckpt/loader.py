@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elasticft.ckpt import durable, reshard
-from elasticft.ckpt.api import CheckpointError, Snapshot, Tier
+from elasticft.ckpt.api import CheckpointError, Snapshot, StateMismatch, Tier
 from elasticft.ckpt.peer import PeerClient, PeerTier
 from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
 from elasticft.ckpt.settings import WorkerSettings
@@ -104,7 +104,13 @@ class SnapshotLoader:
                         if live is None:
                             return step, unflatten(snapshot.manifest, snapshot.payload,
                                                    copy=False, replicas=replicas)
-                        return step, live.apply(snapshot.manifest, snapshot.payload, replicas)
+                        try:
+                            return step, live.apply(snapshot.manifest, snapshot.payload,
+                                                    replicas)
+                        except StateMismatch as e:
+                            raise StateMismatch(
+                                f"cannot restore the checkpoint of step {step} "
+                                f"({self.last_where}) into this model: {e}") from None
             excluded.add(step)
 
     def _reshard(self, tiers: list[Tier], live: Any) -> Any:

@@ -260,7 +260,7 @@ class CheckpointService(AgentCollaborator):
             return
         if first in reports:
             report = reports[first]
-            logger.info("%s", restore_line(report))
+            logger.info("run %s: %s", group.run_id, restore_line(report))
             self._event(group, "restore", step=report.get("step"),
                         source=report.get("source"), where=report.get("where"),
                         restart_count=group.restart_count)

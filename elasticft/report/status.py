@@ -3,10 +3,12 @@
 With ``--rdzv-id`` it shows the rendezvous membership (round, leader, participants, standbys and
 the blacklist, read from etcd with the connection flags of ``elasticft-run``:
 ``--rdzv-endpoint``, ``--rdzv-conf``, or ``PET_RDZV_ENDPOINT`` / ``PET_RDZV_CONF`` /
-``PET_RDZV_ID``). With ``--run-dir DIR`` it adds what the run's event log says now: the newest
-diagnostics detections, each node's NCCL shim self-check and the snapshots skipped (alone, for a
-``--standalone`` run without etcd, it shows only those). It lives with the report because, like
-the report, it reads what every subsystem wrote; rendezvous keeps only its own commands.
+``PET_RDZV_ID``). With ``--run-dir DIR`` it adds what the run's event log says now: each rank's
+pid and host (the way to find a rank's process: a warm-started worker's ``/proc/<pid>/environ``
+does not hold its ``RANK``), the newest diagnostics detections, each node's NCCL shim self-check
+and the snapshots skipped (alone, for a ``--standalone`` run without etcd, it shows only those).
+It lives with the report because, like the report, it reads what every subsystem wrote;
+rendezvous keeps only its own commands.
 """
 
 from __future__ import annotations
@@ -31,15 +33,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status = subparsers.add_parser(
         "status",
         help="a job's round, leader, participants, standbys and the blacklist (etcd); with "
-        "--run-dir, its newest diagnostics detections",
+        "--run-dir, each rank's pid and host and the newest diagnostics detections",
     )
     status.add_argument(
         "--rdzv-id", default=os.environ.get("PET_RDZV_ID", ""), help="the job id (env PET_RDZV_ID)"
     )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument(
-        "--run-dir", type=Path, help="also show the newest diagnostics detections of this run "
-        "(its --run-dir); alone, without --rdzv-id, only those"
+        "--run-dir", type=Path, help="also show each rank's pid and host and the newest "
+        "diagnostics detections of this run (its --run-dir); alone, without --rdzv-id, only those"
     )
     status.add_argument(
         "--detections", type=int, default=10, metavar="N", help="how many detections (default 10)"
@@ -93,6 +95,37 @@ def format_detections(detections: list[dict[str, Any]], run_dir: Path) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.get("time", 0.0)))
         lines.append(f"  {when}  {event.get('node', '?')}  {event.get('detector', '?')}: "
                      f"{event.get('message', '')}")
+    return "\n".join(lines)
+
+
+def worker_processes(run_dir: Path) -> list[dict[str, Any]]:
+    """Each node's newest workers (its last ``workers_started`` event): node, host, attempt,
+    rank → pid, and whether that node's agent has ended since. Warm-started workers carry their
+    rank in the environment Python sees, not in ``/proc/<pid>/environ``: this is how a rank's
+    process is found."""
+    newest: dict[str, dict[str, Any]] = {}
+    for event in read_events(run_dir):
+        node = str(event.get("node", "?"))
+        if event.get("kind") == "workers_started":
+            newest[node] = {
+                "node": node, "host": event.get("host", node), "attempt": event.get("attempt"),
+                "pids": {int(rank): int(pid) for rank, pid in (event.get("pids") or {}).items()},
+                "ended": False}
+        elif event.get("kind") == "run_end" and node in newest:
+            newest[node]["ended"] = True
+    return sorted(newest.values(), key=lambda w: min(w["pids"], default=0))
+
+
+def format_worker_processes(found: list[dict[str, Any]]) -> str:
+    if not found:
+        return "workers: none started yet"
+    lines = ["workers (rank: pid on host):"]
+    for workers in found:
+        ended = ", ended" if workers["ended"] else ""
+        lines.append(f"  node {workers['node']} (host {workers['host']}, attempt "
+                     f"{workers['attempt']}{ended})")
+        lines.extend(f"    rank {rank}: pid {pid} on {workers['host']}"
+                     for rank, pid in sorted(workers["pids"].items()))
     return "\n".join(lines)
 
 
@@ -172,6 +205,8 @@ def _status(args: argparse.Namespace) -> int:
         output.update(status.to_json())
         text.append(format_status(status))
     if args.run_dir is not None:
+        output["workers"] = processes = worker_processes(args.run_dir)
+        text.append(format_worker_processes(processes))
         detections = recent_detections(args.run_dir, args.detections)
         output["detections"] = [
             {k: e.get(k) for k in ("time", "node", "detector", "message")} for e in detections

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 import elasticft
-from elasticft.addon.classify import FailureClass, classify_exit, parse_traceback
+from elasticft.addon.classify import (
+    FailureClass,
+    classify_exception,
+    classify_exit,
+    parse_traceback,
+)
 
 USER_TRACEBACK = """\
 [rank1]: Traceback (most recent call last):
@@ -154,3 +159,19 @@ def test_whose_code_raised(frames: tuple[Path | str, ...], error: str, cls: Fail
     assert record.location is not None and record.location.startswith(str(frames[-1]))
     if record.user_frame and record.user_frame != record.location:
         assert f"(called from {record.user_frame})" in record.summary()
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_the_users_launch() -> None:
+    text = ('Traceback (most recent call last):\n'
+            '  File "/job/train.py", line 94, in main\n'
+            '    ckpt.restore(model, optim)\n'
+            f'  File "{Path(elasticft.__file__).parent / "ckpt" / "checkpointer.py"}", line 3, '
+            'in restore\n'
+            "elasticft.ckpt.api.StateMismatch: run r: cannot restore the checkpoint of step 6 "
+            "(/c) into this model: checkpoint item 'model.pos' is ...; start this run over with "
+            "elasticft-run --fresh\n")
+    info = parse_traceback(text)
+    assert info is not None and info.type_name == "StateMismatch"
+    assert info.message.startswith("run r: cannot restore")
+    # Raised in elasticft's restore, yet no fault of elasticft's: the launch must change.
+    assert classify_exception(info) is FailureClass.USER_CODE

@@ -3,6 +3,7 @@ the reason in the launcher's log, the event log and ``elasticft report``; real g
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -53,3 +54,43 @@ def test_a_failure_that_repeats_before_the_first_step_stops(
 
 def _line_of(path: Path, text: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+RESET_AFTER_INIT = Path(__file__).parent / "workers" / "reset_after_init.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_communication_fault_that_repeats_before_the_first_step_waits_longer_each_time(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "3", "--monitor-interval", "0.2", "--restart-backoff-s", "0.4",
+         "--restart-backoff-max-s", "5", "--run-dir", str(run_dir), str(RESET_AFTER_INIT)],
+        env=job_env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-5000:]
+    # Restarted until --max-restarts is spent (a communication fault may clear: no repeat stop).
+    assert "with 3 restart(s)" in proc.stderr, proc.stderr[-5000:]
+    assert "ConnectionResetError: connection reset by peer while loading shard 3" in proc.stderr
+
+    # The first fault is restarted at once; each repeat waits, longer each time, and says so.
+    logged = [(float(m[0]), int(m[1]), int(m[2])) for m in re.findall(
+        r"waiting (\d+\.\d+) s before restart (\d+): the same communication fault before the "
+        r"first step (\d+) times in a row", proc.stderr)]
+    assert [(restart, times) for _, restart, times in logged] == [(2, 2), (3, 3)], proc.stderr
+    waits = [wait for wait, _, _ in logged]
+    assert 0.3 <= waits[0] <= 0.4 and 0.6 <= waits[1] <= 0.8 and waits[1] > waits[0]
+
+    events = read_events(run_dir)
+    backoffs = [e for e in events if e["kind"] == "backoff"]
+    assert [e["wait_s"] for e in backoffs] == pytest.approx(waits, abs=0.01)
+    assert [e["repeats"] for e in backoffs] == [1, 2]
+    assert all("ConnectionResetError" in e["reason"] for e in backoffs)
+    # The wait lies between the decision and the next attempt's workers.
+    for backoff in backoffs:
+        decided = max(e["mono"] for e in events
+                      if e["kind"] == "decision" and e["mono"] <= backoff["mono"])
+        started = min(e["mono"] for e in events
+                      if e["kind"] == "workers_started" and e["mono"] > backoff["mono"])
+        assert started - decided >= backoff["wait_s"]

@@ -184,3 +184,68 @@ def test_a_relaunch_with_the_scripts_ckpt_dir_resumes_from_it_and_fresh_starts_o
     fresh = _launch(tmp_path, job_env, [*_command("--fresh"), *command[len(_command()):]])
     assert "no checkpoint to resume from" in _agent_line(fresh)
     assert _trained(fresh) == list(range(1, 13))
+
+
+def _launch_failing(cwd: Path, env: dict[str, str], command: list[str]) -> str:
+    out = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-4000:]
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_a_relaunch_told_to_train_longer_resumes_another_model_stops_and_fresh_starts_over(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    """The most common relaunch: the same job with other arguments, in the same directory,
+    with default options (the script leaves its checkpoints to elasticft-run)."""
+    first = _launch(tmp_path, job_env, [*_command(), TRAIN, "--steps", "20", "--layers", "1"])
+    assert _trained(first) == list(range(1, 21))
+    (run_dir,) = (tmp_path / "elasticft-runs").iterdir()
+    run_id = run_dir.name
+
+    longer = _launch(tmp_path, job_env, [*_command(), TRAIN, "--steps", "30", "--layers", "1"])
+    assert list((tmp_path / "elasticft-runs").iterdir()) == [run_dir], "the same job's home"
+    relaunch = next(line for line in longer.splitlines() if "relaunch of run" in line)
+    assert relaunch.endswith(
+        f"relaunch of run {run_id}: resumes from its newest checkpoint, step 20 in "
+        f"{run_dir / 'ckpt'}; script arguments changed since the last launch: --steps 20 -> 30; "
+        "--fresh starts over"), relaunch
+    assert _agent_line(longer).endswith(
+        f"run {run_id}: resumed from step 20 in {run_dir / 'ckpt'} (local checkpoint directory)")
+    assert _trained(longer) == list(range(21, 31))
+
+    # Another model size: the checkpoint cannot be restored; the run stops at once, in one line
+    # naming the run, the first tensor that does not fit and --fresh, with no restart spent.
+    other_model = [TRAIN, "--steps", "5", "--layers", "1", "--dim", "32"]
+    stopped = _launch_failing(tmp_path, job_env, [*_command("--max-restarts", "3"),
+                                                  *other_model])
+    (decision,) = [line for line in stopped.splitlines() if "decision: stop" in line]
+    assert re.search(
+        rf"not restarted \(a restart would fail the same way; 3 of --max-restarts 3 left "
+        rf"unused\): rank \d \(user_code\) StateMismatch: run {run_id}: cannot restore the "
+        rf"checkpoint of step 30 \({re.escape(str(run_dir / 'ckpt'))}\) into this model: "
+        r"checkpoint item 'model\.\w+' is a whole tensor of shape \[\d+, 64\]; the live one is "
+        r"a whole tensor of shape \[\d+, 32\].*start this run over with elasticft-run --fresh",
+        decision), decision
+    assert "with 0 restart(s)" in stopped
+    assert "--steps 30 -> 5, --dim 32 added" in stopped
+    assert max(durable.committed_steps(run_dir / "ckpt")) == 30, "nothing removed without --fresh"
+
+    # Started over on purpose: that model trains from step 1.
+    fresh = _launch(tmp_path, job_env, [*_command("--fresh"), *other_model])
+    assert f"relaunch of run {run_id} with --fresh: starts from step 0" in fresh
+    assert "no checkpoint to resume from" in _agent_line(fresh)
+    assert _trained(fresh) == list(range(1, 6))
+
+    # On another number of workers it is another job, which starts from step 0, not silently.
+    one = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "1",
+           "--monitor-interval", "0.2", TRAIN, "--steps", "2", "--layers", "1", "--dim", "32"]
+    alone = _launch(tmp_path, job_env, one)
+    warning = next(line for line in alone.splitlines() if "starts from step 0, but" in line)
+    assert warning.endswith(
+        f"the same script has a checkpoint (step 5) in {run_dir}, run {run_id} (--nnodes 1:1 "
+        f"--nproc-per-node 2; this launch: --nnodes 1:1 --nproc-per-node 1): another job. To "
+        f"continue that one, give --run-dir {run_dir} (its checkpoint is resharded to this "
+        "number of workers)"), warning
+    assert _trained(alone) == [1, 2]
