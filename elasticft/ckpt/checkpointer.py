@@ -213,6 +213,8 @@ class Checkpointer:
                                        values_json=layout.values_json), cached[3]
         prepared = self._deduplicate(layout, guarded) if self.dedup_replicas else layout
         flags = tuple(_storage_key(e.tensor) in guarded for e in prepared.tensors)
+        prepared = dataclasses.replace(
+            prepared, guarded_items=tuple(i for i, flag in enumerate(flags) if flag))
         self._prepared = (layout.tensors, guarded, prepared, flags)
         return prepared, flags
 
