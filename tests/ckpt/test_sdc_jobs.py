@@ -99,6 +99,13 @@ def test_a_bit_flipped_in_one_of_four_ddp_ranks_is_named_within_one_interval(
     assert sorted(digests) == [0, 1, 2, 3]
     assert len({digests[0], digests[1], digests[3]}) == 1 and digests[2] != digests[0]
     assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [2] for e in events)
+    status = subprocess.run([str(Path(sys.executable).parent / "elasticft"), "status",
+                             "--run-dir", str(tmp_path / "events")],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert (f"silent data corruption: {len(events)} suspect, 0 undecidable (last: step "
+            in status.stdout)
+    assert "rank(s) [2] on ['n0']" in status.stdout
 
 
 @pytest.mark.slow
