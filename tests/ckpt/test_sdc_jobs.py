@@ -3,6 +3,7 @@ service: a bit flipped in one rank's parameters is named from the snapshots' fin
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,13 +15,13 @@ import pytest
 from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
-from elasticft.events import read_events
+from elasticft.events import EventLog, read_events
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# DDP on a tiny model; after the optimizer step of step FLIP_STEP, rank FLIP_RANK flips the lowest
-# bit of one weight (what a device that computes a wrong value leaves behind). Each step waits a
+# DDP on a tiny model; after the optimizer step of step FLIP_STEP, rank FLIP_RANK flips mantissa
+# bit 16 of one weight (what a device that computes a wrong value leaves behind). Each step waits a
 # moment, as a real step would take.
 _WORKER = textwrap.dedent("""
     import os, time, torch, torch.distributed as dist
@@ -34,14 +35,14 @@ _WORKER = textwrap.dedent("""
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = Checkpointer.from_env(optimizers=[optim])
     flip_rank, flip_step = int(os.environ["FLIP_RANK"]), int(os.environ["FLIP_STEP"])
-    for step in range(1, 7):
+    for step in range(1, int(os.environ["STEPS"]) + 1):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
         model(x).pow(2).mean().backward()
         optim.step()
         optim.zero_grad()
         if rank == flip_rank and step == flip_step:
             with torch.no_grad():
-                model.module[0].weight.view(-1).view(torch.int32)[3] ^= 1
+                model.module[0].weight.view(-1).view(torch.int32)[3] ^= 1 << 16
         ckpt.save(step, capture(model, optim, {"step": step})).wait()
         dist.barrier()
         time.sleep(float(os.environ["STEP_S"]))
@@ -50,7 +51,7 @@ _WORKER = textwrap.dedent("""
 
 
 def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
-         every: int = 2) -> list[dict]:
+         every: int = 2, chaos_rank: int | None = None) -> list[dict]:
     service = CheckpointService(CheckpointConfig(ckpt_persist_every=0,
                                                  ckpt_fingerprint_every=every),
                                 event_dir=tmp_path / "events")
@@ -66,13 +67,31 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
             env = dict(job_env, **service.worker_env(group, worker), RANK=str(worker.global_rank),
                        LOCAL_RANK=str(worker.local_rank), WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
-                       FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="1.0")
+                       FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="1.0",
+                       STEPS="6" if chaos_rank is None else "9")
             procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, cwd=ROOT))
+        if chaos_rank is not None:
+            # What elasticft-run logs, so that `elasticft chaos` finds the workers' pids.
+            log = EventLog(tmp_path / "agent", "n0")
+            log.emit("run_start", run_id="sdc-test")
+            log.emit("workers_started", pids={str(r): p.pid for r, p in enumerate(procs)})
+            log.close()
+        chaos = None
         deadline = time.monotonic() + 150
         while any(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the job did not finish"
             service.check(group)
+            if (chaos_rank is not None and chaos is None
+                    and (service.newest_common_step(group) or 0) >= 2):
+                chaos = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "elasticft"), "chaos", "bitflip",
+                     "--run-dir", str(tmp_path), "--rank", str(chaos_rank)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             time.sleep(0.05)
+        if chaos is not None:
+            out, err = chaos.communicate(timeout=60)
+            assert chaos.returncode == 0, err
+            (tmp_path / "chaos.out").write_text(out)
         assert [p.returncode for p in procs] == [0] * world
         service.check(group)
         service.fingerprints.wait(30)
@@ -120,3 +139,19 @@ def test_two_replicas_that_differ_are_reported_undecidable(tmp_path: Path, job_e
     # A second reading of the same snapshots gives the same bytes (the memory is sound): the
     # finding stays undecidable, nobody is named on the bytes alone.
     assert not [e for e in events if e["kind"] == "sdc_suspect"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_chaos_bitflip_reaches_the_live_worker_and_is_named(tmp_path: Path, job_env) -> None:
+    events = _run(tmp_path, job_env, world=4, flip_rank=-1, chaos_rank=1)
+    said = (tmp_path / "chaos.out").read_text()
+    match = re.search(r"flipped one bit of rank 1's parameter of shape \[16, 8\] before its "
+                      r"save of step (\d+)", said)
+    assert match, said
+    flipped = int(match.group(1))
+    assert events, "no sdc event"
+    first = events[0]
+    assert first["kind"] == "sdc_suspect" and first["ranks"] == [1]
+    assert first["step"] == flipped + flipped % 2   # the first fingerprinted step (every 2)
+    assert first["items"] == ["model.0.weight"]
