@@ -50,8 +50,41 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+# HSDP on a (replicate=2, shard=2) mesh: ranks 0 and 2 hold one half of every parameter, ranks
+# 1 and 3 the other. After step FLIP_STEP, rank FLIP_RANK flips a bit of its local shard.
+_HSDP_WORKER = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from elasticft.ckpt import Checkpointer
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    flip_rank, flip_step = int(os.environ["FLIP_RANK"]), int(os.environ["FLIP_STEP"])
+    for step in range(1, int(os.environ["STEPS"]) + 1):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        if rank == flip_rank and step == flip_step:
+            with torch.no_grad():
+                model[0].weight.to_local().view(-1).view(torch.int32)[3] ^= 1 << 16
+        model_sd, optim_sd = get_state_dict(model, optim)
+        ckpt.save(step, {"model": model_sd, "optim": optim_sd, "extra": {"step": step}}).wait()
+        dist.barrier()
+        time.sleep(float(os.environ["STEP_S"]))
+    dist.barrier()
+""")
+
+
 def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
-         every: int = 2, chaos_rank: int | None = None) -> list[dict]:
+         every: int = 2, chaos_rank: int | None = None, script: str = _WORKER) -> list[dict]:
     service = CheckpointService(CheckpointConfig(ckpt_persist_every=0,
                                                  ckpt_fingerprint_every=every),
                                 event_dir=tmp_path / "events")
@@ -69,7 +102,7 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
                        FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="1.0",
                        STEPS="6" if chaos_rank is None else "9")
-            procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, cwd=ROOT))
+            procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, cwd=ROOT))
         if chaos_rank is not None:
             # What elasticft-run logs, so that `elasticft chaos` finds the workers' pids.
             log = EventLog(tmp_path / "agent", "n0")
@@ -155,3 +188,18 @@ def test_chaos_bitflip_reaches_the_live_worker_and_is_named(tmp_path: Path, job_
     assert first["kind"] == "sdc_suspect" and first["ranks"] == [1]
     assert first["step"] == flipped + flipped % 2   # the first fingerprinted step (every 2)
     assert first["items"] == ["model.0.weight"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_hsdp_compares_the_replicate_dimension_not_the_shard_dimension(
+        tmp_path: Path, job_env) -> None:
+    events = _run(tmp_path, job_env, world=4, flip_rank=3, script=_HSDP_WORKER)
+    # The shards differ by nature (ranks 0 and 1 hold different halves) and raise nothing; rank
+    # 3's replica set is {1, 3}, two replicas: undecidable, and only that set.
+    assert events, "no sdc event"
+    assert {e["kind"] for e in events} == {"sdc_undecidable"}
+    assert all(e["ranks"] == [1, 3] for e in events)
+    assert events[0]["step"] == 4
+    sets = {fp["rank"]: fp["replica_set"] for fp in events[0]["fingerprints"]}
+    assert sorted(sets) == [1, 3] and sets[1] == sets[3]
