@@ -10,13 +10,17 @@ that (:func:`elasticft.ckpt.sdc.decide_undecided`), an ``sdc_suspect`` event whe
 side. The training processes do nothing for it: their snapshot is already in memory, and the
 hashing runs in the agent's process.
 
-The watch compares the ranks of this node (a node's workers are data-parallel replicas when
-the job is data parallel within a node). :attr:`agreed_step` is the newest step at which every
-fingerprint agreed.
+Across nodes the fingerprints go through the round's store, which the round's leader serves:
+every node sets ``elasticft.sdc.<step>.<group rank>`` (its ranks' fingerprints and its node id),
+and the leader's watch waits for every node's key of that step (at most
+``gather_timeout_s``, checking without blocking), compares the whole job's replica sets and
+removes the keys. Only the leader reports then. In a one-node job the node compares its own
+ranks. :attr:`agreed_step` is the newest step at which every fingerprint agreed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -47,10 +51,14 @@ class FingerprintWatch:
         self.checks = 0
         self.findings: list[Finding] = []
         """Every finding that was not an agreement, in order."""
+        self.store: Any = None
+        """The round's store (set by the service at every rendezvous); None: this node only."""
+        self.gather_timeout_s = 30.0
 
     def tick(self, group: GroupInfo) -> None:
-        """Starts the check of the newest due step every local worker holds, unless one runs."""
-        if self.every <= 0 or len(group.workers) < 2:
+        """Starts the check of the next due step every local worker holds, unless one runs."""
+        alone = self.store is None or group.group_world_size < 2
+        if self.every <= 0 or (alone and len(group.workers) < 2):
             return
         if self._thread is not None and self._thread.is_alive():
             return
@@ -58,7 +66,9 @@ class FingerprintWatch:
                if s % self.every == 0 and s > self._checked]
         if not due:
             return
-        step = max(due)
+        # The oldest due step still held, not the newest: every node then checks the same
+        # steps in the same order, and the leader finds each node's fingerprints of them.
+        step = min(due)
         self._checked = step
         self._thread = threading.Thread(target=self._check, args=(group, step),
                                         name="elasticft-fingerprints", daemon=True)
@@ -89,6 +99,11 @@ class FingerprintWatch:
             started = time.monotonic()
             fps = self.fingerprints(group, step)
             nodes = {w.global_rank: group.node_id for w in group.workers}
+            if self.store is not None and group.group_world_size > 1:
+                gathered = self._gather(group, step, fps)
+                if gathered is None:
+                    return  # another node compares
+                fps, nodes = gathered
             findings = compare(fps, nodes)
             self.checks += 1
             took = time.monotonic() - started
@@ -99,7 +114,7 @@ class FingerprintWatch:
                 if finding.kind is Verdict.AGREE:
                     continue
                 self._report(finding, fps)
-                if finding.kind is Verdict.UNDECIDABLE:
+                if finding.kind is Verdict.UNDECIDABLE and self._local(finding, group):
                     again = {f.rank: f.digest for f in self.fingerprints(group, step)}
                     decided = decide_undecided(
                         finding, {r: again.get(r) for r in finding.suspects}, {})
@@ -107,6 +122,45 @@ class FingerprintWatch:
                         self._report(decided, fps)
         except Exception:  # a diagnosis must never take the agent down
             logger.exception("fingerprint check of step %d failed", step)
+
+    @staticmethod
+    def _local(finding: Finding, group: GroupInfo) -> bool:
+        """Whether every rank of ``finding`` is this node's (its snapshots can be read again)."""
+        return set(finding.suspects) <= {w.global_rank for w in group.workers}
+
+    def _gather(self, group: GroupInfo, step: int, fps: list[Fingerprint]
+                ) -> tuple[list[Fingerprint], dict[int, str]] | None:
+        """Publishes this node's fingerprints of ``step``; on the leader, every node's (None
+        on the other nodes). A node that has not published in time is left out."""
+        store = self.store
+        mine = {"node": group.node_id,
+                "fingerprints": [dict(f.to_json(), world_size=f.world_size,
+                                      items=[list(i) for i in f.items]) for f in fps]}
+        store.set(_key(step, group.group_rank), json.dumps(mine))
+        if group.group_rank != 0:
+            return None
+        keys = [_key(step, r) for r in range(group.group_world_size)]
+        deadline = time.monotonic() + self.gather_timeout_s
+        present = [k for k in keys if store.check([k])]
+        while len(present) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            present = [k for k in keys if store.check([k])]
+        if len(present) < len(keys):
+            logger.warning("fingerprints of step %d: %d of %d nodes published in %.0f s; "
+                           "comparing those", step, len(present), len(keys),
+                           self.gather_timeout_s)
+        gathered: list[Fingerprint] = []
+        nodes: dict[int, str] = {}
+        for key in present:
+            record = json.loads(store.get(key))
+            for f in record["fingerprints"]:
+                gathered.append(Fingerprint(
+                    rank=f["rank"], step=f["step"], world_size=f["world_size"],
+                    replica_set=f["replica_set"], digest=f["digest"],
+                    items=tuple((str(n), int(c)) for n, c in f["items"]), nbytes=f["nbytes"]))
+                nodes[f["rank"]] = record["node"]
+            store.delete_key(key)
+        return gathered, nodes
 
     def _report(self, finding: Finding, fps: list[Fingerprint]) -> None:
         self.findings.append(finding)
@@ -119,3 +173,7 @@ class FingerprintWatch:
         self._emit(kind, step=finding.step, ranks=list(finding.suspects),
                    nodes=list(finding.nodes), reason=finding.reason,
                    items=list(finding.items)[:20], fingerprints=evidence)
+
+
+def _key(step: int, group_rank: int) -> str:
+    return f"elasticft.sdc.{step}.{group_rank}"

@@ -177,6 +177,7 @@ class CheckpointService(AgentCollaborator):
 
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
+        self.fingerprints.store = store
         if not self.config.ckpt_peer_backup or group.group_world_size < 2 or store is None:
             return
         try:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
 
 from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.ckpt.service import CheckpointService
@@ -84,25 +85,44 @@ _HSDP_WORKER = textwrap.dedent("""
 
 
 def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
-         every: int = 2, chaos_rank: int | None = None, script: str = _WORKER) -> list[dict]:
-    service = CheckpointService(CheckpointConfig(ckpt_persist_every=0,
-                                                 ckpt_fingerprint_every=every),
-                                event_dir=tmp_path / "events")
-    workers = tuple(WorkerInfo(local_rank=r, global_rank=r, world_size=world)
-                    for r in range(world))
-    group = GroupInfo(run_id="sdc-test", node_id="n0", run_dir=tmp_path, round=0, group_rank=0,
-                      group_world_size=1, restart_count=0, workers=workers)
+         every: int = 2, chaos_rank: int | None = None, script: str = _WORKER,
+         nodes: int = 1) -> list[dict]:
+    """Runs ``world`` workers on ``nodes`` checkpoint services (agents' stand-ins in this
+    process; with several, joined by a TCPStore as the round's store), ticking them as an
+    agent's monitor does; the sdc events they logged."""
+    per_node = world // nodes
+    services, groups = [], []
+    stores: list = []
+    if nodes > 1:
+        stores.append(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+        stores += [TCPStore("127.0.0.1", stores[0].port, is_master=False)
+                   for _ in range(nodes - 1)]
+    for n in range(nodes):
+        services.append(CheckpointService(
+            CheckpointConfig(ckpt_persist_every=0, ckpt_fingerprint_every=every,
+                             ckpt_peer_backup=False),
+            event_dir=tmp_path / "events" / f"n{n}"))
+        workers = tuple(WorkerInfo(local_rank=r, global_rank=n * per_node + r, world_size=world)
+                        for r in range(per_node))
+        groups.append(GroupInfo(run_id="sdc-test", node_id=f"n{n}",
+                                run_dir=tmp_path if nodes == 1 else tmp_path / f"n{n}",
+                                round=0, group_rank=n, group_world_size=nodes, restart_count=0,
+                                workers=workers))
     procs = []
     port = free_port()
     try:
-        service.on_workers_started(group)
-        for worker in workers:
-            env = dict(job_env, **service.worker_env(group, worker), RANK=str(worker.global_rank),
-                       LOCAL_RANK=str(worker.local_rank), WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
-                       FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="1.0",
-                       STEPS="6" if chaos_rank is None else "9")
-            procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, cwd=ROOT))
+        for service, group in zip(services, groups, strict=True):
+            service.on_rendezvous(group, stores[group.group_rank] if stores else None)
+            service.on_workers_started(group)
+            for worker in group.workers:
+                env = dict(job_env, **service.worker_env(group, worker),
+                           RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
+                           WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
+                           FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="1.0",
+                           STEPS="6" if chaos_rank is None else "9")
+                procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
+                                              cwd=ROOT))
         if chaos_rank is not None:
             # What elasticft-run logs, so that `elasticft chaos` finds the workers' pids.
             log = EventLog(tmp_path / "agent", "n0")
@@ -113,9 +133,10 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
         deadline = time.monotonic() + 150
         while any(p.poll() is None for p in procs):
             assert time.monotonic() < deadline, "the job did not finish"
-            service.check(group)
+            for service, group in zip(services, groups, strict=True):
+                service.check(group)
             if (chaos_rank is not None and chaos is None
-                    and (service.newest_common_step(group) or 0) >= 2):
+                    and (services[0].newest_common_step(groups[0]) or 0) >= 2):
                 chaos = subprocess.Popen(
                     [str(Path(sys.executable).parent / "elasticft"), "chaos", "bitflip",
                      "--run-dir", str(tmp_path), "--rank", str(chaos_rank)],
@@ -126,13 +147,16 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
             assert chaos.returncode == 0, err
             (tmp_path / "chaos.out").write_text(out)
         assert [p.returncode for p in procs] == [0] * world
-        service.check(group)
-        service.fingerprints.wait(30)
+        for service, group in zip(services, groups, strict=True):
+            service.check(group)
+        for service in services:
+            service.fingerprints.wait(30)
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
-        service.close()
+        for service in services:
+            service.close()
     return [e for e in read_events(tmp_path / "events") if e["kind"].startswith("sdc_")]
 
 
@@ -203,3 +227,19 @@ def test_hsdp_compares_the_replicate_dimension_not_the_shard_dimension(
     assert events[0]["step"] == 4
     sets = {fp["rank"]: fp["replica_set"] for fp in events[0]["fingerprints"]}
     assert sorted(sets) == [1, 3] and sets[1] == sets[3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_replicas_on_two_nodes_are_compared_by_the_leader(tmp_path: Path, job_env) -> None:
+    # Two nodes of two ranks each; rank 3 (node n1) diverges. Neither node alone has a
+    # majority against it (n1 sees ranks 2 and 3 split): only the whole job's comparison on
+    # the leader names it.
+    events = _run(tmp_path, job_env, world=4, flip_rank=3, nodes=2)
+    assert events, "no sdc event"
+    first = events[0]
+    assert first["kind"] == "sdc_suspect"
+    assert (first["step"], first["ranks"], first["nodes"]) == (4, [3], ["n1"])
+    assert first["node"] == "n0", "the leader reports"
+    assert sorted(fp["rank"] for fp in first["fingerprints"]) == [0, 1, 2, 3]
+    assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [3] for e in events)
