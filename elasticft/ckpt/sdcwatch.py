@@ -11,7 +11,7 @@ side. The training processes do nothing for it: their snapshot is already in mem
 hashing runs in the agent's process.
 
 Across nodes the fingerprints go through the round's store, which the round's leader serves:
-every node sets ``elasticft.sdc.<step>.<group rank>`` (its ranks' fingerprints and its node id),
+every node sets ``elasticft.sdc.<round>.<step>.<group rank>`` (its ranks' fingerprints and its node id),
 and the leader's watch waits for every node's key of that step (at most
 ``gather_timeout_s``, checking without blocking), compares the whole job's replica sets and
 removes the keys. Only the leader reports then. In a one-node job the node compares its own
@@ -136,10 +136,10 @@ class FingerprintWatch:
         mine = {"node": group.node_id,
                 "fingerprints": [dict(f.to_json(), world_size=f.world_size,
                                       items=[list(i) for i in f.items]) for f in fps]}
-        store.set(_key(step, group.group_rank), json.dumps(mine))
+        store.set(_key(group.round, step, group.group_rank), json.dumps(mine))
         if group.group_rank != 0:
             return None
-        keys = [_key(step, r) for r in range(group.group_world_size)]
+        keys = [_key(group.round, step, r) for r in range(group.group_world_size)]
         deadline = time.monotonic() + self.gather_timeout_s
         present = [k for k in keys if store.check([k])]
         while len(present) < len(keys) and time.monotonic() < deadline:
@@ -175,5 +175,5 @@ class FingerprintWatch:
                    items=list(finding.items)[:20], fingerprints=evidence)
 
 
-def _key(step: int, group_rank: int) -> str:
-    return f"elasticft.sdc.{step}.{group_rank}"
+def _key(round_: int, step: int, group_rank: int) -> str:
+    return f"elasticft.sdc.{round_}.{step}.{group_rank}"

@@ -3,6 +3,7 @@ service: a bit flipped in one rank's parameters is named from the snapshots' fin
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -243,3 +244,48 @@ def test_replicas_on_two_nodes_are_compared_by_the_leader(tmp_path: Path, job_en
     assert first["node"] == "n0", "the leader reports"
     assert sorted(fp["rank"] for fp in first["fingerprints"]) == [0, 1, 2, 3]
     assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [3] for e in events)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_elasticft_run_names_the_rank_elasticft_chaos_flipped(tmp_path: Path, job_env) -> None:
+    """The whole path: elasticft-run with --ckpt-fingerprint-every, `elasticft chaos bitflip`
+    on a live rank, the event, `elasticft status` and `elasticft report`."""
+    script = tmp_path / "train.py"
+    script.write_text(_WORKER.replace(
+        "time.sleep(float(os.environ[\"STEP_S\"]))",
+        "time.sleep(float(os.environ[\"STEP_S\"]))\n"
+        "    if step == 2: open(os.environ[\"READY\"], \"a\").close()"))
+    assert "READY" in script.read_text()
+    run_dir = tmp_path / "run"
+    env = dict(job_env, PYTHONPATH=str(ROOT), FLIP_RANK="-1", FLIP_STEP="0", STEP_S="1.0",
+               STEPS="9", READY=str(tmp_path / "ready"))
+    bin_dir = Path(sys.executable).parent
+    chaos = subprocess.Popen(
+        [str(bin_dir / "elasticft"), "chaos", "bitflip", "--run-dir", str(run_dir), "--rank",
+         "3", "--when-exists", str(tmp_path / "ready"), "--timeout", "200"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run = subprocess.run(
+            [str(bin_dir / "elasticft-run"), "--standalone", "--nproc-per-node", "4",
+             "--monitor-interval", "0.2", "--run-dir", str(run_dir), "--ckpt-persist-every",
+             "0", "--ckpt-fingerprint-every", "2", str(script)],
+            env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out, err = chaos.communicate(timeout=60)
+    finally:
+        chaos.kill()
+        chaos.wait()
+    assert chaos.returncode == 0, err
+    flipped = int(re.search(r"before its save of step (\d+)", out).group(1))
+    events = [e for e in read_events(run_dir) if e["kind"].startswith("sdc_")]
+    assert events, run.stderr[-3000:]
+    assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [3] for e in events)
+    assert events[0]["step"] == flipped + flipped % 2
+    status = subprocess.run([str(bin_dir / "elasticft"), "status", "--run-dir", str(run_dir),
+                             "--json"], capture_output=True, text=True, timeout=60)
+    assert json.loads(status.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0}
+    report = subprocess.run([str(bin_dir / "elasticft"), "report", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0}
