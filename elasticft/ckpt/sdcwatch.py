@@ -11,8 +11,8 @@ side. The training processes do nothing for it: their snapshot is already in mem
 hashing runs in the agent's process.
 
 Across nodes the fingerprints go through the round's store, which the round's leader serves:
-every node sets ``elasticft.sdc.<round>.<step>.<group rank>`` (its ranks' fingerprints and its node id),
-and the leader's watch waits for every node's key of that step (at most
+every node sets ``elasticft.sdc.<round>.<step>.<group rank>`` (its ranks' fingerprints and its
+node id), and the leader's watch waits for every node's key of that step (at most
 ``gather_timeout_s``, checking without blocking), compares the whole job's replica sets and
 removes the keys. Only the leader reports then. In a one-node job the node compares its own
 ranks. :attr:`agreed_step` is the newest step at which every fingerprint agreed.
@@ -172,7 +172,8 @@ class FingerprintWatch:
                      finding.reason, list(finding.items)[:5])
         self._emit(kind, step=finding.step, ranks=list(finding.suspects),
                    nodes=list(finding.nodes), reason=finding.reason,
-                   items=list(finding.items)[:20], fingerprints=evidence)
+                   items=list(finding.items)[:20], agreed_step=self.agreed_step,
+                   fingerprints=evidence)
 
 
 def _key(round_: int, step: int, group_rank: int) -> str:

@@ -172,6 +172,7 @@ def test_a_bit_flipped_in_one_of_four_ddp_ranks_is_named_within_one_interval(
     assert first["kind"] == "sdc_suspect"
     assert (first["step"], first["ranks"], first["nodes"]) == (4, [2], ["n0"])
     assert first["items"] == ["model.0.weight"]
+    assert first["agreed_step"] == 2   # the newest step every fingerprint agreed: a clean restore
     digests = {fp["rank"]: fp["digest"] for fp in first["fingerprints"]}
     assert sorted(digests) == [0, 1, 2, 3]
     assert len({digests[0], digests[1], digests[3]}) == 1 and digests[2] != digests[0]
