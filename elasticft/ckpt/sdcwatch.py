@@ -54,6 +54,7 @@ class FingerprintWatch:
         self.store: Any = None
         """The round's store (set by the service at every rendezvous); None: this node only."""
         self.gather_timeout_s = 30.0
+        self._closing = threading.Event()
 
     def tick(self, group: GroupInfo) -> None:
         """Starts the check of the next due step every local worker holds, unless one runs."""
@@ -75,8 +76,15 @@ class FingerprintWatch:
         self._thread.start()
 
     def wait(self, timeout_s: float) -> None:
+        """Waits for the check under way, at most ``timeout_s``."""
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        """Ends the watch: a leader's wait for the other nodes stops now (at the end of a job
+        they may never publish), and the check under way gets ``timeout_s`` to finish."""
+        self._closing.set()
+        self.wait(timeout_s)
 
     def fingerprints(self, group: GroupInfo, step: int) -> list[Fingerprint]:
         """Each local worker's fingerprint of ``step`` (those whose snapshot still holds it)."""
@@ -142,12 +150,12 @@ class FingerprintWatch:
         keys = [_key(group.round, step, r) for r in range(group.group_world_size)]
         deadline = time.monotonic() + self.gather_timeout_s
         present = [k for k in keys if store.check([k])]
-        while len(present) < len(keys) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while (len(present) < len(keys) and time.monotonic() < deadline
+               and not self._closing.wait(0.1)):
             present = [k for k in keys if store.check([k])]
         if len(present) < len(keys):
-            logger.warning("fingerprints of step %d: %d of %d nodes published in %.0f s; "
-                           "comparing those", step, len(present), len(keys),
+            logger.warning("fingerprints of step %d: %d of %d nodes published within %.0f s "
+                           "(or before the end); comparing those", step, len(present), len(keys),
                            self.gather_timeout_s)
         gathered: list[Fingerprint] = []
         nodes: dict[int, str] = {}

@@ -372,7 +372,7 @@ class CheckpointService(AgentCollaborator):
     def close(self) -> None:
         group = self._group
         self._flush.wait()
-        self.fingerprints.wait(30.0)
+        self.fingerprints.close(10.0)
         self.persister.close()
         if group is not None:
             self._persist_final(group)
