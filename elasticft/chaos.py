@@ -13,7 +13,13 @@ job to see what recovery costs them; the demo and the tests use the same command
 ``netcut``         ``ip link set LINK down``, optionally inside a network namespace (root)
 ``kill-leader``    kill-node on the round's leader, read from the etcd-v3 rendezvous
 ``restart-etcd``   SIGTERM an etcd server and start it again with the same command line
+``bitflip``        flip one bit of one rank's parameters (silent data corruption)
 =================  ============================================================================
+
+``bitflip`` goes to the live worker through its checkpointer's control thread (the files of
+:mod:`elasticft.ckpt.control` in the run's ``ckpt-control`` directory): at its next save the
+worker flips one mantissa bit of the first element of its first parameter, and answers with the
+step. The fingerprint watch (``--ckpt-fingerprint-every``) should then name that rank.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 import psutil
 
+from elasticft.ckpt import control
 from elasticft.events import read_events
 
 
@@ -125,6 +132,30 @@ def slow_rank(run_dir: Path, rank: int, duty: float, period_s: float, duration_s
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     return cycles
+
+
+def bitflip_rank(run_dir: Path, rank: int, timeout_s: float) -> dict[str, Any]:
+    """Has ``rank``'s live worker flip one bit of its parameters at its next save; returns its
+    answer (the step and the tensor's shape) once it has."""
+    pid = worker_pid(run_dir, rank)
+    for record in sorted(run_dir.glob("ckpt-control/*/watching-l*.json")):
+        local_rank = int(record.stem.removeprefix("watching-l"))
+        if control.watching_pid(record.parent, local_rank) != pid:
+            continue
+        request_id = control.request_bitflip(record.parent, local_rank)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            answer = control.read_flipped(record.parent, local_rank, request_id)
+            if answer is not None:
+                if answer.get("error"):
+                    raise ChaosError(f"rank {rank} flipped nothing: {answer['error']}")
+                return answer
+            time.sleep(0.05)
+        raise ChaosError(f"rank {rank} (pid {pid}) took the bit-flip request but did not save "
+                         f"within {timeout_s:g} s; the flip happens at its next save")
+    raise ChaosError(f"rank {rank} (pid {pid}) has no checkpoint control thread in "
+                     f"{run_dir}/ckpt-control: a bit flip is delivered through the worker's "
+                     "elasticft.ckpt.Checkpointer under elasticft-run; make one in the script")
 
 
 def node_agent_pid(run_dir: Path, node: str) -> int:
@@ -236,6 +267,12 @@ def _slow(args: argparse.Namespace) -> str:
            f"{args.period:g} s)"
 
 
+def _bitflip(args: argparse.Namespace) -> str:
+    answer = bitflip_rank(args.run_dir, args.rank, args.save_timeout)
+    return (f"flipped one bit of rank {args.rank}'s parameter of shape {answer.get('shape')} "
+            f"before its save of step {answer.get('step')}")
+
+
 def _kill_node(args: argparse.Namespace) -> str:
     return f"killed node {args.node}: pids {kill_node(args.run_dir, args.node)}"
 
@@ -284,6 +321,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="seconds to keep slowing")
     _timing_args(p)
     p.set_defaults(handler=_run_fault, fault_action=_slow)
+    p = kinds.add_parser("bitflip", help="flip one bit of one rank's parameters (silent "
+                         "data corruption), at its next save")
+    p.add_argument("--run-dir", type=Path, required=True, help="the run's directory")
+    p.add_argument("--rank", type=int, default=0, help="global rank whose parameters to hit")
+    p.add_argument("--save-timeout", type=float, default=120.0,
+                   help="seconds to wait for the rank's next save")
+    _timing_args(p)
+    p.set_defaults(handler=_run_fault, fault_action=_bitflip)
     p = kinds.add_parser("kill-node", help="SIGKILL a node's agent and all its workers")
     p.add_argument("--run-dir", type=Path, required=True, help="the run's event directory")
     p.add_argument("--node", required=True, help="node id (as in the event log)")

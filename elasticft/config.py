@@ -491,6 +491,14 @@ class CheckpointConfig:
     ckpt_peer_secret: str | None = tuning(
         None, "Shared secret peer-backup connections must prove. Default: generated per job "
         "and handed out through the rendezvous store.")
+    ckpt_fingerprint_every: int = option(
+        0, "Every N-th step, fingerprint the replicated state (parameters and optimizer state) "
+        "of each worker's memory snapshot in the agent and compare the data-parallel replicas "
+        "of the job (on the round's leader): a rank that differs from the majority of its "
+        "replica set is an sdc_suspect event (silent data corruption); with two replicas "
+        "the finding is sdc_undecidable until a second reading decides it. Costs the agent "
+        "one read of the snapshot, the training processes nothing (0: off). Snapshots taken "
+        "with dedup_replicas have no fingerprint.", minimum=0)
     ckpt_flush_on_failure: bool = tuning(
         True, "When a worker fails, persist the newest complete snapshot before restarting.")
 

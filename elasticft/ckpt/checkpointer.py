@@ -38,6 +38,7 @@ from elasticft.ckpt.api import CheckpointError, StateMismatch
 from elasticft.ckpt.control import (
     ControlWatcher,
     announce_dir,
+    report_flipped,
     report_loaded,
     report_restored,
 )
@@ -108,13 +109,16 @@ class Checkpointer:
         self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step)
                        for opt in self.optimizers]
         self._watcher = (
-            ControlWatcher(settings.control_dir, settings.local_rank, self._answer_request)
+            ControlWatcher(settings.control_dir, settings.local_rank, self._answer_request,
+                           on_bitflip=self._take_bitflip)
             if settings.control_dir else None
         )
         if settings.control_dir is not None and settings.chosen_dir is not None:
             announce_dir(settings.control_dir, settings.local_rank, settings.chosen_dir)
         if settings.fresh_launch and settings.local_dir is not None:
             durable.start_fresh(settings.local_dir, settings.fresh_launch)
+        self._bitflip: str | None = None
+        """A pending ``elasticft chaos bitflip`` request's id, applied at the next save."""
         self._loaded_hook: Any = None
         """The one-shot optimizer-step hook that reports the first step after a load."""
         self._loaded_reported = threading.Event()
@@ -182,6 +186,8 @@ class Checkpointer:
         self._remove_loaded_hook()
         try:
             self._wait_inflight()
+            if self._bitflip is not None:
+                self._flip_one_bit(step)
             layout = self._flatten(state)
             if self._writer is None:
                 request.skipped = "no shared-memory tier (memory=False)"
@@ -213,6 +219,8 @@ class Checkpointer:
                                        values_json=layout.values_json), cached[3]
         prepared = self._deduplicate(layout, guarded) if self.dedup_replicas else layout
         flags = tuple(_storage_key(e.tensor) in guarded for e in prepared.tensors)
+        prepared = dataclasses.replace(
+            prepared, guarded_items=tuple(i for i, flag in enumerate(flags) if flag))
         self._prepared = (layout.tensors, guarded, prepared, flags)
         return prepared, flags
 
@@ -229,6 +237,33 @@ class Checkpointer:
             placement = place_replicas(layout, replicated, self.rank, self.world_size)
             self._placements = {key: placement}
         return deduplicated(layout, placement, self.rank)
+
+    def _take_bitflip(self, request_id: str) -> None:
+        """On the control thread: a bit flip was asked for (applied at the next save)."""
+        self._bitflip = request_id
+
+    def _flip_one_bit(self, step: int) -> None:
+        """Fault injection (``elasticft chaos bitflip``): flips one mantissa bit of the first
+        element of the first registered optimizer's first parameter, as a device that computed
+        a wrong value would leave it, and tells the asker which tensor and step."""
+        request_id, self._bitflip = self._bitflip, None
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        if request_id is None or self.settings.control_dir is None:
+            return
+        if not params:
+            report_flipped(self.settings.control_dir, self.settings.local_rank, request_id,
+                           error="no registered optimizer holds a parameter")
+            return
+        local = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
+        # A mantissa bit high enough that the next optimizer steps' rounding cannot undo it
+        # (bit 16 of a float32): the lowest bit of the second-highest byte of element 0.
+        byte = max(0, local.element_size() - 2)
+        with torch.no_grad():
+            local.detach().view(-1).view(torch.uint8)[byte] ^= 1
+        logger.warning("chaos: flipped one bit of parameter 0 (shape %s) before the save of "
+                       "step %d", list(local.shape), step)
+        report_flipped(self.settings.control_dir, self.settings.local_rank, request_id,
+                       step=step, rank=self.rank, shape=list(local.shape))
 
     def _guarded_storages(self) -> set[int]:
         """Storages only ``optimizer.step()`` changes: copied in the background."""

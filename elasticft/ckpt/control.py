@@ -52,6 +52,34 @@ def watching_pid(control_dir: Path, local_rank: int) -> int | None:
     return int(record["pid"]) if record and "pid" in record else None
 
 
+def bitflip_path(control_dir: Path, local_rank: int) -> Path:
+    """A request to flip one bit of the worker's parameters (``elasticft chaos bitflip``)."""
+    return control_dir / f"bitflip-l{local_rank}.json"
+
+
+def flipped_path(control_dir: Path, local_rank: int) -> Path:
+    """The worker's answer to a bit-flip request: the step and the tensor it flipped."""
+    return control_dir / f"flipped-l{local_rank}.json"
+
+
+def request_bitflip(control_dir: Path, local_rank: int) -> str:
+    """Asks the worker of ``local_rank`` to flip one bit of a parameter at its next save;
+    returns the request's id (its answer carries it, :func:`report_flipped`)."""
+    request_id = uuid.uuid4().hex
+    _write_json(bitflip_path(control_dir, local_rank), {"id": request_id, "time": time.time()})
+    return request_id
+
+
+def report_flipped(control_dir: Path, local_rank: int, request_id: str, **facts: object
+                   ) -> None:
+    _write_json(flipped_path(control_dir, local_rank), {"id": request_id, **facts})
+
+
+def read_flipped(control_dir: Path, local_rank: int, request_id: str) -> dict | None:
+    answer = _read_json(flipped_path(control_dir, local_rank))
+    return answer if answer and answer.get("id") == request_id else None
+
+
 def loaded_path(control_dir: Path, local_rank: int) -> Path:
     return control_dir / f"loaded-l{local_rank}.json"
 
@@ -250,14 +278,19 @@ class ControlWatcher:
         local_rank: int,
         respond: Callable[[str], int | None],
         poll_s: float = 0.05,
+        on_bitflip: Callable[[str], None] | None = None,
     ) -> None:
         self.control_dir = control_dir
         self.local_rank = local_rank
         self._respond = respond
         self._poll_s = poll_s
+        self._on_bitflip = on_bitflip
+        """Takes a bit-flip request's id (fault injection, :func:`request_bitflip`)."""
         self._stop = threading.Event()
         request = _read_json(control_dir / REQUEST)
         self._answered = request.get("id") if request else None  # a request from before us
+        flip = _read_json(bitflip_path(control_dir, local_rank))
+        self._flip_seen = flip.get("id") if flip else None
         with contextlib.suppress(OSError):
             _write_json(watcher_path(control_dir, local_rank), {"pid": os.getpid()})
         self._thread = threading.Thread(
@@ -267,6 +300,7 @@ class ControlWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
+            self._check_bitflip()
             request = _read_json(self.control_dir / REQUEST)
             if not request or request.get("id") == self._answered:
                 continue
@@ -278,6 +312,14 @@ class ControlWatcher:
                 logger.exception("checkpoint request failed")
                 answer.update(step=None, error=f"{type(e).__name__}: {e}")
             _write_json(ack_path(self.control_dir, self.local_rank), answer)
+
+    def _check_bitflip(self) -> None:
+        if self._on_bitflip is None:
+            return
+        flip = _read_json(bitflip_path(self.control_dir, self.local_rank))
+        if flip and flip.get("id") != self._flip_seen:
+            self._flip_seen = flip["id"]
+            self._on_bitflip(str(flip["id"]))
 
     def close(self) -> None:
         self._stop.set()

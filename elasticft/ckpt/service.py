@@ -26,6 +26,9 @@ joins the checkpoint engine's agent-side concepts to the agent's hooks:
   place, after the restarted workers' restore and first step.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
+* **Silent data corruption** (:mod:`elasticft.ckpt.sdcwatch`): every
+  ``ckpt_fingerprint_every``-th step, the workers' snapshots are fingerprinted and the
+  data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event.
 * **What each attempt resumed from**: one log line and a ``restore`` event; every save a
   worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
   log (``AddOnContext.events``). Where checkpoints persist:
@@ -75,6 +78,7 @@ from elasticft.ckpt.peer import (
 )
 from elasticft.ckpt.places import NodePlaces
 from elasticft.ckpt.replicas import Replicas
+from elasticft.ckpt.sdcwatch import FingerprintWatch
 from elasticft.ckpt.shm import SlotSet
 from elasticft.ckpt.slots import NodeSlots
 from elasticft.config import (
@@ -137,6 +141,8 @@ class CheckpointService(AgentCollaborator):
         self._flush = FailureFlush(self.persister)
         self.replicas = Replicas(self.slots, layout, lambda: self._group,
                                  self.places.default_root)
+        self.fingerprints = FingerprintWatch(self.slots, config.ckpt_fingerprint_every, layout,
+                                             self._group_event)
 
     # ------------------------------------------------------------------------------------------
     # Where things are.
@@ -165,8 +171,13 @@ class CheckpointService(AgentCollaborator):
                 self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         self._events.emit(kind, **payload)
 
+    def _group_event(self, kind: str, **payload: Any) -> None:
+        if self._group is not None:
+            self._event(self._group, kind, **payload)
+
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
+        self.fingerprints.store = store
         if not self.config.ckpt_peer_backup or group.group_world_size < 2 or store is None:
             return
         try:
@@ -248,6 +259,7 @@ class CheckpointService(AgentCollaborator):
                                          [w.local_rank for w in group.workers],
                                          lambda: self.newest_common_step(group))
         self.persister.tick(group)
+        self.fingerprints.tick(group)
 
     def _log_restores(self, group: GroupInfo) -> None:
         """One line (and a ``restore`` event) per attempt: what local rank 0 resumed from."""
@@ -360,6 +372,7 @@ class CheckpointService(AgentCollaborator):
     def close(self) -> None:
         group = self._group
         self._flush.wait()
+        self.fingerprints.close(10.0)
         self.persister.close()
         if group is not None:
             self._persist_final(group)

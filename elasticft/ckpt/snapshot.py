@@ -148,6 +148,10 @@ class Layout:
     the replicated items (empty: nothing deduplicated)."""
     values_json: str = ""
     """The value items' JSON when the flattener already encoded it (else encoded here)."""
+    guarded_items: tuple[int, ...] = ()
+    """Indices of the tensor items only ``optimizer.step()`` changes (parameters and optimizer
+    state): what data-parallel replicas hold bit-identical, fingerprinted by the agent
+    (:mod:`elasticft.ckpt.fingerprint`)."""
 
     def manifest_bytes(self, step: int, rank: int, world_size: int) -> bytes:
         """``manifest_bytes(self.manifest(...))`` without re-encoding the tensor items."""
@@ -156,10 +160,11 @@ class Layout:
         items = ",".join(part for part in (tensors, values) if part)
         regions = (f'"replica_regions":{list(self.replica_regions)},'
                    if self.replica_regions else "")
+        guarded = f'"guarded":{list(self.guarded_items)},' if self.guarded_items else ""
         return (
             f'{{"format":{FORMAT_VERSION},"step":{int(step)},"rank":{int(rank)},'
             f'"world_size":{int(world_size)},"payload_bytes":{self.payload_bytes},'
-            f'{regions}"items":[{items}]}}'
+            f'{regions}{guarded}"items":[{items}]}}'
         ).encode()
 
     def manifest(self, step: int, rank: int, world_size: int) -> dict[str, Any]:
@@ -173,6 +178,8 @@ class Layout:
         }
         if self.replica_regions:
             manifest["replica_regions"] = list(self.replica_regions)
+        if self.guarded_items:
+            manifest["guarded"] = list(self.guarded_items)
         return manifest
 
     def signature(self) -> tuple[Any, ...]:

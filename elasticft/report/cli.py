@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import extras
-from elasticft.events import read_events, snapshots_skipped_line
+from elasticft.events import read_events, sdc_line, snapshots_skipped_line
 from elasticft.report import whatif
 from elasticft.report.eventsonly import format_summary, summarize
 from elasticft.report.tor import ReportError, StepsUnknown, analyze, format_report
@@ -41,8 +41,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
                            "directory?") from None
         summary = summarize(events, str(e))
         skipped, line = snapshots_skipped_line(events)
-        return _print(args, summary.to_json() | {"snapshots_skipped": skipped},
-                      f"{format_summary(summary)}\n  {line}",
+        sdc, sdc_text = sdc_line(events)
+        return _print(args, summary.to_json() | {"snapshots_skipped": skipped, "sdc": sdc},
+                      f"{format_summary(summary)}\n  {line}\n  {sdc_text}",
                       f"no timeline drawn: {summary.why_no_tor}")
     except ReportError as e:
         raise CliError(f"{run_dir}: {e}") from None
@@ -51,8 +52,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
         plot_timeline(analysis, args.plot)
     skipped, line = snapshots_skipped_line(events)
-    return _print(args, analysis.to_json() | {"snapshots_skipped": skipped},
-                  f"{format_report(analysis)}\n\n  {line}", f"timeline: {args.plot}")
+    sdc, sdc_text = sdc_line(events)
+    return _print(args, analysis.to_json() | {"snapshots_skipped": skipped, "sdc": sdc},
+                  f"{format_report(analysis)}\n\n  {line}\n  {sdc_text}",
+                  f"timeline: {args.plot}")
 
 
 def _print(args: argparse.Namespace, as_json: Any, text: str, plot_line: str) -> int:

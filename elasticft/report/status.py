@@ -5,10 +5,10 @@ the blacklist, read from etcd with the connection flags of ``elasticft-run``:
 ``--rdzv-endpoint``, ``--rdzv-conf``, or ``PET_RDZV_ENDPOINT`` / ``PET_RDZV_CONF`` /
 ``PET_RDZV_ID``). With ``--run-dir DIR`` it adds what the run's event log says now: each rank's
 pid and host (the way to find a rank's process: a warm-started worker's ``/proc/<pid>/environ``
-does not hold its ``RANK``), the newest diagnostics detections, each node's NCCL shim self-check
-and the snapshots skipped (alone, for a ``--standalone`` run without etcd, it shows only those).
-It lives with the report because, like the report, it reads what every subsystem wrote;
-rendezvous keeps only its own commands.
+does not hold its ``RANK``), the newest diagnostics detections, each node's NCCL shim self-check,
+the snapshots skipped and the silent data corruption the fingerprints found (alone, for a
+``--standalone`` run without etcd, it shows only those). It lives with the report because, like
+the report, it reads what every subsystem wrote; rendezvous keeps only its own commands.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from elasticft.cli import CliError
 from elasticft.diag.shimcheck import EVENT_KIND as NCCL_TIMINGS_KIND
-from elasticft.events import read_events, snapshots_skipped_line
+from elasticft.events import read_events, sdc_line, snapshots_skipped_line
 from elasticft.rendezvous.cli import add_connection_flags, connect, one_line
 from elasticft.rendezvous.etcd import Keys
 from elasticft.rendezvous.membership import JobStatus, MemberRecord, read_status
@@ -224,6 +224,9 @@ def _status(args: argparse.Namespace) -> int:
         text.append(format_nccl_timings(timings))
         skipped, line = snapshots_skipped_line(read_events(args.run_dir))
         output["snapshots_skipped"] = skipped
+        text.append(line)
+        sdc, line = sdc_line(read_events(args.run_dir))
+        output["sdc"] = sdc
         text.append(line)
     print(json.dumps(output, indent=2) if args.json else "\n".join(text))
     return 0

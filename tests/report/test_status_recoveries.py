@@ -26,3 +26,19 @@ def test_status_counts_in_process_recoveries_and_restarts(tmp_path: Path) -> Non
     assert "node-a  generation 1, replaced rank(s) 1: detect 0.05 s, regroup 0.63 s, total " \
            "0.80 s" in lines[1]
     assert format_recoveries([], 0) == "recoveries: 0 in process, 0 restart(s)"
+
+
+@pytest.mark.timeout(30)
+def test_silent_data_corruption_is_counted(tmp_path: Path) -> None:
+    from elasticft.events import read_events, sdc_line
+
+    assert sdc_line([]) == ({"suspect": 0, "undecidable": 0},
+                            "silent data corruption: none found")
+    log = EventLog(tmp_path, "node-a")
+    log.emit("sdc_undecidable", step=4, ranks=[0, 1], nodes=["a", "b"], reason="no majority")
+    log.emit("sdc_suspect", step=6, ranks=[1], nodes=["b"], reason="node b fails its check")
+    log.close()
+    counts, line = sdc_line(read_events(tmp_path))
+    assert counts == {"suspect": 1, "undecidable": 1}
+    assert line == ("silent data corruption: 1 suspect, 1 undecidable (last: step 6, named "
+                    "rank(s) [1] on ['b']: node b fails its check)")

@@ -1,0 +1,122 @@
+"""Silent data corruption: which rank's replicated state diverged, judged from fingerprints.
+
+A pure function over one step's :class:`~elasticft.ckpt.fingerprint.Fingerprint` of every
+rank. Ranks are compared only within their replica set (the ranks holding the same shard).
+In a set of three or more, a strict majority that agrees is taken as right and every rank
+outside it is *suspect*: named with its node and the step. With two replicas (or a set split
+with no strict majority) the bytes say that the set diverged, not which side is wrong: the
+finding is *undecidable*, and :func:`decide_undecided` settles it from the next evidence, a
+fingerprint recomputed from the same snapshots (memory that changes under a complete snapshot
+is the faulty side) or the nodes' health checks (exactly one failing node is the faulty side).
+Neither reads a clock or does I/O; the agent gathers the facts and logs the answers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+
+from elasticft.ckpt.fingerprint import Fingerprint, differing_items
+from elasticft.decision import Decision
+
+
+class Verdict(enum.Enum):
+    AGREE = "agree"
+    """Every replica set's fingerprints are equal."""
+    SUSPECT = "suspect"
+    """A minority of a replica set differs from its majority: the minority is named."""
+    UNDECIDABLE = "undecidable"
+    """A replica set differs with no strict majority (two replicas): nobody can be named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding(Decision[Verdict]):
+    """What one replica set's fingerprints say at one step."""
+
+    step: int = -1
+    replica_set: str = ""
+    suspects: tuple[int, ...] = ()
+    """The ranks named (SUSPECT), or every rank of the split set (UNDECIDABLE)."""
+    nodes: tuple[str, ...] = ()
+    """The suspects' nodes, in the same order."""
+    digests: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    """Every rank of the set and its digest: the evidence."""
+    items: tuple[str, ...] = ()
+    """The items whose bytes differ (the first suspect against the majority)."""
+
+
+def compare(fingerprints: Sequence[Fingerprint], nodes: Mapping[int, str]) -> list[Finding]:
+    """One finding per replica set of two or more ranks at one step, for ``fingerprints``
+    (one per rank; ``nodes``: rank to node id). Sets of one rank have nothing to compare."""
+    sets: dict[tuple[int, int, str], list[Fingerprint]] = collections.defaultdict(list)
+    for fp in fingerprints:
+        sets[(fp.step, fp.world_size, fp.replica_set)].append(fp)
+    findings = []
+    for (step, _, key), members in sorted(sets.items()):
+        members.sort(key=lambda f: f.rank)
+        if len(members) < 2:
+            continue
+        digests = {f.rank: f.digest for f in members}
+        counts = collections.Counter(digests.values())
+        ranks = [f.rank for f in members]
+        if len(counts) == 1:
+            findings.append(Finding(Verdict.AGREE, f"{len(members)} replicas agree",
+                                    step=step, replica_set=key, digests=digests))
+            continue
+        (top, top_count), = counts.most_common(1)
+        if top_count * 2 > len(members):
+            named = tuple(f.rank for f in members if f.digest != top)
+            majority = next(f for f in members if f.digest == top)
+            first = next(f for f in members if f.digest != top)
+            findings.append(Finding(
+                Verdict.SUSPECT,
+                f"rank(s) {list(named)} differ from {top_count} of {len(members)} replicas "
+                f"at step {step}",
+                step=step, replica_set=key, suspects=named,
+                nodes=tuple(nodes.get(r, "?") for r in named), digests=digests,
+                items=tuple(differing_items(first, majority))))
+            continue
+        findings.append(Finding(
+            Verdict.UNDECIDABLE,
+            f"replicas {ranks} differ at step {step} with no majority: the bytes cannot say "
+            "which is wrong; deciding from the next evidence (a recomputed fingerprint, the "
+            "nodes' health)",
+            step=step, replica_set=key, suspects=tuple(ranks),
+            nodes=tuple(nodes.get(r, "?") for r in ranks), digests=digests,
+            items=tuple(differing_items(
+                members[0], next(f for f in members if f.digest != members[0].digest)))))
+    return findings
+
+
+def decide_undecided(finding: Finding, recomputed: Mapping[int, str | None],
+                     healthy: Mapping[str, bool | None]) -> Finding:
+    """An UNDECIDABLE ``finding`` settled from the next evidence, or left undecidable.
+
+    ``recomputed``: each rank's digest recomputed from the same snapshot (None: no longer
+    held); a rank whose digest changed under a complete snapshot has faulty memory.
+    ``healthy``: each node's health check (None: not checked); when exactly one of the
+    set's nodes fails, its ranks are the suspects.
+    """
+    if finding.kind is not Verdict.UNDECIDABLE:
+        return finding
+    ranks = finding.suspects
+    node_of = dict(zip(ranks, finding.nodes, strict=True))
+    changed = tuple(r for r in ranks
+                    if recomputed.get(r) is not None and recomputed[r] != finding.digests[r])
+    if len(changed) == 1 or (changed and len(changed) < len(ranks)):
+        return dataclasses.replace(
+            finding, kind=Verdict.SUSPECT, suspects=changed,
+            nodes=tuple(node_of[r] for r in changed),
+            reason=f"rank(s) {list(changed)} read different bytes from the same snapshot of "
+                   f"step {finding.step} on a second pass: their memory is faulty")
+    failing = sorted({node_of[r] for r in ranks if healthy.get(node_of[r]) is False})
+    passing = {node_of[r] for r in ranks if healthy.get(node_of[r]) is True}
+    if len(failing) == 1 and passing:
+        named = tuple(r for r in ranks if node_of[r] == failing[0])
+        return dataclasses.replace(
+            finding, kind=Verdict.SUSPECT, suspects=named, nodes=(failing[0],) * len(named),
+            reason=f"node {failing[0]} fails its health check and its replicas pass: rank(s) "
+                   f"{list(named)} diverged at step {finding.step}")
+    return finding

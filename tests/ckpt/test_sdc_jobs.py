@@ -1,0 +1,292 @@
+"""Silent data corruption with real worker processes (gloo DDP) and the agent's checkpoint
+service: a bit flipped in one rank's parameters is named from the snapshots' fingerprints."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from elasticft.addon.api import GroupInfo, WorkerInfo
+from elasticft.ckpt.service import CheckpointService
+from elasticft.config import CheckpointConfig
+from elasticft.events import EventLog, read_events
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# DDP on a tiny model; after the optimizer step of step FLIP_STEP, rank FLIP_RANK flips mantissa
+# bit 16 of one weight (what a device that computes a wrong value leaves behind). Each step waits a
+# moment, as a real step would take.
+_WORKER = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from elasticft.ckpt import Checkpointer, capture
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16),
+                                                        torch.nn.Linear(16, 4)))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    flip_rank, flip_step = int(os.environ["FLIP_RANK"]), int(os.environ["FLIP_STEP"])
+    for step in range(1, int(os.environ["STEPS"]) + 1):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        if rank == flip_rank and step == flip_step:
+            with torch.no_grad():
+                model.module[0].weight.view(-1).view(torch.int32)[3] ^= 1 << 16
+        ckpt.save(step, capture(model, optim, {"step": step})).wait()
+        dist.barrier()
+        time.sleep(float(os.environ["STEP_S"]))
+    dist.barrier()
+""")
+
+
+# HSDP on a (replicate=2, shard=2) mesh: ranks 0 and 2 hold one half of every parameter, ranks
+# 1 and 3 the other. After step FLIP_STEP, rank FLIP_RANK flips a bit of its local shard.
+_HSDP_WORKER = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from elasticft.ckpt import Checkpointer
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    flip_rank, flip_step = int(os.environ["FLIP_RANK"]), int(os.environ["FLIP_STEP"])
+    for step in range(1, int(os.environ["STEPS"]) + 1):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        if rank == flip_rank and step == flip_step:
+            with torch.no_grad():
+                model[0].weight.to_local().view(-1).view(torch.int32)[3] ^= 1 << 16
+        model_sd, optim_sd = get_state_dict(model, optim)
+        ckpt.save(step, {"model": model_sd, "optim": optim_sd, "extra": {"step": step}}).wait()
+        dist.barrier()
+        time.sleep(float(os.environ["STEP_S"]))
+    dist.barrier()
+""")
+
+
+def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
+         every: int = 2, chaos_rank: int | None = None, script: str = _WORKER,
+         nodes: int = 1) -> list[dict]:
+    """Runs ``world`` workers on ``nodes`` checkpoint services (agents' stand-ins in this
+    process; with several, joined by a TCPStore as the round's store), ticking them as an
+    agent's monitor does; the sdc events they logged."""
+    per_node = world // nodes
+    services, groups = [], []
+    stores: list = []
+    if nodes > 1:
+        stores.append(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+        stores += [TCPStore("127.0.0.1", stores[0].port, is_master=False)
+                   for _ in range(nodes - 1)]
+    for n in range(nodes):
+        services.append(CheckpointService(
+            CheckpointConfig(ckpt_persist_every=0, ckpt_fingerprint_every=every,
+                             ckpt_peer_backup=False),
+            event_dir=tmp_path / "events" / f"n{n}"))
+        workers = tuple(WorkerInfo(local_rank=r, global_rank=n * per_node + r, world_size=world)
+                        for r in range(per_node))
+        groups.append(GroupInfo(run_id="sdc-test", node_id=f"n{n}",
+                                run_dir=tmp_path if nodes == 1 else tmp_path / f"n{n}",
+                                round=0, group_rank=n, group_world_size=nodes, restart_count=0,
+                                workers=workers))
+    procs = []
+    port = free_port()
+    try:
+        for service, group in zip(services, groups, strict=True):
+            service.on_rendezvous(group, stores[group.group_rank] if stores else None)
+            service.on_workers_started(group)
+            for worker in group.workers:
+                env = dict(job_env, **service.worker_env(group, worker),
+                           RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
+                           WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
+                           FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="1.0",
+                           STEPS="6" if chaos_rank is None else "9")
+                procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
+                                              cwd=ROOT))
+        if chaos_rank is not None:
+            # What elasticft-run logs, so that `elasticft chaos` finds the workers' pids.
+            log = EventLog(tmp_path / "agent", "n0")
+            log.emit("run_start", run_id="sdc-test")
+            log.emit("workers_started", pids={str(r): p.pid for r, p in enumerate(procs)})
+            log.close()
+        chaos = None
+        deadline = time.monotonic() + 150
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "the job did not finish"
+            for service, group in zip(services, groups, strict=True):
+                service.check(group)
+            if (chaos_rank is not None and chaos is None
+                    and (services[0].newest_common_step(groups[0]) or 0) >= 2):
+                chaos = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "elasticft"), "chaos", "bitflip",
+                     "--run-dir", str(tmp_path), "--rank", str(chaos_rank)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(0.05)
+        if chaos is not None:
+            out, err = chaos.communicate(timeout=60)
+            assert chaos.returncode == 0, err
+            (tmp_path / "chaos.out").write_text(out)
+        assert [p.returncode for p in procs] == [0] * world
+        for service, group in zip(services, groups, strict=True):
+            service.check(group)
+        for service in services:
+            service.fingerprints.wait(30)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        for service in services:
+            service.close()
+    return [e for e in read_events(tmp_path / "events") if e["kind"].startswith("sdc_")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_bit_flipped_in_one_of_four_ddp_ranks_is_named_within_one_interval(
+        tmp_path: Path, job_env) -> None:
+    events = _run(tmp_path, job_env, world=4, flip_rank=2)
+    assert events, "no sdc event"
+    first = events[0]
+    # Flipped after step 3's optimizer step; fingerprints every 2 steps: step 4 is the first.
+    assert first["kind"] == "sdc_suspect"
+    assert (first["step"], first["ranks"], first["nodes"]) == (4, [2], ["n0"])
+    assert first["items"] == ["model.0.weight"]
+    assert first["agreed_step"] == 2   # the newest step every fingerprint agreed: a clean restore
+    digests = {fp["rank"]: fp["digest"] for fp in first["fingerprints"]}
+    assert sorted(digests) == [0, 1, 2, 3]
+    assert len({digests[0], digests[1], digests[3]}) == 1 and digests[2] != digests[0]
+    assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [2] for e in events)
+    status = subprocess.run([str(Path(sys.executable).parent / "elasticft"), "status",
+                             "--run-dir", str(tmp_path / "events")],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert (f"silent data corruption: {len(events)} suspect, 0 undecidable (last: step "
+            in status.stdout)
+    assert "rank(s) [2] on ['n0']" in status.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_replicas_that_differ_are_reported_undecidable(tmp_path: Path, job_env) -> None:
+    events = _run(tmp_path, job_env, world=2, flip_rank=1)
+    assert events, "no sdc event"
+    first = events[0]
+    assert first["kind"] == "sdc_undecidable"
+    assert (first["step"], first["ranks"]) == (4, [0, 1])
+    assert "no majority" in first["reason"]
+    # A second reading of the same snapshots gives the same bytes (the memory is sound): the
+    # finding stays undecidable, nobody is named on the bytes alone.
+    assert not [e for e in events if e["kind"] == "sdc_suspect"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_chaos_bitflip_reaches_the_live_worker_and_is_named(tmp_path: Path, job_env) -> None:
+    events = _run(tmp_path, job_env, world=4, flip_rank=-1, chaos_rank=1)
+    said = (tmp_path / "chaos.out").read_text()
+    match = re.search(r"flipped one bit of rank 1's parameter of shape \[16, 8\] before its "
+                      r"save of step (\d+)", said)
+    assert match, said
+    flipped = int(match.group(1))
+    assert events, "no sdc event"
+    first = events[0]
+    assert first["kind"] == "sdc_suspect" and first["ranks"] == [1]
+    assert first["step"] == flipped + flipped % 2   # the first fingerprinted step (every 2)
+    assert first["items"] == ["model.0.weight"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_hsdp_compares_the_replicate_dimension_not_the_shard_dimension(
+        tmp_path: Path, job_env) -> None:
+    events = _run(tmp_path, job_env, world=4, flip_rank=3, script=_HSDP_WORKER)
+    # The shards differ by nature (ranks 0 and 1 hold different halves) and raise nothing; rank
+    # 3's replica set is {1, 3}, two replicas: undecidable, and only that set.
+    assert events, "no sdc event"
+    assert {e["kind"] for e in events} == {"sdc_undecidable"}
+    assert all(e["ranks"] == [1, 3] for e in events)
+    assert events[0]["step"] == 4
+    sets = {fp["rank"]: fp["replica_set"] for fp in events[0]["fingerprints"]}
+    assert sorted(sets) == [1, 3] and sets[1] == sets[3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_replicas_on_two_nodes_are_compared_by_the_leader(tmp_path: Path, job_env) -> None:
+    # Two nodes of two ranks each; rank 3 (node n1) diverges. Neither node alone has a
+    # majority against it (n1 sees ranks 2 and 3 split): only the whole job's comparison on
+    # the leader names it.
+    events = _run(tmp_path, job_env, world=4, flip_rank=3, nodes=2)
+    assert events, "no sdc event"
+    first = events[0]
+    assert first["kind"] == "sdc_suspect"
+    assert (first["step"], first["ranks"], first["nodes"]) == (4, [3], ["n1"])
+    assert first["node"] == "n0", "the leader reports"
+    assert sorted(fp["rank"] for fp in first["fingerprints"]) == [0, 1, 2, 3]
+    assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [3] for e in events)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_elasticft_run_names_the_rank_elasticft_chaos_flipped(tmp_path: Path, job_env) -> None:
+    """The whole path: elasticft-run with --ckpt-fingerprint-every, `elasticft chaos bitflip`
+    on a live rank, the event, `elasticft status` and `elasticft report`."""
+    script = tmp_path / "train.py"
+    script.write_text(_WORKER.replace(
+        "time.sleep(float(os.environ[\"STEP_S\"]))",
+        "time.sleep(float(os.environ[\"STEP_S\"]))\n"
+        "    if step == 2: open(os.environ[\"READY\"], \"a\").close()"))
+    assert "READY" in script.read_text()
+    run_dir = tmp_path / "run"
+    env = dict(job_env, PYTHONPATH=str(ROOT), FLIP_RANK="-1", FLIP_STEP="0", STEP_S="1.0",
+               STEPS="9", READY=str(tmp_path / "ready"))
+    bin_dir = Path(sys.executable).parent
+    chaos = subprocess.Popen(
+        [str(bin_dir / "elasticft"), "chaos", "bitflip", "--run-dir", str(run_dir), "--rank",
+         "3", "--when-exists", str(tmp_path / "ready"), "--timeout", "200"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run = subprocess.run(
+            [str(bin_dir / "elasticft-run"), "--standalone", "--nproc-per-node", "4",
+             "--monitor-interval", "0.2", "--run-dir", str(run_dir), "--ckpt-persist-every",
+             "0", "--ckpt-fingerprint-every", "2", str(script)],
+            env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out, err = chaos.communicate(timeout=60)
+    finally:
+        chaos.kill()
+        chaos.wait()
+    assert chaos.returncode == 0, err
+    flipped = int(re.search(r"before its save of step (\d+)", out).group(1))
+    events = [e for e in read_events(run_dir) if e["kind"].startswith("sdc_")]
+    assert events, run.stderr[-3000:]
+    assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [3] for e in events)
+    assert events[0]["step"] == flipped + flipped % 2
+    status = subprocess.run([str(bin_dir / "elasticft"), "status", "--run-dir", str(run_dir),
+                             "--json"], capture_output=True, text=True, timeout=60)
+    assert json.loads(status.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0}
+    report = subprocess.run([str(bin_dir / "elasticft"), "report", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0}
