@@ -16,7 +16,8 @@ costs the survivors no process either: the standby's worker takes the lost rank.
 Faults for tests and demos, injected once by --fault-rank in the first attempt:
 --crash-at-step N (SIGKILL right after the save of step N; --crash-mode after-save waits for
 it to complete), --hang-at-step N (SIGSTOP), --infra-error-at-step N (raises a connection error
-before step N), and --replacement-fails (a replacement process exits at once, which makes the
+before step N; with --exit-after-failed the rank then exits right after reporting it, before
+its teardown), and --replacement-fails (a replacement process exits at once, which makes the
 agent fall back to a full restart).
 """
 
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_plain import VOCAB, TinyGPT, batch, record_step, setup_device
 
 from elasticft.ckpt import Checkpointer, StateCapture
-from elasticft.recovery.inprocess import InProcess
+from elasticft.recovery.inprocess import GroupOps, InProcess
 
 
 def main() -> None:
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--crash-mode", choices=("mid-save", "after-save"), default="mid-save")
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--infra-error-at-step", type=int, default=-1)
+    parser.add_argument("--exit-after-failed", action="store_true")
     parser.add_argument("--replacement-fails", action="store_true")
     args = parser.parse_args()
 
@@ -113,7 +115,10 @@ def main() -> None:
             if args.step_time:
                 time.sleep(args.step_time)
 
-    recovery = InProcess()
+    ops = GroupOps.for_torch()
+    if args.exit_after_failed and faults["armed"]:
+        ops.destroy = lambda: os._exit(1)  # injected: dies after its `failed` record
+    recovery = InProcess(ops=ops)
     recovery.run(train)
     rank = dist.get_rank()
     ckpt.close()

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch.distributed as dist
 
-from elasticft import torch_compat
+from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
@@ -355,6 +355,31 @@ class InProcessRecoveryMixin:
     def _worker_pids(self) -> dict[int, int | None]:
         return dict(self._pcontext.pids()) if self._pcontext is not None else {}
 
+    def _dead_workers(self) -> set[int]:
+        """Local ranks whose process has exited or begun to exit: a worker that wrote its
+        ``failed`` record and died after it is no survivor, and is replaced like the failed
+        rank (a record alone is matched by pid, which says nothing of the process)."""
+        if self._pcontext is None:
+            return set()
+        dead = set()
+        for local_rank, pid in self._pcontext.pids().items():
+            proc = torch_compat.worker_process(self._pcontext, local_rank)
+            if proc.poll() is not None or (pid is not None and procs.ending_status(pid)):
+                dead.add(local_rank)
+        return dead
+
+    def _waiting_survivors(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
+        """The workers waiting for the next generation whose process still lives."""
+        dead = self._dead_workers()
+        return {lr: w for lr, w in self.inprocess.waiting(pids).items() if lr not in dead}
+
+    def _to_replace(self, pids: Mapping[int, int | None],
+                    failures: Sequence[FailureRecord]) -> list[int]:
+        """The local workers a recovery replaces: the failed ones and any other that died,
+        less the survivors that wait for the next generation."""
+        failed = {f.local_rank for f in failures if f.local_rank in pids} | self._dead_workers()
+        return sorted(failed - set(self._waiting_survivors(pids)))
+
     def _all_armed(self) -> bool:
         """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
         set: an armed worker stays armed)."""
@@ -369,8 +394,7 @@ class InProcessRecoveryMixin:
     def _in_process_blocker(self, group: GroupInfo,
                             failures: tuple[FailureRecord, ...]) -> str | None:
         pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = {f.local_rank for f in failures if f.local_rank in pids} - set(waiting)
+        replace = self._to_replace(pids, failures)
         return blocker(
             armed=self._all_armed(), nodes=group.group_world_size,
             recovering=self.inprocess.recovery is not None, failed=len(replace),
@@ -405,7 +429,7 @@ class InProcessRecoveryMixin:
             return None
         if not armed:
             return None
-        waiting = self.inprocess.waiting(pids)
+        waiting = self._waiting_survivors(pids)
         if waiting and len(waiting) == len(pids):
             by_local = {w.local_rank: w.global_rank for w in group.workers}
             first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
@@ -420,9 +444,7 @@ class InProcessRecoveryMixin:
         seen_at = self._seen_at
         decided_at = time.time()
         pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = sorted({f.local_rank for f in self._decided if f.local_rank in pids}
-                         - set(waiting))
+        replace = self._to_replace(pids, self._decided)
         replaced: dict[int, int] = {}
         if self._worker_group.group_world_size > 1:  # another node's worker failed
             generation = self._next_round_generation(pids)
