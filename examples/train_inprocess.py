@@ -15,10 +15,12 @@ costs the survivors no process either: the standby's worker takes the lost rank.
 
 Faults for tests and demos, injected once by --fault-rank in the first attempt:
 --crash-at-step N (SIGKILL right after the save of step N; --crash-mode after-save waits for
-it to complete), --hang-at-step N (SIGSTOP), --infra-error-at-step N (raises a connection error
-before step N; with --exit-after-failed the rank then exits right after reporting it, before
-its teardown), and --replacement-fails (a replacement process exits at once, which makes the
-agent fall back to a full restart).
+it to complete; keep-sockets does too, and first forks a child outside the job that keeps the
+rank's sockets open, so the survivors' collective never fails by itself: the child writes its
+pid to --keeper-pid and lives 300 s), --hang-at-step N (SIGSTOP), --infra-error-at-step N
+(raises a connection error before step N; with --exit-after-failed the rank then exits right
+after reporting it, before its teardown), and --replacement-fails (a replacement process exits
+at once, which makes the agent fall back to a full restart).
 """
 
 from __future__ import annotations
@@ -42,6 +44,23 @@ from elasticft.ckpt import Checkpointer, StateCapture
 from elasticft.recovery.inprocess import GroupOps, InProcess
 
 
+def keep_sockets(pid_file: Path | None) -> None:
+    """Forks a child that holds every descriptor of this process (its gloo connections too)
+    in a session of its own, outside the job's process group, and lives on after this one."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # the launcher's pipes close when the job ends
+            os.dup2(null, fd)
+        if pid_file is not None:
+            pid_file.write_text(str(os.getpid()))
+        time.sleep(300)
+        os._exit(0)
+    while pid_file is not None and not pid_file.exists():
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -54,9 +73,11 @@ def main() -> None:
     parser.add_argument("--pid-log", type=Path, help="every rank appends 'rank pid step' here")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
-    parser.add_argument("--crash-mode", choices=("mid-save", "after-save"), default="mid-save")
+    parser.add_argument("--crash-mode", choices=("mid-save", "after-save", "keep-sockets"),
+                        default="mid-save")
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--infra-error-at-step", type=int, default=-1)
+    parser.add_argument("--keeper-pid", type=Path, help="where keep-sockets' child writes its pid")
     parser.add_argument("--exit-after-failed", action="store_true")
     parser.add_argument("--replacement-fails", action="store_true")
     args = parser.parse_args()
@@ -105,9 +126,11 @@ def main() -> None:
             request = ckpt.save(done, snapshot(extra={"step": done}))
             record_step(done, 0.0)
             if faults["armed"] and done == args.crash_at_step:
-                if args.crash_mode == "after-save":
+                if args.crash_mode in ("after-save", "keep-sockets"):
                     request.wait()
                     time.sleep(1.0)  # the others wait in the next step's collective
+                if args.crash_mode == "keep-sockets":
+                    keep_sockets(args.keeper_pid)
                 os.kill(os.getpid(), signal.SIGKILL)
             if faults["armed"] and done == args.hang_at_step:
                 request.wait()

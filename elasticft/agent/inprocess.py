@@ -67,7 +67,9 @@ from elasticft.recovery.inprocess import (
     Generation,
     read_json,
     worker_file,
+    write_json,
 )
+from elasticft.recovery.interrupt import INTERRUPT_FILE
 from elasticft.torch_compat import WorkerState
 
 if TYPE_CHECKING:
@@ -165,6 +167,13 @@ class InProcessCoordinator:
                                      str(record.get("cause", "")))
         return found
 
+    def interrupt(self) -> None:
+        """Tells every survivor at once that the current generation is over: their monitors
+        end their process groups and free their main threads (the failure is known here
+        before a survivor's collective could say so, or when it never would)."""
+        write_json(self.directory / INTERRUPT_FILE, {"ended": self.generation,
+                                                     "time": time.time()})
+
     def publish(self, master_addr: str, world_size: int) -> Generation:
         """Starts the next generation's store and tells the survivors where it is."""
         store = dist.TCPStore(master_addr, 0, is_master=True, multi_tenant=True,
@@ -225,9 +234,11 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
 
     aborts = [float(r["aborted"]) - float(r["failed"]) for r in records.values()
               if "aborted" in r and "failed" in r]
-    joined, resumed = latest("joined"), latest("resumed")
+    joined, resumed, left = latest("joined"), latest("resumed"), latest("failed")
     out = {"detect_s": recovery.decided_at - recovery.seen_at,
            "abort_s": max(aborts) if aborts else 0.0}
+    if left is not None:  # the last survivor out of its training call (a collective, often)
+        out["survivors_out_s"] = left - recovery.seen_at
     if joined is not None:
         out["regroup_s"] = joined - recovery.decided_at
     if joined is not None and resumed is not None:
@@ -446,6 +457,10 @@ class InProcessRecoveryMixin:
         pids = self._worker_pids()
         replace = self._to_replace(pids, self._decided)
         replaced: dict[int, int] = {}
+        try:
+            self.inprocess.interrupt()
+        except OSError as e:  # the survivors then leave when their collectives raise
+            logger.warning("could not write the interrupt notice: %s", e)
         if self._worker_group.group_world_size > 1:  # another node's worker failed
             generation = self._next_round_generation(pids)
             if generation is None:

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
+from elasticft.recovery.groups import GroupSettings, end_groups
+from elasticft.recovery.interrupt import Monitor, PeerInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,11 @@ _T = TypeVar("_T")
 # so only a new process can go on; NCCL's "unhandled cuda error" is one of them.
 _DEVICE_FAULT = ("cuda", "device-side", "illegal memory", "illegal address", "ecc error",
                  "uncorrectable", "xid", "launch failure", "outofmemory", "out of memory")
+
+
+def _device_fault(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}".lower()
+    return any(fault in text for fault in _DEVICE_FAULT)
 
 
 def peer_failure(error: BaseException) -> bool:
@@ -191,6 +198,9 @@ class GroupOps:
     """Ends the default group without waiting for its work (NCCL); None: this torch has none."""
     destroy: Callable[[], None] = dist.destroy_process_group
     init: Callable[..., None] = dist.init_process_group
+    end: Callable[[str], str] = end_groups
+    """Ends every group of the process from the monitor thread, while the main thread may
+    wait in one (:func:`elasticft.recovery.groups.end_groups`); returns how."""
 
     @classmethod
     def for_torch(cls) -> GroupOps:
@@ -219,17 +229,20 @@ def tear_down(backend: str, ops: GroupOps) -> str:
 
 
 def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
-            ops: GroupOps) -> None:
-    """Joins the generation's group (same backend, rank and world size); rank 0 hosts the store
-    when no agent does, and waits there for the others as torch's ``env://`` store does."""
+            ops: GroupOps, settings: GroupSettings | None = None) -> None:
+    """Joins the generation's group (same backend, rank and world size, and the ``timeout``,
+    ``device_id`` and ``pg_options`` the script gave its own group: ``settings``); rank 0 hosts
+    the store when no agent does, and waits there for the others as torch's ``env://`` store
+    does."""
     os.environ["MASTER_ADDR"] = generation.master_addr
     os.environ["MASTER_PORT"] = str(generation.master_port)
     hosts = not generation.agent_store and rank == 0
     store = dist.TCPStore(generation.master_addr, generation.master_port,
                           world_size=generation.world_size, is_master=hosts,
                           timeout=timedelta(seconds=timeout_s), multi_tenant=hosts)
+    kwargs = settings.init_kwargs() if settings is not None else {}
     ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
-             world_size=generation.world_size)
+             world_size=generation.world_size, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,6 +269,10 @@ class InProcess:
         """How often this process regrouped."""
         self._phases: dict[str, float] = {}
         self._resume_hook: Any = None
+        self._resume: Callable[[], None] | None = None
+        self.group_settings = GroupSettings()
+        """What the script asked of its group, read back when recovery arms."""
+        self.monitor: Monitor | None = None
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         directory = self.settings.directory
@@ -270,34 +287,59 @@ class InProcess:
         # collection that frees a failed call's group (_release) then walks only what came
         # after; a full walk of a torch process took 0.2-0.7 s of a survivor's teardown.
         gc.freeze()
+        self.group_settings = GroupSettings.of_default_group()
+        if dist.is_available() and dist.is_initialized():
+            backend = str(dist.get_backend())
+            self.monitor = Monitor(directory, read_json, lambda: self.ops.end(backend))
+            self.monitor.start(self.generation)
         self._write("armed", {})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
             now = time.time()
             self._phases = {"joined": now}
             self._write("joined", self._phases)
             self._report_first_step()
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except BaseException as error:
-                if not self._recoverable(error):
-                    raise
-                self._recover(error)
-                self._report_first_step()
+        try:
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except BaseException as error:
+                    if self.monitor is not None:
+                        self.monitor.recovering()
+                    if not self._recoverable(error):
+                        raise
+                    self._recover(error)
+                    self._report_first_step()
+                    if self.monitor is not None:
+                        self.monitor.resumed(self.generation)
+        finally:
+            if self.monitor is not None:
+                self.monitor.stop()
+
+    def step_done(self) -> None:
+        """Tells the agent that a training step after the latest (re-)entry is over. Steps of a
+        ``torch.optim`` optimizer say so by themselves; a script whose optimizer is not one
+        calls this after each step (it costs nothing after the first)."""
+        if self._resume is not None:
+            self._resume()
 
     # -- the steps of one recovery ------------------------------------------------------------
 
     def _recoverable(self, error: BaseException) -> bool:
+        interrupted = self.monitor is not None and self.monitor.interrupted
         return (isinstance(error, Exception) and dist.is_available()
-                and dist.is_initialized() and peer_failure(error))
+                and dist.is_initialized()
+                and (peer_failure(error) or isinstance(error, PeerInterrupted)
+                     or (interrupted and not _device_fault(error))))
 
     def _recover(self, error: BaseException) -> None:
         settings = self.settings
         assert settings.directory is not None
         failed_at = time.time()
+        interrupted_at = self.monitor.interrupted_at if self.monitor is not None else None
         cause = f"{type(error).__name__}: {error}".splitlines()[0][:300]
         logger.warning("in-process recovery of generation %d: %s", self.generation, cause)
-        self._write("failed", {"cause": cause, "failed": failed_at})
+        self._write("failed", {"cause": cause, "failed": failed_at,
+                               **({"interrupted": interrupted_at} if interrupted_at else {})})
         backend = str(dist.get_backend())
         rank = dist.get_rank()
         _release(error)
@@ -309,10 +351,12 @@ class InProcess:
             raise RecoveryTimeout(
                 f"no in-process regroup after {settings.timeout_s:.0f} s (the agent restarts "
                 f"the workers): {cause}") from error
-        regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops)
+        regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
+                self.group_settings)
         self.generation = generation.generation
         self.recoveries += 1
-        self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time()}
+        self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time(),
+                        **({"interrupted": interrupted_at} if interrupted_at else {})}
         logger.warning("rank %d rejoined in generation %d (%s %.3f s, regroup %.3f s)", rank,
                        self.generation, how, aborted_at - failed_at,
                        self._phases["joined"] - aborted_at)
@@ -344,6 +388,7 @@ class InProcess:
             self._write("resumed", {**self._phases, "resumed": time.time()})
 
         self._resume_hook = register_optimizer_step_post_hook(resumed)
+        self._resume = resumed
 
     def _write(self, kind: str, record: Mapping[str, Any]) -> None:
         assert self.settings.directory is not None

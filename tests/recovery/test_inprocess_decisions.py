@@ -118,7 +118,8 @@ def test_phases_of_a_recovery_from_the_workers_records() -> None:
         1: {"joined": 100.7, "resumed": 100.9},  # the replacement: no abort of its own
     }
     assert phases(recovery, records) == {"detect_s": 0.05, "abort_s": 0.01, "regroup_s": 0.65,
-                                         "restore_redo_s": 0.2, "total_s": 0.9}
+                                         "survivors_out_s": 0.02, "restore_redo_s": 0.2,
+                                         "total_s": 0.9}
 
 
 @pytest.mark.timeout(30)
