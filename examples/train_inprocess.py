@@ -19,8 +19,10 @@ it to complete; keep-sockets does too, and first forks a child outside the job t
 rank's sockets open, so the survivors' collective never fails by itself: the child writes its
 pid to --keeper-pid and lives 300 s), --hang-at-step N (SIGSTOP), --infra-error-at-step N
 (raises a connection error before step N; with --exit-after-failed the rank then exits right
-after reporting it, before its teardown), and --replacement-fails (a replacement process exits
-at once, which makes the agent fall back to a full restart).
+after reporting it, before its teardown; with --stuck-teardown its teardown never returns;
+with --sick-device its device fails the health check), and --replacement-fails (a replacement
+process exits at once, which makes the agent fall back to a full restart). --manual-sgd trains
+without a torch.optim optimizer and tells InProcess of each step (InProcess.step_done).
 """
 
 from __future__ import annotations
@@ -77,8 +79,13 @@ def main() -> None:
                         default="mid-save")
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--infra-error-at-step", type=int, default=-1)
+    parser.add_argument("--manual-sgd", action="store_true",
+                        help="update the parameters by hand instead of with a torch.optim "
+                        "optimizer (and tell InProcess of each step)")
     parser.add_argument("--keeper-pid", type=Path, help="where keep-sockets' child writes its pid")
     parser.add_argument("--exit-after-failed", action="store_true")
+    parser.add_argument("--stuck-teardown", action="store_true")
+    parser.add_argument("--sick-device", action="store_true")
     parser.add_argument("--replacement-fails", action="store_true")
     args = parser.parse_args()
 
@@ -89,11 +96,20 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = TinyGPT(dim=args.dim, layers=args.layers).to(device)
-    optim = torch.optim.AdamW(net.parameters(), lr=args.lr)
-    ckpt = Checkpointer.from_env(optimizers=[optim])
+    optim = None if args.manual_sgd else torch.optim.AdamW(net.parameters(), lr=args.lr)
+    ckpt = Checkpointer.from_env(optimizers=[optim] if optim is not None else [])
     snapshot = StateCapture(net, optim)
     faults = {"armed": os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and
               rank == args.fault_rank}
+
+    ops = GroupOps.for_torch()
+    if args.exit_after_failed and faults["armed"]:
+        ops.destroy = lambda: os._exit(1)  # injected: dies after its `failed` record
+    if args.stuck_teardown and faults["armed"]:
+        ops.destroy = lambda: time.sleep(3600)  # injected: a teardown that never returns
+    if args.sick_device and faults["armed"]:
+        ops.health = lambda limit_s: "injected: the device is lost"
+    recovery = InProcess(ops=ops)
 
     def train() -> None:
         rank = dist.get_rank()  # read here: a spare takes its rank in InProcess().run
@@ -110,9 +126,17 @@ def main() -> None:
                 raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
             x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
             loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
+            if optim is None:
+                net.zero_grad(set_to_none=True)
+                loss.backward()
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p -= args.lr * p.grad
+                recovery.step_done()
+            else:
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
             done = step + 1
             if rank == 0:
                 value = loss.item()
@@ -138,10 +162,6 @@ def main() -> None:
             if args.step_time:
                 time.sleep(args.step_time)
 
-    ops = GroupOps.for_torch()
-    if args.exit_after_failed and faults["armed"]:
-        ops.destroy = lambda: os._exit(1)  # injected: dies after its `failed` record
-    recovery = InProcess(ops=ops)
     recovery.run(train)
     rank = dist.get_rank()
     ckpt.close()

@@ -19,11 +19,12 @@ from tests.conftest import BIN, EXAMPLES
 STEPS = 10
 
 
-def _run(tmp: Path, name: str, env: dict[str, str], *extra: str) -> dict:
+def _run(tmp: Path, name: str, env: dict[str, str], *extra: str,
+         launch: tuple[str, ...] = ()) -> dict:
     losses, pids = tmp / f"{name}.loss", tmp / f"{name}.pid"
     cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "3", "--run-dir", str(tmp / name), "--ckpt-persist-every", "0",
-           "--monitor-interval", "0.1", str(EXAMPLES / "train_inprocess.py"),
+           "--monitor-interval", "0.1", *launch, str(EXAMPLES / "train_inprocess.py"),
            "--steps", str(STEPS), "--loss-log", str(losses), "--pid-log", str(pids), *extra]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp)
     text = out.stdout + out.stderr
@@ -103,6 +104,37 @@ def test_a_survivor_whose_collective_never_raises_is_interrupted(
         if keeper.exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(keeper.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_script_without_a_torch_optim_optimizer_completes_a_recovery(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    run = _run(tmp_path, "manual", job_env, "--fault-rank", "1", "--crash-at-step", "6",
+               "--crash-mode", "after-save", "--manual-sgd")
+    _recovered_in_process(run, [1])
+    assert len(run["pids"][0]) == 1, run["pids"]
+    assert sorted(run["losses"]) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("fault", "reason"), [
+    ("--stuck-teardown", "did not end within 3 s"),
+    ("--sick-device", "failed the health check: injected"),
+], ids=["stuck-teardown", "sick-device"])
+def test_a_survivor_that_cannot_rejoin_is_replaced_and_the_other_goes_on(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str], fault: str,
+        reason: str) -> None:
+    """Rank 1 raises a connection error and stays; its teardown never returns, or its device
+    fails the check: it alone is replaced, after the hard limit (3 s here)."""
+    run = _run(tmp_path, "leave", job_env, "--fault-rank", "1", "--infra-error-at-step", "6",
+               fault, launch=("--recovery-inprocess-teardown-limit-s", "3"))
+    _recovered_in_process(run, [1])
+    assert len(run["pids"][0]) == 1, run["pids"]  # rank 0 kept its process
+    assert len(run["pids"][1]) == 2, run["pids"]
+    assert reason in run["text"], run["text"][-5000:]
+    assert run["losses"] == reference
 
 
 @pytest.mark.slow
