@@ -429,7 +429,7 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
         from elasticft.torch_compat import CONTRACTS
 
         named = [name.split("(")[0].strip() for name in CONTRACTS if "_abort_process_group" in name
-                 or "replacing one worker" in name]
+                 or "replacing one worker" in name or "ProcessGroup.abort" in name]
         broken = [name for name in CONTRACTS if name.split("(")[0].strip() in named
                   and not CONTRACTS[name]()]
         inprocess = (f"; in-process recovery's torch parts ({', '.join(named)}) "
