@@ -131,8 +131,9 @@ class InProcessCoordinator:
     def reset(self) -> None:
         """A full start of the workers: the old records are stale (their pids are gone)."""
         self.recovery = None
-        if self.directory.exists():
-            for path in self.directory.glob("*-l*.json"):
+        self._interrupted = -1
+        if self.directory.exists():  # the notice too: it ended the old workers' generation
+            for path in [*self.directory.glob("*-l*.json"), self.directory / INTERRUPT_FILE]:
                 with contextlib.suppress(OSError):
                     path.unlink()
         self.directory.mkdir(parents=True, exist_ok=True)

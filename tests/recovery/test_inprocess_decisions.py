@@ -335,3 +335,23 @@ def test_a_recovery_is_overdue_by_its_phase(tmp_path: Path) -> None:
     assert coordinator.recovery.first_step_s == 103.0
     assert not coordinator.overdue(210.0, pids)
     assert coordinator.overdue(212.0, pids)
+
+
+@pytest.mark.timeout(30)
+def test_the_interrupt_notice_ends_one_generation_and_a_full_start_clears_it(
+        tmp_path: Path) -> None:
+    from elasticft.recovery.inprocess import read_json
+    from elasticft.recovery.interrupt import INTERRUPT_FILE, notice
+
+    coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
+    coordinator.reset()
+    assert notice(coordinator.directory, read_json) == -1
+    coordinator.interrupt()
+    assert notice(coordinator.directory, read_json) == 0  # generation 0 is over
+    coordinator.publish("127.0.0.1", 2)
+    assert notice(coordinator.directory, read_json) == 0  # generation 1 is not
+    coordinator.interrupt()
+    assert notice(coordinator.directory, read_json) == 1
+    coordinator.reset()  # new workers: the notice was for the old ones
+    assert not (coordinator.directory / INTERRUPT_FILE).exists()
+    coordinator.close()

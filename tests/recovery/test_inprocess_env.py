@@ -1,13 +1,18 @@
-"""What in-process recovery asks of NCCL and of the device, by tables (pure parts), and the
-bounded call the teardown and the health check run under."""
+"""What in-process recovery asks of NCCL and of the device, by tables (pure parts), the
+bounded call the teardown and the health check run under, and the monitor that frees a
+survivor's main thread."""
 
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from elasticft.recovery.health import device_health, within
+from elasticft.recovery.inprocess import read_json, write_json
+from elasticft.recovery.interrupt import INTERRUPT_FILE, Monitor, PeerInterrupted
 from elasticft.recovery.ncclenv import abort_warning, worker_env
 
 
@@ -51,3 +56,23 @@ def test_a_bounded_call_returns_its_error_or_gives_up_at_the_limit() -> None:
 @pytest.mark.timeout(30)
 def test_a_process_without_cuda_passes_the_health_check() -> None:
     assert device_health(1.0) is None
+
+
+@pytest.mark.timeout(60)
+def test_the_monitor_ends_the_groups_and_frees_a_busy_main_thread(tmp_path: Path) -> None:
+    """The agent's notice: the monitor calls ``end`` once, then raises ``PeerInterrupted`` into
+    the main thread, which here runs Python code and would never leave by itself."""
+    ended: list[float] = []
+    monitor = Monitor(tmp_path, read_json, lambda: ended.append(time.time()) or "test",
+                      grace_s=0.05)
+    monitor.start(0)
+    write_json(tmp_path / INTERRUPT_FILE, {"ended": 0})
+    with pytest.raises(PeerInterrupted):
+        while True:  # a busy loop: only the asynchronous exception ends it
+            pass
+    monitor.recovering()
+    assert len(ended) == 1 and monitor.interrupted and monitor.how == "test"
+    monitor.resumed(1)  # generation 1: the notice for 0 no longer applies
+    time.sleep(0.2)
+    assert len(ended) == 1 and not monitor.interrupted
+    monitor.stop()
