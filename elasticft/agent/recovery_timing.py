@@ -60,9 +60,10 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
     detect: failure seen → decision; survivors_out: failure seen → the last survivor out of
     its training call; abort: the slowest survivor's teardown of its groups; reap: decision →
     the failed processes gone; fork: the replacements' processes started; start: a
-    replacement's start-up (its process start → the script's import of elasticft's recovery,
-    torch's import included); join: from there to its ``InProcess.run`` (its
-    ``init_process_group``, which meets the survivors, and its set-up); regroup: decision →
+    replacement's start-up (its process start, or the fork for a pre-started interpreter →
+    the script's import of elasticft's recovery, torch's import included); join: from there
+    to its ``InProcess.run`` (its ``init_process_group``, which meets the survivors, and its
+    set-up); regroup: decision →
     the last worker in the new group; restore and redo: from there to the last worker's first
     step; total: failure seen → that step.
     """
@@ -82,8 +83,9 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
         out["reap_s"] = times["reaped"] - recovery.decided_at
     if "fork" in times and "forked" in times:
         out["fork_s"] = times["forked"] - times["fork"]
-    starts = [(float(r["imported"]) - float(r["started"]), float(r["joined"])
-               - float(r["imported"])) for r in records.values()
+    # A warm interpreter started long before the failure: its start-up counts from the fork.
+    starts = [(float(r["imported"]) - max(float(r["started"]), times.get("fork", 0.0)),
+               float(r["joined"]) - float(r["imported"])) for r in records.values()
               if {"started", "imported", "joined"} <= r.keys()]
     if starts:
         out["start_s"] = max(s for s, _ in starts)

@@ -13,10 +13,14 @@ group again: a hang after a recovery is found within the script's timeout, not t
 dead peer. Gloo's ``abort`` returns at once but leaves a pending collective waiting (measured on
 torch 2.13: an ``allreduce`` with a silent peer returned only when that peer's process ended):
 its wait is on the group's TCP connections, so the survivor shuts down its own ends of them
-(:func:`end_tcp_connections`). A peer that died without closing its sockets (they live on in a
-child of it, or, on NCCL, there is nothing to close) then costs the survivor nothing: gloo's
-receive sees its own socket end and the collective raises "connection closed", which the
-recovery handles like any peer failure. Only this process's descriptors are touched.
+(:func:`end_tcp_connections`). Gloo's connections cannot be told apart from outside gloo, so
+every established TCP connection of the process is shut down: the others a worker has are
+normally its old group's store connection, which the regroup replaces; a script's own
+long-lived TCP client (a metrics exporter, say) sees a reset and has to reconnect. A peer that
+died without closing its sockets (they live on in a child of it, or, on NCCL, there is nothing
+to close) then costs the survivor nothing: gloo's receive sees its own socket end and the
+collective raises "connection closed", which the recovery handles like any peer failure. Only
+this process's descriptors are touched.
 """
 
 from __future__ import annotations

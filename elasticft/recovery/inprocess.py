@@ -312,7 +312,8 @@ class InProcess:
             return fn(*args, **kwargs)
         from elasticft.recovery import spare
 
-        if spare.is_spare():  # a pre-started spare: it waits here until it takes a rank
+        was_spare = spare.is_spare()
+        if was_spare:  # a pre-started spare: it waits here until it takes a rank
             self.settings = spare.take_rank(self.settings, self.ops)
             self.generation = self.settings.generation
         # What the set-up made (torch's modules, the model) leaves the collector's walks: the
@@ -333,7 +334,9 @@ class InProcess:
         self._write("armed", {})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
             now = time.time()
-            self._phases = {"joined": now, "imported": _IMPORTED_AT, "started": _started_at()}
+            self._phases = {"joined": now}
+            if not was_spare:  # a new process: its start-up is part of the recovery
+                self._phases.update(imported=_IMPORTED_AT, started=_started_at())
             self._write("joined", self._phases)
             self._report_first_step()
         try:

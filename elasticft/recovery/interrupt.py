@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,8 @@ class Monitor:
         """Wall clock when this monitor ended the groups of the current generation."""
         self.how = ""
         self._thread: threading.Thread | None = None
+        self._stamp: list[tuple[int, int, int] | None] = []
+        self._last = -1
 
     def start(self, generation: int) -> None:
         self._main = threading.get_ident()
@@ -111,11 +114,24 @@ class Monitor:
             self.interrupted_at = None
             self.how = ""
 
+    def _ended(self) -> int:
+        """:func:`notice`, read again only when one of the two files changed (a stat per poll)."""
+        stamp = []
+        for name in (INTERRUPT_FILE, "generation.json"):
+            try:
+                st = os.stat(self.directory / name)
+                stamp.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                stamp.append(None)
+        if stamp != self._stamp:
+            self._stamp, self._last = stamp, notice(self.directory, self._read)
+        return self._last
+
     def _loop(self) -> None:
         while not self._stop.wait(self._poll_s):
+            ended = self._ended()
             with self._lock:
-                due = self._state == "running" and notice(
-                    self.directory, self._read) >= self._generation
+                due = self._state == "running" and ended >= self._generation
                 if due:
                     self._state = "interrupting"
             if due:
