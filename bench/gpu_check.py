@@ -26,7 +26,8 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    torchrun, elasticft-run's restart and its in-process recovery (the survivor keeps its
    process and its CUDA context; NCCL's communicators are aborted through
    ``torch.distributed.distributed_c10d._abort_process_group``), and in process with a spare
-   that takes the killed rank;
+   that takes the killed rank; before them bench/inprocess_abort_gpu.py, an NCCL group aborted
+   with a kernel pending, the device's health check and a new group (what one GPU allows);
 6. (``persist``) bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and
    through the page cache, against the machine's disk;
 7. the test suite's ``gpu``-marked tests (pytest must be installed).
@@ -58,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "gpu_check_worker.py"
 CKPT_BENCH = ROOT / "bench" / "ckpt_gpu.py"
 RECOVERY_BENCH = ROOT / "bench" / "recovery_large.py"
+ABORT_BENCH = ROOT / "bench" / "inprocess_abort_gpu.py"
 PERSIST_BENCH = ROOT / "bench" / "persist.py"
 RUN_LIMIT_S = 300
 
@@ -372,8 +374,14 @@ def check_recovery(rows: list[tuple[str, str]]) -> None:
 
 
 def check_inprocess(rows: list[tuple[str, str]]) -> None:
-    """bench/recovery_large.py with two ranks: torchrun, elasticft-run, elasticft in process,
+    """bench/inprocess_abort_gpu.py (an NCCL group aborted with a kernel pending, within the
+    hard limit, the health check, a new group: what one GPU allows), then
+    bench/recovery_large.py with two ranks: torchrun, elasticft-run, elasticft in process,
     and in process with a spare."""
+    code, text = run([sys.executable, str(ABORT_BENCH)], child_env(), limit_s=300)
+    rows.append(("NCCL abort with a kernel pending (bench/inprocess_abort_gpu.py)",
+                 f"exit {code}"))
+    rows.extend(("  abort", line[:160]) for line in text.strip().splitlines()[-6:])
     code, text = run([sys.executable, str(RECOVERY_BENCH), "--nproc", "2", "--limit-s", "300",
                       "--launchers",
                       "torchrun,elasticft-run,elasticft-inprocess,elasticft-spare"],
@@ -420,6 +428,7 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
     py_compile.compile(str(WORKER), doraise=True)
     py_compile.compile(str(CKPT_BENCH), doraise=True)
     py_compile.compile(str(RECOVERY_BENCH), doraise=True)
+    py_compile.compile(str(ABORT_BENCH), doraise=True)
     py_compile.compile(str(PERSIST_BENCH), doraise=True)
     shim = shim_library()
     launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
@@ -429,7 +438,7 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
         from elasticft.torch_compat import CONTRACTS
 
         named = [name.split("(")[0].strip() for name in CONTRACTS if "_abort_process_group" in name
-                 or "replacing one worker" in name]
+                 or "replacing one worker" in name or "ProcessGroup.abort" in name]
         broken = [name for name in CONTRACTS if name.split("(")[0].strip() in named
                   and not CONTRACTS[name]()]
         inprocess = (f"; in-process recovery's torch parts ({', '.join(named)}) "

@@ -18,7 +18,12 @@ and the in-process example (``examples/train_inprocess.py``, the same training u
 ``--recovery-inprocess-spare`` (launcher ``elasticft-run+spare``: a pre-started spare takes the
 failed rank). Faults:
 ``kill`` (SIGKILL of rank 1) and ``hang`` (SIGSTOP of rank 1; torchrun waits for gloo's
-30-minute timeout, so it is given up after ``--hang-cap`` seconds).
+30-minute timeout, so it is given up after ``--hang-cap`` seconds), and for the in-process runs
+``keep``: rank 1 hands its sockets to a child outside the job and is then SIGKILLed (the
+example's ``--crash-mode keep-sockets``), so the survivor's collective never raises by itself
+and only the agent's interrupt frees it. In-process runs also print the recovery's phases
+(the ``recover_in_process`` event): ``survivors_out`` is the agent seeing the failure → every
+survivor out of its collective. ``--runs inprocess`` keeps only the in-process runs.
 
 The last lines compare crash recovery with torchrun's (the time until training is past the
 fault, elasticft-run with the worker API over torchrun with the plain script; target at most
@@ -37,6 +42,7 @@ default) under elasticft-run for ``--tor-minutes`` with a SIGKILL of rank 1 ever
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -98,8 +104,12 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
     tag = f"{launcher}-{script.stem}-{fault}"
     run_dir = work / tag
     loss_log = work / f"{tag}.loss"
+    keeper = work / f"{tag}.keeper"
     train = [str(script), "--steps", str(args.steps), "--batch-size", "4", "--step-time",
              str(args.step_time), "--loss-log", str(loss_log)]
+    if fault == "keep":  # the worker kills itself after forking its sockets' keeper
+        train += ["--fault-rank", "1", "--crash-at-step", str(args.fault_step + 1),
+                  "--crash-mode", "keep-sockets", "--keeper-pid", str(keeper)]
     if script == PLAIN:
         train += ["--ckpt-dir", str(work / f"{tag}-ckpt"), "--ckpt-every", str(args.ckpt_every)]
     if launcher == "torchrun":
@@ -122,11 +132,17 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
                 raise RuntimeError(f"{tag}: never reached step {args.fault_step}; see "
                                    f"{work / f'{tag}.out'}")
             time.sleep(0.02)
-        victim = torchrun_pids(proc)[1] if launcher == "torchrun" else chaos.worker_pid(
-            run_dir, 1)
-        before = read_log(loss_log)
-        fault_at = time.monotonic()
-        os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        if fault == "keep":
+            while not keeper.exists() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            before = read_log(loss_log)
+            fault_at = time.monotonic()
+        else:
+            victim = torchrun_pids(proc)[1] if launcher == "torchrun" else chaos.worker_pid(
+                run_dir, 1)
+            before = read_log(loss_log)
+            fault_at = time.monotonic()
+            os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         last_before = max(before)
         seen = len(before)
         first = past = None
@@ -151,7 +167,13 @@ def one_fault(launcher: str, script: Path, fault: str, args: argparse.Namespace,
         recomputed = len([s for s in after if s <= last_before])
         result.update(first_step_s=first, recomputed=recomputed if first is not None else None,
                       past_fault_s=past)
+        if script == INPROCESS:
+            done = [e for e in read_events(run_dir) if e.get("kind") == "recover_in_process"]
+            result["phases"] = done[0]["phases"] if done else None
     finally:
+        if keeper.exists():
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(keeper.read_text()), signal.SIGKILL)
         import psutil
 
         try:
@@ -257,7 +279,8 @@ def main() -> None:
                         help="the worker-API example or the plain torch.save script")
     parser.add_argument("--skip-tor", action="store_true")
     parser.add_argument("--faults", default="kill,hang",
-                        help="comma-separated faults of the per-fault table (kill, hang)")
+                        help="comma-separated faults of the per-fault table (kill, hang, keep)")
+    parser.add_argument("--runs", choices=("all", "inprocess"), default="all")
     args = parser.parse_args()
 
     env = clean_job_env()
@@ -275,11 +298,17 @@ def main() -> None:
     try:
         for fault in [f for f in args.faults.split(",") if f]:
             for launcher, script in runs:
+                if (fault == "keep" or args.runs == "inprocess") and script != INPROCESS:
+                    continue
                 r = one_fault(launcher, script, fault, args, work, env)
                 results[(str(r["run"]), fault)] = r
                 print(f"{r['run']:34} {fault:6} {fmt(r['first_step_s'], ' s'):>11} "
                       f"{fmt(r['recomputed']):>10} {fmt(r['past_fault_s'], ' s'):>11}",
                       flush=True)
+                if r.get("phases"):
+                    print(f"{'':34} phases: " + ", ".join(
+                        f"{k.removesuffix('_s')} {v:.3f}" for k, v in r["phases"].items()),
+                        flush=True)
         for fault in [f for f in args.faults.split(",") if f]:
             restart = results.get(("elasticft-run train_elasticft.py", fault), {})
             for name in ("elasticft-run", "elasticft-run+spare"):

@@ -570,6 +570,11 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         for part in REPLACE_WORKER_PARTS),
     "torch.distributed.distributed_c10d._abort_process_group(group)": lambda: list(
         _parameters(torch.distributed.distributed_c10d._abort_process_group)) == ["group"],
+    # recovery/groups.py: every group ended from the monitor thread; the script's settings.
+    "_get_default_group(), ProcessGroup.abort(), _get_backend(d).options._timeout, "
+    "bound_device_id": lambda: _has(torch.distributed.distributed_c10d, "_get_default_group")
+        and _has(torch.distributed.ProcessGroup, "abort", "_get_backend", "bound_device_id")
+        and hasattr(torch.distributed.ProcessGroupGloo._Options, "_timeout"),
     "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval
         == signal.SIGTERM,
     "RendezvousHandler abstract methods (the etcd-v3 handler implements them)":

@@ -15,10 +15,15 @@ costs the survivors no process either: the standby's worker takes the lost rank.
 
 Faults for tests and demos, injected once by --fault-rank in the first attempt:
 --crash-at-step N (SIGKILL right after the save of step N; --crash-mode after-save waits for
-it to complete, before-save kills before it, so the others redo step N), --hang-at-step N
-(SIGSTOP), --infra-error-at-step N (raises a connection error before step N), and
---replacement-fails (a replacement process exits at once, which makes the agent fall back to a
-full restart).
+it to complete, before-save kills before it, so the others redo step N; keep-sockets waits too,
+and first forks a child outside the job that keeps the rank's sockets open, so the survivors'
+collective never fails by itself: the child writes its pid to --keeper-pid and lives 300 s),
+--hang-at-step N (SIGSTOP), --infra-error-at-step N (raises a connection error before step N;
+with --exit-after-failed the rank then exits right after reporting it, before its teardown; with
+--stuck-teardown its teardown never returns; with --sick-device its device fails the health
+check), and --replacement-fails (a replacement process exits at once, which makes the agent fall
+back to a full restart). --manual-sgd trains without a torch.optim optimizer and tells InProcess
+of each step (InProcess.step_done).
 """
 
 from __future__ import annotations
@@ -39,7 +44,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_plain import VOCAB, TinyGPT, batch, record_step, setup_device
 
 from elasticft.ckpt import Checkpointer, StateCapture
-from elasticft.recovery.inprocess import InProcess
+from elasticft.recovery.inprocess import GroupOps, InProcess
+
+
+def keep_sockets(pid_file: Path | None) -> None:
+    """Forks a child that holds every descriptor of this process (its gloo connections too)
+    in a session of its own, outside the job's process group, and lives on after this one."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # the launcher's pipes close when the job ends
+            os.dup2(null, fd)
+        if pid_file is not None:
+            pid_file.write_text(str(os.getpid()))
+        time.sleep(300)
+        os._exit(0)
+    while pid_file is not None and not pid_file.exists():
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -54,10 +76,18 @@ def main() -> None:
     parser.add_argument("--pid-log", type=Path, help="every rank appends 'rank pid step' here")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
-    parser.add_argument("--crash-mode", choices=("mid-save", "after-save", "before-save"),
+    parser.add_argument("--crash-mode",
+                        choices=("mid-save", "after-save", "before-save", "keep-sockets"),
                         default="mid-save")
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--infra-error-at-step", type=int, default=-1)
+    parser.add_argument("--manual-sgd", action="store_true",
+                        help="update the parameters by hand instead of with a torch.optim "
+                        "optimizer (and tell InProcess of each step)")
+    parser.add_argument("--keeper-pid", type=Path, help="where keep-sockets' child writes its pid")
+    parser.add_argument("--exit-after-failed", action="store_true")
+    parser.add_argument("--stuck-teardown", action="store_true")
+    parser.add_argument("--sick-device", action="store_true")
     parser.add_argument("--replacement-fails", action="store_true")
     parser.add_argument("--no-step-records", action="store_true",
                         help="write no step records: the report numbers the steps by the "
@@ -71,11 +101,20 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = TinyGPT(dim=args.dim, layers=args.layers).to(device)
-    optim = torch.optim.AdamW(net.parameters(), lr=args.lr)
-    ckpt = Checkpointer.from_env(optimizers=[optim])
+    optim = None if args.manual_sgd else torch.optim.AdamW(net.parameters(), lr=args.lr)
+    ckpt = Checkpointer.from_env(optimizers=[optim] if optim is not None else [])
     snapshot = StateCapture(net, optim)
     faults = {"armed": os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and
               rank == args.fault_rank}
+
+    ops = GroupOps.for_torch()
+    if args.exit_after_failed and faults["armed"]:
+        ops.destroy = lambda: os._exit(1)  # injected: dies after its `failed` record
+    if args.stuck_teardown and faults["armed"]:
+        ops.destroy = lambda: time.sleep(3600)  # injected: a teardown that never returns
+    if args.sick_device and faults["armed"]:
+        ops.health = lambda limit_s: "injected: the device is lost"
+    recovery = InProcess(ops=ops)
 
     def train() -> None:
         rank = dist.get_rank()  # read here: a spare takes its rank in InProcess().run
@@ -92,9 +131,17 @@ def main() -> None:
                 raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
             x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
             loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
+            if optim is None:
+                net.zero_grad(set_to_none=True)
+                loss.backward()
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p -= args.lr * p.grad
+                recovery.step_done()
+            else:
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
             done = step + 1
             if rank == 0:
                 value = loss.item()
@@ -112,9 +159,11 @@ def main() -> None:
             if not args.no_step_records:
                 record_step(done, 0.0)
             if faults["armed"] and done == args.crash_at_step:
-                if args.crash_mode == "after-save":
+                if args.crash_mode in ("after-save", "keep-sockets"):
                     request.wait()
                     time.sleep(1.0)  # the others wait in the next step's collective
+                if args.crash_mode == "keep-sockets":
+                    keep_sockets(args.keeper_pid)
                 os.kill(os.getpid(), signal.SIGKILL)
             if faults["armed"] and done == args.hang_at_step:
                 request.wait()
@@ -122,7 +171,6 @@ def main() -> None:
             if args.step_time:
                 time.sleep(args.step_time)
 
-    recovery = InProcess()
     recovery.run(train)
     rank = dist.get_rank()
     ckpt.close()

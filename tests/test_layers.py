@@ -55,7 +55,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "elasticft.slurm")),
     # The workers' side of in-process recovery drives the subsystems' worker APIs (a spare
     # rebinds the checkpointers and diagnostics of the rank it takes); the agent drives it.
-    ("worker recovery", ("elasticft.recovery.inprocess", "elasticft.recovery.spare")),
+    ("worker recovery", ("elasticft.recovery.inprocess", "elasticft.recovery.spare",
+                          "elasticft.recovery.groups", "elasticft.recovery.interrupt",
+                          "elasticft.recovery.health", "elasticft.recovery.ncclenv")),
     ("orchestration", ("elasticft.agent", "elasticft.recovery")),
     ("tools", ("elasticft.report", "elasticft.chaos")),
     ("entry points", ("elasticft.launcher", "elasticft.run", "elasticft.worker", "elasticft")),

@@ -10,7 +10,7 @@ One thing torch offers no hook for: when a worker fails, torch stops the others 
 agent wraps that step to let the collaborators act on the survivors first
 (:func:`notify_before_survivors_stopped`). When the workers recover in process
 (:mod:`elasticft.agent.inprocess`), the agent sees a failed worker before torch does
-(:func:`~elasticft.agent.inprocess.failed_exits`) and replaces only that one.
+(:func:`~elasticft.agent.replace.failed_exits`) and replaces only that one.
 """
 
 from __future__ import annotations
@@ -49,11 +49,8 @@ from elasticft.addon.policy import (
     root_cause,
 )
 from elasticft.agent import console, lifeline
-from elasticft.agent.inprocess import (
-    InProcessCoordinator,
-    InProcessRecoveryMixin,
-    failed_exits,
-)
+from elasticft.agent.inprocess import InProcessCoordinator, InProcessRecoveryMixin
+from elasticft.agent.replace import failed_exits
 from elasticft.agent.spare import SpareKeeper
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
@@ -62,6 +59,7 @@ from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
 from elasticft.recovery import inprocess as inprocess_worker
+from elasticft.recovery import ncclenv
 from elasticft.recovery import spare as spare_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
@@ -151,8 +149,9 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         in a row before it had the same (the policy's ``FailureFacts.comm_repeats``)."""
         self.warm_pool = warm_pool
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
-        self.inprocess = InProcessCoordinator(run_dir / "inprocess" / node_id,
-                                              options.recovery.recovery_inprocess_timeout_s)
+        self.inprocess = InProcessCoordinator(
+            run_dir / "inprocess" / node_id, options.recovery.recovery_inprocess_timeout_s,
+            options.recovery.recovery_inprocess_teardown_limit_s)
         self.spare = SpareKeeper(self.inprocess.directory, events,
                                  options.recovery.recovery_inprocess_spare)
         self._armed: dict[int, int | None] = {}
@@ -242,12 +241,16 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         worker_env[ATTEMPT_ENV] = str(self._attempt)
         worker_env.update(lifeline.worker_env())
         worker_env.update(self.inprocess.worker_env())
+        worker_env.update(self.startup_env())
         group = self.group_info()
         worker = next(w for w in group.workers if w.local_rank == local_rank)
         for extra in self._each_collaborator("worker_env", lambda c: c.worker_env(group, worker)):
             worker_env.update(extra or {})
         if (path := self.worker_pythonpath(worker_env.get("PYTHONPATH"))) is not None:
             worker_env["PYTHONPATH"] = path
+
+    def startup_env(self) -> dict[str, str]:
+        return ncclenv.worker_env(os.environ, self.inprocess.teardown_limit_s)
 
     def worker_pythonpath(self, existing: str | None) -> str | None:
         """The workers' ``PYTHONPATH``: what the collaborators declare first
@@ -304,13 +307,13 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         ending = self._failed_while_exiting()
-        if ending:
+        if ending and not self._replace_leavers(ending):
             return RunResult(state=WorkerState.FAILED, failures=ending)
         armed = self._all_armed()  # once a tick: for a plain script it is a file that is not there
-        if armed:
+        if armed or self.inprocess.recovery is not None:
             # Before torch's poll, which would stop the survivors on seeing the failure.
             exited = failed_exits(self._pcontext, self._worker_group.workers)
-            if exited:
+            if exited and not self._replace_leavers(exited):
                 return RunResult(state=WorkerState.FAILED, failures=exited)
         result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY:

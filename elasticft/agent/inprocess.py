@@ -41,40 +41,41 @@ that gives this node's workers other ranks restarts them in that round.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import os
 import shutil
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
-from elasticft import torch_compat
+from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
-from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
+from elasticft.agent.recovery_timing import Recovery, first_step_limit, phases
+from elasticft.agent.replace import kill, replace_after_kill, start_replacements
+from elasticft.agent.warmpool import WarmPool
 from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.recovery.inprocess import (
     DIR_ENV,
     GENERATION_ENV,
+    TEARDOWN_ENV,
     TIMEOUT_ENV,
     Generation,
     read_json,
     worker_file,
+    write_json,
 )
+from elasticft.recovery.interrupt import INTERRUPT_FILE
 from elasticft.torch_compat import WorkerState
 
 if TYPE_CHECKING:
     from elasticft.agent.spare import SpareKeeper
 
 logger = logging.getLogger(__name__)
-_R = TypeVar("_R")
 
 
 def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: int,
@@ -101,42 +102,38 @@ def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: 
     return replaceable
 
 
-@dataclasses.dataclass
-class Recovery:
-    """One in-process recovery under way."""
-
-    generation: int
-    cause: str
-    seen_at: float
-    """Wall clock when the agent saw the failure."""
-    decided_at: float
-    published_at: float
-    replaced: dict[int, int]
-    """Local rank → pid of its replacement."""
-    deadline: float
-    """Monotonic time by which every worker must have resumed."""
-
-
 class InProcessCoordinator:
     """This node's in-process directory and generations."""
 
-    def __init__(self, directory: Path, timeout_s: float) -> None:
+    def __init__(self, directory: Path, timeout_s: float, teardown_limit_s: float = 30.0
+                 ) -> None:
         self.directory = directory
         self.timeout_s = timeout_s
+        self.teardown_limit_s = teardown_limit_s
         self.generation = 0
         self.recovery: Recovery | None = None
+        self.published: Generation | None = None
+        """The latest generation on a store of this agent's (None after a new round's)."""
         self.completed = 0
+        self._interrupted = -1
         self._stores: list[Any] = []
+
+    @property
+    def join_limit_s(self) -> float:
+        """From the decision to every worker in the new group: a survivor's bounded teardown,
+        then the regroup (a replacement's start and join)."""
+        return self.teardown_limit_s + self.timeout_s
 
     def worker_env(self) -> dict[str, str]:
         return {DIR_ENV: str(self.directory), GENERATION_ENV: str(self.generation),
-                TIMEOUT_ENV: str(self.timeout_s)}
+                TIMEOUT_ENV: str(self.timeout_s), TEARDOWN_ENV: str(self.teardown_limit_s)}
 
     def reset(self) -> None:
         """A full start of the workers: the old records are stale (their pids are gone)."""
         self.recovery = None
-        if self.directory.exists():
-            for path in self.directory.glob("*-l*.json"):
+        self._interrupted = -1
+        if self.directory.exists():  # the notice too: it ended the old workers' generation
+            for path in [*self.directory.glob("*-l*.json"), self.directory / INTERRUPT_FILE]:
                 with contextlib.suppress(OSError):
                     path.unlink()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -165,6 +162,16 @@ class InProcessCoordinator:
                                      str(record.get("cause", "")))
         return found
 
+    def interrupt(self) -> None:
+        """Tells every survivor at once that the current generation is over: their monitors
+        end their process groups and free their main threads (the failure is known here
+        before a survivor's collective could say so, or when it never would)."""
+        if self._interrupted == self.generation:
+            return
+        self._interrupted = self.generation
+        write_json(self.directory / INTERRUPT_FILE, {"ended": self.generation,
+                                                     "time": time.time()})
+
     def publish(self, master_addr: str, world_size: int) -> Generation:
         """Starts the next generation's store and tells the survivors where it is."""
         store = dist.TCPStore(master_addr, 0, is_master=True, multi_tenant=True,
@@ -173,6 +180,7 @@ class InProcessCoordinator:
         self.generation += 1
         generation = Generation(self.generation, master_addr, store.port, world_size)
         generation.write(self.directory)
+        self.published = generation
         return generation
 
     def publish_round(self, master_addr: str, master_port: int, world_size: int,
@@ -183,6 +191,7 @@ class InProcessCoordinator:
         generation = Generation(self.generation, master_addr, master_port, world_size,
                                 agent_store)
         generation.write(self.directory)
+        self.published = None
         return generation
 
     def replacement_env(self, env: Mapping[str, str], generation: Generation, attempt: int,
@@ -203,119 +212,46 @@ class InProcessCoordinator:
             records[local_rank] = record
         return records
 
-    def overdue(self, now: float) -> bool:
-        return self.recovery is not None and now > self.recovery.deadline
+    def joined(self, pids: Mapping[int, int | None]) -> bool:
+        """Whether every worker has its ``joined`` record of the current generation."""
+        return all(self._record("joined", lr, pid, self.generation) is not None
+                   for lr, pid in pids.items())
+
+    def stuck(self, pids: Mapping[int, int | None], now: float, grace_s: float = 5.0
+              ) -> list[int]:
+        """Survivors still in their teardown (a ``failed`` record of the previous generation,
+        none of this one) past the hard limit and ``grace_s``: their own limit did not end
+        them, the agent kills them (wall clock ``now``)."""
+        found = []
+        for local_rank, pid in pids.items():
+            failed = self._record("failed", local_rank, pid, self.generation - 1)
+            if (failed is not None and self._record("joined", local_rank, pid,
+                                                    self.generation) is None
+                    and now > float(failed.get("failed", now)) + self.teardown_limit_s
+                    + grace_s):
+                found.append(local_rank)
+        return found
+
+    def overdue(self, now: float, pids: Mapping[int, int | None] | None = None) -> bool:
+        """Whether the recovery under way overran its phase's limit: joining (teardown and
+        regroup, :attr:`Recovery.deadline`), then the first step (:func:`first_step_limit`
+        of the survivors' measurements, from when every worker joined)."""
+        recovery = self.recovery
+        if recovery is None:
+            return False
+        if recovery.joined_at is None and pids is not None and self.joined(pids):
+            recovery.joined_at = now
+            records = [self._record("failed", lr, pid, self.generation - 1) or {}
+                       for lr, pid in pids.items()]
+            recovery.first_step_s = first_step_limit(records)
+        if recovery.joined_at is not None:
+            return now > recovery.joined_at + recovery.first_step_s
+        return now > recovery.deadline
 
     def close(self) -> None:
         self._stores = []
         with contextlib.suppress(OSError):
             shutil.rmtree(self.directory)
-
-
-def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
-    """The recovery's phases in seconds (pure), from the agent's times and the workers' records.
-
-    detect: failure seen → decision; abort: the slowest survivor's teardown of its groups;
-    regroup: decision → the last worker in the new group; restore and redo: from there to the
-    last worker's first optimizer step; total: failure seen → that step.
-    """
-    def latest(key: str) -> float | None:
-        values = [float(r[key]) for r in records.values() if key in r]
-        return max(values) if values else None
-
-    aborts = [float(r["aborted"]) - float(r["failed"]) for r in records.values()
-              if "aborted" in r and "failed" in r]
-    joined, resumed = latest("joined"), latest("resumed")
-    out = {"detect_s": recovery.decided_at - recovery.seen_at,
-           "abort_s": max(aborts) if aborts else 0.0}
-    if joined is not None:
-        out["regroup_s"] = joined - recovery.decided_at
-    if joined is not None and resumed is not None:
-        out["restore_redo_s"] = resumed - joined
-    if resumed is not None:
-        out["total_s"] = resumed - recovery.seen_at
-    return {k: round(max(v, 0.0), 4) for k, v in out.items()}
-
-
-def failed_exits(context: Any, workers: Sequence[Any]) -> dict[int, Any]:
-    """Workers of torch's process ``context`` that exited with a failing status, as torch's
-    ``ProcessFailure`` by global rank; reaped here, before torch's poll would see them and stop
-    the others."""
-    failures = {}
-    for worker in workers:
-        proc = torch_compat.worker_process(context, worker.local_rank)
-        exitcode = proc.poll()
-        if exitcode not in (None, 0):
-            failures[worker.global_rank] = torch_compat.ProcessFailure(
-                local_rank=worker.local_rank, pid=proc.pid, exitcode=exitcode,
-                error_file=context.error_files.get(worker.local_rank, ""))
-    return failures
-
-
-def start_replacements(context: Any, local_ranks: Sequence[int], pool: WarmPool | None,
-                       env_of: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[int, int]:
-    """Starts a new process for each of ``local_ranks`` in torch's process ``context``, from the
-    warm pool when there is one (which then prepares the next warm interpreter), with
-    ``env_of(the old worker's environment)``; returns their pids by local rank."""
-    def make(**kwargs: Any) -> Any:
-        if pool is not None and isinstance(context, WarmSubprocessContext):
-            return WarmSubprocessHandler(pool, **kwargs)
-        return torch_compat.SubprocessHandler(**kwargs)
-
-    started = {}
-    for local_rank in local_ranks:
-        handler = torch_compat.replace_worker(context, local_rank,
-                                              env_of(context.envs[local_rank]), make)
-        launch = getattr(handler, "launch", None)
-        if pool is not None and launch is not None:
-            pool.refill(local_rank, *launch)
-        started[local_rank] = handler.proc.pid
-    return started
-
-
-def kill(procs: Sequence[Any]) -> None:
-    """SIGKILLs (and continues, if stopped) each ``Popen`` still running."""
-    for proc in procs:
-        if proc.poll() is None:
-            for sig in (9, 18):  # SIGKILL, then SIGCONT for a stopped one
-                with contextlib.suppress(OSError):
-                    os.kill(proc.pid, sig)
-
-
-def reap(procs: Sequence[Any], timeout_s: float) -> None:
-    """Waits for each ``Popen`` to end, ``timeout_s`` for all of them."""
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-
-
-def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
-    """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
-    kill(procs)
-    reap(procs, timeout_s)
-
-
-def replace_after_kill(procs: Sequence[Any], timeout_s: float, reap_first: bool,
-                       replace: Callable[[], _R]) -> _R:
-    """Kills ``procs``, then runs ``replace``: after reaping them when ``reap_first``, else at
-    once, while a thread reaps them.
-
-    A node with GPUs reaps first: the device memory a dead process held is released only when
-    its teardown ends, and a replacement that allocated before then could run out of it. On a
-    CPU node the teardown (most of a second with gigabytes of checkpoint slots mapped) frees
-    only host memory, and the replacement or the spare need not wait for it.
-    """
-    kill(procs)
-    if reap_first:
-        reap(procs, timeout_s)
-        return replace()
-    try:
-        return replace()
-    finally:
-        if procs:
-            threading.Thread(target=reap, args=(list(procs), timeout_s),
-                             name="elasticft-reap", daemon=True).start()
 
 
 class InProcessRecoveryMixin:
@@ -355,6 +291,31 @@ class InProcessRecoveryMixin:
     def _worker_pids(self) -> dict[int, int | None]:
         return dict(self._pcontext.pids()) if self._pcontext is not None else {}
 
+    def _dead_workers(self) -> set[int]:
+        """Local ranks whose process has exited or begun to exit: a worker that wrote its
+        ``failed`` record and died after it is no survivor, and is replaced like the failed
+        rank (a record alone is matched by pid, which says nothing of the process)."""
+        if self._pcontext is None:
+            return set()
+        dead = set()
+        for local_rank, pid in self._pcontext.pids().items():
+            proc = torch_compat.worker_process(self._pcontext, local_rank)
+            if proc.poll() is not None or (pid is not None and procs.ending_status(pid)):
+                dead.add(local_rank)
+        return dead
+
+    def _waiting_survivors(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
+        """The workers waiting for the next generation whose process still lives."""
+        dead = self._dead_workers()
+        return {lr: w for lr, w in self.inprocess.waiting(pids).items() if lr not in dead}
+
+    def _to_replace(self, pids: Mapping[int, int | None],
+                    failures: Sequence[FailureRecord]) -> list[int]:
+        """The local workers a recovery replaces: the failed ones and any other that died,
+        less the survivors that wait for the next generation."""
+        failed = {f.local_rank for f in failures if f.local_rank in pids} | self._dead_workers()
+        return sorted(failed - set(self._waiting_survivors(pids)))
+
     def _all_armed(self) -> bool:
         """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
         set: an armed worker stays armed)."""
@@ -369,13 +330,53 @@ class InProcessRecoveryMixin:
     def _in_process_blocker(self, group: GroupInfo,
                             failures: tuple[FailureRecord, ...]) -> str | None:
         pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = {f.local_rank for f in failures if f.local_rank in pids} - set(waiting)
+        replace = self._to_replace(pids, failures)
         return blocker(
             armed=self._all_armed(), nodes=group.group_world_size,
             recovering=self.inprocess.recovery is not None, failed=len(replace),
             workers=len(pids), shared_store=self.workers_use_agent_store(),
             replaceable=torch_compat.replace_worker_unavailable(self._pcontext))
+
+    def _replace_leavers(self, exited: Mapping[int, Any]) -> bool:
+        """Workers that exited while a recovery on this agent's store is still forming its
+        group (a survivor whose teardown overran the hard limit, or whose device failed its
+        check) are replaced in that same generation; returns whether all were."""
+        recovery, generation = self.inprocess.recovery, self.inprocess.published
+        if (recovery is None or generation is None or recovery.joined_at is not None
+                or generation.generation != recovery.generation):
+            return False
+        by_global = {w.global_rank: w.local_rank for w in self._worker_group.workers}
+        local_ranks = [by_global[r] for r in exited if r in by_global]
+        if not local_ranks or any(lr in recovery.replaced for lr in local_ranks):
+            return False  # a replacement that failed: the restart
+        records = {lr: read_json(worker_file(self.inprocess.directory, "left", lr)) or {}
+                   for lr in local_ranks}
+
+        def env_of(env: Any) -> dict[str, str]:
+            return self.inprocess.replacement_env(env, generation, self._attempt,
+                                                  self.attempt_env)
+
+        try:
+            started = replace_after_kill(
+                [torch_compat.worker_process(self._pcontext, lr) for lr in local_ranks],
+                self._shutdown_timeout, gpu_devices_present(),
+                lambda: start_replacements(self._pcontext, local_ranks, self.warm_pool, env_of))
+        except Exception:
+            logger.exception("could not replace workers %s in the recovery", local_ranks)
+            return False
+        for local_rank, pid in started.items():
+            self._worker_group.workers[local_rank].id = pid
+            recovery.replaced[local_rank] = pid
+        for local_rank in local_ranks:
+            rank = self._worker_group.workers[local_rank].global_rank
+            why = str(records[local_rank].get("why", f"exit {exited[rank].exitcode}"))
+            logger.warning("in-process recovery of generation %d: local rank %d left (%s); "
+                           "its replacement joins the same generation", recovery.generation,
+                           local_rank, why)
+            self.events.emit("survivor_replaced", attempt=self._attempt,
+                             generation=recovery.generation,
+                             rank=rank, pid=started[local_rank], reason=why)
+        return True
 
     def _in_process_progress(self, group: GroupInfo, armed: bool) -> Detection | None:
         """Completes a recovery under way, or reports one that is overdue; sees workers that all
@@ -398,14 +399,27 @@ class InProcessRecoveryMixin:
                                      self.spare.taken.get(recovery.generation, {})),
                                  phases=timings)
                 return None
-            if self.inprocess.overdue(time.monotonic()):
+            if recovery.joined_at is None:
+                for local_rank in self.inprocess.stuck(pids, time.time()):
+                    logger.warning("local rank %d overran its teardown's hard limit "
+                                   "(%.0f s): killed", local_rank,
+                                   self.inprocess.teardown_limit_s)
+                    kill([torch_compat.worker_process(self._pcontext, local_rank)])
+            if self.inprocess.overdue(time.monotonic(), pids):
+                what = (f"its first step not done within {recovery.first_step_s:.0f} s of "
+                        f"the regroup" if recovery.joined_at is not None else
+                        f"not regrouped within {self.inprocess.join_limit_s:.0f} s")
                 return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
                                  f"in-process recovery of generation {recovery.generation} "
-                                 f"not resumed within {self.inprocess.timeout_s:.0f} s")
+                                 f"{what}")
             return None
         if not armed:
             return None
-        waiting = self.inprocess.waiting(pids)
+        waiting = self._waiting_survivors(pids)
+        if waiting and len(waiting) < len(pids):
+            # A worker's own communication error: its peers may wait in a collective with it
+            # that never ends; they are told at once, and report as waiting too.
+            self.inprocess.interrupt()
         if waiting and len(waiting) == len(pids):
             by_local = {w.local_rank: w.global_rank for w in group.workers}
             first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
@@ -420,10 +434,13 @@ class InProcessRecoveryMixin:
         seen_at = self._seen_at
         decided_at = time.time()
         pids = self._worker_pids()
-        waiting = self.inprocess.waiting(pids)
-        replace = sorted({f.local_rank for f in self._decided if f.local_rank in pids}
-                         - set(waiting))
+        replace = self._to_replace(pids, self._decided)
         replaced: dict[int, int] = {}
+        self._recovery_times: dict[str, float] = {}
+        try:
+            self.inprocess.interrupt()
+        except OSError as e:  # the survivors then leave when their collectives raise
+            logger.warning("could not write the interrupt notice: %s", e)
         if self._worker_group.group_world_size > 1:  # another node's worker failed
             generation = self._next_round_generation(pids)
             if generation is None:
@@ -436,7 +453,7 @@ class InProcessRecoveryMixin:
                 return f"{type(e).__name__}: {e}"
         self.inprocess.recovery = Recovery(
             generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
-            time.monotonic() + self.inprocess.timeout_s)
+            time.monotonic() + self.inprocess.join_limit_s, times=self._recovery_times)
         self._hook_survivor_stop()
         self._armed = {}
         group = self.group_info()
@@ -471,16 +488,23 @@ class InProcessRecoveryMixin:
                 return self.inprocess.replacement_env(env, generation, self._attempt,
                                                       self.attempt_env)
 
+            times["fork"] = time.time()
             replaced = self.spare.take(pcontext, replace, generation, env_of)  # a ready spare
             replaced.update(start_replacements(
                 pcontext, [lr for lr in replace if lr not in replaced], self.warm_pool, env_of))
+            times["forked"] = time.time()
             for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
                 self._worker_group.workers[local_rank].id = pid
             return generation, replaced
 
+        times = self._recovery_times = {}
+
+        def reaped(at: float) -> None:
+            times["reaped"] = at
+
         return replace_after_kill([torch_compat.worker_process(pcontext, lr) for lr in replace],
                                   self._shutdown_timeout, gpu_devices_present(),
-                                  publish_and_start)
+                                  publish_and_start, reaped if replace else None)
 
     def workers_use_agent_store(self) -> bool:
         """Whether the workers' ``env://`` store is this agent's (``TORCHELASTIC_USE_AGENT_STORE``):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import steps, torch_compat
-from elasticft.agent.inprocess import kill_and_reap
+from elasticft.agent.replace import kill_and_reap
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessHandler
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv as diag_workerenv

@@ -512,6 +512,11 @@ class WarmStartMixin:
         """The workers' ``PYTHONPATH`` as the agent composes it (None: ``existing`` stands)."""
         raise NotImplementedError
 
+    def startup_env(self) -> dict[str, str]:
+        """Variables the agent adds to every worker's environment that its start-up may read
+        (the NCCL settings of in-process recovery): a warm interpreter starts with them."""
+        raise NotImplementedError
+
     def prewarm(self, spec: Any) -> None:
         """Starts the warm interpreters before the first rendezvous, so that their imports
         overlap the wait (all of it for a standby, whose workers then start as fast as a
@@ -523,7 +528,7 @@ class WarmStartMixin:
             return
         env = {**os.environ,
                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                                            "1")}
+                                                            "1"), **self.startup_env()}
         if (path := self.worker_pythonpath(os.environ.get("PYTHONPATH"))) is not None:
             env["PYTHONPATH"] = path
         for local_rank in range(spec.local_world_size):

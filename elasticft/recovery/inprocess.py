@@ -56,27 +56,55 @@ import torch
 import torch.distributed as dist
 
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
+from elasticft.recovery.groups import GroupSettings, end_groups
+from elasticft.recovery.health import device_health, within
+from elasticft.recovery.interrupt import Monitor, PeerInterrupted
+from elasticft.recovery.ncclenv import abort_warning, nccl_version
 
 logger = logging.getLogger(__name__)
 
 DIR_ENV = "ELASTICFT_INPROCESS_DIR"
 GENERATION_ENV = "ELASTICFT_INPROCESS_GEN"
 TIMEOUT_ENV = "ELASTICFT_INPROCESS_TIMEOUT"
-WORKER_ENV = frozenset({DIR_ENV, GENERATION_ENV, TIMEOUT_ENV})
+TEARDOWN_ENV = "ELASTICFT_INPROCESS_TEARDOWN_LIMIT"
+WORKER_ENV = frozenset({DIR_ENV, GENERATION_ENV, TIMEOUT_ENV, TEARDOWN_ENV})
 """Worker variables the agent sets for in-process recovery."""
 
 GENERATION_FILE = "generation.json"
+LEAVE_EXIT_CODE = 86
+"""A survivor's exit status when its teardown overran the hard limit or its device is unfit:
+it leaves for a replacement (the agent replaces it in the same recovery)."""
 _STORE_PREFIX = "default_pg"
 """The prefix torch's ``init_process_group`` puts before the keys of an ``env://`` group: a
 survivor's regroup uses the same one, so it meets the replacement's unchanged call."""
 
 _T = TypeVar("_T")
+_IMPORTED_AT = time.time()
+"""When the script imported this module: a replacement's start-up up to here is its
+interpreter's and torch's (the ``start`` phase of a recovery)."""
+
+
+def _started_at() -> float:
+    """Wall clock when this process started (from ``/proc``; now where it cannot be read)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 # Device faults: the CUDA context of this process may be unusable after one (CUDA's
 # "sticky" errors: an illegal address, a device-side assert, an ECC error, a launch failure),
 # so only a new process can go on; NCCL's "unhandled cuda error" is one of them.
 _DEVICE_FAULT = ("cuda", "device-side", "illegal memory", "illegal address", "ecc error",
                  "uncorrectable", "xid", "launch failure", "outofmemory", "out of memory")
+
+
+def _device_fault(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}".lower()
+    return any(fault in text for fault in _DEVICE_FAULT)
 
 
 def peer_failure(error: BaseException) -> bool:
@@ -115,6 +143,9 @@ class InProcessSettings:
     local_rank: int = 0
     timeout_s: float = 60.0
     """Longest wait for the agent's next generation and for the regrouped process group."""
+    teardown_limit_s: float = 30.0
+    """Hard limit of the teardown (abort, synchronize, release) and of the device's health
+    check: a survivor that overruns it leaves, and the agent replaces it."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InProcessSettings:
@@ -125,6 +156,7 @@ class InProcessSettings:
             generation=int(env.get(GENERATION_ENV, "0") or 0),
             local_rank=int(env.get("LOCAL_RANK", "0") or 0),
             timeout_s=float(env.get(TIMEOUT_ENV, "60") or 60),
+            teardown_limit_s=float(env.get(TEARDOWN_ENV, "30") or 30),
         )
 
 
@@ -191,6 +223,12 @@ class GroupOps:
     """Ends the default group without waiting for its work (NCCL); None: this torch has none."""
     destroy: Callable[[], None] = dist.destroy_process_group
     init: Callable[..., None] = dist.init_process_group
+    end: Callable[[str], str] = end_groups
+    health: Callable[[float], str | None] = device_health
+    """Why this process's device is unfit to rejoin, or None
+    (:func:`elasticft.recovery.health.device_health`; its argument is the time limit)."""
+    """Ends every group of the process from the monitor thread, while the main thread may
+    wait in one (:func:`elasticft.recovery.groups.end_groups`); returns how."""
 
     @classmethod
     def for_torch(cls) -> GroupOps:
@@ -219,17 +257,20 @@ def tear_down(backend: str, ops: GroupOps) -> str:
 
 
 def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
-            ops: GroupOps) -> None:
-    """Joins the generation's group (same backend, rank and world size); rank 0 hosts the store
-    when no agent does, and waits there for the others as torch's ``env://`` store does."""
+            ops: GroupOps, settings: GroupSettings | None = None) -> None:
+    """Joins the generation's group (same backend, rank and world size, and the ``timeout``,
+    ``device_id`` and ``pg_options`` the script gave its own group: ``settings``); rank 0 hosts
+    the store when no agent does, and waits there for the others as torch's ``env://`` store
+    does."""
     os.environ["MASTER_ADDR"] = generation.master_addr
     os.environ["MASTER_PORT"] = str(generation.master_port)
     hosts = not generation.agent_store and rank == 0
     store = dist.TCPStore(generation.master_addr, generation.master_port,
                           world_size=generation.world_size, is_master=hosts,
                           timeout=timedelta(seconds=timeout_s), multi_tenant=hosts)
+    kwargs = settings.init_kwargs() if settings is not None else {}
     ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
-             world_size=generation.world_size)
+             world_size=generation.world_size, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,6 +297,14 @@ class InProcess:
         """How often this process regrouped."""
         self._phases: dict[str, float] = {}
         self._resume_hook: Any = None
+        self._awaiting: int | None = None
+        """The generation whose first step is still to be reported."""
+        self._steps: list[float] = []
+        self._entered = time.time()
+        self._first_step_s: float | None = None
+        self.group_settings = GroupSettings()
+        """What the script asked of its group, read back when recovery arms."""
+        self.monitor: Monitor | None = None
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         directory = self.settings.directory
@@ -263,45 +312,79 @@ class InProcess:
             return fn(*args, **kwargs)
         from elasticft.recovery import spare
 
-        if spare.is_spare():  # a pre-started spare: it waits here until it takes a rank
+        was_spare = spare.is_spare()
+        if was_spare:  # a pre-started spare: it waits here until it takes a rank
             self.settings = spare.take_rank(self.settings, self.ops)
             self.generation = self.settings.generation
         # What the set-up made (torch's modules, the model) leaves the collector's walks: the
         # collection that frees a failed call's group (_release) then walks only what came
         # after; a full walk of a torch process took 0.2-0.7 s of a survivor's teardown.
         gc.freeze()
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._entered = time.time()
+        self._resume_hook = register_optimizer_step_post_hook(self._on_step)
+        self.group_settings = GroupSettings.of_default_group()
+        if dist.is_available() and dist.is_initialized():
+            backend = str(dist.get_backend())
+            if "nccl" in backend.lower() and (warning := abort_warning(nccl_version())):
+                logger.warning("%s", warning)
+            self.monitor = Monitor(directory, read_json, lambda: self.ops.end(backend))
+            self.monitor.start(self.generation)
         self._write("armed", {})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
             now = time.time()
             self._phases = {"joined": now}
+            if not was_spare:  # a new process: its start-up is part of the recovery
+                self._phases.update(imported=_IMPORTED_AT, started=_started_at())
             self._write("joined", self._phases)
             self._report_first_step()
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except BaseException as error:
-                if not self._recoverable(error):
-                    raise
-                self._recover(error)
-                self._report_first_step()
+        try:
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except BaseException as error:
+                    if self.monitor is not None:
+                        self.monitor.recovering()
+                    if not self._recoverable(error):
+                        raise
+                    self._recover(error)
+                    self._report_first_step()
+                    if self.monitor is not None:
+                        self.monitor.resumed(self.generation)
+        finally:
+            if self.monitor is not None:
+                self.monitor.stop()
+            self._resume_hook.remove()
+
+    def step_done(self) -> None:
+        """Tells the agent that a training step after the latest (re-)entry is over. Steps of a
+        ``torch.optim`` optimizer say so by themselves; a script whose optimizer is not one
+        calls this after each step (it costs nothing after the first)."""
+        self._on_step()
 
     # -- the steps of one recovery ------------------------------------------------------------
 
     def _recoverable(self, error: BaseException) -> bool:
+        interrupted = self.monitor is not None and self.monitor.interrupted
         return (isinstance(error, Exception) and dist.is_available()
-                and dist.is_initialized() and peer_failure(error))
+                and dist.is_initialized()
+                and (peer_failure(error) or isinstance(error, PeerInterrupted)
+                     or (interrupted and not _device_fault(error))))
 
     def _recover(self, error: BaseException) -> None:
         settings = self.settings
         assert settings.directory is not None
         failed_at = time.time()
+        interrupted_at = self.monitor.interrupted_at if self.monitor is not None else None
         cause = f"{type(error).__name__}: {error}".splitlines()[0][:300]
         logger.warning("in-process recovery of generation %d: %s", self.generation, cause)
-        self._write("failed", {"cause": cause, "failed": failed_at})
+        self._write("failed", {"cause": cause, "failed": failed_at, **self.measured(),
+                               **({"interrupted": interrupted_at} if interrupted_at else {})})
         backend = str(dist.get_backend())
         rank = dist.get_rank()
         _release(error)
-        how = tear_down(backend, self.ops)
+        how = self._bounded_teardown(backend)
         aborted_at = time.time()
         deadline = time.monotonic() + settings.timeout_s
         generation = self._wait_generation(deadline)
@@ -309,14 +392,38 @@ class InProcess:
             raise RecoveryTimeout(
                 f"no in-process regroup after {settings.timeout_s:.0f} s (the agent restarts "
                 f"the workers): {cause}") from error
-        regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops)
+        regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
+                self.group_settings)
         self.generation = generation.generation
         self.recoveries += 1
-        self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time()}
+        self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time(),
+                        **({"interrupted": interrupted_at} if interrupted_at else {})}
         logger.warning("rank %d rejoined in generation %d (%s %.3f s, regroup %.3f s)", rank,
                        self.generation, how, aborted_at - failed_at,
                        self._phases["joined"] - aborted_at)
         self._write("joined", self._phases)
+
+    def _bounded_teardown(self, backend: str) -> str:
+        """:func:`tear_down` and the device's health check, each under the hard limit; a
+        survivor that overruns it or whose device is unfit leaves the job (its process exits
+        with :data:`LEAVE_EXIT_CODE`), and the agent replaces it in the same generation."""
+        limit = self.settings.teardown_limit_s
+        how: list[str] = []
+        finished, error = within(lambda: how.append(tear_down(backend, self.ops)), limit)
+        if not finished:
+            self._leave(f"the teardown of its process groups did not end within {limit:.0f} s")
+        if error is not None:
+            logger.warning("teardown: %s: %s", type(error).__name__, error)
+        sick = self.ops.health(limit)
+        if sick is not None:
+            self._leave(f"its device failed the health check: {sick}")
+        return how[0] if how else "teardown failed"
+
+    def _leave(self, why: str) -> None:
+        logger.error("rank %s leaves for a replacement: %s", os.environ.get("RANK", "?"), why)
+        self._write("left", {"why": why, "left": time.time()})
+        logging.shutdown()
+        os._exit(LEAVE_EXIT_CODE)
 
     def _wait_generation(self, deadline: float) -> Generation | None:
         assert self.settings.directory is not None
@@ -328,22 +435,32 @@ class InProcess:
         return None
 
     def _report_first_step(self) -> None:
-        """Reports ``resumed`` once the first optimizer step after (re-)entry is over."""
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        """Reports ``resumed`` once the first step after (re-)entry is over (an optimizer's
+        step, or :meth:`step_done`)."""
+        self._awaiting = self.generation
 
-        if self._resume_hook is not None:
-            self._resume_hook.remove()
-        generation = self.generation
-        done = False
+    def _on_step(self, *_: Any) -> None:
+        """Every step: its time (for the agent's limits), and ``resumed`` once per entry."""
+        now = time.time()
+        self._steps.append(now)
+        del self._steps[:-17]
+        if self._first_step_s is None:
+            self._first_step_s = now - self._entered
+        if self._awaiting is not None and self._awaiting == self.generation:
+            self._awaiting = None
+            self._write("resumed", {**self._phases, "resumed": now})
 
-        def resumed(*_: Any) -> None:
-            nonlocal done
-            if done or generation != self.generation:
-                return
-            done = True
-            self._write("resumed", {**self._phases, "resumed": time.time()})
-
-        self._resume_hook = register_optimizer_step_post_hook(resumed)
+    def measured(self) -> dict[str, float]:
+        """What this process measured of its steps: ``first_s`` (from entering :meth:`run` to
+        its first step: the set-up a replacement repeats, compilation included) and
+        ``step_s`` (the median of its latest steps)."""
+        out = {}
+        if self._first_step_s is not None:
+            out["first_s"] = round(self._first_step_s, 4)
+        gaps = sorted(b - a for a, b in zip(self._steps, self._steps[1:], strict=False))
+        if gaps:
+            out["step_s"] = round(gaps[len(gaps) // 2], 4)
+        return out
 
     def _write(self, kind: str, record: Mapping[str, Any]) -> None:
         assert self.settings.directory is not None

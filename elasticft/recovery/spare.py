@@ -40,6 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elasticft.recovery.groups import GroupSettings
 from elasticft.recovery.inprocess import (
     Generation,
     GroupOps,
@@ -115,6 +116,7 @@ def take_rank(settings: InProcessSettings, ops: GroupOps, poll_s: float = 0.005
         assignment = Assignment.read(settings.directory, spare)
     assigned = time.perf_counter()
     backend = str(dist.get_backend()) if dist.is_initialized() else "gloo"
+    asked = GroupSettings.of_default_group()  # the script's timeout and options, for the rank's
     if dist.is_initialized():
         ops.destroy()
     os.environ.update(assignment.env)
@@ -125,7 +127,8 @@ def take_rank(settings: InProcessSettings, ops: GroupOps, poll_s: float = 0.005
         rebind(checkpointer, os.environ, rank, world_size)
     _arm_diagnostics()
     rebound_at = time.perf_counter()
-    regroup(backend, rank, assignment.generation, settings.timeout_s, ops)
+    regroup(backend, rank, assignment.generation, settings.timeout_s, ops,
+            dataclasses.replace(asked, device_id=None))  # its device: the rank's, not the spare's
     logger.warning("spare %s took rank %d (local rank %d) in generation %d in %.3f s (its own "
                    "group and %d checkpointer(s) rebound %.3f s, regroup %.3f s)", spare, rank,
                    assignment.local_rank, assignment.generation.generation,

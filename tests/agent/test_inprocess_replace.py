@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.elastic.agent.server.api import Worker
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
-from elasticft.agent.inprocess import failed_exits, start_replacements
+from elasticft.agent.replace import failed_exits, start_replacements
 
 
 @pytest.mark.timeout(60)

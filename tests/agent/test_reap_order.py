@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elasticft.agent.inprocess import replace_after_kill
+from elasticft.agent.replace import replace_after_kill
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -45,3 +45,4 @@ def test_the_inprocess_part_dry_runs_and_checks_the_torch_parts_it_names():
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: dry run, no CUDA device"), lines
     assert "_abort_process_group" in lines[0] and ") present; nothing measured" in lines[0]
+    assert "_get_default_group" in lines[0]  # ProcessGroup.abort and the group's settings

@@ -5,6 +5,9 @@ that fails too makes the agent fall back to a full restart, with the same losses
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -16,11 +19,12 @@ from tests.conftest import BIN, EXAMPLES
 STEPS = 10
 
 
-def _run(tmp: Path, name: str, env: dict[str, str], *extra: str) -> dict:
+def _run(tmp: Path, name: str, env: dict[str, str], *extra: str,
+         launch: tuple[str, ...] = ()) -> dict:
     losses, pids = tmp / f"{name}.loss", tmp / f"{name}.pid"
     cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "3", "--run-dir", str(tmp / name), "--ckpt-persist-every", "0",
-           "--monitor-interval", "0.1", str(EXAMPLES / "train_inprocess.py"),
+           "--monitor-interval", "0.1", *launch, str(EXAMPLES / "train_inprocess.py"),
            "--steps", str(STEPS), "--loss-log", str(losses), "--pid-log", str(pids), *extra]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp)
     text = out.stdout + out.stderr
@@ -63,7 +67,9 @@ def _recovered_in_process(run: dict, replaced: list[int]) -> dict:
     (("--crash-at-step", "6", "--crash-mode", "after-save"), [1]),  # SIGKILL
     (("--hang-at-step", "6"), [1]),  # SIGSTOP: the hang verdict, then the frozen rank killed
     (("--infra-error-at-step", "6"), []),  # rank 1 raises a connection error and stays
-], ids=["sigkill", "sigstop", "infra-error"])
+    # rank 1 reports `failed`, then dies: no survivor, it is replaced in the same recovery
+    (("--infra-error-at-step", "6", "--exit-after-failed"), [1]),
+], ids=["sigkill", "sigstop", "infra-error", "dies-after-failed"])
 def test_survivors_keep_their_process_and_the_losses_are_exact(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str],
         fault: tuple[str, ...], replaced: list[int]) -> None:
@@ -73,6 +79,62 @@ def test_survivors_keep_their_process_and_the_losses_are_exact(
     assert len(run["pids"][1]) == 1 + len(replaced), run["pids"]
     assert "1 in-process recoveries in this process" in run["text"]
     assert run["losses"] == reference  # bitwise on CPU (losses logged with repr)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_survivor_whose_collective_never_raises_is_interrupted(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
+    """Rank 1 hands its sockets to a child outside the job, then is SIGKILLed: its
+    connections stay open, so rank 0's collective would wait for ever. The agent's notice makes
+    rank 0 end its own connections and recover in process."""
+    keeper = tmp_path / "keeper.pid"
+    try:
+        run = _run(tmp_path, "keep", job_env, "--fault-rank", "1", "--crash-at-step", "6",
+                   "--crash-mode", "keep-sockets", "--keeper-pid", str(keeper))
+        done = _recovered_in_process(run, [1])
+        assert len(run["pids"][0]) == 1, run["pids"]  # the survivor kept its process
+        assert len(run["pids"][1]) == 2, run["pids"]
+        assert run["losses"] == reference
+        holder = int(keeper.read_text())
+        os.kill(holder, 0)  # the sockets' holder lived through the recovery
+        assert "survivors_out_s" in done["phases"]
+        assert "generation 0 ended by the agent" in run["text"], run["text"][-5000:]
+    finally:
+        if keeper.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(keeper.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_script_without_a_torch_optim_optimizer_completes_a_recovery(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    run = _run(tmp_path, "manual", job_env, "--fault-rank", "1", "--crash-at-step", "6",
+               "--crash-mode", "after-save", "--manual-sgd")
+    _recovered_in_process(run, [1])
+    assert len(run["pids"][0]) == 1, run["pids"]
+    assert sorted(run["losses"]) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("fault", "reason"), [
+    ("--stuck-teardown", "did not end within 3 s"),
+    ("--sick-device", "failed the health check: injected"),
+], ids=["stuck-teardown", "sick-device"])
+def test_a_survivor_that_cannot_rejoin_is_replaced_and_the_other_goes_on(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str], fault: str,
+        reason: str) -> None:
+    """Rank 1 raises a connection error and stays; its teardown never returns, or its device
+    fails the check: it alone is replaced, after the hard limit (3 s here)."""
+    run = _run(tmp_path, "leave", job_env, "--fault-rank", "1", "--infra-error-at-step", "6",
+               fault, launch=("--recovery-inprocess-teardown-limit-s", "3"))
+    _recovered_in_process(run, [1])
+    assert len(run["pids"][0]) == 1, run["pids"]  # rank 0 kept its process
+    assert len(run["pids"][1]) == 2, run["pids"]
+    assert reason in run["text"], run["text"][-5000:]
+    assert run["losses"] == reference
 
 
 @pytest.mark.slow

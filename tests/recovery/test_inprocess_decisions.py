@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import ActionKind, FailureFacts, decide
-from elasticft.agent.inprocess import InProcessCoordinator, Recovery, blocker, phases
+from elasticft.agent.inprocess import (
+    InProcessCoordinator,
+    Recovery,
+    blocker,
+    first_step_limit,
+    phases,
+)
 from elasticft.recovery import inprocess
 from elasticft.recovery.inprocess import (
     Generation,
@@ -113,12 +119,18 @@ def test_the_policy_recovers_in_process_what_a_replacement_repairs(
 def test_phases_of_a_recovery_from_the_workers_records() -> None:
     recovery = Recovery(1, "crash", seen_at=100.0, decided_at=100.05, published_at=100.1,
                         replaced={1: 4242}, deadline=0.0)
+    recovery.times.update(reaped=100.3, fork=100.06, forked=100.08)
     records = {
         0: {"failed": 100.02, "aborted": 100.03, "joined": 100.6, "resumed": 100.8},
-        1: {"joined": 100.7, "resumed": 100.9},  # the replacement: no abort of its own
+        # the replacement: no abort of its own; its process started, imported, joined
+        1: {"started": 100.09, "imported": 100.4, "joined": 100.7, "resumed": 100.9},
     }
-    assert phases(recovery, records) == {"detect_s": 0.05, "abort_s": 0.01, "regroup_s": 0.65,
-                                         "restore_redo_s": 0.2, "total_s": 0.9}
+    found = phases(recovery, records)
+    assert list(found) == ["detect_s", "survivors_out_s", "abort_s", "reap_s", "fork_s",
+                           "start_s", "join_s", "regroup_s", "restore_redo_s", "total_s"]
+    assert found == {"detect_s": 0.05, "survivors_out_s": 0.02, "abort_s": 0.01,
+                     "reap_s": 0.25, "fork_s": 0.02, "start_s": 0.31, "join_s": 0.3,
+                     "regroup_s": 0.65, "restore_redo_s": 0.2, "total_s": 0.9}
 
 
 @pytest.mark.timeout(30)
@@ -290,3 +302,56 @@ def test_no_generation_in_time_raises_for_the_agents_restart(tmp_path: Path) -> 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("records", "limit"), [
+    ([], 30.0),  # nothing measured: the floor
+    ([{"first_s": 2.0, "step_s": 0.1}], 30.0),
+    ([{"first_s": 40.0, "step_s": 1.0}, {"first_s": 10.0}], 83.0),  # a compiled model's start
+    ([{"step_s": 20.0}, {}], 60.0),  # long steps, a replacement that measured nothing
+])
+def test_the_first_steps_limit_comes_from_what_the_survivors_measured(
+        records: list[dict], limit: float) -> None:
+    assert first_step_limit(records) == limit
+
+
+@pytest.mark.timeout(30)
+def test_a_recovery_is_overdue_by_its_phase(tmp_path: Path) -> None:
+    coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0, teardown_limit_s=2.0)
+    coordinator.reset()
+    pids = {0: 10, 1: 11}
+    write_json(worker_file(coordinator.directory, "failed", 0),
+               {"pid": 10, "generation": 0, "first_s": 50.0, "step_s": 1.0})
+    coordinator.generation = 1
+    coordinator.recovery = Recovery(1, "crash", 0.0, 0.0, 0.0, {1: 11},
+                                    deadline=100.0 + coordinator.join_limit_s)
+    assert not coordinator.overdue(106.0, pids)
+    assert coordinator.overdue(108.0, pids)  # not joined within teardown + regroup
+    for local_rank, pid in pids.items():
+        write_json(worker_file(coordinator.directory, "joined", local_rank),
+                   {"pid": pid, "generation": 1})
+    assert not coordinator.overdue(108.0, pids)  # joined: the first step's limit from now
+    assert coordinator.recovery.first_step_s == 103.0
+    assert not coordinator.overdue(210.0, pids)
+    assert coordinator.overdue(212.0, pids)
+
+
+@pytest.mark.timeout(30)
+def test_the_interrupt_notice_ends_one_generation_and_a_full_start_clears_it(
+        tmp_path: Path) -> None:
+    from elasticft.recovery.inprocess import read_json
+    from elasticft.recovery.interrupt import INTERRUPT_FILE, notice
+
+    coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
+    coordinator.reset()
+    assert notice(coordinator.directory, read_json) == -1
+    coordinator.interrupt()
+    assert notice(coordinator.directory, read_json) == 0  # generation 0 is over
+    coordinator.publish("127.0.0.1", 2)
+    assert notice(coordinator.directory, read_json) == 0  # generation 1 is not
+    coordinator.interrupt()
+    assert notice(coordinator.directory, read_json) == 1
+    coordinator.reset()  # new workers: the notice was for the old ones
+    assert not (coordinator.directory / INTERRUPT_FILE).exists()
+    coordinator.close()

@@ -1,0 +1,78 @@
+"""What in-process recovery asks of NCCL and of the device, by tables (pure parts), the
+bounded call the teardown and the health check run under, and the monitor that frees a
+survivor's main thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticft.recovery.health import device_health, within
+from elasticft.recovery.inprocess import read_json, write_json
+from elasticft.recovery.interrupt import INTERRUPT_FILE, Monitor, PeerInterrupted
+from elasticft.recovery.ncclenv import abort_warning, worker_env
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("environ", "limit", "expected"), [
+    ({}, 30.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}),
+    ({}, 200.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                 "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "860"}),
+    # what the user set stays theirs
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_NVLS_ENABLE": "1"}, 30.0,
+     {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}),
+])
+def test_the_workers_nccl_environment(environ: dict, limit: float, expected: dict) -> None:
+    assert worker_env(environ, limit) == expected
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("version", "warns"), [
+    (None, False), ((2, 21, 5), False), ((2, 28, 2), False), ((2, 28, 3), True),
+    ((2, 28, 8), True), ((2, 28, 9), False), ((2, 29, 1), False), ((2, 28), False),
+])
+def test_nccl_versions_whose_abort_is_broken_are_named(version: tuple | None,
+                                                      warns: bool) -> None:
+    warning = abort_warning(version)
+    assert (warning is not None) is warns
+    if warns:
+        assert "2.28.3-2.28.8" in warning and "2.28.9" in warning
+
+
+@pytest.mark.timeout(30)
+def test_a_bounded_call_returns_its_error_or_gives_up_at_the_limit() -> None:
+    assert within(lambda: None, 5.0) == (True, None)
+    finished, error = within(lambda: 1 / 0, 5.0)
+    assert finished and isinstance(error, ZeroDivisionError)
+    never = threading.Event()
+    assert within(never.wait, 0.2) == (False, None)  # a call that never returns
+    never.set()
+
+
+@pytest.mark.timeout(30)
+def test_a_process_without_cuda_passes_the_health_check() -> None:
+    assert device_health(1.0) is None
+
+
+@pytest.mark.timeout(60)
+def test_the_monitor_ends_the_groups_and_frees_a_busy_main_thread(tmp_path: Path) -> None:
+    """The agent's notice: the monitor calls ``end`` once, then raises ``PeerInterrupted`` into
+    the main thread, which here runs Python code and would never leave by itself."""
+    ended: list[float] = []
+    monitor = Monitor(tmp_path, read_json, lambda: ended.append(time.time()) or "test",
+                      grace_s=0.05)
+    monitor.start(0)
+    write_json(tmp_path / INTERRUPT_FILE, {"ended": 0})
+    with pytest.raises(PeerInterrupted):
+        while True:  # a busy loop: only the asynchronous exception ends it
+            pass
+    monitor.recovering()
+    assert len(ended) == 1 and monitor.interrupted and monitor.how == "test"
+    monitor.resumed(1)  # generation 1: the notice for 0 no longer applies
+    time.sleep(0.2)
+    assert len(ended) == 1 and not monitor.interrupted
+    monitor.stop()
