@@ -435,7 +435,7 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
     broken: list[str] = []
     inprocess = ""
     if parts is not None and "inprocess" in parts:
-        from elasticft.torch_compat import CONTRACTS
+        from elasticft.torch_contracts import CONTRACTS
 
         named = [name.split("(")[0].strip() for name in CONTRACTS if "_abort_process_group" in name
                  or "replacing one worker" in name or "ProcessGroup.abort" in name]

@@ -12,16 +12,14 @@ Every other module imports these names from here, never from ``torch.distributed
 Choices are made by looking at what the installed torch offers (a dataclass field, a parameter
 in a signature, an attribute), never by its version number. Where an older torch has no
 equivalent for something, elasticft does without it and says so once (:func:`degraded`); the
-list is in docs/compat.md. :data:`CONTRACTS` names every private piece elasticft relies on with
-a check of its shape; tests/test_torch_compat.py runs each, so a torch that changes one fails
-there with the name of what changed, not somewhere deep in a run.
+list is in docs/compat.md. :data:`elasticft.torch_contracts.CONTRACTS` names every private piece
+elasticft relies on with a check of its shape; tests/test_torch_compat.py runs each, so a torch
+that changes one fails there with the name of what changed, not somewhere deep in a run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 import inspect
 import logging
 import os
@@ -29,7 +27,6 @@ import signal
 import socket
 from collections.abc import Callable, Mapping
 from string import Template
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -50,7 +47,6 @@ from torch.distributed.elastic.multiprocessing import (
     ProcessFailure,
     Std,
 )
-from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -66,7 +62,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -74,7 +69,6 @@ from torch.distributed.elastic.utils import macros
 from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
-    "CONTRACTS",
     "DefaultLogsSpecs",
     "LaunchConfig",
     "LocalElasticAgent",
@@ -442,179 +436,3 @@ def bootstrap_store_info(
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     """DCP's per-item storage record (``_StorageInfo``) for a byte range of one file."""
     return dcp_filesystem._StorageInfo(relative_path, offset, length)
-
-
-# ------------------------------------------------------------------------------------------------
-# The contracts: every private piece above, with a check of its shape.
-
-def _has(obj: Any, *names: str) -> bool:
-    return all(hasattr(obj, name) for name in names)
-
-
-@functools.cache
-def _fresh_agent() -> tuple[LocalElasticAgent, WorkerSpec, LogsSpecs]:
-    """A ``LocalElasticAgent`` as constructed, never started, with its spec and logs specs:
-    what its private attributes hold before the first rendezvous."""
-    spec = WorkerSpec(role="contract", local_world_size=1, rdzv_handler=None,  # type: ignore[arg-type]
-                      entrypoint="python", args=(), max_restarts=3)
-    logs_specs = DefaultLogsSpecs(os.devnull)
-    agent = LocalElasticAgent(spec, logs_specs=logs_specs, log_line_prefix_template="[${rank}]")
-    return agent, spec, logs_specs
-
-
-def _agent_keeps(name: str, expected: Callable[[Any, WorkerSpec, LogsSpecs], bool]) -> bool:
-    """A fresh agent has the instance attribute ``name``, and ``expected(value, spec, logs)``."""
-    agent, spec, logs_specs = _fresh_agent()
-    return name in vars(agent) and expected(vars(agent)[name], spec, logs_specs)
-
-
-def _called_by_name(module: str, function: str, parameters: list[str]) -> bool:
-    """``module`` has ``function(*parameters)`` and calls it through its globals (so that
-    replacing the module's attribute replaces the calls)."""
-    found = importlib.import_module(module)
-    return (list(_parameters(getattr(found, function))) == parameters
-            and f"{function}({', '.join(parameters)})" in inspect.getsource(found))
-
-
-def _reads(cls: type, attribute: str, *methods: str) -> bool:
-    """Each of ``cls``'s ``methods`` reads ``self.<attribute>``."""
-    return all(f"self.{attribute}" in inspect.getsource(getattr(cls, m)) for m in methods)
-
-
-def _dcp_init_step() -> bool:
-    """``get_state_dict`` steps a fresh optimizer once, lr 0, zero grads (steps.is_init_step)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model = torch.nn.Linear(1, 1)
-    optim, seen = torch.optim.AdamW(model.parameters(), lr=0.5), []
-    optim.register_step_pre_hook(lambda o, *_: seen.append((o.param_groups[0]["lr"], all(
-        p.grad is not None and not p.grad.any() for p in model.parameters()))))
-    get_state_dict(model, optim)
-    return seen == [(0.0, True)] and optim.param_groups[0]["lr"] == 0.5
-
-
-CONTRACTS: dict[str, Callable[[], bool]] = {
-    "torch.distributed.run.get_args_parser() -> argparse parser":
-        lambda: hasattr(torch_run.get_args_parser(), "parse_args"),
-    "torch.distributed.run.config_from_args(args)":
-        lambda: list(_parameters(torch_run.config_from_args)) == ["args"],
-    "torch.distributed.run.determine_local_world_size(nproc_per_node)":
-        lambda: torch_run.determine_local_world_size("2") == 2,
-    "torch.distributed.run.parse_min_max_nnodes(nnodes)":
-        lambda: tuple(torch_run.parse_min_max_nnodes("1:3")) == (1, 3),
-    "LaunchConfig fields elasticft reads": lambda: {
-        "min_nodes", "max_nodes", "nproc_per_node", "logs_specs", "run_id", "role",
-        "rdzv_endpoint", "rdzv_backend", "rdzv_configs", "max_restarts", "monitor_interval",
-        "start_method", "log_line_prefix_template", "metrics_cfg", "local_addr",
-        "event_log_handler", "signals_to_handle"} <= LAUNCH_CONFIG_FIELDS,
-    "WorkerSpec(role, local_world_size, entrypoint, args, rdzv_handler, ...)": lambda: {
-        "role", "local_world_size", "entrypoint", "args", "rdzv_handler", "max_restarts",
-        "monitor_interval", "master_addr", "master_port", "local_addr"} <= WORKER_SPEC_FIELDS,
-    "DefaultLogsSpecs(log_dir, redirects, tee, local_ranks_filter) keeps them as _redirects, "
-    "_tee, _local_ranks_filter": lambda: default_logs_streams(DefaultLogsSpecs(
-        os.devnull, Std.OUT, Std.ERR, {1})) == (os.devnull, Std.OUT, Std.ERR, {1}),
-    "LocalElasticAgent(spec, logs_specs, start_method, exit_barrier_timeout, "
-    "log_line_prefix_template)": lambda: {
-        "spec", "logs_specs", "start_method", "exit_barrier_timeout",
-        "log_line_prefix_template"} <= set(_parameters(LocalElasticAgent.__init__)),
-    "LocalElasticAgent hooks elasticft overrides or calls": lambda: _has(
-        LocalElasticAgent, "_rendezvous", "_set_local_rank_env", "_start_workers",
-        "_stop_workers", "_monitor_workers", "_invoke_run", "_initialize_workers",
-        "_restart_workers", "_exit_barrier", "_shutdown", "get_event_succeeded"),
-    # The agent's own state, read and written by elasticft's agent (agent/agent.py) and its
-    # warm start (agent/warmpool.py), which takes over the process context torch would make.
-    "LocalElasticAgent._worker_group (a WorkerGroup of the agent's spec)": lambda: _agent_keeps(
-        "_worker_group", lambda group, spec, _: isinstance(group, WorkerGroup)
-        and group.spec is spec),
-    "LocalElasticAgent._remaining_restarts (spec.max_restarts, counted down by the run loop)":
-        lambda: _agent_keeps("_remaining_restarts", lambda left, spec, _: left == spec.max_restarts)
-        and _reads(LocalElasticAgent, "_remaining_restarts", "_invoke_run"),
-    "LocalElasticAgent._pcontext (None until _start_workers sets the workers' process context, "
-    "which _monitor_workers and _shutdown use)": lambda: _agent_keeps(
-        "_pcontext", lambda context, *_: context is None)
-        and _reads(LocalElasticAgent, "_pcontext", "_start_workers", "_monitor_workers",
-                   "_shutdown"),
-    "LocalElasticAgent._logs_specs (the LogsSpecs it was given)": lambda: _agent_keeps(
-        "_logs_specs", lambda kept, _, logs_specs: kept is logs_specs),
-    "LocalElasticAgent._log_line_prefix_template (the template it was given)":
-        lambda: _agent_keeps("_log_line_prefix_template", lambda kept, *_: kept == "[${rank}]"),
-    "LocalElasticAgent._store (the round's store, set by _rendezvous)": lambda: _agent_keeps(
-        "_store", lambda store, *_: store is None) and _reads(LocalElasticAgent, "_store",
-                                                              "_rendezvous"),
-    "LocalElasticAgent._shutdown_timeout (kept where the agent takes one; elasticft sets it on "
-    "every torch)": lambda: not AGENT_TAKES_SHUTDOWN_TIMEOUT or _agent_keeps(
-        "_shutdown_timeout", lambda timeout, *_: isinstance(timeout, int)),
-    "LocalElasticAgent._set_local_rank_env(worker_env, local_rank, spec)":
-        lambda: list(_parameters(LocalElasticAgent._set_local_rank_env))
-        == ["self", "worker_env", "local_rank", "spec"],
-    "LocalElasticAgent._shutdown(death_sig[, timeout])":
-        lambda: list(_parameters(LocalElasticAgent._shutdown))[:2] == ["self", "death_sig"],
-    "SubprocessContext.close(death_sig, timeout)":
-        lambda: list(_parameters(SubprocessContext.close))[:3] == ["self", "death_sig", "timeout"],
-    "PContext._tail_logs[1] is TailLog(name, tee_stderrs, sys.stderr, prefixes), kept as _name, "
-    "_log_files, _dst, _log_line_prefixes": lambda: "TailLog(name, logs_dest.tee_stderrs, "
-        "sys.stderr" in inspect.getsource(multiprocessing_api.PContext.__init__)
-        and replace_stderr_tail(SimpleNamespace(_tail_logs=[0, multiprocessing_api.TailLog(
-            "n", {}, None, {})]), lambda *a: a) == ("n", {}, None, {}),
-    "SubprocessContext survivor hook (_poll, _running_local_ranks, subprocess_handlers)":
-        lambda: "_poll" in vars(SubprocessContext) and "_running_local_ranks" in (
-            inspect.getsource(SubprocessContext._start) + inspect.getsource(
-                SubprocessContext._poll)),
-    "LocalElasticAgent._start_workers expands log_line_prefix_template (role_name, rank, ...)":
-        lambda: "safe_substitute" in inspect.getsource(LocalElasticAgent._start_workers),
-    "warm start (SubprocessHandler._popen, _setup_local_watchdog, ...)":
-        lambda: warm_start_unavailable() is None,
-    "SubprocessContext parts replacing one worker (in-process recovery)": lambda: all(
-        part in inspect.getsource(SubprocessContext) + inspect.getsource(
-            torch.distributed.elastic.multiprocessing.api.PContext)
-        for part in REPLACE_WORKER_PARTS),
-    "torch.distributed.distributed_c10d._abort_process_group(group)": lambda: list(
-        _parameters(torch.distributed.distributed_c10d._abort_process_group)) == ["group"],
-    # recovery/groups.py: every group ended from the monitor thread; the script's settings.
-    "_get_default_group(), ProcessGroup.abort(), _get_backend(d).options._timeout, "
-    "bound_device_id": lambda: _has(torch.distributed.distributed_c10d, "_get_default_group")
-        and _has(torch.distributed.ProcessGroup, "abort", "_get_backend", "bound_device_id")
-        and hasattr(torch.distributed.ProcessGroupGloo._Options, "_timeout"),
-    "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval
-        == signal.SIGTERM,
-    "RendezvousHandler abstract methods (the etcd-v3 handler implements them)":
-        lambda: set(RendezvousHandler.__abstractmethods__) <= {
-            "get_backend", "next_rendezvous", "is_closed", "set_closed", "num_nodes_waiting",
-            "get_run_id", "shutdown"},
-    "RendezvousHandler.use_agent_store (a property)":
-        lambda: isinstance(inspect.getattr_static(RendezvousHandler, "use_agent_store"),
-                           property),
-    "RendezvousStoreInfo.build(rank, store, local_addr, server_port)":
-        lambda: list(_parameters(RendezvousStoreInfo.build))[:4]
-        == ["rank", "store", "local_addr", "server_port"],
-    "RendezvousInfo(store, rank, world_size, bootstrap_store_info)":
-        lambda: list(_parameters(RendezvousInfo.__init__))[1:5]
-        == ["store", "rank", "world_size", "bootstrap_store_info"],
-    "DynamicRendezvousHandler internals for c10d (_stop_heartbeats, _state_holder)":
-        lambda: hasattr(DynamicRendezvousHandler, "_stop_heartbeats") and "_state_holder"
-        in inspect.getsource(DynamicRendezvousHandler.__init__),
-    "RendezvousTimeout(join, last_call, close, heartbeat)":
-        lambda: list(_parameters(RendezvousTimeout.__init__))[1:5]
-        == ["join", "last_call", "close", "heartbeat"],
-    "torch.distributed.elastic.utils.macros.substitute(args, local_rank)":
-        lambda: macros.substitute([macros.local_rank], "3") == ["3"],
-    # Read by the worker's recorder (diag/recorder.py), which cannot afford importing this
-    # module in every worker: it re-decides its wrapping after each process group is created.
-    "torch.distributed.distributed_c10d._new_process_group_helper and _world.pg_map":
-        lambda: callable(getattr(torch.distributed.distributed_c10d,
-                                 "_new_process_group_helper", None))
-        and hasattr(torch.distributed.distributed_c10d._world, "pg_map"),
-    # Replaced for the duration of a save or restore by ckpt/state.py (optimizer_state_as_is):
-    # the state-dict helpers must look it up as a module global when they call it.
-    "torch.distributed.checkpoint.state_dict._init_optim_state(optim), called by name":
-        lambda: _called_by_name("torch.distributed.checkpoint.state_dict", "_init_optim_state",
-                                ["optim"]),
-    "torch.distributed.checkpoint.filesystem._StorageInfo(relative_path, offset, length)":
-        lambda: [f.name for f in dataclasses.fields(dcp_filesystem._StorageInfo)][:3]
-        == ["relative_path", "offset", "length"],
-    "Tensor._version counts in-place writes (elasticft.steps.must_read)": lambda: (
-        (t := torch.zeros(1))._version + 1 == t.add_(1)._version),
-    "DCP get_state_dict's optimizer init step (lr 0, zero grads)": _dcp_init_step,
-}
-"""What elasticft assumes about torch's private API, by name; each check is True on a torch that
-has it (tests/test_torch_compat.py)."""

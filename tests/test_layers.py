@@ -47,9 +47,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
-              "elasticft.unnamed", "elasticft.extras", "elasticft.config", "elasticft.options",
-              "elasticft.command_line", "elasticft.steps", "elasticft.logs", "elasticft.lazy",
-              "elasticft.decision", "elasticft.cli")),
+              "elasticft.torch_contracts", "elasticft.unnamed", "elasticft.extras",
+              "elasticft.config", "elasticft.options", "elasticft.command_line",
+              "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
+              "elasticft.cli")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm")),

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
-from elasticft import run, torch_compat
+from elasticft import run, torch_compat, torch_contracts
 from elasticft.agent.agent import ElasticftAgent
 from elasticft.config import ElasticftConfig
 from elasticft.events import EventLog
@@ -28,10 +28,10 @@ from elasticft.events import EventLog
 pytestmark = pytest.mark.smoke
 
 
-@pytest.mark.parametrize("api", sorted(torch_compat.CONTRACTS))
+@pytest.mark.parametrize("api", sorted(torch_contracts.CONTRACTS))
 def test_torch_still_has(api: str) -> None:
     try:
-        ok = torch_compat.CONTRACTS[api]()
+        ok = torch_contracts.CONTRACTS[api]()
     except Exception as e:  # the piece is gone or moved: say which one
         pytest.fail(f"torch {torch.__version__} changed {api}: {type(e).__name__}: {e}")
     assert ok, f"torch {torch.__version__} changed {api}; update elasticft/torch_compat.py"
@@ -44,12 +44,12 @@ def test_every_private_attribute_of_torch_s_agent_that_elasticft_uses_has_a_cont
 
     import elasticft
 
-    agent, _, _ = torch_compat._fresh_agent()
+    agent, _, _ = torch_contracts._fresh_agent()
     used: set[str] = set()
     for module in Path(elasticft.__file__).parent.rglob("*.py"):
         used |= set(re.findall(r"self\.(_\w+)", module.read_text())) & vars(agent).keys()
     assert {"_pcontext", "_worker_group", "_remaining_restarts", "_logs_specs"} <= used
-    named = " ".join(torch_compat.CONTRACTS)
+    named = " ".join(torch_contracts.CONTRACTS)
     assert not [a for a in sorted(used) if f"LocalElasticAgent.{a} " not in named]
 
 
@@ -57,9 +57,9 @@ def test_every_private_attribute_of_torch_s_agent_that_elasticft_uses_has_a_cont
                                        "_logs_specs", "_store"])
 def test_an_agent_attribute_torch_drops_fails_its_contract(
         monkeypatch: pytest.MonkeyPatch, attribute: str) -> None:
-    agent, _, _ = torch_compat._fresh_agent()
+    agent, _, _ = torch_contracts._fresh_agent()
     monkeypatch.delattr(agent, attribute)
-    [contract] = [c for name, c in torch_compat.CONTRACTS.items()
+    [contract] = [c for name, c in torch_contracts.CONTRACTS.items()
                   if name.startswith(f"LocalElasticAgent.{attribute} ")]
     assert not contract()
 
@@ -68,14 +68,14 @@ def test_a_patched_function_torch_no_longer_calls_by_name_fails_its_contract(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed.checkpoint.state_dict as torch_state_dict
 
-    [name] = [n for n in torch_compat.CONTRACTS if "_init_optim_state" in n]
-    assert torch_compat.CONTRACTS[name]()
+    [name] = [n for n in torch_contracts.CONTRACTS if "_init_optim_state" in n]
+    assert torch_contracts.CONTRACTS[name]()
     monkeypatch.setattr(torch_compat.inspect, "getsource", lambda obj: "")
     monkeypatch.setattr(torch_state_dict, "_init_optim_state", lambda optim: None)
-    assert not torch_compat.CONTRACTS[name]()
+    assert not torch_contracts.CONTRACTS[name]()
     monkeypatch.delattr(torch_state_dict, "_init_optim_state")
     with pytest.raises(AttributeError):
-        torch_compat.CONTRACTS[name]()
+        torch_contracts.CONTRACTS[name]()
 
 
 @pytest.mark.parametrize(

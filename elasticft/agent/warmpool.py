@@ -3,9 +3,8 @@
 On a small job most of a restart is Python start-up: ``import torch`` takes about 2.5 s here and
 the first ``DistributedDataParallel`` pulls in ``torch._dynamo`` for another 2 s, per worker, on
 every restart. The :class:`WarmPool` keeps one warm interpreter per local rank that has done
-those imports once; every later start of that local rank is a fork of it, which takes
-milliseconds and leaves the interpreter in place for the next restart. Nothing is re-imported
-after a failure, so a restart does not compete with the resumed training for the CPU.
+those imports once; every later start of that local rank is a fork of it, in milliseconds, and
+nothing is re-imported after a failure to compete with the resumed training for the CPU.
 
 How a warm interpreter is started and how a worker is forked from it:
 
@@ -32,13 +31,13 @@ How a warm interpreter is started and how a worker is forked from it:
 
 Only binary entrypoints that are a Python interpreter are warm-started; ``--no-python``, NUMA
 binding and function entrypoints (where ``--start-method`` applies) start cold. Nothing in the
-warm interpreter touches CUDA or starts a thread pool of its own: importing torch does neither,
-so forking it is as safe as a DataLoader's fork. On a machine with NVIDIA GPUs it forks, after
-each start, that local rank's next worker early (a spare), which makes its CUDA context once the
-running worker has exited (:mod:`elasticft.agent.warm_bootstrap._elasticft_warm_device`): a
-restarted GPU worker finds CUDA initialised on its device, and no GPU memory is held while a
-worker runs. A forked worker reseeds numpy's global
-generator, as a cold start would have (Python's ``random`` reseeds itself on fork).
+warm interpreter touches CUDA or starts a thread pool: importing torch does neither, so forking
+it is as safe as a DataLoader's fork. On a machine with NVIDIA GPUs it forks, after each start,
+that local rank's next worker early, which makes its CUDA context once the running worker has
+exited (:mod:`elasticft.agent.warm_bootstrap._elasticft_warm_device`): a restarted GPU worker
+finds CUDA initialised on its device, and no GPU memory is held while a worker runs. A forked
+worker reseeds numpy's global generator, as a cold start would (Python's ``random`` reseeds
+itself on fork).
 """
 
 from __future__ import annotations
@@ -526,9 +525,7 @@ class WarmStartMixin:
         if (self.warm_pool is None or not isinstance(spec.entrypoint, str)
                 or spec.numa_options is not None or torch_compat.warm_start_unavailable()):
             return
-        env = {**os.environ,
-               "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                                            "1"), **self.startup_env()}
+        env = {**os.environ, **self.startup_env()}  # startup_env sets the NCCL error handling
         if (path := self.worker_pythonpath(os.environ.get("PYTHONPATH"))) is not None:
             env["PYTHONPATH"] = path
         for local_rank in range(spec.local_world_size):
