@@ -56,6 +56,7 @@ from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
+from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
 from elasticft.recovery import inprocess as inprocess_worker
@@ -250,6 +251,9 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             worker_env["PYTHONPATH"] = path
 
     def startup_env(self) -> dict[str, str]:
+        # Only a node with GPUs runs NCCL: elsewhere the workers' environment stays torchrun's.
+        if not gpu_devices_present():
+            return {}
         return ncclenv.worker_env(os.environ, self.inprocess.teardown_limit_s)
 
     def worker_pythonpath(self, existing: str | None) -> str | None:

@@ -295,8 +295,8 @@ class InProcessRecoveryMixin:
         """Local ranks whose process has exited or begun to exit: a worker that wrote its
         ``failed`` record and died after it is no survivor, and is replaced like the failed
         rank (a record alone is matched by pid, which says nothing of the process)."""
-        if self._pcontext is None:
-            return set()
+        if self._pcontext is None or torch_compat.replace_worker_unavailable(self._pcontext):
+            return set()  # function entrypoints: no worker of theirs is replaced in process
         dead = set()
         for local_rank, pid in self._pcontext.pids().items():
             proc = torch_compat.worker_process(self._pcontext, local_rank)

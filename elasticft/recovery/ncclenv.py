@@ -2,9 +2,9 @@
 
 elasticft ends a survivor's NCCL communicators itself (the monitor's abort, under the hard
 limit of ``--recovery-inprocess-teardown-limit-s``). torch's own watchdog must not end the
-process first, and NCCL must be able to abort and make communicators again in one process. The
-agent gives every worker these defaults (:func:`worker_env`); a variable already set in the
-agent's environment is left as it is:
+process first, and NCCL must be able to abort and make communicators again in one process. On a
+node with GPUs the agent gives every worker these defaults (:func:`worker_env`); a variable
+already set in the agent's environment is left as it is:
 
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
     torch's "clean up only": on a communicator error or a collective's timeout the watchdog

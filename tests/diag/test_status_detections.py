@@ -47,7 +47,8 @@ def test_status_shows_the_newest_detections_of_a_run(tmp_path: Path, job_env):
                                   ["--run-dir", str(tmp_path), "--json"])
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
-    assert lines[0] == f"detections in {tmp_path}: 2"
+    # The workers' processes come first (none recorded here), then the detections.
+    lines = lines[lines.index(f"detections in {tmp_path}: 2"):]
     assert "node-b  slow_rank: slow rank 2 on node-b" in lines[1]
     assert "node-a  hang: hang: all_reduce; culprit: rank 1 on node-a" in lines[2]
 
