@@ -58,8 +58,8 @@ from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
-from elasticft.recovery import inprocess as inprocess_worker
 from elasticft.recovery import ncclenv
+from elasticft.recovery import protocol as inprocess_protocol
 from elasticft.recovery import spare as spare_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
@@ -84,7 +84,7 @@ WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV, lifeli
 
 WORKER_ENV_NAMES = (
     WORKER_ENV | ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV | plan_worker.WORKER_ENV
-    | steps.WORKER_ENV | inprocess_worker.WORKER_ENV | spare_worker.WORKER_ENV
+    | steps.WORKER_ENV | inprocess_protocol.WORKER_ENV | spare_worker.WORKER_ENV
 )
 """Every worker variable elasticft adds to torch's (documented in the README), each owned by the
 subsystem that sets or reads it: the agent's own, the checkpoint tiers, the diagnostics rings and

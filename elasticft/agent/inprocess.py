@@ -59,7 +59,8 @@ from elasticft.agent.replace import kill, replace_after_kill, start_replacements
 from elasticft.agent.warmpool import WarmPool
 from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
-from elasticft.recovery.inprocess import (
+from elasticft.recovery.interrupt import INTERRUPT_FILE
+from elasticft.recovery.protocol import (
     DIR_ENV,
     GENERATION_ENV,
     TEARDOWN_ENV,
@@ -69,7 +70,6 @@ from elasticft.recovery.inprocess import (
     worker_file,
     write_json,
 )
-from elasticft.recovery.interrupt import INTERRUPT_FILE
 from elasticft.torch_compat import WorkerState
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from elasticft.agent.warmpool import WarmPool, WarmSubprocessHandler
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
-from elasticft.recovery.inprocess import Generation, read_json
+from elasticft.recovery.protocol import Generation, read_json
 from elasticft.recovery.spare import SPARE_ENV, Assignment, ready_file
 
 logger = logging.getLogger(__name__)

@@ -40,15 +40,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elasticft.recovery.groups import GroupSettings
-from elasticft.recovery.inprocess import (
-    Generation,
-    GroupOps,
-    InProcessSettings,
-    read_json,
-    regroup,
-    write_json,
-)
+from elasticft.recovery.groups import GroupOps, GroupSettings, regroup
+from elasticft.recovery.protocol import Generation, InProcessSettings, read_json, write_json
 
 logger = logging.getLogger(__name__)
 

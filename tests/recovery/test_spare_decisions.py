@@ -12,7 +12,7 @@ import torch
 from elasticft.agent.spare import FAILED_LIMIT, Step, next_step, pick, spare_env
 from elasticft.ckpt import Checkpointer
 from elasticft.ckpt.settings import ENV_CONTROL, ENV_SHM, WorkerSettings
-from elasticft.recovery.inprocess import Generation
+from elasticft.recovery.protocol import Generation
 from elasticft.recovery.spare import Assignment, is_spare, rebind
 
 
