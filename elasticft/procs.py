@@ -4,12 +4,19 @@ The agent judges its workers and the owners of leftover files by pid: a one-lett
 ``/proc/<pid>/stat`` (R running, S sleeping, T stopped, Z zombie...) and whether any process
 still has the pid at all. The sets of states below are the one meaning of a state letter that
 the agent, the hang verdict (:mod:`elasticft.diag.verdict`) and the diagnostics exchange share.
+
+Ending processes the agent started (``subprocess.Popen`` objects, a worker or a spare):
+:func:`kill` (SIGKILL, and SIGCONT for a stopped one), :func:`reap` (wait for them, with one
+deadline for all) and the two in order (:func:`kill_and_reap`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Sequence
+from typing import Any
 
 STOPPED_STATES = frozenset({"T", "t"})
 """Stopped by a signal (SIGSTOP) or held by a tracer: still holding its sockets and memory."""
@@ -122,3 +129,26 @@ def ending_status(pid: int) -> int | None:
         return int(fields[-1]) if exiting else None
     except (OSError, IndexError, ValueError):
         return None
+
+
+def kill(procs: Sequence[Any]) -> None:
+    """SIGKILLs (and continues, if stopped) each ``Popen`` still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            for sig in (9, 18):  # SIGKILL, then SIGCONT for a stopped one
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, sig)
+
+
+def reap(procs: Sequence[Any], timeout_s: float) -> None:
+    """Waits for each ``Popen`` to end, ``timeout_s`` for all of them."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
+    """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
+    kill(procs)
+    reap(procs, timeout_s)

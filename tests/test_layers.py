@@ -19,13 +19,14 @@ those under ``TYPE_CHECKING``. From the bottom up:
    (``plan``), the etcd rendezvous (``rendezvous``) and Slurm (``slurm``). Each stands alone:
    none imports another (checked below), so each can be read, tested and changed by itself.
 4. **worker recovery**: the workers' side of in-process recovery (``recovery.inprocess`` and
-   its spare, ``recovery.spare``), which re-enters the training function and rebinds the
-   subsystems' worker APIs to a new rank; the agent drives it.
+   its spare, ``recovery.spare``, with the pieces both use: the records and settings shared with
+   the agent, ``recovery.protocol``, and the process groups, ``recovery.groups``), which
+   re-enters the training function and rebinds the subsystems' worker APIs to a new rank; the
+   agent drives it.
 5. **orchestration**: the agent (``agent``, with its warm pool and the order of its add-ons)
-   gathers the subsystems' worker environments and collaborators (``agent.api``,
-   ``agent.classify`` and ``agent.policy`` only re-export the add-on interface under its earlier
-   names); recovery (``recovery``) coordinates checkpoints across a rendezvous. Neither imports
-   the other.
+   gathers the subsystems' worker environments and collaborators, and plugs them in through the
+   add-on interface; recovery (``recovery``) coordinates checkpoints across a rendezvous.
+   Neither imports the other.
 6. **tools**: what reads a run, or acts on one, from outside: ``report`` (including
    ``elasticft status``) and ``chaos``.
 7. **entry points**: ``launcher`` (builds the agent and its collaborators from the options),

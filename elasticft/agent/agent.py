@@ -366,6 +366,14 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
     # ------------------------------------------------------------------------------------------
     # The run loop, with torch's restart branch replaced by the policy.
 
+    def run(self, role: str = "default") -> RunResult:
+        """torch's run (which shuts the workers down however it ends), then the in-process
+        directory and the generations' stores are released."""
+        try:
+            return super().run(role)
+        finally:
+            self.inprocess.close()
+
     def _invoke_run(self, role: str = "default") -> RunResult:
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)

@@ -30,8 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elasticft import steps, torch_compat
-from elasticft.agent.replace import kill_and_reap
+from elasticft import procs, steps, torch_compat
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessHandler
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv as diag_workerenv
@@ -224,7 +223,7 @@ class SpareKeeper:
     def _discard(self) -> None:
         handler, self.handler = self.handler, None
         if handler is not None:
-            kill_and_reap([handler.proc], 10.0)
+            procs.kill_and_reap([handler.proc], 10.0)
             for stream in (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None)):
                 if stream is not None:
                     with contextlib.suppress(OSError):
