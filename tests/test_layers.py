@@ -6,7 +6,8 @@ those under ``TYPE_CHECKING``. From the bottom up:
 
 1. **base**: facilities that know no subsystem. The event log (``events``), process helpers
    (``procs``), the torch compatibility shim (``torch_compat``), files with no name
-   (``unnamed``), optional-extra errors (``extras``), a package's lazy names (``lazy``), the
+   (``unnamed``), JSON records written whole (``jsonfile``), optional-extra errors
+   (``extras``), a package's lazy names (``lazy``), the
    options (``config``, ``options``) and where the launcher's own arguments end
    (``command_line``), the step records (``steps``: the format every worker
    writes and the report reads) and ``cli``: the ``elasticft`` dispatcher names its command
@@ -59,7 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "elasticft.torch_contracts", "elasticft.unnamed", "elasticft.extras",
               "elasticft.config", "elasticft.options", "elasticft.command_line",
               "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
-              "elasticft.cli")),
+              "elasticft.jsonfile", "elasticft.cli")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm")),

@@ -59,6 +59,7 @@ from elasticft.agent.replace import replace_after_kill, start_replacements
 from elasticft.agent.warmpool import WarmPool
 from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
+from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.interrupt import INTERRUPT_FILE
 from elasticft.recovery.protocol import (
     DIR_ENV,
@@ -66,9 +67,7 @@ from elasticft.recovery.protocol import (
     TEARDOWN_ENV,
     TIMEOUT_ENV,
     Generation,
-    read_json,
     worker_file,
-    write_json,
 )
 from elasticft.torch_compat import WorkerState
 

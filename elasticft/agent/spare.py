@@ -35,7 +35,8 @@ from elasticft.agent.warmpool import WarmPool, WarmSubprocessHandler
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
-from elasticft.recovery.protocol import Generation, read_json
+from elasticft.jsonfile import read_json
+from elasticft.recovery.protocol import Generation
 from elasticft.recovery.spare import SPARE_ENV, Assignment, ready_file
 
 logger = logging.getLogger(__name__)

@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
+from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
 from elasticft.recovery.health import within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
@@ -58,9 +59,7 @@ from elasticft.recovery.ncclenv import abort_warning, nccl_version
 from elasticft.recovery.protocol import (
     Generation,
     InProcessSettings,
-    read_json,
     worker_file,
-    write_json,
 )
 
 logger = logging.getLogger(__name__)

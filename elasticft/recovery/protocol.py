@@ -4,7 +4,7 @@ directory of the node.
 
 The environment (:class:`InProcessSettings`, read in one place): the directory, the generation
 a process starts in, the regroup timeout and the teardown's hard limit. The records, each a JSON
-file written whole (a temporary file, then a rename) so a reader never sees half of one:
+file written whole (:func:`elasticft.jsonfile.write_json`) so a reader never sees half of one:
 
 * ``generation.json`` (:class:`Generation`), the agent's: the next generation's store and size;
 * ``armed``, ``failed``, ``joined``, ``resumed`` and ``left`` (:func:`worker_file`), a worker's:
@@ -18,12 +18,12 @@ other part of recovery.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+
+from elasticft.jsonfile import read_json, write_json
 
 DIR_ENV = "ELASTICFT_INPROCESS_DIR"
 GENERATION_ENV = "ELASTICFT_INPROCESS_GEN"
@@ -67,21 +67,6 @@ def worker_file(directory: Path, kind: str, local_rank: int) -> Path:
     waits for the next generation), ``joined`` (it is in the generation's group), ``resumed``
     (its first optimizer step in that generation is over)."""
     return directory / f"{kind}-l{local_rank}.json"
-
-
-def write_json(path: Path, value: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 @dataclasses.dataclass(frozen=True)

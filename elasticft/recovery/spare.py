@@ -29,7 +29,6 @@ spare alone, where :func:`is_spare` says so; the restore overwrites what it chan
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -38,8 +37,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.groups import GroupOps, GroupSettings, regroup
-from elasticft.recovery.protocol import Generation, InProcessSettings, read_json, write_json
+from elasticft.recovery.protocol import Generation, InProcessSettings
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,10 @@ class Assignment:
     def write(self, directory: Path, spare: str) -> None:
         """Written whole and readable by this user only: the environment holds the rank's
         checkpoint peer secret."""
-        path = assignment_file(directory, spare)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"generation": dataclasses.asdict(self.generation),
-                       "local_rank": self.local_rank, "env": self.env, "time": time.time()}, f)
-        os.replace(tmp, path)
+        write_json(assignment_file(directory, spare),
+                   {"generation": dataclasses.asdict(self.generation),
+                    "local_rank": self.local_rank, "env": self.env, "time": time.time()},
+                   private=True, parents=False)
 
     @classmethod
     def read(cls, directory: Path, spare: str) -> Assignment | None:

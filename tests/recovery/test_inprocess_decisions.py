@@ -21,10 +21,11 @@ from elasticft.agent.inprocess import (
     first_step_limit,
     phases,
 )
+from elasticft.jsonfile import write_json
 from elasticft.recovery import groups, inprocess, protocol
 from elasticft.recovery.groups import GroupOps, tear_down
 from elasticft.recovery.inprocess import InProcess, peer_failure
-from elasticft.recovery.protocol import Generation, InProcessSettings, worker_file, write_json
+from elasticft.recovery.protocol import Generation, InProcessSettings, worker_file
 
 GLOO_CLOSED = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:912. "
                "This is typically caused by a remote worker crashing.")
@@ -333,8 +334,8 @@ def test_a_recovery_is_overdue_by_its_phase(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_the_interrupt_notice_ends_one_generation_and_a_full_start_clears_it(
         tmp_path: Path) -> None:
+    from elasticft.jsonfile import read_json
     from elasticft.recovery.interrupt import INTERRUPT_FILE, notice
-    from elasticft.recovery.protocol import read_json
 
     coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
     coordinator.reset()
