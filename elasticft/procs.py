@@ -7,15 +7,20 @@ the agent, the hang verdict (:mod:`elasticft.diag.verdict`) and the diagnostics 
 
 Ending processes the agent started (``subprocess.Popen`` objects, a worker or a spare):
 :func:`kill` (SIGKILL, and SIGCONT for a stopped one), :func:`reap` (wait for them, with one
-deadline for all) and the two in order (:func:`kill_and_reap`).
+deadline for all) and the two in order (:func:`kill_and_reap`). Adopting a process another
+one forked (:func:`adopting_orphans`, Linux's child subreaper) and watching it as a child
+(:class:`AdoptedWorker`): how a worker forked by a warm interpreter becomes the agent's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import threading
 import time
 from collections.abc import Sequence
+from subprocess import Popen
 from typing import Any
 
 STOPPED_STATES = frozenset({"T", "t"})
@@ -152,3 +157,51 @@ def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
     """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
     kill(procs)
     reap(procs, timeout_s)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+_adoption_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def adopting_orphans() -> Any:
+    """While inside, orphaned descendants of this process are re-parented to it (Linux's
+    child-subreaper flag), so a worker forked by a warm interpreter becomes this agent's child.
+
+    Held only around one fork: left on, the agent would also adopt (and have to reap) every
+    process its workers leave behind.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    with _adoption_lock:
+        already = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(already), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_GET_CHILD_SUBREAPER) failed")
+        if not already.value and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        try:
+            yield
+        finally:
+            if not already.value:
+                libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+class AdoptedWorker(Popen):
+    """``Popen`` of a worker this process adopted rather than spawned: ``wait``, ``poll``,
+    ``send_signal`` and the return code behave as for any child (``waitpid`` on its pid)."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        # Popen.__init__ would spawn a process; these are the attributes its methods read.
+        self.args = list(args)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = self.stdout = self.stderr = None
+        self.encoding = self.errors = None
+        self.text_mode = False
+        self.pipesize = -1
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+        self._child_created = True
