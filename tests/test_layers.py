@@ -35,7 +35,7 @@ those under ``TYPE_CHECKING``. From the bottom up:
    lazy names reach all of them.
 
 A module may import its own layer and the ones below. Each layer is named by its packages (the
-two worker-side modules of recovery aside), so the folders show the layers. A new module has to be
+worker-side modules of recovery aside), so the folders show the layers. A new module has to be
 placed here before its test passes.
 
 No two modules import each other, directly or round a longer circle, inside a package or across
