@@ -251,7 +251,7 @@ def _is_spare() -> bool:
 
 def _wait_for_spare(timeout_s: float = 600.0) -> None:
     """Waits until this node's spare has finished its set-up (before the first step)."""
-    from elasticft.recovery.inprocess import InProcessSettings
+    from elasticft.recovery.protocol import InProcessSettings
 
     directory = InProcessSettings.from_env().directory
     deadline = time.monotonic() + timeout_s

@@ -4,12 +4,24 @@ The agent judges its workers and the owners of leftover files by pid: a one-lett
 ``/proc/<pid>/stat`` (R running, S sleeping, T stopped, Z zombie...) and whether any process
 still has the pid at all. The sets of states below are the one meaning of a state letter that
 the agent, the hang verdict (:mod:`elasticft.diag.verdict`) and the diagnostics exchange share.
+
+Ending processes the agent started (``subprocess.Popen`` objects, a worker or a spare):
+:func:`kill` (SIGKILL, and SIGCONT for a stopped one), :func:`reap` (wait for them, with one
+deadline for all) and the two in order (:func:`kill_and_reap`). Adopting a process another
+one forked (:func:`adopting_orphans`, Linux's child subreaper) and watching it as a child
+(:class:`AdoptedWorker`): how a worker forked by a warm interpreter becomes the agent's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import threading
 import time
+from collections.abc import Sequence
+from subprocess import Popen
+from typing import Any
 
 STOPPED_STATES = frozenset({"T", "t"})
 """Stopped by a signal (SIGSTOP) or held by a tracer: still holding its sockets and memory."""
@@ -122,3 +134,74 @@ def ending_status(pid: int) -> int | None:
         return int(fields[-1]) if exiting else None
     except (OSError, IndexError, ValueError):
         return None
+
+
+def kill(procs: Sequence[Any]) -> None:
+    """SIGKILLs (and continues, if stopped) each ``Popen`` still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            for sig in (9, 18):  # SIGKILL, then SIGCONT for a stopped one
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, sig)
+
+
+def reap(procs: Sequence[Any], timeout_s: float) -> None:
+    """Waits for each ``Popen`` to end, ``timeout_s`` for all of them."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
+    """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
+    kill(procs)
+    reap(procs, timeout_s)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+_adoption_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def adopting_orphans() -> Any:
+    """While inside, orphaned descendants of this process are re-parented to it (Linux's
+    child-subreaper flag), so a worker forked by a warm interpreter becomes this agent's child.
+
+    Held only around one fork: left on, the agent would also adopt (and have to reap) every
+    process its workers leave behind.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    with _adoption_lock:
+        already = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(already), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_GET_CHILD_SUBREAPER) failed")
+        if not already.value and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        try:
+            yield
+        finally:
+            if not already.value:
+                libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+class AdoptedWorker(Popen):
+    """``Popen`` of a worker this process adopted rather than spawned: ``wait``, ``poll``,
+    ``send_signal`` and the return code behave as for any child (``waitpid`` on its pid)."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        # Popen.__init__ would spawn a process; these are the attributes its methods read.
+        self.args = list(args)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = self.stdout = self.stderr = None
+        self.encoding = self.errors = None
+        self.text_mode = False
+        self.pipesize = -1
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+        self._child_created = True

@@ -98,7 +98,7 @@ def tracked_files() -> frozenset[str]:
 
 def names_a_file_of_the_repository(name: str, page: Path) -> bool:
     """``name`` as a page writes it: a path from the root or the page, a path inside the
-    package (``agent/api.py``), or a bare file name, of a file the repository has."""
+    package (``agent/agent.py``), or a bare file name, of a file the repository has."""
     files = tracked_files()
     if "/" not in name:
         return any(f.rsplit("/", 1)[-1] == name for f in files)

@@ -6,7 +6,8 @@ those under ``TYPE_CHECKING``. From the bottom up:
 
 1. **base**: facilities that know no subsystem. The event log (``events``), process helpers
    (``procs``), the torch compatibility shim (``torch_compat``), files with no name
-   (``unnamed``), optional-extra errors (``extras``), a package's lazy names (``lazy``), the
+   (``unnamed``), JSON records written whole (``jsonfile``), optional-extra errors
+   (``extras``), a package's lazy names (``lazy``), the
    options (``config``, ``options``) and where the launcher's own arguments end
    (``command_line``), the step records (``steps``: the format every worker
    writes and the report reads) and ``cli``: the ``elasticft`` dispatcher names its command
@@ -19,13 +20,14 @@ those under ``TYPE_CHECKING``. From the bottom up:
    (``plan``), the etcd rendezvous (``rendezvous``) and Slurm (``slurm``). Each stands alone:
    none imports another (checked below), so each can be read, tested and changed by itself.
 4. **worker recovery**: the workers' side of in-process recovery (``recovery.inprocess`` and
-   its spare, ``recovery.spare``), which re-enters the training function and rebinds the
-   subsystems' worker APIs to a new rank; the agent drives it.
+   its spare, ``recovery.spare``, with the pieces both use: the records and settings shared with
+   the agent, ``recovery.protocol``, and the process groups, ``recovery.groups``), which
+   re-enters the training function and rebinds the subsystems' worker APIs to a new rank; the
+   agent drives it.
 5. **orchestration**: the agent (``agent``, with its warm pool and the order of its add-ons)
-   gathers the subsystems' worker environments and collaborators (``agent.api``,
-   ``agent.classify`` and ``agent.policy`` only re-export the add-on interface under its earlier
-   names); recovery (``recovery``) coordinates checkpoints across a rendezvous. Neither imports
-   the other.
+   gathers the subsystems' worker environments and collaborators, and plugs them in through the
+   add-on interface; recovery (``recovery``) coordinates checkpoints across a rendezvous.
+   Neither imports the other.
 6. **tools**: what reads a run, or acts on one, from outside: ``report`` (including
    ``elasticft status``) and ``chaos``.
 7. **entry points**: ``launcher`` (builds the agent and its collaborators from the options),
@@ -33,15 +35,23 @@ those under ``TYPE_CHECKING``. From the bottom up:
    lazy names reach all of them.
 
 A module may import its own layer and the ones below. Each layer is named by its packages (the
-two worker-side modules of recovery aside), so the folders show the layers. A new module has to be
+worker-side modules of recovery aside), so the folders show the layers. A new module has to be
 placed here before its test passes.
+
+No two modules import each other, directly or round a longer circle, inside a package or across
+them: the same imports count (module level and deferred alike), so a circle cannot be hidden by
+moving one of its imports into a function. A piece two modules both need lives in a module below
+both.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
 
@@ -50,7 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "elasticft.torch_contracts", "elasticft.unnamed", "elasticft.extras",
               "elasticft.config", "elasticft.options", "elasticft.command_line",
               "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
-              "elasticft.cli")),
+              "elasticft.jsonfile", "elasticft.cli")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm")),
@@ -58,7 +68,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # rebinds the checkpointers and diagnostics of the rank it takes); the agent drives it.
     ("worker recovery", ("elasticft.recovery.inprocess", "elasticft.recovery.spare",
                           "elasticft.recovery.groups", "elasticft.recovery.interrupt",
-                          "elasticft.recovery.health", "elasticft.recovery.ncclenv")),
+                          "elasticft.recovery.health", "elasticft.recovery.ncclenv",
+                          "elasticft.recovery.protocol")),
     ("orchestration", ("elasticft.agent", "elasticft.recovery")),
     ("tools", ("elasticft.report", "elasticft.chaos")),
     ("entry points", ("elasticft.launcher", "elasticft.run", "elasticft.worker", "elasticft")),
@@ -151,6 +162,69 @@ def test_the_packages_of_an_independent_layer_do_not_import_each_other() -> None
                     importer, target) not in KNOWN_EXCEPTIONS:
                 crossing.append(f"{importer} imports {target} (both {own[1]})")
     assert not crossing, "\n".join(crossing)
+
+
+def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (pure): each strongly connected set of two or more
+    modules, sorted; a module naming itself is no circle. Tarjan's algorithm, iterative."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next((t for t in targets if t in graph), None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    found.append(sorted(members))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(("graph", "expected"), [
+    ({}, []),
+    ({"a": {"b"}, "b": set()}, []),
+    ({"a": {"a"}}, []),
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c", "a"}}, [["a", "b"], ["c", "d"]]),
+    ({"a": {"b", "outside"}, "b": {"a"}}, [["a", "b"]]),
+    ({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}, []),
+])
+def test_the_circle_finder(graph: dict[str, set[str]], expected: list[list[str]]) -> None:
+    assert circles(graph) == expected
+
+
+def test_no_import_circle() -> None:
+    found = circles(import_graph())
+    assert not found, "import circles (move the shared piece into a module below both):\n" + (
+        "\n".join(" <-> ".join(circle) for circle in found))
 
 
 def test_known_exceptions_still_exist() -> None:

@@ -59,8 +59,8 @@ from elasticft.diag import workerenv as diag_workerenv
 from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
-from elasticft.recovery import inprocess as inprocess_worker
 from elasticft.recovery import ncclenv
+from elasticft.recovery import protocol as inprocess_protocol
 from elasticft.recovery import spare as spare_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
@@ -85,7 +85,7 @@ WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV, lifeli
 
 WORKER_ENV_NAMES = (
     WORKER_ENV | ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV | plan_worker.WORKER_ENV
-    | steps.WORKER_ENV | inprocess_worker.WORKER_ENV | spare_worker.WORKER_ENV
+    | steps.WORKER_ENV | inprocess_protocol.WORKER_ENV | spare_worker.WORKER_ENV
 )
 """Every worker variable elasticft adds to torch's (documented in the README), each owned by the
 subsystem that sets or reads it: the agent's own, the checkpoint tiers, the diagnostics rings and
@@ -369,6 +369,14 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
 
     # ------------------------------------------------------------------------------------------
     # The run loop, with torch's restart branch replaced by the policy.
+
+    def run(self, role: str = "default") -> RunResult:
+        """torch's run (which shuts the workers down however it ends), then the in-process
+        directory and the generations' stores are released."""
+        try:
+            return super().run(role)
+        finally:
+            self.inprocess.close()
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         spec = self._worker_group.spec

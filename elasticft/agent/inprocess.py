@@ -55,21 +55,20 @@ from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
 from elasticft.agent.recovery_timing import Recovery, first_step_limit, phases
-from elasticft.agent.replace import kill, replace_after_kill, start_replacements
+from elasticft.agent.replace import replace_after_kill, start_replacements
 from elasticft.agent.warmpool import WarmPool
 from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
-from elasticft.recovery.inprocess import (
+from elasticft.jsonfile import read_json, write_json
+from elasticft.recovery.interrupt import INTERRUPT_FILE
+from elasticft.recovery.protocol import (
     DIR_ENV,
     GENERATION_ENV,
     TEARDOWN_ENV,
     TIMEOUT_ENV,
     Generation,
-    read_json,
     worker_file,
-    write_json,
 )
-from elasticft.recovery.interrupt import INTERRUPT_FILE
 from elasticft.torch_compat import WorkerState
 
 if TYPE_CHECKING:
@@ -404,7 +403,7 @@ class InProcessRecoveryMixin:
                     logger.warning("local rank %d overran its teardown's hard limit "
                                    "(%.0f s): killed", local_rank,
                                    self.inprocess.teardown_limit_s)
-                    kill([torch_compat.worker_process(self._pcontext, local_rank)])
+                    procs.kill([torch_compat.worker_process(self._pcontext, local_rank)])
             if self.inprocess.overdue(time.monotonic(), pids):
                 what = (f"its first step not done within {recovery.first_step_s:.0f} s of "
                         f"the regroup" if recovery.joined_at is not None else

@@ -2,15 +2,14 @@
 
 In-process recovery replaces only the failed workers: it finds the ones that exited before
 torch's own poll would stop the others (:func:`failed_exits`), kills and reaps what is left of
-them (:func:`replace_after_kill`: on a node with GPUs after they are gone, since a dead
+them (:func:`replace_after_kill`, with :func:`elasticft.procs.kill` and
+:func:`~elasticft.procs.reap`: on a node with GPUs after they are gone, since a dead
 process's device memory is released only at its end), and starts their replacements in the same
 context, from the warm pool when there is one (:func:`start_replacements`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +17,7 @@ from typing import Any, TypeVar
 
 from elasticft import torch_compat
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
+from elasticft.procs import kill, reap
 
 _R = TypeVar("_R")
 
@@ -56,29 +56,6 @@ def start_replacements(context: Any, local_ranks: Sequence[int], pool: WarmPool 
             pool.refill(local_rank, *launch)
         started[local_rank] = handler.proc.pid
     return started
-
-
-def kill(procs: Sequence[Any]) -> None:
-    """SIGKILLs (and continues, if stopped) each ``Popen`` still running."""
-    for proc in procs:
-        if proc.poll() is None:
-            for sig in (9, 18):  # SIGKILL, then SIGCONT for a stopped one
-                with contextlib.suppress(OSError):
-                    os.kill(proc.pid, sig)
-
-
-def reap(procs: Sequence[Any], timeout_s: float) -> None:
-    """Waits for each ``Popen`` to end, ``timeout_s`` for all of them."""
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-
-
-def kill_and_reap(procs: Sequence[Any], timeout_s: float) -> None:
-    """SIGKILLs (and continues, if stopped) each ``Popen`` still running, then reaps it."""
-    kill(procs)
-    reap(procs, timeout_s)
 
 
 def replace_after_kill(procs: Sequence[Any], timeout_s: float, reap_first: bool,

@@ -30,13 +30,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elasticft import steps, torch_compat
-from elasticft.agent.replace import kill_and_reap
+from elasticft import procs, steps, torch_compat
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessHandler
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv as diag_workerenv
 from elasticft.events import EventLog
-from elasticft.recovery.inprocess import Generation, read_json
+from elasticft.jsonfile import read_json
+from elasticft.recovery.protocol import Generation
 from elasticft.recovery.spare import SPARE_ENV, Assignment, ready_file
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class SpareKeeper:
     def _discard(self) -> None:
         handler, self.handler = self.handler, None
         if handler is not None:
-            kill_and_reap([handler.proc], 10.0)
+            procs.kill_and_reap([handler.proc], 10.0)
             for stream in (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None)):
                 if stream is not None:
                     with contextlib.suppress(OSError):

@@ -21,8 +21,9 @@ How a warm interpreter is started and how a worker is forked from it:
   traceback of an exception and the exit code are Python's own.
 * The child is forked through an intermediate process that exits at once, while the agent holds
   Linux's child-subreaper flag, so the worker becomes the agent's own child: the ``Popen`` torch
-  watches, signals with ``killpg`` and reaps *is* the worker (:class:`AdoptedWorker`). There is
-  no proxy process, so nothing can be orphaned by killing it.
+  watches, signals with ``killpg`` and reaps *is* the worker
+  (:class:`elasticft.procs.AdoptedWorker`). There is no proxy process, so nothing can be
+  orphaned by killing it.
 * An interpreter is used only when nothing that start-up has already consumed differs: the same
   command, working directory and environment except the variables that are bound per attempt
   (ranks, world sizes, master address and port, ``TORCHELASTIC_*``, ``ELASTICFT_*``). Otherwise,
@@ -43,7 +44,6 @@ itself on fork).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -66,6 +66,7 @@ from elasticft import torch_compat
 from elasticft.addon.api import prepend_paths
 from elasticft.agent import lifeline
 from elasticft.agent.console import gate_tracebacks
+from elasticft.procs import AdoptedWorker, adopting_orphans
 from elasticft.torch_compat import SubprocessContext, SubprocessHandler
 
 logger = logging.getLogger(__name__)
@@ -139,54 +140,6 @@ def startup_mismatch(started: Mapping[str, str], requested: Mapping[str, str]) -
         and name not in _PER_ATTEMPT_NAMES
         and not name.startswith(_PER_ATTEMPT_PREFIXES)
     )
-
-
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_GET_CHILD_SUBREAPER = 37
-_adoption_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def adopting_orphans() -> Any:
-    """While inside, orphaned descendants of this process are re-parented to it (Linux's
-    child-subreaper flag), so a worker forked by a warm interpreter becomes this agent's child.
-
-    Held only around one fork: left on, the agent would also adopt (and have to reap) every
-    process its workers leave behind.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    with _adoption_lock:
-        already = ctypes.c_int(0)
-        if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(already), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_GET_CHILD_SUBREAPER) failed")
-        if not already.value and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
-        try:
-            yield
-        finally:
-            if not already.value:
-                libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-
-
-class AdoptedWorker(Popen):
-    """``Popen`` of a worker this process adopted rather than spawned: ``wait``, ``poll``,
-    ``send_signal`` and the return code behave as for any child (``waitpid`` on its pid)."""
-
-    def __init__(self, pid: int, args: Sequence[str]) -> None:
-        # Popen.__init__ would spawn a process; these are the attributes its methods read.
-        self.args = list(args)
-        self.pid = pid
-        self.returncode: int | None = None
-        self.stdin = self.stdout = self.stderr = None
-        self.encoding = self.errors = None
-        self.text_mode = False
-        self.pipesize = -1
-        self._waitpid_lock = threading.Lock()
-        self._input = None
-        self._communication_started = False
-        self._sigint_wait_secs = 0.25
-        self._closed_child_pipe_fds = True
-        self._child_created = True
 
 
 class WarmInterpreter:

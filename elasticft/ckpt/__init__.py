@@ -13,9 +13,10 @@ Worker API::
     ckpt.save(step, snapshot(extra={"step": step}))   # returns at once
 
 Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier:
-segments and slots) with ``slotformat`` (a slot's header and seal) and ``slotmaker`` (slots made
-off the training thread), ``shards`` (DTensor shards back into live DTensors), ``durable``
-(disk/remote tiers, DCP-readable), ``peer`` (backup over TCP), ``control`` ("checkpoint now"),
+segments and a rank's slots) with ``slot`` (one slot file, mapped), ``slotformat`` (a slot's
+header and seal) and ``slotmaker`` (slots made off the training thread), ``shards`` (DTensor
+shards back into live DTensors), ``durable`` (disk/remote tiers, DCP-readable), ``peer`` (backup
+over TCP), ``control`` ("checkpoint now"),
 ``checkpointer`` (worker side) with ``slotwriter`` (a save into a slot, on the copy thread),
 ``pipeline`` (the persist pipeline) and its two persisters, ``agentpersist`` (the agent's) and
 ``persister`` (a worker's own, without an agent); the agent side: ``service`` (the agent's

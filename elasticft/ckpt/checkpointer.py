@@ -27,8 +27,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,43 @@ class Checkpointer:
         dedup_replicas: bool = False,
         device_copier: DeviceCopier | None = None,
     ) -> None:
+        self._open(settings, optimizers=optimizers, rank=rank, world_size=world_size,
+                   dedup_replicas=dedup_replicas, device_copier=device_copier)
+        Checkpointer._instances.add(self)
+
+    _instances: ClassVar[weakref.WeakSet[Checkpointer]] = weakref.WeakSet()
+    """Every checkpointer of this process, weakly held (:meth:`instances`)."""
+
+    @classmethod
+    def instances(cls) -> list[Checkpointer]:
+        """Every checkpointer this process made and still holds (closed or not), wherever the
+        script keeps it: what a pre-started spare rebinds when it takes a rank (:meth:`rebind`)."""
+        return list(Checkpointer._instances)
+
+    def rebind(self, env: Mapping[str, str], *, rank: int, world_size: int) -> None:
+        """Points this checkpointer at another rank's memory, in place: closes it and opens it
+        again with the settings ``env`` gives (the agent's variables of that rank), as ``rank``
+        of ``world_size``, around the same optimizers.
+
+        The process-owned defaults it was made with (``ckpt_dir=``, ``keep=``...) are passed
+        on, as :meth:`from_env` would have been given them, and so is the ``dedup_replicas``
+        asked for (granted once the world has more than one rank). Memory this process owned
+        is no longer removed at its exit: it is no longer this checkpointer's.
+        """
+        old = self.settings
+        self.close()
+        atexit.unregister(self._remove_own_segments)
+        settings = WorkerSettings.from_env(
+            env, ckpt_dir=old.chosen_dir or old.local_dir, remote_dir=old.remote_dir,
+            persist_every=old.persist_every, keep=old.keep, slots=old.slots,
+            memory=old.shm_slots is not None, gpu_staging_bytes=old.gpu_staging_bytes)
+        self._open(settings, optimizers=self.optimizers, rank=rank, world_size=world_size,
+                   dedup_replicas=self.dedup_requested, device_copier=None)
+
+    def _open(self, settings: WorkerSettings, *, optimizers: Iterable[torch.optim.Optimizer],
+              rank: int | None, world_size: int | None, dedup_replicas: bool,
+              device_copier: DeviceCopier | None) -> None:
+        """Binds this checkpointer to ``settings``' memory and starts its threads."""
         self.settings = settings
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -85,7 +123,8 @@ class Checkpointer:
         self.dedup_replicas = dedup_replicas and self.world_size > 1
         """Each rank stores only its share of the replicated state (see :meth:`save`)."""
         self.dedup_requested = dedup_replicas
-        """What the caller asked for (a spare's one-member world rebinds to the real one)."""
+        """What the caller asked for (a spare's one-member world rebinds to the real one,
+        :meth:`rebind`)."""
         self._placements: dict[tuple[Any, ...], ReplicaPlacement] = {}
         self._prepared: tuple[Any, set[int], Layout, tuple[bool, ...]] | None = None
         self._host_stall_s = 0.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from elasticft.jsonfile import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -207,12 +210,9 @@ class SkipReader:
         return found
 
 
-def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
+_write_json = functools.partial(write_json, private=True, parents=False)
+"""The channel's records: this user's only, and only in a control directory that exists (one
+its agent removed is not made again)."""
 
 
 def _read_json(path: Path) -> dict | None:

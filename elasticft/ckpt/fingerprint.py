@@ -27,7 +27,8 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from elasticft.ckpt.shm import COMPLETE, Slot
+from elasticft.ckpt.slot import Slot
+from elasticft.ckpt.slotformat import COMPLETE
 
 
 @dataclasses.dataclass(frozen=True)

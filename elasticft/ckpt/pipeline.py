@@ -36,7 +36,8 @@ import numpy
 
 from elasticft.ckpt import diskfile, durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
-from elasticft.ckpt.shm import Slot, SlotSet, read_slot
+from elasticft.ckpt.shm import SlotSet, read_slot
+from elasticft.ckpt.slot import Slot
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from elasticft import unnamed
 from elasticft.addon.api import WorkerInfo
-from elasticft.ckpt.shm import SHM_DIR, Slot, SlotSet
+from elasticft.ckpt.shm import SHM_DIR, SlotSet
+from elasticft.ckpt.slot import Slot
 
 
 class NodeSlots:

@@ -21,6 +21,10 @@ died without closing its sockets (they live on in a child of it, or, on NCCL, th
 to close) then costs the survivor nothing: gloo's receive sees its own socket end and the
 collective raises "connection closed", which the recovery handles like any peer failure. Only
 this process's descriptors are touched.
+
+**Tearing down and regrouping** (:class:`GroupOps`, :func:`tear_down`, :func:`regroup`): torch's
+functions behind one seam the tests replace; the regroup joins the next generation's store
+(:class:`elasticft.recovery.protocol.Generation`) with what the script asked for.
 """
 
 from __future__ import annotations
@@ -29,11 +33,15 @@ import dataclasses
 import logging
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elasticft.recovery.health import device_health
+from elasticft.recovery.protocol import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -160,3 +168,70 @@ def end_tcp_connections() -> int:
         finally:
             sock.close()
     return ended
+
+
+# ------------------------------------------------------------------------------------------------
+# Tearing the groups down and making the generation's group (the seam the tests drive).
+
+_STORE_PREFIX = "default_pg"
+"""The prefix torch's ``init_process_group`` puts before the keys of an ``env://`` group: a
+survivor's regroup uses the same one, so it meets the replacement's unchanged call."""
+
+
+
+@dataclasses.dataclass
+class GroupOps:
+    """How a process group is torn down and made: torch's functions, replaceable in tests."""
+
+    abort: Callable[[], None] | None = None
+    """Ends the default group without waiting for its work (NCCL); None: this torch has none."""
+    destroy: Callable[[], None] = dist.destroy_process_group
+    init: Callable[..., None] = dist.init_process_group
+    end: Callable[[str], str] = end_groups
+    """Ends every group of the process from the monitor thread, while the main thread may
+    wait in one (:func:`end_groups`); returns how."""
+    health: Callable[[float], str | None] = device_health
+    """Why this process's device is unfit to rejoin, or None
+    (:func:`elasticft.recovery.health.device_health`; its argument is the time limit)."""
+
+    @classmethod
+    def for_torch(cls) -> GroupOps:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        return cls(abort=abort if callable(abort) else None)
+
+
+def tear_down(backend: str, ops: GroupOps) -> str:
+    """Ends this process's process groups; returns how (for the log).
+
+    NCCL: the communicators are aborted first, which returns while their kernels still wait
+    for the dead peer (a plain destroy would wait for them); the CUDA streams then hold no
+    NCCL work, and the caching allocator frees the blocks those kernels used once their
+    streams are synchronised. Gloo's destroy closes its sockets, which also ends the waits of
+    peers that are still inside a collective with this process.
+    """
+    if "nccl" in backend.lower() and ops.abort is not None:
+        ops.abort()
+        if dist.is_initialized():
+            ops.destroy()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return "abort"
+    ops.destroy()
+    return "destroy"
+
+
+def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
+            ops: GroupOps, settings: GroupSettings | None = None) -> None:
+    """Joins the generation's group (same backend, rank and world size, and the ``timeout``,
+    ``device_id`` and ``pg_options`` the script gave its own group: ``settings``); rank 0 hosts
+    the store when no agent does, and waits there for the others as torch's ``env://`` store
+    does."""
+    os.environ["MASTER_ADDR"] = generation.master_addr
+    os.environ["MASTER_PORT"] = str(generation.master_port)
+    hosts = not generation.agent_store and rank == 0
+    store = dist.TCPStore(generation.master_addr, generation.master_port,
+                          world_size=generation.world_size, is_master=hosts,
+                          timeout=timedelta(seconds=timeout_s), multi_tenant=hosts)
+    kwargs = settings.init_kwargs() if settings is not None else {}
+    ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
+             world_size=generation.world_size, **kwargs)

@@ -13,7 +13,7 @@ costs one new process. So before it rejoins, a survivor checks (:func:`device_he
    pending retired pages (an uncorrectable memory error waiting for a reset).
 
 A process without CUDA (gloo on CPU) passes at once. The check returns why the device is unfit,
-or None; :class:`elasticft.recovery.inprocess.GroupOps` carries it as the seam tests replace.
+or None; :class:`elasticft.recovery.groups.GroupOps` carries it as the seam tests replace.
 """
 
 from __future__ import annotations

@@ -40,43 +40,33 @@ just calls the function once.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import json
 import logging
 import os
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
-from elasticft.recovery.groups import GroupSettings, end_groups
-from elasticft.recovery.health import device_health, within
+from elasticft.jsonfile import read_json, write_json
+from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
+from elasticft.recovery.health import within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
 from elasticft.recovery.ncclenv import abort_warning, nccl_version
+from elasticft.recovery.protocol import (
+    Generation,
+    InProcessSettings,
+    worker_file,
+)
 
 logger = logging.getLogger(__name__)
 
-DIR_ENV = "ELASTICFT_INPROCESS_DIR"
-GENERATION_ENV = "ELASTICFT_INPROCESS_GEN"
-TIMEOUT_ENV = "ELASTICFT_INPROCESS_TIMEOUT"
-TEARDOWN_ENV = "ELASTICFT_INPROCESS_TEARDOWN_LIMIT"
-WORKER_ENV = frozenset({DIR_ENV, GENERATION_ENV, TIMEOUT_ENV, TEARDOWN_ENV})
-"""Worker variables the agent sets for in-process recovery."""
-
-GENERATION_FILE = "generation.json"
 LEAVE_EXIT_CODE = 86
 """A survivor's exit status when its teardown overran the hard limit or its device is unfit:
 it leaves for a replacement (the agent replaces it in the same recovery)."""
-_STORE_PREFIX = "default_pg"
-"""The prefix torch's ``init_process_group`` puts before the keys of an ``env://`` group: a
-survivor's regroup uses the same one, so it meets the replacement's unchanged call."""
 
 _T = TypeVar("_T")
 _IMPORTED_AT = time.time()
@@ -130,147 +120,6 @@ def peer_failure(error: BaseException) -> bool:
             found = True
         current = current.__cause__ or current.__context__
     return found
-
-
-@dataclasses.dataclass(frozen=True)
-class InProcessSettings:
-    """One worker's view of in-process recovery, read from the environment in one place."""
-
-    directory: Path | None = None
-    """The agent's in-process directory of this node (None: no agent, no recovery)."""
-    generation: int = 0
-    """The generation this process started in (above 0: a replacement)."""
-    local_rank: int = 0
-    timeout_s: float = 60.0
-    """Longest wait for the agent's next generation and for the regrouped process group."""
-    teardown_limit_s: float = 30.0
-    """Hard limit of the teardown (abort, synchronize, release) and of the device's health
-    check: a survivor that overruns it leaves, and the agent replaces it."""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> InProcessSettings:
-        env = os.environ if env is None else env
-        directory = env.get(DIR_ENV)
-        return cls(
-            directory=Path(directory) if directory else None,
-            generation=int(env.get(GENERATION_ENV, "0") or 0),
-            local_rank=int(env.get("LOCAL_RANK", "0") or 0),
-            timeout_s=float(env.get(TIMEOUT_ENV, "60") or 60),
-            teardown_limit_s=float(env.get(TEARDOWN_ENV, "30") or 30),
-        )
-
-
-# ------------------------------------------------------------------------------------------------
-# The files between a worker and its agent (all written whole: a temporary file, then rename).
-
-def worker_file(directory: Path, kind: str, local_rank: int) -> Path:
-    """``armed`` (the worker recovers in process), ``failed`` (it caught a peer failure and
-    waits for the next generation), ``joined`` (it is in the generation's group), ``resumed``
-    (its first optimizer step in that generation is over)."""
-    return directory / f"{kind}-l{local_rank}.json"
-
-
-def write_json(path: Path, value: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """The agent's answer to a failure: the new group's store and its members."""
-
-    generation: int
-    master_addr: str
-    master_port: int
-    world_size: int
-    agent_store: bool = True
-    """The store is an agent's (every rank connects as a client); False: rank 0 hosts it, as
-    torch's ``env://`` rendezvous makes it (a new rendezvous round's own address)."""
-
-    @classmethod
-    def read(cls, directory: Path) -> Generation | None:
-        record = read_json(directory / GENERATION_FILE)
-        try:
-            return None if record is None else cls(
-                int(record["generation"]), str(record["master_addr"]),
-                int(record["master_port"]), int(record["world_size"]),
-                bool(record.get("agent_store", True)))
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    def write(self, directory: Path) -> None:
-        write_json(directory / GENERATION_FILE, {**dataclasses.asdict(self), "time": time.time()})
-
-
-# ------------------------------------------------------------------------------------------------
-# Process groups: abort and regroup (the backend seam the tests drive).
-
-@dataclasses.dataclass
-class GroupOps:
-    """How a process group is torn down and made: torch's functions, replaceable in tests."""
-
-    abort: Callable[[], None] | None = None
-    """Ends the default group without waiting for its work (NCCL); None: this torch has none."""
-    destroy: Callable[[], None] = dist.destroy_process_group
-    init: Callable[..., None] = dist.init_process_group
-    end: Callable[[str], str] = end_groups
-    health: Callable[[float], str | None] = device_health
-    """Why this process's device is unfit to rejoin, or None
-    (:func:`elasticft.recovery.health.device_health`; its argument is the time limit)."""
-    """Ends every group of the process from the monitor thread, while the main thread may
-    wait in one (:func:`elasticft.recovery.groups.end_groups`); returns how."""
-
-    @classmethod
-    def for_torch(cls) -> GroupOps:
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        return cls(abort=abort if callable(abort) else None)
-
-
-def tear_down(backend: str, ops: GroupOps) -> str:
-    """Ends this process's process groups; returns how (for the log).
-
-    NCCL: the communicators are aborted first, which returns while their kernels still wait
-    for the dead peer (a plain destroy would wait for them); the CUDA streams then hold no
-    NCCL work, and the caching allocator frees the blocks those kernels used once their
-    streams are synchronised. Gloo's destroy closes its sockets, which also ends the waits of
-    peers that are still inside a collective with this process.
-    """
-    if "nccl" in backend.lower() and ops.abort is not None:
-        ops.abort()
-        if dist.is_initialized():
-            ops.destroy()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return "abort"
-    ops.destroy()
-    return "destroy"
-
-
-def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
-            ops: GroupOps, settings: GroupSettings | None = None) -> None:
-    """Joins the generation's group (same backend, rank and world size, and the ``timeout``,
-    ``device_id`` and ``pg_options`` the script gave its own group: ``settings``); rank 0 hosts
-    the store when no agent does, and waits there for the others as torch's ``env://`` store
-    does."""
-    os.environ["MASTER_ADDR"] = generation.master_addr
-    os.environ["MASTER_PORT"] = str(generation.master_port)
-    hosts = not generation.agent_store and rank == 0
-    store = dist.TCPStore(generation.master_addr, generation.master_port,
-                          world_size=generation.world_size, is_master=hosts,
-                          timeout=timedelta(seconds=timeout_s), multi_tenant=hosts)
-    kwargs = settings.init_kwargs() if settings is not None else {}
-    ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
-             world_size=generation.world_size, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------

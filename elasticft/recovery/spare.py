@@ -14,8 +14,9 @@ new generation), and the spare
 1. tears its private process group down,
 2. takes the rank's identity: its environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
    ``MASTER_*``, the agent's variables for that rank), its checkpoint memory (every
-   :class:`~elasticft.ckpt.Checkpointer` of the process is **rebound**: closed and made again for
-   the rank, around the same optimizers) and its diagnostics recorders,
+   :class:`~elasticft.ckpt.Checkpointer` of the process is **rebound**,
+   :meth:`~elasticft.ckpt.Checkpointer.rebind`: closed and opened again for the rank, around the
+   same optimizers) and its diagnostics recorders,
 3. regroups on the generation's store like a survivor, and enters the function, which restores
    the rank's snapshot into memory the set-up has already touched.
 
@@ -27,28 +28,18 @@ spare alone, where :func:`is_spare` says so; the restore overwrites what it chan
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
-import json
 import logging
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
-from elasticft.recovery.groups import GroupSettings
-from elasticft.recovery.inprocess import (
-    Generation,
-    GroupOps,
-    InProcessSettings,
-    read_json,
-    regroup,
-    write_json,
-)
+from elasticft.jsonfile import read_json, write_json
+from elasticft.recovery.groups import GroupOps, GroupSettings, regroup
+from elasticft.recovery.protocol import Generation, InProcessSettings
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +74,10 @@ class Assignment:
     def write(self, directory: Path, spare: str) -> None:
         """Written whole and readable by this user only: the environment holds the rank's
         checkpoint peer secret."""
-        path = assignment_file(directory, spare)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"generation": dataclasses.asdict(self.generation),
-                       "local_rank": self.local_rank, "env": self.env, "time": time.time()}, f)
-        os.replace(tmp, path)
+        write_json(assignment_file(directory, spare),
+                   {"generation": dataclasses.asdict(self.generation),
+                    "local_rank": self.local_rank, "env": self.env, "time": time.time()},
+                   private=True, parents=False)
 
     @classmethod
     def read(cls, directory: Path, spare: str) -> Assignment | None:
@@ -107,7 +96,9 @@ def take_rank(settings: InProcessSettings, ops: GroupOps, poll_s: float = 0.005
     returns the in-process settings of the rank. The agent ends a spare it no longer needs."""
     assert settings.directory is not None
     spare = os.environ[SPARE_ENV]
-    checkpointers = find_checkpointers()  # now: the collector's walk takes 0.1-0.3 s
+    from elasticft.ckpt.checkpointer import Checkpointer
+
+    checkpointers = Checkpointer.instances()  # those the set-up made
     write_json(ready_file(settings.directory, spare), {"pid": os.getpid(), "ready": time.time()})
     logger.info("spare %s ready; waiting for a rank", spare)
     assignment = Assignment.read(settings.directory, spare)
@@ -124,7 +115,7 @@ def take_rank(settings: InProcessSettings, ops: GroupOps, poll_s: float = 0.005
     rank = int(assignment.env["RANK"])
     world_size = int(assignment.env["WORLD_SIZE"])
     for checkpointer in checkpointers:
-        rebind(checkpointer, os.environ, rank, world_size)
+        checkpointer.rebind(os.environ, rank=rank, world_size=world_size)
     _arm_diagnostics()
     rebound_at = time.perf_counter()
     regroup(backend, rank, assignment.generation, settings.timeout_s, ops,
@@ -135,39 +126,6 @@ def take_rank(settings: InProcessSettings, ops: GroupOps, poll_s: float = 0.005
                    time.perf_counter() - assigned, len(checkpointers), rebound_at - assigned,
                    time.perf_counter() - rebound_at)
     return InProcessSettings.from_env()
-
-
-def find_checkpointers() -> list[Any]:
-    """Every :class:`~elasticft.ckpt.Checkpointer` of this process, to be rebound to the rank
-    the spare takes (:func:`rebind`).
-
-    The spare's set-up made them, and a script keeps them where it likes (a local, an
-    attribute), so they are found among the collector's objects, once, while the spare waits.
-    """
-    from elasticft.ckpt.checkpointer import Checkpointer
-
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), Checkpointer)]
-
-
-def rebind(checkpointer: Any, env: Mapping[str, str], rank: int, world_size: int) -> None:
-    """Closes ``checkpointer`` and makes it again, in place, with the settings ``env`` gives
-    (the agent's memory of the rank), around the same optimizers.
-
-    The spare's own settings are the process-owned defaults the script gave
-    (``ckpt_dir=``, ``keep=``...): they are passed on, as ``from_env`` would have been given them.
-    """
-    from elasticft.ckpt.settings import WorkerSettings
-
-    old = checkpointer.settings
-    checkpointer.close()
-    atexit.unregister(checkpointer._remove_own_segments)  # the spare owns no memory to remove
-    settings = WorkerSettings.from_env(
-        env, ckpt_dir=old.chosen_dir or old.local_dir, remote_dir=old.remote_dir,
-        persist_every=old.persist_every, keep=old.keep, slots=old.slots,
-        memory=old.shm_slots is not None, gpu_staging_bytes=old.gpu_staging_bytes)
-    checkpointer.__init__(settings, optimizers=checkpointer.optimizers, rank=rank,
-                          world_size=world_size,
-                          dedup_replicas=getattr(checkpointer, "dedup_requested", False))
 
 
 def _arm_diagnostics() -> None:

@@ -268,7 +268,7 @@ def test_one_interpreter_forks_a_fresh_worker_for_every_start(tmp_path: Path) ->
 def _is_subreaper() -> bool:
     import ctypes
 
-    from elasticft.agent.warmpool import _PR_GET_CHILD_SUBREAPER
+    from elasticft.procs import _PR_GET_CHILD_SUBREAPER
 
     flag = ctypes.c_int(0)
     ctypes.CDLL(None).prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)

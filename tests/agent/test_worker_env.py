@@ -12,7 +12,7 @@ from elasticft.agent import agent
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv
 from elasticft.plan import worker as plan_worker
-from elasticft.recovery import inprocess, spare
+from elasticft.recovery import protocol, spare
 
 OWNERS = {
     "agent": agent.WORKER_ENV,
@@ -20,7 +20,7 @@ OWNERS = {
     "diag": workerenv.WORKER_ENV,
     "plan": plan_worker.WORKER_ENV,
     "steps": steps.WORKER_ENV,
-    "inprocess": inprocess.WORKER_ENV,
+    "inprocess": protocol.WORKER_ENV,
     "spare": spare.WORKER_ENV,
 }
 

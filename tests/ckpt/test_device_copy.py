@@ -21,7 +21,8 @@ import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
 from elasticft.ckpt.device import DeviceCopier, restore_copy
-from elasticft.ckpt.shm import Slot, SlotSet
+from elasticft.ckpt.shm import SlotSet
+from elasticft.ckpt.slot import Slot
 from tests.ckpt.helpers import (
     pinned_slots,
     remove_segments,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings
-from elasticft.ckpt.shm import Slot
+from elasticft.ckpt.slot import Slot
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 

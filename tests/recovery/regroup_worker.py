@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elasticft.recovery.inprocess import InProcess, InProcessSettings
+from elasticft.recovery.inprocess import InProcess
+from elasticft.recovery.protocol import InProcessSettings
 
 
 def main() -> None:

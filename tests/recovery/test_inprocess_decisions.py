@@ -21,17 +21,11 @@ from elasticft.agent.inprocess import (
     first_step_limit,
     phases,
 )
-from elasticft.recovery import inprocess
-from elasticft.recovery.inprocess import (
-    Generation,
-    GroupOps,
-    InProcess,
-    InProcessSettings,
-    peer_failure,
-    tear_down,
-    worker_file,
-    write_json,
-)
+from elasticft.jsonfile import write_json
+from elasticft.recovery import groups, inprocess, protocol
+from elasticft.recovery.groups import GroupOps, tear_down
+from elasticft.recovery.inprocess import InProcess, peer_failure
+from elasticft.recovery.protocol import Generation, InProcessSettings, worker_file
 
 GLOO_CLOSED = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:912. "
                "This is typically caused by a remote worker crashing.")
@@ -167,7 +161,7 @@ def test_a_published_generation_is_a_live_store_the_workers_read(tmp_path: Path)
                                       "ELASTICFT_ATTEMPT")
     assert env["MASTER_PORT"] == str(generation.master_port)
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
-    assert env[inprocess.GENERATION_ENV] == "1" and env["ELASTICFT_ATTEMPT"] == "3"
+    assert env[protocol.GENERATION_ENV] == "1" and env["ELASTICFT_ATTEMPT"] == "3"
     assert coordinator.publish("127.0.0.1", 2).generation == 2
     coordinator.close()
 
@@ -185,7 +179,7 @@ def test_a_new_rounds_generation_is_hosted_by_rank_0_as_env_init_would(tmp_path:
     assert Generation.read(coordinator.directory) == generation
     assert not generation.agent_store and generation.generation == 1
     try:
-        inprocess.regroup("gloo", 0, generation, 10.0, GroupOps())
+        groups.regroup("gloo", 0, generation, 10.0, GroupOps())
         assert dist.get_world_size() == 1
         client = dist.TCPStore("127.0.0.1", port, is_master=False)
         client.set("k", "v")
@@ -340,7 +334,7 @@ def test_a_recovery_is_overdue_by_its_phase(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_the_interrupt_notice_ends_one_generation_and_a_full_start_clears_it(
         tmp_path: Path) -> None:
-    from elasticft.recovery.inprocess import read_json
+    from elasticft.jsonfile import read_json
     from elasticft.recovery.interrupt import INTERRUPT_FILE, notice
 
     coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.health import device_health, within
-from elasticft.recovery.inprocess import read_json, write_json
 from elasticft.recovery.interrupt import INTERRUPT_FILE, Monitor, PeerInterrupted
 from elasticft.recovery.ncclenv import abort_warning, worker_env
 

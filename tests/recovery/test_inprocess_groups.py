@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticft.agent.inprocess import InProcessCoordinator
-from elasticft.recovery.inprocess import worker_file
+from elasticft.recovery.protocol import worker_file
 
 WORKER = Path(__file__).with_name("regroup_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
