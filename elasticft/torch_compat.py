@@ -47,6 +47,7 @@ from torch.distributed.elastic.multiprocessing import (
     ProcessFailure,
     Std,
 )
+from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -62,6 +63,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -70,6 +72,7 @@ from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
     "DefaultLogsSpecs",
+    "DynamicRendezvousHandler",
     "LaunchConfig",
     "LocalElasticAgent",
     "LogsSpecs",
@@ -93,6 +96,7 @@ __all__ = [
     "WorkerState",
     "macros",
     "metrics",
+    "multiprocessing_api",
     "parse_rendezvous_endpoint",
     "rdzv_registry",
     "torch_events",

@@ -20,85 +20,32 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch.distributed import run as torch_run
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.elastic import events as torch_events
-from torch.distributed.elastic import metrics
-from torch.distributed.elastic.agent.server.api import (
-    RunResult,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-)
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import (
-    DefaultLogsSpecs,
-    LogsSpecs,
-    ProcessFailure,
-    Std,
-)
-from torch.distributed.elastic.multiprocessing import api as multiprocessing_api
-from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousStoreInfo,
-    RendezvousTimeoutError,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousTimeout,
-)
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-from torch.distributed.elastic.utils import macros
-from torch.distributed.launcher.api import LaunchConfig
-
-__all__ = [
-    "CONTRACTS",
-    "DefaultLogsSpecs",
-    "LaunchConfig",
-    "LocalElasticAgent",
-    "LogsSpecs",
-    "ProcessFailure",
-    "RendezvousClosedError",
-    "RendezvousConnectionError",
-    "RendezvousError",
-    "RendezvousGracefulExitError",
-    "RendezvousHandler",
-    "RendezvousInfo",
-    "RendezvousParameters",
-    "RendezvousTimeout",
-    "RendezvousTimeoutError",
-    "RunResult",
-    "SignalException",
-    "Std",
-    "SubprocessContext",
-    "SubprocessHandler",
-    "WorkerGroup",
-    "WorkerSpec",
-    "WorkerState",
-    "macros",
-    "metrics",
-    "parse_rendezvous_endpoint",
-    "rdzv_registry",
-    "torch_events",
-]
 
 from elasticft.torch_compat import (
     AGENT_TAKES_SHUTDOWN_TIMEOUT,
     LAUNCH_CONFIG_FIELDS,
     REPLACE_WORKER_PARTS,
     WORKER_SPEC_FIELDS,
+    DefaultLogsSpecs,
+    DynamicRendezvousHandler,
+    LocalElasticAgent,
+    LogsSpecs,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeout,
+    SignalException,
+    Std,
+    SubprocessContext,
+    WorkerGroup,
+    WorkerSpec,
     _parameters,
+    dcp_filesystem,
     default_logs_streams,
+    macros,
+    multiprocessing_api,
     replace_stderr_tail,
+    torch_run,
     warm_start_unavailable,
 )
 
