@@ -45,8 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from train_plain import VOCAB, TinyGPT, batch  # noqa: E402
 
-from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings, durable  # noqa: E402
-from elasticft.ckpt.shm import segment_prefix  # noqa: E402
+from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings  # noqa: E402
+from elasticft.ckpt.memory.shm import segment_prefix  # noqa: E402
+from elasticft.ckpt.persisting import durable  # noqa: E402
 
 METHODS = ("torch.save", "dcp.save", "dcp.async_save", "elasticft")
 

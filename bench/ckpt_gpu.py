@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings  # noqa: E402
-from elasticft.ckpt.shm import SHM_DIR, segment_prefix  # noqa: E402
+from elasticft.ckpt.memory.shm import SHM_DIR, segment_prefix  # noqa: E402
 
 
 def build(params: float, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from persist import model_state  # the same state the persist bench writes (bench/ is the path)
 
-from elasticft.ckpt import durable
 from elasticft.ckpt.api import Snapshot
-from elasticft.ckpt.diskfile import crc32
+from elasticft.ckpt.persisting import durable
+from elasticft.ckpt.persisting.diskfile import crc32
 from elasticft.ckpt.snapshot import flatten, stored_here, tensor_view
 
 

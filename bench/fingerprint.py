@@ -25,8 +25,9 @@ sys.path.insert(0, str(ROOT))
 def main() -> int:
     import torch
 
-    from elasticft.ckpt import Checkpointer, WorkerSettings, capture, shm
-    from elasticft.ckpt.fingerprint import fingerprint_slot
+    from elasticft.ckpt import Checkpointer, WorkerSettings, capture
+    from elasticft.ckpt.integrity.fingerprint import fingerprint_slot
+    from elasticft.ckpt.memory import shm
     from tests.ckpt.helpers import remove_segments, unique_prefix
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

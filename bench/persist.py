@@ -43,9 +43,10 @@ from pathlib import Path
 
 import torch
 
-from elasticft.ckpt import Checkpointer, WorkerSettings, diskfile, durable
-from elasticft.ckpt.pipeline import StagingBuffer, copy_out, hold
-from elasticft.ckpt.shm import SlotSet, segment_prefix
+from elasticft.ckpt import Checkpointer, WorkerSettings
+from elasticft.ckpt.memory.shm import SlotSet, segment_prefix
+from elasticft.ckpt.persisting import diskfile, durable
+from elasticft.ckpt.persisting.pipeline import StagingBuffer, copy_out, hold
 
 CHUNK = 64 << 20
 

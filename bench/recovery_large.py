@@ -88,8 +88,8 @@ def _copy_floor() -> dict[str, float]:
     again into the same memory (the bare memory copy)."""
     import numpy
 
+    from elasticft.ckpt.memory.shm import SlotSet, read_slot
     from elasticft.ckpt.settings import WorkerSettings
-    from elasticft.ckpt.shm import SlotSet, read_slot
 
     settings = WorkerSettings.from_env()
     slots = SlotSet(settings.shm_slots or "", settings.slots)

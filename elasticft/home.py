@@ -166,7 +166,7 @@ def previous_launch(run_dir: Path) -> dict[str, Any] | None:
 def newest_checkpoint(ckpt_dir: Path) -> int | None:
     """The newest committed step in a local checkpoint directory (or its nodes'
     subdirectories), or None."""
-    from elasticft.ckpt.durable import committed_steps
+    from elasticft.ckpt.persisting.durable import committed_steps
 
     steps = set(committed_steps(ckpt_dir))
     if ckpt_dir.is_dir():

@@ -176,7 +176,7 @@ def sweep_leftovers(options: ElasticftConfig) -> None:
     progress rings and checkpoint segments. The one place that sweeps: every start does it,
     whichever subsystems it runs; another user's files and those of live processes are never
     touched."""
-    from elasticft.ckpt import shm
+    from elasticft.ckpt.memory import shm
     from elasticft.diag.workerenv import default_ring_base, sweep_dead_ring_dirs
 
     rings = sweep_dead_ring_dirs(Path(options.diag.diag_ring_dir or default_ring_base()))

@@ -207,8 +207,9 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: callable(getattr(torch.distributed.distributed_c10d,
                                  "_new_process_group_helper", None))
         and hasattr(torch.distributed.distributed_c10d._world, "pg_map"),
-    # Replaced for the duration of a save or restore by ckpt/state.py (optimizer_state_as_is):
-    # the state-dict helpers must look it up as a module global when they call it.
+    # Replaced for the duration of a save or restore by ckpt/restoring/state.py
+    # (optimizer_state_as_is): the state-dict helpers must look it up as a module global when they
+    # call it.
     "torch.distributed.checkpoint.state_dict._init_optim_state(optim), called by name":
         lambda: _called_by_name("torch.distributed.checkpoint.state_dict", "_init_optim_state",
                                 ["optim"]),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from elasticft.ckpt.shm import NAME_PREFIX, SHM_DIR
+from elasticft.ckpt.memory.shm import NAME_PREFIX, SHM_DIR
 from elasticft.events import read_events
 from elasticft.procs import gone
 

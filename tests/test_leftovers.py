@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elasticft.ckpt.shm import NAME_PREFIX, SHM_DIR
+from elasticft.ckpt.memory.shm import NAME_PREFIX, SHM_DIR
 from elasticft.events import read_events
 from elasticft.procs import gone
 from tests.conftest import BIN, EXAMPLES

@@ -214,8 +214,8 @@ def replicas_intact(
     """Whether every data-parallel shard still has a rank outside ``lost_ranks`` holding it.
 
     ``layout`` is (tp, pp, dp) with tensor parallel fastest, then data, then pipeline (the rank
-    order :mod:`elasticft.ckpt.peer` uses); None is pure data parallelism (every rank holds the
-    whole model). A layout that does not match ``world_size`` is treated as having no replicas.
+    order :mod:`elasticft.ckpt.backup.peer` uses); None is pure data parallelism (every rank holds
+    the whole model). A layout that does not match ``world_size`` is treated as having no replicas.
     """
     lost = {r for r in lost_ranks if 0 <= r < world_size}
     if world_size <= 0:

@@ -12,16 +12,22 @@ Worker API::
     snapshot = StateCapture(model, optim)       # capture() made cheap for every step
     ckpt.save(step, snapshot(extra={"step": step}))   # returns at once
 
-Modules: ``api`` (tier base, errors), ``snapshot`` (state layout), ``shm`` (memory tier:
-segments and a rank's slots) with ``slot`` (one slot file, mapped), ``slotformat`` (a slot's
-header and seal) and ``slotmaker`` (slots made off the training thread), ``shards`` (DTensor
-shards back into live DTensors), ``durable`` (disk/remote tiers, DCP-readable), ``peer`` (backup
-over TCP), ``control`` ("checkpoint now"),
-``checkpointer`` (worker side) with ``slotwriter`` (a save into a slot, on the copy thread),
-``pipeline`` (the persist pipeline) and its two persisters, ``agentpersist`` (the agent's) and
-``persister`` (a worker's own, without an agent); the agent side: ``service`` (the agent's
-collaborator) with ``slots`` (the memory it owns), ``places`` (its directories), ``flush`` (the
-flush on failure) and ``replicas`` (replica serving); ``commands`` (CLI).
+Where a snapshot goes, room by room:
+
+* written: :mod:`elasticft.ckpt.memory` (the memory tier: shared-memory slots the agent owns,
+  a worker's save copied into one off the training thread);
+* persisted: :mod:`elasticft.ckpt.persisting` (the persist pipeline, the agent's and a
+  worker's own persister, the failure flush, the disk tiers' format);
+* backed up: :mod:`elasticft.ckpt.backup` (the peer tier and the replicas served from memory);
+* restored: :mod:`elasticft.ckpt.restoring` (the loader over every tier, resharding, the
+  state applied back into live tensors);
+* checked: :mod:`elasticft.ckpt.integrity` (fingerprints compared for silent data corruption).
+
+Beside the rooms: ``api`` (the tiers, :class:`~elasticft.ckpt.api.TierLevel`, and the errors),
+``snapshot`` (a state's layout), ``hostcopy`` (bytes copied at memory speed), ``settings`` (a
+worker's settings), ``control`` (the agent's "checkpoint now" channel to its workers),
+``checkpointer`` (the worker's door: ``save``, ``load``, ``restore``), ``service`` (the
+agent's door: its collaborator) and ``commands`` (``elasticft ckpt``).
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from elasticft.lazy import lazy_getattr
 if TYPE_CHECKING:
     from elasticft.ckpt.api import CheckpointError, StateMismatch
     from elasticft.ckpt.checkpointer import Checkpointer
+    from elasticft.ckpt.memory.slotwriter import SaveRequest
+    from elasticft.ckpt.restoring.state import StateCapture, capture, restore
     from elasticft.ckpt.settings import WorkerSettings
-    from elasticft.ckpt.slotwriter import SaveRequest
-    from elasticft.ckpt.state import StateCapture, capture, restore
 
 __all__ = ["CheckpointError", "Checkpointer", "SaveRequest", "StateCapture", "StateMismatch",
            "WorkerSettings", "capture", "restore"]
@@ -44,9 +50,9 @@ __getattr__ = lazy_getattr(__name__, {
     "CheckpointError": "elasticft.ckpt.api",
     "StateMismatch": "elasticft.ckpt.api",
     "Checkpointer": "elasticft.ckpt.checkpointer",
-    "SaveRequest": "elasticft.ckpt.slotwriter",
+    "SaveRequest": "elasticft.ckpt.memory.slotwriter",
     "WorkerSettings": "elasticft.ckpt.settings",
-    "capture": "elasticft.ckpt.state",
-    "StateCapture": "elasticft.ckpt.state",
-    "restore": "elasticft.ckpt.state",
+    "capture": "elasticft.ckpt.restoring.state",
+    "StateCapture": "elasticft.ckpt.restoring.state",
+    "restore": "elasticft.ckpt.restoring.state",
 })

@@ -3,10 +3,10 @@
 A *snapshot* is one rank's state at one step: a JSON manifest (what every item is, where its
 bytes are) plus a payload of raw tensor bytes. Snapshots live in *tiers*, fastest first:
 
-1. ``memory``: shared-memory slots on this host (:mod:`elasticft.ckpt.shm`);
-2. ``local``:  a directory on local disk (:mod:`elasticft.ckpt.durable`);
-3. ``peer``:   the agent of another node that holds a backup (:mod:`elasticft.ckpt.peer`);
-4. ``remote``: a directory on shared storage (:mod:`elasticft.ckpt.durable`).
+1. ``memory``: shared-memory slots on this host (:mod:`elasticft.ckpt.memory.shm`);
+2. ``local``:  a directory on local disk (:mod:`elasticft.ckpt.persisting.durable`);
+3. ``peer``:   the agent of another node that holds a backup (:mod:`elasticft.ckpt.backup.peer`);
+4. ``remote``: a directory on shared storage (:mod:`elasticft.ckpt.persisting.durable`).
 
 Every tier answers the same two questions: which steps do you hold for this rank, and give me
 the snapshot of that step (verified). A tier that cannot answer raises a

@@ -4,19 +4,19 @@ Saving never waits for storage. ``save`` lays the state out (DCP's names, see
 :mod:`elasticft.ckpt.snapshot`), picks the oldest free shared-memory slot, copies right away
 only what training could change before the next optimizer step (buffers, RNG, anything the
 registered optimizers do not own) and hands the rest (parameters and optimizer state) to a copy
-thread (:mod:`elasticft.ckpt.slotwriter`). That copy overlaps the next forward and backward; an
-optimizer *pre-step hook* makes the next ``optimizer.step()`` wait for whatever part of it is
+thread (:mod:`elasticft.ckpt.memory.slotwriter`). That copy overlaps the next forward and backward;
+an optimizer *pre-step hook* makes the next ``optimizer.step()`` wait for whatever part of it is
 still running, so the snapshot is exactly the state after the saved step. ``save`` returns a
 :class:`SaveRequest` (``wait()``, ``done()``, ``await``) that is complete once the snapshot is
 whole in shared memory. Under ``elasticft-run`` the agent then persists, replicates and, after a
 crash, flushes it; without an agent the checkpointer persists every ``persist_every``-th step
-itself, on a background thread (:mod:`elasticft.ckpt.persister`).
+itself, on a background thread (:mod:`elasticft.ckpt.persisting.persister`).
 
 Loading takes the newest step that *every* rank can restore, each rank from its fastest verified
-source (:mod:`elasticft.ckpt.loader`).
+source (:mod:`elasticft.ckpt.restoring.loader`).
 
 ``load()`` returns ``(step, state)`` with the state in the nested form it was saved in;
-:func:`elasticft.ckpt.state.restore` applies it to a model and optimizer.
+:func:`elasticft.ckpt.restoring.state.restore` applies it to a model and optimizer.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from elasticft.ckpt import durable
 from elasticft.ckpt.api import CheckpointError, StateMismatch
 from elasticft.ckpt.control import (
     ControlWatcher,
@@ -43,13 +42,14 @@ from elasticft.ckpt.control import (
     report_loaded,
     report_restored,
 )
-from elasticft.ckpt.device import DeviceCopier
-from elasticft.ckpt.loader import SnapshotLoader
-from elasticft.ckpt.persister import OwnPersister
+from elasticft.ckpt.memory.device import DeviceCopier
+from elasticft.ckpt.memory.shm import SlotSet
+from elasticft.ckpt.memory.slotmaker import SlotMaker
+from elasticft.ckpt.memory.slotwriter import SaveRequest, SlotWriter
+from elasticft.ckpt.persisting import durable
+from elasticft.ckpt.persisting.persister import OwnPersister
+from elasticft.ckpt.restoring.loader import SnapshotLoader
 from elasticft.ckpt.settings import WorkerSettings
-from elasticft.ckpt.shm import SlotSet
-from elasticft.ckpt.slotmaker import SlotMaker
-from elasticft.ckpt.slotwriter import SaveRequest, SlotWriter
 from elasticft.ckpt.snapshot import (
     Flattener,
     Layout,
@@ -370,9 +370,9 @@ class Checkpointer:
         """:meth:`load` applied to ``model`` and ``optimizer``; returns (step, extras).
 
         From shared memory the state is copied straight into the live tensors, with no
-        intermediate copy (see :class:`~elasticft.ckpt.state.LiveState`).
+        intermediate copy (see :class:`~elasticft.ckpt.restoring.state.LiveState`).
         """
-        from elasticft.ckpt.state import LiveState
+        from elasticft.ckpt.restoring.state import LiveState
 
         self._wait_inflight()
         try:

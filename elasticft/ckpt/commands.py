@@ -15,8 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from elasticft.ckpt import durable
 from elasticft.ckpt.api import CheckpointError
+from elasticft.ckpt.persisting import durable
 
 
 def _error(message: str) -> Exception:

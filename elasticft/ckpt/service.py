@@ -3,36 +3,40 @@
 One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollaborator``) and
 joins the checkpoint engine's agent-side concepts to the agent's hooks:
 
-* **Slots it owns** (:mod:`elasticft.ckpt.slots`): every local worker's shared-memory slots,
+* **Slots it owns** (:mod:`elasticft.ckpt.memory.nodeslots`): every local worker's shared-memory
+slots,
   passed to the workers (``ELASTICFT_WORKER_CKPT_*``) and held for the job's life, so a worker
   that crashes loses nothing. Named segments that processes now gone left behind are removed by
   the launcher's one sweep of leftovers.
-* **Persistence in the background** (:mod:`elasticft.ckpt.agentpersist`): every monitor tick,
+* **Persistence in the background** (:mod:`elasticft.ckpt.persisting.agentpersist`): every monitor
+tick,
   a step due for persistence that every local worker holds is written to the local directory
   and the remote one on a background thread, DCP-readable, committed once every rank is
   durable, and backed up to a peer.
-* **Peer backup.** In a multi-node job it runs a :class:`~elasticft.ckpt.peer.PeerServer` on the
+* **Peer backup.** In a multi-node job it runs a :class:`~elasticft.ckpt.backup.peer.PeerServer` on
+the
   job's address, publishes its address in the rendezvous store, and pushes each persisted shard
   to its backup node. The leader of every round publishes the round's secret
   (``CheckpointConfig.ckpt_peer_secret`` through the Python API, else a fresh random one per
   round) and every node adopts it, so all nodes of a round agree even when a new node becomes
   the leader, and a node that left cannot fetch shards any more. The server also serves the
-  data-parallel replicas this node holds in memory (:mod:`elasticft.ckpt.replicas`). Under a
+  data-parallel replicas this node holds in memory (:mod:`elasticft.ckpt.backup.replicas`). Under a
   (tp, pp, dp) layout the backup node is outside the node's parallel groups and holds no
   replica, so workers are also given a replica's node
-  (:func:`~elasticft.ckpt.peer.replica_node`) and ask it first.
-* **Flush on failure** (:mod:`elasticft.ckpt.flush`): the newest snapshot every local worker
+  (:func:`~elasticft.ckpt.backup.peer.replica_node`) and ask it first.
+* **Flush on failure** (:mod:`elasticft.ckpt.persisting.flush`): the newest snapshot every local
+worker
   completed goes to disk on a thread of its own, after the decision and, for a restart in
   place, after the restarted workers' restore and first step.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
-* **Silent data corruption** (:mod:`elasticft.ckpt.sdcwatch`): every
+* **Silent data corruption** (:mod:`elasticft.ckpt.integrity.sdcwatch`): every
   ``ckpt_fingerprint_every``-th step, the workers' snapshots are fingerprinted and the
   data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event.
 * **What each attempt resumed from**: one log line and a ``restore`` event; every save a
   worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
   log (``AddOnContext.events``). Where checkpoints persist:
-  :mod:`elasticft.ckpt.places`. Under ``--fresh`` the workers first remove what earlier
+  :mod:`elasticft.ckpt.persisting.places`. Under ``--fresh`` the workers first remove what earlier
   launches left there.
 """
 
@@ -58,17 +62,9 @@ from elasticft.addon.api import (
 )
 from elasticft.addon.classify import FailureRecord
 from elasticft.addon.policy import Action, ActionKind
-from elasticft.ckpt import durable, settings, shm
-from elasticft.ckpt.agentpersist import COPY_DELAY_ENV, AgentPersister
+from elasticft.ckpt import settings
 from elasticft.ckpt.api import CheckpointError
-from elasticft.ckpt.control import (
-    RestoreReader,
-    SkipReader,
-    request_checkpoint,
-    restore_line,
-)
-from elasticft.ckpt.flush import FailureFlush
-from elasticft.ckpt.peer import (
+from elasticft.ckpt.backup.peer import (
     PeerClient,
     PeerServer,
     backup_node,
@@ -76,11 +72,21 @@ from elasticft.ckpt.peer import (
     new_secret,
     replica_node,
 )
-from elasticft.ckpt.places import NodePlaces
-from elasticft.ckpt.replicas import Replicas
-from elasticft.ckpt.sdcwatch import FingerprintWatch
-from elasticft.ckpt.shm import SlotSet
-from elasticft.ckpt.slots import NodeSlots
+from elasticft.ckpt.backup.replicas import Replicas
+from elasticft.ckpt.control import (
+    RestoreReader,
+    SkipReader,
+    request_checkpoint,
+    restore_line,
+)
+from elasticft.ckpt.integrity.sdcwatch import FingerprintWatch
+from elasticft.ckpt.memory import shm
+from elasticft.ckpt.memory.nodeslots import NodeSlots
+from elasticft.ckpt.memory.shm import SlotSet
+from elasticft.ckpt.persisting import durable
+from elasticft.ckpt.persisting.agentpersist import COPY_DELAY_ENV, AgentPersister
+from elasticft.ckpt.persisting.flush import FailureFlush
+from elasticft.ckpt.persisting.places import NodePlaces
 from elasticft.config import (
     CheckpointConfig,
     ConfigError,
@@ -148,14 +154,14 @@ class CheckpointService(AgentCollaborator):
     # Where things are.
 
     def local_dir(self, group: GroupInfo) -> Path:
-        """This node's shards (see :mod:`elasticft.ckpt.places`)."""
+        """This node's shards (see :mod:`elasticft.ckpt.persisting.places`)."""
         return self.places.local_dir(group)
 
     def control_dir(self, group: GroupInfo) -> Path:
         return self.places.control_dir(group)
 
     def slot_set(self, group: GroupInfo, local_rank: int) -> SlotSet:
-        """A local rank's slots (see :mod:`elasticft.ckpt.slots`)."""
+        """A local rank's slots (see :mod:`elasticft.ckpt.memory.nodeslots`)."""
         return self.slots.slot_set(local_rank)
 
     def newest_common_step(self, group: GroupInfo) -> int | None:
@@ -309,7 +315,7 @@ class CheckpointService(AgentCollaborator):
 
     def on_failure(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> None:
         """Readies the flush of the newest complete snapshot and returns at once (see
-        :mod:`elasticft.ckpt.flush`)."""
+        :mod:`elasticft.ckpt.persisting.flush`)."""
         self._count_skips(group)
         if not self.config.ckpt_flush_on_failure:
             return

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from elasticft.ckpt import shm
+from elasticft.ckpt.memory import shm
 
 ENV_SHM = "ELASTICFT_WORKER_CKPT_SHM"
 ENV_SLOTS = "ELASTICFT_WORKER_CKPT_SLOTS"
@@ -33,7 +33,8 @@ ENV_NODE_DIR = "ELASTICFT_WORKER_CKPT_NODE_DIR"
 """The subdirectory of the local checkpoint directory that holds this node's shards (a
 multi-node job: ``node-<node id>``); unset for a single node."""
 ENV_FRESH = "ELASTICFT_WORKER_CKPT_FRESH"
-"""Set by ``--fresh``: this launch's token; see :func:`elasticft.ckpt.durable.start_fresh`."""
+"""Set by ``--fresh``: this launch's token; see
+:func:`elasticft.ckpt.persisting.durable.start_fresh`."""
 
 WORKER_ENV = frozenset(
     {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_REPLICA_PEER,
@@ -48,7 +49,7 @@ class WorkerSettings:
 
     local_rank: int = 0
     shm_slots: str | None = None
-    """Where this rank's shared-memory slots are (see :func:`elasticft.ckpt.shm.slot_paths`):
+    """Where this rank's shared-memory slots are (see :func:`elasticft.ckpt.memory.shm.slot_paths`):
     the agent's unnamed files, or a name prefix when the process owns them; None disables the
     memory tier."""
     slots: int = 3
@@ -82,7 +83,7 @@ class WorkerSettings:
     owner_pid: int = 0
     gpu_staging_bytes: int = 0
     """Most device memory a CUDA snapshot may be staged in before its copy to the host (0: no
-    staging; see :mod:`elasticft.ckpt.device`)."""
+    staging; see :mod:`elasticft.ckpt.memory.device`)."""
 
     @classmethod
     def from_env(

@@ -151,7 +151,7 @@ class Layout:
     guarded_items: tuple[int, ...] = ()
     """Indices of the tensor items only ``optimizer.step()`` changes (parameters and optimizer
     state): what data-parallel replicas hold bit-identical, fingerprinted by the agent
-    (:mod:`elasticft.ckpt.fingerprint`)."""
+    (:mod:`elasticft.ckpt.integrity.fingerprint`)."""
 
     def manifest_bytes(self, step: int, rank: int, world_size: int) -> bytes:
         """``manifest_bytes(self.manifest(...))`` without re-encoding the tensor items."""
@@ -215,7 +215,7 @@ def flatten(state: Mapping[str, Any]) -> Layout:
         tensor = obj.detach()
         if tensor.device.type not in ("cpu", "cuda"):
             # Another accelerator: a host copy now. CUDA tensors stay live; the checkpointer
-            # copies them off the training stream (elasticft.ckpt.device).
+            # copies them off the training stream (elasticft.ckpt.memory.device).
             tensor = tensor.cpu()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
@@ -379,8 +379,8 @@ class Flattener:
     items; later calls walk the state (well under a millisecond) and reuse the placement when
     names, shapes and dtypes are unchanged. States with DTensors always go through the planner.
     When the state holds the very same tensor objects as last time (what
-    :class:`~elasticft.ckpt.state.StateCapture` returns on every step), even the entries are
-    reused and only the JSON values are encoded again: the save is then a walk and a compare.
+    :class:`~elasticft.ckpt.restoring.state.StateCapture` returns on every step), even the entries
+    are reused and only the JSON values are encoded again: the save is then a walk and a compare.
     """
 
     def __init__(self) -> None:

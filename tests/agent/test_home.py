@@ -161,7 +161,7 @@ def test_the_relaunch_line(step: int | None, fresh: bool, line: str) -> None:
 
 
 def _run(runs: Path, name: str, script: str | None, nproc: int, step: int | None) -> Path:
-    from elasticft.ckpt import durable
+    from elasticft.ckpt.persisting import durable
     from elasticft.events import EventLog
 
     run_dir = runs / name

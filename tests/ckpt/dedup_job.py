@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings, durable
-from elasticft.ckpt.shm import segment_prefix
+from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings
+from elasticft.ckpt.memory.shm import segment_prefix
+from elasticft.ckpt.persisting import durable
 
 STEPS = 3
 

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticft.ckpt import Checkpointer, capture, durable
+from elasticft.ckpt import Checkpointer, capture
+from elasticft.ckpt.persisting import durable
 
 
 def build(world: int):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from elasticft.ckpt import shm
+from elasticft.ckpt.memory import shm
 
 
 def trained_model(seed: int = 0, steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -33,7 +33,7 @@ def remove_segments(prefix: str) -> None:
         path.unlink(missing_ok=True)
 
 
-# What tests look at inside a DeviceCopier (elasticft.ckpt.device); nothing outside needs it.
+# What tests look at inside a DeviceCopier (elasticft.ckpt.memory.device); nothing outside needs it.
 
 def wait_pinned(copier: Any, timeout_s: float = 60.0) -> None:
     """Waits for the copier's slot registrations under way (they run on a thread)."""

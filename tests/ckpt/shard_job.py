@@ -32,9 +32,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings, durable, restore
-from elasticft.ckpt.peer import PeerClient, PeerServer, new_secret
-from elasticft.ckpt.shm import segment_prefix
+from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings, restore
+from elasticft.ckpt.backup.peer import PeerClient, PeerServer, new_secret
+from elasticft.ckpt.memory.shm import segment_prefix
+from elasticft.ckpt.persisting import durable
 
 STEPS = 2
 TIERS = ("memory", "local", "peer", "remote", "load+restore")

@@ -109,7 +109,7 @@ def test_a_cuda_model_restores_from_memory_in_place(prefix: str) -> None:
 
 
 def test_a_restore_through_pinned_buffers_is_exact_on_the_device() -> None:
-    from elasticft.ckpt.device import restore_copy
+    from elasticft.ckpt.memory.device import restore_copy
 
     host = [torch.randn(3_000_001), torch.randn(17, dtype=torch.float64).to(torch.bfloat16)]
     live = [torch.empty_like(t, device="cuda") for t in host]

@@ -20,8 +20,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elasticft.ckpt import WorkerSettings, durable, shm
-from elasticft.ckpt.shm import SlotSet, segment_prefix
+from elasticft.ckpt import WorkerSettings
+from elasticft.ckpt.memory import shm
+from elasticft.ckpt.memory.shm import SlotSet, segment_prefix
+from elasticft.ckpt.persisting import durable
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("dedup_job.py")

@@ -1,7 +1,7 @@
 """The CUDA path's ordering, checked call by call without a GPU.
 
-:class:`~elasticft.ckpt.device.DeviceCopier` decides which copies go when, on which stream, and
-what training waits for. Here its backend is a recording stand-in whose "device" is the CPU:
+:class:`~elasticft.ckpt.memory.device.DeviceCopier` decides which copies go when, on which stream,
+and what training waits for. Here its backend is a recording stand-in whose "device" is the CPU:
 streams and events write what they are asked to do into a trace, copies run at once on real
 tensors. The tables below fix the trace of each case; ``tests/ckpt/test_ckpt_cuda.py`` (marked
 ``gpu``) runs the same code on CUDA, where the ordering is enforced by the device.
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
-from elasticft.ckpt.device import DeviceCopier, restore_copy
-from elasticft.ckpt.shm import SlotSet
-from elasticft.ckpt.slot import Slot
+from elasticft.ckpt.memory.device import DeviceCopier, restore_copy
+from elasticft.ckpt.memory.shm import SlotSet
+from elasticft.ckpt.memory.slot import Slot
 from tests.ckpt.helpers import (
     pinned_slots,
     remove_segments,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.ckpt import diskfile
+from elasticft.ckpt.persisting import diskfile
 
 
 def _page_aligned(nbytes: int) -> mmap.mmap:

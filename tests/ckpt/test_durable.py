@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elasticft.ckpt import Checkpointer, WorkerSettings, capture, diskfile, durable
+from elasticft.ckpt import Checkpointer, WorkerSettings, capture
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, StorageFull
+from elasticft.ckpt.persisting import diskfile, durable
 from elasticft.ckpt.snapshot import flatten, tensor_view
 from elasticft.cli import main as cli_main
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
@@ -143,7 +144,7 @@ def test_a_step_commits_when_another_rank_writes_its_shard_last(tmp_path: Path) 
 _HALF_PERSIST = textwrap.dedent("""
     import os, signal, sys, torch
     from pathlib import Path
-    from elasticft.ckpt import durable
+    from elasticft.ckpt.persisting import durable
     from elasticft.ckpt.api import Snapshot
     from elasticft.ckpt.snapshot import flatten, tensor_view
     layout = flatten({"w": torch.arange(1000.0)})
@@ -250,7 +251,7 @@ def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
     check = textwrap.dedent(f"""
         from pathlib import Path
         import torch
-        from elasticft.ckpt import durable
+        from elasticft.ckpt.persisting import durable
         from tests.ckpt.test_durable import slot_snapshot
         for setting in (True, False):
             torch.serialization.set_crc32_options(setting)

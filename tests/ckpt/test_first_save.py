@@ -1,8 +1,8 @@
 """The training thread never makes a slot, and a restore copies from shared memory in place.
 
 A worker's first save used to create its shared-memory slots (``posix_fallocate``) on the
-training thread. Now a :class:`~elasticft.ckpt.slotmaker.SlotMaker` makes them on its own thread
-and the first save stages its copy until its slot exists; after a restart the slots are there
+training thread. Now a :class:`~elasticft.ckpt.memory.slotmaker.SlotMaker` makes them on its own
+thread and the first save stages its copy until its slot exists; after a restart the slots are there
 and nothing is made. Observed through the creation seam (``Slot.create_or_grow``: which thread
 calls it), never through time.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings
-from elasticft.ckpt.slot import Slot
+from elasticft.ckpt.memory.slot import Slot
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.ckpt import durable
-from elasticft.ckpt.agentpersist import COPY_DELAY_ENV
+from elasticft.ckpt.persisting import durable
+from elasticft.ckpt.persisting.agentpersist import COPY_DELAY_ENV
 from tests.conftest import BIN, EXAMPLES
 from tests.tuned_run import tuned_run
 

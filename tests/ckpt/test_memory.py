@@ -17,9 +17,9 @@ import torch
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture, restore
 from elasticft.ckpt.api import StorageFull
 from elasticft.ckpt.control import SkipReader
-from elasticft.ckpt.shm import MemoryTier, SlotSet
-from elasticft.ckpt.slotformat import COMPLETE, WRITING
-from elasticft.ckpt.slotmaker import SlotMaker
+from elasticft.ckpt.memory.shm import MemoryTier, SlotSet
+from elasticft.ckpt.memory.slotformat import COMPLETE, WRITING
+from elasticft.ckpt.memory.slotmaker import SlotMaker
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -277,7 +277,7 @@ def test_directories_may_be_given_as_strings(tmp_path: Path) -> None:
 
 
 def test_sweep_removes_the_segments_of_owners_that_are_gone(tmp_path: Path) -> None:
-    from elasticft.ckpt.shm import segment_prefix, slot_path, sweep_orphans
+    from elasticft.ckpt.memory.shm import segment_prefix, slot_path, sweep_orphans
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

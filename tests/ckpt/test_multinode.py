@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.ckpt import Checkpointer, WorkerSettings, durable
-from elasticft.ckpt.peer import PeerServer, new_secret
+from elasticft.ckpt import Checkpointer, WorkerSettings
+from elasticft.ckpt.backup.peer import PeerServer, new_secret
+from elasticft.ckpt.persisting import durable
 from tests.conftest import BIN, EXAMPLES, free_port
 
 STEPS = 9

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticft.ckpt import Checkpointer, WorkerSettings, capture, durable
+from elasticft.ckpt import Checkpointer, WorkerSettings, capture
 from elasticft.ckpt.api import CheckpointError, SnapshotCorrupt
-from elasticft.ckpt.peer import PeerClient, PeerServer, backup_node, new_secret, replica_node
+from elasticft.ckpt.backup.peer import PeerClient, PeerServer, backup_node, new_secret, replica_node
+from elasticft.ckpt.persisting import durable
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 

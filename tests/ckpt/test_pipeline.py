@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticft.ckpt import durable, pipeline
 from elasticft.ckpt.api import Snapshot
-from elasticft.ckpt.replicas import is_replica, whole_tensors
+from elasticft.ckpt.backup.replicas import is_replica, whole_tensors
+from elasticft.ckpt.persisting import durable, pipeline
 from elasticft.ckpt.snapshot import flatten, tensor_view
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, StateCapture, WorkerSettings
+from elasticft.ckpt.memory.shm import SlotSet
 from elasticft.ckpt.settings import ENV_SHM, ENV_SLOTS
-from elasticft.ckpt.shm import SlotSet
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 

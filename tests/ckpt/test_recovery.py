@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elasticft.ckpt import durable
+from elasticft.ckpt.persisting import durable
 from tests.conftest import BIN, EXAMPLES
 
 STEPS = 10

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from elasticft.addon.api import AddOnContext
-from elasticft.ckpt import durable, settings
+from elasticft.ckpt import settings
 from elasticft.ckpt.control import announce_dir, announced_dirs, restore_line
+from elasticft.ckpt.persisting import durable
 from elasticft.ckpt.service import CheckpointAddOn
 from elasticft.config import AgentConfig, CheckpointConfig, ConfigError, ElasticftConfig
 from tests.agent.test_launch import wait_until

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.ckpt import durable
+from elasticft.ckpt.persisting import durable
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("dist_job.py")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
-from elasticft.ckpt.fingerprint import Fingerprint, fingerprint_slot, replica_set_key
-from elasticft.ckpt.sdc import Verdict, compare, decide_undecided
-from elasticft.ckpt.shm import SlotSet
+from elasticft.ckpt.integrity.fingerprint import Fingerprint, fingerprint_slot, replica_set_key
+from elasticft.ckpt.integrity.sdc import Verdict, compare, decide_undecided
+from elasticft.ckpt.memory.shm import SlotSet
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 
@@ -148,7 +148,7 @@ def test_replica_sets_follow_the_shard_each_rank_holds() -> None:
     ddp = {replica_set_key([_item("w", [8, 8], [0, 0], None)], (0, 0)) for _ in range(4)}
     assert len(ddp) == 1
     # TP x DP with whole-looking local tensors: the tp coordinate keeps TP peers apart.
-    from elasticft.ckpt.fingerprint import coordinates
+    from elasticft.ckpt.integrity.fingerprint import coordinates
     tpdp = {r: replica_set_key([_item("w", [4, 8], [0, 0], None)], coordinates(r, 4, (2, 1, 2)))
             for r in range(4)}
     assert tpdp[0] == tpdp[2] and tpdp[1] == tpdp[3] and tpdp[0] != tpdp[1]

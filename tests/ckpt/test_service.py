@@ -15,8 +15,9 @@ import torch
 
 from elasticft import unnamed
 from elasticft.addon.api import GroupInfo, WorkerInfo
-from elasticft.ckpt import Checkpointer, WorkerSettings, durable, settings
+from elasticft.ckpt import Checkpointer, WorkerSettings, settings
 from elasticft.ckpt import service as service_module
+from elasticft.ckpt.persisting import durable
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from tests.conftest import free_port

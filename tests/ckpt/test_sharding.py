@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from elasticft.ckpt import shm
+from elasticft.ckpt.memory import shm
 from tests.ckpt.shard_job import ROWS, TIERS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elasticft.ckpt import StateMismatch, restore
-from elasticft.ckpt.shards import into_live, mismatch
+from elasticft.ckpt.restoring.shards import into_live, mismatch
 
 
 def _item(shape: list[int], global_size: list[int], sharding: Any = None) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def test_python_rng_words_are_a_tensor_that_follows_random_and_restores_it() -> 
     import random
 
     from elasticft.ckpt import StateCapture
-    from elasticft.ckpt.state import set_rng_state
+    from elasticft.ckpt.restoring.state import set_rng_state
 
     snap = StateCapture(torch.nn.Linear(2, 2))
     first = snap()["rng"]["python"]["state"]
@@ -124,7 +124,7 @@ def test_manifest_text_reuses_unchanged_int_lists_and_matches_a_full_encoding() 
 
 
 def test_a_model_without_an_optimizer_round_trips() -> None:
-    from elasticft.ckpt.state import capture, restore
+    from elasticft.ckpt.restoring.state import capture, restore
 
     model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     state = capture(model, extra={"step": 4})

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     import os, sys
     from pathlib import Path
     from elasticft.ckpt.api import StorageFull
-    from elasticft.ckpt.slot import Slot
+    from elasticft.ckpt.memory.slot import Slot
     from elasticft.diag.ring import create_anonymous_ring
     from elasticft.worker import init
 

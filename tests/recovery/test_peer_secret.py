@@ -12,7 +12,7 @@ import pytest
 
 from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.ckpt.api import CheckpointError
-from elasticft.ckpt.peer import PeerClient
+from elasticft.ckpt.backup.peer import PeerClient
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 

@@ -39,8 +39,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from elasticft.ckpt import diskfile, durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
+from elasticft.ckpt.persisting import diskfile, durable
 
 logger = logging.getLogger(__name__)
 

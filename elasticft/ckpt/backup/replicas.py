@@ -2,10 +2,10 @@
 
 Data-parallel ranks hold the same shard. When a node is lost, the node that replaces it asks
 the peer server of a node that holds a replica of each of its ranks
-(:func:`elasticft.ckpt.peer.replica_node`): that node's slots hold the shard of the newest step
-in memory, newer than any on disk. :class:`Replicas` answers for the peer server
-(:class:`elasticft.ckpt.peer.ReplicaSource`): which steps this node holds a replica of, and one
-of them encoded exactly as the durable tier writes a shard. A replica can stand in for another
+(:func:`elasticft.ckpt.backup.peer.replica_node`): that node's slots hold the shard of the newest
+step in memory, newer than any on disk. :class:`Replicas` answers for the peer server
+(:class:`elasticft.ckpt.backup.peer.ReplicaSource`): which steps this node holds a replica of, and
+one of them encoded exactly as the durable tier writes a shard. A replica can stand in for another
 rank only when its tensors are whole (no DTensor or FSDP shard of a rank's own).
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from elasticft.addon.api import GroupInfo
-from elasticft.ckpt import durable, pipeline
-from elasticft.ckpt.shm import SlotSet
-from elasticft.ckpt.slotformat import SlotHeader
-from elasticft.ckpt.slots import NodeSlots
+from elasticft.ckpt.memory.nodeslots import NodeSlots
+from elasticft.ckpt.memory.shm import SlotSet
+from elasticft.ckpt.memory.slotformat import SlotHeader
+from elasticft.ckpt.persisting import durable, pipeline
 
 logger = logging.getLogger(__name__)
 

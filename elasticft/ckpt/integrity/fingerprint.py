@@ -27,8 +27,8 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from elasticft.ckpt.slot import Slot
-from elasticft.ckpt.slotformat import COMPLETE
+from elasticft.ckpt.memory.slot import Slot
+from elasticft.ckpt.memory.slotformat import COMPLETE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Fingerprint:
 
 def coordinates(rank: int, world: int, layout: tuple[int, int, int] | None) -> tuple[int, int]:
     """``rank``'s (tp, pp) coordinates under a (tp, pp, dp) layout; (0, 0) under pure data
-    parallelism (the numbering of :func:`elasticft.ckpt.replicas.is_replica`)."""
+    parallelism (the numbering of :func:`elasticft.ckpt.backup.replicas.is_replica`)."""
     tp, pp, dp = layout or (1, 1, world)
     if tp * pp * dp != world:
         return (0, 0)

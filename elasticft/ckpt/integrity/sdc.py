@@ -1,6 +1,6 @@
 """Silent data corruption: which rank's replicated state diverged, judged from fingerprints.
 
-A pure function over one step's :class:`~elasticft.ckpt.fingerprint.Fingerprint` of every
+A pure function over one step's :class:`~elasticft.ckpt.integrity.fingerprint.Fingerprint` of every
 rank. Ranks are compared only within their replica set (the ranks holding the same shard).
 In a set of three or more, a strict majority that agrees is taken as right and every rank
 outside it is *suspect*: named with its node and the step. With two replicas (or a set split
@@ -18,7 +18,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 
-from elasticft.ckpt.fingerprint import Fingerprint, differing_items
+from elasticft.ckpt.integrity.fingerprint import Fingerprint, differing_items
 from elasticft.decision import Decision
 
 

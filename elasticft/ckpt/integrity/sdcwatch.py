@@ -2,12 +2,12 @@
 
 Every ``ckpt_fingerprint_every``-th step that all of the node's workers hold complete in shared
 memory, a thread of the agent fingerprints each worker's snapshot of it
-(:mod:`elasticft.ckpt.fingerprint`) and compares the replica sets
-(:func:`elasticft.ckpt.sdc.compare`). A rank named is an ``sdc_suspect`` event with every
+(:mod:`elasticft.ckpt.integrity.fingerprint`) and compares the replica sets
+(:func:`elasticft.ckpt.integrity.sdc.compare`). A rank named is an ``sdc_suspect`` event with every
 fingerprint of its set as the evidence. A set split with no majority is an ``sdc_undecidable``
 event; the same snapshots are then fingerprinted a second time and the finding decided from
-that (:func:`elasticft.ckpt.sdc.decide_undecided`), an ``sdc_suspect`` event when it names a
-side. The training processes do nothing for it: their snapshot is already in memory, and the
+that (:func:`elasticft.ckpt.integrity.sdc.decide_undecided`), an ``sdc_suspect`` event when it
+names a side. The training processes do nothing for it: their snapshot is already in memory, and the
 hashing runs in the agent's process.
 
 Across nodes the fingerprints go through the round's store, which the round's leader serves:
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticft.addon.api import GroupInfo
-from elasticft.ckpt.fingerprint import Fingerprint, fingerprint_slot
-from elasticft.ckpt.sdc import Finding, Verdict, compare, decide_undecided
-from elasticft.ckpt.slots import NodeSlots
+from elasticft.ckpt.integrity.fingerprint import Fingerprint, fingerprint_slot
+from elasticft.ckpt.integrity.sdc import Finding, Verdict, compare, decide_undecided
+from elasticft.ckpt.memory.nodeslots import NodeSlots
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Slot ownership: the agent holds its workers' shared-memory slots, so a crash loses nothing.
 
-A node's memory tier is a set of slots per local rank (see :mod:`elasticft.ckpt.shm` for a
+A node's memory tier is a set of slots per local rank (see :mod:`elasticft.ckpt.memory.shm` for a
 slot's format). The agent creates them as files with no name (:mod:`elasticft.unnamed`),
 empty until the worker sizes them, and holds them open for the job's life: a worker that
 crashes loses nothing, a restarted worker finds its snapshots in them (through the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from elasticft import unnamed
 from elasticft.addon.api import WorkerInfo
-from elasticft.ckpt.shm import SHM_DIR, SlotSet
-from elasticft.ckpt.slot import Slot
+from elasticft.ckpt.memory.shm import SHM_DIR, SlotSet
+from elasticft.ckpt.memory.slot import Slot
 
 
 class NodeSlots:

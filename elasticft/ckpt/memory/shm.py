@@ -25,8 +25,8 @@ out. The writer never waits for a reader: if the slot it wants is being read, it
 oldest, and if all are busy it skips that memory snapshot (the request says so). The oldest
 snapshot is always overwritten first (oldest-first eviction under the memory cap, which bounds
 ``slots``). What a slot file holds, and how a torn or overwritten snapshot is told apart, is
-:mod:`elasticft.ckpt.slotformat`; slots are made off the training thread by
-:mod:`elasticft.ckpt.slotmaker`.
+:mod:`elasticft.ckpt.memory.slotformat`; slots are made off the training thread by
+:mod:`elasticft.ckpt.memory.slotmaker`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import torch
 from elasticft import procs
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
 from elasticft.ckpt.hostcopy import copy_all
-from elasticft.ckpt.slot import Slot
-from elasticft.ckpt.slotformat import (
+from elasticft.ckpt.memory.slot import Slot
+from elasticft.ckpt.memory.slotformat import (
     COMPLETE,
     HEADER_BYTES,
     SEAL_SAMPLED,
@@ -56,7 +56,7 @@ from elasticft.ckpt.slotformat import (
 )
 
 if TYPE_CHECKING:
-    from elasticft.ckpt.slotmaker import SlotMaker
+    from elasticft.ckpt.memory.slotmaker import SlotMaker
 
 logger = logging.getLogger(__name__)
 

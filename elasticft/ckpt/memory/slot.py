@@ -1,9 +1,9 @@
 """One slot file, mapped: how it is made and grown, locked, and its header and payload read.
 
-A slot holds at most one rank's snapshot (its layout is :mod:`elasticft.ckpt.slotformat`). The
-slots of one local rank, and which of them a writer or a reader takes, are
-:class:`elasticft.ckpt.shm.SlotSet`; slots are made off the training thread by
-:mod:`elasticft.ckpt.slotmaker`. Both use this module, which uses neither.
+A slot holds at most one rank's snapshot (its layout is :mod:`elasticft.ckpt.memory.slotformat`).
+The slots of one local rank, and which of them a writer or a reader takes, are
+:class:`elasticft.ckpt.memory.shm.SlotSet`; slots are made off the training thread by
+:mod:`elasticft.ckpt.memory.slotmaker`. Both use this module, which uses neither.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from elasticft import unnamed
 from elasticft.ckpt.api import SnapshotCorrupt, SnapshotMissing, StorageFull
-from elasticft.ckpt.slotformat import HEADER_BYTES, PACKED_HEADER_BYTES, SlotHeader
+from elasticft.ckpt.memory.slotformat import HEADER_BYTES, PACKED_HEADER_BYTES, SlotHeader
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The slot file's format: a header, the manifest, the payload, and the seal that marks it whole.
 
-A slot (:class:`elasticft.ckpt.slot.Slot`) is one file holding at most one rank's snapshot:
+A slot (:class:`elasticft.ckpt.memory.slot.Slot`) is one file holding at most one rank's snapshot:
 
 * a 4 KiB header (:class:`SlotHeader`): its state, a generation that grows with every
   snapshot written, the step, rank and world size it was taken as, where the manifest and the

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from elasticft.ckpt.api import StorageFull
-from elasticft.ckpt.slot import Slot
+from elasticft.ckpt.memory.slot import Slot
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ slot that is neither the newest complete snapshot nor held by a reader (the work
 for a reader; with none free it skips the snapshot and says so), writes the header
 (``WRITING``) and the manifest, and copies right away only what training could change before
 the next optimizer step. The rest (parameters and optimizer state, and CUDA state through the
-device copier, :mod:`elasticft.ckpt.device`) goes to the copy thread, which seals the header
-``COMPLETE`` once all of it landed (:mod:`elasticft.ckpt.slotformat`). The optimizer's
+device copier, :mod:`elasticft.ckpt.memory.device`) goes to the copy thread, which seals the header
+``COMPLETE`` once all of it landed (:mod:`elasticft.ckpt.memory.slotformat`). The optimizer's
 pre-step hook waits for that part (:meth:`SlotWriter.before_optimizer_step`), so the snapshot
 is exactly the state after the saved step. A save whose slot is still being made
-(:mod:`elasticft.ckpt.slotmaker`) stages its copy and the copy thread writes it once the slot
+(:mod:`elasticft.ckpt.memory.slotmaker`) stages its copy and the copy thread writes it once the slot
 exists.
 """
 
@@ -28,11 +28,10 @@ import torch
 
 from elasticft.ckpt.api import StorageFull
 from elasticft.ckpt.control import report_skip
-from elasticft.ckpt.device import DeviceCopier, PendingCopy
 from elasticft.ckpt.hostcopy import copy_bytes
-from elasticft.ckpt.settings import WorkerSettings
-from elasticft.ckpt.shm import SlotSet
-from elasticft.ckpt.slotformat import (
+from elasticft.ckpt.memory.device import DeviceCopier, PendingCopy
+from elasticft.ckpt.memory.shm import SlotSet
+from elasticft.ckpt.memory.slotformat import (
     COMPLETE,
     HEADER_BYTES,
     SEAL_NONE,
@@ -41,6 +40,7 @@ from elasticft.ckpt.slotformat import (
     SlotHeader,
     seal_of,
 )
+from elasticft.ckpt.settings import WorkerSettings
 from elasticft.ckpt.snapshot import Layout, align_up
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class SaveRequest:
         self.error: BaseException | None = None
         self.guarded_done = threading.Event()
         self.device: PendingCopy | None = None
-        """The CUDA part of the copy (see :mod:`elasticft.ckpt.device`), if any."""
+        """The CUDA part of the copy (see :mod:`elasticft.ckpt.memory.device`), if any."""
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -236,8 +236,8 @@ class SlotWriter:
     def _begin_device_copy(
         self, slot: Any, copies: list[tuple[torch.Tensor, torch.Tensor, bool]]
     ) -> PendingCopy | None:
-        """Starts the CUDA copies (see :mod:`elasticft.ckpt.device`); if that path fails, says
-        so once and copies the plain way from then on, so no snapshot is lost to it."""
+        """Starts the CUDA copies (see :mod:`elasticft.ckpt.memory.device`); if that path fails,
+        says so once and copies the plain way from then on, so no snapshot is lost to it."""
         try:
             if self.device is None:
                 self.device = DeviceCopier(self.settings.gpu_staging_bytes)

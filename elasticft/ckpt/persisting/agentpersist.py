@@ -1,9 +1,9 @@
 """The agent's persister: the step every local worker holds, written, committed and backed up.
 
-Every monitor tick the agent peeks at its slots' headers (:mod:`elasticft.ckpt.slots`); when
-all local workers hold a complete snapshot of a step due for persistence
+Every monitor tick the agent peeks at its slots' headers (:mod:`elasticft.ckpt.memory.nodeslots`);
+when all local workers hold a complete snapshot of a step due for persistence
 (``ckpt_persist_every``), :class:`AgentPersister` runs the persist pipeline
-(:mod:`elasticft.ckpt.pipeline`) for the node on its background thread:
+(:mod:`elasticft.ckpt.persisting.pipeline`) for the node on its background thread:
 
 * **Take.** Where a worker keeps three usable slots, its snapshot is read in place and its slot
   stays locked until written: the worker needs only the newest complete snapshot and one slot
@@ -16,11 +16,11 @@ all local workers hold a complete snapshot of a step due for persistence
   local directory commits the step once this node's ranks are durable (every rank on a single
   node); the leader commits the shared remote directory once every node's shards landed,
   looked at again every :data:`REMOTE_RETRY_S`. Only the newest ``ckpt_keep`` steps stay.
-* **Back up.** The step's shards go to the node's backup node (:mod:`elasticft.ckpt.peer`).
+* **Back up.** The step's shards go to the node's backup node (:mod:`elasticft.ckpt.backup.peer`).
 
 Every persist is a ``checkpoint`` event (step, bytes, seconds, cause). The failure flush
-(:mod:`elasticft.ckpt.flush`), the final state and "checkpoint now" persist through the same
-:meth:`AgentPersister.persist`, one at a time.
+(:mod:`elasticft.ckpt.persisting.flush`), the final state and "checkpoint now" persist through the
+same :meth:`AgentPersister.persist`, one at a time.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from elasticft.addon.api import GroupInfo
-from elasticft.ckpt import durable, pipeline
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
-from elasticft.ckpt.places import NodePlaces
-from elasticft.ckpt.slots import NodeSlots
+from elasticft.ckpt.memory.nodeslots import NodeSlots
+from elasticft.ckpt.persisting import durable, pipeline
+from elasticft.ckpt.persisting.places import NodePlaces
 from elasticft.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@
   (zlib-ng's where installed: the same values as zlib's, 3-4x faster) and its length.
 * :func:`background_priority`: writers run at nice 19, on CPU that training leaves idle.
 
-:mod:`elasticft.ckpt.durable` lays out and commits checkpoints with these.
+:mod:`elasticft.ckpt.persisting.durable` lays out and commits checkpoints with these.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
-from elasticft.ckpt.diskfile import (
+from elasticft.ckpt.persisting.diskfile import (
     DirectRefused,
     ShardStream,
     atomic_write,

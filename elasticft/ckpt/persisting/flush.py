@@ -4,7 +4,7 @@ goes to disk, without delaying the decision or the restore.
 * **Off the decision's path.** The flush runs on a thread of its own: the agent's
   ``on_failure`` returns at once, so the policy decides without waiting for gigabytes to be
   copied or written. The slots survive the crash, and the flush reads each under its shared
-  lock (see :mod:`elasticft.ckpt.agentpersist`).
+  lock (see :mod:`elasticft.ckpt.persisting.agentpersist`).
 * **First, when the node may not come back.** Any decision but a restart (evict, stop) lets
   the write start at once and waits for it, so a node that does not come back still left the
   snapshot on disk.
@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from elasticft.addon.api import GroupInfo
-from elasticft.ckpt import diskfile
-from elasticft.ckpt.agentpersist import AgentPersister
 from elasticft.ckpt.control import all_loaded, clear_loaded
+from elasticft.ckpt.persisting import diskfile
+from elasticft.ckpt.persisting.agentpersist import AgentPersister
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """Process-owned persistence: a worker without an agent writes its own snapshots to disk.
 
 Under ``elasticft-run`` the agent persists what its workers put in shared memory
-(:mod:`elasticft.ckpt.agentpersist`). Under plain ``torchrun`` or in a single process nobody
-else will, so the :class:`~elasticft.ckpt.checkpointer.Checkpointer` hands every
+(:mod:`elasticft.ckpt.persisting.agentpersist`). Under plain ``torchrun`` or in a single process
+nobody else will, so the :class:`~elasticft.ckpt.checkpointer.Checkpointer` hands every
 ``persist_every``-th complete step to an :class:`OwnPersister`. It runs the persist pipeline
-(:mod:`elasticft.ckpt.pipeline`) for its own rank: the slot copied once (its shared lock held
-for that memory copy only), the rank's shard written to the local and the remote directory,
+(:mod:`elasticft.ckpt.persisting.pipeline`) for its own rank: the slot copied once (its shared lock
+held for that memory copy only), the rank's shard written to the local and the remote directory,
 and rank 0 commits a step once every rank's shard of it is durable, looking again every
 :data:`COMMIT_RETRY_S` while one waits.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 
-from elasticft.ckpt import pipeline
+from elasticft.ckpt.memory.shm import SlotSet
+from elasticft.ckpt.persisting import pipeline
 from elasticft.ckpt.settings import WorkerSettings
-from elasticft.ckpt.shm import SlotSet
 
 COMMIT_RETRY_S = 0.2
 """How often the committing rank looks again at a step that waits for other ranks' shards."""

@@ -9,16 +9,16 @@ waits for a disk:
    locked until the shard is written; copied out, into a reused staging buffer with the GIL
    released, it is locked for that one memory copy.
 2. **Write** (:func:`write_shards`). Each rank's shard goes to every directory (local, remote)
-   as checksummed blobs that DCP reads (:func:`elasticft.ckpt.durable.write_rank_shard`).
+   as checksummed blobs that DCP reads (:func:`elasticft.ckpt.persisting.durable.write_rank_shard`).
 3. **Commit** (:class:`PendingCommits`). The committer marks a step committed in a directory
    once every rank's shard of it is durable there, and keeps the newest ``keep``. Other
    writers may still be writing theirs, so a step waits and the thread looks at it again
    every ``retry_s`` until it commits or a newer step does: the next persist may never come
    (the run's last step, or a crash), and a step with every shard durable must not be lost.
 
-Two persisters run it: the agent's (:mod:`elasticft.ckpt.agentpersist`), for the step all
+Two persisters run it: the agent's (:mod:`elasticft.ckpt.persisting.agentpersist`), for the step all
 of a node's workers hold, and a worker's own when no agent runs
-(:mod:`elasticft.ckpt.persister`).
+(:mod:`elasticft.ckpt.persisting.persister`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy
 
-from elasticft.ckpt import diskfile, durable
 from elasticft.ckpt.api import CheckpointError, Snapshot, StorageFull
-from elasticft.ckpt.shm import SlotSet, read_slot
-from elasticft.ckpt.slot import Slot
+from elasticft.ckpt.memory.shm import SlotSet, read_slot
+from elasticft.ckpt.memory.slot import Slot
+from elasticft.ckpt.persisting import diskfile, durable
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def copy_out(slot: Slot, step: int, staging: StagingBuffer,
     for a reader, it takes another slot, so a long hold would tie up a slot. The copy releases
     the GIL and leaves page faults to itself (no ``madvise`` under the GIL), so the agent's
     monitor loop keeps running meanwhile. ``delay_s``: a test seam, seconds the lock is held
-    longer (see :data:`elasticft.ckpt.agentpersist.COPY_DELAY_ENV`).
+    longer (see :data:`elasticft.ckpt.persisting.agentpersist.COPY_DELAY_ENV`).
     """
     with slot.shared(timeout_s=LOCK_TIMEOUT_S) as locked:
         if not locked:

@@ -5,10 +5,10 @@ memory, local disk, its own node's agent (a replica taken under another rank, be
 renumbered the ranks), a data-parallel replica's node (when a layout puts the backup elsewhere),
 the backup peer, the remote directory. The ranks agree on the newest step they all hold; a torn,
 uncommitted or corrupt source falls through to the next, and if some rank cannot restore the step
-after all, every rank moves to an older one (:mod:`elasticft.ckpt.reassembly`, which also fetches
-deduplicated replicas). From shared memory a restore copies straight into the live tensors.
+after all, every rank moves to an older one (:mod:`elasticft.ckpt.restoring.reassembly`, which also
+fetches deduplicated replicas). From shared memory a restore copies straight into the live tensors.
 When no tier holds a step of this world size, ``restore`` reshards the newest durable step
-written at another one with ``dcp.load`` (:mod:`elasticft.ckpt.reshard`).
+written at another one with ``dcp.load`` (:mod:`elasticft.ckpt.restoring.reshard`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from elasticft.ckpt import durable, reshard
 from elasticft.ckpt.api import CheckpointError, Snapshot, StateMismatch, Tier
-from elasticft.ckpt.peer import PeerClient, PeerTier
-from elasticft.ckpt.reassembly import RankGroup, ReplicaReassembler
+from elasticft.ckpt.backup.peer import PeerClient, PeerTier
+from elasticft.ckpt.memory.shm import MemoryTier, SlotSet
+from elasticft.ckpt.persisting import durable
+from elasticft.ckpt.restoring import reshard
+from elasticft.ckpt.restoring.reassembly import RankGroup, ReplicaReassembler
 from elasticft.ckpt.settings import WorkerSettings
-from elasticft.ckpt.shm import MemoryTier, SlotSet
 from elasticft.ckpt.snapshot import unflatten
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,8 @@ class SnapshotLoader:
 
     def load(self, live: Any = None) -> Any:
         """``(step, state)`` of the newest step every rank can restore, or None; with ``live``
-        (a :class:`~elasticft.ckpt.state.LiveState`) the state is applied to it instead and
-        ``(step, extras)`` returned. Collective when a process group is initialized."""
+        (a :class:`~elasticft.ckpt.restoring.state.LiveState`) the state is applied to it instead
+        and ``(step, extras)`` returned. Collective when a process group is initialized."""
         tiers = self.tiers()
         self.looked = [_where(tier) for tier in tiers]
         held: dict[str, list[int]] = {}
@@ -115,7 +116,7 @@ class SnapshotLoader:
 
     def _reshard(self, tiers: list[Tier], live: Any) -> Any:
         """``(step, extras)`` of the newest durable step written at another world size, loaded
-        by ``dcp.load`` (:mod:`elasticft.ckpt.reshard`); None if there is none."""
+        by ``dcp.load`` (:mod:`elasticft.ckpt.restoring.reshard`); None if there is none."""
         roots = [t.root for t in tiers if isinstance(t, durable.DurableTier)]
         found = reshard.other_world_steps(roots, self.world_size)
         candidates = sorted(found, reverse=True)

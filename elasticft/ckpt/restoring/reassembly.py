@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from elasticft.ckpt.api import CheckpointError, Snapshot
 from elasticft.ckpt.hostcopy import copy_bytes
-from elasticft.ckpt.shm import MemoryTier, SlotSet
+from elasticft.ckpt.memory.shm import MemoryTier, SlotSet
 from elasticft.ckpt.snapshot import dtype_from_name, stored_here, tensor_view
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,8 @@ class ReplicaReassembler:
         """The items of ``snapshot`` that other ranks store, by name; None if that failed.
 
         Collective when any rank's snapshot is deduplicated. Into the live tensors when
-        restoring in place (``live`` is a :class:`~elasticft.ckpt.state.LiveState`), else into
-        new tensors.
+        restoring in place (``live`` is a :class:`~elasticft.ckpt.restoring.state.LiveState`), else
+        into new tensors.
         """
         manifest = snapshot.manifest
         wanted: dict[int, list[dict[str, Any]]] = {}

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from elasticft.ckpt import durable
 from elasticft.ckpt.api import CheckpointError
-from elasticft.ckpt.shards import is_dtensor, local_of
+from elasticft.ckpt.persisting import durable
+from elasticft.ckpt.restoring.shards import is_dtensor, local_of
 from elasticft.ckpt.snapshot import decode_json, set_path
 
 logger = logging.getLogger(__name__)
@@ -59,9 +59,9 @@ def verify_share(directory: Path, rank: int, world_size: int) -> bool:
 
 def restore_resharded(directory: Path, live: Any) -> dict[str, Any]:
     """Loads the committed step in ``directory`` into ``live`` (a
-    :class:`~elasticft.ckpt.state.LiveState`) at this world size; returns its extras.
+    :class:`~elasticft.ckpt.restoring.state.LiveState`) at this world size; returns its extras.
     Collective: every rank calls it with the same step."""
-    from elasticft.ckpt.state import capture, restore
+    from elasticft.ckpt.restoring.state import capture, restore
 
     manifest = durable.read_rank_manifest(directory, 0)
     live.prepare({"items": _optimizer_items(manifest, live.params_by_fqn())})

@@ -14,7 +14,7 @@ spec (:func:`into_live`): handed over plain, torch would take a shard for the wh
 Nothing here reshards. A snapshot whose global shape, shard offsets or placements differ from
 the live tensor's raises :class:`~elasticft.ckpt.api.StateMismatch` naming the tensor, both
 layouts and the likely cause; a durable checkpoint is resharded by ``dcp.load``
-(:func:`elasticft.ckpt.state.reshard_from_disk`).
+(:func:`elasticft.ckpt.restoring.state.reshard_from_disk`).
 """
 
 from __future__ import annotations

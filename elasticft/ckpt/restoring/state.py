@@ -5,7 +5,7 @@
 key optimizer state by parameter name, so the state works for plain modules, DDP, FSDP2 and
 tensor parallelism alike (a DTensor stays a DTensor; a save stores its local shard).
 :func:`restore` is the inverse. :class:`LiveState` restores a snapshot by copying straight into
-the live tensors, a DTensor's shard into its local tensor (:mod:`elasticft.ckpt.shards`).
+the live tensors, a DTensor's shard into its local tensor (:mod:`elasticft.ckpt.restoring.shards`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from elasticft.ckpt.device import restore_copy
 from elasticft.ckpt.hostcopy import copy_bytes
-from elasticft.ckpt.shards import into_live, is_dtensor, like_param, local_of, storage_key
+from elasticft.ckpt.memory.device import restore_copy
+from elasticft.ckpt.restoring.shards import into_live, is_dtensor, like_param, local_of, storage_key
 from elasticft.ckpt.snapshot import (
     decode_json,
     dtype_from_name,
@@ -347,7 +347,7 @@ class LiveState:
     def into_live(self, state: dict[str, Any],
                   items: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Makes each model and optimizer tensor of ``state`` fit torch's ``set_state_dict``
-        for the live tensor of its name (:func:`~elasticft.ckpt.shards.into_live`: a local
+        for the live tensor of its name (:func:`~elasticft.ckpt.restoring.shards.into_live`: a local
         shard becomes a DTensor of the live spec); raises
         :class:`~elasticft.ckpt.api.StateMismatch` for one that does not fit. ``items``: the
         snapshot's manifest items by name, whose recorded layout is checked."""
@@ -410,7 +410,7 @@ class LiveState:
         """Restores the snapshot; returns its extras. ``replicas``: items another rank
         stores, already reassembled (into the live tensors when the snapshot fits).
         ``copy(pairs)`` copies (live tensor, snapshot view) pairs (default:
-        :func:`~elasticft.ckpt.device.restore_copy`: every core for host tensors, pinned
+        :func:`~elasticft.ckpt.memory.device.restore_copy`: every core for host tensors, pinned
         buffers on a stream of its own for CUDA ones)."""
         self.prepare(manifest)
         if not self.fits(manifest):
