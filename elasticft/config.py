@@ -461,10 +461,10 @@ class CheckpointConfig:
         True, "Run the checkpoint service: workers using elasticft.ckpt.Checkpointer snapshot "
         "into agent-owned shared memory that survives their crash.")
     ckpt_dir: Path | None = option(
-        None, "Local checkpoint directory (tier 2). Default: <run-dir>/ckpt. A directory the "
-        "script gives Checkpointer.from_env(ckpt_dir=...) wins over both.")
+        None, "Local checkpoint directory (the local tier). Default: <run-dir>/ckpt. A directory "
+        "the script gives Checkpointer.from_env(ckpt_dir=...) wins over both.")
     ckpt_remote_dir: Path | None = option(
-        None, "Shared-storage checkpoint directory (tier 3), written after the local one; "
+        None, "Shared-storage checkpoint directory (the remote tier), written after the local one; "
         "every node of the job must see the same path.")
     ckpt_persist_every: int = option(
         10, "Persist the memory snapshot of every N-th step to disk in the background "

@@ -1,7 +1,8 @@
 """The checkpoint engine's shared vocabulary: the tier abstraction and the errors.
 
 A *snapshot* is one rank's state at one step: a JSON manifest (what every item is, where its
-bytes are) plus a payload of raw tensor bytes. Snapshots live in *tiers*, fastest first:
+bytes are) plus a payload of raw tensor bytes. Snapshots live in *tiers*, fastest first, numbered
+by :class:`TierLevel` (the one numbering of the package, its options and its docs):
 
 1. ``memory``: shared-memory slots on this host (:mod:`elasticft.ckpt.memory.shm`);
 2. ``local``:  a directory on local disk (:mod:`elasticft.ckpt.persisting.durable`);
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 from typing import Any
 
 
@@ -85,10 +87,25 @@ class Snapshot:
         return int(self.manifest["world_size"])
 
 
+class TierLevel(enum.IntEnum):
+    """The tiers, fastest first: the order a load tries them in (a slower tier only where the
+    faster ones cannot serve the step)."""
+
+    MEMORY = 1
+    """Shared-memory slots on this host."""
+    LOCAL = 2
+    """A directory on this node's disk."""
+    PEER = 3
+    """Another node's agent: the backup node, or a node holding a data-parallel replica."""
+    REMOTE = 4
+    """A directory on shared storage."""
+
+
 class Tier(abc.ABC):
     """A place snapshots are kept: list the steps held for a rank, read one back verified."""
 
     name: str
+    level: TierLevel
 
     @abc.abstractmethod
     def steps(self, rank: int, world_size: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""Tiers 2/3: atomic DCP-readable writes, commit marker, checksums, fallback, retention, CLI."""
+"""The disk tiers: atomic DCP-readable writes, commit marker, checksums, fallback, retention,
+the CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tier 1: shared-memory slots, double buffering, torn writes, readers, the memory cap."""
+"""The memory tier: shared-memory slots, double buffering, torn writes, readers, the memory cap."""
 
 from __future__ import annotations
 

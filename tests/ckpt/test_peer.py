@@ -1,4 +1,4 @@
-"""Tier 4: backup placement, the authenticated TCP transport, loading from the peer."""
+"""The peer tier: backup placement, the authenticated TCP transport, loading from the peer."""
 
 from __future__ import annotations
 
@@ -10,10 +10,25 @@ import pytest
 import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
-from elasticft.ckpt.api import CheckpointError, SnapshotCorrupt
+from elasticft.ckpt.api import CheckpointError, SnapshotCorrupt, TierLevel
 from elasticft.ckpt.backup.peer import PeerClient, PeerServer, backup_node, new_secret, replica_node
 from elasticft.ckpt.persisting import durable
+from elasticft.ckpt.restoring.loader import SnapshotLoader
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
+
+
+def test_a_load_tries_the_tiers_in_the_order_of_their_numbers(tmp_path: Path) -> None:
+    settings = WorkerSettings(
+        shm_slots=str(tmp_path / "slots"), local_dir=tmp_path / "local",
+        remote_dir=tmp_path / "remote", peer_addr="127.0.0.1:9", replica_peer_addr="127.0.0.1:8",
+        node_peer_addr="127.0.0.1:7", secret="s")
+    tiers = SnapshotLoader(settings, rank=0, world_size=1, slot_count=2).tiers()
+    assert [(t.level, t.name) for t in tiers] == [
+        (TierLevel.MEMORY, "memory"), (TierLevel.LOCAL, "local"), (TierLevel.PEER, "node"),
+        (TierLevel.PEER, "replica"), (TierLevel.PEER, "peer"), (TierLevel.REMOTE, "remote")]
+    assert [int(level) for level in TierLevel] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="the local or the remote tier, not peer"):
+        durable.DurableTier(tmp_path, TierLevel.PEER)
 
 
 def test_ring_backup_is_the_next_node() -> None:

@@ -1,4 +1,5 @@
-"""Tier 4: each node's shards backed up on another node's agent over TCP.
+"""The peer tier (``TierLevel.PEER``): each node's shards backed up on another node's agent,
+over TCP.
 
 Placement (:func:`backup_node`): when the parallel layout is known, a node backs up to the
 nearest node (in ring order) none of whose ranks shares a tensor-, pipeline- or data-parallel
@@ -39,7 +40,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from elasticft.ckpt.api import CheckpointError, Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
+from elasticft.ckpt.api import (
+    CheckpointError,
+    Snapshot,
+    SnapshotCorrupt,
+    SnapshotMissing,
+    Tier,
+    TierLevel,
+)
 from elasticft.ckpt.persisting import diskfile, durable
 
 logger = logging.getLogger(__name__)
@@ -353,6 +361,8 @@ class PeerClient:
 class PeerTier(Tier):
     """A peer agent as a source to load from: the backup node ("peer") or a node holding a
     data-parallel replica in memory ("replica")."""
+
+    level = TierLevel.PEER
 
     def __init__(self, client: PeerClient, name: str = "peer") -> None:
         self.client = client

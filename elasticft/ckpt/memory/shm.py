@@ -1,4 +1,5 @@
-"""Tier 1: snapshots in shared memory that outlive the worker that wrote them.
+"""The memory tier (``TierLevel.MEMORY``): snapshots in shared memory that outlive the worker
+that wrote them.
 
 Design (who owns what)
 ----------------------
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from elasticft import procs
-from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
+from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier, TierLevel
 from elasticft.ckpt.hostcopy import copy_all
 from elasticft.ckpt.memory.slot import Slot
 from elasticft.ckpt.memory.slotformat import (
@@ -238,6 +239,7 @@ class MemoryTier(Tier):
     """Reads the snapshots of one local rank's slots (the worker's own, or the agent's view)."""
 
     name = "memory"
+    level = TierLevel.MEMORY
 
     def __init__(self, slots: SlotSet, lock_timeout_s: float = 10.0) -> None:
         self.slots = slots

@@ -1,4 +1,5 @@
-"""Tiers 2 and 3: checkpoints on disk (local) or shared storage (remote), readable by DCP.
+"""The disk tiers (``TierLevel.LOCAL`` and ``TierLevel.REMOTE``): checkpoints on local disk or
+shared storage, readable by DCP.
 
 A checkpoint of step ``s`` is a directory ``step-<s>/`` holding, per rank ``r``:
 
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier
+from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier, TierLevel
 from elasticft.ckpt.persisting.diskfile import (
     DirectRefused,
     ShardStream,
@@ -461,9 +462,13 @@ def _decode_by_torch_load(blob: memoryview, place: Mapping[str, Any], target: to
 class DurableTier(Tier):
     """A local or remote checkpoint directory, as a source to load from."""
 
-    def __init__(self, root: Path, name: str = "local") -> None:
+    def __init__(self, root: Path, level: TierLevel = TierLevel.LOCAL) -> None:
+        if level not in (TierLevel.LOCAL, TierLevel.REMOTE):
+            raise ValueError(f"a checkpoint directory is the local or the remote tier, not "
+                             f"{level.name.lower()}")
         self.root = root
-        self.name = name
+        self.level = level
+        self.name = level.name.lower()
 
     def steps(self, rank: int, world_size: int) -> list[int]:
         return sorted(

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from elasticft.ckpt.api import CheckpointError, Snapshot, StateMismatch, Tier
+from elasticft.ckpt.api import CheckpointError, Snapshot, StateMismatch, Tier, TierLevel
 from elasticft.ckpt.backup.peer import PeerClient, PeerTier
 from elasticft.ckpt.memory.shm import MemoryTier, SlotSet
 from elasticft.ckpt.persisting import durable
@@ -49,14 +49,15 @@ class SnapshotLoader:
         """Where the last load looked, in load order."""
 
     def tiers(self) -> list[Tier]:
-        """Sources in load order: own memory, local disk, this node's agent, a replica's node,
-        the backup node, the remote directory."""
+        """Sources in load order, by :class:`~elasticft.ckpt.api.TierLevel`: own memory, local
+        disk, then the peer tier (this node's agent, a replica's node, the backup node), then the
+        remote directory."""
         s = self.settings
         tiers: list[Tier] = []
         if s.shm_slots:
             tiers.append(MemoryTier(SlotSet(s.shm_slots, self._slot_count)))
         if s.local_dir is not None:
-            tiers.append(durable.DurableTier(s.local_dir, "local"))
+            tiers.append(durable.DurableTier(s.local_dir, TierLevel.LOCAL))
         if s.node_peer_addr and s.secret:
             tiers.append(PeerTier(PeerClient(s.node_peer_addr, s.secret), "node"))
         if s.replica_peer_addr and s.secret:
@@ -64,7 +65,7 @@ class SnapshotLoader:
         if s.peer_addr and s.secret:
             tiers.append(PeerTier(PeerClient(s.peer_addr, s.secret)))
         if s.remote_dir is not None:
-            tiers.append(durable.DurableTier(s.remote_dir, "remote"))
+            tiers.append(durable.DurableTier(s.remote_dir, TierLevel.REMOTE))
         return tiers
 
     def load(self, live: Any = None) -> Any:
