@@ -226,7 +226,7 @@ def hang_limits(config: DiagConfig) -> verdict.HangLimits:
         startup_s=config.hang_initial_timeout_s)
 
 
-def hang_event_evidence(judged: verdict.Verdict, ranks_waiting: tuple[int, ...],
+def hang_event_evidence(judged: verdict.HangVerdict, ranks_waiting: tuple[int, ...],
                         collective_timeout_s: float, step_timeout_s: float,
                         views: list[detectors.RankView], job: exchange.JobView
                         ) -> dict[str, Any]:

@@ -122,7 +122,7 @@ class DiagMonitor(AgentCollaborator):
         # Other nodes' ranks, read from the round's store (multi-node jobs only).
         self._exchange = views_exchange or exchange.ViewExchange()
         self._limits_hang = hang_limits(config)
-        self.last_verdict: verdict.Verdict | None = None
+        self.last_verdict: verdict.HangVerdict | None = None
         self._stack_sample: tuple[float, dict[int, bool], dict[int, str]] | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -433,7 +433,7 @@ class DiagMonitor(AgentCollaborator):
         self._stack_sample = (at, moving, dumps)
         return moving, dumps
 
-    def _act_on_hang(self, judged: verdict.Verdict, views: list[detectors.RankView],
+    def _act_on_hang(self, judged: verdict.HangVerdict, views: list[detectors.RankView],
                      job: exchange.JobView, stacks_now: Mapping[int, str]) -> Detection | None:
         """Reports a long wait that is no hang (once); the hang this node acts on, if any."""
         if judged.kind == "working" and judged.waited_s > _REPORT_WAIT_S:
@@ -465,7 +465,7 @@ class DiagMonitor(AgentCollaborator):
         return Detection(FailureClass.HANG, judged.culprits or local_waiting, "hang", message,
                          evidence=evidence)
 
-    def _report_wait(self, judged: verdict.Verdict, views: list[detectors.RankView],
+    def _report_wait(self, judged: verdict.HangVerdict, views: list[detectors.RankView],
                      stacks_now: Mapping[int, str]) -> None:
         """Not a hang: says once who the others wait for and what it is doing."""
         key = f"waiting:{judged.culprits}"

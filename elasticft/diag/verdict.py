@@ -5,7 +5,7 @@ rank computing for a minute outside any collective (an evaluation pass, a slow `
 rank 0) is only busy. :func:`judge` is a pure function from a :class:`JobSnapshot` (each rank's
 process state, CPU use, heartbeat, in-flight collectives and position on each communicator, GPU
 completion progress, py-spy stacks when sampled, and the recent durations of collectives) to a
-:class:`Verdict` that names the culprits and the evidence behind them. It is the only place that
+:class:`HangVerdict` that names the culprits and the evidence behind them. It is the only place that
 judges a hang: the monitor gathers the evidence and acts on the verdict.
 
 * **frozen**: a rank stopped (T), exited (Z, gone), or uninterruptible (D) using no CPU, with a
@@ -138,7 +138,10 @@ class StackGroups:
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
+class HangVerdict:
+    """What :func:`judge` found: the kind of wait, whether it is a hang, who caused it, who waits
+    on them, and the evidence for each rank."""
+
     kind: Kind
     hang: bool
     culprits: tuple[int, ...] = ()
@@ -297,7 +300,7 @@ def stuck_culprits(ranks: Sequence[RankEvidence], limits: HangLimits) -> dict[in
     return dict(sorted(culprits.items()))
 
 
-def judge(snapshot: JobSnapshot, limits: HangLimits) -> Verdict:
+def judge(snapshot: JobSnapshot, limits: HangLimits) -> HangVerdict:
     """The verdict on the job as it stands; ``hang`` is true only when it should be recovered."""
     sampled = {r.rank: r.stack for r in snapshot.ranks if r.stack is not None}
     stacks = None
@@ -320,7 +323,7 @@ def stacks_wanted(snapshot: JobSnapshot, limits: HangLimits) -> frozenset[int]:
 
 
 def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None,
-           describe: Callable[[RankEvidence], str] = _describe) -> Verdict:
+           describe: Callable[[RankEvidence], str] = _describe) -> HangVerdict:
     ranks = snapshot.ranks
     evidence = {r.rank: describe(r) for r in ranks}
     waiting = tuple(sorted(r.rank for r in ranks if r.call is not None))
@@ -336,12 +339,12 @@ def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None
         for rank, why in held.items():
             evidence[rank] = f"{why}; {evidence[rank]}"
         what = "; ".join(f"rank {rank} frozen: {why}" for rank, why in sorted(held.items()))
-        return Verdict("frozen", True, tuple(sorted(held)), tuple(stalled),
+        return HangVerdict("frozen", True, tuple(sorted(held)), tuple(stalled),
                        f"{what}; ranks {stalled} completed no step for more than "
                        f"{limits.heartbeat_stale_s:g} s", 0.0, limits.heartbeat_stale_s,
                        evidence)
     if not waiting:
-        return Verdict("healthy", False, evidence=evidence)
+        return HangVerdict("healthy", False, evidence=evidence)
     longest = max((r for r in ranks if r.call is not None), key=lambda r: r.call.age_s)  # type: ignore[union-attr]
     assert longest.call is not None
     waited = longest.call.age_s
@@ -355,7 +358,7 @@ def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None
             evidence[rank] = f"{why}; {evidence[rank]}"
         culprits = tuple(sorted(frozen))
         what = "; ".join(f"rank {rank} frozen: {why}" for rank, why in sorted(frozen.items()))
-        return Verdict("frozen", True, culprits, tuple(waited_on_frozen),
+        return HangVerdict("frozen", True, culprits, tuple(waited_on_frozen),
                        f"{what}; ranks {list(waited_on_frozen)} wait in "
                        f"{longest.call.op} for {waited:.1f} s", waited,
                        limits.heartbeat_stale_s, evidence)
@@ -365,11 +368,11 @@ def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None
         names = ", ".join(f"rank {r.rank} ({evidence[r.rank]})" for r in outside)
         culprits = tuple(r.rank for r in outside)
         if waited > limits.busy_ceiling_s:
-            return Verdict("busy_too_long", True, culprits, waiting,
+            return HangVerdict("busy_too_long", True, culprits, waiting,
                            f"ranks {list(waiting)} waited {waited:.1f} s (ceiling "
                            f"{limits.busy_ceiling_s:.0f} s) for {names}", waited,
                            limits.busy_ceiling_s, evidence)
-        return Verdict("working", False, culprits, waiting,
+        return HangVerdict("working", False, culprits, waiting,
                        f"ranks {list(waiting)} wait for {names}", waited,
                        limits.busy_ceiling_s, evidence)
     # Every live rank is inside a collective.
@@ -378,11 +381,11 @@ def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None
     if moving:
         names = ", ".join(f"rank {r.rank} ({evidence[r.rank]})" for r in moving)
         if waited > limits.busy_ceiling_s:
-            return Verdict("busy_too_long", True, tuple(r.rank for r in moving), waiting,
+            return HangVerdict("busy_too_long", True, tuple(r.rank for r in moving), waiting,
                            f"collectives in flight {waited:.1f} s (ceiling "
                            f"{limits.busy_ceiling_s:.0f} s) while {names} progress", waited,
                            limits.busy_ceiling_s, evidence)
-        return Verdict("working", False, tuple(r.rank for r in moving), waiting,
+        return HangVerdict("working", False, tuple(r.rank for r in moving), waiting,
                        f"every rank is in a collective, {names} still progressing", waited,
                        limits.busy_ceiling_s, evidence)
     calls = {(r.call.comm, r.call.comm_seq) for r in ranks if r.call is not None}
@@ -395,7 +398,7 @@ def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None
             f"#{longest.call.comm_seq} on comm {longest.call.comm:x} in flight {waited:.1f} s "
             f"(timeout {timeout:.1f} s: {basis})")
     if waited <= timeout:
-        return Verdict("healthy", False, (), waiting, what, waited, timeout, evidence)
+        return HangVerdict("healthy", False, (), waiting, what, waited, timeout, evidence)
     culprits = stuck_culprits(ranks, limits)
     named_by_stacks = not culprits and stacks is not None and bool(stacks.outliers)
     if named_by_stacks:
@@ -405,5 +408,5 @@ def _weigh(snapshot: JobSnapshot, limits: HangLimits, stacks: StackGroups | None
                     for rank, frame in sorted(stacks.outliers.items())}
     for rank, why in culprits.items():
         evidence[rank] = f"{why}; {evidence[rank]}"
-    return Verdict("stuck", True, tuple(culprits), waiting, what, waited, timeout, evidence,
+    return HangVerdict("stuck", True, tuple(culprits), waiting, what, waited, timeout, evidence,
                    named_by_stacks=named_by_stacks)

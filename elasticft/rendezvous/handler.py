@@ -71,8 +71,8 @@ from elasticft.rendezvous.membership import (
     read_leader,
 )
 from elasticft.rendezvous.protocol import (
+    MoveKind,
     RoundPoll,
-    Verdict,
     decide,
     restart_needed,
     round_may_close,
@@ -403,30 +403,30 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 rejoin_s=self.rejoin_timeout.total_seconds(),
                 waited_s=now - started, join_timeout_s=join_deadline - started, standby=standby,
             ))
-            verdict = decision.kind
-            if verdict is Verdict.PARTICIPANT:
+            move = decision.kind
+            if move is MoveKind.PARTICIPANT:
                 assert view.result is not None
                 return round_, view.result
-            if verdict in (Verdict.STANDBY, Verdict.LATE):
+            if move in (MoveKind.STANDBY, MoveKind.LATE):
                 logger.info("%s; node %s waits for round %d%s", decision.reason, m.node_id,
                             max(round_, view.last_round) + 1,
-                            " as a standby" if verdict is Verdict.STANDBY else "")
+                            " as a standby" if move is MoveKind.STANDBY else "")
                 round_ = max(round_, view.last_round) + 1
                 previous_size = self._join(round_)
                 coordinating, quorum_since = False, None
                 continue
-            if verdict is Verdict.REJOIN:
+            if move is MoveKind.REJOIN:
                 previous_size = self._join(round_)
                 continue
-            if verdict is Verdict.CLOSE:
+            if move is MoveKind.CLOSE:
                 participants = self._rounds.close(round_, self.max_nodes)
                 logger.info("node %s closed round %d: %s (%s)", m.node_id, round_,
                             decision.reason, "written" if participants else "already closed")
                 continue
-            if verdict is Verdict.TIMEOUT:
+            if move is MoveKind.TIMEOUT:
                 self._rounds.leave(round_)
                 raise RendezvousTimeoutError(f"rendezvous {self._run_id}: {decision.reason}")
-            if verdict is Verdict.CLOSED:
+            if move is MoveKind.CLOSED:
                 self._rounds.leave(round_)
                 if standby:
                     raise RendezvousGracefulExitError(

@@ -34,7 +34,9 @@ from collections.abc import Sequence
 from elasticft.decision import Decision
 
 
-class Verdict(enum.Enum):
+class MoveKind(enum.Enum):
+    """What a waiting node does next, after one poll of the round (the kind of a :class:`Move`)."""
+
     WAIT = "wait"
     CLOSE = "close"
     """This node coordinates the round and closes it now."""
@@ -51,7 +53,7 @@ class Verdict(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Move(Decision[Verdict]):
+class Move(Decision[MoveKind]):
     """A waiting node's next move after one poll, and how soon it polls again."""
 
     fast: bool = False
@@ -100,39 +102,39 @@ class RoundPoll:
 
 
 def decide(poll: RoundPoll) -> Move:
-    """What the node does next; see :class:`Verdict`."""
+    """What the node does next; see :class:`MoveKind`."""
     if poll.result is not None:
         if poll.node_id in poll.result:
-            return Move(Verdict.PARTICIPANT, f"rank {poll.result.index(poll.node_id)} of "
+            return Move(MoveKind.PARTICIPANT, f"rank {poll.result.index(poll.node_id)} of "
                         f"{len(poll.result)} in round {poll.round}")
         if len(poll.result) >= poll.max_nodes:
-            return Move(Verdict.STANDBY, f"round {poll.round} closed full "
+            return Move(MoveKind.STANDBY, f"round {poll.round} closed full "
                         f"({len(poll.result)} nodes) without this node")
-        return Move(Verdict.LATE, f"round {poll.round} closed with {len(poll.result)} "
+        return Move(MoveKind.LATE, f"round {poll.round} closed with {len(poll.result)} "
                     "nodes before this node joined")
     if poll.job_closed:
-        return Move(Verdict.CLOSED, "the job is closed")
+        return Move(MoveKind.CLOSED, "the job is closed")
     if poll.last_round >= poll.round:
         # The round's result was already pruned, or this node missed it altogether.
-        return Move(Verdict.LATE, f"round {poll.last_round} already closed")
+        return Move(MoveKind.LATE, f"round {poll.last_round} already closed")
     if not poll.joined_present:
-        return Move(Verdict.REJOIN, "this node's join record expired with its lease")
+        return Move(MoveKind.REJOIN, "this node's join record expired with its lease")
     if not poll.standby and poll.waited_s >= poll.join_timeout_s:
-        return Move(Verdict.TIMEOUT, f"round {poll.round} did not close within "
+        return Move(MoveKind.TIMEOUT, f"round {poll.round} did not close within "
                     f"{poll.join_timeout_s:.0f} s ({poll.joined} node(s) joined, "
                     f"min {poll.min_nodes})")
     if poll.coordinator != poll.node_id:
-        return Move(Verdict.WAIT, f"waiting for {poll.coordinator or 'a coordinator'}")
+        return Move(MoveKind.WAIT, f"waiting for {poll.coordinator or 'a coordinator'}")
     if not poll.may_close:
-        return Move(Verdict.WAIT, "the previous round is still running, full")
+        return Move(MoveKind.WAIT, "the previous round is still running, full")
     if poll.joined >= poll.max_nodes and not poll.previous_remaining:
-        return Move(Verdict.CLOSE, f"{poll.joined} nodes joined (max {poll.max_nodes})")
+        return Move(MoveKind.CLOSE, f"{poll.joined} nodes joined (max {poll.max_nodes})")
     if (poll.quorum_for_s is not None and poll.previous_size is not None
             and poll.previous_remaining == 0 and poll.joined <= poll.previous_size):
         # Nobody may still come: every live participant of the previous round is in (the
         # others' leases ended), and the round does not grow, so it is no scale-up that the
         # last call would let more new nodes join. A shrink closes here, at once.
-        return Move(Verdict.CLOSE, f"{poll.joined} nodes joined: every live participant "
+        return Move(MoveKind.CLOSE, f"{poll.joined} nodes joined: every live participant "
                     f"of round {poll.round - 1} ({poll.previous_size} nodes) is in")
     if poll.quorum_for_s is not None and poll.quorum_for_s >= poll.last_call_s:
         if poll.previous_remaining and poll.quorum_for_s < poll.last_call_s + poll.rejoin_s:
@@ -140,12 +142,12 @@ def decide(poll: RoundPoll) -> Move:
             # its workers, which can outlast a short last call. Closing without it would make
             # it a late joiner that stops this round in turn: two nodes taking turns to close
             # a round alone, for ever.
-            return Move(Verdict.WAIT, f"{poll.previous_remaining} live participant(s) of "
+            return Move(MoveKind.WAIT, f"{poll.previous_remaining} live participant(s) of "
                         f"round {poll.round - 1} on their way (up to {poll.rejoin_s:g} s "
                         "after the last call)", fast=True, announce=True)
-        return Move(Verdict.CLOSE, f"{poll.joined} nodes joined (min {poll.min_nodes}) "
+        return Move(MoveKind.CLOSE, f"{poll.joined} nodes joined (min {poll.min_nodes}) "
                     f"and the last call of {poll.last_call_s:g} s is over")
-    return Move(Verdict.WAIT, f"{poll.joined} of {poll.min_nodes}..{poll.max_nodes} joined",
+    return Move(MoveKind.WAIT, f"{poll.joined} of {poll.min_nodes}..{poll.max_nodes} joined",
                 fast=True)
 
 

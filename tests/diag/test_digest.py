@@ -132,7 +132,7 @@ def test_a_reader_leaves_out_its_own_node_and_adds_the_digests_age():
 LIMITS_HANG = verdict.HangLimits(heartbeat_stale_s=2.0, collective_floor_s=3.0, min_samples=3)
 
 
-def _judge(local: list[d.RankView], remote: list[d.RankView]) -> verdict.Verdict:
+def _judge(local: list[d.RankView], remote: list[d.RankView]) -> verdict.HangVerdict:
     views = local + remote
     evidence = []
     for v in views:

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from elasticft.rendezvous.protocol import (
+    MoveKind,
     RoundPoll,
-    Verdict,
     decide,
     restart_needed,
     round_may_close,
@@ -22,61 +22,61 @@ BASE = RoundPoll(round=3, node_id="me", min_nodes=2, max_nodes=4, coordinator="m
 
 DECIDE_CASES = [
     # (what changes from BASE, verdict, fast poll)
-    ({}, Verdict.WAIT, True),
-    ({"joined": 4}, Verdict.CLOSE, False),
-    ({"joined": 5}, Verdict.CLOSE, False),
-    ({"joined": 2, "quorum_for_s": 10.0}, Verdict.WAIT, True),
-    ({"joined": 2, "quorum_for_s": 30.0}, Verdict.CLOSE, False),
+    ({}, MoveKind.WAIT, True),
+    ({"joined": 4}, MoveKind.CLOSE, False),
+    ({"joined": 5}, MoveKind.CLOSE, False),
+    ({"joined": 2, "quorum_for_s": 10.0}, MoveKind.WAIT, True),
+    ({"joined": 2, "quorum_for_s": 30.0}, MoveKind.CLOSE, False),
     # a full round waits for a live participant of the previous round, past the last call
-    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 1.0}, Verdict.WAIT, True),
-    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 30.0}, Verdict.WAIT, True),
-    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 90.0}, Verdict.CLOSE, False),
+    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 1.0}, MoveKind.WAIT, True),
+    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 30.0}, MoveKind.WAIT, True),
+    ({"joined": 4, "previous_remaining": 1, "quorum_for_s": 90.0}, MoveKind.CLOSE, False),
     # any round waits past the last call for a live participant of the previous round that is
     # stopping its workers, else two nodes take turns closing a round alone; not for ever
-    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 30.0}, Verdict.WAIT, True),
-    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 89.0}, Verdict.WAIT, True),
-    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 90.0}, Verdict.CLOSE, False),
-    ({"joined": 2, "previous_remaining": 0, "quorum_for_s": 30.0}, Verdict.CLOSE, False),
+    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 30.0}, MoveKind.WAIT, True),
+    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 89.0}, MoveKind.WAIT, True),
+    ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 90.0}, MoveKind.CLOSE, False),
+    ({"joined": 2, "previous_remaining": 0, "quorum_for_s": 30.0}, MoveKind.CLOSE, False),
     ({"joined": 2, "previous_remaining": 1, "quorum_for_s": 35.0, "rejoin_s": 5.0},
-     Verdict.CLOSE, False),
+     MoveKind.CLOSE, False),
     # everyone alive is in: a shrink (or a restart of all) closes at once, without the last
     # call; a node whose death is not known yet, or a scale-up, still gets it
     ({"joined": 2, "previous_size": 3, "previous_remaining": 0, "quorum_for_s": 0.0},
-     Verdict.CLOSE, False),
+     MoveKind.CLOSE, False),
     ({"joined": 3, "previous_size": 3, "previous_remaining": 0, "quorum_for_s": 0.0},
-     Verdict.CLOSE, False),
+     MoveKind.CLOSE, False),
     ({"joined": 2, "previous_size": 3, "previous_remaining": 1, "quorum_for_s": 0.0},
-     Verdict.WAIT, True),
+     MoveKind.WAIT, True),
     ({"joined": 3, "previous_size": 2, "previous_remaining": 0, "quorum_for_s": 0.0},
-     Verdict.WAIT, True),
-    ({"joined": 1, "previous_size": 3, "previous_remaining": 0}, Verdict.WAIT, True),
+     MoveKind.WAIT, True),
+    ({"joined": 1, "previous_size": 3, "previous_remaining": 0}, MoveKind.WAIT, True),
     ({"joined": 2, "previous_size": 3, "previous_remaining": None, "quorum_for_s": 0.0,
-      "coordinator": "other"}, Verdict.WAIT, False),
+      "coordinator": "other"}, MoveKind.WAIT, False),
     # the gate: the previous round is full and running, so no round of standbys
-    ({"joined": 4, "may_close": False}, Verdict.WAIT, False),
+    ({"joined": 4, "may_close": False}, MoveKind.WAIT, False),
     # not the coordinator: only waits, slowly
-    ({"coordinator": "other", "joined": 4}, Verdict.WAIT, False),
-    ({"coordinator": None}, Verdict.WAIT, False),
+    ({"coordinator": "other", "joined": 4}, MoveKind.WAIT, False),
+    ({"coordinator": None}, MoveKind.WAIT, False),
     # the result is out
-    ({"result": ("a", "me")}, Verdict.PARTICIPANT, False),
-    ({"result": ("a", "b", "c", "d")}, Verdict.STANDBY, False),
-    ({"result": ("a", "b")}, Verdict.LATE, False),
-    ({"result": ("a", "me"), "job_closed": True}, Verdict.PARTICIPANT, False),
+    ({"result": ("a", "me")}, MoveKind.PARTICIPANT, False),
+    ({"result": ("a", "b", "c", "d")}, MoveKind.STANDBY, False),
+    ({"result": ("a", "b")}, MoveKind.LATE, False),
+    ({"result": ("a", "me"), "job_closed": True}, MoveKind.PARTICIPANT, False),
     # the round closed and its result is gone, or this node joined a round already past
-    ({"last_round": 3}, Verdict.LATE, False),
-    ({"last_round": 7, "coordinator": "other"}, Verdict.LATE, False),
-    ({"job_closed": True}, Verdict.CLOSED, False),
-    ({"joined_present": False, "joined": 4}, Verdict.REJOIN, False),
-    ({"waited_s": 600.0}, Verdict.TIMEOUT, False),
-    ({"waited_s": 900.0, "coordinator": "other"}, Verdict.TIMEOUT, False),
+    ({"last_round": 3}, MoveKind.LATE, False),
+    ({"last_round": 7, "coordinator": "other"}, MoveKind.LATE, False),
+    ({"job_closed": True}, MoveKind.CLOSED, False),
+    ({"joined_present": False, "joined": 4}, MoveKind.REJOIN, False),
+    ({"waited_s": 600.0}, MoveKind.TIMEOUT, False),
+    ({"waited_s": 900.0, "coordinator": "other"}, MoveKind.TIMEOUT, False),
     # a standby of a full job has no join timeout (as in torch's redundancy list)
-    ({"waited_s": 900.0, "standby": True, "may_close": False}, Verdict.WAIT, False),
-    ({"waited_s": 900.0, "standby": True, "job_closed": True}, Verdict.CLOSED, False),
+    ({"waited_s": 900.0, "standby": True, "may_close": False}, MoveKind.WAIT, False),
+    ({"waited_s": 900.0, "standby": True, "job_closed": True}, MoveKind.CLOSED, False),
 ]
 
 
 @pytest.mark.parametrize(("change", "verdict", "fast"), DECIDE_CASES)
-def test_decide(change: dict, verdict: Verdict, fast: bool) -> None:
+def test_decide(change: dict, verdict: MoveKind, fast: bool) -> None:
     decision = decide(dataclasses.replace(BASE, **change))
     assert (decision.kind, decision.fast) == (verdict, fast), decision.reason
     assert decision.reason
