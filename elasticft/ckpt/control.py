@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from elasticft.jsonfile import write_json
+from elasticft.jsonfile import read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def watcher_path(control_dir: Path, local_rank: int) -> Path:
 def watching_pid(control_dir: Path, local_rank: int) -> int | None:
     """Pid of the worker process whose watcher thread answers for ``local_rank`` (None: none
     has started yet, e.g. a worker still importing torch, which could not answer)."""
-    record = _read_json(watcher_path(control_dir, local_rank))
+    record = read_json(watcher_path(control_dir, local_rank))
     return int(record["pid"]) if record and "pid" in record else None
 
 
@@ -79,7 +79,7 @@ def report_flipped(control_dir: Path, local_rank: int, request_id: str, **facts:
 
 
 def read_flipped(control_dir: Path, local_rank: int, request_id: str) -> dict | None:
-    answer = _read_json(flipped_path(control_dir, local_rank))
+    answer = read_json(flipped_path(control_dir, local_rank))
     return answer if answer and answer.get("id") == request_id else None
 
 
@@ -118,7 +118,7 @@ def announced_dirs(control_dir: Path, local_ranks: Iterable[int]) -> dict[int, P
     """Agent side: the directories these local ranks' scripts chose, by local rank."""
     found = {}
     for rank in local_ranks:
-        record = _read_json(control_dir / f"ckpt-dir-l{rank}.json")
+        record = read_json(control_dir / f"ckpt-dir-l{rank}.json")
         if record and record.get("dir"):
             found[rank] = Path(record["dir"])
     return found
@@ -158,7 +158,7 @@ class RestoreReader:
     def new_restores(self, control_dir: Path, local_ranks: Iterable[int]) -> dict[int, dict]:
         found = {}
         for rank in local_ranks:
-            record = _read_json(control_dir / f"restored-l{rank}.json")
+            record = read_json(control_dir / f"restored-l{rank}.json")
             if not record:
                 continue
             key = (int(record.get("pid", 0)), float(record.get("time", 0.0)))
@@ -215,13 +215,6 @@ _write_json = functools.partial(write_json, private=True, parents=False)
 its agent removed is not made again)."""
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Ack:
     local_rank: int
@@ -251,7 +244,7 @@ def request_checkpoint(
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
         for rank in sorted(pending):
-            answer = _read_json(ack_path(control_dir, rank))
+            answer = read_json(ack_path(control_dir, rank))
             if answer and answer.get("id") == request_id:
                 acks[rank] = Ack(rank, answer.get("step"), answer.get("error", ""))
                 pending.discard(rank)
@@ -287,9 +280,9 @@ class ControlWatcher:
         self._on_bitflip = on_bitflip
         """Takes a bit-flip request's id (fault injection, :func:`request_bitflip`)."""
         self._stop = threading.Event()
-        request = _read_json(control_dir / REQUEST)
+        request = read_json(control_dir / REQUEST)
         self._answered = request.get("id") if request else None  # a request from before us
-        flip = _read_json(bitflip_path(control_dir, local_rank))
+        flip = read_json(bitflip_path(control_dir, local_rank))
         self._flip_seen = flip.get("id") if flip else None
         with contextlib.suppress(OSError):
             _write_json(watcher_path(control_dir, local_rank), {"pid": os.getpid()})
@@ -301,7 +294,7 @@ class ControlWatcher:
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
             self._check_bitflip()
-            request = _read_json(self.control_dir / REQUEST)
+            request = read_json(self.control_dir / REQUEST)
             if not request or request.get("id") == self._answered:
                 continue
             self._answered = request["id"]
@@ -316,7 +309,7 @@ class ControlWatcher:
     def _check_bitflip(self) -> None:
         if self._on_bitflip is None:
             return
-        flip = _read_json(bitflip_path(self.control_dir, self.local_rank))
+        flip = read_json(bitflip_path(self.control_dir, self.local_rank))
         if flip and flip.get("id") != self._flip_seen:
             self._flip_seen = flip["id"]
             self._on_bitflip(str(flip["id"]))
