@@ -37,13 +37,15 @@ static size_t type_size(ncclDataType_t t) {
 /* Interposed entry points                                                                  */
 /* ======================================================================================== */
 
-#define REAL(name, type)                                                        \
+/* The real NCCL's function of this name, of the type the wrapper itself is declared with: the
+ * signature is written once, in the wrapper, and the pointer cannot disagree with it. */
+#define REAL(name)                                                              \
     static real_t real_slot_##name = {#name, NULL, 0};                          \
-    type real_##name = (type)resolve(&real_slot_##name);                        \
+    __typeof__(&name) real_##name = (__typeof__(&name))resolve(&real_slot_##name); \
     if (UNLIKELY(!real_##name)) return ncclInternalError
 
-#define COLLECTIVE_BODY(name, type, op, comm, bytes, peer, stream, ...)         \
-    REAL(name, type);                                                           \
+#define COLLECTIVE_BODY(name, op, comm, bytes, peer, stream, ...)               \
+    REAL(name);                                                                 \
     if (!enabled()) return real_##name(__VA_ARGS__);                            \
     uint32_t comm_seq_ = 0;                                                     \
     uint64_t key_ = comm_next(comm, &comm_seq_);                                \
@@ -58,79 +60,63 @@ static size_t type_size(ncclDataType_t t) {
     finish_call(seq_, rc_, stream, slot_);                                      \
     return rc_
 
-typedef ncclResult_t (*allreduce_fn)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
-                                     ncclComm_t, cudaStream_t);
 EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                                   ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                   cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclAllReduce, allreduce_fn, OP_ALL_REDUCE, comm, count * type_size(datatype),
+    COLLECTIVE_BODY(ncclAllReduce, OP_ALL_REDUCE, comm, count * type_size(datatype),
                     -1, stream, sendbuff, recvbuff, count, datatype, op, comm, stream);
 }
 
-typedef ncclResult_t (*broadcast_fn)(const void *, void *, size_t, ncclDataType_t, int,
-                                     ncclComm_t, cudaStream_t);
 EXPORT ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
                                   ncclDataType_t datatype, int root, ncclComm_t comm,
                                   cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclBroadcast, broadcast_fn, OP_BROADCAST, comm, count * type_size(datatype),
+    COLLECTIVE_BODY(ncclBroadcast, OP_BROADCAST, comm, count * type_size(datatype),
                     root, stream, sendbuff, recvbuff, count, datatype, root, comm, stream);
 }
 
-typedef ncclResult_t (*reduce_fn)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, int,
-                                  ncclComm_t, cudaStream_t);
 EXPORT ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count,
                                ncclDataType_t datatype, ncclRedOp_t op, int root, ncclComm_t comm,
                                cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclReduce, reduce_fn, OP_REDUCE, comm, count * type_size(datatype), root,
+    COLLECTIVE_BODY(ncclReduce, OP_REDUCE, comm, count * type_size(datatype), root,
                     stream, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
 }
 
-typedef ncclResult_t (*allgather_fn)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
-                                     cudaStream_t);
 EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
                                   ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclAllGather, allgather_fn, OP_ALL_GATHER, comm,
+    COLLECTIVE_BODY(ncclAllGather, OP_ALL_GATHER, comm,
                     sendcount * type_size(datatype), -1, stream, sendbuff, recvbuff, sendcount,
                     datatype, comm, stream);
 }
 
-typedef ncclResult_t (*reducescatter_fn)(const void *, void *, size_t, ncclDataType_t,
-                                         ncclRedOp_t, ncclComm_t, cudaStream_t);
 EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
                                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                       cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclReduceScatter, reducescatter_fn, OP_REDUCE_SCATTER, comm,
+    COLLECTIVE_BODY(ncclReduceScatter, OP_REDUCE_SCATTER, comm,
                     recvcount * type_size(datatype), -1, stream, sendbuff, recvbuff, recvcount,
                     datatype, op, comm, stream);
 }
 
 /* ncclAlltoAll exists only in recent NCCL (2.28 and later). */
-typedef ncclResult_t (*alltoall_fn)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
-                                    cudaStream_t);
 EXPORT ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count,
                                  ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclAlltoAll, alltoall_fn, OP_ALL_TO_ALL, comm, count * type_size(datatype),
+    COLLECTIVE_BODY(ncclAlltoAll, OP_ALL_TO_ALL, comm, count * type_size(datatype),
                     -1, stream, sendbuff, recvbuff, count, datatype, comm, stream);
 }
 
-typedef ncclResult_t (*send_fn)(const void *, size_t, ncclDataType_t, int, ncclComm_t,
-                                cudaStream_t);
 EXPORT ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype,
                              int peer, ncclComm_t comm, cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclSend, send_fn, OP_SEND, comm, count * type_size(datatype), peer, stream,
+    COLLECTIVE_BODY(ncclSend, OP_SEND, comm, count * type_size(datatype), peer, stream,
                     sendbuff, count, datatype, peer, comm, stream);
 }
 
-typedef ncclResult_t (*recv_fn)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
 EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
                              ncclComm_t comm, cudaStream_t stream) {
-    COLLECTIVE_BODY(ncclRecv, recv_fn, OP_RECV, comm, count * type_size(datatype), peer, stream,
+    COLLECTIVE_BODY(ncclRecv, OP_RECV, comm, count * type_size(datatype), peer, stream,
                     recvbuff, count, datatype, peer, comm, stream);
 }
 
-typedef ncclResult_t (*void_fn)(void);
 EXPORT ncclResult_t ncclGroupStart(void) {
-    REAL(ncclGroupStart, void_fn);
+    REAL(ncclGroupStart);
     if (!enabled()) return real_ncclGroupStart();
     ncclResult_t rc = real_ncclGroupStart();
     if (rc == ncclSuccess) t_group_depth++;
@@ -138,7 +124,7 @@ EXPORT ncclResult_t ncclGroupStart(void) {
 }
 
 EXPORT ncclResult_t ncclGroupEnd(void) {
-    REAL(ncclGroupEnd, void_fn);
+    REAL(ncclGroupEnd);
     if (!enabled() || t_group_depth == 0) return real_ncclGroupEnd();
     int outermost = t_group_depth == 1;
     int n = outermost ? t_ndeferred : 0;
@@ -160,30 +146,26 @@ static ncclResult_t init_done(uint64_t seq, ncclResult_t rc, ncclComm_t *comm, u
     return rc;
 }
 
-typedef ncclResult_t (*init_rank_fn)(ncclComm_t *, int, ncclUniqueId, int);
 EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank) {
-    REAL(ncclCommInitRank, init_rank_fn);
+    REAL(ncclCommInitRank);
     if (!enabled()) return real_ncclCommInitRank(comm, nranks, id, rank);
     uint64_t key = hash_bytes(&id, sizeof id, FNV_OFFSET);
     uint64_t seq = publish(OP_COMM_INIT, key, 0, (uint64_t)nranks, rank);
     return init_done(seq, real_ncclCommInitRank(comm, nranks, id, rank), comm, key);
 }
 
-typedef ncclResult_t (*init_config_fn)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
 EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id,
                                            int rank, ncclConfig_t *config) {
-    REAL(ncclCommInitRankConfig, init_config_fn);
+    REAL(ncclCommInitRankConfig);
     if (!enabled()) return real_ncclCommInitRankConfig(comm, nranks, id, rank, config);
     uint64_t key = hash_bytes(&id, sizeof id, FNV_OFFSET);
     uint64_t seq = publish(OP_COMM_INIT, key, 0, (uint64_t)nranks, rank);
     return init_done(seq, real_ncclCommInitRankConfig(comm, nranks, id, rank, config), comm, key);
 }
 
-typedef ncclResult_t (*init_scalable_fn)(ncclComm_t *, int, int, int, ncclUniqueId *,
-                                         ncclConfig_t *);
 EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t *comm, int nranks, int rank, int nids,
                                              ncclUniqueId *ids, ncclConfig_t *config) {
-    REAL(ncclCommInitRankScalable, init_scalable_fn);
+    REAL(ncclCommInitRankScalable);
     if (!enabled()) return real_ncclCommInitRankScalable(comm, nranks, rank, nids, ids, config);
     uint64_t key = ids && nids > 0 ? hash_bytes(ids, sizeof *ids, FNV_OFFSET) : 0;
     uint64_t seq = publish(OP_COMM_INIT, key, 0, (uint64_t)nranks, rank);
@@ -192,10 +174,9 @@ EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t *comm, int nranks, int r
 }
 
 /* torch creates sub-groups by splitting: members of one colour share (parent key, colour). */
-typedef ncclResult_t (*split_fn)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
 EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                                   ncclConfig_t *config) {
-    REAL(ncclCommSplit, split_fn);
+    REAL(ncclCommSplit);
     if (!enabled()) return real_ncclCommSplit(comm, color, key, newcomm, config);
     uint64_t parent = comm_key(comm);
     uint64_t child = hash_bytes(&color, sizeof color, hash_bytes(&parent, sizeof parent,
@@ -214,13 +195,13 @@ static ncclResult_t comm_end(comm_fn real, uint32_t op, ncclComm_t comm) {
 }
 
 EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
-    REAL(ncclCommAbort, comm_fn);
+    REAL(ncclCommAbort);
     if (!enabled()) return real_ncclCommAbort(comm);
     return comm_end(real_ncclCommAbort, OP_COMM_ABORT, comm);
 }
 
 EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
-    REAL(ncclCommDestroy, comm_fn);
+    REAL(ncclCommDestroy);
     if (!enabled()) return real_ncclCommDestroy(comm);
     return comm_end(real_ncclCommDestroy, OP_COMM_DESTROY, comm);
 }
