@@ -4,40 +4,34 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
 joins the checkpoint engine's agent-side concepts to the agent's hooks:
 
 * **Slots it owns** (:mod:`elasticft.ckpt.memory.nodeslots`): every local worker's shared-memory
-slots,
-  passed to the workers (``ELASTICFT_WORKER_CKPT_*``) and held for the job's life, so a worker
-  that crashes loses nothing. Named segments that processes now gone left behind are removed by
-  the launcher's one sweep of leftovers.
+  slots, passed to the workers (``ELASTICFT_WORKER_CKPT_*``) and held for the job's life, so a
+  worker that crashes loses nothing. Named segments that processes now gone left behind are removed
+  by the launcher's one sweep of leftovers.
 * **Persistence in the background** (:mod:`elasticft.ckpt.persisting.agentpersist`): every monitor
-tick,
-  a step due for persistence that every local worker holds is written to the local directory
-  and the remote one on a background thread, DCP-readable, committed once every rank is
-  durable, and backed up to a peer.
+  tick, a step due for persistence that every local worker holds is written to the local directory
+  and the remote one on a background thread, DCP-readable, committed once every rank is durable, and
+  backed up to a peer.
 * **Peer backup.** In a multi-node job it runs a :class:`~elasticft.ckpt.backup.peer.PeerServer` on
-the
-  job's address, publishes its address in the rendezvous store, and pushes each persisted shard
+  the job's address, publishes its address in the rendezvous store, and pushes each persisted shard
   to its backup node. The leader of every round publishes the round's secret
-  (``CheckpointConfig.ckpt_peer_secret`` through the Python API, else a fresh random one per
-  round) and every node adopts it, so all nodes of a round agree even when a new node becomes
-  the leader, and a node that left cannot fetch shards any more. The server also serves the
-  data-parallel replicas this node holds in memory (:mod:`elasticft.ckpt.backup.replicas`). Under a
-  (tp, pp, dp) layout the backup node is outside the node's parallel groups and holds no
-  replica, so workers are also given a replica's node
-  (:func:`~elasticft.ckpt.backup.peer.replica_node`) and ask it first.
+  (``CheckpointConfig.ckpt_peer_secret`` through the Python API, else a fresh random one per round)
+  and every node adopts it, so all nodes of a round agree even when a new node becomes the leader,
+  and a node that left cannot fetch shards any more. The server also serves the data-parallel
+  replicas this node holds in memory (:mod:`elasticft.ckpt.backup.replicas`). Under a (tp, pp, dp)
+  layout the backup node is outside the node's parallel groups and holds no replica, so workers are
+  also given a replica's node (:func:`~elasticft.ckpt.backup.peer.replica_node`) and ask it first.
 * **Flush on failure** (:mod:`elasticft.ckpt.persisting.flush`): the newest snapshot every local
-worker
-  completed goes to disk on a thread of its own, after the decision and, for a restart in
+  worker completed goes to disk on a thread of its own, after the decision and, for a restart in
   place, after the restarted workers' restore and first step.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
 * **Silent data corruption** (:mod:`elasticft.ckpt.integrity.sdcwatch`): every
-  ``ckpt_fingerprint_every``-th step, the workers' snapshots are fingerprinted and the
-  data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event.
-* **What each attempt resumed from**: one log line and a ``restore`` event; every save a
-  worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
-  log (``AddOnContext.events``). Where checkpoints persist:
-  :mod:`elasticft.ckpt.persisting.places`. Under ``--fresh`` the workers first remove what earlier
-  launches left there.
+  ``ckpt_fingerprint_every``-th step, the workers' snapshots are fingerprinted and the data-parallel
+  replicas compared; a diverging rank is an ``sdc_suspect`` event.
+* **What each attempt resumed from**: one log line and a ``restore`` event; every save a worker
+  could not take is a ``snapshot_skipped`` event. Events go to the agent's one event log
+  (``AddOnContext.events``). Where checkpoints persist: :mod:`elasticft.ckpt.persisting.places`.
+  Under ``--fresh`` the workers first remove what earlier launches left there.
 """
 
 from __future__ import annotations
