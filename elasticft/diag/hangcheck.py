@@ -218,7 +218,7 @@ def sample_stacks(pids: Mapping[int, int], in_call: Collection[int],
 
 
 def hang_limits(config: DiagConfig) -> verdict.HangLimits:
-    """The verdict's limits from the options."""
+    """The verdict's limits from the options (``DiagConfig()``: their defaults)."""
     return verdict.HangLimits(
         heartbeat_stale_s=config.hang_heartbeat_stale_s, busy_ceiling_s=config.hang_busy_ceiling_s,
         collective_floor_s=config.hang_collective_floor_s, multiple=config.hang_multiple,

@@ -90,25 +90,25 @@ class RankEvidence:
 
 @dataclasses.dataclass(frozen=True)
 class HangLimits:
-    """The verdict's thresholds; the agent takes them from the ``hang_*`` options
-    (:func:`elasticft.diag.hangcheck.hang_limits`)."""
+    """The verdict's thresholds. Their values are the ``hang_*`` options' (defaults included:
+    :func:`elasticft.diag.hangcheck.hang_limits` makes them), stated nowhere else."""
 
-    heartbeat_stale_s: float = 2.0
+    heartbeat_stale_s: float
     """Seconds without a recorder heartbeat after which a rank's process counts as frozen."""
-    busy_cpu_fraction: float = 0.1
-    """CPU use above this (of one core) is progress; the recorder's beat uses far less."""
-    busy_ceiling_s: float = 1800.0
+    busy_ceiling_s: float
     """Seconds peers may wait for ranks that are alive and busy before they count as hung."""
-    collective_floor_s: float = 3.0
+    collective_floor_s: float
     """The learned collective timeout's least value, in seconds."""
-    multiple: float = 5.0
+    multiple: float
     """The learned collective timeout is this multiple of ``percentile`` of recent durations."""
-    percentile: float = 99.0
-    min_samples: int = 10
+    percentile: float
+    min_samples: int
     """Durations needed before the learned timeout replaces ``startup_s``."""
-    startup_s: float = 600.0
+    startup_s: float
     """Seconds a collective may take before ``min_samples`` durations exist (first compile,
     warm-up)."""
+    busy_cpu_fraction: float = 0.1
+    """CPU use above this (of one core) is progress; the recorder's beat uses far less."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import statistics
 
 import pytest
 
+from elasticft.config import DiagConfig
 from elasticft.diag import detectors as d
 from elasticft.diag import verdict
 from elasticft.diag.digest import (
@@ -22,6 +23,7 @@ from elasticft.diag.digest import (
     encode_digest,
     job_view,
 )
+from elasticft.diag.hangcheck import hang_limits
 from elasticft.diag.summary import NodeSummary, RemoteNode
 
 COMM = 0xABC
@@ -129,7 +131,7 @@ def test_a_reader_leaves_out_its_own_node_and_adds_the_digests_age():
 
 # -- the same verdicts through the digest -------------------------------------------------------
 
-LIMITS_HANG = verdict.HangLimits(heartbeat_stale_s=2.0, collective_floor_s=3.0, min_samples=3)
+LIMITS_HANG = dataclasses.replace(hang_limits(DiagConfig()), min_samples=3)
 
 
 def _judge(local: list[d.RankView], remote: list[d.RankView]) -> verdict.HangVerdict:

@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
+from elasticft.config import DiagConfig
+from elasticft.diag.hangcheck import hang_limits
 from elasticft.diag.stacks import stack_signature
 from elasticft.diag.verdict import (
     Call,
-    HangLimits,
     JobSnapshot,
     RankEvidence,
     group_stacks,
@@ -17,7 +18,8 @@ from elasticft.diag.verdict import (
     stacks_wanted,
 )
 
-LIMITS = HangLimits()
+LIMITS = hang_limits(DiagConfig())
+"""The ``hang_*`` options' defaults."""
 HISTORY = [0.01] * 50  # 5 x p99 = 0.05 s: the 3 s floor rules
 AR = "all_reduce"
 
