@@ -499,6 +499,13 @@ class CheckpointConfig:
         "the finding is sdc_undecidable until a second reading decides it. Costs the agent "
         "one read of the snapshot, the training processes nothing (0: off). Snapshots taken "
         "with dedup_replicas have no fingerprint.", minimum=0)
+    ckpt_sdc_action: Literal["report", "evict"] = option(
+        "report", "What a finding of the fingerprints causes: report (the sdc events only), or "
+        "evict: the node of a rank named is evicted and blacklisted with reason sdc, the job "
+        "restores the newest step at which every fingerprint agreed (kept in memory until a "
+        "newer one agrees) and redoes the steps after it; two replicas that differ redo those "
+        "steps too, and the side whose result changes is named. Needs "
+        "--ckpt-fingerprint-every and at least 3 memory slots.")
     ckpt_flush_on_failure: bool = tuning(
         True, "When a worker fails, persist the newest complete snapshot before restarting.")
 
