@@ -101,6 +101,8 @@ class FingerprintWatch:
         """The round's store (set by the service at every rendezvous); None: this node only."""
         self.gather_timeout_s = 30.0
         self._closing = threading.Event()
+        self._deletes = True
+        """Whether the round's store deletes keys (a TCPStore does; etcd's store does not)."""
 
     def tick(self, group: GroupInfo) -> None:
         """Starts the check of the next due step every local worker holds, unless one runs."""
@@ -423,7 +425,13 @@ class FingerprintWatch:
                     replica_set=f["replica_set"], digest=f["digest"],
                     items=tuple((str(n), int(c)) for n, c in f["items"]), nbytes=f["nbytes"]))
                 nodes[f["rank"]] = record["node"]
-            store.delete_key(key)
+            if self._deletes:
+                try:
+                    store.delete_key(key)
+                except (RuntimeError, NotImplementedError):
+                    # The rendezvous's store (etcd's, behind a prefix) deletes nothing: its
+                    # keys go with the round.
+                    self._deletes = False
         return gathered, nodes
 
     def _report(self, finding: Finding, fps: list[Fingerprint]) -> None:
