@@ -114,7 +114,7 @@ class FailureFacts:
     backoff_first_s: float = 1.0
     """The wait before the restart after the first repeat (``--restart-backoff-s``)."""
     backoff_max_s: float = 30.0
-    """The longest wait (``--restart-backoff-max-s``)."""
+    """The longest wait (``restart_backoff_max_s``)."""
     jitter: float = 0.0
     """A number in [0, 1) drawn by the agent: its share of :data:`BACKOFF_JITTER`."""
 

@@ -28,7 +28,11 @@ joins the checkpoint engine's agent-side concepts to the agent's hooks:
   workers' control threads for their newest snapshot, waits for the acks and persists it.
 * **Silent data corruption** (:mod:`elasticft.ckpt.sdcwatch`): every
   ``ckpt_fingerprint_every``-th step, the workers' snapshots are fingerprinted and the
-  data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event.
+  data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event. Under
+  ``ckpt_sdc_action`` evict the service hands the workers the restore limit the verdict set
+  (:data:`~elasticft.ckpt.settings.ENV_RESTORE_AT_MOST`), agrees on it with the nodes of each
+  new round, removes this node's persisted steps after it, and tells the policy why its node
+  is suspect (``suspect_evidence``).
 * **What each attempt resumed from**: one log line and a ``restore`` event; every save a
   worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
   log (``AddOnContext.events``). Where checkpoints persist:
@@ -476,6 +480,14 @@ class CheckpointAddOn:
                                 ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
             if directory is not None:
                 require_writable_dir(flag, Path(directory))
+        ckpt = options.ckpt
+        if ckpt.ckpt_sdc_action == "evict" and (ckpt.ckpt_fingerprint_every <= 0
+                                                or ckpt.ckpt_memory_slots < 3):
+            raise ConfigError(
+                "--ckpt-sdc-action evict acts on the fingerprints' findings and keeps the last "
+                "agreed step in a memory slot of its own: give --ckpt-fingerprint-every N "
+                f"(now {ckpt.ckpt_fingerprint_every}) and at least 3 memory slots (now "
+                f"{ckpt.ckpt_memory_slots})", reason="sdc_action")
         remote = options.ckpt.ckpt_remote_dir
         if options.agent.fresh and remote is not None and durable.committed_steps(Path(remote)):
             # Shared by every node, and by a node that joins later: never removed by one.
