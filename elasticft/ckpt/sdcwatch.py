@@ -79,6 +79,7 @@ class FingerprintWatch:
         self.suspect_reason: str | None = None
         """Why this node is suspect (``sdc: ...``), while its detection is handled."""
         self.pinned_step: int | None = None
+        self._agreed_seen: int | None = None
         self._pins: list[Slot] = []
         self._detection: Detection | None = None
         self._halted = False
@@ -301,7 +302,8 @@ class FingerprintWatch:
             key = _round_key(group.round, "agreed")
             if self.store.check([key]):
                 step = int(self.store.get(key))
-                if step != self.pinned_step:
+                if step != self._agreed_seen:
+                    self._agreed_seen = step  # tried once: a step no longer held stays so
                     self._pin(group, step)
             key = _round_key(group.round, "verdict")
             if not self._halted and self.store.check([key]):
@@ -342,8 +344,9 @@ class FingerprintWatch:
             else:
                 self._halted = False
 
-    def settle(self, restored: int | None) -> None:
-        """The workers restored ``restored``; the limit stays until a newer step agrees."""
+    def settle(self) -> None:
+        """The workers restored: the detection was handled (the restore limit stays until a
+        step after the redone ones agrees)."""
         self.suspect_reason = None
 
     def _pin(self, group: GroupInfo, step: int) -> None:
@@ -375,8 +378,8 @@ class FingerprintWatch:
             pins.append(pin)
         with self._lock:
             old, self._pins, self.pinned_step = self._pins, pins, step
-            if (self.restore_at_most is not None and self.newest_before is not None
-                    and step > self.newest_before):
+            if self.restore_at_most is not None and (self.newest_before is None
+                                                     or step > self.newest_before):
                 logger.info("step %d agrees after the redone steps: restores are free again",
                             step)
                 self.restore_at_most = self.newest_before = None

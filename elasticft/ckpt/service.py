@@ -332,7 +332,7 @@ class CheckpointService(AgentCollaborator):
         """After a rollback for silent data corruption, one ``sdc_recovered`` event (from the
         round's leader) with the steps the job redoes because of it."""
         at_most, newest = self.fingerprints.redone()
-        self.fingerprints.settle(step)
+        self.fingerprints.settle()
         if at_most is None or self._rollback_counted == group.restart_count:
             return
         self._rollback_counted = group.restart_count
