@@ -248,15 +248,12 @@ class AgentConfig:
         1.0,
         "Wait before restarting when a communication fault repeats identically before the "
         "first step (its cause may need time to clear); doubled at each further repeat, up to "
-        "--restart-backoff-max-s, less up to 25 % jitter. A step completed resets it. 0: no "
-        "wait.",
+        "30 s (restart_backoff_max_s), less up to 25 % jitter. A step completed resets it. 0: "
+        "no wait.",
         minimum=0.0,
     )
-    restart_backoff_max_s: float = option(
-        30.0,
-        "The longest wait before a restart after a repeated communication fault.",
-        minimum=0.0,
-    )
+    restart_backoff_max_s: float = tuning(
+        30.0, "The longest wait before a restart after a repeated communication fault.")
     run_dir: Path | None = option(
         None,
         "Directory for this run's event log and agent files. Default: <log-dir>/<run-id> when "
@@ -496,9 +493,17 @@ class CheckpointConfig:
         "of each worker's memory snapshot in the agent and compare the data-parallel replicas "
         "of the job (on the round's leader): a rank that differs from the majority of its "
         "replica set is an sdc_suspect event (silent data corruption); with two replicas "
-        "the finding is sdc_undecidable until a second reading decides it. Costs the agent "
+        "the finding is sdc_undecidable until a second reading (or, under --ckpt-sdc-action "
+        "evict, a recomputation of the step) decides it. Costs the agent "
         "one read of the snapshot, the training processes nothing (0: off). Snapshots taken "
         "with dedup_replicas have no fingerprint.", minimum=0)
+    ckpt_sdc_action: Literal["report", "evict"] = option(
+        "report", "What a finding of the fingerprints causes: report (the sdc events only), or "
+        "evict: the node of a rank named is evicted and blacklisted with reason sdc, the job "
+        "restores the newest step at which every fingerprint agreed (kept in memory until a "
+        "newer one agrees) and redoes the steps after it; two replicas that differ redo those "
+        "steps too, and the side whose result changes is named. Needs "
+        "--ckpt-fingerprint-every and at least 3 memory slots.")
     ckpt_flush_on_failure: bool = tuning(
         True, "When a worker fails, persist the newest complete snapshot before restarting.")
 

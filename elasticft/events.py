@@ -116,14 +116,18 @@ def read_events(directory: Path) -> list[dict[str, Any]]:
 
 def sdc_line(events: list[dict[str, Any]]) -> tuple[dict[str, int], str]:
     """How many silent-data-corruption findings the fingerprint watch logged (``sdc_suspect``:
-    a rank named; ``sdc_undecidable``: two replicas differ), and a line saying so."""
+    a rank named; ``sdc_undecidable``: two replicas differ), the steps redone because of them
+    (``sdc_recovered``, after a rollback under ``ckpt_sdc_action`` evict), and a line saying so."""
     suspects = [e for e in events if e.get("kind") == "sdc_suspect"]
     undecided = [e for e in events if e.get("kind") == "sdc_undecidable"]
-    counts = {"suspect": len(suspects), "undecidable": len(undecided)}
+    redone = sum(int(e.get("steps_redone") or 0) for e in events
+                 if e.get("kind") == "sdc_recovered")
+    counts = {"suspect": len(suspects), "undecidable": len(undecided), "steps_redone": redone}
     if not suspects and not undecided:
         return counts, "silent data corruption: none found"
     last = (suspects or undecided)[-1]
     named = "named" if last.get("kind") == "sdc_suspect" else "undecidable between"
     return counts, (f"silent data corruption: {len(suspects)} suspect, {len(undecided)} "
                     f"undecidable (last: step {last.get('step')}, {named} rank(s) "
-                    f"{last.get('ranks')} on {last.get('nodes')}: {last.get('reason')})")
+                    f"{last.get('ranks')} on {last.get('nodes')}: {last.get('reason')}); "
+                    f"{redone} step(s) redone because of it")

@@ -86,6 +86,9 @@ class FailureFacts:
     restart_on_user_error: int = 0
     node_suspect: bool = False
     """Diagnostics found this node's hardware or host unhealthy."""
+    suspect_evidence: str = ""
+    """What was found against this node when it is suspect (empty: a failed health check);
+    e.g. ``sdc: ...`` for silent data corruption, the reason its blacklist entry carries."""
     can_evict: bool = False
     """Other nodes can carry on without this one (elastic min nodes allows it)."""
     node_offences: int = 0
@@ -111,7 +114,7 @@ class FailureFacts:
     backoff_first_s: float = 1.0
     """The wait before the restart after the first repeat (``--restart-backoff-s``)."""
     backoff_max_s: float = 30.0
-    """The longest wait (``--restart-backoff-max-s``)."""
+    """The longest wait (``restart_backoff_max_s``)."""
     jitter: float = 0.0
     """A number in [0, 1) drawn by the agent: its share of :data:`BACKOFF_JITTER`."""
 
@@ -121,6 +124,7 @@ class KnownFacts(TypedDict, total=False):
     (its ``failure_facts`` hook); the agent fills in the rest."""
 
     node_suspect: bool
+    suspect_evidence: str
     can_evict: bool
     node_offences: int
     repeat_offender_limit: int
@@ -247,7 +251,7 @@ def checkpoint_source(facts: FailureFacts) -> CheckpointSource:
 def suspect_reason(facts: FailureFacts) -> str | None:
     """Why this node is suspect hardware, or None when it is not."""
     if facts.node_suspect:
-        return "failed health check"
+        return facts.suspect_evidence or "failed health check"
     if 0 < facts.repeat_offender_limit <= facts.node_offences:
         return (f"repeat offender ({facts.node_offences} failures caused by its ranks, limit "
                 f"{facts.repeat_offender_limit})")
@@ -343,9 +347,11 @@ def _decide(facts: FailureFacts) -> Action:
         )
     suspect = suspect_reason(facts)
     if suspect is not None and facts.can_evict:
-        return Action(ActionKind.EVICT_NODE,
-                      f"this node is suspect hardware ({suspect}), evicting it: {what}",
-                      exit_code=1)
+        # Evidence with a name of its own (``sdc: ...``) leads the reason: the blacklist
+        # entry carries it.
+        said = (f"{suspect}; evicting this node: {what}" if facts.suspect_evidence else
+                f"this node is suspect hardware ({suspect}), evicting it: {what}")
+        return Action(ActionKind.EVICT_NODE, said, exit_code=1)
     if same and facts.restarts_used < facts.max_restarts:
         return _repeat_stop(facts.max_restarts - facts.restarts_used, "--max-restarts",
                             facts.max_restarts, what)

@@ -4,34 +4,44 @@ One :class:`CheckpointService` runs inside each node's agent (an ``AgentCollabor
 joins the checkpoint engine's agent-side concepts to the agent's hooks:
 
 * **Slots it owns** (:mod:`elasticft.ckpt.memory.nodeslots`): every local worker's shared-memory
-  slots, passed to the workers (``ELASTICFT_WORKER_CKPT_*``) and held for the job's life, so a
-  worker that crashes loses nothing. Named segments that processes now gone left behind are removed
-  by the launcher's one sweep of leftovers.
+slots,
+  passed to the workers (``ELASTICFT_WORKER_CKPT_*``) and held for the job's life, so a worker
+  that crashes loses nothing. Named segments that processes now gone left behind are removed by
+  the launcher's one sweep of leftovers.
 * **Persistence in the background** (:mod:`elasticft.ckpt.persisting.agentpersist`): every monitor
-  tick, a step due for persistence that every local worker holds is written to the local directory
-  and the remote one on a background thread, DCP-readable, committed once every rank is durable, and
-  backed up to a peer.
+tick,
+  a step due for persistence that every local worker holds is written to the local directory
+  and the remote one on a background thread, DCP-readable, committed once every rank is
+  durable, and backed up to a peer.
 * **Peer backup.** In a multi-node job it runs a :class:`~elasticft.ckpt.backup.peer.PeerServer` on
-  the job's address, publishes its address in the rendezvous store, and pushes each persisted shard
+the
+  job's address, publishes its address in the rendezvous store, and pushes each persisted shard
   to its backup node. The leader of every round publishes the round's secret
-  (``CheckpointConfig.ckpt_peer_secret`` through the Python API, else a fresh random one per round)
-  and every node adopts it, so all nodes of a round agree even when a new node becomes the leader,
-  and a node that left cannot fetch shards any more. The server also serves the data-parallel
-  replicas this node holds in memory (:mod:`elasticft.ckpt.backup.replicas`). Under a (tp, pp, dp)
-  layout the backup node is outside the node's parallel groups and holds no replica, so workers are
-  also given a replica's node (:func:`~elasticft.ckpt.backup.peer.replica_node`) and ask it first.
+  (``CheckpointConfig.ckpt_peer_secret`` through the Python API, else a fresh random one per
+  round) and every node adopts it, so all nodes of a round agree even when a new node becomes
+  the leader, and a node that left cannot fetch shards any more. The server also serves the
+  data-parallel replicas this node holds in memory (:mod:`elasticft.ckpt.backup.replicas`). Under a
+  (tp, pp, dp) layout the backup node is outside the node's parallel groups and holds no
+  replica, so workers are also given a replica's node
+  (:func:`~elasticft.ckpt.backup.peer.replica_node`) and ask it first.
 * **Flush on failure** (:mod:`elasticft.ckpt.persisting.flush`): the newest snapshot every local
-  worker completed goes to disk on a thread of its own, after the decision and, for a restart in
+worker
+  completed goes to disk on a thread of its own, after the decision and, for a restart in
   place, after the restarted workers' restore and first step.
 * **Checkpoint now.** :meth:`checkpoint_now` (used by the Slurm handler and recovery) asks the
   workers' control threads for their newest snapshot, waits for the acks and persists it.
 * **Silent data corruption** (:mod:`elasticft.ckpt.integrity.sdcwatch`): every
-  ``ckpt_fingerprint_every``-th step, the workers' snapshots are fingerprinted and the data-parallel
-  replicas compared; a diverging rank is an ``sdc_suspect`` event.
-* **What each attempt resumed from**: one log line and a ``restore`` event; every save a worker
-  could not take is a ``snapshot_skipped`` event. Events go to the agent's one event log
-  (``AddOnContext.events``). Where checkpoints persist: :mod:`elasticft.ckpt.persisting.places`.
-  Under ``--fresh`` the workers first remove what earlier launches left there.
+  ``ckpt_fingerprint_every``-th step, the workers' snapshots are fingerprinted and the
+  data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event. Under
+  ``ckpt_sdc_action`` evict the service hands the workers the restore limit the verdict set
+  (:data:`~elasticft.ckpt.settings.ENV_RESTORE_AT_MOST`), agrees on it with the nodes of each
+  new round, removes this node's persisted steps after it, and tells the policy why its node
+  is suspect (``suspect_evidence``).
+* **What each attempt resumed from**: one log line and a ``restore`` event; every save a
+  worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
+  log (``AddOnContext.events``). Where checkpoints persist:
+  :mod:`elasticft.ckpt.persisting.places`. Under ``--fresh`` the workers first remove what earlier
+  launches left there.
 """
 
 from __future__ import annotations
@@ -50,12 +60,13 @@ from typing import Any, ClassVar
 from elasticft.addon.api import (
     AddOnContext,
     AgentCollaborator,
+    Detection,
     GroupInfo,
     WorkerInfo,
     run_ending_errors,
 )
 from elasticft.addon.classify import FailureRecord
-from elasticft.addon.policy import Action, ActionKind
+from elasticft.addon.policy import Action, ActionKind, KnownFacts
 from elasticft.ckpt import settings
 from elasticft.ckpt.api import CheckpointError
 from elasticft.ckpt.backup.peer import (
@@ -142,7 +153,9 @@ class CheckpointService(AgentCollaborator):
         self.replicas = Replicas(self.slots, layout, lambda: self._group,
                                  self.places.default_root)
         self.fingerprints = FingerprintWatch(self.slots, config.ckpt_fingerprint_every, layout,
-                                             self._group_event)
+                                             self._group_event, config.ckpt_sdc_action)
+        self._rollback_counted = -1
+        """The attempt (restart count) whose restore after a rollback was counted."""
 
     # ------------------------------------------------------------------------------------------
     # Where things are.
@@ -178,6 +191,14 @@ class CheckpointService(AgentCollaborator):
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
         self.fingerprints.store = store
+        if self.config.ckpt_sdc_action == "evict" and self.config.ckpt_fingerprint_every > 0:
+            try:
+                self._roll_back(group, store)
+            except run_ending_errors():
+                raise
+            except Exception:
+                logger.exception("could not agree on the restore limit of round %d",
+                                 group.round)
         if not self.config.ckpt_peer_backup or group.group_world_size < 2 or store is None:
             return
         try:
@@ -187,6 +208,29 @@ class CheckpointService(AgentCollaborator):
         except Exception:
             logger.exception("peer backup unavailable this round")
             self._backup_addr = self._holder_addr = self._replica_addr = None
+
+    def _roll_back(self, group: GroupInfo, store: Any) -> None:
+        """Every node of the round agrees on the restore limit of a rollback under way (a
+        standby that joins learns it here), and this node's persisted steps after it go: they
+        hold the corrupted state, and a later restore must never find them."""
+        watch = self.fingerprints
+        if store is not None and group.group_world_size > 1:
+            watch.agree_limit(group, store)
+        at_most = watch.restore_at_most
+        if at_most is None:
+            return
+        directory = self.local_dir(group)
+        removed = sorted(s for s in durable.list_steps(directory) if s > at_most)
+        for step in removed:
+            shutil.rmtree(durable.step_dir(directory, step), ignore_errors=True)
+        # The snapshots in memory up to the newest step held before are the corrupted ones
+        # until the redone steps overwrite them: none of them is persisted.
+        newest = watch.newest_before
+        if newest is not None:
+            self.persister.persisted = max(self.persister.persisted, newest)
+        if removed:
+            logger.warning("removed persisted step(s) %s of %s: after the last agreed step %d",
+                           removed, directory, at_most)
 
     def _setup_peers(self, group: GroupInfo, store: Any) -> None:
         if group.group_rank == 0:
@@ -237,6 +281,8 @@ class CheckpointService(AgentCollaborator):
             env[settings.ENV_NODE_DIR] = self.places.node_dir(group)
         if self.fresh_launch is not None:
             env[settings.ENV_FRESH] = self.fresh_launch
+        if self.fingerprints.restore_at_most is not None:
+            env[settings.ENV_RESTORE_AT_MOST] = str(self.fingerprints.restore_at_most)
         if self.config.ckpt_remote_dir is not None:
             env[settings.ENV_REMOTE] = str(self.config.ckpt_remote_dir)
         if self._holder_addr and self._secret:
@@ -250,8 +296,17 @@ class CheckpointService(AgentCollaborator):
 
     def on_workers_started(self, group: GroupInfo) -> None:
         self._group = group
+        self.fingerprints.restarted(group, time.time())
 
-    def check(self, group: GroupInfo) -> None:
+    def on_workers_stopped(self, group: GroupInfo) -> None:
+        self.fingerprints.stopped(self.newest_common_step(group))
+
+    def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
+                      ) -> KnownFacts:
+        reason = self.fingerprints.suspect_reason
+        return {"suspect_evidence": reason} if reason else {}
+
+    def check(self, group: GroupInfo) -> Detection | None:
         self._group = group
         self._count_skips(group)
         self._log_restores(group)
@@ -260,6 +315,7 @@ class CheckpointService(AgentCollaborator):
                                          lambda: self.newest_common_step(group))
         self.persister.tick(group)
         self.fingerprints.tick(group)
+        return self.fingerprints.detection()
 
     def _log_restores(self, group: GroupInfo) -> None:
         """One line (and a ``restore`` event) per attempt: what local rank 0 resumed from."""
@@ -276,6 +332,23 @@ class CheckpointService(AgentCollaborator):
             self._event(group, "restore", step=report.get("step"),
                         source=report.get("source"), where=report.get("where"),
                         restart_count=group.restart_count)
+            self._count_redone(group, report.get("step"))
+
+    def _count_redone(self, group: GroupInfo, step: int | None) -> None:
+        """After a rollback for silent data corruption, one ``sdc_recovered`` event (from the
+        round's leader) with the steps the job redoes because of it."""
+        at_most, newest = self.fingerprints.redone()
+        self.fingerprints.settle()
+        if at_most is None or self._rollback_counted == group.restart_count:
+            return
+        self._rollback_counted = group.restart_count
+        restored = step if step is not None else 0
+        redone = max(0, (newest if newest is not None else restored) - restored)
+        logger.warning("silent data corruption: restored step %s (at most %d), redoing %d "
+                       "step(s)", step, at_most, redone)
+        if group.group_rank == 0:
+            self._event(group, "sdc_recovered", step=step, restore_at_most=at_most,
+                        newest_before=newest, steps_redone=redone)
 
     def _count_skips(self, group: GroupInfo) -> None:
         """Every save a worker could not take becomes a ``snapshot_skipped`` event."""
@@ -311,8 +384,9 @@ class CheckpointService(AgentCollaborator):
         """Readies the flush of the newest complete snapshot and returns at once (see
         :mod:`elasticft.ckpt.persisting.flush`)."""
         self._count_skips(group)
-        if not self.config.ckpt_flush_on_failure:
-            return
+        if not self.config.ckpt_flush_on_failure or \
+                self.fingerprints.restore_at_most is not None:
+            return  # the newest steps are after the corruption: nothing worth a flush
         step = self.newest_common_step(group)  # headers only: microseconds
         if step is None or step <= self.persister.persisted:
             return
@@ -412,6 +486,14 @@ class CheckpointAddOn:
                                 ("--ckpt-remote-dir", options.ckpt.ckpt_remote_dir)):
             if directory is not None:
                 require_writable_dir(flag, Path(directory))
+        ckpt = options.ckpt
+        if ckpt.ckpt_sdc_action == "evict" and (ckpt.ckpt_fingerprint_every <= 0
+                                                or ckpt.ckpt_memory_slots < 3):
+            raise ConfigError(
+                "--ckpt-sdc-action evict acts on the fingerprints' findings and keeps the last "
+                "agreed step in a memory slot of its own: give --ckpt-fingerprint-every N "
+                f"(now {ckpt.ckpt_fingerprint_every}) and at least 3 memory slots (now "
+                f"{ckpt.ckpt_memory_slots})", reason="sdc_action")
         remote = options.ckpt.ckpt_remote_dir
         if options.agent.fresh and remote is not None and durable.committed_steps(Path(remote)):
             # Shared by every node, and by a node that joins later: never removed by one.

@@ -35,10 +35,14 @@ multi-node job: ``node-<node id>``); unset for a single node."""
 ENV_FRESH = "ELASTICFT_WORKER_CKPT_FRESH"
 """Set by ``--fresh``: this launch's token; see
 :func:`elasticft.ckpt.persisting.durable.start_fresh`."""
+ENV_RESTORE_AT_MOST = "ELASTICFT_WORKER_CKPT_RESTORE_AT_MOST"
+"""The newest step a restore may take: set after silent data corruption was found, to the
+newest step at which every fingerprint agreed (:mod:`elasticft.ckpt.integrity.sdcwatch`)."""
 
 WORKER_ENV = frozenset(
     {ENV_SHM, ENV_SLOTS, ENV_MEMORY_CAP, ENV_LOCAL, ENV_REMOTE, ENV_PEER, ENV_REPLICA_PEER,
-     ENV_NODE_PEER, ENV_SECRET, ENV_CONTROL, ENV_GPU_STAGING, ENV_NODE_DIR, ENV_FRESH}
+     ENV_NODE_PEER, ENV_SECRET, ENV_CONTROL, ENV_GPU_STAGING, ENV_NODE_DIR, ENV_FRESH,
+     ENV_RESTORE_AT_MOST}
 )
 """Worker variables the checkpoint service sets (listed in the agent's WORKER_ENV_NAMES)."""
 
@@ -84,6 +88,8 @@ class WorkerSettings:
     gpu_staging_bytes: int = 0
     """Most device memory a CUDA snapshot may be staged in before its copy to the host (0: no
     staging; see :mod:`elasticft.ckpt.memory.device`)."""
+    restore_at_most: int | None = None
+    """The newest step a restore may take (None: any); see :data:`ENV_RESTORE_AT_MOST`."""
 
     @classmethod
     def from_env(
@@ -127,6 +133,8 @@ class WorkerSettings:
                 agent_owned=True,
                 keep=keep,
                 gpu_staging_bytes=int(env.get(ENV_GPU_STAGING, "0")),
+                restore_at_most=(int(env[ENV_RESTORE_AT_MOST])
+                                 if env.get(ENV_RESTORE_AT_MOST) else None),
             )
         # Under torchrun the parent is torch's agent: segments named after it survive a worker
         # restart and are swept once that agent is gone. Alone, the process owns them.

@@ -10,6 +10,7 @@ import pytest
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import (
     ActionKind,
+    CheckpointSource,
     FailureFacts,
     FailureSignature,
     decide,
@@ -79,6 +80,22 @@ def test_suspect_node_is_evicted_when_others_can_go_on() -> None:
         (failure(0, FailureClass.HANG),), restarts_used=0, max_restarts=3, node_suspect=True,
     )
     assert decide(alone).kind is ActionKind.RESTART_IN_PLACE
+
+
+def test_the_evidence_against_a_suspect_node_leads_the_reason_of_its_eviction() -> None:
+    # Silent data corruption found by the fingerprints: the blacklist entry says so first;
+    # never a just-in-time checkpoint (the healthy replicas hold the spread error too).
+    facts = FailureFacts(
+        (failure(2, FailureClass.NUMERIC),), restarts_used=0, max_restarts=3,
+        node_suspect=True, suspect_evidence="sdc: rank(s) [2] diverged at step 6",
+        can_evict=True, replicas_intact=True, jit_available=True,
+    )
+    action = decide(facts)
+    assert action.kind is ActionKind.EVICT_NODE
+    assert action.reason.startswith("sdc: rank(s) [2] diverged at step 6; evicting this node")
+    assert action.checkpoint is CheckpointSource.SNAPSHOT
+    plain = decide(dataclasses.replace(facts, suspect_evidence=""))
+    assert plain.reason.startswith("this node is suspect hardware (failed health check)")
 
 
 def test_root_cause_needs_a_failure() -> None:

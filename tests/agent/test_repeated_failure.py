@@ -11,6 +11,7 @@ import pytest
 
 from elasticft.events import read_events
 from tests.conftest import BIN
+from tests.tuned_run import tuned_run
 
 PARITY = Path(__file__).parent / "workers" / "parity.py"
 REASON = ("the same failure before the first step of two attempts in a row, not restarted (a "
@@ -65,9 +66,9 @@ def test_a_communication_fault_that_repeats_before_the_first_step_waits_longer_e
         tmp_path: Path, job_env: dict[str, str]) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts",
-         "3", "--monitor-interval", "0.2", "--restart-backoff-s", "0.4",
-         "--restart-backoff-max-s", "5", "--run-dir", str(run_dir), str(RESET_AFTER_INIT)],
+        [*tuned_run({"restart_backoff_max_s": 5}), "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "3", "--monitor-interval", "0.2", "--restart-backoff-s", "0.4",
+         "--run-dir", str(run_dir), str(RESET_AFTER_INIT)],
         env=job_env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stderr[-5000:]
     # Restarted until --max-restarts is spent (a communication fault may clear: no repeat stop).

@@ -10,7 +10,14 @@ import torch
 
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
 from elasticft.ckpt.integrity.fingerprint import Fingerprint, fingerprint_slot, replica_set_key
-from elasticft.ckpt.integrity.sdc import Verdict, compare, decide_undecided
+from elasticft.ckpt.integrity.sdc import (
+    Remedy,
+    Verdict,
+    compare,
+    decide_by_recomputation,
+    decide_undecided,
+    respond,
+)
 from elasticft.ckpt.memory.shm import SlotSet
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
@@ -152,3 +159,57 @@ def test_replica_sets_follow_the_shard_each_rank_holds() -> None:
     tpdp = {r: replica_set_key([_item("w", [4, 8], [0, 0], None)], coordinates(r, 4, (2, 1, 2)))
             for r in range(4)}
     assert tpdp[0] == tpdp[2] and tpdp[1] == tpdp[3] and tpdp[0] != tpdp[1]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("recomputed", "kind", "suspects"), [
+    # The step computed again agrees with rank 0's first result: rank 2 computed it wrongly.
+    ({0: "x", 2: "x"}, Verdict.SUSPECT, (2,)),
+    ({0: "y", 2: "y"}, Verdict.SUSPECT, (0,)),
+    # It agrees with neither first result (the error had spread): nobody can be named.
+    ({0: "z", 2: "z"}, Verdict.UNDECIDABLE, (0, 2)),
+    # Still different; rank 2's result changed, rank 0's did not: rank 2 is not reproducible.
+    ({0: "x", 2: "w"}, Verdict.SUSPECT, (2,)),
+    # Each reproduces its own result (a persistent fault): undecidable.
+    ({0: "x", 2: "y"}, Verdict.UNDECIDABLE, (0, 2)),
+    # A rank's step not computed again: no evidence.
+    ({0: "x"}, Verdict.UNDECIDABLE, (0, 2)),
+    ({0: "x", 2: None}, Verdict.UNDECIDABLE, (0, 2)),
+])
+def test_two_replicas_are_decided_by_recomputing_the_step(recomputed, kind, suspects) -> None:
+    (finding,) = compare(PAIR, NODES)
+    decided = decide_by_recomputation(finding, recomputed)
+    assert (decided.kind, decided.suspects) == (kind, suspects)
+    assert decided.decided_by == ("recomputation" if kind is Verdict.SUSPECT else "")
+    assert decided.nodes == tuple(NODES[r] for r in suspects)
+
+
+NAMED = compare([_fp(0, "x"), _fp(1, "x"), _fp(2, "BAD"), _fp(3, "x")], NODES)[0]
+SPLIT = compare(PAIR, NODES)[0]
+AGREED = compare([_fp(0, "x"), _fp(1, "x")], NODES)[0]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("finding", "action", "agreed", "again", "remedy", "at_most", "nodes"), [
+    # Report only: nothing is done, whatever was found.
+    (NAMED, "report", 8, False, Remedy.NONE, None, ()),
+    (SPLIT, "report", 8, False, Remedy.NONE, None, ()),
+    (AGREED, "evict", 8, False, Remedy.NONE, None, ()),
+    # A rank named at step 10: its node goes, every node restores step 8 and redoes 9 and 10.
+    (NAMED, "evict", 8, False, Remedy.EVICT, 8, ("b",)),
+    # Nothing agreed yet: back to the beginning.
+    (NAMED, "evict", None, False, Remedy.EVICT, -1, ("b",)),
+    # Named by the recomputation of a step that now agrees: evicted, nothing to redo.
+    (NAMED, "evict", 10, True, Remedy.EVICT, None, ("b",)),
+    # Two replicas differ: the step is computed again from step 8 on every replica.
+    (SPLIT, "evict", 8, False, Remedy.RECOMPUTE, 8, ()),
+    # ... once: computed twice and still split, the next evidence is the nodes' health.
+    (SPLIT, "evict", 8, True, Remedy.NONE, None, ()),
+])
+def test_respond(finding, action, agreed, again, remedy, at_most, nodes) -> None:
+    response = respond(finding, action, agreed, again)
+    assert (response.kind, response.restore_at_most, response.nodes) == \
+        (remedy, at_most, nodes)
+    assert response.reason
+    if remedy is not Remedy.NONE:
+        assert response.ranks == finding.suspects

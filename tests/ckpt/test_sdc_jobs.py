@@ -22,9 +22,41 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# DDP on a tiny model; after the optimizer step of step FLIP_STEP, rank FLIP_RANK flips mantissa
-# bit 16 of one weight (what a device that computes a wrong value leaves behind). Each step waits a
-# moment, as a real step would take.
+# The training every worker below shares: after the optimizer step of step FLIP_STEP, rank
+# FLIP_RANK flips mantissa bit 16 of one weight (what a device that computes a wrong value leaves
+# behind); with FLIP_ONCE (a file) only the first time (a transient fault: a step redone after a
+# rollback is computed right). Each step waits a moment, as a real step would take; rank 0 logs
+# its loss (repr: every bit) to LOSS_LOG. The model's set-up defines model, optim, ckpt,
+# restore() (the step restored, or None), first_weight() and state(step).
+_LOOP = """
+flip_rank, flip_step = int(os.environ["FLIP_RANK"]), int(os.environ["FLIP_STEP"])
+once = os.environ.get("FLIP_ONCE")
+start = restore() or 0
+for step in range(start + 1, int(os.environ["STEPS"]) + 1):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    if rank == flip_rank and step == flip_step and not (once and os.path.exists(once)):
+        if once:
+            open(once, "w").close()
+        with torch.no_grad():
+            first_weight().view(-1).view(torch.int32)[3] ^= 1 << 16
+    ckpt.save(step, state(step)).wait()
+    if rank == 0 and os.environ.get("LOSS_LOG"):
+        with open(os.environ["LOSS_LOG"], "a") as log:
+            log.write(f"{step} {loss.item()!r}\\n")
+    dist.barrier()
+    time.sleep(float(os.environ["STEP_S"]))
+dist.barrier()
+"""
+
+# DDP on a tiny model, restored from the newest snapshot it may take. One parameter: DDP's
+# gradient bucket is then the same after a restart as before. With several, DDP reorders its
+# buckets after its first iteration, so a restarted job's first all-reduce sums the elements of
+# 4 ranks in another order than an uninterrupted run's and the losses differ in the last bits
+# (2 ranks sum in any order alike).
 _WORKER = textwrap.dedent("""
     import os, time, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -32,28 +64,21 @@ _WORKER = textwrap.dedent("""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16),
-                                                        torch.nn.Linear(16, 4)))
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False)))
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = Checkpointer.from_env(optimizers=[optim])
-    flip_rank, flip_step = int(os.environ["FLIP_RANK"]), int(os.environ["FLIP_STEP"])
-    for step in range(1, int(os.environ["STEPS"]) + 1):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
-        model(x).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
-        if rank == flip_rank and step == flip_step:
-            with torch.no_grad():
-                model.module[0].weight.view(-1).view(torch.int32)[3] ^= 1 << 16
-        ckpt.save(step, capture(model, optim, {"step": step})).wait()
-        dist.barrier()
-        time.sleep(float(os.environ["STEP_S"]))
-    dist.barrier()
-""")
+    def restore():
+        restored = ckpt.restore(model, optim)
+        return restored[0] if restored is not None else None
+    def first_weight():
+        return model.module[0].weight
+    def state(step):
+        return capture(model, optim, {"step": step})
+""") + _LOOP
 
 
 # HSDP on a (replicate=2, shard=2) mesh: ranks 0 and 2 hold one half of every parameter, ranks
-# 1 and 3 the other. After step FLIP_STEP, rank FLIP_RANK flips a bit of its local shard.
+# 1 and 3 the other; rank FLIP_RANK flips a bit of its local shard.
 _HSDP_WORKER = textwrap.dedent("""
     import os, time, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -68,21 +93,14 @@ _HSDP_WORKER = textwrap.dedent("""
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = Checkpointer.from_env(optimizers=[optim])
-    flip_rank, flip_step = int(os.environ["FLIP_RANK"]), int(os.environ["FLIP_STEP"])
-    for step in range(1, int(os.environ["STEPS"]) + 1):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
-        model(x).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
-        if rank == flip_rank and step == flip_step:
-            with torch.no_grad():
-                model[0].weight.to_local().view(-1).view(torch.int32)[3] ^= 1 << 16
+    def restore():
+        return None
+    def first_weight():
+        return model[0].weight.to_local()
+    def state(step):
         model_sd, optim_sd = get_state_dict(model, optim)
-        ckpt.save(step, {"model": model_sd, "optim": optim_sd, "extra": {"step": step}}).wait()
-        dist.barrier()
-        time.sleep(float(os.environ["STEP_S"]))
-    dist.barrier()
-""")
+        return {"model": model_sd, "optim": optim_sd, "extra": {"step": step}}
+""") + _LOOP
 
 
 def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
@@ -188,20 +206,6 @@ def test_a_bit_flipped_in_one_of_four_ddp_ranks_is_named_within_one_interval(
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_two_replicas_that_differ_are_reported_undecidable(tmp_path: Path, job_env) -> None:
-    events = _run(tmp_path, job_env, world=2, flip_rank=1)
-    assert events, "no sdc event"
-    first = events[0]
-    assert first["kind"] == "sdc_undecidable"
-    assert (first["step"], first["ranks"]) == (4, [0, 1])
-    assert "no majority" in first["reason"]
-    # A second reading of the same snapshots gives the same bytes (the memory is sound): the
-    # finding stays undecidable, nobody is named on the bytes alone.
-    assert not [e for e in events if e["kind"] == "sdc_suspect"]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
 def test_chaos_bitflip_reaches_the_live_worker_and_is_named(tmp_path: Path, job_env) -> None:
     events = _run(tmp_path, job_env, world=4, flip_rank=-1, chaos_rank=1)
     said = (tmp_path / "chaos.out").read_text()
@@ -285,8 +289,155 @@ def test_elasticft_run_names_the_rank_elasticft_chaos_flipped(tmp_path: Path, jo
     assert events[0]["step"] == flipped + flipped % 2
     status = subprocess.run([str(bin_dir / "elasticft"), "status", "--run-dir", str(run_dir),
                              "--json"], capture_output=True, text=True, timeout=60)
-    assert json.loads(status.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0}
+    assert json.loads(status.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0,
+                                                "steps_redone": 0}
     report = subprocess.run([str(bin_dir / "elasticft"), "report", str(run_dir), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
-    assert json.loads(report.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0}
+    assert json.loads(report.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0,
+                                                "steps_redone": 0}
+
+
+# ------------------------------------------------------------------------------------------------
+# ckpt_sdc_action evict: the job rolls back to the newest agreed step and redoes the steps.
+
+BIN = Path(sys.executable).parent
+
+
+def _launch(tmp_path: Path, job_env: dict[str, str], name: str, nproc: int,
+            flags: list[str], **worker: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """One elasticft-run (one node) of the DDP worker; its result and run directory."""
+    run_dir = tmp_path / name
+    env = {**job_env, "PYTHONPATH": str(ROOT), "STEP_S": "0.5", "FLIP_RANK": "-1",
+           "FLIP_STEP": "0", "LOSS_LOG": str(tmp_path / f"{name}.loss"), **worker}
+    script = tmp_path / "train.py"
+    script.write_text(_WORKER)
+    run = subprocess.run(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
+         "--monitor-interval", "0.1", "--max-restarts", "3", "--run-dir", str(run_dir),
+         *flags, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run, run_dir
+
+
+def _losses(path: Path) -> tuple[dict[int, str], dict[int, int]]:
+    """The loss each step ended with (a redone step's last), and how often each was logged."""
+    values: dict[int, str] = {}
+    logged: dict[int, int] = {}
+    for line in path.read_text().splitlines():
+        step, loss = line.split()
+        values[int(step)] = loss
+        logged[int(step)] = logged.get(int(step), 0) + 1
+    return values, logged
+
+
+SDC_EVICT = ["--ckpt-persist-every", "2", "--ckpt-fingerprint-every", "2",
+             "--ckpt-sdc-action", "evict"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
+        tmp_path: Path, job_env) -> None:
+    """Two DDP ranks; rank 1 computes step 3 wrongly once. Step 4's fingerprints differ with no
+    majority: undecidable (and so do step 3's, still in memory: the first divergent step). Under
+    evict both ranks restore step 2 and compute step 3 again; it agrees, and rank 1, whose first
+    result differs from it, is named (rank 0's first result equals it: at step 4 rank 0 would
+    differ too, the all-reduce of step 4 having spread rank 1's error). The losses are an
+    uninterrupted run's."""
+    steps = "8"
+    _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps)
+    _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT, STEPS=steps,
+                           FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
+    events = read_events(run_dir)
+    sdc = [e for e in events if e["kind"].startswith("sdc_")]
+    kinds = [(e["kind"], e.get("step"), e.get("ranks")) for e in sdc]
+    assert kinds[0] == ("sdc_undecidable", 4, [0, 1]), kinds
+    response = next(e for e in sdc if e["kind"] == "sdc_response")
+    assert (response["remedy"], response["restore_at_most"]) == ("recompute", 2), response
+    decided = [e for e in sdc if e["kind"] == "sdc_suspect"]
+    assert decided, kinds
+    assert (decided[0]["step"], decided[0]["ranks"], decided[0]["decided_by"]) == \
+        (3, [1], "recomputation"), decided[0]
+    assert len(decided) == 1 and not [e for e in sdc if e["kind"] == "sdc_undecidable"][1:]
+    restores = [e["step"] for e in events if e["kind"] == "restore"]
+    assert restores == [None, 2], restores  # the first attempt started from nothing
+    recovered = [e for e in sdc if e["kind"] == "sdc_recovered"]
+    assert len(recovered) == 1 and recovered[0]["step"] == 2
+    values, logged = _losses(tmp_path / "faulty.loss")
+    reference, _ = _losses(tmp_path / "reference.loss")
+    assert values == reference
+    redone = recovered[0]["steps_redone"]
+    assert redone >= 2 and sum(n - 1 for n in logged.values()) == redone, (logged, redone)
+    report = subprocess.run([str(BIN / "elasticft"), "report", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert json.loads(report.stdout)["sdc"]["steps_redone"] == redone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_one(
+        tmp_path: Path, job_env, etcd_server) -> None:
+    """Three agents as nodes on an etcd-v3 rendezvous, --nnodes 2:2, two DDP ranks each: two
+    nodes train (4 ranks) and the third waits as the standby. Rank 3 computes step 5 wrongly
+    once. Step 6's fingerprints name it; its node is blacklisted with reason sdc and leaves;
+    the standby takes its place, every rank restores step 4 (the newest step at which every
+    fingerprint agreed; the new node from the survivor's memory) and the steps after it are
+    redone: the losses are an uninterrupted run's, bit for bit, and the report counts the steps
+    redone."""
+    from tests.recovery.cluster import Job, losses_of
+    from tests.recovery.test_faults import blacklist_of, standbys
+
+    steps = 16
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    _launch(reference_dir, job_env, "run", 4, [], STEPS=str(steps))
+    job_dir = tmp_path / "job"  # the job's run directories only, for `elasticft report`
+    job_dir.mkdir()
+    script = job_dir / "train.py"
+    script.write_text(_WORKER)
+    env = {**job_env, "PYTHONPATH": str(ROOT), "STEP_S": "0.5", "STEPS": str(steps),
+           "FLIP_RANK": "3", "FLIP_STEP": "5", "FLIP_ONCE": str(tmp_path / "flipped"),
+           "LOSS_LOG": str(job_dir / "loss.log")}
+    job = Job(job_dir, env, etcd_server.endpoint, "sdc-job", script, steps,
+              extra_agent=["--nproc-per-node", "2", *SDC_EVICT])
+    try:
+        for name in ("a", "b", "c"):
+            job.start(name)
+        job.wait_for("two nodes in a round and one standby",
+                     lambda: len(job.events("workers_started")) >= 2
+                     and standbys(job.endpoint, job.job_id) == 1, timeout=180)
+        faulty = job.wait_for("the sdc verdict", lambda: next(
+            (e["nodes"][0] for e in job.events("sdc_response") if e["nodes"]), None),
+            timeout=180)
+        standby = next(n for n in "abc" if n != faulty and not job.nodes[n].events(
+            "rendezvous"))
+        codes = {name: node.wait(240) for name, node in job.nodes.items()}
+    finally:
+        job.close()
+    assert codes[faulty] != 0 and all(c == 0 for n, c in codes.items() if n != faulty), \
+        (codes, job.outputs())
+    suspect = job.events("sdc_suspect")[0]
+    assert (suspect["step"], suspect["ranks"], suspect["nodes"]) == (6, [3], [faulty])
+    assert suspect["agreed_step"] == 4
+    eviction = next(e for e in job.events("eviction") if e["evicted"] == faulty)
+    assert eviction["blacklisted"] and eviction["by"] == "self"
+    assert blacklist_of(etcd_server.endpoint)[faulty].startswith("sdc: rank(s) [3] diverged")
+    started = job.nodes[standby].events("workers_started")
+    assert started and started[-1]["world_size"] == 4, job.outputs()
+    # Every node restored step 4, the standby's ranks from the survivor's memory: nothing after
+    # the corruption was kept.
+    restored = {e["node"]: e["step"] for e in job.events("restore") if e["step"] is not None}
+    assert restored and set(restored.values()) == {4}, restored
+    assert standby in restored
+    losses = losses_of(job_dir / "loss.log")
+    reference, _ = _losses(reference_dir / "run.loss")
+    assert losses.values == reference, job.outputs()
+    (recovered,) = job.events("sdc_recovered")
+    assert recovered["steps_redone"] == losses.recomputed >= 2
+    report = subprocess.run([str(BIN / "elasticft"), "report", str(job_dir), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["sdc"] == {"suspect": len(job.events("sdc_suspect")),
+                                                "undecidable": 0,
+                                                "steps_redone": losses.recomputed}

@@ -32,13 +32,16 @@ def test_status_counts_in_process_recoveries_and_restarts(tmp_path: Path) -> Non
 def test_silent_data_corruption_is_counted(tmp_path: Path) -> None:
     from elasticft.events import read_events, sdc_line
 
-    assert sdc_line([]) == ({"suspect": 0, "undecidable": 0},
+    assert sdc_line([]) == ({"suspect": 0, "undecidable": 0, "steps_redone": 0},
                             "silent data corruption: none found")
     log = EventLog(tmp_path, "node-a")
     log.emit("sdc_undecidable", step=4, ranks=[0, 1], nodes=["a", "b"], reason="no majority")
     log.emit("sdc_suspect", step=6, ranks=[1], nodes=["b"], reason="node b fails its check")
+    # The round's leader after the rollback (ckpt_sdc_action evict): restored 4, held 7.
+    log.emit("sdc_recovered", step=4, restore_at_most=4, newest_before=7, steps_redone=3)
     log.close()
     counts, line = sdc_line(read_events(tmp_path))
-    assert counts == {"suspect": 1, "undecidable": 1}
+    assert counts == {"suspect": 1, "undecidable": 1, "steps_redone": 3}
     assert line == ("silent data corruption: 1 suspect, 1 undecidable (last: step 6, named "
-                    "rank(s) [1] on ['b']: node b fails its check)")
+                    "rank(s) [1] on ['b']: node b fails its check); 3 step(s) redone because "
+                    "of it")

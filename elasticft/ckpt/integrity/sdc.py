@@ -8,7 +8,17 @@ with no strict majority) the bytes say that the set diverged, not which side is 
 finding is *undecidable*, and :func:`decide_undecided` settles it from the next evidence, a
 fingerprint recomputed from the same snapshots (memory that changes under a complete snapshot
 is the faulty side) or the nodes' health checks (exactly one failing node is the faulty side).
-Neither reads a clock or does I/O; the agent gathers the facts and logs the answers.
+
+What the job does about a finding is :func:`respond`, by ``ckpt_sdc_action``. Under
+``report`` nothing. Under ``evict`` a rank named makes its node leave the job (blacklisted
+with reason ``sdc``, when the job can go on without it) and every node restore the newest step
+at which every fingerprint agreed, and redo the steps after it; a set with no majority is
+*recomputed*: every node restores that step and redoes the steps, and when the undecided step
+comes round again :func:`decide_by_recomputation` names the side whose result changed (a
+transient fault computes the same step differently the second time), which is then evicted
+like a rank named at once, with nothing more to redo: the recomputed state agrees.
+
+None of these reads a clock or does I/O; the agent gathers the facts and logs the answers.
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ class Finding(Decision[Verdict]):
     """Every rank of the set and its digest: the evidence."""
     items: tuple[str, ...] = ()
     """The items whose bytes differ (the first suspect against the majority)."""
+    decided_by: str = ""
+    """How an undecidable finding was settled: ``reread``, ``recomputation`` or ``health``
+    (empty: by the majority, or not settled)."""
 
 
 def compare(fingerprints: Sequence[Fingerprint], nodes: Mapping[int, str]) -> list[Finding]:
@@ -107,7 +120,7 @@ def decide_undecided(finding: Finding, recomputed: Mapping[int, str | None],
                     if recomputed.get(r) is not None and recomputed[r] != finding.digests[r])
     if len(changed) == 1 or (changed and len(changed) < len(ranks)):
         return dataclasses.replace(
-            finding, kind=Verdict.SUSPECT, suspects=changed,
+            finding, kind=Verdict.SUSPECT, suspects=changed, decided_by="reread",
             nodes=tuple(node_of[r] for r in changed),
             reason=f"rank(s) {list(changed)} read different bytes from the same snapshot of "
                    f"step {finding.step} on a second pass: their memory is faulty")
@@ -117,6 +130,96 @@ def decide_undecided(finding: Finding, recomputed: Mapping[int, str | None],
         named = tuple(r for r in ranks if node_of[r] == failing[0])
         return dataclasses.replace(
             finding, kind=Verdict.SUSPECT, suspects=named, nodes=(failing[0],) * len(named),
+            decided_by="health",
             reason=f"node {failing[0]} fails its health check and its replicas pass: rank(s) "
                    f"{list(named)} diverged at step {finding.step}")
     return finding
+
+
+def decide_by_recomputation(finding: Finding, recomputed: Mapping[int, str | None]) -> Finding:
+    """An UNDECIDABLE ``finding`` settled by the same step computed again from the newest step
+    that agreed (``recomputed``: each rank's new digest of ``finding.step``; None: none).
+
+    When the recomputed digests agree, every rank whose first result differs from them is
+    named: its device computed that step wrongly once. When they differ again, a rank whose
+    result changed between the two computations is named, if not every rank's did; a rank
+    that reproduces a wrong result (a persistent fault) cannot be told from a right one here,
+    and the finding stays undecidable (the nodes' health is the next evidence).
+    """
+    if finding.kind is not Verdict.UNDECIDABLE:
+        return finding
+    ranks = finding.suspects
+    node_of = dict(zip(ranks, finding.nodes, strict=True))
+    again = {r: recomputed.get(r) for r in ranks}
+    if any(d is None for d in again.values()):
+        return finding
+    values = set(again.values())
+    if len(values) == 1:
+        (agreed,) = values
+        named = tuple(r for r in ranks if finding.digests[r] != agreed)
+        how = (f"the step computed again agrees on every replica, and rank(s) {list(named)} "
+               f"had computed it differently the first time")
+    else:
+        named = tuple(r for r in ranks if again[r] != finding.digests[r])
+        how = (f"the step computed again still differs, and rank(s) {list(named)} computed "
+               f"it differently from their own first result")
+    if not named or len(named) == len(ranks):
+        return finding
+    return dataclasses.replace(
+        finding, kind=Verdict.SUSPECT, suspects=named, decided_by="recomputation",
+        nodes=tuple(node_of[r] for r in named),
+        reason=f"{how}: they diverged at step {finding.step}")
+
+
+class Remedy(enum.Enum):
+    NONE = "none"
+    """Report only."""
+    EVICT = "evict"
+    """The named nodes leave the job (when it can go on without them); with a restore step,
+    every node restores it and redoes the steps after it."""
+    RECOMPUTE = "recompute"
+    """Every node restores the restore step and redoes the steps after it; the undecided step
+    is compared again (:func:`decide_by_recomputation`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Response(Decision[Remedy]):
+    restore_at_most: int | None = None
+    """The newest step the next attempt may restore (None: any, no rollback)."""
+    nodes: tuple[str, ...] = ()
+    """The nodes to evict."""
+    ranks: tuple[int, ...] = ()
+
+
+def respond(finding: Finding, action: str, agreed_step: int | None,
+            recomputed_before: bool) -> Response:
+    """What the job does about ``finding`` under ``ckpt_sdc_action`` ``action``.
+
+    ``agreed_step``: the newest step at which every fingerprint agreed (None: none yet, so a
+    rollback starts from the beginning); ``recomputed_before``: this finding's step was
+    already computed twice (a second recomputation would say nothing new).
+    """
+    if finding.kind is Verdict.AGREE:
+        return Response(Remedy.NONE, "the replicas agree")
+    if action != "evict":
+        return Response(Remedy.NONE, "ckpt_sdc_action is report")
+    at_most = agreed_step if agreed_step is not None else -1
+    start = (f"step {agreed_step}, the newest at which every fingerprint agreed"
+             if agreed_step is not None else "the beginning (no step agreed yet)")
+    if finding.kind is Verdict.SUSPECT:
+        if agreed_step is not None and agreed_step >= finding.step:
+            return Response(Remedy.EVICT,
+                            f"node(s) {list(finding.nodes)} evicted; the state computed again "
+                            f"from step {agreed_step} agrees, nothing to redo",
+                            nodes=finding.nodes, ranks=finding.suspects)
+        return Response(Remedy.EVICT,
+                        f"node(s) {list(finding.nodes)} evicted; restoring {start} and redoing "
+                        f"the steps after it", restore_at_most=at_most,
+                        nodes=finding.nodes, ranks=finding.suspects)
+    if recomputed_before:
+        return Response(Remedy.NONE, f"step {finding.step} was computed again already and "
+                                     "still cannot say which replica is wrong")
+    return Response(Remedy.RECOMPUTE,
+                    f"no replica can be named: restoring {start} and computing step "
+                    f"{finding.step} again on every replica", restore_at_most=at_most,
+                    ranks=finding.suspects)

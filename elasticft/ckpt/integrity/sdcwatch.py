@@ -16,6 +16,23 @@ node id), and the leader's watch waits for every node's key of that step (at mos
 ``gather_timeout_s``, checking without blocking), compares the whole job's replica sets and
 removes the keys. Only the leader reports then. In a one-node job the node compares its own
 ranks. :attr:`agreed_step` is the newest step at which every fingerprint agreed.
+
+Under ``ckpt_sdc_action`` ``evict`` the watch also acts
+(:func:`elasticft.ckpt.integrity.sdc.respond`):
+
+* **The agreed step stays in memory.** Every node holds a shared lock on each local worker's
+  slot of the newest agreed step (a second open file of its own, so no other reader's unlock
+  frees it): the workers' writer never overwrites a slot being read, so that step survives
+  any number of later saves (one slot of the three is taken by it). The leader publishes the
+  step (``elasticft.sdc.<round>.agreed``); the others pin it when they read it.
+* **A verdict** (``elasticft.sdc.<round>.verdict``, or at once in a one-node job) gives every
+  node the newest step the next attempt may restore (:attr:`restore_at_most`, handed to the
+  workers, :data:`elasticft.ckpt.settings.ENV_RESTORE_AT_MOST`) and makes the watch return a
+  :class:`~elasticft.addon.api.Detection` to the agent: ``node_suspect`` on the named node (the
+  policy evicts it when the job can go on without it, else restarts it), a restart elsewhere.
+* **After the restart** only snapshots the new attempt wrote are fingerprinted; an undecided
+  step that comes round again is decided by
+  :func:`~elasticft.ckpt.integrity.sdc.decide_by_recomputation`.
 """
 
 from __future__ import annotations
@@ -27,10 +44,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elasticft.addon.api import GroupInfo
+from elasticft.addon.api import Detection, GroupInfo
+from elasticft.addon.classify import FailureClass
 from elasticft.ckpt.integrity.fingerprint import Fingerprint, fingerprint_slot
-from elasticft.ckpt.integrity.sdc import Finding, Verdict, compare, decide_undecided
+from elasticft.ckpt.integrity.sdc import (
+    Finding,
+    Remedy,
+    Response,
+    Verdict,
+    compare,
+    decide_by_recomputation,
+    decide_undecided,
+    respond,
+)
 from elasticft.ckpt.memory.nodeslots import NodeSlots
+from elasticft.ckpt.memory.slot import Slot
+from elasticft.ckpt.memory.slotformat import COMPLETE
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +68,30 @@ class FingerprintWatch:
     """Fingerprints due steps on a thread of its own and reports what the comparison finds."""
 
     def __init__(self, slots: NodeSlots, every: int, layout: tuple[int, int, int] | None,
-                 emit: Callable[..., None]) -> None:
+                 emit: Callable[..., None], action: str = "report") -> None:
         self.slots = slots
         self.every = every
         self.layout = layout
+        self.action = action
+        self.restore_at_most: int | None = None
+        """The newest step the next attempt may restore (None: any): set by a verdict, cleared
+        once a step after every step held before it agrees again."""
+        self.newest_before: int | None = None
+        """The newest step held when the verdict came (the steps up to it are redone)."""
+        self.suspect_reason: str | None = None
+        """Why this node is suspect (``sdc: ...``), while its detection is handled."""
+        self.pinned_step: int | None = None
+        self._agreed_seen: int | None = None
+        self._pins: list[Slot] = []
+        self._detection: Detection | None = None
+        self._halted = False
+        """A verdict was applied: nothing more is checked until the workers restart."""
+        self._since = 0.0
+        """Snapshots completed before this time (a previous attempt's) are not fingerprinted."""
+        self._recompute: dict[int, Finding] = {}
+        """Undecided findings by step, decided when the step is computed again."""
+        self._recomputed: set[int] = set()
+        self._lock = threading.Lock()
         self._emit = emit
         self._thread: threading.Thread | None = None
         self._checked = -1
@@ -55,16 +104,20 @@ class FingerprintWatch:
         """The round's store (set by the service at every rendezvous); None: this node only."""
         self.gather_timeout_s = 30.0
         self._closing = threading.Event()
+        self._deletes = True
+        """Whether the round's store deletes keys (a TCPStore does; etcd's store does not)."""
 
     def tick(self, group: GroupInfo) -> None:
         """Starts the check of the next due step every local worker holds, unless one runs."""
         alone = self.store is None or group.group_world_size < 2
         if self.every <= 0 or (alone and len(group.workers) < 2):
             return
-        if self._thread is not None and self._thread.is_alive():
+        if not alone and self.action == "evict":
+            self._poll(group)
+        if (self._thread is not None and self._thread.is_alive()) or self._halted:
             return
-        due = [s for s in self.slots.common_steps(group.workers)
-               if s % self.every == 0 and s > self._checked]
+        due = [s for s in self._fresh_steps(group)
+               if (s % self.every == 0 or s in self._recompute) and s > self._checked]
         if not due:
             return
         # The oldest due step still held, not the newest: every node then checks the same
@@ -74,6 +127,54 @@ class FingerprintWatch:
         self._thread = threading.Thread(target=self._check, args=(group, step),
                                         name="elasticft-fingerprints", daemon=True)
         self._thread.start()
+
+    def _fresh_steps(self, group: GroupInfo) -> set[int]:
+        """Steps every local worker holds complete, written by this attempt's workers."""
+        common: set[int] | None = None
+        for worker in group.workers:
+            steps = {h.step for h in self.slots.slot_set(worker.local_rank).complete().values()
+                     if h.rank == worker.global_rank and h.world_size == worker.world_size
+                     and h.completed_at >= self._since}
+            common = steps if common is None else common & steps
+        return common or set()
+
+    def restarted(self, group: GroupInfo, started_at: float) -> None:
+        """A new attempt's workers started: a halted watch resumes with their snapshots."""
+        with self._lock:
+            if self._halted or self.restore_at_most is not None:
+                self._since = started_at
+                self._checked = -1
+            self._halted = False
+            self._detection = None
+
+    def detection(self) -> Detection | None:
+        """What a verdict asks of the agent (once), else None."""
+        with self._lock:
+            found, self._detection = self._detection, None
+            return found
+
+    def stopped(self, newest: int | None) -> None:
+        """The workers stopped holding ``newest``: the steps up to it are redone."""
+        if self.restore_at_most is not None and newest is not None:
+            self.newest_before = max(self.newest_before or -1, newest)
+
+    def agree_limit(self, group: GroupInfo, store: Any) -> None:
+        """Every node of a new round publishes its restore limit and the newest step it held,
+        and all take the lowest limit and the newest step (a node that joins knows nothing)."""
+        mine = {"at_most": self.restore_at_most, "newest": self.newest_before}
+        store.set(_round_key(group.round, f"limit.{group.group_rank}"), json.dumps(mine))
+        limits = [json.loads(store.get(_round_key(group.round, f"limit.{r}")))
+                  for r in range(group.group_world_size)]
+        at_most = [x["at_most"] for x in limits if x["at_most"] is not None]
+        newest = [x["newest"] for x in limits if x["newest"] is not None]
+        with self._lock:
+            if at_most:
+                self.restore_at_most = min(at_most)
+                self.newest_before = max(newest, default=None)
+
+    def redone(self) -> tuple[int | None, int | None]:
+        """(restore_at_most, newest_before) of the rollback under way."""
+        return self.restore_at_most, self.newest_before
 
     def wait(self, timeout_s: float) -> None:
         """Waits for the check under way, at most ``timeout_s``."""
@@ -85,6 +186,7 @@ class FingerprintWatch:
         they may never publish), and the check under way gets ``timeout_s`` to finish."""
         self._closing.set()
         self.wait(timeout_s)
+        self._unpin()
 
     def fingerprints(self, group: GroupInfo, step: int) -> list[Fingerprint]:
         """Each local worker's fingerprint of ``step`` (those whose snapshot still holds it)."""
@@ -92,7 +194,8 @@ class FingerprintWatch:
         for worker in group.workers:
             slots = self.slots.slot_set(worker.local_rank)
             for index, header in slots.complete().items():
-                if header.step != step or header.rank != worker.global_rank:
+                if (header.step != step or header.rank != worker.global_rank
+                        or header.completed_at < self._since):
                     continue
                 slot = slots.get(index)
                 fp = (fingerprint_slot(slot, step, worker.global_rank, self.layout)
@@ -116,8 +219,18 @@ class FingerprintWatch:
             self.checks += 1
             took = time.monotonic() - started
             logger.debug("fingerprints of step %d: %d ranks, %.3f s", step, len(fps), took)
+            digests = {f.rank: f.digest for f in fps}
             if findings and all(f.kind is Verdict.AGREE for f in findings):
                 self.agreed_step = step
+                self._agreed(group, step)
+            response: Response | None = None
+            undecided = self._recompute.pop(step, None)
+            if undecided is not None:
+                self._recomputed.add(step)
+                decided = decide_by_recomputation(undecided, digests)
+                if decided.kind is Verdict.SUSPECT:
+                    self._report(decided, fps)
+                    response = respond(decided, self.action, self.agreed_step, True)
             for finding in findings:
                 if finding.kind is Verdict.AGREE:
                     continue
@@ -128,8 +241,158 @@ class FingerprintWatch:
                         finding, {r: again.get(r) for r in finding.suspects}, {})
                     if decided.kind is not Verdict.UNDECIDABLE:
                         self._report(decided, fps)
+                        finding = decided
+                answer = respond(finding, self.action, self.agreed_step,
+                                 step in self._recomputed)
+                if answer.kind is Remedy.RECOMPUTE:
+                    first = self._first_divergence(group, finding, nodes) or finding
+                    self._recompute[first.step] = first
+                if response is None or response.kind is Remedy.NONE:
+                    response = answer
+            if response is not None and response.kind is not Remedy.NONE:
+                self._decide(group, step, response)
         except Exception:  # a diagnosis must never take the agent down
             logger.exception("fingerprint check of step %d failed", step)
+
+    # -- acting on a finding (ckpt_sdc_action evict) -------------------------------------------
+
+    def _first_divergence(self, group: GroupInfo, finding: Finding, nodes: dict[int, str]
+                          ) -> Finding | None:
+        """The finding at the earliest step after the agreed one at which ``finding``'s ranks
+        already differed, from the snapshots this node still holds (all of its ranks must be
+        local); None: none held. Data parallelism spreads a wrong value to every replica with
+        the next all-reduce: only at the first divergent step does the healthy replica's state
+        equal a recomputation, so that step is the one computed again and compared."""
+        if self.agreed_step is None or not self._local(finding, group):
+            return None
+        ranks = set(finding.suspects)
+        for step in range(self.agreed_step + 1, finding.step):
+            fps = [f for f in self.fingerprints(group, step) if f.rank in ranks]
+            if len(fps) < len(ranks):
+                continue
+            for earlier in compare(fps, nodes):
+                if earlier.kind is Verdict.UNDECIDABLE and earlier.replica_set == \
+                        finding.replica_set:
+                    logger.info("replicas %s first differed at step %d (held in memory): "
+                                "that step is computed again", sorted(ranks), step)
+                    return earlier
+            return None  # they agreed there: the divergence came later
+        return None
+
+    def _agreed(self, group: GroupInfo, step: int) -> None:
+        if self.action != "evict":
+            return
+        if self.store is not None and group.group_world_size > 1:
+            self.store.set(_round_key(group.round, "agreed"), str(step))
+        else:
+            self._pin(group, step)
+
+    def _decide(self, group: GroupInfo, step: int, response: Response) -> None:
+        verdict = {"remedy": response.kind.value, "reason": response.reason, "step": step,
+                   "restore_at_most": response.restore_at_most, "nodes": list(response.nodes),
+                   "ranks": list(response.ranks)}
+        logger.error("silent data corruption at step %d: %s", step, response.reason)
+        self._emit("sdc_response", **verdict)
+        if self.store is not None and group.group_world_size > 1:
+            self.store.set(_round_key(group.round, "verdict"), json.dumps(verdict))
+        else:
+            self._apply(group, verdict)
+
+    def _poll(self, group: GroupInfo) -> None:
+        """Reads what the leader published this round (the agreed step, a verdict)."""
+        try:
+            key = _round_key(group.round, "agreed")
+            if self.store.check([key]):
+                step = int(self.store.get(key))
+                if step != self._agreed_seen:
+                    self._agreed_seen = step  # tried once: a step no longer held stays so
+                    self._pin(group, step)
+            key = _round_key(group.round, "verdict")
+            if not self._halted and self.store.check([key]):
+                self._apply(group, json.loads(self.store.get(key)))
+        except Exception:
+            logger.exception("could not read the fingerprints' verdict of round %d", group.round)
+
+    def _apply(self, group: GroupInfo, verdict: dict[str, Any]) -> None:
+        """This node's part of a verdict: the restore limit, and a detection for the agent."""
+        with self._lock:
+            if self._halted:
+                return
+            self._halted = True
+            at_most = verdict.get("restore_at_most")
+            if at_most is not None:
+                self.restore_at_most = (at_most if self.restore_at_most is None
+                                        else min(self.restore_at_most, at_most))
+                self.stopped(self.slots.newest_common_step(group.workers))
+            named = group.node_id in verdict["nodes"]
+            local = {w.global_rank for w in group.workers}
+            ranks = tuple(r for r in verdict["ranks"] if r in local)
+            message = f"silent data corruption at step {verdict['step']}: {verdict['reason']}"
+            if named:
+                # A node named after a recomputation leaves only where another can take its
+                # place; alone, its state agrees again and the run goes on.
+                if at_most is None and group.group_world_size < 2:
+                    logger.warning("node %s named (%s); the only node of the job stays",
+                                   group.node_id, verdict["reason"])
+                    self._halted = False
+                    return
+                self.suspect_reason = f"sdc: rank(s) {list(ranks)} diverged at step " \
+                                      f"{verdict['step']}"
+                self._detection = Detection(FailureClass.NUMERIC, ranks, "sdc", message,
+                                            node_suspect=True, evidence=verdict)
+            elif at_most is not None:
+                self._detection = Detection(FailureClass.NUMERIC, ranks, "sdc", message,
+                                            evidence=verdict)
+            else:
+                self._halted = False
+
+    def settle(self) -> None:
+        """The workers restored: the detection was handled (the restore limit stays until a
+        step after the redone ones agrees)."""
+        self.suspect_reason = None
+
+    def _pin(self, group: GroupInfo, step: int) -> None:
+        """Holds every local worker's slot of ``step`` (see the module's docstring)."""
+        pins: list[Slot] = []
+        for worker in group.workers:
+            slots = self.slots.slot_set(worker.local_rank)
+            pin = None
+            for index, header in slots.complete().items():
+                if header.step != step or header.rank != worker.global_rank:
+                    continue
+                slot = slots.get(index)
+                pin = Slot.open_existing(slot.path) if slot is not None else None
+                if pin is not None and not pin.try_lock(exclusive=False):
+                    pin.close()
+                    pin = None
+                if pin is not None:
+                    held = pin.header()
+                    if held is None or held.state != COMPLETE or held.step != step:
+                        pin.close()
+                        pin = None
+                break
+            if pin is None:
+                for p in pins:
+                    p.close()
+                logger.debug("step %d no longer held by local rank %d: not pinned", step,
+                             worker.local_rank)
+                return
+            pins.append(pin)
+        with self._lock:
+            old, self._pins, self.pinned_step = self._pins, pins, step
+            if self.restore_at_most is not None and (self.newest_before is None
+                                                     or step > self.newest_before):
+                logger.info("step %d agrees after the redone steps: restores are free again",
+                            step)
+                self.restore_at_most = self.newest_before = None
+        for p in old:
+            p.close()
+
+    def _unpin(self) -> None:
+        with self._lock:
+            old, self._pins = self._pins, []
+        for p in old:
+            p.close()
 
     @staticmethod
     def _local(finding: Finding, group: GroupInfo) -> bool:
@@ -167,7 +430,13 @@ class FingerprintWatch:
                     replica_set=f["replica_set"], digest=f["digest"],
                     items=tuple((str(n), int(c)) for n, c in f["items"]), nbytes=f["nbytes"]))
                 nodes[f["rank"]] = record["node"]
-            store.delete_key(key)
+            if self._deletes:
+                try:
+                    store.delete_key(key)
+                except (RuntimeError, NotImplementedError):
+                    # The rendezvous's store (etcd's, behind a prefix) deletes nothing: its
+                    # keys go with the round.
+                    self._deletes = False
         return gathered, nodes
 
     def _report(self, finding: Finding, fps: list[Fingerprint]) -> None:
@@ -180,9 +449,14 @@ class FingerprintWatch:
                      finding.reason, list(finding.items)[:5])
         self._emit(kind, step=finding.step, ranks=list(finding.suspects),
                    nodes=list(finding.nodes), reason=finding.reason,
+                   decided_by=finding.decided_by or None,
                    items=list(finding.items)[:20], agreed_step=self.agreed_step,
                    fingerprints=evidence)
 
 
 def _key(round_: int, step: int, group_rank: int) -> str:
     return f"elasticft.sdc.{round_}.{step}.{group_rank}"
+
+
+def _round_key(round_: int, what: str) -> str:
+    return f"elasticft.sdc.{round_}.{what}"

@@ -82,11 +82,15 @@ class SnapshotLoader:
                 logger.warning("checkpoint tier %s unavailable: %s", tier.name, e)
                 held[tier.name] = []
         candidates = sorted({s for steps in held.values() for s in steps}, reverse=True)
+        ceiling = self.settings.restore_at_most
+        if ceiling is not None:
+            # Silent data corruption was found: nothing newer than the last agreed step.
+            candidates = [s for s in candidates if s <= ceiling]
         excluded: set[int] = set()
         while True:
             step = self._ranks.agree([s for s in candidates if s not in excluded])
             if step is None:
-                if live is not None and not excluded:
+                if live is not None and not excluded and ceiling is None:
                     return self._reshard(tiers, live)
                 logger.info("no checkpoint that every rank can load")
                 return None
