@@ -25,9 +25,10 @@ Everything built outside the function stays alive: the model, the optimizer and 
 tensors, the data, compiled graphs. What is bound to a process group is built inside it, since
 the group it was bound to is gone: ``DistributedDataParallel`` is re-wrapped around the same
 module on every entry (its constructor broadcasts nothing new: the restore makes every rank
-equal), as are groups made with ``new_group`` and FSDP2's device mesh (FSDP2 in process is not
-supported yet: its parameters are re-sharded by ``fully_shard``, which does not re-point an
-existing module; such jobs fall back to a restart when the function raises a second time).
+equal), as are groups made with ``new_group``. Modules sharded in the set-up (FSDP2's
+``fully_shard``, tensor parallel DTensors) are kept whole when they are given as
+``InProcess(modules=[model])``: after the regroup their device meshes' groups are made again
+and FSDP2 is pointed at them (:mod:`elasticft.recovery.meshes`).
 
 Whatever goes wrong during recovery falls back to the agent's full restart from the same
 snapshots: an error that is not a peer failure (a bug, a CUDA error: the device's context may be
@@ -55,7 +56,7 @@ from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
 from elasticft.recovery.health import within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
-from elasticft.recovery.meshes import KeptModules
+from elasticft.recovery.meshes import KeptModules, RebindError, device_meshes
 from elasticft.recovery.ncclenv import abort_warning, nccl_version
 from elasticft.recovery.protocol import (
     Generation,
@@ -168,6 +169,10 @@ class InProcess:
         from elasticft.recovery import spare
 
         was_spare = spare.is_spare()
+        if was_spare and device_meshes(self.modules):
+            raise RebindError("a spare cannot take a rank of a script whose modules are "
+                              "sharded over a device mesh (its mesh is a world of one); run "
+                              "without --recovery-inprocess-spare")
         if was_spare:  # a pre-started spare: it waits here until it takes a rank
             self.settings = spare.take_rank(self.settings, self.ops)
             self.generation = self.settings.generation
