@@ -1,7 +1,7 @@
 """The sharded modules a survivor keeps through a regroup (``recovery.meshes``), on real torch
-objects in a gloo world of one rank: FSDP2 over tensor parallel, a step cut short, the groups
-re-pointed, the shards kept in place, and what the checks refuse. Several ranks, a SIGKILL and
-a replacement: tests/recovery/test_inprocess_sharded.py."""
+objects in a gloo world of one rank: FSDP2 over tensor parallel and HSDP, a step cut short,
+the groups re-pointed, the shards kept in place, and what the checks refuse. Several ranks, a
+SIGKILL and a replacement: tests/recovery/test_inprocess_sharded.py."""
 
 from __future__ import annotations
 
@@ -42,14 +42,18 @@ def world() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+def _model(kind: str = "fsdp-tp") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """FSDP2 over dp outside TP over tp on a (dp, tp) mesh; or HSDP: FSDP2 over a
+    (replicate, shard) mesh, whose mesh infos also hold a replicate group."""
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()},
-                       src_data_rank=None)
-    fully_shard(model[0], mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    if kind == "fsdp-tp":
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                           src_data_rank=None)
+    shard_over = mesh["dp"] if kind == "fsdp-tp" else mesh
+    fully_shard(model[0], mesh=shard_over)
+    fully_shard(model, mesh=shard_over)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -63,8 +67,8 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
 
 
 def _unsharded(model: nn.Module) -> list[str]:
-    """The parameters FSDP2 has unsharded: a TP DTensor on the tp mesh alone, where a
-    sharded one lies on the (dp, tp) mesh."""
+    """The parameters FSDP2 has unsharded: a plain tensor, or a TP DTensor on the tp mesh
+    alone, where a sharded one lies on the (dp, tp) or (replicate, shard) mesh."""
     return [name for name, p in model.named_parameters()
             if not isinstance(p, DTensor) or p.device_mesh.ndim != 2]
 
@@ -75,10 +79,11 @@ def _groups(model: nn.Module) -> list[Any]:
 
 
 @pytest.mark.timeout(120)
-def test_fsdp2_over_tp_is_pointed_at_the_new_groups_and_trains_on_bit_exact(world: None
-                                                                           ) -> None:
-    model, optim = _model()
-    twin, twin_optim = _model()  # never regrouped: what the kept model must match
+@pytest.mark.parametrize(("kind", "references"), [("fsdp-tp", 2), ("hsdp", 4)])
+def test_fsdp2_is_pointed_at_the_new_groups_and_trains_on_bit_exact(
+        world: None, kind: str, references: int) -> None:
+    model, optim = _model(kind)
+    twin, twin_optim = _model(kind)  # never regrouped: what the kept model must match
     kept = KeptModules.arm([model])
     assert len(device_meshes([model])) == 1 and len(fsdp_modules([model])) == 2
     assert [_step(model, optim, s) for s in (1, 2)] == [_step(twin, twin_optim, s)
@@ -90,10 +95,13 @@ def test_fsdp2_over_tp_is_pointed_at_the_new_groups_and_trains_on_bit_exact(worl
     old = _groups(model)
 
     _regroup()
-    assert kept.rebind() == "1 meshes, 2 FSDP2 group references"
+    assert kept.rebind() == f"1 meshes, {references} FSDP2 group references"
 
     live = dist.distributed_c10d._get_default_group()
     assert _groups(model) == [live] and old != [live]
+    if kind == "hsdp":
+        state = fsdp_modules([model])[0]._get_fsdp_state()
+        assert state._fsdp_param_groups[0].mesh_info.replicate_process_group is live
     assert not _unsharded(model)  # FSDP2's reset put the sharded parameters back
     assert {name: p.to_local().data_ptr() for name, p in model.named_parameters()} == shards
     assert [s["exp_avg"].to_local().data_ptr() for s in optim.state.values()] == moments
