@@ -117,22 +117,27 @@ class KeptModules:
     modules: tuple[nn.Module, ...]
     set_up_groups: int
     """torch's group counter when recovery armed: how many named groups the set-up made."""
+    refused: str | None = None
+    """Why these modules cannot be kept (a recovery then restarts), found when armed."""
 
     @classmethod
     def arm(cls, modules: Sequence[nn.Module]) -> KeptModules:
-        """Records the set-up's groups; raises :class:`RebindError` for a mesh that cannot be
-        made again."""
-        kept = cls(tuple(modules), _group_count())
-        for mesh in device_meshes(kept.modules):
+        """Records the set-up's groups, and what would keep a recovery from remaking them
+        (logged now; the recovery raises it)."""
+        refused = None
+        for mesh in device_meshes(modules):
             if mesh._flatten_mapping:
-                raise RebindError(
-                    f"a flattened device mesh ({sorted(mesh._flatten_mapping)}) is not made "
-                    "again in process; recover by a restart, or use a mesh without _flatten")
-        return kept
+                refused = (f"a flattened device mesh ({', '.join(sorted(mesh._flatten_mapping))})"
+                           " is not made again in process: a failure restarts the job (use "
+                           "meshes without _flatten for in-process recovery)")
+                logger.warning("%s", refused)
+        return cls(tuple(modules), _group_count(), refused)
 
     def rebind(self) -> str:
         """After the regroup: the meshes' groups made again, FSDP2 pointed at them, its
         iteration state reset. Returns a summary for the log; raises :class:`RebindError`."""
+        if self.refused is not None:
+            raise RebindError(self.refused)
         for module in fsdp_modules(self.modules):
             state = module._get_fsdp_state()  # type: ignore[operator]
             if state._is_root:

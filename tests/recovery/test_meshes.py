@@ -132,3 +132,16 @@ def test_a_group_fsdp2_keeps_where_the_rebind_does_not_look_is_named(world: None
     with pytest.raises(RebindError, match=r"old generation at "
                        r"param_group\[0\]\.comm_ctx\.some_group"):
         kept.rebind()
+
+
+@pytest.mark.timeout(120)
+def test_a_flattened_mesh_is_named_when_recovery_arms_and_refuses_the_rebind(
+        world: None, caplog: pytest.LogCaptureFixture) -> None:
+    model, _ = _model()
+    mesh = fsdp_modules([model])[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
+    mesh._get_root_mesh()["dp", "tp"]._flatten("dp_tp")
+    kept = KeptModules.arm([model])  # the job goes on; a failure will restart it
+    assert "a flattened device mesh (dp_tp) is not made again in process" in caplog.text
+    _regroup()
+    with pytest.raises(RebindError, match="flattened device mesh"):
+        kept.rebind()
