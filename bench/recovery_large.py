@@ -36,6 +36,14 @@ save. Printed per launcher:
     python bench/recovery_large.py --device cpu --gb 1 --nproc 2 \
         --launchers elasticft-run,elasticft-inprocess,elasticft-spare  # and with the spare
 
+With ``--fsdp`` the model is sharded with FSDP2 over all ranks (``fully_shard`` on each layer and
+on the root), ``--gb`` stays the state per rank (the model is ``--nproc`` times larger), and the
+in-process mode keeps the sharded model (``InProcess(modules=[model])``); torchrun and the
+spare do not take part:
+
+    python bench/recovery_large.py --device cpu --gb 1 --nproc 2 --fsdp \
+        --launchers elasticft-run,elasticft-inprocess
+
 ``bench/gpu_check.sh --parts recovery`` runs it on a GPU. Not a test: the numbers are the
 machine's. The table also goes to ``$OUT/recovery_large.json`` when ``OUT`` is set.
 """
@@ -136,11 +144,11 @@ def worker(args: argparse.Namespace) -> int:
     device = args.device
     width = 8192 if args.gb >= 1 else 512
     # AdamW: parameters + two moments, fp32: 12 bytes per parameter.
-    layers = max(1, round(args.gb * 1e9 / 12 / (width * width)))
+    fsdp = args.fsdp
+    layers = max(1, round(args.gb * (args.nproc if fsdp else 1) * 1e9 / 12 / (width * width)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
                                   for _ in range(layers)]).to(device)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     batch = torch.randn(args.batch, width, device=device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     spare = args.mode == "spare" and _is_spare()
@@ -165,6 +173,13 @@ def worker(args: argparse.Namespace) -> int:
                                     world_size=int(os.environ["WORLD_SIZE"]))
         else:
             dist.init_process_group(backend)
+    if fsdp:  # over every rank, torchtitan's way; no collective: a replacement's set-up
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
 
     def sync() -> None:
         if device == "cuda":
@@ -231,7 +246,7 @@ def worker(args: argparse.Namespace) -> int:
     if args.mode in ("inprocess", "spare"):
         from elasticft.recovery.inprocess import InProcess
 
-        start = InProcess().run(train)
+        start = InProcess(modules=[model] if fsdp else []).run(train)
     else:
         start = train()
     if args.mode != "torch":
@@ -346,7 +361,7 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     # The worker's settings go by environment: the launchers parse options that would clash.
     spec = {"mode": mode, "log": str(log), "device": args.device, "gb": args.gb,
             "every": args.every, "steps": args.steps, "batch": args.batch,
-            "ckpt_file": str(tmp / "torch_ckpt.pt"), "nproc": args.nproc}
+            "ckpt_file": str(tmp / "torch_ckpt.pt"), "nproc": args.nproc, "fsdp": args.fsdp}
     worker_args = [str(Path(__file__).resolve())]
     nproc = str(args.nproc)
     if mode != "torch":
@@ -492,6 +507,8 @@ def main() -> int:
                         help=f"any of {', '.join(MODES)}")
     parser.add_argument("--nproc", type=int, default=1,
                         help="workers (the in-process modes need 2 or more: a survivor)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the model with FSDP2 over the ranks (--gb per rank)")
     if os.environ.get(WORKER_SPEC):
         return worker(argparse.Namespace(**json.loads(os.environ[WORKER_SPEC])))
     args = parser.parse_args()
@@ -508,6 +525,9 @@ def main() -> int:
     if in_process and args.nproc < 2:
         parser.error(f"--launchers {','.join(sorted(in_process))} needs --nproc 2 or more (a "
                      "survivor that keeps its process)")
+    if args.fsdp and ({"torchrun", "elasticft-spare"} & set(args.launchers.split(","))
+                      or args.nproc < 2):
+        parser.error("--fsdp runs elasticft-run and elasticft-inprocess on --nproc 2 or more")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"recovery_large: no CUDA device (torch {torch.__version__}); nothing measured")
         return 0
@@ -519,7 +539,8 @@ def main() -> int:
     where = (torch.cuda.get_device_name(0) if args.device == "cuda"
              else f"CPU ({platform.machine()}, {os.cpu_count()} cores)")
     print(f"recovery_large: {where}, torch {torch.__version__}, {when}; {args.gb} GB of state, "
-          f"{args.nproc} rank(s), a save every {args.every} step(s), SIGKILL of the last rank two "
+          f"{args.nproc} rank(s){' (FSDP2)' if args.fsdp else ''}, a save every {args.every} "
+          f"step(s), SIGKILL of the last rank two "
           f"steps after save "
           f"{args.kill_after_saves}; free page reporting: {page_reporting()} (new memory costs "
           f"more where it is on: bench/fresh_memory.py)")

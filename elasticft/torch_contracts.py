@@ -96,6 +96,54 @@ def _dcp_init_step() -> bool:
     return seen == [(0.0, True)] and optim.param_groups[0]["lr"] == 0.5
 
 
+def _mesh_remade_by_name() -> bool:
+    """recovery/meshes.py: a mesh keeps its groups' names and resolves them at each use, so
+    groups made again in the same order (torch resets its counter with the default group)
+    are found again; a root mesh caches its groups in ``_pg_registry``."""
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return (list(_parameters(DeviceMesh._init_process_groups))
+            == ["layout", "rank_map", "mesh_dim_names", "backend_override"]
+            and _reads(DeviceMesh, "_dim_group_names", "get_group")
+            and _reads(DeviceMesh, "_layout", "__init__")
+            and _reads(DeviceMesh, "_rank_map", "__init__")
+            and _reads(DeviceMesh, "_mesh_dim_names", "__init__")
+            and _reads(DeviceMesh, "_pg_registry", "__init__")
+            and _reads(DeviceMesh, "_flatten_mapping", "__init__")
+            and callable(getattr(DeviceMesh, "_get_root_mesh", None))
+            and "_world.group_count = 0" in inspect.getsource(c10d.destroy_process_group)
+            and "str(_world.group_count)" in inspect.getsource(c10d._process_group_name)
+            and callable(getattr(c10d, "_resolve_process_group", None)))
+
+
+def _fsdp_groups_repointable() -> bool:
+    """recovery/meshes.py: where FSDP2 keeps process groups itself (its mesh infos), how its
+    parameter groups and parameters reach them, and its reset after an aborted step."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_state
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def sets(cls: type, *fields: str) -> bool:
+        source = inspect.getsource(cls.__post_init__)
+        return all(f"self.{field} = " in source or f"self.{field}: " in source
+                   for field in fields)
+
+    return (callable(getattr(FSDPModule, "_get_fsdp_state", None))
+            and callable(getattr(FSDPModule, "reset_iter_state", None))
+            and _reads(_fsdp_state.FSDPState, "_fsdp_param_groups", "__init__")
+            and _reads(_fsdp_state.FSDPState, "_is_root", "__init__")
+            and _reads(FSDPParamGroup, "mesh_info", "__init__")
+            and _reads(FSDPParamGroup, "post_forward_mesh_info", "__init__")
+            and _reads(_fsdp_param.FSDPParam, "mesh_info", "_init_sharded_param")
+            and _reads(_fsdp_param.FSDPParam, "post_forward_mesh_info", "__init__")
+            and _reads(FSDPParamGroup, "fsdp_params", "__init__")
+            and sets(_fsdp_common.FSDPMeshInfo, "shard_process_group",
+                     "reduce_scatter_process_group")
+            and sets(_fsdp_common.DDPMeshInfo, "replicate_process_group")
+            and "mesh" in {f.name for f in dataclasses.fields(_fsdp_common.FSDPMeshInfo)})
+
+
 CONTRACTS: dict[str, Callable[[], bool]] = {
     "torch.distributed.run.get_args_parser() -> argparse parser":
         lambda: hasattr(torch_run.get_args_parser(), "parse_args"),
@@ -178,6 +226,15 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "bound_device_id": lambda: _has(torch.distributed.distributed_c10d, "_get_default_group")
         and _has(torch.distributed.ProcessGroup, "abort", "_get_backend", "bound_device_id")
         and hasattr(torch.distributed.ProcessGroupGloo._Options, "_timeout"),
+    # recovery/meshes.py: the sharded modules a survivor keeps through a regroup.
+    "DeviceMesh._init_process_groups(layout, rank_map, mesh_dim_names, backend_override), "
+    "_dim_group_names, _layout, _rank_map, _mesh_dim_names, _pg_registry, _flatten_mapping, "
+    "_get_root_mesh(); _world.group_count reset by destroy_process_group; "
+    "_resolve_process_group(name)": _mesh_remade_by_name,
+    "FSDPModule._get_fsdp_state(), reset_iter_state(); FSDPState._fsdp_param_groups, _is_root; "
+    "FSDPParamGroup.fsdp_params; mesh_info and post_forward_mesh_info of a parameter group and "
+    "a parameter; FSDPMeshInfo.shard_process_group, reduce_scatter_process_group; "
+    "DDPMeshInfo.replicate_process_group": _fsdp_groups_repointable,
     "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval
         == signal.SIGTERM,
     "RendezvousHandler abstract methods (the etcd-v3 handler implements them)":

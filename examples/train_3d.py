@@ -8,12 +8,25 @@ job restarts in the layout planned for the nodes that remain. The global batch i
 every layout (DP x accumulation x micro-batch), and the data of step k depends only on k, so
 the loss curve does not depend on the layout.
 
+With ``--fsdp`` the model is sharded over the DP dimension with FSDP2 (``fully_shard`` on each
+block and on the root, outside the tensor parallelism), which then reduce-scatters the
+gradients itself.
+
 Checkpoints are torch.distributed.checkpoint (DCP) directories saved from the DTensor state of
 model and optimizer (``get_state_dict``); on restart they are loaded into whatever mesh the new
 layout gives, which reshards them, optimizer state included.
 
     elasticft-run --standalone --nproc-per-node 4 --layout 2,1,* \\
         examples/train_3d.py --steps 20 --ckpt-dir /tmp/ckpt --loss-log /tmp/loss.jsonl
+
+With ``--inprocess`` the job recovers in process instead (``InProcess``, snapshots of every step
+in the agent's memory): when a rank fails, the others keep their processes, their modules, local
+shards and optimizer state; the mesh's groups are made again for the new generation and a
+replacement takes the failed rank (``--crash-at-step N`` SIGKILLs ``--fault-rank`` once step N
+is saved, in the first attempt).
+
+    elasticft-run --standalone --nproc-per-node 4 --layout 2,1,* --max-restarts 3 \\
+        examples/train_3d.py --fsdp --inprocess --crash-at-step 6
 """
 
 from __future__ import annotations
@@ -21,8 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,14 +45,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     parallelize_module,
 )
 
 import elasticft
+from elasticft.plan.api import Layout
 
 COMMITTED = "COMMITTED"
 
@@ -85,12 +103,78 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[int, Path] | None:
     return int(done[-1].name.removeprefix("step_")), done[-1]
 
 
+def build(args: argparse.Namespace, layout: Layout) -> tuple[nn.Module, Any, Any]:
+    """The model on this round's mesh: tensor parallel over ``tp`` (no collective: every rank
+    builds the same full weights and keeps its own slice, ``src_data_rank=None``), and with
+    ``--fsdp`` FSDP2 over ``dp`` outside it. Returns the model, its optimizer and the mesh."""
+    mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)  # same full weights on every rank and in every layout
+    model = TinyLM(args.vocab, args.hidden, args.layers)
+    if layout.tp > 1:
+        plan: dict[str, ParallelStyle] = {}
+        for i in range(args.layers):
+            plan[f"blocks.{i}.up"] = ColwiseParallel()
+            plan[f"blocks.{i}.down"] = RowwiseParallel()
+        parallelize_module(model, mesh["tp"], plan, src_data_rank=None)
+    if args.fsdp:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
+    return model, optimizer, mesh
+
+
+def train_step(step: int, model: nn.Module, optimizer: Any, mesh: Any,
+               layout: Layout, args: argparse.Namespace) -> float:
+    """One optimizer step over the global batch of ``step``; returns its mean loss. The data
+    parallel groups are looked up on every step (a mesh resolves them by name, so after an
+    in-process recovery they are the new generation's)."""
+    dp_group, dp_index = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    micro_batch = args.global_batch // (layout.dp * layout.grad_accum)
+    data = global_batch(step, args)
+    per_replica = micro_batch * layout.grad_accum
+    mine = data[dp_index * per_replica:(dp_index + 1) * per_replica]
+    optimizer.zero_grad()
+    loss_sum = torch.zeros(())
+    for j in range(layout.grad_accum):
+        chunk = mine[j * micro_batch:(j + 1) * micro_batch]
+        logits = model(chunk[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab),
+                                           chunk[:, 1:].reshape(-1))
+        (loss / layout.grad_accum).backward()
+        loss_sum += loss.detach()
+    if layout.dp > 1:
+        if not args.fsdp:  # FSDP2 reduce-scatters the gradients itself
+            for p in model.parameters():
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=dp_group)
+                grad.div_(layout.dp)
+        dist.all_reduce(loss_sum, group=dp_group)
+    optimizer.step()
+    return loss_sum.item() / (layout.dp * layout.grad_accum)
+
+
+def log_loss(args: argparse.Namespace, layout: Layout, done: int,
+             loss: float) -> None:
+    if dist.get_rank() == 0 and args.loss_log is not None:
+        with args.loss_log.open("a") as f:
+            f.write(json.dumps({
+                "step": done, "loss": loss, "tp": layout.tp, "dp": layout.dp,
+                "grad_accum": layout.grad_accum, "round": os.environ.get("ELASTICFT_ROUND"),
+            }) + "\n")
+    if args.pid_log is not None:
+        with args.pid_log.open("a") as f:
+            f.write(f"{dist.get_rank()} {os.getpid()} {done}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=Path,
+                        help="where DCP checkpoints go (required without --inprocess)")
     parser.add_argument("--ckpt-every", type=int, default=1)
     parser.add_argument("--loss-log", type=Path)
+    parser.add_argument("--pid-log", type=Path, help="every rank appends 'rank pid step' here")
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="seconds to sleep per step (gives tests time to inject faults)")
     parser.add_argument("--global-batch", type=int, default=8)
@@ -99,32 +183,80 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard over DP with FSDP2 (fully_shard) instead of replicating")
+    parser.add_argument("--inprocess", action="store_true",
+                        help="recover in process (InProcess) with memory snapshots every step")
+    parser.add_argument("--crash-at-step", type=int, default=-1,
+                        help="--fault-rank SIGKILLs itself once step N is saved (first attempt)")
+    parser.add_argument("--fault-rank", type=int, default=1)
     args = parser.parse_args()
+    if not args.inprocess and args.ckpt_dir is None:
+        parser.error("--ckpt-dir is required without --inprocess")
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.init_process_group("gloo")  # no collective from here to InProcess().run
+    world = dist.get_world_size()
     layout = elasticft.layout()
     if layout.gpus_used != world or layout.pp != 1:
         raise SystemExit(
             f"train_3d runs TPxDP layouts over all ranks; got {layout.describe()} on {world} "
             "ranks (pin --layout *,1,* and a batch that DP can fill)"
         )
-    mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-    tp_mesh, dp_group = mesh["tp"], mesh["dp"].get_group()
-    dp_index = mesh["dp"].get_local_rank()
-    micro_batch = args.global_batch // (layout.dp * layout.grad_accum)
-    if micro_batch * layout.dp * layout.grad_accum != args.global_batch:
+    if args.global_batch % (layout.dp * layout.grad_accum):
         raise SystemExit(f"global batch {args.global_batch} does not split as {layout.describe()}")
+    model, optimizer, mesh = build(args, layout)
+    if args.inprocess:
+        train_in_process(args, layout, model, optimizer, mesh)
+    else:
+        train_with_dcp(args, layout, model, optimizer, mesh)
+    dist.barrier()
+    dist.destroy_process_group()
 
-    torch.manual_seed(0)  # same full weights on every rank and in every layout
-    model = TinyLM(args.vocab, args.hidden, args.layers)
-    plan = {}
-    for i in range(args.layers):
-        plan[f"blocks.{i}.up"] = ColwiseParallel()
-        plan[f"blocks.{i}.down"] = RowwiseParallel()
-    parallelize_module(model, tp_mesh, plan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
 
+def train_in_process(args: argparse.Namespace, layout: Layout, model: nn.Module,
+                     optimizer: Any, mesh: Any) -> None:
+    """Snapshots of every step in the agent's memory; a failed peer costs the others a roll
+    back in place (the model, its shards and the optimizer state stay; the mesh's groups are
+    made again for the new generation, since ``model`` is given to ``InProcess``)."""
+    from elasticft.ckpt import Checkpointer, StateCapture
+    from elasticft.recovery.inprocess import InProcess
+
+    ckpt = Checkpointer.from_env(optimizers=[optimizer])
+    snapshot = StateCapture(model, optimizer)
+    armed = {"fault": os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
+             and dist.get_rank() == args.fault_rank}
+
+    def train() -> None:
+        start = 0
+        restored = ckpt.restore(model, optimizer)  # in place, into the live shards
+        if restored is not None:
+            start = restored[0]
+            if dist.get_rank() == 0:
+                print(f"resumed from step {start} (source={ckpt.last_source})", flush=True)
+        for step in range(start, args.steps):
+            done = step + 1
+            log_loss(args, layout, done, train_step(step, model, optimizer, mesh, layout, args))
+            request = ckpt.save(done, snapshot(extra={"step": done}))
+            if armed["fault"] and done == args.crash_at_step:
+                request.wait()
+                time.sleep(1.0)  # the others wait in the next step's first collective
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+
+    recovery = InProcess(modules=[model])
+    recovery.run(train)
+    ckpt.close()
+    if dist.get_rank() == 0:
+        print(f"finished {args.steps} steps; {recovery.recoveries} in-process recoveries in "
+              "this process", flush=True)
+
+
+def train_with_dcp(args: argparse.Namespace, layout: Layout, model: nn.Module,
+                   optimizer: Any, mesh: Any) -> None:
+    """DCP checkpoints every ``--ckpt-every`` steps; a restart loads the newest into whatever
+    mesh its layout gives."""
+    rank = dist.get_rank()
     start = 0
     found = latest_checkpoint(args.ckpt_dir)
     if found is not None:
@@ -136,35 +268,9 @@ def main() -> None:
                        optim_state_dict=state["optim"])
         if rank == 0:
             print(f"resumed from step {start} in layout {layout.describe()}", flush=True)
-
-    loss_fn = nn.CrossEntropyLoss()
     for step in range(start, args.steps):
-        data = global_batch(step, args)
-        per_replica = micro_batch * layout.grad_accum
-        mine = data[dp_index * per_replica:(dp_index + 1) * per_replica]
-        optimizer.zero_grad()
-        loss_sum = torch.zeros(())
-        for j in range(layout.grad_accum):
-            chunk = mine[j * micro_batch:(j + 1) * micro_batch]
-            logits = model(chunk[:, :-1])
-            loss = loss_fn(logits.reshape(-1, args.vocab), chunk[:, 1:].reshape(-1))
-            (loss / layout.grad_accum).backward()
-            loss_sum += loss.detach()
-        if layout.dp > 1:
-            for p in model.parameters():
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(grad, group=dp_group)
-                grad.div_(layout.dp)
-            dist.all_reduce(loss_sum, group=dp_group)
-        optimizer.step()
-        mean_loss = loss_sum.item() / (layout.dp * layout.grad_accum)
         done = step + 1
-        if rank == 0 and args.loss_log is not None:
-            with args.loss_log.open("a") as f:
-                f.write(json.dumps({
-                    "step": done, "loss": mean_loss, "tp": layout.tp, "dp": layout.dp,
-                    "grad_accum": layout.grad_accum, "round": os.environ.get("ELASTICFT_ROUND"),
-                }) + "\n")
+        log_loss(args, layout, done, train_step(step, model, optimizer, mesh, layout, args))
         if done % args.ckpt_every == 0 or done == args.steps:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             path = args.ckpt_dir / f"step_{done:06d}"
@@ -174,8 +280,6 @@ def main() -> None:
                 (path / COMMITTED).write_text(json.dumps({"step": done}))
         if args.step_sleep:
             time.sleep(args.step_sleep)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ those under ``TYPE_CHECKING``. From the bottom up:
    none imports another (checked below), so each can be read, tested and changed by itself.
 4. **worker recovery**: the workers' side of in-process recovery (``recovery.inprocess`` and
    its spare, ``recovery.spare``, with the pieces both use: the records and settings shared with
-   the agent, ``recovery.protocol``, and the process groups, ``recovery.groups``), which
+   the agent, ``recovery.protocol``, the process groups, ``recovery.groups``, and the sharded
+   modules a survivor keeps, ``recovery.meshes``), which
    re-enters the training function and rebinds the subsystems' worker APIs to a new rank; the
    agent drives it.
 5. **orchestration**: the agent (``agent``, with its warm pool and the order of its add-ons)
@@ -69,7 +70,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("worker recovery", ("elasticft.recovery.inprocess", "elasticft.recovery.spare",
                           "elasticft.recovery.groups", "elasticft.recovery.interrupt",
                           "elasticft.recovery.health", "elasticft.recovery.ncclenv",
-                          "elasticft.recovery.protocol")),
+                          "elasticft.recovery.protocol", "elasticft.recovery.meshes")),
     ("orchestration", ("elasticft.agent", "elasticft.recovery")),
     ("tools", ("elasticft.report", "elasticft.chaos")),
     ("entry points", ("elasticft.launcher", "elasticft.run", "elasticft.worker", "elasticft")),

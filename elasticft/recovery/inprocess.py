@@ -25,9 +25,10 @@ Everything built outside the function stays alive: the model, the optimizer and 
 tensors, the data, compiled graphs. What is bound to a process group is built inside it, since
 the group it was bound to is gone: ``DistributedDataParallel`` is re-wrapped around the same
 module on every entry (its constructor broadcasts nothing new: the restore makes every rank
-equal), as are groups made with ``new_group`` and FSDP2's device mesh (FSDP2 in process is not
-supported yet: its parameters are re-sharded by ``fully_shard``, which does not re-point an
-existing module; such jobs fall back to a restart when the function raises a second time).
+equal), as are groups made with ``new_group``. Modules sharded in the set-up (FSDP2's
+``fully_shard``, tensor parallel DTensors) are kept whole when they are given as
+``InProcess(modules=[model])``: after the regroup their device meshes' groups are made again
+and FSDP2 is pointed at them (:mod:`elasticft.recovery.meshes`).
 
 Whatever goes wrong during recovery falls back to the agent's full restart from the same
 snapshots: an error that is not a peer failure (a bug, a CUDA error: the device's context may be
@@ -45,7 +46,7 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
 from elasticft.recovery.health import within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
+from elasticft.recovery.meshes import KeptModules, RebindError, device_meshes
 from elasticft.recovery.ncclenv import abort_warning, nccl_version
 from elasticft.recovery.protocol import (
     Generation,
@@ -138,9 +140,14 @@ class InProcess:
     """
 
     def __init__(self, settings: InProcessSettings | None = None,
-                 ops: GroupOps | None = None) -> None:
+                 ops: GroupOps | None = None, modules: Sequence[Any] = ()) -> None:
         self.settings = settings if settings is not None else InProcessSettings.from_env()
         self.ops = ops if ops is not None else GroupOps.for_torch()
+        self.modules = tuple(modules)
+        """The sharded modules (FSDP2, tensor parallel) built before :meth:`run` and kept
+        through recoveries: their device meshes' groups are made again after a regroup
+        (:mod:`elasticft.recovery.meshes`)."""
+        self._kept: KeptModules | None = None
         self.generation = self.settings.generation
         self.recoveries = 0
         """How often this process regrouped."""
@@ -162,6 +169,10 @@ class InProcess:
         from elasticft.recovery import spare
 
         was_spare = spare.is_spare()
+        if was_spare and device_meshes(self.modules):
+            raise RebindError("a spare cannot take a rank of a script whose modules are "
+                              "sharded over a device mesh (its mesh is a world of one); run "
+                              "without --recovery-inprocess-spare")
         if was_spare:  # a pre-started spare: it waits here until it takes a rank
             self.settings = spare.take_rank(self.settings, self.ops)
             self.generation = self.settings.generation
@@ -174,6 +185,8 @@ class InProcess:
         self._entered = time.time()
         self._resume_hook = register_optimizer_step_post_hook(self._on_step)
         self.group_settings = GroupSettings.of_default_group()
+        if self.modules:
+            self._kept = KeptModules.arm(self.modules)
         if dist.is_available() and dist.is_initialized():
             backend = str(dist.get_backend())
             if "nccl" in backend.lower() and (warning := abort_warning(nccl_version())):
@@ -243,13 +256,15 @@ class InProcess:
                 f"the workers): {cause}") from error
         regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
                 self.group_settings)
+        regrouped_at = time.time()
+        rebound = self._kept.rebind() if self._kept is not None else "no kept modules"
         self.generation = generation.generation
         self.recoveries += 1
         self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time(),
                         **({"interrupted": interrupted_at} if interrupted_at else {})}
-        logger.warning("rank %d rejoined in generation %d (%s %.3f s, regroup %.3f s)", rank,
-                       self.generation, how, aborted_at - failed_at,
-                       self._phases["joined"] - aborted_at)
+        logger.warning("rank %d rejoined in generation %d (%s %.3f s, regroup %.3f s, %s "
+                       "%.3f s)", rank, self.generation, how, aborted_at - failed_at,
+                       regrouped_at - aborted_at, rebound, self._phases["joined"] - regrouped_at)
         self._write("joined", self._phases)
 
     def _bounded_teardown(self, backend: str) -> str:
