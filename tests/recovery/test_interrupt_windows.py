@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticft.agent.inprocess import InProcessCoordinator
+from elasticft.agent.generations import InProcessCoordinator
 from elasticft.jsonfile import write_json
 from elasticft.recovery.groups import GroupOps, end_tcp_connections
 from elasticft.recovery.inprocess import InProcess

@@ -8,29 +8,30 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.spare import FAILED_LIMIT, Step, next_step, pick, spare_env
+from elasticft.agent.spare_keeper import FAILED_LIMIT, SpareMove, next_move, pick, spare_env
 from elasticft.ckpt.settings import ENV_CONTROL, ENV_SHM
 from elasticft.recovery.protocol import Generation
 from elasticft.recovery.spare import Assignment, is_spare
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("enabled", "running", "failed", "armed", "recovering", "warm", "step"), [
-    (False, False, 0, True, False, None, Step.OFF),  # the option is off
-    (True, False, FAILED_LIMIT, True, False, None, Step.OFF),  # too many spares exited
-    (True, True, 0, True, False, True, Step.KEEP),  # one runs (or waits)
-    (True, True, 0, True, True, True, Step.KEEP),  # a recovery does not end a waiting spare
-    (True, False, 0, False, False, None, Step.WAIT),  # the workers are still starting
-    (True, False, 0, True, True, None, Step.WAIT),  # a recovery is under way
-    (True, False, 0, True, False, False, Step.WAIT),  # the warm interpreter still imports
-    (True, False, 0, True, False, True, Step.START),  # forked from the warm interpreter
-    (True, False, 0, True, False, None, Step.START),  # no warm interpreter: a cold start
-    (True, False, FAILED_LIMIT - 1, True, False, None, Step.START),  # another after a failure
+@pytest.mark.parametrize(("enabled", "running", "failed", "armed", "recovering", "warm", "move"), [
+    (False, False, 0, True, False, None, SpareMove.OFF),  # the option is off
+    (True, False, FAILED_LIMIT, True, False, None, SpareMove.OFF),  # too many spares exited
+    (True, True, 0, True, False, True, SpareMove.KEEP),  # one runs (or waits)
+    (True, True, 0, True, True, True, SpareMove.KEEP),  # a recovery does not end a waiting spare
+    (True, False, 0, False, False, None, SpareMove.WAIT),  # the workers are still starting
+    (True, False, 0, True, True, None, SpareMove.WAIT),  # a recovery is under way
+    (True, False, 0, True, False, False, SpareMove.WAIT),  # the warm interpreter still imports
+    (True, False, 0, True, False, True, SpareMove.START),  # forked from the warm interpreter
+    (True, False, 0, True, False, None, SpareMove.START),  # no warm interpreter: a cold start
+    (True, False, FAILED_LIMIT - 1, True, False, None, SpareMove.START),  # another after a failure
 ])
 def test_when_the_agent_starts_a_spare(enabled: bool, running: bool, failed: int, armed: bool,
-                                       recovering: bool, warm: bool | None, step: Step) -> None:
-    assert next_step(enabled=enabled, running=running, failed=failed, armed=armed,
-                     recovering=recovering, warm_ready=warm) is step
+                                       recovering: bool, warm: bool | None,
+                                       move: SpareMove) -> None:
+    assert next_move(enabled=enabled, running=running, failed=failed, armed=armed,
+                     recovering=recovering, warm_ready=warm) is move
 
 
 @pytest.mark.timeout(30)

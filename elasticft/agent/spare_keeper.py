@@ -15,7 +15,7 @@ the failed local rank (:func:`pick`): it writes the :class:`~elasticft.recovery.
 process context in that worker's place; no process is started. The next monitor tick starts a
 new spare. A spare that is not ready (its set-up still runs) or has exited is not used: the rank
 gets a replacement process as without a spare. A spare that exits while it waits is replaced,
-up to :data:`FAILED_LIMIT` times per attempt (:func:`next_step`); it never stops the job.
+up to :data:`FAILED_LIMIT` times per attempt (:func:`next_move`); it never stops the job.
 
 Cost: a second copy of one rank's memory on the node (host memory on CPU).
 """
@@ -65,8 +65,8 @@ def spare_env(worker_env: Mapping[str, str], spare: str) -> dict[str, str]:
     return {**env, **_ONE_MEMBER_WORLD, SPARE_ENV: spare}
 
 
-class Step(enum.Enum):
-    """What the keeper does about its spare at a monitor tick."""
+class SpareMove(enum.Enum):
+    """What the keeper does about its spare at a monitor tick (not a training step)."""
 
     OFF = "off"
     """No spare: the option is off, or too many spares failed in this attempt."""
@@ -78,18 +78,18 @@ class Step(enum.Enum):
     """The spare runs (starting, or ready and waiting)."""
 
 
-def next_step(*, enabled: bool, running: bool, failed: int, armed: bool, recovering: bool,
-              warm_ready: bool | None) -> Step:
+def next_move(*, enabled: bool, running: bool, failed: int, armed: bool, recovering: bool,
+              warm_ready: bool | None) -> SpareMove:
     """The keeper's decision at a tick (pure). ``failed``: spares that exited while waiting in
     this attempt; ``warm_ready``: whether the warm interpreter the spare forks from has done its
     imports (None: there is none, the spare starts cold)."""
     if not enabled or failed >= FAILED_LIMIT:
-        return Step.OFF
+        return SpareMove.OFF
     if running:
-        return Step.KEEP
+        return SpareMove.KEEP
     if not armed or recovering or warm_ready is False:
-        return Step.WAIT
-    return Step.START
+        return SpareMove.WAIT
+    return SpareMove.START
 
 
 def pick(*, ready: bool, alive: bool, failed_local_ranks: Sequence[int]) -> int | None:
@@ -120,15 +120,15 @@ class SpareKeeper:
 
     def tick(self, context: Any, pool: WarmPool | None, *, armed: bool,
              recovering: bool) -> None:
-        """Notices a spare that became ready or exited, and starts one when :func:`next_step`
+        """Notices a spare that became ready or exited, and starts one when :func:`next_move`
         says so. Never raises: a spare is an optimisation."""
         try:
             self._watch()
             warm = pool.interpreters().get(SPARE_LOCAL_RANK) if pool is not None else None
-            step = next_step(enabled=self.enabled, running=self.handler is not None,
+            move = next_move(enabled=self.enabled, running=self.handler is not None,
                              failed=self.failed, armed=armed, recovering=recovering,
                              warm_ready=None if warm is None else warm.ready(0))
-            if step is Step.START:
+            if move is SpareMove.START:
                 self._start(context, pool if warm is not None else None)
         except Exception:
             logger.warning("the in-process spare could not be kept", exc_info=True)
