@@ -9,6 +9,8 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -148,4 +150,42 @@ def test_a_replacement_that_fails_falls_back_to_a_full_restart_with_the_same_los
     assert [e["kind"] for e in run["events"] if e["kind"] == "restart"] == ["restart"]
     assert not [e for e in run["events"] if e["kind"] == "recover_in_process"]
     assert len(run["pids"][0]) == 2  # the full restart started every worker again
+    assert run["losses"] == reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_recovery_that_cannot_publish_restarts_through_the_agents_path_after_a_checkpoint(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
+    """The agent cannot publish the next generation (a directory stands where its file goes):
+    the in-process recovery falls back to a restart, through the agent's one restart path, whose
+    ``before_restart`` hook has the healthy rank 0, still alive and waiting for a generation,
+    take its just-in-time checkpoint before it is stopped. The losses are an uninterrupted
+    run's."""
+    blocked = threading.Event()
+
+    def block_the_generation_file() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for directory in (tmp_path / "fallback-publish" / "inprocess").glob("*"):
+                (directory / "generation.json" / "in-the-way").mkdir(parents=True)
+                blocked.set()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=block_the_generation_file, daemon=True).start()
+    run = _run(tmp_path, "fallback-publish", job_env, "--fault-rank", "1", "--crash-at-step",
+               "6", "--crash-mode", "after-save", "--step-time", "0.3")
+    assert blocked.is_set()
+    events = run["events"]
+    decisions = [e["action"] for e in events if e["kind"] == "decision"]
+    assert decisions == ["recover_in_process"], run["text"][-5000:]
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    assert restart["cause"].startswith("in-process recovery failed") and not restart["counted"]
+    jit = [e for e in events if e["kind"] == "jit_checkpoint"]
+    assert len(jit) == 1, run["text"][-5000:]
+    assert list(jit[0]["ranks"]) == ["0"] and jit[0]["ranks"]["0"] is not None, jit
+    started = [e for e in events if e["kind"] == "workers_started"]
+    assert restart["time"] <= jit[0]["time"] <= started[-1]["time"]
+    assert len(run["pids"][0]) == 2  # the restart started every worker again
     assert run["losses"] == reference

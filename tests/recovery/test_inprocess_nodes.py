@@ -2,8 +2,7 @@
 killed with all its processes is replaced by the warm standby, while the survivor's worker keeps
 its process and regroups in the new rendezvous round, and the losses are an uninterrupted
 run's, bit for bit. When the lost node was the leader, the survivor moves to its rank in the new
-round, and its agent restarts its worker there instead, through its restart path: the worker
-takes its just-in-time checkpoint first (same losses). A crashed worker restarts
+round, and its agent restarts its worker there instead (same losses). A crashed worker restarts
 its own node while the other node regroups in process."""
 
 from __future__ import annotations
@@ -95,15 +94,8 @@ def test_a_survivor_whose_rank_changes_restarts_its_worker_in_the_new_round(
     assert len(restarts) == 1 and not restarts[0]["counted"], job.outputs()
     assert "gives this node's workers (rank, world size) [(0, 2)], not [(1, 2)]" in \
         restarts[0]["cause"]
-    started = node.events("workers_started")
-    assert len(started) == 2
+    assert len(node.events("workers_started")) == 2
     assert not node.events("recover_in_process")
-    # The restart went through the agent's restart path: its before_restart hook had the
-    # survivor, still alive, take its just-in-time checkpoint before it was stopped.
-    jit = [e for e in node.events("jit_checkpoint") if e["cause"] == restarts[0]["cause"]]
-    assert len(jit) == 1, job.outputs()
-    assert list(jit[0]["ranks"]) == ["1"] and jit[0]["step"] is not None, jit
-    assert restarts[0]["time"] <= jit[0]["time"] <= started[1]["time"]
 
 
 @pytest.mark.timeout(300)
