@@ -17,6 +17,7 @@ only that one.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 import random
@@ -53,12 +54,12 @@ from elasticft.agent import console, lifeline
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.agent.inprocess_recovery import AgentSide, InProcessRecovery
 from elasticft.agent.replace import ending_exits, failed_exits, notify_before_survivors_stopped
-from elasticft.agent.spare_keeper import SpareKeeper
+from elasticft.agent.spare_keeper import SpareKeeper, node_gpus
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
-from elasticft.diag.health import gpu_devices_present
+from elasticft.diag.health import GPU_DEVICE_GLOB, gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
 from elasticft.recovery import ncclenv
@@ -155,7 +156,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             options.recovery.recovery_inprocess_teardown_limit_s)
         self.in_process = InProcessRecovery(
             generations, SpareKeeper(generations.directory, events,
-                                     options.recovery.recovery_inprocess_spare),
+                                     options.recovery.recovery_inprocess_spare,
+                                     node_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                               glob.glob(GPU_DEVICE_GLOB))),
             events, self._agent_side(), shutdown_timeout=shutdown_timeout,
             attempt_env=ATTEMPT_ENV)
         """In-process recovery (:mod:`elasticft.agent.inprocess_recovery`)."""
