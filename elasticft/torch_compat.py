@@ -259,7 +259,7 @@ SURVIVOR_HOOK_PARTS = ("_poll", "_running_local_ranks", "subprocess_handlers")
 def can_hook_survivor_stop(context: Any) -> bool:
     """Whether ``context`` is torch's ``SubprocessContext`` with the parts the hook wraps.
 
-    The hook (elasticft.agent.agent.notify_before_survivors_stopped) reads which local ranks are
+    The hook (elasticft.agent.replace.notify_before_survivors_stopped) reads which local ranks are
     running and their processes, and wraps the poll that stops survivors.
     """
     if not isinstance(context, SubprocessContext):
@@ -293,7 +293,7 @@ def wrap_poll(context: Any, wrapper: Callable[[Callable[[], Any]], Callable[[], 
 REPLACE_WORKER_PARTS = ("subprocess_handlers", "envs", "args", "entrypoint", "stdouts",
                         "stderrs", "error_files", "_running_local_ranks", "_failures")
 """What replacing one worker of a running ``SubprocessContext`` reads and updates (in-process
-recovery, :mod:`elasticft.agent.inprocess`)."""
+recovery, :mod:`elasticft.agent.inprocess_recovery`)."""
 
 
 def replace_worker_unavailable(context: Any) -> str | None:
@@ -402,6 +402,15 @@ def keeps_one_store(handler: Any, nodes: int | None) -> bool:
     a prefix, a round). Across nodes a static rendezvous cannot restart together at all: a node
     that restarts meets no new round of the others."""
     return bool(handler.get_backend() == "static") and nodes == 1
+
+
+def workers_use_agent_store(worker_group: Any) -> bool:
+    """Whether the workers' ``env://`` store is their agent's (``TORCHELASTIC_USE_AGENT_STORE``):
+    as the rendezvous handler says, except for torch's static rendezvous of one node, whose
+    workers elasticft gives a store of their own every round (:func:`keeps_one_store`)."""
+    handler = worker_group.spec.rdzv_handler
+    return (bool(getattr(handler, "use_agent_store", False))
+            and not keeps_one_store(handler, worker_group.group_world_size))
 
 
 def rendezvous_round(handler: Any, default: int) -> int:

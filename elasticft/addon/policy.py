@@ -52,7 +52,7 @@ class ActionKind(str, enum.Enum):
     """Stop this node's workers and start them again (a new rendezvous round)."""
     RECOVER_IN_PROCESS = "recover_in_process"
     """Replace only the failed workers; the others regroup and roll back in their processes
-    (:mod:`elasticft.agent.inprocess`). Counted against --max-restarts like a restart."""
+    (:mod:`elasticft.agent.inprocess_recovery`). Counted against --max-restarts like a restart."""
     EVICT_NODE = "evict_node"
     """This node leaves the job (blacklisted); the others re-rendezvous without it."""
     STOP = "stop"

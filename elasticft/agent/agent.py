@@ -8,14 +8,16 @@ log and the event log. It also fixes what torch 2.13 gets wrong on restart: rest
 ``--shutdown-timeout`` and a group that ends unhealthy is reported as failed, never as success.
 One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
 agent wraps that step to let the collaborators act on the survivors first
-(:func:`notify_before_survivors_stopped`). When the workers recover in process
-(:mod:`elasticft.agent.inprocess`), the agent sees a failed worker before torch does
-(:func:`~elasticft.agent.replace.failed_exits`) and replaces only that one.
+(:func:`~elasticft.agent.replace.notify_before_survivors_stopped`). When the workers recover in
+process (:mod:`elasticft.agent.inprocess_recovery`, an object the agent holds), the agent sees a
+failed worker before torch does (:func:`~elasticft.agent.replace.failed_exits`) and replaces
+only that one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 import random
@@ -28,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from elasticft import procs, steps, torch_compat
+from elasticft import steps, torch_compat
 from elasticft.addon.api import (
     AgentCollaborator,
     Detection,
@@ -49,14 +51,15 @@ from elasticft.addon.policy import (
     root_cause,
 )
 from elasticft.agent import console, lifeline
-from elasticft.agent.inprocess import InProcessCoordinator, InProcessRecoveryMixin
-from elasticft.agent.replace import failed_exits
-from elasticft.agent.spare import SpareKeeper
+from elasticft.agent.generations import InProcessCoordinator
+from elasticft.agent.inprocess_recovery import AgentSide, InProcessRecovery
+from elasticft.agent.replace import ending_exits, failed_exits, notify_before_survivors_stopped
+from elasticft.agent.spare_keeper import SpareKeeper, node_gpus
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
-from elasticft.diag.health import gpu_devices_present
+from elasticft.diag.health import GPU_DEVICE_GLOB, gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.plan import worker as plan_worker
 from elasticft.recovery import ncclenv
@@ -94,10 +97,8 @@ recovery (and its spare)."""
 _STEADY_AFTER_S = 2.0
 
 
-class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
+class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     """A ``LocalElasticAgent`` whose failure handling is decided by :func:`policy.decide`."""
-
-    attempt_env = ATTEMPT_ENV
 
     def __init__(
         self,
@@ -150,13 +151,17 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         in a row before it had the same (the policy's ``FailureFacts.comm_repeats``)."""
         self.warm_pool = warm_pool
         """Pre-started interpreters for restarts (elasticft.agent.warmpool); None: cold starts."""
-        self.inprocess = InProcessCoordinator(
+        generations = InProcessCoordinator(
             run_dir / "inprocess" / node_id, options.recovery.recovery_inprocess_timeout_s,
             options.recovery.recovery_inprocess_teardown_limit_s)
-        self.spare = SpareKeeper(self.inprocess.directory, events,
-                                 options.recovery.recovery_inprocess_spare)
-        self._armed: dict[int, int | None] = {}
-        """The workers (local rank → pid) last seen all armed for in-process recovery."""
+        self.in_process = InProcessRecovery(
+            generations, SpareKeeper(generations.directory, events,
+                                     options.recovery.recovery_inprocess_spare,
+                                     node_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                               glob.glob(GPU_DEVICE_GLOB))),
+            events, self._agent_side(), shutdown_timeout=shutdown_timeout,
+            attempt_env=ATTEMPT_ENV)
+        """In-process recovery (:mod:`elasticft.agent.inprocess_recovery`)."""
         self._decided: tuple[FailureRecord, ...] = ()
         self._seen_at = 0.0
 
@@ -180,7 +185,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             ),
             master_addr=wg.master_addr or "",
             master_port=wg.master_port or 0,
-            in_process=bool(self._armed),
+            in_process=bool(self.in_process.armed_pids),
         )
 
     def _each_collaborator(self, hook: str, call: Callable[[AgentCollaborator], T]) -> list[T]:
@@ -235,13 +240,14 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
     ) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
-        worker_env["TORCHELASTIC_USE_AGENT_STORE"] = str(self.workers_use_agent_store())
+        worker_env["TORCHELASTIC_USE_AGENT_STORE"] = str(
+            torch_compat.workers_use_agent_store(self._worker_group))
         worker_env[RUN_DIR_ENV] = str(self.run_dir)
         worker_env[NODE_ID_ENV] = self.node_id
         worker_env[ROUND_ENV] = str(self._round)
         worker_env[ATTEMPT_ENV] = str(self._attempt)
         worker_env.update(lifeline.worker_env())
-        worker_env.update(self.inprocess.worker_env())
+        worker_env.update(self.in_process.worker_env())
         worker_env.update(self.startup_env())
         group = self.group_info()
         worker = next(w for w in group.workers if w.local_rank == local_rank)
@@ -254,7 +260,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         # Only a node with GPUs runs NCCL: elsewhere the workers' environment stays torchrun's.
         if not gpu_devices_present():
             return {}
-        return ncclenv.worker_env(os.environ, self.inprocess.teardown_limit_s)
+        return ncclenv.worker_env(os.environ, self.in_process.coordinator.teardown_limit_s)
 
     def worker_pythonpath(self, existing: str | None) -> str | None:
         """The workers' ``PYTHONPATH``: what the collaborators declare first
@@ -265,8 +271,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         return prepend_paths(declared, existing) if declared else None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self.inprocess.reset()
-        self._armed = {}
+        self.in_process.on_workers_started()
         pids = super()._start_workers(worker_group)
         self._hook_survivor_stop()
         self._started_at = time.monotonic()
@@ -305,32 +310,30 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # torch stops workers on restart with its built-in 30 s; honour --shutdown-timeout.
         self._shutdown(timeout=self._shutdown_timeout)
-        self.spare.stop()
+        self.in_process.on_workers_stopped()
         group = self.group_info()
         self._each_collaborator("on_workers_stopped", lambda c: c.on_workers_stopped(group))
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        ending = self._failed_while_exiting()
-        if ending and not self._replace_leavers(ending):
+        recovery = self.in_process
+        ending = ending_exits(self._pcontext, self._worker_group.workers)
+        if ending and not recovery.replace_leavers(ending):
             return RunResult(state=WorkerState.FAILED, failures=ending)
-        armed = self._all_armed()  # once a tick: for a plain script it is a file that is not there
-        if armed or self.inprocess.recovery is not None:
+        armed = recovery.all_armed()  # once a tick: for a plain script, a file that is not there
+        if armed or recovery.recovering:
             # Before torch's poll, which would stop the survivors on seeing the failure.
             exited = failed_exits(self._pcontext, self._worker_group.workers)
-            if exited and not self._replace_leavers(exited):
+            if exited and not recovery.replace_leavers(exited):
                 return RunResult(state=WorkerState.FAILED, failures=exited)
         result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY:
             return result
         group = self.group_info()
-        detection = self._in_process_progress(group, armed)
+        detection = recovery.progress(group, armed)
         if detection is not None:
             self._detection = detection
             return RunResult(state=WorkerState.UNHEALTHY)
-        # One node only: a job of several nodes replaces a lost rank with a standby node's.
-        self.spare.tick(self._pcontext, self.warm_pool,
-                        armed=armed and self._worker_group.group_world_size == 1,
-                        recovering=self.inprocess.recovery is not None)
+        recovery.tick(armed=armed)
         if not self._steady_reported and time.monotonic() - self._started_at >= _STEADY_AFTER_S:
             self._steady_reported = True
             self.events.emit("steady", attempt=self._attempt, round=self._round)
@@ -339,33 +342,6 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
                 self._detection = detection
                 return RunResult(state=WorkerState.UNHEALTHY)
         return result
-
-    def _failed_while_exiting(self) -> dict[int, ProcessFailure]:
-        """Workers that are dying with a failing status, by global rank, before they are reaped.
-
-        torch learns of a death from ``waitpid``, which answers only once the kernel has torn
-        down the worker's mappings: most of a second for a worker with its checkpoint slots
-        mapped (see :func:`elasticft.procs.ending_status`). The failure is the same one torch
-        reports a moment later; stopping the group then waits for the teardown to finish.
-        """
-        pcontext = self._pcontext
-        if pcontext is None:
-            return {}
-        by_local = {w.local_rank: w for w in self._worker_group.workers}
-        failures = {}
-        for local_rank, pid in pcontext.pids().items():
-            status = procs.ending_status(pid)
-            if not status or local_rank not in by_local:
-                continue
-            try:
-                exitcode = os.waitstatus_to_exitcode(status)
-            except ValueError:
-                continue
-            if exitcode != 0:
-                failures[by_local[local_rank].global_rank] = ProcessFailure(
-                    local_rank=local_rank, pid=pid, exitcode=exitcode,
-                    error_file=pcontext.error_files.get(local_rank, ""))
-        return failures
 
     # ------------------------------------------------------------------------------------------
     # The run loop, with torch's restart branch replaced by the policy.
@@ -376,7 +352,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         try:
             return super().run(role)
         finally:
-            self.inprocess.close()
+            self.in_process.close()
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         spec = self._worker_group.spec
@@ -388,7 +364,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             self._worker_group.state = state
             if state == WorkerState.SUCCEEDED:
                 self.events.emit("workers_succeeded", attempt=self._attempt)
-                self.spare.stop()
+                self.in_process.on_workers_stopped()
                 done = self.group_info()
                 self._each_collaborator("on_workers_stopped",
                                         lambda c, g=done: c.on_workers_stopped(g))
@@ -399,7 +375,7 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
                 action = self._handle_failure(run_result)
                 if action.kind is ActionKind.RECOVER_IN_PROCESS:
-                    failed = self._recover_in_process(action)
+                    failed = self.in_process.recover(action, self._decided, self._seen_at)
                     if failed is not None:
                         logger.error("in-process recovery failed (%s); restarting the workers",
                                      failed)
@@ -454,10 +430,10 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         for extra in self._each_collaborator("failure_facts",
                                              lambda c: c.failure_facts(group, failures)):
             facts = dataclasses.replace(facts, **(extra or {}))
-        why_not = self._in_process_blocker(group, failures)
+        why_not = self.in_process.blocker(group, failures)
         if why_not is None:
             facts = dataclasses.replace(facts, in_process=True)
-        elif self._armed:
+        elif self.in_process.armed_pids:
             logger.info("no in-process recovery: %s", why_not)
         comm = comm_signature(root_cause(failures)) if failures else None
         repeats = comm_repeats(self._previous_comm, self._comm_repeats, comm,
@@ -521,7 +497,10 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
                          repeats=self._comm_repeats, reason=action.reason)
         time.sleep(action.wait_s)
 
-    def _restart(self, cause: str, counted: bool = True) -> None:
+    def _restart(self, cause: str, counted: bool = True, in_round: bool = False) -> None:
+        """The one restart path: its event and the ``before_restart`` hooks (where the healthy
+        workers take their checkpoint), then the workers stopped and started again, after a new
+        rendezvous round (``in_round``: in the round just joined)."""
         self._attempt += 1
         if counted:
             self.restarts += 1
@@ -530,7 +509,34 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
         group = self.group_info()
         self._each_collaborator("before_restart", lambda c: c.before_restart(group, cause, counted))
-        self._restart_workers(self._worker_group)
+        if not in_round:
+            self._restart_workers(self._worker_group)
+            return
+        self._stop_workers(self._worker_group)
+        for local_rank, pid in self._start_workers(self._worker_group).items():
+            self._worker_group.workers[local_rank].id = pid
+        self._worker_group.state = WorkerState.HEALTHY
+
+    def _agent_side(self) -> AgentSide:
+        """What in-process recovery reads and asks of this agent."""
+
+        def next_attempt() -> int:
+            self._attempt += 1
+            self.restarts += 1
+            return self._attempt
+
+        def workers_changed() -> None:
+            self._hook_survivor_stop()
+            group = self.group_info()
+            self._each_collaborator("on_workers_started", lambda c: c.on_workers_started(group))
+
+        return AgentSide(
+            context=lambda: self._pcontext, worker_group=lambda: self._worker_group,
+            warm_pool=lambda: self.warm_pool, attempt=lambda: self._attempt,
+            next_attempt=next_attempt, round=lambda: self._round,
+            group_info=self.group_info, rendezvous=lambda: self._rendezvous(self._worker_group),
+            restart_in_round=lambda cause: self._restart(cause, counted=False, in_round=True),
+            workers_changed=workers_changed)
 
     def _failed_result(self, run_result: RunResult) -> RunResult:
         """A FAILED result with at least one ProcessFailure, so callers never see success.
@@ -548,38 +554,6 @@ class ElasticftAgent(InProcessRecoveryMixin, WarmStartMixin, LocalElasticAgent):
                     error_file="",
                 )
         return RunResult(state=WorkerState.FAILED, failures=failures)
-
-
-def notify_before_survivors_stopped(context: Any, hook: Callable[[tuple[int, ...]], Any]
-                                    ) -> bool:
-    """Makes ``context`` call ``hook(failed_local_ranks)`` before it stops the other workers.
-
-    torch's ``SubprocessContext._poll`` terminates every other worker in the same poll that
-    finds a failed one, before any agent hook runs; this wraps that poll (once per context, at
-    the first failure). Returns False for a context that is not a ``SubprocessContext`` (or one
-    without the parts the hook needs: :func:`torch_compat.can_hook_survivor_stop`).
-    """
-    if not torch_compat.can_hook_survivor_stop(context):
-        return False
-    announced = False
-
-    def hooked(poll: Callable[[], Any]) -> Callable[[], Any]:
-        def poll_after_hook() -> Any:
-            nonlocal announced
-            if not announced:
-                failed = tuple(sorted(
-                    rank for rank in torch_compat.running_local_ranks(context)
-                    if torch_compat.worker_exit_code(context, rank) not in (None, 0)
-                ))
-                if failed:
-                    announced = True
-                    hook(failed)
-            return poll()
-
-        return poll_after_hook
-
-    torch_compat.wrap_poll(context, hooked)
-    return True
 
 
 def _without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecord, ...]:

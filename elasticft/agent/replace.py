@@ -6,16 +6,23 @@ them (:func:`replace_after_kill`, with :func:`elasticft.procs.kill` and
 :func:`~elasticft.procs.reap`: on a node with GPUs after they are gone, since a dead
 process's device memory is released only at its end), and starts their replacements in the same
 context, from the warm pool when there is one (:func:`start_replacements`).
+
+Two hooks into torch's watch of the workers keep the survivors alive long enough to act: a
+worker that is dying with a failing status is seen before ``waitpid`` answers
+(:func:`ending_exits`), and torch's poll, which stops every other worker in the poll that finds a
+failed one, first lets the agent's collaborators act on the survivors
+(:func:`notify_before_survivors_stopped`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from elasticft import torch_compat
+from elasticft import procs, torch_compat
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
 from elasticft.procs import kill, reap
 
@@ -35,6 +42,66 @@ def failed_exits(context: Any, workers: Sequence[Any]) -> dict[int, Any]:
                 local_rank=worker.local_rank, pid=proc.pid, exitcode=exitcode,
                 error_file=context.error_files.get(worker.local_rank, ""))
     return failures
+
+
+def ending_exits(context: Any, workers: Sequence[Any]) -> dict[int, Any]:
+    """Workers that are dying with a failing status, as torch's ``ProcessFailure`` by global
+    rank, before they are reaped.
+
+    torch learns of a death from ``waitpid``, which answers only once the kernel has torn down
+    the worker's mappings: most of a second for a worker with its checkpoint slots mapped (see
+    :func:`elasticft.procs.ending_status`). The failure is the same one torch reports a moment
+    later; stopping the group then waits for the teardown to finish.
+    """
+    if context is None:
+        return {}
+    by_local = {w.local_rank: w for w in workers}
+    failures = {}
+    for local_rank, pid in context.pids().items():
+        status = procs.ending_status(pid)
+        if not status or local_rank not in by_local:
+            continue
+        try:
+            exitcode = os.waitstatus_to_exitcode(status)
+        except ValueError:
+            continue
+        if exitcode != 0:
+            failures[by_local[local_rank].global_rank] = torch_compat.ProcessFailure(
+                local_rank=local_rank, pid=pid, exitcode=exitcode,
+                error_file=context.error_files.get(local_rank, ""))
+    return failures
+
+
+def notify_before_survivors_stopped(context: Any, hook: Callable[[tuple[int, ...]], Any]
+                                    ) -> bool:
+    """Makes ``context`` call ``hook(failed_local_ranks)`` before it stops the other workers.
+
+    torch's ``SubprocessContext._poll`` terminates every other worker in the same poll that
+    finds a failed one, before any agent hook runs; this wraps that poll (once per context, at
+    the first failure). Returns False for a context that is not a ``SubprocessContext`` (or one
+    without the parts the hook needs: :func:`torch_compat.can_hook_survivor_stop`).
+    """
+    if not torch_compat.can_hook_survivor_stop(context):
+        return False
+    announced = False
+
+    def hooked(poll: Callable[[], Any]) -> Callable[[], Any]:
+        def poll_after_hook() -> Any:
+            nonlocal announced
+            if not announced:
+                failed = tuple(sorted(
+                    rank for rank in torch_compat.running_local_ranks(context)
+                    if torch_compat.worker_exit_code(context, rank) not in (None, 0)
+                ))
+                if failed:
+                    announced = True
+                    hook(failed)
+            return poll()
+
+        return poll_after_hook
+
+    torch_compat.wrap_poll(context, hooked)
+    return True
 
 
 def start_replacements(context: Any, local_ranks: Sequence[int], pool: WarmPool | None,

@@ -12,5 +12,5 @@ the failed rank instead of a new process (:mod:`~elasticft.recovery.spare`). Wit
 records and settings shared with the agent (``protocol``), the process groups' teardown and
 regroup (``groups``), the interrupt of a blocked survivor (``interrupt``), the device's fitness
 to rejoin (``health``) and NCCL's environment (``ncclenv``). The agent's side of it is
-:mod:`elasticft.agent.inprocess`.
+:mod:`elasticft.agent.inprocess_recovery`.
 """

@@ -192,7 +192,7 @@ class InProcess:
             if "nccl" in backend.lower() and (warning := abort_warning(nccl_version())):
                 logger.warning("%s", warning)
             self.monitor = Monitor(directory, read_json, lambda: self.ops.end(backend))
-            self.monitor.start(self.generation)
+            self.monitor.start()
         self._write("armed", {})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
             now = time.time()
@@ -203,17 +203,13 @@ class InProcess:
             self._report_first_step()
         try:
             while True:
-                try:
-                    return fn(*args, **kwargs)
-                except BaseException as error:
-                    if self.monitor is not None:
-                        self.monitor.recovering()
-                    if not self._recoverable(error):
-                        raise
-                    self._recover(error)
-                    self._report_first_step()
-                    if self.monitor is not None:
-                        self.monitor.resumed(self.generation)
+                returned, outcome = self._call(fn, args, kwargs)
+                if returned:
+                    return outcome
+                if not self._recoverable(outcome):
+                    raise outcome
+                self._recover(outcome)
+                self._report_first_step()
         finally:
             if self.monitor is not None:
                 self.monitor.stop()
@@ -224,6 +220,29 @@ class InProcess:
         ``torch.optim`` optimizer say so by themselves; a script whose optimizer is not one
         calls this after each step (it costs nothing after the first)."""
         self._on_step()
+
+    def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[bool, Any]:
+        """Runs ``fn`` once: (True, its result) or (False, its error). The monitor may interrupt
+        it only in between (:mod:`elasticft.recovery.interrupt`), and an end of the groups it
+        began is over when this returns."""
+        monitor = self.monitor
+        if monitor is not None:
+            monitor.entering(self.generation)
+        outcome: tuple[bool, Any]
+        try:
+            outcome = (True, fn(*args, **kwargs))
+        except BaseException as error:
+            outcome = (False, error)
+        if monitor is None:
+            return outcome
+        limit = self.settings.teardown_limit_s
+        try:
+            over = monitor.left(limit)
+        except PeerInterrupted:  # raised just before the monitor heard that fn ended: absorbed
+            over = monitor.left(limit)  # (the monitor raises again only grace_s later)
+        if not over:
+            self._leave(f"the end of its process groups did not finish within {limit:.0f} s")
+        return outcome
 
     # -- the steps of one recovery ------------------------------------------------------------
 

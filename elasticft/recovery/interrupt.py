@@ -19,9 +19,22 @@ monitor
    waits in something else), raises :class:`PeerInterrupted` into it as an asynchronous
    exception, again every ``grace_s`` until it does.
 
-The main thread takes the monitor's lock when it enters and leaves a recovery
-(:meth:`Monitor.recovering`, :meth:`Monitor.resumed`), and withdraws a pending asynchronous
-exception there, so the exception can only land in the training function.
+**Where the interrupt may land.** The main thread tells the monitor when it enters the training
+function (:meth:`Monitor.entering`) and when it has left it (:meth:`Monitor.left`), both under
+the monitor's lock; the monitor ends the groups and raises only between the two, and
+:meth:`Monitor.left` withdraws a pending asynchronous exception. An exception the monitor
+raised just before the main thread said it left can still be delivered on the way out (Python
+delivers one at its next check, which may be the call of :meth:`Monitor.left` itself): the
+caller absorbs it there
+(:meth:`elasticft.recovery.inprocess.InProcess.run`), and the monitor raises again only after
+``grace_s``.
+
+**The end is over before the recovery starts.** The monitor ends the groups while the main thread
+may already be leaving (its collective raised by itself, or by the first connection the monitor
+shut down). :meth:`Monitor.left` waits until an end under way is over: the survivor's teardown and
+regroup never run beside it. Beside them the end would shut down connections of the next
+generation (the teardown closes the old sockets and the regroup's new ones reuse their descriptor
+numbers, which the end listed before it shut them down) and abort a group the teardown destroys.
 """
 
 from __future__ import annotations
@@ -73,7 +86,12 @@ class Monitor:
         self._lock = threading.Lock()
         self._main = threading.main_thread().ident or threading.get_ident()
         self._generation = 0
-        self._state = "idle"  # idle | running | interrupting | recovering
+        self._state = "outside"  # outside | running | interrupting
+        """``running``: the main thread is in the training function; ``interrupting``: and this
+        monitor ended its generation; ``outside``: anywhere else (nothing is raised there)."""
+        self._quiet = threading.Event()
+        """Set while no end of the groups is under way (cleared under the lock with the state)."""
+        self._quiet.set()
         self._stop = threading.Event()
         self.interrupted_at: float | None = None
         """Wall clock when this monitor ended the groups of the current generation."""
@@ -82,10 +100,9 @@ class Monitor:
         self._stamp: list[tuple[int, int, int] | None] = []
         self._last = -1
 
-    def start(self, generation: int) -> None:
+    def start(self) -> None:
+        """Starts the thread; it interrupts nothing before :meth:`entering`."""
         self._main = threading.get_ident()
-        with self._lock:
-            self._generation, self._state = generation, "running"
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="elasticft-interrupt",
                                             daemon=True)
@@ -93,7 +110,7 @@ class Monitor:
 
     def stop(self) -> None:
         with self._lock:
-            self._state = "idle"
+            self._state = "outside"
             _raise_in(self._main, None)
         self._stop.set()
 
@@ -101,18 +118,22 @@ class Monitor:
     def interrupted(self) -> bool:
         return self.interrupted_at is not None
 
-    def recovering(self) -> None:
-        """The main thread enters a recovery: no asynchronous exception lands after this."""
-        with self._lock:
-            self._state = "recovering"
-            _raise_in(self._main, None)
-
-    def resumed(self, generation: int) -> None:
-        """The main thread runs the training function again, in ``generation``."""
+    def entering(self, generation: int) -> None:
+        """The main thread (re-)enters the training function, in ``generation``: from here the
+        monitor interrupts it when that generation ends."""
         with self._lock:
             self._generation, self._state = generation, "running"
             self.interrupted_at = None
             self.how = ""
+
+    def left(self, limit_s: float | None = None) -> bool:
+        """The main thread has left the training function: no asynchronous exception lands
+        after this, and an end of the groups under way is waited for (at most ``limit_s``);
+        returns whether it is over."""
+        with self._lock:
+            self._state = "outside"
+            _raise_in(self._main, None)
+        return self._quiet.wait(limit_s)
 
     def _ended(self) -> int:
         """:func:`notice`, read again only when one of the two files changed (a stat per poll)."""
@@ -134,19 +155,23 @@ class Monitor:
                 due = self._state == "running" and ended >= self._generation
                 if due:
                     self._state = "interrupting"
+                    self._quiet.clear()
             if due:
                 self._interrupt()
 
     def _interrupt(self) -> None:
         started = time.time()
+        how = "end failed"
         try:
             how = self._end()
         except Exception as e:  # the asynchronous exception below still frees the main thread
             how = f"end failed: {type(e).__name__}: {e}"
-        with self._lock:
-            self.interrupted_at, self.how = started, how
+        finally:  # whatever happened, the main thread's recovery may go on
+            with self._lock:
+                self.interrupted_at, self.how = started, how
+                self._quiet.set()
         logger.warning("generation %d ended by the agent: process groups ended (%s) in %.3f s",
-                       self._generation, how, time.time() - started)
+                       self._generation, self.how, time.time() - started)
         while not self._stop.wait(self._grace_s):
             with self._lock:
                 if self._state != "interrupting":

@@ -11,7 +11,7 @@ file written whole (:func:`elasticft.jsonfile.write_json`) so a reader never see
   where it stands in a recovery.
 
 Both sides (:mod:`elasticft.recovery.inprocess`, :mod:`elasticft.recovery.spare` and the agent's
-:mod:`elasticft.agent.inprocess`) read and write them through this module, which imports no
+:mod:`elasticft.agent.inprocess_recovery`) read and write them through this module, which imports no
 other part of recovery.
 """
 

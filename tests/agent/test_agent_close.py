@@ -31,15 +31,15 @@ def _agent(tmp_path: Path) -> ElasticftAgent:
 def test_the_agent_closes_the_in_process_coordinator_when_it_shuts_down(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
     agent = _agent(tmp_path)
-    directory = agent.inprocess.directory
+    directory = agent.in_process.coordinator.directory
     closed: list[Path] = []
-    close = agent.inprocess.close
+    close = agent.in_process.coordinator.close
 
     def close_and_note() -> None:
         closed.append(directory)
         close()
 
-    monkeypatch.setattr(agent.inprocess, "close", close_and_note)
+    monkeypatch.setattr(agent.in_process.coordinator, "close", close_and_note)
 
     def invoke_run(role: str = "default") -> torch_compat.RunResult:
         # What a run leaves there: a worker's record and the agent's generation.

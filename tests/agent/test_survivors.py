@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
-from elasticft.agent.agent import notify_before_survivors_stopped
+from elasticft.agent.replace import notify_before_survivors_stopped
 
 
 @pytest.mark.smoke

@@ -6,9 +6,12 @@ that fails too makes the agent fall back to a full restart, with the same losses
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -148,4 +151,83 @@ def test_a_replacement_that_fails_falls_back_to_a_full_restart_with_the_same_los
     assert [e["kind"] for e in run["events"] if e["kind"] == "restart"] == ["restart"]
     assert not [e for e in run["events"] if e["kind"] == "recover_in_process"]
     assert len(run["pids"][0]) == 2  # the full restart started every worker again
+    assert run["losses"] == reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_recovery_that_cannot_publish_restarts_through_the_agents_path_after_a_checkpoint(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
+    """The agent cannot publish the next generation (a directory stands where its file goes):
+    the in-process recovery falls back to a restart, through the agent's one restart path, whose
+    ``before_restart`` hook has the healthy rank 0, still alive and waiting for a generation,
+    take its just-in-time checkpoint before it is stopped. The losses are an uninterrupted
+    run's."""
+    blocked = threading.Event()
+
+    def block_the_generation_file() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for directory in (tmp_path / "fallback-publish" / "inprocess").glob("*"):
+                (directory / "generation.json" / "in-the-way").mkdir(parents=True)
+                blocked.set()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=block_the_generation_file, daemon=True).start()
+    run = _run(tmp_path, "fallback-publish", job_env, "--fault-rank", "1", "--crash-at-step",
+               "6", "--crash-mode", "after-save", "--step-time", "0.3")
+    assert blocked.is_set()
+    events = run["events"]
+    decisions = [e["action"] for e in events if e["kind"] == "decision"]
+    assert decisions == ["recover_in_process"], run["text"][-5000:]
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    assert restart["cause"].startswith("in-process recovery failed") and not restart["counted"]
+    jit = [e for e in events if e["kind"] == "jit_checkpoint"]
+    assert len(jit) == 1, run["text"][-5000:]
+    assert list(jit[0]["ranks"]) == ["0"] and jit[0]["ranks"]["0"] is not None, jit
+    started = [e for e in events if e["kind"] == "workers_started"]
+    assert restart["time"] <= jit[0]["time"] <= started[-1]["time"]
+    assert len(run["pids"][0]) == 2  # the restart started every worker again
+    assert run["losses"] == reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_second_failure_during_the_recovery_ends_in_a_correct_state(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
+    """Rank 1 is killed; while the recovery is under way (the agent has published the next
+    generation, the survivor has reported its failure and regroups), the survivor is killed
+    too. The job
+    ends in a correct state either way: the dead survivor replaced in the same generation, or
+    every worker restarted from the snapshots; the losses are an uninterrupted run's."""
+    killed: list[int] = []
+
+    def kill_the_survivor_in_its_recovery() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not killed:
+            for failed in (tmp_path / "second" / "inprocess").glob("*/failed-l0.json"):
+                if not (failed.parent / "generation.json").exists():
+                    continue  # the agent has not decided yet: not a failure during a recovery
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    pid = int(json.loads(failed.read_text())["pid"])
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.005)
+
+    threading.Thread(target=kill_the_survivor_in_its_recovery, daemon=True).start()
+    run = _run(tmp_path, "second", job_env, "--fault-rank", "1", "--crash-at-step", "6",
+               "--crash-mode", "after-save", "--step-time", "0.2")
+    assert killed, run["text"][-5000:]
+    events = run["events"]
+    decisions = [e["action"] for e in events if e["kind"] == "decision"]
+    assert decisions[0] == "recover_in_process", decisions
+    recovered = [e for e in events if e["kind"] == "recover_in_process"]
+    if recovered:  # the survivor was replaced in the same generation
+        assert decisions == ["recover_in_process"], decisions
+        (replaced,) = [e for e in events if e["kind"] == "survivor_replaced"]
+        assert replaced["rank"] == 0 and sorted(recovered[0]["replaced"]) == ["0", "1"]
+    else:  # or every worker restarted from the snapshots
+        assert decisions[-1] == "restart_in_place", run["text"][-5000:]
+    assert killed[0] in run["pids"][0] and len(run["pids"][0]) == 2, run["pids"]
     assert run["losses"] == reference

@@ -14,13 +14,9 @@ import torch.distributed as dist
 
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import ActionKind, FailureFacts, decide
-from elasticft.agent.inprocess import (
-    InProcessCoordinator,
-    Recovery,
-    blocker,
-    first_step_limit,
-    phases,
-)
+from elasticft.agent.generations import InProcessCoordinator
+from elasticft.agent.inprocess_recovery import blocker
+from elasticft.agent.recovery_timing import Recovery, first_step_limit, phases
 from elasticft.jsonfile import write_json
 from elasticft.recovery import groups, inprocess, protocol
 from elasticft.recovery.groups import GroupOps, tear_down

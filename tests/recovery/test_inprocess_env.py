@@ -65,14 +65,17 @@ def test_the_monitor_ends_the_groups_and_frees_a_busy_main_thread(tmp_path: Path
     ended: list[float] = []
     monitor = Monitor(tmp_path, read_json, lambda: ended.append(time.time()) or "test",
                       grace_s=0.05)
-    monitor.start(0)
+    monitor.start()
     write_json(tmp_path / INTERRUPT_FILE, {"ended": 0})
+    time.sleep(0.1)
+    assert not ended  # outside the training function nothing is ended or raised
+    monitor.entering(0)
     with pytest.raises(PeerInterrupted):
         while True:  # a busy loop: only the asynchronous exception ends it
             pass
-    monitor.recovering()
+    assert monitor.left(5.0)
     assert len(ended) == 1 and monitor.interrupted and monitor.how == "test"
-    monitor.resumed(1)  # generation 1: the notice for 0 no longer applies
+    monitor.entering(1)  # generation 1: the notice for 0 no longer applies
     time.sleep(0.2)
     assert len(ended) == 1 and not monitor.interrupted
     monitor.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from elasticft.agent.inprocess import InProcessCoordinator
+from elasticft.agent.generations import InProcessCoordinator
 from elasticft.recovery.protocol import worker_file
 
 WORKER = Path(__file__).with_name("regroup_worker.py")

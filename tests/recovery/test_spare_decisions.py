@@ -8,29 +8,38 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.agent.spare import FAILED_LIMIT, Step, next_step, pick, spare_env
+from elasticft.agent.spare_keeper import (
+    FAILED_LIMIT,
+    SpareMove,
+    next_move,
+    node_gpus,
+    pick,
+    spare_env,
+    spare_gpu,
+)
 from elasticft.ckpt.settings import ENV_CONTROL, ENV_SHM
 from elasticft.recovery.protocol import Generation
 from elasticft.recovery.spare import Assignment, is_spare
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("enabled", "running", "failed", "armed", "recovering", "warm", "step"), [
-    (False, False, 0, True, False, None, Step.OFF),  # the option is off
-    (True, False, FAILED_LIMIT, True, False, None, Step.OFF),  # too many spares exited
-    (True, True, 0, True, False, True, Step.KEEP),  # one runs (or waits)
-    (True, True, 0, True, True, True, Step.KEEP),  # a recovery does not end a waiting spare
-    (True, False, 0, False, False, None, Step.WAIT),  # the workers are still starting
-    (True, False, 0, True, True, None, Step.WAIT),  # a recovery is under way
-    (True, False, 0, True, False, False, Step.WAIT),  # the warm interpreter still imports
-    (True, False, 0, True, False, True, Step.START),  # forked from the warm interpreter
-    (True, False, 0, True, False, None, Step.START),  # no warm interpreter: a cold start
-    (True, False, FAILED_LIMIT - 1, True, False, None, Step.START),  # another after a failure
+@pytest.mark.parametrize(("enabled", "running", "failed", "armed", "recovering", "warm", "move"), [
+    (False, False, 0, True, False, None, SpareMove.OFF),  # the option is off
+    (True, False, FAILED_LIMIT, True, False, None, SpareMove.OFF),  # too many spares exited
+    (True, True, 0, True, False, True, SpareMove.KEEP),  # one runs (or waits)
+    (True, True, 0, True, True, True, SpareMove.KEEP),  # a recovery does not end a waiting spare
+    (True, False, 0, False, False, None, SpareMove.WAIT),  # the workers are still starting
+    (True, False, 0, True, True, None, SpareMove.WAIT),  # a recovery is under way
+    (True, False, 0, True, False, False, SpareMove.WAIT),  # the warm interpreter still imports
+    (True, False, 0, True, False, True, SpareMove.START),  # forked from the warm interpreter
+    (True, False, 0, True, False, None, SpareMove.START),  # no warm interpreter: a cold start
+    (True, False, FAILED_LIMIT - 1, True, False, None, SpareMove.START),  # another after a failure
 ])
 def test_when_the_agent_starts_a_spare(enabled: bool, running: bool, failed: int, armed: bool,
-                                       recovering: bool, warm: bool | None, step: Step) -> None:
-    assert next_step(enabled=enabled, running=running, failed=failed, armed=armed,
-                     recovering=recovering, warm_ready=warm) is step
+                                       recovering: bool, warm: bool | None,
+                                       move: SpareMove) -> None:
+    assert next_move(enabled=enabled, running=running, failed=failed, armed=armed,
+                     recovering=recovering, warm_ready=warm) is move
 
 
 @pytest.mark.timeout(30)
@@ -92,3 +101,32 @@ def test_status_counts_the_spares_and_says_which_recovery_a_spare_made(tmp_path:
         "spares: 2 started, 1 ready, 1 took a rank, 1 exited while waiting")
     assert "replaced rank(s) 1 (by the spare): total 0.50 s" in format_recoveries(
         *recoveries(tmp_path))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("gpus", "workers", "gpu"), [
+    ([], 2, ""),  # a CPU node: nothing to choose
+    (["0", "1"], 2, None),  # every GPU runs a rank: no spare (not a copy on rank 0's GPU)
+    (["0", "1", "2"], 2, "2"),  # the GPU no worker uses
+    (["4", "5", "6", "7"], 2, "6"),  # CUDA_VISIBLE_DEVICES=4,5,6,7: ranks on 4 and 5
+    (["0"], 1, None),
+])
+def test_a_spare_on_a_node_with_gpus_takes_a_gpu_no_rank_uses(gpus: list[str], workers: int,
+                                                              gpu: str | None) -> None:
+    chosen, why = spare_gpu(gpus, workers)
+    assert chosen == gpu and why
+    moves = next_move(enabled=True, running=False, failed=0, armed=True, recovering=False,
+                      warm_ready=None, placeable=chosen is not None)
+    assert moves is (SpareMove.START if chosen is not None else SpareMove.OFF)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("visible", "files", "gpus"), [
+    (None, [], []),
+    (None, ["/dev/nvidia1", "/dev/nvidia0", "/dev/nvidiactl"], ["0", "1"]),
+    ("2,3", ["/dev/nvidia0", "/dev/nvidia1"], ["2", "3"]),
+    ("", ["/dev/nvidia0"], []),  # CUDA_VISIBLE_DEVICES="": the workers see no GPU
+])
+def test_the_gpus_the_workers_see(visible: str | None, files: list[str], gpus: list[str]
+                                  ) -> None:
+    assert node_gpus(visible, files) == gpus

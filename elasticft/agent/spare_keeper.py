@@ -15,9 +15,18 @@ the failed local rank (:func:`pick`): it writes the :class:`~elasticft.recovery.
 process context in that worker's place; no process is started. The next monitor tick starts a
 new spare. A spare that is not ready (its set-up still runs) or has exited is not used: the rank
 gets a replacement process as without a spare. A spare that exits while it waits is replaced,
-up to :data:`FAILED_LIMIT` times per attempt (:func:`next_step`); it never stops the job.
+up to :data:`FAILED_LIMIT` times per attempt (:func:`next_move`); it never stops the job.
 
 Cost: a second copy of one rank's memory on the node (host memory on CPU).
+
+**On a node with GPUs** the spare's device is chosen before it builds anything
+(:func:`spare_gpu`): a GPU of the node that no worker uses, the only one it sees
+(``CUDA_VISIBLE_DEVICES``), and that device becomes the rank's when the spare takes one. It then
+never holds a copy of a rank's state on another rank's GPU (as ``LOCAL_RANK=0`` would make it
+do on rank 0's). Such a spare starts cold: the warm interpreter it would fork from may hold a
+CUDA context on rank 0's GPU. Where every GPU runs a rank there is no spare (a failed rank gets
+a new process); the price of the spare is then a GPU kept free, and what it buys is the set-up
+and first step of a replacement, paid before the failure.
 """
 
 from __future__ import annotations
@@ -58,6 +67,30 @@ _RANK_BOUND = (ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV
 gets them only with the rank it takes."""
 
 
+def node_gpus(visible: str | None, device_files: Sequence[str]) -> list[str]:
+    """The GPUs the node's workers see (pure): ``CUDA_VISIBLE_DEVICES`` (``visible``) where it
+    is set, else one per ``/dev/nvidia<N>`` device file."""
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    indices = {int(name) for f in device_files
+               if (name := Path(f).name.removeprefix("nvidia")).isdigit()}
+    return [str(i) for i in sorted(indices)]
+
+
+def spare_gpu(gpus: Sequence[str], workers: int) -> tuple[str | None, str]:
+    """The GPU a spare uses, and why (pure): the first of the node's ``gpus`` that none of its
+    ``workers`` uses (local rank k uses the k-th); None where every GPU runs a rank. On a node
+    without GPUs: "" (no GPU to choose)."""
+    if not gpus:
+        return "", "no GPU on this node"
+    free = list(gpus[workers:])
+    if not free:
+        return None, (f"every GPU of this node runs a rank ({len(gpus)} GPUs, {workers} "
+                      f"workers): a spare would hold its copy of a rank's state on that rank's "
+                      f"GPU")
+    return free[0], f"GPU {free[0]}, which no worker uses"
+
+
 def spare_env(worker_env: Mapping[str, str], spare: str) -> dict[str, str]:
     """The spare's environment, from a worker's (pure): the same script and options, a world of
     its own, none of the worker's rank-bound files."""
@@ -65,8 +98,8 @@ def spare_env(worker_env: Mapping[str, str], spare: str) -> dict[str, str]:
     return {**env, **_ONE_MEMBER_WORLD, SPARE_ENV: spare}
 
 
-class Step(enum.Enum):
-    """What the keeper does about its spare at a monitor tick."""
+class SpareMove(enum.Enum):
+    """What the keeper does about its spare at a monitor tick (not a training step)."""
 
     OFF = "off"
     """No spare: the option is off, or too many spares failed in this attempt."""
@@ -78,18 +111,19 @@ class Step(enum.Enum):
     """The spare runs (starting, or ready and waiting)."""
 
 
-def next_step(*, enabled: bool, running: bool, failed: int, armed: bool, recovering: bool,
-              warm_ready: bool | None) -> Step:
+def next_move(*, enabled: bool, running: bool, failed: int, armed: bool, recovering: bool,
+              warm_ready: bool | None, placeable: bool = True) -> SpareMove:
     """The keeper's decision at a tick (pure). ``failed``: spares that exited while waiting in
     this attempt; ``warm_ready``: whether the warm interpreter the spare forks from has done its
-    imports (None: there is none, the spare starts cold)."""
-    if not enabled or failed >= FAILED_LIMIT:
-        return Step.OFF
+    imports (None: there is none, the spare starts cold); ``placeable``: whether the node has a
+    device for a spare (:func:`spare_gpu`)."""
+    if not enabled or not placeable or failed >= FAILED_LIMIT:
+        return SpareMove.OFF
     if running:
-        return Step.KEEP
+        return SpareMove.KEEP
     if not armed or recovering or warm_ready is False:
-        return Step.WAIT
-    return Step.START
+        return SpareMove.WAIT
+    return SpareMove.START
 
 
 def pick(*, ready: bool, alive: bool, failed_local_ranks: Sequence[int]) -> int | None:
@@ -102,10 +136,14 @@ def pick(*, ready: bool, alive: bool, failed_local_ranks: Sequence[int]) -> int 
 class SpareKeeper:
     """This node's spare: started, watched, assigned, stopped."""
 
-    def __init__(self, directory: Path, events: EventLog, enabled: bool) -> None:
+    def __init__(self, directory: Path, events: EventLog, enabled: bool,
+                 gpus: Sequence[str] = ()) -> None:
         self.directory = directory
         self.events = events
         self.enabled = enabled
+        self.gpus = list(gpus)
+        """The GPUs the node's workers see (:func:`node_gpus`); empty on a CPU node."""
+        self._unplaced = ""
         self.handler: Any = None
         """torch's ``SubprocessHandler`` of the spare that runs, or None."""
         self.number = 0
@@ -120,16 +158,23 @@ class SpareKeeper:
 
     def tick(self, context: Any, pool: WarmPool | None, *, armed: bool,
              recovering: bool) -> None:
-        """Notices a spare that became ready or exited, and starts one when :func:`next_step`
+        """Notices a spare that became ready or exited, and starts one when :func:`next_move`
         says so. Never raises: a spare is an optimisation."""
         try:
             self._watch()
+            gpu, why = spare_gpu(self.gpus, len(context.envs)) if context is not None else ("", "")
+            if gpu is None and self.enabled and why != self._unplaced:
+                self._unplaced = why
+                logger.warning("no in-process spare: %s", why)
+            if gpu:  # cold: the warm interpreter may hold a context on rank 0's GPU
+                pool = None
             warm = pool.interpreters().get(SPARE_LOCAL_RANK) if pool is not None else None
-            step = next_step(enabled=self.enabled, running=self.handler is not None,
+            move = next_move(enabled=self.enabled, running=self.handler is not None,
                              failed=self.failed, armed=armed, recovering=recovering,
-                             warm_ready=None if warm is None else warm.ready(0))
-            if step is Step.START:
-                self._start(context, pool if warm is not None else None)
+                             warm_ready=None if warm is None else warm.ready(0),
+                             placeable=gpu is not None)
+            if move is SpareMove.START:
+                self._start(context, pool if warm is not None else None, gpu or "")
         except Exception:
             logger.warning("the in-process spare could not be kept", exc_info=True)
 
@@ -161,10 +206,12 @@ class SpareKeeper:
         record = read_json(ready_file(self.directory, str(self.number)))
         return record is not None and record.get("pid") == self.handler.proc.pid
 
-    def _start(self, context: Any, pool: WarmPool | None) -> None:
+    def _start(self, context: Any, pool: WarmPool | None, gpu: str = "") -> None:
         self.number += 1
         name = str(self.number)
         env = spare_env(context.envs[SPARE_LOCAL_RANK], name)
+        if gpu:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         outputs = {}
         for stream, paths in (("stdout", context.stdouts), ("stderr", context.stderrs)):
             worker_log = paths.get(SPARE_LOCAL_RANK)

@@ -1,0 +1,185 @@
+"""This node's generations of in-process recovery: the directory the agent and its armed workers
+share, and the store of each new generation.
+
+The workers write their records there (``armed``, ``failed``, ``joined``, ``resumed``, ``left``:
+:mod:`elasticft.recovery.protocol`); the agent reads them matched by pid and generation, writes
+the interrupt notice that ends a generation, and publishes the next one (``generation.json``:
+a store of its own on a fresh port, or the workers' store of a new rendezvous round).
+:class:`InProcessCoordinator` is that bookkeeping, with no process of its own to start or stop;
+:class:`elasticft.agent.inprocess_recovery.InProcessRecovery` acts on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from elasticft.agent.recovery_timing import Recovery, first_step_limit
+from elasticft.jsonfile import read_json, write_json
+from elasticft.recovery.interrupt import INTERRUPT_FILE
+from elasticft.recovery.protocol import (
+    DIR_ENV,
+    GENERATION_ENV,
+    TEARDOWN_ENV,
+    TIMEOUT_ENV,
+    Generation,
+    worker_file,
+)
+
+
+class InProcessCoordinator:
+    """This node's in-process directory and generations."""
+
+    def __init__(self, directory: Path, timeout_s: float, teardown_limit_s: float = 30.0
+                 ) -> None:
+        self.directory = directory
+        self.timeout_s = timeout_s
+        self.teardown_limit_s = teardown_limit_s
+        self.generation = 0
+        self.recovery: Recovery | None = None
+        self.published: Generation | None = None
+        """The latest generation on a store of this agent's (None after a new round's)."""
+        self.completed = 0
+        self._interrupted = -1
+        self._stores: list[Any] = []
+
+    @property
+    def join_limit_s(self) -> float:
+        """From the decision to every worker in the new group: a survivor's bounded teardown,
+        then the regroup (a replacement's start and join)."""
+        return self.teardown_limit_s + self.timeout_s
+
+    def worker_env(self) -> dict[str, str]:
+        return {DIR_ENV: str(self.directory), GENERATION_ENV: str(self.generation),
+                TIMEOUT_ENV: str(self.timeout_s), TEARDOWN_ENV: str(self.teardown_limit_s)}
+
+    def reset(self) -> None:
+        """A full start of the workers: the old records are stale (their pids are gone)."""
+        self.recovery = None
+        self._interrupted = -1
+        if self.directory.exists():  # the notice too: it ended the old workers' generation
+            for path in [*self.directory.glob("*-l*.json"), self.directory / INTERRUPT_FILE]:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _record(self, kind: str, local_rank: int, pid: int | None,
+                generation: int | None = None) -> dict[str, Any] | None:
+        record = read_json(worker_file(self.directory, kind, local_rank))
+        if record is None or pid is None or record.get("pid") != pid:
+            return None
+        if generation is not None and record.get("generation") != generation:
+            return None
+        return record
+
+    def armed(self, pids: Mapping[int, int | None]) -> bool:
+        """Whether every worker (local rank → pid) runs under ``InProcess``."""
+        return bool(pids) and all(self._record("armed", lr, pid) is not None
+                                  for lr, pid in pids.items())
+
+    def waiting(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
+        """Workers that caught a peer failure in the current generation: when, and its cause."""
+        found = {}
+        for local_rank, pid in pids.items():
+            record = self._record("failed", local_rank, pid, self.generation)
+            if record is not None:
+                found[local_rank] = (float(record.get("failed", 0.0)),
+                                     str(record.get("cause", "")))
+        return found
+
+    def interrupt(self) -> None:
+        """Tells every survivor at once that the current generation is over: their monitors
+        end their process groups and free their main threads (the failure is known here
+        before a survivor's collective could say so, or when it never would)."""
+        if self._interrupted == self.generation:
+            return
+        self._interrupted = self.generation
+        write_json(self.directory / INTERRUPT_FILE, {"ended": self.generation,
+                                                     "time": time.time()})
+
+    def publish(self, master_addr: str, world_size: int) -> Generation:
+        """Starts the next generation's store and tells the survivors where it is."""
+        store = dist.TCPStore(master_addr, 0, is_master=True, multi_tenant=True,
+                              wait_for_workers=False)
+        self._stores = [*self._stores[-1:], store]  # the previous generation's may be in use
+        self.generation += 1
+        generation = Generation(self.generation, master_addr, store.port, world_size)
+        generation.write(self.directory)
+        self.published = generation
+        return generation
+
+    def publish_round(self, master_addr: str, master_port: int, world_size: int,
+                      agent_store: bool) -> Generation:
+        """Tells the survivors the workers' store of a new rendezvous round (whose new workers
+        on other nodes meet them there)."""
+        self.generation += 1
+        generation = Generation(self.generation, master_addr, master_port, world_size,
+                                agent_store)
+        generation.write(self.directory)
+        self.published = None
+        return generation
+
+    def replacement_env(self, env: Mapping[str, str], generation: Generation, attempt: int,
+                        attempt_env: str) -> dict[str, str]:
+        # The store is the agent's: every rank connects as a client, rank 0 included.
+        return {**env, "MASTER_ADDR": generation.master_addr,
+                "MASTER_PORT": str(generation.master_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                attempt_env: str(attempt), GENERATION_ENV: str(generation.generation)}
+
+    def resumed(self, pids: Mapping[int, int | None]) -> dict[int, dict[str, Any]] | None:
+        """Every worker's ``resumed`` record of the current generation, or None until all have
+        one."""
+        records = {}
+        for local_rank, pid in pids.items():
+            record = self._record("resumed", local_rank, pid, self.generation)
+            if record is None:
+                return None
+            records[local_rank] = record
+        return records
+
+    def joined(self, pids: Mapping[int, int | None]) -> bool:
+        """Whether every worker has its ``joined`` record of the current generation."""
+        return all(self._record("joined", lr, pid, self.generation) is not None
+                   for lr, pid in pids.items())
+
+    def stuck(self, pids: Mapping[int, int | None], now: float, grace_s: float = 5.0
+              ) -> list[int]:
+        """Survivors still in their teardown (a ``failed`` record of the previous generation,
+        none of this one) past the hard limit and ``grace_s``: their own limit did not end
+        them, the agent kills them (wall clock ``now``)."""
+        found = []
+        for local_rank, pid in pids.items():
+            failed = self._record("failed", local_rank, pid, self.generation - 1)
+            if (failed is not None and self._record("joined", local_rank, pid,
+                                                    self.generation) is None
+                    and now > float(failed.get("failed", now)) + self.teardown_limit_s
+                    + grace_s):
+                found.append(local_rank)
+        return found
+
+    def overdue(self, now: float, pids: Mapping[int, int | None] | None = None) -> bool:
+        """Whether the recovery under way overran its phase's limit: joining (teardown and
+        regroup, :attr:`Recovery.deadline`), then the first step (:func:`first_step_limit`
+        of the survivors' measurements, from when every worker joined)."""
+        recovery = self.recovery
+        if recovery is None:
+            return False
+        if recovery.joined_at is None and pids is not None and self.joined(pids):
+            recovery.joined_at = now
+            records = [self._record("failed", lr, pid, self.generation - 1) or {}
+                       for lr, pid in pids.items()]
+            recovery.first_step_s = first_step_limit(records)
+        if recovery.joined_at is not None:
+            return now > recovery.joined_at + recovery.first_step_s
+        return now > recovery.deadline
+
+    def close(self) -> None:
+        self._stores = []
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.directory)

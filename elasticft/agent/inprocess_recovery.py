@@ -1,0 +1,421 @@
+"""In-process recovery, the agent's side: replace the failed worker, keep the others running.
+
+Workers whose training runs under :class:`elasticft.recovery.inprocess.InProcess` say so with an
+``armed`` file in this node's in-process directory. When one of them fails and the policy
+decides :attr:`~elasticft.addon.policy.ActionKind.RECOVER_IN_PROCESS` (every worker armed, the
+failed worker on this node of a one-node job or on another node, the failure is a crash, a hang
+or a communication error, restarts left), the agent does not stop the survivors. It
+
+1. makes sure the failed rank's process is gone (a frozen one is killed; its sockets close, so
+   the survivors' collectives with it raise). A dead process stays in the kernel's teardown of
+   its mappings for up to a second with gigabytes of checkpoint slots mapped; on a CPU node the
+   next steps do not wait for it (the process is reaped in the background), while on a node
+   with GPUs they do, since the device memory of the dead process is released only at its end
+   (:func:`replace_after_kill`),
+2. starts a store for the next **generation** (a TCPStore this agent hosts, on a port of its
+   own: no key of an earlier group can be read by the new one) and publishes it
+   (``generation.json``), for the survivors to regroup on,
+3. starts the replacement at once, from the warm interpreter when there is one, with the failed
+   worker's environment and the new store as its ``MASTER_PORT``: its unchanged
+   ``init_process_group()`` meets the survivors' regroup,
+4. keeps monitoring. The recovery is over when every worker reports its first optimizer step in
+   the new generation (``resumed``); the event log then gets a ``recover_in_process`` event
+   with its phases (detect, abort, regroup, restore and redo).
+
+A failure while a recovery is still under way, a replacement that cannot be started, or a
+generation that does not resume within the timeout falls back to the full restart from the same
+snapshots (``InProcessCoordinator.overdue``, :mod:`elasticft.agent.generations`).
+
+A communication error raised by a worker that is itself alive and waiting (every worker
+``failed`` in the current generation, none exited) is recovered the same way with no process
+replaced: all of them regroup.
+
+**Across nodes** that is how another node's failure looks here, a lost node's too: the agent
+joins the next rendezvous round with its workers still running (a warm standby takes the lost
+node's place there, with its ranks) and publishes that round's worker address as the next
+generation (``InProcessCoordinator.publish_round``; the survivor of rank 0 hosts the store,
+as torch's ``env://`` would). The other nodes' new workers meet the survivors there. A round
+that gives this node's workers other ranks restarts them in that round.
+
+**The agent holds it.** :class:`InProcessRecovery` is an object of the agent's, not a part of
+it: what it needs of the agent comes through :class:`AgentSide` (torch's process context and
+worker group, the attempt counter, a rendezvous, the agent's restart path, its collaborators'
+notice), and every restart it causes goes through the agent's one restart path with its hooks
+(``before_restart``: the healthy workers' checkpoint). Its state (the coordinator of
+generations, the spare, the workers last seen armed) is its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from elasticft import procs, torch_compat
+from elasticft.addon.api import Detection, GroupInfo
+from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.policy import Action
+from elasticft.agent.generations import InProcessCoordinator
+from elasticft.agent.recovery_timing import Recovery, phases
+from elasticft.agent.replace import replace_after_kill, start_replacements
+from elasticft.agent.spare_keeper import SpareKeeper
+from elasticft.agent.warmpool import WarmPool
+from elasticft.diag.health import gpu_devices_present
+from elasticft.events import EventLog
+from elasticft.jsonfile import read_json
+from elasticft.recovery.protocol import Generation, worker_file
+
+logger = logging.getLogger(__name__)
+
+
+def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: int,
+            replaceable: str | None, shared_store: bool = False) -> str | None:
+    """Why this failure cannot be recovered in process (None: it can); pure.
+
+    ``failed``: local workers that failed (crashed, hung, or raised while the others did not);
+    ``replaceable``: why torch's process context cannot replace one worker, or None;
+    ``shared_store``: the rounds' workers share one agent store (``share_tcp_store``), which
+    keeps the old group's keys.
+    """
+    if not armed:
+        return "the workers do not all run under elasticft.recovery.inprocess"
+    if recovering:
+        return "a failure during an in-process recovery"
+    if nodes != 1 and failed:
+        return (f"a worker of this node failed in a job of {nodes} nodes (across nodes only the "
+                f"nodes whose workers all survived regroup in process)")
+    if nodes != 1 and shared_store:
+        return ("the rounds' workers share the agent's store (share_tcp_store), which keeps the "
+                "old group's keys")
+    if failed >= workers:
+        return "no worker survived"
+    return replaceable
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSide:
+    """What in-process recovery needs of the agent that holds it: reads of its state and the
+    few things only the agent does."""
+
+    context: Callable[[], Any]
+    """torch's process context of the workers (None before their first start)."""
+    worker_group: Callable[[], Any]
+    """torch's ``WorkerGroup``: the workers' ranks, the round's address and world."""
+    warm_pool: Callable[[], WarmPool | None]
+    """The agent's warm interpreters now (None: cold starts; the agent may drop them)."""
+    attempt: Callable[[], int]
+    """The agent's attempt number (the workers' ``ELASTICFT_ATTEMPT``)."""
+    next_attempt: Callable[[], int]
+    """Counts a new attempt and a restart (a recovery uses one of ``--max-restarts``);
+    returns the new attempt's number."""
+    round: Callable[[], int]
+    """The rendezvous round the workers run in."""
+    group_info: Callable[[], GroupInfo]
+    """What the collaborators see of the workers now."""
+    rendezvous: Callable[[], None]
+    """Joins the next rendezvous round with the workers still running."""
+    restart_in_round: Callable[[str], None]
+    """The agent's restart path, in the round just joined: its ``restart`` event and
+    ``before_restart`` hooks (the healthy workers' checkpoint), then the workers stopped and
+    started again (``cause`` says why)."""
+    workers_changed: Callable[[], None]
+    """The workers' processes changed without a restart: the agent hooks torch's poll of the
+    new ones and tells its collaborators (``on_workers_started``)."""
+
+
+class InProcessRecovery:
+    """In-process recovery as the agent carries it out (the steps in this module's docstring)."""
+
+    def __init__(self, coordinator: InProcessCoordinator, spare: SpareKeeper, events: EventLog,
+                 agent: AgentSide, *, shutdown_timeout: float, attempt_env: str) -> None:
+        self.coordinator = coordinator
+        self.spare = spare
+        self.events = events
+        self.agent = agent
+        self.shutdown_timeout = shutdown_timeout
+        self.attempt_env = attempt_env
+        """The worker variable that numbers the attempts (the agent's)."""
+        self.armed_pids: dict[int, int | None] = {}
+        """The workers (local rank → pid) last seen all armed."""
+        self._times: dict[str, float] = {}
+
+    # -- the agent's lifecycle -----------------------------------------------------------------
+
+    @property
+    def recovering(self) -> bool:
+        """Whether a recovery is under way (published, not yet resumed)."""
+        return self.coordinator.recovery is not None
+
+    def worker_env(self) -> dict[str, str]:
+        return self.coordinator.worker_env()
+
+    def on_workers_started(self) -> None:
+        """A full start of the workers: the old records are stale."""
+        self.coordinator.reset()
+        self.armed_pids = {}
+
+    def on_workers_stopped(self) -> None:
+        self.spare.stop()
+
+    def tick(self, *, armed: bool) -> None:
+        """A healthy monitor tick: the spare is kept (one node only: a job of several nodes
+        replaces a lost rank with a standby node's)."""
+        self.spare.tick(self._context(), self.agent.warm_pool(),
+                        armed=armed and self._group().group_world_size == 1,
+                        recovering=self.recovering)
+
+    def close(self) -> None:
+        self.coordinator.close()
+
+    # -- what the agent asks at a monitor tick -------------------------------------------------
+
+    def _context(self) -> Any:
+        return self.agent.context()
+
+    def _group(self) -> Any:
+        return self.agent.worker_group()
+
+    def worker_pids(self) -> dict[int, int | None]:
+        context = self._context()
+        return dict(context.pids()) if context is not None else {}
+
+    def _dead_workers(self) -> set[int]:
+        """Local ranks whose process has exited or begun to exit: a worker that wrote its
+        ``failed`` record and died after it is no survivor, and is replaced like the failed
+        rank (a record alone is matched by pid, which says nothing of the process)."""
+        context = self._context()
+        if context is None or torch_compat.replace_worker_unavailable(context):
+            return set()  # function entrypoints: no worker of theirs is replaced in process
+        dead = set()
+        for local_rank, pid in context.pids().items():
+            proc = torch_compat.worker_process(context, local_rank)
+            if proc.poll() is not None or (pid is not None and procs.ending_status(pid)):
+                dead.add(local_rank)
+        return dead
+
+    def _waiting_survivors(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
+        """The workers waiting for the next generation whose process still lives."""
+        dead = self._dead_workers()
+        return {lr: w for lr, w in self.coordinator.waiting(pids).items() if lr not in dead}
+
+    def _to_replace(self, pids: Mapping[int, int | None],
+                    failures: Sequence[FailureRecord]) -> list[int]:
+        """The local workers a recovery replaces: the failed ones and any other that died,
+        less the survivors that wait for the next generation."""
+        failed = {f.local_rank for f in failures if f.local_rank in pids} | self._dead_workers()
+        return sorted(failed - set(self._waiting_survivors(pids)))
+
+    def all_armed(self) -> bool:
+        """Whether every worker runs under ``elasticft.recovery.inprocess`` (cached per pid
+        set: an armed worker stays armed)."""
+        pids = self.worker_pids()
+        if pids and pids == self.armed_pids:
+            return True
+        if self.coordinator.armed(pids):
+            self.armed_pids = pids
+            return True
+        return False
+
+    def blocker(self, group: GroupInfo, failures: tuple[FailureRecord, ...]) -> str | None:
+        """Why this failure cannot be recovered in process (None: it can)."""
+        pids = self.worker_pids()
+        replace = self._to_replace(pids, failures)
+        return blocker(
+            armed=self.all_armed(), nodes=group.group_world_size,
+            recovering=self.recovering, failed=len(replace), workers=len(pids),
+            shared_store=torch_compat.workers_use_agent_store(self._group()),
+            replaceable=torch_compat.replace_worker_unavailable(self._context()))
+
+    def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
+        """Workers that exited while a recovery on this agent's store is still forming its
+        group (a survivor whose teardown overran the hard limit, or whose device failed its
+        check) are replaced in that same generation; returns whether all were."""
+        recovery, generation = self.coordinator.recovery, self.coordinator.published
+        if (recovery is None or generation is None or recovery.joined_at is not None
+                or generation.generation != recovery.generation):
+            return False
+        context, group = self._context(), self._group()
+        by_global = {w.global_rank: w.local_rank for w in group.workers}
+        local_ranks = [by_global[r] for r in exited if r in by_global]
+        if not local_ranks or any(lr in recovery.replaced for lr in local_ranks):
+            return False  # a replacement that failed: the restart
+        records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
+                   for lr in local_ranks}
+        attempt = self.agent.attempt()
+
+        def env_of(env: Any) -> dict[str, str]:
+            return self.coordinator.replacement_env(env, generation, attempt, self.attempt_env)
+
+        try:
+            started = replace_after_kill(
+                [torch_compat.worker_process(context, lr) for lr in local_ranks],
+                self.shutdown_timeout, gpu_devices_present(),
+                lambda: start_replacements(context, local_ranks, self.agent.warm_pool(),
+                                           env_of))
+        except Exception:
+            logger.exception("could not replace workers %s in the recovery", local_ranks)
+            return False
+        for local_rank, pid in started.items():
+            group.workers[local_rank].id = pid
+            recovery.replaced[local_rank] = pid
+        for local_rank in local_ranks:
+            rank = group.workers[local_rank].global_rank
+            why = str(records[local_rank].get("why", f"exit {exited[rank].exitcode}"))
+            logger.warning("in-process recovery of generation %d: local rank %d left (%s); "
+                           "its replacement joins the same generation", recovery.generation,
+                           local_rank, why)
+            self.events.emit("survivor_replaced", attempt=attempt,
+                             generation=recovery.generation,
+                             rank=rank, pid=started[local_rank], reason=why)
+        return True
+
+    def progress(self, group: GroupInfo, armed: bool) -> Detection | None:
+        """Completes a recovery under way, or reports one that is overdue; sees workers that all
+        caught a communication error with none exited (a regroup with no replacement)."""
+        recovery = self.coordinator.recovery
+        pids = self.worker_pids()
+        if recovery is not None:
+            records = self.coordinator.resumed(pids)
+            if records is not None:
+                self.coordinator.recovery = None
+                self.coordinator.completed += 1
+                timings = phases(recovery, records)
+                logger.warning("in-process recovery of generation %d done: %s",
+                               recovery.generation, timings)
+                self.events.emit("recover_in_process", attempt=self.agent.attempt(),
+                                 generation=recovery.generation, cause=recovery.cause,
+                                 round=self.agent.round(),
+                                 replaced=self._by_global_rank(recovery.replaced),
+                                 spare=self._by_global_rank(
+                                     self.spare.taken.get(recovery.generation, {})),
+                                 phases=timings)
+                return None
+            if recovery.joined_at is None:
+                for local_rank in self.coordinator.stuck(pids, time.time()):
+                    logger.warning("local rank %d overran its teardown's hard limit "
+                                   "(%.0f s): killed", local_rank,
+                                   self.coordinator.teardown_limit_s)
+                    procs.kill([torch_compat.worker_process(self._context(), local_rank)])
+            if self.coordinator.overdue(time.monotonic(), pids):
+                what = (f"its first step not done within {recovery.first_step_s:.0f} s of "
+                        f"the regroup" if recovery.joined_at is not None else
+                        f"not regrouped within {self.coordinator.join_limit_s:.0f} s")
+                return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                                 f"in-process recovery of generation {recovery.generation} "
+                                 f"{what}")
+            return None
+        if not armed:
+            return None
+        waiting = self._waiting_survivors(pids)
+        if waiting and len(waiting) < len(pids):
+            # A worker's own communication error: its peers may wait in a collective with it
+            # that never ends; they are told at once, and report as waiting too.
+            self.coordinator.interrupt()
+        if waiting and len(waiting) == len(pids):
+            by_local = {w.local_rank: w.global_rank for w in group.workers}
+            first = min(waiting, key=lambda lr: (waiting[lr][0], lr))  # the one that raised
+            return Detection(FailureClass.INFRASTRUCTURE, (by_local[first],), "inprocess",
+                             f"every worker caught a communication error, rank "
+                             f"{by_local[first]} first: {waiting[first][1]}")
+        return None
+
+    # -- a recovery ------------------------------------------------------------------------------
+
+    def recover(self, action: Action, failures: Sequence[FailureRecord], seen_at: float
+                ) -> str | None:
+        """Replaces the failed workers and publishes the next generation; returns why that
+        failed (the agent then restarts the group through its restart path), or None."""
+        decided_at = time.time()
+        pids = self.worker_pids()
+        replace = self._to_replace(pids, failures)
+        replaced: dict[int, int] = {}
+        self._times = {}
+        try:
+            self.coordinator.interrupt()
+        except OSError as e:  # the survivors then leave when their collectives raise
+            logger.warning("could not write the interrupt notice: %s", e)
+        if self._group().group_world_size > 1:  # another node's worker failed
+            generation = self._next_round_generation(pids)
+            if generation is None:
+                return None
+        else:
+            try:
+                generation, replaced = self._replace_in_process(replace)
+            except Exception as e:  # anything: the restart starts from the same snapshots
+                logger.exception("could not replace workers %s in process", replace)
+                return f"{type(e).__name__}: {e}"
+        self.coordinator.recovery = Recovery(
+            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
+            time.monotonic() + self.coordinator.join_limit_s, times=self._times)
+        self.armed_pids = {}
+        group = self.agent.group_info()
+        logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
+                       "%s (pids %s), %d survivor(s) regroup", generation.generation,
+                       generation.master_port, replace, list(replaced.values()),
+                       len(pids) - len(replace))
+        self.events.emit("worker_replaced", attempt=self.agent.attempt(),
+                         generation=generation.generation,
+                         pids={str(w.global_rank): w.pid for w in group.workers},
+                         replaced=self._by_global_rank(replaced))
+        self.agent.workers_changed()
+        return None
+
+    def _by_global_rank(self, by_local: dict[int, int]) -> dict[str, int]:
+        workers = self._group().workers
+        return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
+
+    def _replace_in_process(self, replace: list[int]) -> tuple[Generation, dict[int, int]]:
+        """Kills the failed local workers, publishes the next generation on a store of this
+        agent's and starts their replacements at once; returns it and their pids."""
+        context, group = self._context(), self._group()
+        times = self._times
+
+        def publish_and_start() -> tuple[Generation, dict[int, int]]:
+            world = group.workers[0].world_size
+            generation = self.coordinator.publish(group.master_addr or "127.0.0.1", world)
+            attempt = self.agent.next_attempt()
+
+            def env_of(env: Any) -> dict[str, str]:
+                return self.coordinator.replacement_env(env, generation, attempt,
+                                                        self.attempt_env)
+
+            times["fork"] = time.time()
+            replaced = self.spare.take(context, replace, generation, env_of)  # a ready spare
+            replaced.update(start_replacements(
+                context, [lr for lr in replace if lr not in replaced], self.agent.warm_pool(),
+                env_of))
+            times["forked"] = time.time()
+            for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
+                group.workers[local_rank].id = pid
+            return generation, replaced
+
+        def reaped(at: float) -> None:
+            times["reaped"] = at
+
+        return replace_after_kill([torch_compat.worker_process(context, lr) for lr in replace],
+                                  self.shutdown_timeout, gpu_devices_present(),
+                                  publish_and_start, reaped if replace else None)
+
+    def _next_round_generation(self, pids: dict[int, int | None]) -> Generation | None:
+        """A job of several nodes: a new rendezvous round with no worker stopped (a standby
+        takes the lost node's place there), published as the survivors' next generation. A
+        round that renumbers this node's ranks restarts its workers in that round, through the
+        agent's restart path (None)."""
+        wg = self._group()
+        before = [(w.global_rank, w.world_size) for w in wg.workers]
+        self.agent.next_attempt()
+        self.agent.rendezvous()
+        for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
+            worker.id = pids.get(worker.local_rank)
+        after = [(w.global_rank, w.world_size) for w in wg.workers]
+        if after == before:
+            return self.coordinator.publish_round(
+                wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
+                torch_compat.workers_use_agent_store(wg))
+        cause = (f"round {self.agent.round()} gives this node's workers (rank, world size) "
+                 f"{after}, not {before}: they restart")
+        logger.warning("no in-process regroup: %s", cause)
+        self.agent.restart_in_round(cause)
+        return None

@@ -1,0 +1,162 @@
+"""Where the agent's interrupt reaches a survivor, pinned at the exact moments that went wrong:
+one process, a real gloo group of one, the monitor's ``end`` and the asynchronous exception
+driven through the seams (:class:`GroupOps`, the thread state), no timing left to chance.
+
+1. The survivor's collective raised by itself (the dead peer's sockets closed) while the monitor
+   was still ending the groups: the teardown and the regroup must wait until that end is over,
+   or the end shuts down the next generation's connections (their descriptors reuse the numbers
+   it listed) and the regroup fails: the survivor exits 1 and the job restarts.
+2. The monitor's asynchronous exception is delivered after the training function has already
+   raised, on the way into the recovery: it is absorbed there, not raised out of ``run``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from elasticft.agent.generations import InProcessCoordinator
+from elasticft.jsonfile import write_json
+from elasticft.recovery.groups import GroupOps, end_tcp_connections
+from elasticft.recovery.inprocess import InProcess
+from elasticft.recovery.interrupt import INTERRUPT_FILE, PeerInterrupted, _raise_in
+from elasticft.recovery.protocol import InProcessSettings, worker_file
+
+GLOO_CLOSED = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:912. "
+               "This is typically caused by a remote worker crashing.")
+
+
+@pytest.fixture
+def group_of_one(monkeypatch: pytest.MonkeyPatch):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                            world_size=1)
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    yield store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _agent(directory: Path, coordinator: InProcessCoordinator) -> threading.Thread:
+    """The agent's side: publishes the next generation once the survivor reports its failure."""
+    failed = worker_file(directory, "failed", 0)
+
+    def publish() -> None:
+        for _ in range(2000):
+            if failed.exists():
+                coordinator.publish("127.0.0.1", world_size=1)
+                return
+            threading.Event().wait(0.01)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(60)
+def test_the_teardown_and_regroup_wait_for_the_monitors_end(tmp_path: Path, group_of_one
+                                                            ) -> None:
+    directory = tmp_path / "ip"
+    coordinator = InProcessCoordinator(directory, timeout_s=30)
+    coordinator.reset()
+    order: list[str] = []
+    ending, regrouped, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_end(backend: str) -> str:
+        """The monitor's end, descheduled after it listed the connections: it shuts them down
+        only once the main thread regrouped, or after 1 s."""
+        order.append("end")
+        ending.set()
+        regrouped.wait(1.0)
+        count = end_tcp_connections()
+        order.append("end over")
+        ended.set()
+        return f"test({count})"
+
+    def init(*args, **kwargs) -> None:
+        order.append("init")
+        dist.init_process_group(*args, **kwargs)
+        regrouped.set()
+
+    ops = GroupOps(destroy=lambda: (order.append("destroy"), dist.destroy_process_group()),
+                   init=init, end=slow_end)
+    recovery = InProcess(InProcessSettings(directory=directory, timeout_s=30), ops=ops)
+    entries: list[int] = []
+
+    def train() -> str:
+        entries.append(recovery.generation)
+        if len(entries) == 1:
+            _agent(directory, coordinator)
+            write_json(directory / INTERRUPT_FILE, {"ended": 0})  # the agent's notice
+            assert ending.wait(20)
+            raise RuntimeError(GLOO_CLOSED)  # the collective raised by itself meanwhile
+        # Once the end is over, the next generation's store still answers: the end did not
+        # shut its connection down.
+        assert ended.wait(5)
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            store.set("after", "regroup")
+            return store.get("after").decode()
+        except Exception as e:  # what the survivor met: its new group's connection shut down
+            return f"{type(e).__name__}: {e}"
+
+    try:
+        assert recovery.run(train) == "regroup"
+        assert order == ["end", "end over", "destroy", "init"]
+        assert entries == [0, 1] and recovery.recoveries == 1
+    finally:
+        coordinator.close()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ours = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+    return ours, peer
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_delivered_on_the_way_into_the_recovery_is_absorbed(
+        tmp_path: Path, group_of_one) -> None:
+    directory = tmp_path / "ip"
+    coordinator = InProcessCoordinator(directory, timeout_s=30)
+    coordinator.reset()
+    recovery = InProcess(InProcessSettings(directory=directory, timeout_s=30),
+                         ops=GroupOps(end=lambda backend: "test"))
+    entries: list[int] = []
+
+    def train() -> str:
+        entries.append(recovery.generation)
+        if len(entries) == 1:
+            _agent(directory, coordinator)
+            # The main thread waits in a call that fails in C (as a collective does when its
+            # peer's connection resets); the monitor's exception is set meanwhile, so it is
+            # delivered only after the call's own error left the function: on the way into
+            # the recovery.
+            ours, peer = _tcp_pair()
+            main = threading.get_ident()
+
+            def monitor_then_reset() -> None:
+                threading.Event().wait(0.3)  # the main thread waits in recv by then
+                _raise_in(main, PeerInterrupted)
+                peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                threading.Event().wait(0.3)
+                peer.close()
+
+            threading.Thread(target=monitor_then_reset, daemon=True).start()
+            ours.recv(1)  # no `with`: its exit is Python code, where the exception would land
+            return "the call did not fail"
+        return "done"
+
+    try:
+        assert recovery.run(train) == "done"
+        assert entries == [0, 1] and recovery.recoveries == 1
+        assert os.getpid() == coordinator._record("joined", 0, os.getpid(), 1)["pid"]
+    finally:
+        coordinator.close()
