@@ -585,7 +585,10 @@ def main() -> int:
             print(f"{r['launcher']}: rank 0 ran in {r['survivor_pids']} process(es); its first "
                   f"step after the kill {_fmt(r.get('survivor_first_step_s'))}, median step "
                   f"{_fmt(r.get('survivor_median_step_s'))}"
-                  + (f"; in-process phases {r['in_process']}" if r.get("in_process") else "")
+                  + ("; in-process phases " + ", ".join(
+                      f"{name.removesuffix('_s')} {seconds:.3f} s"
+                      for name, seconds in r["in_process"].items())
+                     if r.get("in_process") else "")
                   + (f"; the spare that took the rank was ready {r['spare_setup_s']:.2f} s "
                      "after its start" if r.get("spare_setup_s") else ""))
     for r in rows:

@@ -3,8 +3,8 @@
 A recovery under way (:class:`Recovery`) carries the agent's own marks: when it saw the
 failure, decided, published the generation, reaped the failed processes and started their
 replacements. The workers' records add theirs (out of the failed call, torn down, joined,
-first step). :func:`phases` turns both into the seconds of each phase for the event log and
-``elasticft report``; :func:`first_step_limit` derives the first step's limit from what the
+restored, first step). :func:`phases` turns both into the seconds of each phase for the event
+log and ``elasticft report``; :func:`first_step_limit` derives the first step's limit from what the
 survivors measured of their steps before the failure, so that a slow first step (a compiled
 model, a long step) is not taken for a stuck recovery.
 """
@@ -64,8 +64,11 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
     the script's import of elasticft's recovery, torch's import included); join: from there
     to its ``InProcess.run`` (its ``init_process_group``, which meets the survivors, and its
     set-up); regroup: decision →
-    the last worker in the new group; restore and redo: from there to the last worker's first
-    step; total: failure seen → that step.
+    the last worker in the new group; restore: from there to the last worker's end of its
+    restore (``restored``, in the records of the workers that report one); redo: from there to
+    the last worker's first step (the step in flight at the failure, done again); where no
+    worker reports its restore's end, the two are one phase, restore_redo; total: failure
+    seen → the last first step.
     """
     def latest(key: str) -> float | None:
         values = [float(r[key]) for r in records.values() if key in r]
@@ -74,6 +77,7 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
     aborts = [float(r["aborted"]) - float(r["failed"]) for r in records.values()
               if "aborted" in r and "failed" in r]
     joined, resumed, left = latest("joined"), latest("resumed"), latest("failed")
+    restored = latest("restored")
     out = {"detect_s": recovery.decided_at - recovery.seen_at}
     if left is not None:  # the last survivor out of its training call (a collective, often)
         out["survivors_out_s"] = left - recovery.seen_at
@@ -92,7 +96,11 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
         out["join_s"] = max(j for _, j in starts)
     if joined is not None:
         out["regroup_s"] = joined - recovery.decided_at
-    if joined is not None and resumed is not None:
+    if joined is not None and restored is not None:
+        out["restore_s"] = restored - joined
+    if restored is not None and resumed is not None:
+        out["redo_s"] = resumed - restored
+    elif joined is not None and resumed is not None:
         out["restore_redo_s"] = resumed - joined
     if resumed is not None:
         out["total_s"] = resumed - recovery.seen_at

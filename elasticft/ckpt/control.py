@@ -124,11 +124,17 @@ def announced_dirs(control_dir: Path, local_ranks: Iterable[int]) -> dict[int, P
     return found
 
 
+def restored_path(control_dir: Path, local_rank: int) -> Path:
+    """Where a worker reports its latest restore (:func:`report_restored`): its ``time`` is
+    when the restore ended, which an in-process recovery's phases split on."""
+    return control_dir / f"restored-l{local_rank}.json"
+
+
 def report_restored(control_dir: Path, local_rank: int, step: int | None, source: str | None,
                     where: str, looked: Iterable[str]) -> None:
     """Worker side: what this worker's load restored (``step`` None: nothing), from which tier
     (``source``) and where that is, and which places it looked in."""
-    _write_json(control_dir / f"restored-l{local_rank}.json",
+    _write_json(restored_path(control_dir, local_rank),
                 {"pid": os.getpid(), "step": step, "source": source, "where": where,
                  "looked": list(looked), "time": time.time()})
 
@@ -158,7 +164,7 @@ class RestoreReader:
     def new_restores(self, control_dir: Path, local_ranks: Iterable[int]) -> dict[int, dict]:
         found = {}
         for rank in local_ranks:
-            record = read_json(control_dir / f"restored-l{rank}.json")
+            record = read_json(restored_path(control_dir, rank))
             if not record:
                 continue
             key = (int(record.get("pid", 0)), float(record.get("time", 0.0)))

@@ -19,7 +19,10 @@ survivor
    ``MASTER_PORT`` is the new store's) meets it there,
 5. **re-enters the function**, which restores the newest step every rank holds into the live
    tensors (:meth:`elasticft.ckpt.Checkpointer.restore`, an in-place copy from the agent's
-   memory: no new allocation) and continues from there.
+   memory: no new allocation) and continues from there. Its ``resumed`` record, at the first
+   step, carries when that restore ended (``restored``: the checkpointer's report of it, or
+   :meth:`InProcess.restore_done` for a script that restores by itself), so the agent tells
+   the restore from the redone step.
 
 Everything built outside the function stays alive: the model, the optimizer and its state
 tensors, the data, compiled graphs. What is bound to a process group is built inside it, since
@@ -47,11 +50,14 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
+from elasticft.ckpt.control import restored_path
+from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
 from elasticft.recovery.health import within
@@ -158,6 +164,8 @@ class InProcess:
         self._steps: list[float] = []
         self._entered = time.time()
         self._first_step_s: float | None = None
+        self._restored_at: float | None = None
+        """When the script said its restore ended (:meth:`restore_done`)."""
         self.group_settings = GroupSettings()
         """What the script asked of its group, read back when recovery arms."""
         self.monitor: Monitor | None = None
@@ -220,6 +228,12 @@ class InProcess:
         ``torch.optim`` optimizer say so by themselves; a script whose optimizer is not one
         calls this after each step (it costs nothing after the first)."""
         self._on_step()
+
+    def restore_done(self) -> None:
+        """Tells the agent that this entry's restore is over, for a script that restores without
+        :meth:`elasticft.ckpt.Checkpointer.restore` (whose restores say so by themselves): the
+        recovery's ``restore`` phase ends here and its ``redo`` begins."""
+        self._restored_at = time.time()
 
     def _call(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[bool, Any]:
         """Runs ``fn`` once: (True, its result) or (False, its error). The monitor may interrupt
@@ -331,7 +345,22 @@ class InProcess:
             self._first_step_s = now - self._entered
         if self._awaiting is not None and self._awaiting == self.generation:
             self._awaiting = None
-            self._write("resumed", {**self._phases, "resumed": now})
+            restored = self._restore_end(now)
+            self._write("resumed", {**self._phases, "resumed": now,
+                                    **({"restored": restored} if restored is not None else {})})
+
+    def _restore_end(self, now: float) -> float | None:
+        """When this entry's restore ended, if it was reported after the entry's join and
+        before its first step (``now``): the script's :meth:`restore_done`, else this process's
+        latest checkpoint restore (:func:`elasticft.ckpt.control.report_restored`)."""
+        joined = self._phases.get("joined", self._entered)
+        found = self._restored_at
+        control = os.environ.get(ENV_CONTROL)
+        if found is None and control:
+            record = read_json(restored_path(Path(control), self.settings.local_rank)) or {}
+            if record.get("pid") == os.getpid() and isinstance(record.get("time"), (int, float)):
+                found = float(record["time"])
+        return found if found is not None and joined <= found <= now else None
 
     def measured(self) -> dict[str, float]:
         """What this process measured of its steps: ``first_s`` (from entering :meth:`run` to

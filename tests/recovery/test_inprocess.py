@@ -59,7 +59,7 @@ def _recovered_in_process(run: dict, replaced: list[int]) -> dict:
     done = [e for e in run["events"] if e["kind"] == "recover_in_process"]
     assert len(done) == 1, run["text"][-5000:]
     assert sorted(int(r) for r in done[0]["replaced"]) == replaced
-    assert {"detect_s", "abort_s", "regroup_s", "restore_redo_s", "total_s"} <= set(
+    assert {"detect_s", "abort_s", "regroup_s", "restore_s", "redo_s", "total_s"} <= set(
         done[0]["phases"])
     return done[0]
 

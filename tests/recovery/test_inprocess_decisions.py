@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from elasticft.addon.classify import FailureClass, FailureRecord
@@ -17,6 +18,8 @@ from elasticft.addon.policy import ActionKind, FailureFacts, decide
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.agent.inprocess_recovery import blocker
 from elasticft.agent.recovery_timing import Recovery, first_step_limit, phases
+from elasticft.ckpt.control import report_restored
+from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.jsonfile import write_json
 from elasticft.recovery import groups, inprocess, protocol
 from elasticft.recovery.groups import GroupOps, tear_down
@@ -105,22 +108,36 @@ def test_the_policy_recovers_in_process_what_a_replacement_repairs(
         assert f"in-process recovery {used + 1} of --max-restarts 2" in action.reason
 
 
+_SURVIVOR = {"failed": 100.02, "aborted": 100.03, "joined": 100.6, "resumed": 100.8}
+# the replacement: no abort of its own; its process started, imported, joined
+_REPLACEMENT = {"started": 100.09, "imported": 100.4, "joined": 100.7, "resumed": 100.9}
+_BEFORE = {"detect_s": 0.05, "survivors_out_s": 0.02, "abort_s": 0.01, "reap_s": 0.25,
+           "fork_s": 0.02, "start_s": 0.31, "join_s": 0.3, "regroup_s": 0.65}
+
+
 @pytest.mark.timeout(30)
-def test_phases_of_a_recovery_from_the_workers_records() -> None:
+@pytest.mark.parametrize(("restored", "after"), [
+    # no worker reports its restore's end: restore and redo stay one phase
+    ((None, None), {"restore_redo_s": 0.2}),
+    # both restore (a collective: they end together), then redo the step in flight
+    ((100.75, 100.76), {"restore_s": 0.06, "redo_s": 0.14}),
+    # only the replacement reports it (the survivor's script restores by itself, unreported)
+    ((None, 100.72), {"restore_s": 0.02, "redo_s": 0.18}),
+    # a restore that ends before the last worker joined (a local one): no negative phase
+    ((100.65, None), {"restore_s": 0.0, "redo_s": 0.25}),
+], ids=["unreported", "both", "replacement-only", "before-the-last-join"])
+def test_phases_of_a_recovery_from_the_workers_records(
+        restored: tuple[float | None, float | None], after: dict[str, float]) -> None:
     recovery = Recovery(1, "crash", seen_at=100.0, decided_at=100.05, published_at=100.1,
                         replaced={1: 4242}, deadline=0.0)
     recovery.times.update(reaped=100.3, fork=100.06, forked=100.08)
-    records = {
-        0: {"failed": 100.02, "aborted": 100.03, "joined": 100.6, "resumed": 100.8},
-        # the replacement: no abort of its own; its process started, imported, joined
-        1: {"started": 100.09, "imported": 100.4, "joined": 100.7, "resumed": 100.9},
-    }
+    records = {0: dict(_SURVIVOR), 1: dict(_REPLACEMENT)}
+    for local_rank, at in enumerate(restored):
+        if at is not None:
+            records[local_rank]["restored"] = at
     found = phases(recovery, records)
-    assert list(found) == ["detect_s", "survivors_out_s", "abort_s", "reap_s", "fork_s",
-                           "start_s", "join_s", "regroup_s", "restore_redo_s", "total_s"]
-    assert found == {"detect_s": 0.05, "survivors_out_s": 0.02, "abort_s": 0.01,
-                     "reap_s": 0.25, "fork_s": 0.02, "start_s": 0.31, "join_s": 0.3,
-                     "regroup_s": 0.65, "restore_redo_s": 0.2, "total_s": 0.9}
+    assert list(found) == [*_BEFORE, *after, "total_s"]
+    assert found == {**_BEFORE, **after, "total_s": 0.9}
 
 
 @pytest.mark.timeout(30)
@@ -228,11 +245,17 @@ def _raise(error: BaseException) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("restore", ["checkpointer", "restore_done"])
 def test_a_survivor_waits_for_the_next_generation_and_rejoins_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore: str) -> None:
     """One process, a real gloo group of one: the first call raises a peer failure; the
     worker reports it, tears its group down through the seam, waits for the generation the
-    "agent" publishes, rejoins on its store and runs the function again."""
+    "agent" publishes, rejoins on its store and runs the function again, which restores (the
+    checkpointer's report of it, or the script's own ``restore_done``) and steps: its
+    ``resumed`` record says when the restore ended, between its join and its first step."""
+    control = tmp_path / "ckpt-control"
+    control.mkdir()
+    monkeypatch.setenv(ENV_CONTROL, str(control))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
                             world_size=1)
@@ -246,6 +269,7 @@ def test_a_survivor_waits_for_the_next_generation_and_rejoins_it(
     coordinator = InProcessCoordinator(directory, timeout_s=30)
     coordinator.reset()
     entries = []
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
     def train() -> str:
         entries.append(dist.get_world_size())
@@ -260,6 +284,13 @@ def test_a_survivor_waits_for_the_next_generation_and_rejoins_it(
 
             threading.Thread(target=agent, daemon=True).start()
             raise RuntimeError(GLOO_CLOSED)
+        time.sleep(0.02)  # the restore
+        if restore == "checkpointer":  # what Checkpointer.restore reports as it returns
+            report_restored(control, 0, 4, "memory", "", ["memory"])
+        else:
+            recovery.restore_done()
+        time.sleep(0.02)  # the step redone
+        optimizer.step()
         return "done"
 
     try:
@@ -268,6 +299,9 @@ def test_a_survivor_waits_for_the_next_generation_and_rejoins_it(
         assert recovery.generation == 1 and recovery.recoveries == 1
         joined = coordinator._record("joined", 0, os.getpid(), 1)
         assert joined is not None and joined["aborted"] >= joined["failed"]
+        resumed = coordinator._record("resumed", 0, os.getpid(), 1)
+        assert resumed is not None
+        assert joined["joined"] + 0.02 <= resumed["restored"] <= resumed["resumed"] - 0.02
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

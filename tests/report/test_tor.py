@@ -10,7 +10,7 @@ import pytest
 
 from elasticft.cli import main as cli_main
 from elasticft.events import EventLog
-from elasticft.report.tor import ReportError, analyze, format_report
+from elasticft.report.tor import ReportError, _phase_name, analyze, format_report
 from elasticft.steps import StepRecord, StepRecorder, read_steps
 
 
@@ -207,8 +207,9 @@ def test_the_plot_shows_the_whole_run():
 def test_an_in_process_recovery_is_a_fault_with_its_phases():
     """Rank 1 crashes at 23; rank 0 keeps its process (no workers_started); both resume from
     step 20 at 24.5 (one step redone: 21, in flight at the crash)."""
-    phases = {"detect_s": 0.01, "abort_s": 0.0, "regroup_s": 0.6, "restore_redo_s": 0.2,
-              "total_s": 0.81}
+    phases = {"detect_s": 0.01, "survivors_out_s": 0.02, "abort_s": 0.0, "reap_s": 0.05,
+              "fork_s": 0.02, "start_s": 0.3, "join_s": 0.2, "regroup_s": 0.6, "restore_s": 0.05,
+              "redo_s": 0.15, "total_s": 0.81}
     events = [
         ev(0.0, "run_start", run_id="r"),
         ev(0.0, "workers_started", attempt=0, pids={"0": 10, "1": 11}),
@@ -227,4 +228,17 @@ def test_an_in_process_recovery_is_a_fault_with_its_phases():
     assert sum(a.phases.values()) == pytest.approx(a.observed_s)
     text = format_report(a)
     assert "recover_in_process" in text
-    assert "in process: detect 0.01 s, abort 0.00 s, regroup 0.60 s, restore+redo 0.20 s" in text
+    assert ("in process: detect 0.01 s, survivors out 0.02 s, abort 0.00 s, reap 0.05 s, "
+            "fork 0.02 s, start 0.30 s, join 0.20 s, regroup 0.60 s, restore 0.05 s, "
+            "redo 0.15 s, total 0.81 s") in text
+
+
+@pytest.mark.parametrize(("key", "shown"), [
+    ("detect_s", "detect"),
+    ("survivors_out_s", "survivors out"),
+    ("restore_s", "restore"),
+    ("redo_s", "redo"),
+    ("restore_redo_s", "restore+redo"),  # no worker said when its restore ended
+])
+def test_the_report_names_each_phase(key: str, shown: str) -> None:
+    assert _phase_name(key) == shown
