@@ -211,26 +211,54 @@ class CheckpointService(AgentCollaborator):
 
     def _roll_back(self, group: GroupInfo, store: Any) -> None:
         """Every node of the round agrees on the restore limit of a rollback under way (a
-        standby that joins learns it here), and this node's persisted steps after it go: they
-        hold the corrupted state, and a later restore must never find them."""
+        standby that joins learns it here), and every persisted step after it is rejected in
+        each place this node keeps steps: its local directory, the remote directory and its
+        peer store (:mod:`elasticft.ckpt.persisting.rejected`). They hold the corrupted state,
+        and no later restore, in this job or a relaunch of the run, may find them."""
         watch = self.fingerprints
+        # A persist of a corrupted step in flight ends first, and none starts: once the limit
+        # is agreed (every node publishes after this), no node writes such a step any more.
+        self._stop_persisting_corrupted()
         if store is not None and group.group_world_size > 1:
             watch.agree_limit(group, store)
+            self._stop_persisting_corrupted()
         at_most = watch.restore_at_most
         if at_most is None:
             return
-        directory = self.local_dir(group)
-        removed = sorted(s for s in durable.list_steps(directory) if s > at_most)
-        for step in removed:
-            shutil.rmtree(durable.step_dir(directory, step), ignore_errors=True)
-        # The snapshots in memory up to the newest step held before are the corrupted ones
-        # until the redone steps overwrite them: none of them is persisted.
         newest = watch.newest_before
-        if newest is not None:
+        reason = (f"silent data corruption after step {at_most}, the newest at which every "
+                  f"fingerprint agreed")
+        places: list[tuple[str, list[int]]] = []
+        with self.persister.held():
+            self.persister.forget_pending_after(at_most)
+            roots = [self.local_dir(group)]
+            if self.config.ckpt_remote_dir is not None:
+                roots.append(Path(self.config.ckpt_remote_dir))
+            for root in roots:
+                places.append((str(root), durable.reject_after(root, at_most, reason)))
+            if self._peer_server is not None:
+                through = max(newest if newest is not None else at_most, at_most)
+                places.append((f"{self._peer_server.root} (peer backups)",
+                               self._peer_server.reject_after(at_most, through, reason)))
+        for where, removed in places:
+            if removed:
+                logger.warning("rejected persisted step(s) %s of %s: after the last agreed "
+                               "step %d", removed, where, at_most)
+        self._event(group, "sdc_rejected", restore_at_most=at_most, newest_before=newest,
+                    removed={where: removed for where, removed in places if removed})
+
+    def _stop_persisting_corrupted(self, wait: bool = True) -> None:
+        """The snapshots in memory up to the newest step held when a verdict came are the
+        corrupted ones until the redone steps overwrite them: none of them is persisted (with
+        ``wait``, a persist of one in flight ends before this returns)."""
+        newest = self.fingerprints.newest_before
+        if newest is None:
+            return
+        if newest > self.persister.persisted:
             self.persister.persisted = max(self.persister.persisted, newest)
-        if removed:
-            logger.warning("removed persisted step(s) %s of %s: after the last agreed step %d",
-                           removed, directory, at_most)
+        if wait:
+            with self.persister.held():
+                pass
 
     def _setup_peers(self, group: GroupInfo, store: Any) -> None:
         if group.group_rank == 0:
@@ -315,7 +343,10 @@ class CheckpointService(AgentCollaborator):
                                          lambda: self.newest_common_step(group))
         self.persister.tick(group)
         self.fingerprints.tick(group)
-        return self.fingerprints.detection()
+        found = self.fingerprints.detection()
+        if found is not None:
+            self._stop_persisting_corrupted(wait=False)
+        return found
 
     def _log_restores(self, group: GroupInfo) -> None:
         """One line (and a ``restore`` event) per attempt: what local rank 0 resumed from."""
@@ -427,6 +458,7 @@ class CheckpointService(AgentCollaborator):
         self._count_skips(group)
         self._log_restores(group)
         self._flush.wait()
+        self._stop_persisting_corrupted(wait=False)
         step = self.newest_common_step(group)
         if step is not None and step > self.persister.persisted:
             self.persister.persist(step, group, cause="final")  # before its memory goes away
