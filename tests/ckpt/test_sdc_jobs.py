@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from elasticft.addon.api import GroupInfo, WorkerInfo
+from elasticft.ckpt.persisting import durable, rejected
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from elasticft.events import EventLog, read_events
@@ -347,8 +349,9 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     uninterrupted run's."""
     steps = "8"
     _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps)
-    _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT, STEPS=steps,
-                           FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
+    remote = ["--ckpt-remote-dir", str(tmp_path / "remote")]
+    _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps,
+                         FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
     events = read_events(run_dir)
     sdc = [e for e in events if e["kind"].startswith("sdc_")]
     kinds = [(e["kind"], e.get("step"), e.get("ranks")) for e in sdc]
@@ -372,6 +375,23 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     report = subprocess.run([str(BIN / "elasticft"), "report", str(run_dir), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert json.loads(report.stdout)["sdc"]["steps_redone"] == redone
+    # No step after the corruption is kept: the local and the remote directory hold none of
+    # the steps written before the rollback after step 2, and a relaunch of the run (its
+    # local directory lost: from the remote one) resumes from a step written after it.
+    (rejection,) = [e for e in events if e["kind"] == "sdc_rejected"]
+    newest = recovered[0]["newest_before"]
+    assert rejection["restore_at_most"] == 2 and newest >= 4
+    for root in (run_dir / "ckpt", tmp_path / "remote"):
+        kept = durable.list_steps(root)
+        assert not [s for s in kept if 2 < s <= newest], (root, sorted(kept))
+        assert rejected.records(root), root
+    shutil.rmtree(run_dir / "ckpt")
+    _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps)
+    again = [e for e in read_events(run_dir) if e["kind"] == "restore"][-1]
+    assert again["source"] == "remote", again
+    assert again["step"] <= 2 or (
+        again["step"] > newest and durable.committed_steps(tmp_path / "remote")[again["step"]][
+            "committed_at"] > rejection["time"]), (again, rejection)
 
 
 @pytest.mark.slow
@@ -399,8 +419,10 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     env = {**job_env, "PYTHONPATH": str(ROOT), "STEP_S": "0.5", "STEPS": str(steps),
            "FLIP_RANK": "3", "FLIP_STEP": "5", "FLIP_ONCE": str(tmp_path / "flipped"),
            "LOSS_LOG": str(job_dir / "loss.log")}
+    remote = tmp_path / "remote"
     job = Job(job_dir, env, etcd_server.endpoint, "sdc-job", script, steps,
-              extra_agent=["--nproc-per-node", "2", *SDC_EVICT])
+              extra_agent=["--nproc-per-node", "2", *SDC_EVICT, "--ckpt-remote-dir",
+                           str(remote)])
     try:
         for name in ("a", "b", "c"):
             job.start(name)
@@ -441,3 +463,19 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     assert json.loads(report.stdout)["sdc"] == {"suspect": len(job.events("sdc_suspect")),
                                                 "undecidable": 0,
                                                 "steps_redone": losses.recomputed}
+    # No step after the corruption is kept anywhere: not in a node's directory, not in the
+    # remote one, not in a peer's backup store; each place that held steps before the verdict
+    # (the standby's held none) keeps the rejection's record.
+    newest = recovered["newest_before"]
+    survivors = [n for n in "abc" if n != faulty]
+    for node in [None, *survivors]:
+        root = job.nodes[node].run_dir / "ckpt" if node else None
+        places = [remote] if root is None else [root / f"node-{node}",
+                                                root / "peer-backups" / f"node-{node}"]
+        for place in places:
+            kept = durable.list_steps(place)
+            assert not [s for s in kept if 4 < s <= newest], (place, sorted(kept))
+            assert node == standby or rejected.records(place), place
+    rejections = job.events("sdc_rejected")
+    assert {e["node"] for e in rejections} == set(survivors), rejections
+    assert any(e["removed"] for e in rejections), rejections  # a corrupted step was persisted
