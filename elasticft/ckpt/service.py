@@ -84,6 +84,7 @@ from elasticft.ckpt.control import (
     request_checkpoint,
     restore_line,
 )
+from elasticft.ckpt.integrity.nodehealth import NodeHealth
 from elasticft.ckpt.integrity.sdcwatch import FingerprintWatch
 from elasticft.ckpt.memory import shm
 from elasticft.ckpt.memory.nodeslots import NodeSlots
@@ -156,6 +157,8 @@ class CheckpointService(AgentCollaborator):
                                              self._group_event, config.ckpt_sdc_action)
         self._rollback_counted = -1
         """The attempt (restart count) whose restore after a rollback was counted."""
+        self._health: NodeHealth | None = None
+        """This node's health, for a split between replicas on two nodes."""
 
     # ------------------------------------------------------------------------------------------
     # Where things are.
@@ -184,6 +187,13 @@ class CheckpointService(AgentCollaborator):
                 self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         self._events.emit(kind, **payload)
 
+    def _event_directory(self) -> Path | None:
+        """Where this agent's event log is (the node's health checks log there too)."""
+        if self._events is not None:
+            return self._events.directory
+        group = self._group
+        return self._event_dir or (group.run_dir if group is not None else None)
+
     def _group_event(self, kind: str, **payload: Any) -> None:
         if self._group is not None:
             self._event(self._group, kind, **payload)
@@ -191,6 +201,9 @@ class CheckpointService(AgentCollaborator):
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
         self.fingerprints.store = store
+        if self._health is None or self._health.node != group.node_id:
+            self._health = NodeHealth(group.node_id, self._event_directory)
+            self.fingerprints.health = self._health
         if self.config.ckpt_sdc_action == "evict" and self.config.ckpt_fingerprint_every > 0:
             try:
                 self._roll_back(group, store)

@@ -254,6 +254,32 @@ def test_replicas_on_two_nodes_are_compared_by_the_leader(tmp_path: Path, job_en
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_replicas_on_two_nodes_are_decided_by_the_nodes_health(
+        tmp_path: Path, job_env) -> None:
+    # One rank per node; rank 1 (node n1) diverges. Neither the bytes nor a second reading
+    # on one node can say which side is wrong; node n1's agent had logged a critical health
+    # finding (what the diagnostics' node health check writes), node n0's none: n1 is named.
+    log = EventLog(tmp_path / "events" / "n1", "n1")
+    log.emit("detection", detector="node_health", message="GPU 0: 1 uncorrectable ECC error",
+             critical=True, check="gpu")
+    log.close()
+    events = _run(tmp_path, job_env, world=2, flip_rank=1, nodes=2)
+    undecided = [e for e in events if e["kind"] == "sdc_undecidable"]
+    assert undecided and (undecided[0]["step"], undecided[0]["ranks"]) == (4, [0, 1])
+    decided = [e for e in events if e["kind"] == "sdc_suspect"]
+    assert decided, events
+    first = decided[0]
+    assert (first["step"], first["ranks"], first["nodes"], first["decided_by"]) == \
+        (4, [1], ["n1"], "health")
+    # The evidence: every node's health as published with its fingerprints.
+    assert first["health"]["n1"] == {
+        "ok": False, "detail": "node_health: GPU 0: 1 uncorrectable ECC error"}
+    assert first["health"]["n0"]["ok"] is True
+    assert sorted(fp["rank"] for fp in first["fingerprints"]) == [0, 1]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_elasticft_run_names_the_rank_elasticft_chaos_flipped(tmp_path: Path, job_env) -> None:
     """The whole path: elasticft-run with --ckpt-fingerprint-every, `elasticft chaos bitflip`
