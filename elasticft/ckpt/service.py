@@ -35,8 +35,10 @@ worker
   data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event. Under
   ``ckpt_sdc_action`` evict the service hands the workers the restore limit the verdict set
   (:data:`~elasticft.ckpt.settings.ENV_RESTORE_AT_MOST`), agrees on it with the nodes of each
-  new round, removes this node's persisted steps after it, and tells the policy why its node
-  is suspect (``suspect_evidence``).
+  new round, rejects the persisted steps after it in the node's local directory, the remote
+  directory and its peer store (:mod:`elasticft.ckpt.persisting.rejected`), and tells the
+  policy why its node is suspect (``suspect_evidence``). Its node's health
+  (:mod:`elasticft.ckpt.integrity.nodehealth`) goes with its fingerprints.
 * **What each attempt resumed from**: one log line and a ``restore`` event; every save a
   worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
   log (``AddOnContext.events``). Where checkpoints persist:

@@ -32,7 +32,11 @@ Under ``ckpt_sdc_action`` ``evict`` the watch also acts
   policy evicts it when the job can go on without it, else restarts it), a restart elsewhere.
 * **After the restart** only snapshots the new attempt wrote are fingerprinted; an undecided
   step that comes round again is decided by
-  :func:`~elasticft.ckpt.integrity.sdc.decide_by_recomputation`.
+  :func:`~elasticft.ckpt.integrity.sdc.decide_by_recomputation`, else by the nodes' health.
+
+Every node publishes its health (:attr:`health`, :mod:`elasticft.ckpt.integrity.nodehealth`)
+with its fingerprints: a split between replicas on two nodes is decided by it
+(:func:`~elasticft.ckpt.integrity.sdc.decide_by_health`), and the events carry it.
 """
 
 from __future__ import annotations
