@@ -375,7 +375,7 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     uninterrupted run's."""
     steps = "8"
     _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps)
-    remote = ["--ckpt-remote-dir", str(tmp_path / "remote")]
+    remote = ["--ckpt-remote-dir", str(tmp_path / "remote"), "--ckpt-keep", "100"]
     _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps,
                          FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
     events = read_events(run_dir)
@@ -448,7 +448,7 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     remote = tmp_path / "remote"
     job = Job(job_dir, env, etcd_server.endpoint, "sdc-job", script, steps,
               extra_agent=["--nproc-per-node", "2", *SDC_EVICT, "--ckpt-remote-dir",
-                           str(remote)])
+                           str(remote), "--ckpt-persist-every", "1", "--ckpt-keep", "100"])
     try:
         for name in ("a", "b", "c"):
             job.start(name)
@@ -491,7 +491,9 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
                                                 "steps_redone": losses.recomputed}
     # No step after the corruption is kept anywhere: not in a node's directory, not in the
     # remote one, not in a peer's backup store; each place that held steps before the verdict
-    # (the standby's held none) keeps the rejection's record.
+    # (the standby's held none) keeps the rejection's record. Every step persists: step 5,
+    # the corrupted one, is on disk (and backed up) half a step before step 6 is compared; and
+    # every step is kept, so that retention cannot be what removed it.
     newest = recovered["newest_before"]
     survivors = [n for n in "abc" if n != faulty]
     for node in [None, *survivors]:
