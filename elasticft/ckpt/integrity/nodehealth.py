@@ -78,6 +78,8 @@ class NodeHealth:
             end = data.rfind(b"\n") + 1  # a line being written is read next time
             self._offsets[path] = start + end
             for line in data[:end].splitlines():
+                if b'"detection"' not in line:
+                    continue  # most lines: decoded only when they may be a detection
                 try:
                     event = json.loads(line)
                 except ValueError:
