@@ -35,8 +35,10 @@ worker
   data-parallel replicas compared; a diverging rank is an ``sdc_suspect`` event. Under
   ``ckpt_sdc_action`` evict the service hands the workers the restore limit the verdict set
   (:data:`~elasticft.ckpt.settings.ENV_RESTORE_AT_MOST`), agrees on it with the nodes of each
-  new round, removes this node's persisted steps after it, and tells the policy why its node
-  is suspect (``suspect_evidence``).
+  new round, rejects the persisted steps after it in the node's local directory, the remote
+  directory and its peer store (:mod:`elasticft.ckpt.persisting.rejected`), and tells the
+  policy why its node is suspect (``suspect_evidence``). Its node's health
+  (:mod:`elasticft.ckpt.integrity.nodehealth`) goes with its fingerprints.
 * **What each attempt resumed from**: one log line and a ``restore`` event; every save a
   worker could not take is a ``snapshot_skipped`` event. Events go to the agent's one event
   log (``AddOnContext.events``). Where checkpoints persist:
@@ -84,6 +86,7 @@ from elasticft.ckpt.control import (
     request_checkpoint,
     restore_line,
 )
+from elasticft.ckpt.integrity.nodehealth import NodeHealth
 from elasticft.ckpt.integrity.sdcwatch import FingerprintWatch
 from elasticft.ckpt.memory import shm
 from elasticft.ckpt.memory.nodeslots import NodeSlots
@@ -156,6 +159,8 @@ class CheckpointService(AgentCollaborator):
                                              self._group_event, config.ckpt_sdc_action)
         self._rollback_counted = -1
         """The attempt (restart count) whose restore after a rollback was counted."""
+        self._health: NodeHealth | None = None
+        """This node's health, for a split between replicas on two nodes."""
 
     # ------------------------------------------------------------------------------------------
     # Where things are.
@@ -184,6 +189,13 @@ class CheckpointService(AgentCollaborator):
                 self._events = EventLog(self._event_dir or group.run_dir, group.node_id)
         self._events.emit(kind, **payload)
 
+    def _event_directory(self) -> Path | None:
+        """Where this agent's event log is (the node's health checks log there too)."""
+        if self._events is not None:
+            return self._events.directory
+        group = self._group
+        return self._event_dir or (group.run_dir if group is not None else None)
+
     def _group_event(self, kind: str, **payload: Any) -> None:
         if self._group is not None:
             self._event(self._group, kind, **payload)
@@ -191,6 +203,9 @@ class CheckpointService(AgentCollaborator):
     def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
         self._group = group
         self.fingerprints.store = store
+        if self._health is None or self._health.node != group.node_id:
+            self._health = NodeHealth(group.node_id, self._event_directory)
+            self.fingerprints.health = self._health
         if self.config.ckpt_sdc_action == "evict" and self.config.ckpt_fingerprint_every > 0:
             try:
                 self._roll_back(group, store)
@@ -211,26 +226,54 @@ class CheckpointService(AgentCollaborator):
 
     def _roll_back(self, group: GroupInfo, store: Any) -> None:
         """Every node of the round agrees on the restore limit of a rollback under way (a
-        standby that joins learns it here), and this node's persisted steps after it go: they
-        hold the corrupted state, and a later restore must never find them."""
+        standby that joins learns it here), and every persisted step after it is rejected in
+        each place this node keeps steps: its local directory, the remote directory and its
+        peer store (:mod:`elasticft.ckpt.persisting.rejected`). They hold the corrupted state,
+        and no later restore, in this job or a relaunch of the run, may find them."""
         watch = self.fingerprints
+        # A persist of a corrupted step in flight ends first, and none starts: once the limit
+        # is agreed (every node publishes after this), no node writes such a step any more.
+        self._stop_persisting_corrupted()
         if store is not None and group.group_world_size > 1:
             watch.agree_limit(group, store)
+            self._stop_persisting_corrupted()
         at_most = watch.restore_at_most
         if at_most is None:
             return
-        directory = self.local_dir(group)
-        removed = sorted(s for s in durable.list_steps(directory) if s > at_most)
-        for step in removed:
-            shutil.rmtree(durable.step_dir(directory, step), ignore_errors=True)
-        # The snapshots in memory up to the newest step held before are the corrupted ones
-        # until the redone steps overwrite them: none of them is persisted.
         newest = watch.newest_before
-        if newest is not None:
+        reason = (f"silent data corruption after step {at_most}, the newest at which every "
+                  f"fingerprint agreed")
+        places: list[tuple[str, list[int]]] = []
+        with self.persister.held():
+            self.persister.forget_pending_after(at_most)
+            roots = [self.local_dir(group)]
+            if self.config.ckpt_remote_dir is not None:
+                roots.append(Path(self.config.ckpt_remote_dir))
+            for root in roots:
+                places.append((str(root), durable.reject_after(root, at_most, reason)))
+            if self._peer_server is not None:
+                through = max(newest if newest is not None else at_most, at_most)
+                places.append((f"{self._peer_server.root} (peer backups)",
+                               self._peer_server.reject_after(at_most, through, reason)))
+        for where, removed in places:
+            if removed:
+                logger.warning("rejected persisted step(s) %s of %s: after the last agreed "
+                               "step %d", removed, where, at_most)
+        self._event(group, "sdc_rejected", restore_at_most=at_most, newest_before=newest,
+                    removed={where: removed for where, removed in places if removed})
+
+    def _stop_persisting_corrupted(self, wait: bool = True) -> None:
+        """The snapshots in memory up to the newest step held when a verdict came are the
+        corrupted ones until the redone steps overwrite them: none of them is persisted (with
+        ``wait``, a persist of one in flight ends before this returns)."""
+        newest = self.fingerprints.newest_before
+        if newest is None:
+            return
+        if newest > self.persister.persisted:
             self.persister.persisted = max(self.persister.persisted, newest)
-        if removed:
-            logger.warning("removed persisted step(s) %s of %s: after the last agreed step %d",
-                           removed, directory, at_most)
+        if wait:
+            with self.persister.held():
+                pass
 
     def _setup_peers(self, group: GroupInfo, store: Any) -> None:
         if group.group_rank == 0:
@@ -315,7 +358,10 @@ class CheckpointService(AgentCollaborator):
                                          lambda: self.newest_common_step(group))
         self.persister.tick(group)
         self.fingerprints.tick(group)
-        return self.fingerprints.detection()
+        found = self.fingerprints.detection()
+        if found is not None:
+            self._stop_persisting_corrupted(wait=False)
+        return found
 
     def _log_restores(self, group: GroupInfo) -> None:
         """One line (and a ``restore`` event) per attempt: what local rank 0 resumed from."""
@@ -427,6 +473,7 @@ class CheckpointService(AgentCollaborator):
         self._count_skips(group)
         self._log_restores(group)
         self._flush.wait()
+        self._stop_persisting_corrupted(wait=False)
         step = self.newest_common_step(group)
         if step is not None and step > self.persister.persisted:
             self.persister.persist(step, group, cause="final")  # before its memory goes away

@@ -14,6 +14,7 @@ from elasticft.ckpt.integrity.sdc import (
     Remedy,
     Verdict,
     compare,
+    decide_by_health,
     decide_by_recomputation,
     decide_undecided,
     respond,
@@ -138,6 +139,35 @@ def test_two_replicas_are_decided_from_the_next_evidence(recomputed, healthy, ki
     decided = decide_undecided(finding, recomputed, healthy)
     assert (decided.kind, decided.suspects) == (kind, suspects)
     assert decided.nodes == tuple(NODES[r] for r in suspects)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("pair", "healthy", "kind", "suspects", "nodes"), [
+    # Replicas on two nodes (ranks 0 on a, 2 on b), after a recomputation said nothing.
+    (PAIR, {"a": True, "b": False}, Verdict.SUSPECT, (2,), ("b",)),
+    (PAIR, {"a": False, "b": True}, Verdict.SUSPECT, (0,), ("a",)),
+    # Both pass, both fail, one unchecked, none checked: nothing said.
+    (PAIR, {"a": True, "b": True}, Verdict.UNDECIDABLE, (0, 2), ("a", "b")),
+    (PAIR, {"a": False, "b": False}, Verdict.UNDECIDABLE, (0, 2), ("a", "b")),
+    (PAIR, {"a": None, "b": False}, Verdict.UNDECIDABLE, (0, 2), ("a", "b")),
+    (PAIR, {}, Verdict.UNDECIDABLE, (0, 2), ("a", "b")),
+    # Both replicas on one node: its check cannot tell them apart.
+    ([_fp(0, "x"), _fp(1, "y")], {"a": False, "b": True}, Verdict.UNDECIDABLE, (0, 1),
+     ("a", "a")),
+    # Four ranks split two against two across the nodes: node b's pair is named.
+    ([_fp(0, "x"), _fp(1, "x"), _fp(2, "y"), _fp(3, "y")], {"a": True, "b": False},
+     Verdict.SUSPECT, (2, 3), ("b", "b")),
+])
+def test_replicas_across_nodes_are_decided_by_the_nodes_health(pair, healthy, kind, suspects,
+                                                               nodes) -> None:
+    (finding,) = compare(pair, NODES)
+    assert finding.kind is Verdict.UNDECIDABLE
+    decided = decide_by_health(finding, healthy)
+    assert (decided.kind, decided.suspects, decided.nodes) == (kind, suspects, nodes)
+    assert decided.decided_by == ("health" if kind is Verdict.SUSPECT else "")
+    # A finding already decided is left as it is.
+    assert decide_by_health(decided, {"a": False, "b": True}) == decided or \
+        decided.kind is Verdict.UNDECIDABLE
 
 
 def _item(fqn: str, shape: list[int], offsets: list[int], placements: list[str] | None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from elasticft.addon.api import GroupInfo, WorkerInfo
+from elasticft.ckpt.persisting import durable, rejected
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from elasticft.events import EventLog, read_events
@@ -252,6 +254,32 @@ def test_replicas_on_two_nodes_are_compared_by_the_leader(tmp_path: Path, job_en
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_replicas_on_two_nodes_are_decided_by_the_nodes_health(
+        tmp_path: Path, job_env) -> None:
+    # One rank per node; rank 1 (node n1) diverges. Neither the bytes nor a second reading
+    # on one node can say which side is wrong; node n1's agent had logged a critical health
+    # finding (what the diagnostics' node health check writes), node n0's none: n1 is named.
+    log = EventLog(tmp_path / "events" / "n1", "n1")
+    log.emit("detection", detector="node_health", message="GPU 0: 1 uncorrectable ECC error",
+             critical=True, check="gpu")
+    log.close()
+    events = _run(tmp_path, job_env, world=2, flip_rank=1, nodes=2)
+    undecided = [e for e in events if e["kind"] == "sdc_undecidable"]
+    assert undecided and (undecided[0]["step"], undecided[0]["ranks"]) == (4, [0, 1])
+    decided = [e for e in events if e["kind"] == "sdc_suspect"]
+    assert decided, events
+    first = decided[0]
+    assert (first["step"], first["ranks"], first["nodes"], first["decided_by"]) == \
+        (4, [1], ["n1"], "health")
+    # The evidence: every node's health as published with its fingerprints.
+    assert first["health"]["n1"] == {
+        "ok": False, "detail": "node_health: GPU 0: 1 uncorrectable ECC error"}
+    assert first["health"]["n0"]["ok"] is True
+    assert sorted(fp["rank"] for fp in first["fingerprints"]) == [0, 1]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_elasticft_run_names_the_rank_elasticft_chaos_flipped(tmp_path: Path, job_env) -> None:
     """The whole path: elasticft-run with --ckpt-fingerprint-every, `elasticft chaos bitflip`
@@ -347,8 +375,9 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     uninterrupted run's."""
     steps = "8"
     _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps)
-    _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT, STEPS=steps,
-                           FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
+    remote = ["--ckpt-remote-dir", str(tmp_path / "remote"), "--ckpt-keep", "100"]
+    _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps,
+                         FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
     events = read_events(run_dir)
     sdc = [e for e in events if e["kind"].startswith("sdc_")]
     kinds = [(e["kind"], e.get("step"), e.get("ranks")) for e in sdc]
@@ -372,6 +401,23 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     report = subprocess.run([str(BIN / "elasticft"), "report", str(run_dir), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert json.loads(report.stdout)["sdc"]["steps_redone"] == redone
+    # No step after the corruption is kept: the local and the remote directory hold none of
+    # the steps written before the rollback after step 2, and a relaunch of the run (its
+    # local directory lost: from the remote one) resumes from a step written after it.
+    (rejection,) = [e for e in events if e["kind"] == "sdc_rejected"]
+    newest = recovered[0]["newest_before"]
+    assert rejection["restore_at_most"] == 2 and newest >= 4
+    for root in (run_dir / "ckpt", tmp_path / "remote"):
+        kept = durable.list_steps(root)
+        assert not [s for s in kept if 2 < s <= newest], (root, sorted(kept))
+        assert rejected.records(root), root
+    shutil.rmtree(run_dir / "ckpt")
+    _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps)
+    again = [e for e in read_events(run_dir) if e["kind"] == "restore"][-1]
+    assert again["source"] == "remote", again
+    assert again["step"] <= 2 or (
+        again["step"] > newest and durable.committed_steps(tmp_path / "remote")[again["step"]][
+            "committed_at"] > rejection["time"]), (again, rejection)
 
 
 @pytest.mark.slow
@@ -399,8 +445,10 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     env = {**job_env, "PYTHONPATH": str(ROOT), "STEP_S": "0.5", "STEPS": str(steps),
            "FLIP_RANK": "3", "FLIP_STEP": "5", "FLIP_ONCE": str(tmp_path / "flipped"),
            "LOSS_LOG": str(job_dir / "loss.log")}
+    remote = tmp_path / "remote"
     job = Job(job_dir, env, etcd_server.endpoint, "sdc-job", script, steps,
-              extra_agent=["--nproc-per-node", "2", *SDC_EVICT])
+              extra_agent=["--nproc-per-node", "2", *SDC_EVICT, "--ckpt-remote-dir",
+                           str(remote), "--ckpt-persist-every", "1", "--ckpt-keep", "100"])
     try:
         for name in ("a", "b", "c"):
             job.start(name)
@@ -441,3 +489,21 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     assert json.loads(report.stdout)["sdc"] == {"suspect": len(job.events("sdc_suspect")),
                                                 "undecidable": 0,
                                                 "steps_redone": losses.recomputed}
+    # No step after the corruption is kept anywhere: not in a node's directory, not in the
+    # remote one, not in a peer's backup store; each place that held steps before the verdict
+    # (the standby's held none) keeps the rejection's record. Every step persists: step 5,
+    # the corrupted one, is on disk (and backed up) half a step before step 6 is compared; and
+    # every step is kept, so that retention cannot be what removed it.
+    newest = recovered["newest_before"]
+    survivors = [n for n in "abc" if n != faulty]
+    for node in [None, *survivors]:
+        root = job.nodes[node].run_dir / "ckpt" if node else None
+        places = [remote] if root is None else [root / f"node-{node}",
+                                                root / "peer-backups" / f"node-{node}"]
+        for place in places:
+            kept = durable.list_steps(place)
+            assert not [s for s in kept if 4 < s <= newest], (place, sorted(kept))
+            assert node == standby or rejected.records(place), place
+    rejections = job.events("sdc_rejected")
+    assert {e["node"] for e in rejections} == set(survivors), rejections
+    assert any(e["removed"] for e in rejections), rejections  # a corrupted step was persisted

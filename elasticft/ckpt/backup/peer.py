@@ -48,7 +48,7 @@ from elasticft.ckpt.api import (
     Tier,
     TierLevel,
 )
-from elasticft.ckpt.persisting import diskfile, durable
+from elasticft.ckpt.persisting import diskfile, durable, rejected
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ class PeerServer:
         self._secret = secret
         self._replicas = replicas
         self._lock = threading.Lock()
+        self._refused: tuple[int, int] | None = None
+        """Steps (after, through] refused from now on: a rollback rejected them."""
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         outer = self
 
@@ -250,6 +252,10 @@ class PeerServer:
             if body is None:
                 raise SnapshotMissing("put without a shard body")
             verify_shard(manifest, body)
+            refused = self._refused
+            if refused is not None and refused[0] < int(manifest["step"]) <= refused[1]:
+                raise CheckpointError(f"step {manifest['step']} was rejected after silent data "
+                                      f"corruption", reason="rejected")
             self._store(manifest, body)
             return {"ok": True}, None
         if op == "list":
@@ -262,6 +268,9 @@ class PeerServer:
             step, rank = int(header["step"]), int(header["rank"])
             directory = durable.step_dir(self.root, step)
             try:
+                if step not in self.steps(rank, int(header.get("world_size", -1)), any_world=
+                                          "world_size" not in header):
+                    raise SnapshotMissing(f"{directory} holds no shard of rank {rank}")
                 manifest = durable.read_rank_manifest(directory, rank)
                 data = (directory / manifest["file"]).read_bytes()
             except (SnapshotMissing, FileNotFoundError):
@@ -297,14 +306,26 @@ class PeerServer:
             with contextlib.suppress(OSError):
                 directory.rmdir()
 
-    def steps(self, rank: int, world_size: int) -> list[int]:
+    def steps(self, rank: int, world_size: int, any_world: bool = False) -> list[int]:
+        """The steps this store holds of ``rank`` at ``world_size`` (or at any), less the
+        rejected ones (:mod:`elasticft.ckpt.persisting.rejected`)."""
         out = []
+        entries = rejected.records(self.root)
         for step, directory in durable.list_steps(self.root).items():
-            with contextlib.suppress(CheckpointError):
+            with contextlib.suppress(CheckpointError, OSError):
                 manifest = durable.read_rank_manifest(directory, rank)
-                if int(manifest["world_size"]) == world_size:
+                written = (directory / durable.manifest_name(rank)).stat().st_mtime
+                if (any_world or int(manifest["world_size"]) == world_size) and \
+                        rejected.rejecting(step, written, entries) is None:
                     out.append(step)
         return sorted(out, reverse=True)
+
+    def reject_after(self, after: int, through: int, reason: str) -> list[int]:
+        """Rejects the backups of every step after ``after``, durably, and refuses the steps
+        up to ``through`` from now on (a shard of one that was in flight); the steps removed."""
+        with self._lock:
+            self._refused = (after, max(through, after))
+            return durable.reject_after(self.root, after, reason)
 
     def close(self) -> None:
         self._server.shutdown()

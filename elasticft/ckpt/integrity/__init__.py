@@ -6,4 +6,6 @@
   function over one step's fingerprints.
 * :mod:`~elasticft.ckpt.integrity.sdcwatch`: the agent's watch that fingerprints, gathers and
   compares them, and logs what it finds.
+* :mod:`~elasticft.ckpt.integrity.nodehealth`: a node's health, the evidence that settles a
+  split between two replicas on two nodes.
 """

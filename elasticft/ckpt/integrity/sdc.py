@@ -7,7 +7,8 @@ outside it is *suspect*: named with its node and the step. With two replicas (or
 with no strict majority) the bytes say that the set diverged, not which side is wrong: the
 finding is *undecidable*, and :func:`decide_undecided` settles it from the next evidence, a
 fingerprint recomputed from the same snapshots (memory that changes under a complete snapshot
-is the faulty side) or the nodes' health checks (exactly one failing node is the faulty side).
+is the faulty side) or the nodes' health checks (:func:`decide_by_health`: exactly one failing
+node is the faulty side).
 
 What the job does about a finding is :func:`respond`, by ``ckpt_sdc_action``. Under
 ``report`` nothing. Under ``evict`` a rank named makes its node leave the job (blacklisted
@@ -124,6 +125,21 @@ def decide_undecided(finding: Finding, recomputed: Mapping[int, str | None],
             nodes=tuple(node_of[r] for r in changed),
             reason=f"rank(s) {list(changed)} read different bytes from the same snapshot of "
                    f"step {finding.step} on a second pass: their memory is faulty")
+    return decide_by_health(finding, healthy)
+
+
+def decide_by_health(finding: Finding, healthy: Mapping[str, bool | None]) -> Finding:
+    """An UNDECIDABLE ``finding`` settled by its nodes' health checks (``healthy``: node id to
+    its check's outcome; None or absent: not checked), or left undecidable.
+
+    The replicas of a set on different nodes: when exactly one of the set's nodes fails its
+    check and another passes, that node's ranks are named. Both failing, none failing, or the
+    whole set on one node (its check cannot tell its own ranks apart) say nothing.
+    """
+    if finding.kind is not Verdict.UNDECIDABLE:
+        return finding
+    ranks = finding.suspects
+    node_of = dict(zip(ranks, finding.nodes, strict=True))
     failing = sorted({node_of[r] for r in ranks if healthy.get(node_of[r]) is False})
     passing = {node_of[r] for r in ranks if healthy.get(node_of[r]) is True}
     if len(failing) == 1 and passing:
@@ -131,8 +147,9 @@ def decide_undecided(finding: Finding, recomputed: Mapping[int, str | None],
         return dataclasses.replace(
             finding, kind=Verdict.SUSPECT, suspects=named, nodes=(failing[0],) * len(named),
             decided_by="health",
-            reason=f"node {failing[0]} fails its health check and its replicas pass: rank(s) "
-                   f"{list(named)} diverged at step {finding.step}")
+            reason=f"node {failing[0]} fails its health check and its replicas' node(s) "
+                   f"{sorted(passing)} pass: rank(s) {list(named)} diverged at step "
+                   f"{finding.step}")
     return finding
 
 
@@ -144,7 +161,10 @@ def decide_by_recomputation(finding: Finding, recomputed: Mapping[int, str | Non
     named: its device computed that step wrongly once. When they differ again, a rank whose
     result changed between the two computations is named, if not every rank's did; a rank
     that reproduces a wrong result (a persistent fault) cannot be told from a right one here,
-    and the finding stays undecidable (the nodes' health is the next evidence).
+    and the finding stays undecidable (the nodes' health is the next evidence:
+    :func:`decide_by_health`). So does a set across nodes recomputed at a step after its first
+    divergence (only a node holding every rank of the set finds that step): the all-reduce
+    has spread the wrong value to every replica, and all of them compute it differently.
     """
     if finding.kind is not Verdict.UNDECIDABLE:
         return finding

@@ -32,7 +32,11 @@ Under ``ckpt_sdc_action`` ``evict`` the watch also acts
   policy evicts it when the job can go on without it, else restarts it), a restart elsewhere.
 * **After the restart** only snapshots the new attempt wrote are fingerprinted; an undecided
   step that comes round again is decided by
-  :func:`~elasticft.ckpt.integrity.sdc.decide_by_recomputation`.
+  :func:`~elasticft.ckpt.integrity.sdc.decide_by_recomputation`, else by the nodes' health.
+
+Every node publishes its health (:attr:`health`, :mod:`elasticft.ckpt.integrity.nodehealth`)
+with its fingerprints: a split between replicas on two nodes is decided by it
+(:func:`~elasticft.ckpt.integrity.sdc.decide_by_health`), and the events carry it.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from elasticft.ckpt.integrity.sdc import (
     Response,
     Verdict,
     compare,
+    decide_by_health,
     decide_by_recomputation,
     decide_undecided,
     respond,
@@ -106,6 +111,13 @@ class FingerprintWatch:
         self._closing = threading.Event()
         self._deletes = True
         """Whether the round's store deletes keys (a TCPStore does; etcd's store does not)."""
+        self.health: Callable[[], tuple[bool | None, str]] | None = None
+        """This node's health check: (passed, what it found); None: not checked. Set by the
+        service; its outcome goes with the node's fingerprints."""
+        self._health: dict[str, tuple[bool | None, str]] = {}
+        """Each node's health as published with the step being compared."""
+        self._node_of: dict[int, str] = {}
+        """Each rank's node, for the step being compared."""
 
     def tick(self, group: GroupInfo) -> None:
         """Starts the check of the next due step every local worker holds, unless one runs."""
@@ -210,11 +222,13 @@ class FingerprintWatch:
             started = time.monotonic()
             fps = self.fingerprints(group, step)
             nodes = {w.global_rank: group.node_id for w in group.workers}
+            self._health = {group.node_id: self._own_health()}
             if self.store is not None and group.group_world_size > 1:
                 gathered = self._gather(group, step, fps)
                 if gathered is None:
                     return  # another node compares
                 fps, nodes = gathered
+            self._node_of = nodes
             findings = compare(fps, nodes)
             self.checks += 1
             took = time.monotonic() - started
@@ -228,6 +242,8 @@ class FingerprintWatch:
             if undecided is not None:
                 self._recomputed.add(step)
                 decided = decide_by_recomputation(undecided, digests)
+                if decided.kind is Verdict.UNDECIDABLE:
+                    decided = decide_by_health(decided, self._healthy())
                 if decided.kind is Verdict.SUSPECT:
                     self._report(decided, fps)
                     response = respond(decided, self.action, self.agreed_step, True)
@@ -235,10 +251,11 @@ class FingerprintWatch:
                 if finding.kind is Verdict.AGREE:
                     continue
                 self._report(finding, fps)
-                if finding.kind is Verdict.UNDECIDABLE and self._local(finding, group):
-                    again = {f.rank: f.digest for f in self.fingerprints(group, step)}
+                if finding.kind is Verdict.UNDECIDABLE:
+                    again = ({f.rank: f.digest for f in self.fingerprints(group, step)}
+                             if self._local(finding, group) else {})
                     decided = decide_undecided(
-                        finding, {r: again.get(r) for r in finding.suspects}, {})
+                        finding, {r: again.get(r) for r in finding.suspects}, self._healthy())
                     if decided.kind is not Verdict.UNDECIDABLE:
                         self._report(decided, fps)
                         finding = decided
@@ -278,6 +295,19 @@ class FingerprintWatch:
                     return earlier
             return None  # they agreed there: the divergence came later
         return None
+
+    def _own_health(self) -> tuple[bool | None, str]:
+        if self.health is None:
+            return None, "not checked"
+        try:
+            return self.health()
+        except Exception as e:  # a check that breaks says nothing either way
+            logger.exception("node health check for the fingerprints failed")
+            return None, f"the check failed: {type(e).__name__}: {e}"
+
+    def _healthy(self) -> dict[str, bool | None]:
+        """Each node's health check outcome, as gathered with the step compared."""
+        return {node: ok for node, (ok, _) in self._health.items()}
 
     def _agreed(self, group: GroupInfo, step: int) -> None:
         if self.action != "evict":
@@ -404,7 +434,7 @@ class FingerprintWatch:
         """Publishes this node's fingerprints of ``step``; on the leader, every node's (None
         on the other nodes). A node that has not published in time is left out."""
         store = self.store
-        mine = {"node": group.node_id,
+        mine = {"node": group.node_id, "health": list(self._health[group.node_id]),
                 "fingerprints": [dict(f.to_json(), world_size=f.world_size,
                                       items=[list(i) for i in f.items]) for f in fps]}
         store.set(_key(group.round, step, group.group_rank), json.dumps(mine))
@@ -424,6 +454,8 @@ class FingerprintWatch:
         nodes: dict[int, str] = {}
         for key in present:
             record = json.loads(store.get(key))
+            ok, detail = record.get("health") or (None, "not published")
+            self._health[record["node"]] = (ok, str(detail))
             for f in record["fingerprints"]:
                 gathered.append(Fingerprint(
                     rank=f["rank"], step=f["step"], world_size=f["world_size"],
@@ -447,9 +479,12 @@ class FingerprintWatch:
         logger.error("silent data corruption %s at step %d: %s (items %s)",
                      "suspected" if kind == "sdc_suspect" else "undecidable", finding.step,
                      finding.reason, list(finding.items)[:5])
+        set_nodes = sorted({self._node_of.get(r, "?") for r in finding.digests})
+        health = {n: {"ok": self._health[n][0], "detail": self._health[n][1]}
+                  for n in set_nodes if n in self._health}
         self._emit(kind, step=finding.step, ranks=list(finding.suspects),
                    nodes=list(finding.nodes), reason=finding.reason,
-                   decided_by=finding.decided_by or None,
+                   decided_by=finding.decided_by or None, health=health,
                    items=list(finding.items)[:20], agreed_step=self.agreed_step,
                    fingerprints=evidence)
 

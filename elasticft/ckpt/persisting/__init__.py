@@ -11,6 +11,8 @@
   local worker completed, written without delaying the decision or the restore.
 * :mod:`~elasticft.ckpt.persisting.durable`: the disk tiers' format (``local`` and ``remote``):
   a step directory DCP reads, its commit marker, retention, and the tier a load reads.
+* :mod:`~elasticft.ckpt.persisting.rejected`: steps rejected after silent data corruption,
+  recorded in each place that keeps steps so that no load takes them again.
 * :mod:`~elasticft.ckpt.persisting.diskfile`: files written atomically, with ``O_DIRECT``
   where it helps, checksummed on the way.
 * :mod:`~elasticft.ckpt.persisting.places`: where a node's checkpoints and its control

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from elasticft.addon.api import GroupInfo
@@ -126,6 +126,17 @@ class AgentPersister:
             self._replicate(step, group)
             return True
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No persist runs while this is held (one in flight ends first)."""
+        with self._lock:
+            yield
+
+    def forget_pending_after(self, step: int) -> None:
+        """Steps after ``step`` waiting for their commit in the remote directory never get
+        it: a rollback rejected them."""
+        self._remote.forget_after(step)
+
     def close(self, timeout_s: float = 600.0) -> None:
         """Finishes the persist queued and stops the thread."""
         self._thread.close(timeout_s)
@@ -152,7 +163,7 @@ class AgentPersister:
         except (CheckpointError, OSError) as e:
             logger.error("checkpoint step %d not persisted: %s", step, e)
             return False
-        self.persisted = step
+        self.persisted = max(self.persisted, step)  # a rollback may have raised it
         seconds = time.monotonic() - started
         logger.info("persisted checkpoint step %d (%.1f MB) in %.2f s", step, nbytes / 1e6,
                     seconds)

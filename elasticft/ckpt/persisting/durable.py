@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier, TierLevel
+from elasticft.ckpt.persisting import rejected
 from elasticft.ckpt.persisting.diskfile import (
     DirectRefused,
     ShardStream,
@@ -255,12 +256,27 @@ def commit_info(directory: Path) -> dict[str, Any] | None:
 
 
 def committed_steps(root: Path) -> dict[int, dict[str, Any]]:
+    """Every committed step of ``root`` and its commit marker, less the rejected ones
+    (:mod:`elasticft.ckpt.persisting.rejected`)."""
     out = {}
+    entries = rejected.records(root)
     for step, directory in list_steps(root).items():
         info = commit_info(directory)
-        if info is not None:
+        if info is not None and rejected.rejecting(step, info.get("committed_at"),
+                                                   entries) is None:
             out[step] = info
     return out
+
+
+def reject_after(root: Path, after: int, reason: str, at: float | None = None) -> list[int]:
+    """Rejects every step of ``root`` after ``after``: a rejection record first (so a step
+    that lands later is refused too), then the step directories go. Returns the steps
+    removed."""
+    steps = sorted(s for s in list_steps(root) if s > after)
+    rejected.record(root, after, steps, reason, at)
+    for step in steps:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+    return steps
 
 
 def start_fresh(root: Path, launch: str) -> list[int]:
@@ -469,9 +485,10 @@ class DurableTier(Tier):
         self.root = root
         self.level = level
         self.name = level.name.lower()
+        self._explained = False
 
     def steps(self, rank: int, world_size: int) -> list[int]:
-        return sorted(
+        found = sorted(
             (
                 step
                 for step, info in committed_steps(self.root).items()
@@ -479,6 +496,12 @@ class DurableTier(Tier):
             ),
             reverse=True,
         )
+        if not self._explained and rank == 0:
+            self._explained = True  # once per load: why the newest steps are not offered
+            for line in rejected.explain(self.root, found[0] if found else None,
+                                         rejected.records(self.root)):
+                logger.warning("%s", line)
+        return found
 
     def read(self, step: int, rank: int, world_size: int) -> Snapshot:
         directory = step_dir(self.root, step)

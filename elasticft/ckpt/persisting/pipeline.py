@@ -165,6 +165,12 @@ class PendingCommits:
         with self._lock:
             return any(self._pending.values())
 
+    def forget_after(self, step: int) -> None:
+        """Drops every pending step after ``step``."""
+        with self._lock:
+            for steps in self._pending.values():
+                steps.difference_update([s for s in steps if s > step])
+
     def commit(self) -> None:
         """Commits every pending step whose ranks are all durable now; never waits."""
         with self._lock:
