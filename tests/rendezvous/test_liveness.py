@@ -35,8 +35,10 @@ def test_judge(evidence: Evidence, dead: bool, words: str) -> None:
 def test_a_live_endpoint_answers_and_a_closed_one_refuses() -> None:
     endpoint = ControlEndpoint("127.0.0.1")
     assert endpoint.endpoint.startswith("127.0.0.1:")
-    for _ in range(100):  # more than its backlog: every connection is accepted and closed
-        assert probe(endpoint.endpoint) is Probe.ANSWERED
+    # More than its backlog: every connection is accepted and closed. The wait is generous so a
+    # loaded machine, whose accepting thread may not run for a while, cannot fail it.
+    for _ in range(100):
+        assert probe(endpoint.endpoint, timeout_s=10.0) is Probe.ANSWERED
     address = endpoint.endpoint
     endpoint.close()
     assert probe(address) is Probe.REFUSED
