@@ -66,8 +66,10 @@ bash scripts/install-servers.sh
 report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT
 set +e
+# Files go to the workers longest first, as in scripts/test.sh (tests/conftest.py orders them).
 PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m smoke -rfEs \
-  -n "${TEST_WORKERS:-2}" --dist loadfile --junitxml="$report/smoke.xml" "$@" tests
+  -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --junitxml="$report/smoke.xml" \
+  "$@" tests
 status=$?
 set -e
 # A skipped or missing smoke test is a failure here: it would hide what the torch changed.
