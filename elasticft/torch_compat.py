@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from torch.distributed import run as torch_run
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics
 from torch.distributed.elastic.agent.server.api import (
@@ -448,4 +447,15 @@ def bootstrap_store_info(
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     """DCP's per-item storage record (``_StorageInfo``) for a byte range of one file."""
-    return dcp_filesystem._StorageInfo(relative_path, offset, length)
+    return __getattr__("dcp_filesystem")._StorageInfo(relative_path, offset, length)
+
+
+def __getattr__(name: str) -> Any:
+    """``dcp_filesystem`` (torch's DCP file storage) on first use: importing it pulls in
+    ``torch.distributed.checkpoint`` and ``torch.distributed.tensor``, over a second of CPU that
+    an agent, which only reads DCP records when it persists a checkpoint, needs at no launch."""
+    if name == "dcp_filesystem":
+        from torch.distributed.checkpoint import filesystem
+
+        return filesystem
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

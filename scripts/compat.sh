@@ -43,12 +43,15 @@ if [ ! -f "$VENV/.torch-installed" ]; then
   touch "$VENV/.torch-installed"
 fi
 
+# Installed again when the checkout or what pip reads from it (pyproject.toml, setup.py, the
+# shim's C sources) changed: by content, not by date, so a fresh clone of the same tree in the
+# same place reuses the install (a clone's files are all newer than any stamp).
 stamp=$VENV/.elasticft-installed
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$ROOT" ] \
-   || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+installed_from="$ROOT $(cat pyproject.toml setup.py elasticft/diag/shim/* | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$installed_from" ]; then
   # What a user does: install elasticft into an environment that already has its torch.
   pip_here install -q -e "$ROOT[dev]" 2>&1 | quiet
-  echo "$ROOT" > "$stamp"
+  echo "$installed_from" > "$stamp"
 fi
 found=$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])')
 if [ "$found" != "$VERSION" ]; then
@@ -63,8 +66,10 @@ bash scripts/install-servers.sh
 report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT
 set +e
+# Files go to the workers longest first, as in scripts/test.sh (tests/conftest.py orders them).
 PYTHONPATH=$ROOT "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m smoke -rfEs \
-  -n "${TEST_WORKERS:-2}" --dist loadfile --junitxml="$report/smoke.xml" "$@" tests
+  -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --junitxml="$report/smoke.xml" \
+  "$@" tests
 status=$?
 set -e
 # A skipped or missing smoke test is a failure here: it would hide what the torch changed.

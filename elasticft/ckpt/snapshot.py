@@ -23,8 +23,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import WriteItemType
 
 from elasticft.ckpt.api import SnapshotCorrupt, UnsupportedState
 
@@ -191,6 +189,11 @@ def flatten(state: Mapping[str, Any]) -> Layout:
     """Lays ``state`` out as DCP would name it; tensors keep aliasing the live state."""
     if not isinstance(state, Mapping):
         raise UnsupportedState(f"state must be a dict, got {type(state).__name__}")
+    # Here, not at import: the agent reads snapshots through this module and never plans one,
+    # and torch.distributed.checkpoint costs it over a second of CPU at every launch.
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
     planner = DefaultSavePlanner()
     planner.set_up_planner(dict(state), storage_meta=None, is_coordinator=False)
     plan = planner.create_local_plan()

@@ -21,10 +21,14 @@ import socket
 from typing import Any
 
 from elasticft.cli import CliError
-from elasticft.rendezvous.etcd import EtcdConfigError, EtcdSettings, Keys, LazyClient
+from elasticft.rendezvous.etcd import (
+    EtcdConfigError,
+    EtcdSettings,
+    Keys,
+    LazyClient,
+    connection_error,
+)
 from elasticft.rendezvous.membership import Blacklist
-from elasticft.rendezvous.quarantine import Quarantine, all_entries
-from elasticft.torch_compat import RendezvousConnectionError
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +66,7 @@ def connect(args: argparse.Namespace) -> tuple[Any, EtcdSettings]:
     return LazyClient(settings), settings
 
 
-def one_line(error: RendezvousConnectionError) -> CliError:
+def one_line(error: Exception) -> CliError:
     """A connection failure as a user error: its first line, no traceback."""
     return CliError(str(error).splitlines()[0])
 
@@ -88,6 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _blacklist(args: argparse.Namespace) -> int:
+    # The quarantine's error class is torch's (a rendezvous error): imported here, not by
+    # ``elasticft status``, which shares this module's connection flags and reads no quarantine.
+    from elasticft.rendezvous.quarantine import Quarantine, all_entries
+
     client, settings = connect(args)
     blacklist = Blacklist(client, settings.root, settings)
     try:
@@ -126,7 +134,7 @@ def _blacklist(args: argparse.Namespace) -> int:
             print("quarantine (nodes, one job each):" if quarantined else "quarantine is empty")
             for job, q in quarantined:
                 print(f"  job {job}: {q.summary()}")
-    except RendezvousConnectionError as e:
+    except connection_error() as e:
         raise one_line(e) from None
     finally:
         client.close()

@@ -38,7 +38,6 @@ from typing import Any
 
 from elasticft.config import ConfigError
 from elasticft.extras import require_etcd
-from elasticft.torch_compat import RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +333,15 @@ def lease_lost(error: BaseException) -> bool:
     return False
 
 
+def connection_error() -> type[Exception]:
+    """torch's ``RendezvousConnectionError``, imported on first use: ``elasticft status`` and
+    ``blacklist`` read etcd without torch. In an ``except`` clause Python looks the class up only
+    once an exception reaches it, and an error raised here has imported it already."""
+    from elasticft.torch_compat import RendezvousConnectionError
+
+    return RendezvousConnectionError
+
+
 @contextlib.contextmanager
 def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[None]:
     """Turns any client failure into a one-line :class:`RendezvousConnectionError`."""
@@ -345,7 +353,7 @@ def etcd_errors(settings: EtcdSettings, doing: str = "talking to") -> Iterator[N
         yield
     except (pyetcd.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as e:
         # pyetcd raises ValueError("Trying to use a failed node") while an endpoint cools down.
-        raise RendezvousConnectionError(
+        raise connection_error()(
             f"etcd at {settings.endpoint_text} failed while {doing} it ({describe_error(e)}); "
             "check that etcd is running and --rdzv-endpoint/--rdzv-conf are right"
         ) from e

@@ -30,10 +30,10 @@ from elasticft.rendezvous.etcd import (
     EtcdSettings,
     Keys,
     blacklist_prefix,
+    connection_error,
     etcd_errors,
     lease_lost,
 )
-from elasticft.torch_compat import RendezvousClosedError, RendezvousConnectionError
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class MembershipPublisher:
                     with etcd_errors(self._settings, f"publishing {key} to"):
                         self._client.put(key, data, lease=self._lease)
                 break
-            except RendezvousConnectionError as e:
+            except connection_error() as e:
                 if attempt == 2 or not lease_lost(e):
                     raise
                 self.lease_lost()
@@ -297,6 +297,8 @@ class MembershipPublisher:
         on the new one (the caller holds the lock)."""
         if self._lease is None:
             if self._stop.is_set():
+                from elasticft.torch_compat import RendezvousClosedError
+
                 # Closed (the node left): a new lease would bring its records back.
                 raise RendezvousClosedError("this node has left the rendezvous")
             with etcd_errors(self._settings, "granting a lease from"):

@@ -24,9 +24,8 @@ from elasticft.cli import CliError
 from elasticft.diag.shimcheck import EVENT_KIND as NCCL_TIMINGS_KIND
 from elasticft.events import read_events, sdc_line, snapshots_skipped_line
 from elasticft.rendezvous.cli import add_connection_flags, connect, one_line
-from elasticft.rendezvous.etcd import Keys
+from elasticft.rendezvous.etcd import Keys, connection_error
 from elasticft.rendezvous.membership import JobStatus, MemberRecord, read_status
-from elasticft.torch_compat import RendezvousConnectionError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -198,7 +197,7 @@ def _status(args: argparse.Namespace) -> int:
         client, settings = connect(args)
         try:
             status = read_status(client, Keys(settings.root, args.rdzv_id), settings)
-        except RendezvousConnectionError as e:
+        except connection_error() as e:
             raise one_line(e) from None
         finally:
             client.close()

@@ -35,19 +35,9 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.storage import WriteResult
 
 from elasticft.ckpt.api import Snapshot, SnapshotCorrupt, SnapshotMissing, Tier, TierLevel
 from elasticft.ckpt.persisting import rejected
@@ -63,6 +53,10 @@ from elasticft.ckpt.persisting.diskfile import (
     zip_checksums_off,
 )
 from elasticft.ckpt.snapshot import decode_json, dtype_from_name, stored_here, tensor_view
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +133,18 @@ def read_rank_manifest(directory: Path, rank: int) -> dict[str, Any]:
 
 def dcp_metadata(manifests: Iterable[Mapping[str, Any]]) -> tuple[Metadata, list[WriteResult]]:
     """DCP metadata for a set of rank manifests: the first rank holding a chunk provides it."""
+    # DCP's classes are imported when a commit writes its metadata, not with this module: the
+    # agent imports it at every launch, and torch.distributed.checkpoint costs over a second.
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.storage import WriteResult
+
     from elasticft.torch_compat import dcp_storage_info  # agent side only; keeps workers lean
 
     state_md: dict[str, Any] = {}
@@ -203,6 +209,8 @@ def try_commit(root: Path, step: int, world_size: int, ranks: Iterable[int]) -> 
     if complete:
         manifests = [read_rank_manifest(directory, r) for r in expected]
         metadata, results = dcp_metadata(manifests)
+        from torch.distributed.checkpoint import FileSystemWriter
+
         writer = FileSystemWriter(str(directory), sync_files=True)
         writer.set_up_storage_writer(is_coordinator=True)
         try:
