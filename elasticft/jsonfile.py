@@ -4,7 +4,8 @@ The agent and its workers talk through small JSON files (the in-process protocol
 spare's assignment, the checkpoint control channel's requests and answers). A reader polls for
 them and must never see half of one, so :func:`write_json` writes under a temporary name and
 renames it into place (a rename within one directory is atomic); :func:`read_json` takes a
-missing, unreadable or torn file for no record at all.
+missing, unreadable or torn file for no record at all. Logs that grow a JSON line at a time are
+read with :class:`LineTail`, which hands each complete line once.
 """
 
 from __future__ import annotations
@@ -40,3 +41,25 @@ def read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
+
+
+class LineTail:
+    """Reads the lines appended to files since the last call, one complete line at a time: a
+    line still being written (no newline yet) waits for the next call."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[Path, int] = {}
+
+    def new_lines(self, path: Path) -> list[bytes]:
+        """The complete lines written to ``path`` since the last call (none where it cannot be
+        read)."""
+        start = self._offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offsets[path] = start + end
+        return data[:end].splitlines()

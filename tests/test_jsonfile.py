@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticft.jsonfile import read_json, write_json
+from elasticft.jsonfile import LineTail, read_json, write_json
 
 
 @pytest.mark.timeout(30)
@@ -40,3 +40,17 @@ def test_no_record_where_it_is_missing_torn_or_not_an_object(tmp_path: Path,
     if text is not None:
         path.write_text(text)
     assert read_json(path) is None
+
+
+@pytest.mark.timeout(30)
+def test_a_tail_hands_each_complete_line_once_and_a_partial_one_when_it_ends(
+        tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    tail = LineTail()
+    assert tail.new_lines(path) == []  # not there yet
+    path.write_bytes(b'{"a": 1}\n{"b": ')
+    assert tail.new_lines(path) == [b'{"a": 1}']
+    assert tail.new_lines(path) == []
+    with open(path, "ab") as f:
+        f.write(b'2}\n{"c": 3}\n')
+    assert tail.new_lines(path) == [b'{"b": 2}', b'{"c": 3}']

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from elasticft.jsonfile import read_json, write_json
+from elasticft.jsonfile import LineTail, read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -195,22 +195,13 @@ class SkipReader:
     """Agent side: the skipped saves workers reported since the last call."""
 
     def __init__(self) -> None:
-        self._offsets: dict[Path, int] = {}
+        self._tail = LineTail()
 
     def new_skips(self, control_dir: Path) -> list[dict]:
         found = []
         for path in sorted(control_dir.glob("skipped-l*.jsonl")):
-            offset = self._offsets.get(path, 0)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-            self._offsets[path] = offset + len(complete)
             local_rank = int(path.stem.removeprefix("skipped-l"))
-            for line in complete.splitlines():
+            for line in self._tail.new_lines(path):
                 with contextlib.suppress(ValueError):
                     found.append(dict(json.loads(line), local_rank=local_rank))
         return found

@@ -21,6 +21,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from elasticft.jsonfile import LineTail
+
 logger = logging.getLogger(__name__)
 
 HEALTH_DETECTORS = ("node_health", "preflight")
@@ -46,7 +48,7 @@ class NodeHealth:
         self.node = node
         self._event_dir = event_dir
         self._compute = compute
-        self._offsets: dict[Path, int] = {}
+        self._tail = LineTail()
         self.failing: list[str] = []
         """The critical health findings logged for this node so far."""
 
@@ -68,16 +70,7 @@ class NodeHealth:
             return
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node)
         for path in sorted(directory.glob(f"events-{safe}-*.jsonl")):
-            start = self._offsets.get(path, 0)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    data = f.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1  # a line being written is read next time
-            self._offsets[path] = start + end
-            for line in data[:end].splitlines():
+            for line in self._tail.new_lines(path):
                 if b'"detection"' not in line:
                     continue  # most lines: decoded only when they may be a detection
                 try:
