@@ -247,7 +247,6 @@ def launch(
     node_id = claim.node_id
     run_dir = default_run_dir(options, config)
     require_writable_dir("--run-dir", run_dir, mode=0o700)
-    sweep_leftovers(options)
     lifeline.end_strays(str(config.run_id))
     # Every add-on knows this agent by the name it claimed, and the run by its directory.
     options = dataclasses.replace(options, agent=dataclasses.replace(
@@ -272,6 +271,9 @@ def launch(
         event_log.path.unlink(missing_ok=True)
         claim.release()
         raise
+    # After every usage error (the add-ons check their options above), so that one stays the
+    # only line even where gone agents left something to sweep.
+    sweep_leftovers(options)
     logger.info("run %s, run directory %s%s", config.run_id, run_dir.absolute(),
                 f" (a relaunch: {earlier} earlier agent(s) of this job ran there)"
                 if earlier else "")

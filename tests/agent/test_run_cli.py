@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticft.ckpt.memory import shm
 from tests.conftest import BIN, EXAMPLES, clean_job_env
 
 pytestmark = pytest.mark.slow  # the answers fixture: fifteen elasticft-run processes, ~50 s
@@ -54,6 +55,12 @@ def answers(tmp_path_factory: pytest.TempPathFactory
             ) -> dict[str, tuple[subprocess.CompletedProcess[str], Path]]:
     """Each bad input's finished elasticft-run, with the directory it ran in."""
     running: dict[str, tuple[subprocess.Popen[str], Path]] = {}
+    # What a SIGKILLed agent leaves in shared memory, for a start to sweep: a bad input must
+    # still answer in one line (the sweep comes after every usage error).
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    leftover = shm.SHM_DIR / f"{shm.NAME_PREFIX}-{gone.pid}-cli-test-l0-s0"
+    leftover.write_bytes(b"")
     try:
         for name, (args, extra_env, files) in BAD_INPUTS.items():
             cwd = tmp_path_factory.mktemp(name)
@@ -72,6 +79,7 @@ def answers(tmp_path_factory: pytest.TempPathFactory
                                                       stderr), cwd)
         return done
     finally:
+        leftover.unlink(missing_ok=True)
         for proc, _ in running.values():
             if proc.poll() is None:
                 proc.kill()
