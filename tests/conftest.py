@@ -87,6 +87,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pids_by_rank(path: Path) -> dict[int, list[int]]:
+    """The processes each rank trained in (an example's ``--pid-log``: rank, pid, step per line),
+    oldest first."""
+    found: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines():
+        rank, pid, _ = (int(v) for v in line.split())
+        if pid not in found.setdefault(rank, []):
+            found[rank].append(pid)
+    return found
+
+
 def clean_job_env() -> dict[str, str]:
     """The environment a launched job gets: this one, minus variables that would steer it."""
     env = {

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.events import read_events
-from tests.conftest import BIN, EXAMPLES
+from tests.conftest import BIN, EXAMPLES, pids_by_rank
 
 STEPS = 10
 
@@ -36,12 +36,7 @@ def _run(tmp: Path, name: str, env: dict[str, str], *extra: str,
     for line in losses.read_text().splitlines():
         step, value = line.split()
         by_step[int(step)] = value  # a step redone after the recovery overwrites its first try
-    processes: dict[int, list[int]] = {}
-    for line in pids.read_text().splitlines():
-        rank, pid, _ = (int(v) for v in line.split())
-        if pid not in processes.setdefault(rank, []):
-            processes[rank].append(pid)
-    return {"text": text, "losses": by_step, "pids": processes,
+    return {"text": text, "losses": by_step, "pids": pids_by_rank(pids),
             "events": read_events(tmp / name)}
 
 

@@ -16,7 +16,7 @@ from elasticft.events import read_events
 from elasticft.report.status import recoveries
 from elasticft.report.tor import analyze
 from elasticft.steps import read_steps
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, pids_by_rank
 from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
     LONG,
     STEPS,
@@ -29,16 +29,6 @@ from tests.servers import EtcdServer
 
 pytestmark = pytest.mark.slow
 INPROCESS = EXAMPLES / "train_inprocess.py"
-
-
-def pids_by_rank(path: Path) -> dict[int, list[int]]:
-    """The processes each rank trained in (the example's ``--pid-log``), oldest first."""
-    found: dict[int, list[int]] = {}
-    for line in path.read_text().splitlines():
-        rank, pid, _ = (int(v) for v in line.split())
-        if pid not in found.setdefault(rank, []):
-            found[rank].append(pid)
-    return found
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.events import read_events
-from tests.conftest import BIN, EXAMPLES
+from tests.conftest import BIN, EXAMPLES, pids_by_rank
 
 STEPS = 8
 CRASH_AT = 4
@@ -35,12 +35,7 @@ def _run(tmp: Path, name: str, env: dict[str, str], nproc: int, layout: str,
     for line in losses.read_text().splitlines():
         record = json.loads(line)
         by_step[record["step"]] = record["loss"]  # a redone step overwrites its first try
-    processes: dict[int, list[int]] = {}
-    for line in pids.read_text().splitlines():
-        rank, pid, _ = (int(v) for v in line.split())
-        if pid not in processes.setdefault(rank, []):
-            processes[rank].append(pid)
-    return {"text": text, "losses": by_step, "pids": processes,
+    return {"text": text, "losses": by_step, "pids": pids_by_rank(pids),
             "events": read_events(tmp / name)}
 
 
