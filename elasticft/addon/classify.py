@@ -17,6 +17,7 @@ count as the tools.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -202,7 +203,11 @@ def frame_owner(file: str) -> str:
 
 def parse_traceback(text: str) -> ExceptionInfo | None:
     """The last exception of the last Python traceback in ``text`` (a stderr log or callstack)."""
-    lines = [line.rstrip("\n") for line in text.splitlines()]
+    return _last_traceback([line.rstrip("\n") for line in text.splitlines()])[0]
+
+
+def _last_traceback(lines: list[str]) -> tuple[ExceptionInfo | None, int]:
+    """The last traceback's exception and the index of the line after its exception line."""
     start = None
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].startswith("Traceback (most recent call last)") or lines[i].endswith(
@@ -211,7 +216,7 @@ def parse_traceback(text: str) -> ExceptionInfo | None:
             start = i
             break
     if start is None:
-        return None
+        return None, len(lines)
     frames: list[tuple[str, str]] = []  # (file, "file:line in func"), outermost first
     for i in range(start + 1, len(lines)):
         body = _strip_prefix(lines[i])
@@ -232,7 +237,27 @@ def parse_traceback(text: str) -> ExceptionInfo | None:
                 user_frame=next((where for owner, where in reversed(owners) if owner == "user"),
                                 None),
                 raised_in_elasticft=raiser == "elasticft",
-            )
+            ), i + 1
+    return None, len(lines)
+
+
+# What a C++ runtime prints when it aborts the process (std::terminate, a c10 error's trace).
+_ABORT_LINES = ("terminate called", "what():", "frame #", "Exception raised from",
+                "<omitting python frames>", "Aborted", "Fatal Python error")
+
+
+def uncaught_then_aborted(text: str) -> ExceptionInfo | None:
+    """The exception of a worker whose uncaught Python exception was followed by a C++ abort
+    while the interpreter shut down (a gloo or store thread's ``std::terminate``): its stderr
+    ends with the traceback and nothing after it but the runtime's abort message. Such a
+    SIGABRT is the exception's aftermath, not a crash of its own."""
+    lines = [line.rstrip("\n") for line in text.splitlines()]
+    info, after = _last_traceback(lines)
+    if info is None:
+        return None
+    rest = [_strip_prefix(line).strip() for line in lines[after:]]
+    if all(not line or line.startswith(_ABORT_LINES) for line in rest):
+        return info
     return None
 
 
@@ -306,30 +331,39 @@ def classify_exit(
     """Classifies one worker's exit from its exit code, error file and captured stderr."""
     base = {"rank": rank, "local_rank": local_rank, "pid": pid, "exitcode": exitcode}
     signum = -exitcode if exitcode < 0 else (exitcode - 128 if 128 < exitcode < 160 else None)
+    sig = None
     if signum is not None:
-        try:
+        with contextlib.suppress(ValueError):
             sig = signal.Signals(signum)
-        except ValueError:
-            sig = None
-        if sig is not None:
-            if sig in _STOP_SIGNALS:
-                return FailureRecord(**base, failure_class=FailureClass.STOP_REQUESTED,
-                                     signal=sig.name)
-            if sig in _CRASH_SIGNALS or exitcode < 0:
-                return FailureRecord(**base, failure_class=FailureClass.SIGNAL_CRASH,
-                                     signal=sig.name)
-    for source, info in (
-        ("error_file", read_error_file(error_file)),
-        ("stderr", parse_traceback(read_tail(stderr_file))),
-    ):
-        if info is not None:
-            return FailureRecord(
-                **base,
-                failure_class=classify_exception(info),
-                exception=info.type_name,
-                message=info.message[:500],
-                location=info.location,
-                source=source,
-                user_frame=info.user_frame,
-            )
+
+    def from_exception(source: str, info: ExceptionInfo) -> FailureRecord:
+        return FailureRecord(
+            **base,
+            failure_class=classify_exception(info),
+            signal=sig.name if sig is not None else None,
+            exception=info.type_name,
+            message=info.message[:500],
+            location=info.location,
+            source=source,
+            user_frame=info.user_frame,
+        )
+
+    # An error file is written only by an exception that left the entrypoint: it is the cause
+    # even when the process then died of a signal while shutting down.
+    recorded = read_error_file(error_file)
+    if recorded is not None:
+        return from_exception("error_file", recorded)
+    stderr_text = read_tail(stderr_file)
+    if sig is not None:
+        if sig is signal.SIGABRT and (aborted := uncaught_then_aborted(stderr_text)):
+            return from_exception("stderr", aborted)
+        if sig in _STOP_SIGNALS:
+            return FailureRecord(**base, failure_class=FailureClass.STOP_REQUESTED,
+                                 signal=sig.name)
+        if sig in _CRASH_SIGNALS or exitcode < 0:
+            return FailureRecord(**base, failure_class=FailureClass.SIGNAL_CRASH,
+                                 signal=sig.name)
+    info = parse_traceback(stderr_text)
+    if info is not None:
+        return from_exception("stderr", info)
     return FailureRecord(**base, failure_class=FailureClass.UNKNOWN)

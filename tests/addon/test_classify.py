@@ -99,6 +99,44 @@ def test_signals(exitcode: int, expected: FailureClass, signal_name: str) -> Non
     assert record.signal == signal_name
 
 
+TERMINATE = "terminate called without an active exception\n"
+
+
+def user_error_file(tmp_path: Path) -> Path:
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {
+        "message": "ValueError: bad config value",
+        "extraInfo": {"py_callstack": "", "timestamp": "0"}}}))
+    return error_file
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "error_file", "stderr", "expected", "source"),
+    [
+        # the exception left the entrypoint, then a gloo thread aborted the interpreter's exit
+        (-6, True, "", FailureClass.USER_CODE, "error_file"),
+        (-9, True, "", FailureClass.USER_CODE, "error_file"),
+        (-6, False, USER_TRACEBACK + TERMINATE, FailureClass.USER_CODE, "stderr"),
+        (-6, False, USER_TRACEBACK + "[rank1]: " + TERMINATE, FailureClass.USER_CODE, "stderr"),
+        # a traceback caught and logged long before a crash of its own is not its cause
+        (-6, False, USER_TRACEBACK + "step 7 loss 0.3\n" + TERMINATE,
+         FailureClass.SIGNAL_CRASH, "exitcode"),
+        (-6, False, TERMINATE, FailureClass.SIGNAL_CRASH, "exitcode"),
+        (-9, False, USER_TRACEBACK, FailureClass.SIGNAL_CRASH, "exitcode"),
+        (-11, False, USER_TRACEBACK + TERMINATE, FailureClass.SIGNAL_CRASH, "exitcode"),
+        (-15, False, USER_TRACEBACK, FailureClass.STOP_REQUESTED, "exitcode"),
+    ],
+)
+def test_an_exception_is_the_cause_of_the_abort_that_follows_it(
+        tmp_path: Path, exitcode: int, error_file: bool, stderr: str, expected: FailureClass,
+        source: str) -> None:
+    record = classify_exit(1, 1, 7, exitcode,
+                           error_file=user_error_file(tmp_path) if error_file else None,
+                           stderr_file=stderr_file(tmp_path, stderr))
+    assert (record.failure_class, record.source) == (expected, source)
+    assert record.signal is not None
+
+
 def test_nothing_known_is_unknown(tmp_path: Path) -> None:
     record = classify_exit(0, 0, 1, 3, stderr_file=stderr_file(tmp_path, "no traceback here\n"))
     assert record.failure_class is FailureClass.UNKNOWN
