@@ -410,7 +410,7 @@ from elasticft.diag.detectors import RankView
 from elasticft.diag.exchange import ViewExchange
 store = dist.PrefixStore(sys.argv[2], dist.TCPStore(
     "127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30)))
-leader = ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=0.6)
+leader = ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=2.0)
 leader.attach(store, "n0", 0, 3, hub_host="127.0.0.1")
 while True:
     leader.offer([RankView(0, "n0", steps=1)], {})
@@ -429,7 +429,8 @@ def test_a_stopped_leaders_hub_costs_nobody_a_hang(job_env: dict[str, str]):
     store = dist.PrefixStore("round.7", server)
     leader = subprocess.Popen([sys.executable, "-c", _LEADER_PROCESS, str(server.port),
                                "round.7"], env=job_env)
-    nodes = [ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=0.6, hub_timeout_s=0.5,
+    # Deadlines wide enough for a loaded machine's scheduling; what is judged is who gathers.
+    nodes = [ViewExchange(interval_s=0.1, poll_s=0.05, stale_after_s=2.0, hub_timeout_s=1.0,
                           hub_retry_s=60.0) for _ in range(2)]
     try:
         for group_rank, exchange in enumerate(nodes, start=1):
@@ -449,7 +450,7 @@ def test_a_stopped_leaders_hub_costs_nobody_a_hang(job_env: dict[str, str]):
         assert nodes[1].hub_calls["multi_get1"] > 0
         os.kill(leader.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        _wait(lambda: sees(1) and gathering(nodes[0]), timeout_s=10)
+        _wait(lambda: sees(1) and gathering(nodes[0]), timeout_s=30)
         print(f"group rank 1 gathers {time.monotonic() - stopped_at:.2f} s after the stop")
         view = nodes[1].job_view()
         assert [n.node for n in view.silent] == ["n0"]
@@ -458,7 +459,7 @@ def test_a_stopped_leaders_hub_costs_nobody_a_hang(job_env: dict[str, str]):
         # The leader goes on: the overdue calls answer, the connections kept are in step, and
         # group rank 1 hands back.
         os.kill(leader.pid, signal.SIGCONT)
-        _wait(lambda: sees(0, 1) and not gathering(nodes[0]), timeout_s=10)
+        _wait(lambda: sees(0, 1) and not gathering(nodes[0]), timeout_s=30)
     finally:
         for exchange in nodes:
             exchange.close()
