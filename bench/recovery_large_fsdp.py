@@ -1,8 +1,9 @@
 """The FSDP2 mode of bench/recovery_large.py (``--fsdp``): the worker's MLP sharded over all
 ranks, and torchrun's checkpoints of it.
 
-:func:`shard` applies ``fully_shard`` to each layer and to the root, torchtitan's way, over the
-whole world (no collective: a replacement's set-up meets none). Under torchrun the sharded
+:func:`build` makes the model on the meta device and applies ``fully_shard`` to each layer and
+to the root over the whole world, then makes and initialises only this rank's shards,
+torchtitan's way (no collective: a replacement's set-up meets none). Under torchrun the sharded
 model is checkpointed the way a torchrun user does (:class:`DcpFiles`):
 torch.distributed.checkpoint of ``get_state_dict(model, optimizer)`` into a directory per step,
 committed by rank 0 after every rank has written its part; a restart loads the newest committed
@@ -13,6 +14,7 @@ step into its fresh shards. Under elasticft the worker's documented API
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,29 @@ from typing import Any
 COMMITTED = "COMMITTED"
 
 
-def shard(model: Any) -> None:
-    """FSDP2 on each layer of ``model`` (a ``Sequential``) and on its root."""
+def build(width: int, layers: int, device: str) -> Any:
+    """The MLP of ``layers`` square layers, sharded the way large FSDP2 models are built
+    (torchtitan's): on the meta device, ``fully_shard`` on each layer and on the root, then
+    only this rank's shards made (``to_empty``) and initialised. No rank holds the whole
+    model at any time, and no collective is made (a replacement's set-up meets none)."""
+    import math
+
+    import torch
     from torch.distributed.fsdp import fully_shard
 
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                      for _ in range(layers)])
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(int(os.environ.get("RANK", "0")))
+    bound = 1 / math.sqrt(width)  # nn.Linear's own range
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().uniform_(-bound, bound, generator=generator)
+    return model
 
 
 class DcpFiles:

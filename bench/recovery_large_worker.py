@@ -220,8 +220,6 @@ def worker(args: argparse.Namespace) -> int:
     layers = max(1, round(args.gb * (args.nproc if args.fsdp else 1) * 1e9 / 12
                           / (width * width)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
-                                  for _ in range(layers)]).to(device)
     batch = torch.randn(args.batch, width, device=device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     spare = args.mode == "spare" and _is_spare()
@@ -229,7 +227,10 @@ def worker(args: argparse.Namespace) -> int:
     if grouped:
         _init_group(args, device)
     if args.fsdp:
-        fsdp.shard(model)
+        model = fsdp.build(width, layers, device)
+    else:
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                      for _ in range(layers)]).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
 
     def sync() -> None:
