@@ -48,6 +48,7 @@ committed one loaded after the restart); the spare does not take part:
 The last lines compare kill -> first step of each mode with the restart mode's and torchrun's.
 The worker is :mod:`recovery_large_worker` (its FSDP2 parts :mod:`recovery_large_fsdp`), one
 launcher's run and its figures :mod:`recovery_large_measure`.
+
 ``bench/gpu_check.sh --parts recovery`` runs it on a GPU. Not a test: the numbers are the
 machine's. The table also goes to ``$OUT/recovery_large.json`` when ``OUT`` is set.
 """
@@ -185,6 +186,10 @@ def main() -> int:
                       f"the whole machine meanwhile: {user:.2f} s user, {system:.2f} s system, "
                       f"{idle:.2f} s idle; the kernel's page counters: {r['first_step_vmstat']}; "
                       f"{r['first_step_mem_free_gb']:.1f} GB free before it")
+            if r.get("first_step_busiest"):
+                print(f"{r['launcher']}: the processes that used the most CPU during that step: "
+                      + "; ".join(f"{seconds:.1f} s {command}"
+                                  for command, seconds in r["first_step_busiest"]))
     for r in rows:
         if r.get("survivor_pids") is not None:
             print(f"{r['launcher']}: rank 0 ran in {r['survivor_pids']} process(es); its first "

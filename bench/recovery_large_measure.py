@@ -148,6 +148,7 @@ def _row(name: str, args: argparse.Namespace, tmp: Path, killed_at: float | None
         "first_step_machine_s": first_step.get("machine_s") if first_step else None,
         "first_step_vmstat": first_step.get("vmstat") if first_step else None,
         "first_step_mem_free_gb": first_step.get("mem_free_gb") if first_step else None,
+        "first_step_busiest": first_step.get("busiest") if first_step else None,
         "floor_fresh_s": floor.get("floor_fresh_s"),
         "floor_touched_s": floor.get("floor_touched_s"),
         "floor_fresh_parallel_s": floor.get("floor_fresh_parallel_s"),

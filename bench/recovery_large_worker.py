@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import recovery_large_fsdp as fsdp  # bench/ is the path when run as a script
-from machine_counters import machine_cpu, meminfo_gb, page_counters, process_age_s, thread_cpu
+from machine_counters import (
+    busiest,
+    machine_cpu,
+    meminfo_gb,
+    page_counters,
+    process_age_s,
+    process_cpu,
+    thread_cpu,
+)
 
 
 def log_record(path: Path, **record: Any) -> None:
@@ -138,6 +146,7 @@ def train_step(log: Path, model: Any, optim: Any, batch: Any, sync: Any, grouped
 
     # Read before and after the step, outside its time: where a slow step's time goes.
     threads, machine, vmstat = thread_cpu(), machine_cpu(), page_counters()
+    processes = process_cpu()
     free_gb = meminfo_gb("MemFree")
     began, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     model(batch).pow(2).mean().backward()
@@ -149,9 +158,10 @@ def train_step(log: Path, model: Any, optim: Any, batch: Any, sync: Any, grouped
     sync()
     step_s, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_SELF)
     threads_after, machine_after, vmstat_after = thread_cpu(), machine_cpu(), page_counters()
+    others = busiest(processes, process_cpu())
     tick = os.sysconf("SC_CLK_TCK")
     # CPU of its own (by thread), page faults, waiting for a core, and what the whole
-    # machine did meanwhile (the agent, the launcher, the kernel).
+    # machine did meanwhile (the agent, the launcher, the kernel) and who used it most.
     log_record(log, event="step", step=step + 1, step_s=step_s,
                user_s=after.ru_utime - usage.ru_utime, sys_s=after.ru_stime - usage.ru_stime,
                minor_faults=after.ru_minflt - usage.ru_minflt,
@@ -164,7 +174,7 @@ def train_step(log: Path, model: Any, optim: Any, batch: Any, sync: Any, grouped
                                                                     strict=True)],
                vmstat={k: v - vmstat.get(k, 0) for k, v in vmstat_after.items()
                        if v != vmstat.get(k, 0)},
-               mem_free_gb=free_gb)
+               mem_free_gb=free_gb, busiest=others)
 
 
 def _init_group(args: argparse.Namespace, device: str) -> None:
