@@ -68,8 +68,6 @@ from typing import Any
 from fresh_memory import page_reporting  # bench/ is the path when run as a script
 from recovery_large_measure import MODES, WORKER_SPEC, measure
 
-from elasticft.report.tor import phase_name
-
 
 def _fmt(value: Any, unit: str = "s") -> str:
     if value is None:
@@ -80,7 +78,7 @@ def _fmt(value: Any, unit: str = "s") -> str:
 
 
 def print_ratios(rows: list[dict[str, Any]]) -> None:
-    """Kill -> first step of each elasticft mode against the restart mode and torchrun."""
+    """Kill -> first step of every launcher against the restart mode's and torchrun's."""
     seconds = {r["launcher"]: r["kill_to_first_step_s"] for r in rows
                if r["kill_to_first_step_s"]}
     for base in ("elasticft-run", "torchrun"):
@@ -118,6 +116,8 @@ def main() -> int:
 
         return worker(argparse.Namespace(**json.loads(os.environ[WORKER_SPEC])))
     args = parser.parse_args()
+    from elasticft.report.tor import phase_name  # not in the workers: not in their start-up
+
     if args.gb is None:
         args.gb = 4.8 if args.device == "cuda" else 3.0
     if not args.steps:
