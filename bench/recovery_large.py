@@ -78,19 +78,25 @@ def _fmt(value: Any, unit: str = "s") -> str:
 
 
 def print_ratios(rows: list[dict[str, Any]]) -> None:
-    """Kill -> first step of every launcher against the restart mode's and torchrun's."""
-    seconds = {r["launcher"]: r["kill_to_first_step_s"] for r in rows
-               if r["kill_to_first_step_s"]}
-    for base in ("elasticft-run", "torchrun"):
-        if base not in seconds:
-            continue
-        against = [f"{name} {value / seconds[base]:.2f}x" for name, value in seconds.items()
-                   if name != base]
-        if against:
-            print(f"kill -> first step against {base} ({seconds[base]:.3f} s): "
-                  + ", ".join(against)
-                  + ("; target for in process <= 0.50x" if base == "elasticft-run"
-                     and "elasticft-inprocess" in seconds else ""))
+    """Kill -> first step of every launcher against the restart mode's and torchrun's; and the
+    same less the restarted worker's first step (a step of the training, which other jobs on
+    a shared machine lengthen by any amount: the recovery's own part)."""
+    whole = {r["launcher"]: r["kill_to_first_step_s"] for r in rows
+             if r["kill_to_first_step_s"]}
+    own = {r["launcher"]: r["kill_to_first_step_s"] - r["first_step_s"] for r in rows
+           if r["kill_to_first_step_s"] and r["first_step_s"] is not None}
+    for what, seconds in (("kill -> first step", whole),
+                          ("kill -> first step less that step", own)):
+        for base in ("elasticft-run", "torchrun"):
+            if base not in seconds:
+                continue
+            against = [f"{name} {value / seconds[base]:.2f}x"
+                       for name, value in seconds.items() if name != base and seconds[base]]
+            if against:
+                print(f"{what} against {base} ({seconds[base]:.3f} s): " + ", ".join(against)
+                      + ("; target for in process <= 0.50x" if base == "elasticft-run"
+                         and what == "kill -> first step" and "elasticft-inprocess" in seconds
+                         else ""))
 
 
 def main() -> int:
