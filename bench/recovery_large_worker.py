@@ -230,17 +230,16 @@ def worker(args: argparse.Namespace) -> int:
     layers = max(1, round(args.gb * (args.nproc if args.fsdp else 1) * 1e9 / 12
                           / (width * width)))
     torch.manual_seed(0)
+    model = None if args.fsdp else torch.nn.Sequential(*[
+        torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
     batch = torch.randn(args.batch, width, device=device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     spare = args.mode == "spare" and _is_spare()
     grouped = world > 1 or spare  # a spare is rank 0 of 1 until it takes the killed rank
     if grouped:
         _init_group(args, device)
-    if args.fsdp:
+    if model is None:  # sharded over the group
         model = fsdp.build(width, layers, device)
-    else:
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
-                                      for _ in range(layers)]).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
 
     def sync() -> None:
