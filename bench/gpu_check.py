@@ -428,6 +428,8 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
     py_compile.compile(str(WORKER), doraise=True)
     py_compile.compile(str(CKPT_BENCH), doraise=True)
     py_compile.compile(str(RECOVERY_BENCH), doraise=True)
+    for part in sorted(RECOVERY_BENCH.parent.glob("recovery_large_*.py")):  # its modules
+        py_compile.compile(str(part), doraise=True)
     py_compile.compile(str(ABORT_BENCH), doraise=True)
     py_compile.compile(str(PERSIST_BENCH), doraise=True)
     shim = shim_library()

@@ -62,3 +62,34 @@ def page_counters() -> dict[str, int]:
         if name in VMSTAT:
             counters[name] = int(value)
     return counters
+
+
+def process_cpu() -> dict[int, tuple[str, int]]:
+    """Every process's CPU so far (user + system jiffies, its children not counted), by pid,
+    with the start of its command line: who else ran during a step on a shared machine."""
+    found: dict[int, tuple[str, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        # Paths shortened: the interpreter to its checkout (…/<checkout>/.venv/bin/python),
+        # the script to its folder and name.
+        command = " ".join("/".join(a.split("/")[-4 if i == 0 else -2:])
+                           for i, a in enumerate(argv[:3]) if a)
+        found[int(entry.name)] = (f"{command[:70]} ({entry.name})",
+                                  int(fields[11]) + int(fields[12]))
+    return found
+
+
+def busiest(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]],
+            count: int = 4) -> list[tuple[str, float]]:
+    """The ``count`` processes that used the most CPU seconds between two :func:`process_cpu`
+    readings, as (command line, seconds)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = [(command, (ticks - before.get(pid, (command, 0))[1]) / tick)
+            for pid, (command, ticks) in after.items()]
+    return sorted((u for u in used if u[1] >= 0.05), key=lambda u: -u[1])[:count]

@@ -26,6 +26,7 @@ from elasticft.events import read_events, sdc_line, snapshots_skipped_line
 from elasticft.rendezvous.cli import add_connection_flags, connect, one_line
 from elasticft.rendezvous.etcd import Keys, connection_error
 from elasticft.rendezvous.membership import JobStatus, MemberRecord, read_status
+from elasticft.report.tor import phase_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -140,7 +141,7 @@ def format_recoveries(found: list[dict[str, Any]], restarts: int) -> str:
     lines = [f"recoveries: {len(found)} in process, {restarts} restart(s)"]
     for event in found[-3:]:
         when = time.strftime("%H:%M:%S", time.localtime(event.get("time", 0.0)))
-        phases = ", ".join(f"{name.removesuffix('_s')} {seconds:.2f} s"
+        phases = ", ".join(f"{phase_name(name)} {seconds:.2f} s"
                            for name, seconds in event.get("phases", {}).items())
         replaced = ",".join(sorted(event.get("replaced", {}))) or "none"
         by_spare = " (by the spare)" if event.get("spare") else ""

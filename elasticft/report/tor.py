@@ -505,13 +505,13 @@ def format_report(a: Analysis) -> str:
             )
             if f.in_process:
                 lines.append("       in process: " + ", ".join(
-                    f"{_phase_name(name)} {seconds:.2f} s"
+                    f"{phase_name(name)} {seconds:.2f} s"
                     for name, seconds in f.in_process.items()))
     return "\n".join(lines)
 
 
-def _phase_name(key: str) -> str:
-    """An in-process recovery's phase as the report names it: ``survivors_out_s`` →
-    "survivors out", ``restore_redo_s`` (restore and redo, when no worker said when its
-    restore ended) → "restore+redo"."""
+def phase_name(key: str) -> str:
+    """An in-process recovery's phase as the report and ``elasticft status`` name it (pure):
+    ``survivors_out_s`` → "survivors out", ``restore_redo_s`` (restore and redo, when no
+    worker said when its restore ended) → "restore+redo"."""
     return key.removesuffix("_s").replace("restore_redo", "restore+redo").replace("_", " ")

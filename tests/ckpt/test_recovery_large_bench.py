@@ -28,6 +28,27 @@ def test_the_large_recovery_bench_runs_torchrun_on_the_cpu() -> None:
     assert torchrun[5] != "-", lines
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_large_recovery_bench_runs_fsdp2_under_torchrun_from_dcp() -> None:
+    # The FSDP2 mode's torchrun row: its restarted ranks load the newest committed
+    # torch.distributed.checkpoint directory into their new shards.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "recovery_large.py"), "--device", "cpu", "--gb",
+         "0.02", "--nproc", "2", "--fsdp", "--limit-s", "200", "--launchers", "torchrun"],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "(FSDP2)" in lines[0], lines
+    torchrun = lines[2].split()
+    assert torchrun[0] == "torchrun", lines
+    # It resumed from a committed step, at most the last one saved before the kill.
+    assert torchrun[5] != "-" and 1 <= int(torchrun[5]) <= int(torchrun[6]), lines
+    survivors = next(line for line in lines if "rank 0 ran in" in line)
+    assert "rank 0 ran in 2 process(es)" in survivors, lines
+
+
 def test_the_gpu_check_has_a_recovery_part() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_check

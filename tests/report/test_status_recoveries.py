@@ -15,7 +15,8 @@ from elasticft.report.status import format_recoveries, recoveries
 def test_status_counts_in_process_recoveries_and_restarts(tmp_path: Path) -> None:
     log = EventLog(tmp_path, "node-a")
     log.emit("recover_in_process", generation=1, replaced={"1": 4242},
-             phases={"detect_s": 0.05, "regroup_s": 0.63, "total_s": 0.8})
+             phases={"detect_s": 0.05, "survivors_out_s": 0.01, "regroup_s": 0.63,
+                     "restore_redo_s": 0.1, "total_s": 0.8})
     log.emit("restart", attempt=2, cause="in-process recovery failed", counted=False)
     log.emit("restart", attempt=3, cause="signal_crash", counted=True)
     log.close()
@@ -23,8 +24,8 @@ def test_status_counts_in_process_recoveries_and_restarts(tmp_path: Path) -> Non
     assert [e["generation"] for e in found] == [1] and restarts == 1
     lines = format_recoveries(found, restarts).splitlines()
     assert lines[0] == "recoveries: 1 in process, 1 restart(s)"
-    assert "node-a  generation 1, replaced rank(s) 1: detect 0.05 s, regroup 0.63 s, total " \
-           "0.80 s" in lines[1]
+    assert "node-a  generation 1, replaced rank(s) 1: detect 0.05 s, survivors out 0.01 s, " \
+           "regroup 0.63 s, restore+redo 0.10 s, total 0.80 s" in lines[1]
     assert format_recoveries([], 0) == "recoveries: 0 in process, 0 restart(s)"
 
 

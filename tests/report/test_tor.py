@@ -10,7 +10,7 @@ import pytest
 
 from elasticft.cli import main as cli_main
 from elasticft.events import EventLog
-from elasticft.report.tor import ReportError, _phase_name, analyze, format_report
+from elasticft.report.tor import ReportError, analyze, format_report, phase_name
 from elasticft.steps import StepRecord, StepRecorder, read_steps
 
 
@@ -241,4 +241,4 @@ def test_an_in_process_recovery_is_a_fault_with_its_phases():
     ("restore_redo_s", "restore+redo"),  # no worker said when its restore ended
 ])
 def test_the_report_names_each_phase(key: str, shown: str) -> None:
-    assert _phase_name(key) == shown
+    assert phase_name(key) == shown
