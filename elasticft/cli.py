@@ -42,8 +42,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from elasticft import logs
+    from elasticft import logs, procs
 
+    if argv is None:  # the console script
+        procs.skip_final_collection()
     logs.configure(logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)

@@ -10,12 +10,17 @@ Ending processes the agent started (``subprocess.Popen`` objects, a worker or a 
 deadline for all) and the two in order (:func:`kill_and_reap`). Adopting a process another
 one forked (:func:`adopting_orphans`, Linux's child subreaper) and watching it as a child
 (:class:`AdoptedWorker`): how a worker forked by a warm interpreter becomes the agent's own.
+
+A command-line process that has imported torch leaves its objects to the operating system at
+exit (:func:`skip_final_collection`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import gc
 import os
 import threading
 import time
@@ -33,6 +38,15 @@ UNINTERRUPTIBLE_STATE = "D"
 """Waiting in the kernel (disk I/O, a driver): a hang only when it also uses no CPU."""
 _PF_EXITING = 0x4
 """The kernel's per-task flag set as a task begins to exit (``include/linux/sched.h``)."""
+
+
+def skip_final_collection() -> None:
+    """At this process's exit, Python's last garbage collections skip every object that exists
+    by then (:func:`gc.freeze` from an ``atexit`` hook, which runs first). Those collections walk
+    the million objects ``import torch`` makes, a second of CPU per process, to free memory the
+    operating system frees anyway. For the console entry points only: an in-process caller (a
+    test) goes on running and must keep collecting."""
+    atexit.register(gc.freeze)
 
 
 def _stat_fields(pid: int) -> list[str]:

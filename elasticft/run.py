@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from elasticft import command_line, home, logs, slurm
+from elasticft import command_line, home, logs, procs, slurm
 from elasticft import options as elasticft_options
 from elasticft.config import ConfigError, ElasticftConfig, require_writable_dir, run_dir_default
 
@@ -235,6 +235,8 @@ def main(argv: Sequence[str] | None = None, *,
          tune: Callable[[ElasticftConfig], ElasticftConfig] | None = None) -> int:
     """``elasticft-run``. ``tune`` lets a launcher built on this one (a custom agent, a test)
     set tuning constants, which no flag, variable or YAML key reaches, on the parsed options."""
+    if argv is None:  # the console script
+        procs.skip_final_collection()
     logs.configure(os.environ.get("LOGLEVEL", "INFO"))
     problem = torch_version_problem(installed_torch_version())
     if problem is not None:

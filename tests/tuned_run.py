@@ -49,4 +49,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
+    from elasticft import procs
+
+    procs.skip_final_collection()  # as the elasticft-run console script does
     sys.exit(main(sys.argv[1:]))

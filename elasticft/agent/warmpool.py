@@ -76,6 +76,7 @@ PRELOAD_ENV = "ELASTICFT_WARM_PRELOAD"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 """torch itself, and what the first DistributedDataParallel or torch.compile imports."""
 DEVICE_ENV = "ELASTICFT_WARM_DEVICE"
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def default_device_mode(nvidia_control: str = "/dev/nvidiactl") -> str:
@@ -478,7 +479,11 @@ class WarmStartMixin:
         if (self.warm_pool is None or not isinstance(spec.entrypoint, str)
                 or spec.numa_options is not None or torch_compat.warm_start_unavailable()):
             return
-        env = {**os.environ, **self.startup_env()}  # startup_env sets the NCCL error handling
+        # torch's LocalElasticAgent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING (the
+        # agent's, else 1); startup_env overrides it on a GPU node. Without it here, every first
+        # start found a mismatch and imported torch again in a second interpreter.
+        env = {**os.environ, NCCL_ERROR_HANDLING: os.environ.get(NCCL_ERROR_HANDLING, "1"),
+               **self.startup_env()}
         if (path := self.worker_pythonpath(os.environ.get("PYTHONPATH"))) is not None:
             env["PYTHONPATH"] = path
         for local_rank in range(spec.local_world_size):

@@ -319,15 +319,17 @@ def _session(process: psutil.Process) -> int | None:
 
 
 def run_show_start(tmp_path: Path, job_env: dict[str, str], name: str, *extra: str) -> Path:
-    """elasticft-run of show_start.py on 2 local ranks whose first attempt is SIGKILLed."""
+    """elasticft-run of show_start.py on 2 local ranks whose first attempt is SIGKILLed. Its
+    stderr (INFO lines) is kept as ``stderr-<name>.txt``."""
     run_dir, out = tmp_path / f"run-{name}", tmp_path / f"out-{name}"
-    env = {**job_env, "SHOW_START_IMPORT": "torch", "LOGLEVEL": "WARNING"}
+    env = {**job_env, "SHOW_START_IMPORT": "torch", "LOGLEVEL": "INFO"}
     proc = subprocess.run(
         [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "2", *extra, "--run-dir", str(run_dir), SHOW, str(out), "kill-first"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stderr
+    (tmp_path / f"stderr-{name}.txt").write_text(proc.stderr)
     return run_dir
 
 
@@ -342,6 +344,11 @@ def test_every_start_is_warm_and_sees_what_a_cold_one_sees(
                      "workers_started"] for run in (cold_run, warm_run)}
     # Turned off, every start is cold; on, the first start and the restart are both forked.
     assert started == {cold_run: [[], []], warm_run: [[0, 1], [0, 1]]}
+    # The first start forks the interpreters started before the rendezvous: their start-up
+    # environment is the workers' (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING included), so none
+    # is discarded for another that imports torch again.
+    warm_log = (tmp_path / "stderr-warm.txt").read_text()
+    assert "starts cold" not in warm_log, warm_log[-3000:]
     for attempt, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
         states = []
         for name in ("cold", "warm"):

@@ -334,7 +334,9 @@ BIN = Path(sys.executable).parent
 
 def _launch(tmp_path: Path, job_env: dict[str, str], name: str, nproc: int,
             flags: list[str], **worker: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """One elasticft-run (one node) of the DDP worker; its result and run directory."""
+    """One elasticft-run (one node) of the DDP worker; its result and run directory. Its steps
+    wait STEP_S (default 0.5 s) as a real step would take; an uninterrupted reference, which
+    only gives the losses, passes STEP_S="0"."""
     run_dir = tmp_path / name
     env = {**job_env, "PYTHONPATH": str(ROOT), "STEP_S": "0.5", "FLIP_RANK": "-1",
            "FLIP_STEP": "0", "LOSS_LOG": str(tmp_path / f"{name}.loss"), **worker}
@@ -374,7 +376,7 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     differ too, the all-reduce of step 4 having spread rank 1's error). The losses are an
     uninterrupted run's."""
     steps = "8"
-    _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps)
+    _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps, STEP_S="0")  # no need to wait
     remote = ["--ckpt-remote-dir", str(tmp_path / "remote"), "--ckpt-keep", "100"]
     _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps,
                          FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
@@ -437,7 +439,7 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     steps = 16
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
-    _launch(reference_dir, job_env, "run", 4, [], STEPS=str(steps))
+    _launch(reference_dir, job_env, "run", 4, [], STEPS=str(steps), STEP_S="0")
     job_dir = tmp_path / "job"  # the job's run directories only, for `elasticft report`
     job_dir.mkdir()
     script = job_dir / "train.py"

@@ -235,6 +235,13 @@ def _main():
         except BaseException as err:  # the script will meet it again, in a cold start
             preload_error = err
             break
+    # What the imports made is never garbage: frozen, it is out of every collection of the
+    # workers forked from here, and of their last one at exit (a second of CPU each with
+    # torch). Python's advice for a process that forks without exec; it also leaves those
+    # pages shared with the workers.
+    import gc
+
+    gc.freeze()
     device = _warm_device()
     # The agent may already have sent its request (it is buffered).
     with contextlib.suppress(OSError):
