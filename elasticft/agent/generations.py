@@ -83,6 +83,10 @@ class InProcessCoordinator:
         return bool(pids) and all(self._record("armed", lr, pid) is not None
                                   for lr, pid in pids.items())
 
+    def armed_record(self, local_rank: int, pid: int | None) -> dict[str, Any]:
+        """What a worker said of itself when it armed (empty: not armed)."""
+        return self._record("armed", local_rank, pid) or {}
+
     def waiting(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
         """Workers that caught a peer failure in the current generation: when, and its cause."""
         found = {}
@@ -115,12 +119,13 @@ class InProcessCoordinator:
         return generation
 
     def publish_round(self, master_addr: str, master_port: int, world_size: int,
-                      agent_store: bool) -> Generation:
+                      agent_store: bool, env: Mapping[str, Mapping[str, str]] | None = None
+                      ) -> Generation:
         """Tells the survivors the workers' store of a new rendezvous round (whose new workers
-        on other nodes meet them there)."""
+        on other nodes meet them there); ``env``: a reshape's variables per local rank."""
         self.generation += 1
         generation = Generation(self.generation, master_addr, master_port, world_size,
-                                agent_store)
+                                agent_store, dict(env or {}))
         generation.write(self.directory)
         self.published = None
         return generation

@@ -65,6 +65,9 @@ from elasticft.agent.warmpool import WarmPool
 from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.jsonfile import read_json
+from elasticft.plan import worker as plan_worker
+from elasticft.plan.api import Layout, PlanError
+from elasticft.recovery import reshape
 from elasticft.recovery.protocol import Generation, worker_file
 
 logger = logging.getLogger(__name__)
@@ -123,6 +126,9 @@ class AgentSide:
     workers_changed: Callable[[], None]
     """The workers' processes changed without a restart: the agent hooks torch's poll of the
     new ones and tells its collaborators (``on_workers_started``)."""
+    round_env: Callable[[int], dict[str, str]]
+    """The variables of a local rank's worker that a round sets (its ranks, the world, the
+    round, the collaborators' such as the layout), as they are now."""
 
 
 class InProcessRecovery:
@@ -405,8 +411,10 @@ class InProcessRecovery:
         agent's restart path (None)."""
         wg = self._group()
         before = [(w.global_rank, w.world_size) for w in wg.workers]
+        old_layout = plan_worker.layout(self.agent.round_env(wg.workers[0].local_rank))
         self.agent.next_attempt()
         self.agent.rendezvous()
+        wg = self._group()
         for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
             worker.id = pids.get(worker.local_rank)
         after = [(w.global_rank, w.world_size) for w in wg.workers]
@@ -414,8 +422,38 @@ class InProcessRecovery:
             return self.coordinator.publish_round(
                 wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
                 torch_compat.workers_use_agent_store(wg))
+        envs = {w.local_rank: self.agent.round_env(w.local_rank) for w in wg.workers}
+        facts = self._reshape_facts(pids, before, after, old_layout, envs)
+        decision = reshape.decide(facts)
+        self.events.emit("reshape", attempt=self.agent.attempt(), round=self.agent.round(),
+                         in_process=decision.in_process, reason=decision.reason,
+                         **facts.evidence())
+        if decision.in_process:
+            logger.warning("reshape in process: %s", decision.reason)
+            return self.coordinator.publish_round(
+                wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
+                torch_compat.workers_use_agent_store(wg),
+                env={str(lr): env for lr, env in envs.items()})
         cause = (f"round {self.agent.round()} gives this node's workers (rank, world size) "
-                 f"{after}, not {before}: they restart")
+                 f"{after}, not {before}: they restart ({decision.reason})")
         logger.warning("no in-process regroup: %s", cause)
         self.agent.restart_in_round(cause)
         return None
+
+    def _reshape_facts(self, pids: Mapping[int, int | None], before: list[tuple[int, int]],
+                       after: list[tuple[int, int]], old_layout: Layout,
+                       envs: Mapping[int, Mapping[str, str]]) -> reshape.ReshapeFacts:
+        """What :func:`elasticft.recovery.reshape.decide` sees of this round: the layouts
+        before and after, the worlds, this node's ranks, and what the workers said when they
+        armed (whether they follow a layout change, what their state is sharded over)."""
+        records = [self.coordinator.armed_record(lr, pid) for lr, pid in pids.items()]
+        try:
+            new_layout: Layout | None = plan_worker.layout(next(iter(envs.values())))
+        except PlanError:
+            new_layout = None
+        return reshape.ReshapeFacts(
+            old=old_layout, new=new_layout, world_before=before[0][1],
+            world_after=after[0][1], ranks_per_node=len(before),
+            moves={b[0]: a[0] for b, a in zip(before, after, strict=True)},
+            follows_layout=bool(records) and all(r.get("follows_layout") for r in records),
+            sharded_over=frozenset(d for r in records for d in r.get("sharded_over", ())))

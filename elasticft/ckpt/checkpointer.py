@@ -108,11 +108,34 @@ class Checkpointer:
         self._open(settings, optimizers=self.optimizers, rank=rank, world_size=world_size,
                    dedup_replicas=self.dedup_requested, device_copier=None)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This process goes on as ``rank`` of ``world_size`` in the same memory, after a
+        reshape renumbered it in process (:mod:`elasticft.recovery.reshape`): the next saves are
+        written as the new rank, and the snapshots written as the old one still count as this
+        rank's own (they hold the same state) for the restore that follows."""
+        if self._closed or (rank, world_size) == (self.rank, self.world_size):
+            return
+        held_as = ((self.rank, self.world_size), *self._held_as)
+        owned = self._slots is not None and not self.settings.agent_owned
+        self.close()
+        if owned:
+            atexit.unregister(self._remove_own_segments)
+        self._open(self.settings, optimizers=self.optimizers, rank=rank, world_size=world_size,
+                   dedup_replicas=self.dedup_requested, device_copier=None, held_as=held_as)
+
     def _open(self, settings: WorkerSettings, *, optimizers: Iterable[torch.optim.Optimizer],
               rank: int | None, world_size: int | None, dedup_replicas: bool,
-              device_copier: DeviceCopier | None) -> None:
+              device_copier: DeviceCopier | None,
+              held_as: tuple[tuple[int, int], ...] = ()) -> None:
         """Binds this checkpointer to ``settings``' memory and starts its threads."""
         self.settings = settings
+        self._held_as = held_as
+        """(rank, world size) identities this process's memory was written as before
+        :meth:`renumber`."""
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         self.world_size = (
@@ -130,7 +153,8 @@ class Checkpointer:
         self._host_stall_s = 0.0
         self._slot_count = max(2, settings.slots)
         prefix = settings.shm_slots
-        self._loader = SnapshotLoader(settings, self.rank, self.world_size, self._slot_count)
+        self._loader = SnapshotLoader(settings, self.rank, self.world_size, self._slot_count,
+                                      held_as)
         # Slots are made off the training thread (SlotMaker): the first save stages its copy
         # until its slot exists, and never pays for the allocation.
         self._slots = SlotSet(prefix, self._slot_count, maker=SlotMaker()) if prefix else None

@@ -34,8 +34,10 @@ class SnapshotLoader:
     """Finds, agrees on and reads the step to restore, for one rank."""
 
     def __init__(self, settings: WorkerSettings, rank: int, world_size: int,
-                 slot_count: int) -> None:
+                 slot_count: int, held_as: tuple[tuple[int, int], ...] = ()) -> None:
         self.settings = settings
+        self.held_as = held_as
+        """Earlier (rank, world size) identities of this process's own memory (a reshape)."""
         self.rank = rank
         self.world_size = world_size
         self._slot_count = slot_count
@@ -55,7 +57,8 @@ class SnapshotLoader:
         s = self.settings
         tiers: list[Tier] = []
         if s.shm_slots:
-            tiers.append(MemoryTier(SlotSet(s.shm_slots, self._slot_count)))
+            tiers.append(MemoryTier(SlotSet(s.shm_slots, self._slot_count),
+                                    held_as=self.held_as))
         if s.local_dir is not None:
             tiers.append(durable.DurableTier(s.local_dir, TierLevel.LOCAL))
         if s.node_peer_addr and s.secret:
