@@ -231,7 +231,10 @@ def train_in_process(args: argparse.Namespace, layout: Layout, model: nn.Module,
         # their modules (the mesh took the new shape) and go on in the new layout.
         now = elasticft.layout()
         start = 0
-        restored = ckpt.restore(model, optimizer)  # in place, into the live shards
+        # In place, into the live shards; a rank that a growth brought, holding nothing, heals
+        # from its data-parallel replica's memory (replicated state only: not under FSDP2).
+        restored = ckpt.restore(model, optimizer,
+                                replicas=None if args.fsdp else mesh["dp"].get_group())
         if restored is not None:
             start = restored[0]
             if dist.get_rank() == 0:

@@ -394,8 +394,13 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                 waiting = spec.rdzv_handler.num_nodes_waiting()
                 if waiting > 0:
                     # Membership changes are not failures and do not use up restarts.
-                    logger.info("%d node(s) waiting to join; restarting the worker group", waiting)
                     cause = f"membership change: {waiting} node(s) waiting"
+                    if self.in_process.may_grow():
+                        failed = self.in_process.grow(cause)
+                        if failed is None:
+                            continue
+                        cause = f"{cause}; the growth in process failed: {failed}"
+                    logger.info("%d node(s) waiting to join; restarting the worker group", waiting)
                     self._restart(cause=cause, counted=False)
                 continue
             raise RuntimeError(f"[{role}] worker group in unexpected state {state.name}")

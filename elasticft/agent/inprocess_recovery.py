@@ -329,10 +329,32 @@ class InProcessRecovery:
 
     # -- a recovery ------------------------------------------------------------------------------
 
+    def may_grow(self) -> bool:
+        """Whether nodes waiting to join may join the running workers in process: every
+        worker armed and following a layout change, no recovery under way."""
+        if self.recovering or not self.all_armed():
+            return False
+        pids = self.worker_pids()
+        return all(self.coordinator.armed_record(lr, pid).get("follows_layout")
+                   for lr, pid in pids.items())
+
+    def grow(self, cause: str) -> str | None:
+        """Nodes wait to join (a standby came back): the workers are interrupted at once, the
+        agent joins the next round with them still running, and the round's reshape is
+        decided as a shrink's is (:meth:`_next_round_generation`); returns why that failed
+        (the agent then restarts the group), or None."""
+        logger.warning("%s: the workers regroup in process with the new node(s)", cause)
+        return self._recover(cause, (), time.time(), in_round=True)
+
     def recover(self, action: Action, failures: Sequence[FailureRecord], seen_at: float
                 ) -> str | None:
         """Replaces the failed workers and publishes the next generation; returns why that
         failed (the agent then restarts the group through its restart path), or None."""
+        return self._recover(action.reason, failures, seen_at,
+                             in_round=self._group().group_world_size > 1)
+
+    def _recover(self, cause: str, failures: Sequence[FailureRecord], seen_at: float, *,
+                 in_round: bool) -> str | None:
         decided_at = time.time()
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
@@ -342,7 +364,7 @@ class InProcessRecovery:
             self.coordinator.interrupt()
         except OSError as e:  # the survivors then leave when their collectives raise
             logger.warning("could not write the interrupt notice: %s", e)
-        if self._group().group_world_size > 1:  # another node's worker failed
+        if in_round:  # another node's worker failed, or nodes join
             generation = self._next_round_generation(pids)
             if generation is None:
                 return None
@@ -353,7 +375,7 @@ class InProcessRecovery:
                 logger.exception("could not replace workers %s in process", replace)
                 return f"{type(e).__name__}: {e}"
         self.coordinator.recovery = Recovery(
-            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
+            generation.generation, cause, seen_at, decided_at, time.time(), replaced,
             time.monotonic() + self.coordinator.join_limit_s, times=self._times)
         self.armed_pids = {}
         group = self.agent.group_info()

@@ -389,18 +389,29 @@ class Checkpointer:
         return self._report_loaded(self._loader.load)
 
     def restore(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+        replicas: Any = None,
     ) -> tuple[int, dict[str, Any]] | None:
         """:meth:`load` applied to ``model`` and ``optimizer``; returns (step, extras).
 
         From shared memory the state is copied straight into the live tensors, with no
         intermediate copy (see :class:`~elasticft.ckpt.restoring.state.LiveState`).
+        ``replicas``: the process group of the ranks whose state equals this rank's (its
+        data-parallel replicas, not a group FSDP2 shards over); a member that holds no snapshot
+        (a rank a growth in process brought) is then healed from a live member's memory
+        (:mod:`elasticft.ckpt.restoring.heal`).
         """
         from elasticft.ckpt.restoring.state import LiveState
 
         self._wait_inflight()
+
+        def load() -> tuple[int, dict[str, Any]] | None:
+            live = LiveState(model, optimizer)
+            healed = self._loader.heal(live, replicas) if replicas is not None else None
+            return healed if healed is not None else self._loader.load(live)
+
         try:
-            return self._report_loaded(lambda: self._loader.load(LiveState(model, optimizer)))
+            return self._report_loaded(load)
         except StateMismatch as e:
             # Another model than the checkpoint's (a relaunch whose arguments changed its
             # shapes): the agent stops the run at once (elasticft.addon.policy); say how to go on.

@@ -36,6 +36,8 @@ PLAN = ["--plan-model", str(EXAMPLES / "train_3d_model.json"), "--plan-hardware"
         "--layout", "2,1,*"]
 STEPS = 8
 KILL_AFTER = 3
+GROW_STEPS = 24
+"""Long enough for the second node's agent to start and ask to join before the first ends."""
 
 
 def _losses(path: Path) -> list[dict[str, Any]]:
@@ -51,10 +53,11 @@ def _final(path: Path) -> dict[int, dict[str, Any]]:
 class TwoNodes:
     """Two agents as nodes of one job, two workers each."""
 
-    def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, *train: str) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, *train: str,
+                 steps: int = STEPS) -> None:
         self.tmp, self.env, self.endpoint = tmp, {**env, "OMP_NUM_THREADS": "1"}, endpoint
         self.loss_log, self.pid_log = tmp / "loss.jsonl", tmp / "pids.log"
-        self.train = [str(TRAINER), "--inprocess", "--steps", str(STEPS), "--step-sleep",
+        self.train = [str(TRAINER), "--inprocess", "--steps", str(steps), "--step-sleep",
                       "0.3", "--loss-log", str(self.loss_log), "--pid-log", str(self.pid_log),
                       *train]
         self.agents: dict[str, subprocess.Popen[str]] = {}
@@ -206,3 +209,75 @@ def test_fsdp2_sharded_over_dp_cannot_shrink_in_process_and_restarts_with_the_re
         assert final[STEPS]["dp"] == 1
     finally:
         job.close()
+
+
+@pytest.mark.timeout(420)
+def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
+        etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path) -> None:
+    # The reference's first part: TP2 x DP1 (accumulation 2) on one node, a DCP checkpoint of
+    # every step; restarted into TP2 x DP2 from the step the growth resumed from.
+    ckpt = tmp_path / "ref-ckpt"
+    ref_log = tmp_path / "ref.jsonl"
+    reference = subprocess.Popen(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--run-dir",
+         str(tmp_path / "run-ref"), *PLAN, str(TRAINER), "--steps", str(GROW_STEPS),
+         "--ckpt-dir", str(ckpt), "--loss-log", str(ref_log)],
+        env={**job_env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    job = TwoNodes(tmp_path, job_env, etcd_server.endpoint, steps=GROW_STEPS)
+    try:
+        job.start("a")
+        deadline = time.monotonic() + 150
+        while not _losses(job.loss_log):
+            assert time.monotonic() < deadline, job.outputs()
+            assert job.agents["a"].poll() is None, job.outputs()
+            time.sleep(0.1)
+        before = pids_by_rank(job.pid_log)
+        job.start("b")  # the node comes back: it waits to join the running job
+        for name in ("a", "b"):
+            assert job.agents[name].wait(240) == 0, job.outputs()
+        out, _ = reference.communicate(timeout=240)
+        assert reference.returncode == 0, out[-4000:]
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+        job.close()
+
+    reshapes = job.events("a", "reshape")
+    assert [e["in_process"] for e in reshapes] == [True], job.outputs()
+    assert reshapes[0]["world"] == [2, 4] and reshapes[0]["new"] == \
+        "TP2xPP1xDP2 (grad accum 1)", reshapes
+    assert not job.events("a", "restart"), job.outputs()
+    assert len(job.events("a", "workers_started")) == 1
+    assert len(job.events("a", "recover_in_process")) == 1, job.outputs()
+    # The survivors kept their processes under their new ranks; the newcomers healed from them.
+    moves = {int(k): v for k, v in reshapes[0]["moves"].items()}
+    after = pids_by_rank(job.pid_log)
+    for old, new in moves.items():
+        assert after[new][-1] == before[old][0], (before, after, moves)
+    assert len({p for pids in after.values() for p in pids}) == 4, after
+    healed = [e for e in job.events("b", "restore") if e.get("source") == "replica"]
+    assert healed, job.outputs()
+    text = job.output("a") + job.output("b")
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+) \(source=\w+\) in "
+                                          r"TP2xPP1xDP2", text)]
+    assert len(resumed) == 1 and resumed[0] >= 1, text[-4000:]
+    start = resumed[0]
+    got_lines = _losses(job.loss_log)
+    redone = len(got_lines) - len({e["step"] for e in got_lines})
+    assert redone <= 1, got_lines
+
+    restart_ckpt = tmp_path / "restart-ckpt"
+    restart_ckpt.mkdir()
+    (restart_ckpt / f"step_{start:06d}").symlink_to(ckpt / f"step_{start:06d}")
+    restart_log = tmp_path / "restart.jsonl"
+    _launch(tmp_path, job_env, 4, "restart", "--steps", str(GROW_STEPS), "--ckpt-dir",
+            str(restart_ckpt), "--ckpt-every", str(GROW_STEPS), "--loss-log",
+            str(restart_log))
+    want = {s: e["loss"] for s, e in _final(ref_log).items() if s <= start}
+    want.update({s: e["loss"] for s, e in _final(restart_log).items()})
+    got = _final(job.loss_log)
+    assert sorted(got) == list(range(1, GROW_STEPS + 1))
+    assert {(e["tp"], e["dp"], e["grad_accum"]) for s, e in got.items() if s > start} == {
+        (2, 2, 1)}
+    assert {s: e["loss"] for s, e in got.items()} == want  # bitwise: JSON keeps a float exact

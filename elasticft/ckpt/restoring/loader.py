@@ -122,6 +122,26 @@ class SnapshotLoader:
                                 f"({self.last_where}) into this model: {e}") from None
             excluded.add(step)
 
+    def heal(self, live: Any, group: Any) -> Any:
+        """``(step, extras)`` when a member of this rank's replica ``group`` held nothing and
+        was healed from a live member's memory (:mod:`elasticft.ckpt.restoring.heal`), else
+        None. Collective."""
+        from elasticft.ckpt.restoring.heal import heal
+
+        if not (self._ranks.active and self.settings.shm_slots):
+            return None
+        memory = MemoryTier(SlotSet(self.settings.shm_slots, self._slot_count),
+                            held_as=self.held_as)
+        try:
+            healed = heal(memory, self.rank, self.world_size, live, group)
+        finally:
+            memory.close()
+        if healed is None:
+            return None
+        step, extras, source = healed
+        self.last_source, self.last_where = "replica", f"rank {source}'s memory (live)"
+        return step, extras
+
     def _reshard(self, tiers: list[Tier], live: Any) -> Any:
         """``(step, extras)`` of the newest durable step written at another world size, loaded
         by ``dcp.load`` (:mod:`elasticft.ckpt.restoring.reshard`); None if there is none."""
