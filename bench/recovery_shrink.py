@@ -1,21 +1,26 @@
 """A node lost with no standby, TP2 x DP2 on 4 ranks shrinking to TP2 x DP1 (gradient
-accumulation 2): kill -> first step, in process against the restart mode, on a real etcd server.
+accumulation 2), and a node that arrives later growing it back: the time to the first step in
+the new layout, in process against the restart mode, on a real etcd server.
 
 Two ``elasticft-run`` agents on this machine are two nodes of two workers each (``--nnodes
 1:2``, ``--local-addr 127.0.0.1``), training ``examples/train_3d.py`` with the planner
-(``--plan-model examples/train_3d_model.json --layout 2,1,*``). Once training is past
-``--fault-step``, every process of the node that does not lead the rendezvous is SIGKILLed at
-once; the bench follows the loss log (polled every 20 ms) and prints the seconds from the kill
-to the first step logged in the new layout.
+(``--plan-model examples/train_3d_model.json --layout 2,1,*``); the bench follows the loss log
+(polled every 20 ms).
 
-* ``restart``: DCP checkpoints every step (``--ckpt-dir``); the survivor's agent restarts its
-  workers in TP2 x DP1, which load the newest checkpoint into the new mesh.
-* ``inprocess``: ``--inprocess`` (snapshots of every step in the agent's memory); the
-  survivor's workers keep their processes, regroup in the new round, take the new layout in
-  place and restore the newest step they hold from memory.
+* ``shrink``: once training is past ``--fault-step``, every process of the node that does not
+  lead the rendezvous is SIGKILLed at once; kill -> first step in TP2 x DP1.
+* ``grow``: one node trains alone (TP2 x DP1) past ``--fault-step``; the second node's agent is
+  then started; its start -> first step in TP2 x DP2 (its interpreter's start and torch's
+  import included, which a standby already waiting would have paid).
 
-    .venv/bin/python bench/recovery_shrink.py                      # both modes, one run each
-    .venv/bin/python bench/recovery_shrink.py --modes inprocess --runs 3
+Modes: ``restart``, DCP checkpoints every step (``--ckpt-dir``): the agent restarts its workers
+in the new layout, which load the newest checkpoint into the new mesh; ``inprocess``
+(``--inprocess``, snapshots of every step in the agent's memory): the running workers keep their
+processes, regroup in the new round and take the new layout in place; after a growth the new
+ranks heal from a data-parallel replica's memory.
+
+    .venv/bin/python bench/recovery_shrink.py                      # both cases and modes
+    .venv/bin/python bench/recovery_shrink.py --cases shrink --modes inprocess --runs 3
 """
 
 from __future__ import annotations
@@ -47,47 +52,60 @@ PLAN = ["--plan-model", str(ROOT / "examples" / "train_3d_model.json"), "--plan-
         "cpu", "--layout", "2,1,*"]
 
 
-def measure(mode: str, args: argparse.Namespace, endpoint: str, run: int) -> str:
-    tmp = Path(tempfile.mkdtemp(prefix=f"recovery-shrink-{mode}-"))
-    job_id = f"shrink-{mode}-{run}"
+def measure(case: str, mode: str, args: argparse.Namespace, endpoint: str, run: int) -> str:
+    tmp = Path(tempfile.mkdtemp(prefix=f"recovery-{case}-{mode}-"))
+    job_id = f"{case}-{mode}-{run}"
     loss_log = tmp / "loss.log"
     train = ["--steps", str(args.steps), "--loss-log", str(loss_log), "--step-sleep", "0.1"]
     train += ["--inprocess"] if mode == "inprocess" else ["--ckpt-dir", str(tmp / "ckpt")]
     nodes: dict[str, subprocess.Popen[bytes]] = {}
     env = {**clean_job_env(), "OMP_NUM_THREADS": "1"}
-    try:
-        for name in ("a", "b"):
-            cmd = [str(BIN / "elasticft-run"), "--nnodes", "1:2", "--nproc-per-node", "2",
+    def start(name: str) -> None:
+        cmd = [str(BIN / "elasticft-run"), "--nnodes", "1:2", "--nproc-per-node", "2",
                    "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id,
                    "--local-addr", "127.0.0.1", "--node-id", name, "--run-dir",
                    str(tmp / f"run-{name}"), "--max-restarts", "3", "--ckpt-persist-every",
-                   "0", *PLAN, str(THREE_D), *train]
-            with (tmp / f"{name}.log").open("w") as out:
-                nodes[name] = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=out,
-                                               stderr=subprocess.STDOUT, start_new_session=True)
-        wait(f"step {args.fault_step} in TP2xDP2",
-             lambda: any(s >= args.fault_step and "DP2" in lay for s, lay in read_log(loss_log)),
-             args.start_timeout)
-        leader, _ = chaos.leader_agent(endpoint, job_id)
-        victim = next(n for n in nodes if n != leader)
-        killed = chaos.kill_process_tree(nodes[victim].pid)
+               "0", *PLAN, str(THREE_D), *train]
+        with (tmp / f"{name}.log").open("w") as out:
+            nodes[name] = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+
+    before, after = ("DP2", "DP1") if case == "shrink" else ("DP1", "DP2")
+    try:
+        for name in ("a", "b") if case == "shrink" else ("a",):
+            start(name)
+        wait(f"step {args.fault_step} in TP2x{before}",
+             lambda: any(s >= args.fault_step and before in lay
+                         for s, lay in read_log(loss_log)), args.start_timeout)
+        if case == "shrink":
+            survivor, _ = chaos.leader_agent(endpoint, job_id)
+            victim = next(n for n in nodes if n != survivor)
+            killed = chaos.kill_process_tree(nodes[victim].pid)
+            what = f"killed node {victim} ({len(killed)} processes): kill"
+        else:
+            survivor, what = "a", "node b started:   start"
+            start("b")
         t0 = time.monotonic()
         first = None
         while time.monotonic() - t0 < args.cap:
-            shrunk = [(s, lay) for s, lay in read_log(loss_log) if "DP1" in lay]
-            if shrunk:
-                first = (time.monotonic() - t0, shrunk[0])
+            changed = [(s, lay) for s, lay in read_log(loss_log) if after in lay]
+            if changed:
+                first = (time.monotonic() - t0, changed[0])
                 break
             time.sleep(0.02)
-        events = read_events(tmp / f"run-{leader}")
-        kinds = [e["kind"] for e in events]
+        settle = time.monotonic() + 15  # the recovery's event comes once every rank resumed
+        while True:
+            kinds = [e["kind"] for e in read_events(tmp / f"run-{survivor}")]
+            if {"recover_in_process", "restart"} & set(kinds) or time.monotonic() > settle:
+                break
+            time.sleep(0.1)
         how = (f"{kinds.count('recover_in_process')} in process, {kinds.count('restart')} "
                "restart")
         if first is None:
-            return f"{mode:9s} killed node {victim}: no step within {args.cap:.0f} s ({how})"
+            return f"{case:6s} {mode:9s} {what}: no step within {args.cap:.0f} s ({how})"
         seconds, (step, layout) = first
-        return (f"{mode:9s} killed node {victim} ({len(killed)} processes): kill -> first step "
-                f"{seconds:6.2f} s (step {step}, {layout}; {how})")
+        return (f"{case:6s} {mode:9s} {what} -> first step {seconds:6.2f} s (step {step}, "
+                f"{layout}; {how})")
     finally:
         for proc in nodes.values():
             with contextlib.suppress(chaos.ChaosError):
@@ -100,6 +118,8 @@ def measure(mode: str, args: argparse.Namespace, endpoint: str, run: int) -> str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["shrink", "grow"],
+                        choices=["shrink", "grow"])
     parser.add_argument("--modes", nargs="+", default=["restart", "inprocess"],
                         choices=["restart", "inprocess"])
     parser.add_argument("--runs", type=int, default=1)
@@ -118,8 +138,9 @@ def main() -> None:
     server.start()
     try:
         for run in range(args.runs):
-            for mode in args.modes:
-                print(measure(mode, args, server.endpoint, run), flush=True)
+            for case in args.cases:
+                for mode in args.modes:
+                    print(measure(case, mode, args, server.endpoint, run), flush=True)
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)

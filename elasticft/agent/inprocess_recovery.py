@@ -35,7 +35,10 @@ joins the next rendezvous round with its workers still running (a warm standby t
 node's place there, with its ranks) and publishes that round's worker address as the next
 generation (``InProcessCoordinator.publish_round``; the survivor of rank 0 hosts the store,
 as torch's ``env://`` would). The other nodes' new workers meet the survivors there. A round
-that gives this node's workers other ranks restarts them in that round.
+that gives this node's workers other ranks or another world (a node lost with no standby, a
+node that joins: :meth:`InProcessRecovery.grow`) is a *reshape*:
+:func:`elasticft.agent.reshape.decide` says whether the survivors renumber and go on in process (the generation then carries each
+local rank's new variables) or restart in that round, and why (a ``reshape`` event).
 
 **The agent holds it.** :class:`InProcessRecovery` is an object of the agent's, not a part of
 it: what it needs of the agent comes through :class:`AgentSide` (torch's process context and
@@ -57,6 +60,7 @@ from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
+from elasticft.agent import reshape
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.agent.recovery_timing import Recovery, phases
 from elasticft.agent.replace import replace_after_kill, start_replacements
@@ -67,7 +71,6 @@ from elasticft.events import EventLog
 from elasticft.jsonfile import read_json
 from elasticft.plan import worker as plan_worker
 from elasticft.plan.api import Layout, PlanError
-from elasticft.recovery import reshape
 from elasticft.recovery.protocol import Generation, worker_file
 
 logger = logging.getLogger(__name__)
@@ -465,7 +468,7 @@ class InProcessRecovery:
     def _reshape_facts(self, pids: Mapping[int, int | None], before: list[tuple[int, int]],
                        after: list[tuple[int, int]], old_layout: Layout,
                        envs: Mapping[int, Mapping[str, str]]) -> reshape.ReshapeFacts:
-        """What :func:`elasticft.recovery.reshape.decide` sees of this round: the layouts
+        """What :func:`elasticft.agent.reshape.decide` sees of this round: the layouts
         before and after, the worlds, this node's ranks, and what the workers said when they
         armed (whether they follow a layout change, what their state is sharded over)."""
         records = [self.coordinator.armed_record(lr, pid) for lr, pid in pids.items()]

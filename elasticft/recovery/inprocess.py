@@ -33,6 +33,13 @@ equal), as are groups made with ``new_group``. Modules sharded in the set-up (FS
 ``InProcess(modules=[model])``: after the regroup their device meshes' groups are made again
 and FSDP2 is pointed at them (:mod:`elasticft.recovery.meshes`).
 
+A generation that reshapes the job (:mod:`elasticft.agent.reshape`: a node lost with no
+standby, or one that joins) carries this rank's new variables: the survivor sets them, regroups as
+its new rank in the new world, re-points the kept meshes at the new layout's shape
+(:meth:`~elasticft.recovery.meshes.KeptModules.reshape`) and renumbers its checkpointers; the
+function, which reads ``elasticft.layout()`` at each entry (``follows_layout=True``), goes on in
+the new layout.
+
 Whatever goes wrong during recovery falls back to the agent's full restart from the same
 snapshots: an error that is not a peer failure (a bug, a CUDA error: the device's context may be
 unusable after it) is raised as before, and a generation that does not come within the timeout
@@ -153,7 +160,7 @@ class InProcess:
         self.follows_layout = follows_layout
         """The training function reads ``elasticft.layout()``, its rank and world size at each
         entry: a round that shrinks or grows the world then goes on in process when it can
-        (:mod:`elasticft.recovery.reshape`); without it such a round restarts the workers."""
+        (:mod:`elasticft.agent.reshape`); without it such a round restarts the workers."""
         self.modules = tuple(modules)
         """The sharded modules (FSDP2, tensor parallel) built before :meth:`run` and kept
         through recoveries: their device meshes' groups are made again after a regroup

@@ -183,7 +183,7 @@ class KeptModules:
         return sorted(dims)
 
     def reshape(self, sizes: Mapping[str, int]) -> str:
-        """After a regroup into another world (:mod:`elasticft.recovery.reshape`): each kept
+        """After a regroup into another world (:mod:`elasticft.agent.reshape`): each kept
         device mesh becomes the mesh of the new shape, in place. Its dimensions are named after
         the layout's (``pp``, ``dp``, ``tp``) and ``sizes`` gives their new sizes. The new root
         mesh is made as the script's ``init_device_mesh`` makes it (same groups, same order, as

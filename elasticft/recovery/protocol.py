@@ -81,7 +81,7 @@ class Generation:
     """The store is an agent's (every rank connects as a client); False: rank 0 hosts it, as
     torch's ``env://`` rendezvous makes it (a new rendezvous round's own address)."""
     env: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
-    """A reshape (:mod:`elasticft.recovery.reshape`): the variables that change for each local
+    """A reshape (:mod:`elasticft.agent.reshape`): the variables that change for each local
     rank (``RANK``, ``WORLD_SIZE``, the layout's...), which the survivor sets before it regroups
     with its new rank; empty: every rank and the layout stay."""
 

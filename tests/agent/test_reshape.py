@@ -1,5 +1,5 @@
 """The decision of a round that changes the world under running workers (pure, a table): in
-process, or a restart with its reason (:func:`elasticft.recovery.reshape.decide`)."""
+process, or a restart with its reason (:func:`elasticft.agent.reshape.decide`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from elasticft.agent.reshape import ReshapeFacts, decide
 from elasticft.plan.api import Layout
-from elasticft.recovery.reshape import ReshapeFacts, decide
 
 TP2_DP2 = Layout(tp=2, pp=1, dp=2)
 TP2_DP1 = Layout(tp=2, pp=1, dp=1, grad_accum=2)
