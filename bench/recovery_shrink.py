@@ -11,7 +11,8 @@ Two ``elasticft-run`` agents on this machine are two nodes of two workers each (
   lead the rendezvous is SIGKILLed at once; kill -> first step in TP2 x DP1.
 * ``grow``: one node trains alone (TP2 x DP1) past ``--fault-step``; the second node's agent is
   then started; its start -> first step in TP2 x DP2 (its interpreter's start and torch's
-  import included, which a standby already waiting would have paid).
+  import included, which a standby already waiting would have paid), and the pause of
+  training: the last step logged in TP2 x DP1 -> the first in TP2 x DP2.
 
 Modes: ``restart``, DCP checkpoints every step (``--ckpt-dir``): the agent restarts its workers
 in the new layout, which load the newest checkpoint into the new mesh; ``inprocess``
@@ -87,11 +88,15 @@ def measure(case: str, mode: str, args: argparse.Namespace, endpoint: str, run: 
             start("b")
         t0 = time.monotonic()
         first = None
+        old_steps, old_at = -1, t0
         while time.monotonic() - t0 < args.cap:
-            changed = [(s, lay) for s, lay in read_log(loss_log) if after in lay]
+            lines = read_log(loss_log)
+            changed = [(s, lay) for s, lay in lines if after in lay]
             if changed:
                 first = (time.monotonic() - t0, changed[0])
                 break
+            if len(lines) != old_steps:  # a step in the old layout: training still goes on
+                old_steps, old_at = len(lines), time.monotonic()
             time.sleep(0.02)
         settle = time.monotonic() + 15  # the recovery's event comes once every rank resumed
         while True:
@@ -104,8 +109,10 @@ def measure(case: str, mode: str, args: argparse.Namespace, endpoint: str, run: 
         if first is None:
             return f"{case:6s} {mode:9s} {what}: no step within {args.cap:.0f} s ({how})"
         seconds, (step, layout) = first
-        return (f"{case:6s} {mode:9s} {what} -> first step {seconds:6.2f} s (step {step}, "
-                f"{layout}; {how})")
+        stall = "" if case == "shrink" else \
+            f", {t0 + seconds - old_at:5.2f} s after the last step in the old layout"
+        return (f"{case:6s} {mode:9s} {what} -> first step {seconds:6.2f} s{stall} (step "
+                f"{step}, {layout}; {how})")
     finally:
         for proc in nodes.values():
             with contextlib.suppress(chaos.ChaosError):
