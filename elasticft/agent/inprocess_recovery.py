@@ -37,8 +37,9 @@ generation (``InProcessCoordinator.publish_round``; the survivor of rank 0 hosts
 as torch's ``env://`` would). The other nodes' new workers meet the survivors there. A round
 that gives this node's workers other ranks or another world (a node lost with no standby, a
 node that joins: :meth:`InProcessRecovery.grow`) is a *reshape*:
-:func:`elasticft.agent.reshape.decide` says whether the survivors renumber and go on in process (the generation then carries each
-local rank's new variables) or restart in that round, and why (a ``reshape`` event).
+:func:`elasticft.agent.reshape.decide` says whether the survivors renumber and go on in process
+(the generation then carries each local rank's new variables) or restart in that round, and
+why (a ``reshape`` event).
 
 **The agent holds it.** :class:`InProcessRecovery` is an object of the agent's, not a part of
 it: what it needs of the agent comes through :class:`AgentSide` (torch's process context and
