@@ -97,15 +97,18 @@ class InProcessCoordinator:
                                      str(record.get("cause", "")))
         return found
 
-    def interrupt(self) -> None:
+    def interrupt(self, at_step: bool = False) -> None:
         """Tells every survivor at once that the current generation is over: their monitors
         end their process groups and free their main threads (the failure is known here
-        before a survivor's collective could say so, or when it never would)."""
+        before a survivor's collective could say so, or when it never would). ``at_step``: no
+        peer failed (nodes join), so each survivor stops at its next step boundary instead,
+        and its groups are ended only if it reaches none in time
+        (:mod:`elasticft.recovery.interrupt`)."""
         if self._interrupted == self.generation:
             return
         self._interrupted = self.generation
         write_json(self.directory / INTERRUPT_FILE, {"ended": self.generation,
-                                                     "time": time.time()})
+                                                     "time": time.time(), "at_step": at_step})
 
     def publish(self, master_addr: str, world_size: int) -> Generation:
         """Starts the next generation's store and tells the survivors where it is."""

@@ -348,7 +348,7 @@ class InProcessRecovery:
         decided as a shrink's is (:meth:`_next_round_generation`); returns why that failed
         (the agent then restarts the group), or None."""
         logger.warning("%s: the workers regroup in process with the new node(s)", cause)
-        return self._recover(cause, (), time.time(), in_round=True)
+        return self._recover(cause, (), time.time(), in_round=True, at_step=True)
 
     def recover(self, action: Action, failures: Sequence[FailureRecord], seen_at: float
                 ) -> str | None:
@@ -358,14 +358,14 @@ class InProcessRecovery:
                              in_round=self._group().group_world_size > 1)
 
     def _recover(self, cause: str, failures: Sequence[FailureRecord], seen_at: float, *,
-                 in_round: bool) -> str | None:
+                 in_round: bool, at_step: bool = False) -> str | None:
         decided_at = time.time()
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
         replaced: dict[int, int] = {}
         self._times = {}
         try:
-            self.coordinator.interrupt()
+            self.coordinator.interrupt(at_step=at_step)
         except OSError as e:  # the survivors then leave when their collectives raise
             logger.warning("could not write the interrupt notice: %s", e)
         if in_round:  # another node's worker failed, or nodes join

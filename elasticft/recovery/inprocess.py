@@ -385,6 +385,9 @@ class InProcess:
             restored = self._restore_end(now)
             self._write("resumed", {**self._phases, "resumed": now,
                                     **({"restored": restored} if restored is not None else {})})
+        if self.monitor is not None and self.monitor.stop_due():
+            raise PeerInterrupted(f"generation {self.generation} ended by the agent at a step "
+                                  "boundary (nodes join)")
 
     def _restore_end(self, now: float) -> float | None:
         """When this entry's restore ended, if it was reported after the entry's join and

@@ -104,12 +104,10 @@ class TwoNodes:
                 proc.wait()
 
 
-def _run_to_node_loss(tmp: Path, env: dict[str, str], endpoint: str, *train: str
-                      ) -> tuple[TwoNodes, str, dict[int, list[int]]]:
+def _run_to_node_loss(job: TwoNodes) -> tuple[str, dict[int, list[int]]]:
     """Both nodes train TP2 x DP2 to step KILL_AFTER; the leader's node is then killed and the
-    survivor runs to the end. Returns the job, the survivor's name and the pids by rank
-    before the loss."""
-    job = TwoNodes(tmp, env, endpoint, *train)
+    survivor runs to the end. Returns the survivor's name and the pids by rank before the
+    loss."""
     job.start("a")
     job.start("b")
     deadline = time.monotonic() + 150
@@ -121,7 +119,7 @@ def _run_to_node_loss(tmp: Path, env: dict[str, str], endpoint: str, *train: str
     _, survivor = job.kill_leader()
     code = job.agents[survivor].wait(240)
     assert code == 0, job.outputs()
-    return job, survivor, before
+    return survivor, before
 
 
 def _launch(tmp: Path, env: dict[str, str], nproc: int, name: str, *train: str) -> str:
@@ -146,16 +144,15 @@ def test_a_node_lost_without_standby_shrinks_in_process_to_tp2_dp1(
          str(ckpt), "--loss-log", str(ref_log)],
         env={**job_env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
+    job = TwoNodes(tmp_path, job_env, etcd_server.endpoint)
     try:
-        job, survivor, before = _run_to_node_loss(tmp_path, job_env, etcd_server.endpoint)
+        survivor, before = _run_to_node_loss(job)
         out, _ = reference.communicate(timeout=240)
         assert reference.returncode == 0, out[-4000:]
     finally:
         if reference.poll() is None:
             reference.kill()
-        job_close = locals().get("job")
-        if job_close is not None:
-            job_close.close()
+        job.close()
 
     text = job.output(survivor)
     reshapes = job.events(survivor, "reshape")
@@ -194,8 +191,9 @@ def test_a_node_lost_without_standby_shrinks_in_process_to_tp2_dp1(
 @pytest.mark.timeout(420)
 def test_fsdp2_sharded_over_dp_cannot_shrink_in_process_and_restarts_with_the_reason(
         etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path) -> None:
-    job, survivor, _ = _run_to_node_loss(tmp_path, job_env, etcd_server.endpoint, "--fsdp")
+    job = TwoNodes(tmp_path, job_env, etcd_server.endpoint, "--fsdp")
     try:
+        survivor, _ = _run_to_node_loss(job)
         reshapes = job.events(survivor, "reshape")
         assert [e["in_process"] for e in reshapes] == [False], job.outputs()
         assert reshapes[0]["sharded_over"] == ["dp"]

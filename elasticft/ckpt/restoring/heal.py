@@ -52,7 +52,10 @@ def heal(memory: MemoryTier, rank: int, world_size: int, live: Any, group: Any
     step = max(common)
     holders = [i for i, steps in enumerate(in_group) if step in steps]
     needy = [0 if len(holders) == size else 1]
-    flag = torch.tensor(needy, dtype=torch.int64)
+    # NCCL moves only device tensors (its object collectives use the current device).
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if str(dist.get_backend(group)).lower() == "nccl" else torch.device("cpu"))
+    flag = torch.tensor(needy, dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not int(flag.item()):
         return None  # every rank holds it: the ordinary restore
@@ -67,10 +70,11 @@ def heal(memory: MemoryTier, rank: int, world_size: int, live: Any, group: Any
         sent: list[Any] = [manifest if rank == source else None,
                            len(payload) if rank == source and payload is not None else 0]
         dist.broadcast_object_list(sent, src=source, group=group)
-        buffer = torch.empty(int(sent[1]), dtype=torch.uint8)
+        buffer = torch.empty(int(sent[1]), dtype=torch.uint8, device=device)
         if rank == source and len(buffer):
             buffer.copy_(torch.frombuffer(payload, dtype=torch.uint8))
         dist.broadcast(buffer, src=source, group=group)
+        buffer = buffer.cpu()
         if step in mine:
             extras = live.apply(manifest, payload, {})
         else:
