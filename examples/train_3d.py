@@ -227,15 +227,22 @@ def train_in_process(args: argparse.Namespace, layout: Layout, model: nn.Module,
              and dist.get_rank() == args.fault_rank}
 
     def train() -> None:
+        # The layout of this entry: after a shrink or a growth in process the survivors keep
+        # their modules (the mesh took the new shape) and go on in the new layout.
+        now = elasticft.layout()
         start = 0
-        restored = ckpt.restore(model, optimizer)  # in place, into the live shards
+        # In place, into the live shards; a rank that a growth brought, holding nothing, heals
+        # from its data-parallel replica's memory (replicated state only: not under FSDP2).
+        restored = ckpt.restore(model, optimizer,
+                                replicas=None if args.fsdp else mesh["dp"].get_group())
         if restored is not None:
             start = restored[0]
             if dist.get_rank() == 0:
-                print(f"resumed from step {start} (source={ckpt.last_source})", flush=True)
+                print(f"resumed from step {start} (source={ckpt.last_source}) in "
+                      f"{now.describe()}", flush=True)
         for step in range(start, args.steps):
             done = step + 1
-            log_loss(args, layout, done, train_step(step, model, optimizer, mesh, layout, args))
+            log_loss(args, now, done, train_step(step, model, optimizer, mesh, now, args))
             request = ckpt.save(done, snapshot(extra={"step": done}))
             if armed["fault"] and done == args.crash_at_step:
                 request.wait()
@@ -244,7 +251,7 @@ def train_in_process(args: argparse.Namespace, layout: Layout, model: nn.Module,
             if args.step_sleep:
                 time.sleep(args.step_sleep)
 
-    recovery = InProcess(modules=[model])
+    recovery = InProcess(modules=[model], follows_layout=True)
     recovery.run(train)
     ckpt.close()
     if dist.get_rank() == 0:

@@ -394,8 +394,13 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                 waiting = spec.rdzv_handler.num_nodes_waiting()
                 if waiting > 0:
                     # Membership changes are not failures and do not use up restarts.
-                    logger.info("%d node(s) waiting to join; restarting the worker group", waiting)
                     cause = f"membership change: {waiting} node(s) waiting"
+                    if self.in_process.may_grow():
+                        failed = self.in_process.grow(cause)
+                        if failed is None:
+                            continue
+                        cause = f"{cause}; the growth in process failed: {failed}"
+                    logger.info("%d node(s) waiting to join; restarting the worker group", waiting)
                     self._restart(cause=cause, counted=False)
                 continue
             raise RuntimeError(f"[{role}] worker group in unexpected state {state.name}")
@@ -530,7 +535,23 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             group = self.group_info()
             self._each_collaborator("on_workers_started", lambda c: c.on_workers_started(group))
 
+        def round_env(local_rank: int) -> dict[str, str]:
+            wg = self._worker_group
+            worker = wg.workers[local_rank]
+            env = {"RANK": str(worker.global_rank), "WORLD_SIZE": str(worker.world_size),
+                   "ROLE_RANK": str(worker.role_rank),
+                   "ROLE_WORLD_SIZE": str(worker.role_world_size),
+                   "GROUP_RANK": str(wg.group_rank), "GROUP_WORLD_SIZE": str(wg.group_world_size),
+                   ROUND_ENV: str(self._round)}
+            group = self.group_info()
+            info = next(w for w in group.workers if w.local_rank == local_rank)
+            for extra in self._each_collaborator("worker_env",
+                                                 lambda c: c.worker_env(group, info)):
+                env.update(extra or {})
+            return env
+
         return AgentSide(
+            round_env=round_env,
             context=lambda: self._pcontext, worker_group=lambda: self._worker_group,
             warm_pool=lambda: self.warm_pool, attempt=lambda: self._attempt,
             next_attempt=next_attempt, round=lambda: self._round,

@@ -83,6 +83,10 @@ class InProcessCoordinator:
         return bool(pids) and all(self._record("armed", lr, pid) is not None
                                   for lr, pid in pids.items())
 
+    def armed_record(self, local_rank: int, pid: int | None) -> dict[str, Any]:
+        """What a worker said of itself when it armed (empty: not armed)."""
+        return self._record("armed", local_rank, pid) or {}
+
     def waiting(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
         """Workers that caught a peer failure in the current generation: when, and its cause."""
         found = {}
@@ -93,15 +97,18 @@ class InProcessCoordinator:
                                      str(record.get("cause", "")))
         return found
 
-    def interrupt(self) -> None:
+    def interrupt(self, at_step: bool = False) -> None:
         """Tells every survivor at once that the current generation is over: their monitors
         end their process groups and free their main threads (the failure is known here
-        before a survivor's collective could say so, or when it never would)."""
+        before a survivor's collective could say so, or when it never would). ``at_step``: no
+        peer failed (nodes join), so each survivor stops at its next step boundary instead,
+        and its groups are ended only if it reaches none in time
+        (:mod:`elasticft.recovery.interrupt`)."""
         if self._interrupted == self.generation:
             return
         self._interrupted = self.generation
         write_json(self.directory / INTERRUPT_FILE, {"ended": self.generation,
-                                                     "time": time.time()})
+                                                     "time": time.time(), "at_step": at_step})
 
     def publish(self, master_addr: str, world_size: int) -> Generation:
         """Starts the next generation's store and tells the survivors where it is."""
@@ -115,12 +122,13 @@ class InProcessCoordinator:
         return generation
 
     def publish_round(self, master_addr: str, master_port: int, world_size: int,
-                      agent_store: bool) -> Generation:
+                      agent_store: bool, env: Mapping[str, Mapping[str, str]] | None = None
+                      ) -> Generation:
         """Tells the survivors the workers' store of a new rendezvous round (whose new workers
-        on other nodes meet them there)."""
+        on other nodes meet them there); ``env``: a reshape's variables per local rank."""
         self.generation += 1
         generation = Generation(self.generation, master_addr, master_port, world_size,
-                                agent_store)
+                                agent_store, dict(env or {}))
         generation.write(self.directory)
         self.published = None
         return generation

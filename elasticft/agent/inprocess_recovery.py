@@ -35,7 +35,11 @@ joins the next rendezvous round with its workers still running (a warm standby t
 node's place there, with its ranks) and publishes that round's worker address as the next
 generation (``InProcessCoordinator.publish_round``; the survivor of rank 0 hosts the store,
 as torch's ``env://`` would). The other nodes' new workers meet the survivors there. A round
-that gives this node's workers other ranks restarts them in that round.
+that gives this node's workers other ranks or another world (a node lost with no standby, a
+node that joins: :meth:`InProcessRecovery.grow`) is a *reshape*:
+:func:`elasticft.agent.reshape.decide` says whether the survivors renumber and go on in process
+(the generation then carries each local rank's new variables) or restart in that round, and
+why (a ``reshape`` event).
 
 **The agent holds it.** :class:`InProcessRecovery` is an object of the agent's, not a part of
 it: what it needs of the agent comes through :class:`AgentSide` (torch's process context and
@@ -57,6 +61,7 @@ from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
+from elasticft.agent import reshape
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.agent.recovery_timing import Recovery, phases
 from elasticft.agent.replace import replace_after_kill, start_replacements
@@ -65,6 +70,8 @@ from elasticft.agent.warmpool import WarmPool
 from elasticft.diag.health import gpu_devices_present
 from elasticft.events import EventLog
 from elasticft.jsonfile import read_json
+from elasticft.plan import worker as plan_worker
+from elasticft.plan.api import Layout, PlanError
 from elasticft.recovery.protocol import Generation, worker_file
 
 logger = logging.getLogger(__name__)
@@ -123,6 +130,9 @@ class AgentSide:
     workers_changed: Callable[[], None]
     """The workers' processes changed without a restart: the agent hooks torch's poll of the
     new ones and tells its collaborators (``on_workers_started``)."""
+    round_env: Callable[[int], dict[str, str]]
+    """The variables of a local rank's worker that a round sets (its ranks, the world, the
+    round, the collaborators' such as the layout), as they are now."""
 
 
 class InProcessRecovery:
@@ -323,20 +333,42 @@ class InProcessRecovery:
 
     # -- a recovery ------------------------------------------------------------------------------
 
+    def may_grow(self) -> bool:
+        """Whether nodes waiting to join may join the running workers in process: every
+        worker armed and following a layout change, no recovery under way."""
+        if self.recovering or not self.all_armed():
+            return False
+        pids = self.worker_pids()
+        return all(self.coordinator.armed_record(lr, pid).get("follows_layout")
+                   for lr, pid in pids.items())
+
+    def grow(self, cause: str) -> str | None:
+        """Nodes wait to join (a standby came back): the workers are interrupted at once, the
+        agent joins the next round with them still running, and the round's reshape is
+        decided as a shrink's is (:meth:`_next_round_generation`); returns why that failed
+        (the agent then restarts the group), or None."""
+        logger.warning("%s: the workers regroup in process with the new node(s)", cause)
+        return self._recover(cause, (), time.time(), in_round=True, at_step=True)
+
     def recover(self, action: Action, failures: Sequence[FailureRecord], seen_at: float
                 ) -> str | None:
         """Replaces the failed workers and publishes the next generation; returns why that
         failed (the agent then restarts the group through its restart path), or None."""
+        return self._recover(action.reason, failures, seen_at,
+                             in_round=self._group().group_world_size > 1)
+
+    def _recover(self, cause: str, failures: Sequence[FailureRecord], seen_at: float, *,
+                 in_round: bool, at_step: bool = False) -> str | None:
         decided_at = time.time()
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
         replaced: dict[int, int] = {}
         self._times = {}
         try:
-            self.coordinator.interrupt()
+            self.coordinator.interrupt(at_step=at_step)
         except OSError as e:  # the survivors then leave when their collectives raise
             logger.warning("could not write the interrupt notice: %s", e)
-        if self._group().group_world_size > 1:  # another node's worker failed
+        if in_round:  # another node's worker failed, or nodes join
             generation = self._next_round_generation(pids)
             if generation is None:
                 return None
@@ -347,7 +379,7 @@ class InProcessRecovery:
                 logger.exception("could not replace workers %s in process", replace)
                 return f"{type(e).__name__}: {e}"
         self.coordinator.recovery = Recovery(
-            generation.generation, action.reason, seen_at, decided_at, time.time(), replaced,
+            generation.generation, cause, seen_at, decided_at, time.time(), replaced,
             time.monotonic() + self.coordinator.join_limit_s, times=self._times)
         self.armed_pids = {}
         group = self.agent.group_info()
@@ -405,8 +437,10 @@ class InProcessRecovery:
         agent's restart path (None)."""
         wg = self._group()
         before = [(w.global_rank, w.world_size) for w in wg.workers]
+        old_layout = plan_worker.layout(self.agent.round_env(wg.workers[0].local_rank))
         self.agent.next_attempt()
         self.agent.rendezvous()
+        wg = self._group()
         for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
             worker.id = pids.get(worker.local_rank)
         after = [(w.global_rank, w.world_size) for w in wg.workers]
@@ -414,8 +448,38 @@ class InProcessRecovery:
             return self.coordinator.publish_round(
                 wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
                 torch_compat.workers_use_agent_store(wg))
+        envs = {w.local_rank: self.agent.round_env(w.local_rank) for w in wg.workers}
+        facts = self._reshape_facts(pids, before, after, old_layout, envs)
+        decision = reshape.decide(facts)
+        self.events.emit("reshape", attempt=self.agent.attempt(), round=self.agent.round(),
+                         in_process=decision.in_process, reason=decision.reason,
+                         **facts.evidence())
+        if decision.in_process:
+            logger.warning("reshape in process: %s", decision.reason)
+            return self.coordinator.publish_round(
+                wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
+                torch_compat.workers_use_agent_store(wg),
+                env={str(lr): env for lr, env in envs.items()})
         cause = (f"round {self.agent.round()} gives this node's workers (rank, world size) "
-                 f"{after}, not {before}: they restart")
+                 f"{after}, not {before}: they restart ({decision.reason})")
         logger.warning("no in-process regroup: %s", cause)
         self.agent.restart_in_round(cause)
         return None
+
+    def _reshape_facts(self, pids: Mapping[int, int | None], before: list[tuple[int, int]],
+                       after: list[tuple[int, int]], old_layout: Layout,
+                       envs: Mapping[int, Mapping[str, str]]) -> reshape.ReshapeFacts:
+        """What :func:`elasticft.agent.reshape.decide` sees of this round: the layouts
+        before and after, the worlds, this node's ranks, and what the workers said when they
+        armed (whether they follow a layout change, what their state is sharded over)."""
+        records = [self.coordinator.armed_record(lr, pid) for lr, pid in pids.items()]
+        try:
+            new_layout: Layout | None = plan_worker.layout(next(iter(envs.values())))
+        except PlanError:
+            new_layout = None
+        return reshape.ReshapeFacts(
+            old=old_layout, new=new_layout, world_before=before[0][1],
+            world_after=after[0][1], ranks_per_node=len(before),
+            moves={b[0]: a[0] for b, a in zip(before, after, strict=True)},
+            follows_layout=bool(records) and all(r.get("follows_layout") for r in records),
+            sharded_over=frozenset(d for r in records for d in r.get("sharded_over", ())))

@@ -108,11 +108,34 @@ class Checkpointer:
         self._open(settings, optimizers=self.optimizers, rank=rank, world_size=world_size,
                    dedup_replicas=self.dedup_requested, device_copier=None)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def renumber(self, rank: int, world_size: int) -> None:
+        """This process goes on as ``rank`` of ``world_size`` in the same memory, after a
+        reshape renumbered it in process (:mod:`elasticft.agent.reshape`): the next saves are
+        written as the new rank, and the snapshots written as the old one still count as this
+        rank's own (they hold the same state) for the restore that follows."""
+        if self._closed or (rank, world_size) == (self.rank, self.world_size):
+            return
+        held_as = ((self.rank, self.world_size), *self._held_as)
+        owned = self._slots is not None and not self.settings.agent_owned
+        self.close()
+        if owned:
+            atexit.unregister(self._remove_own_segments)
+        self._open(self.settings, optimizers=self.optimizers, rank=rank, world_size=world_size,
+                   dedup_replicas=self.dedup_requested, device_copier=None, held_as=held_as)
+
     def _open(self, settings: WorkerSettings, *, optimizers: Iterable[torch.optim.Optimizer],
               rank: int | None, world_size: int | None, dedup_replicas: bool,
-              device_copier: DeviceCopier | None) -> None:
+              device_copier: DeviceCopier | None,
+              held_as: tuple[tuple[int, int], ...] = ()) -> None:
         """Binds this checkpointer to ``settings``' memory and starts its threads."""
         self.settings = settings
+        self._held_as = held_as
+        """(rank, world size) identities this process's memory was written as before
+        :meth:`renumber`."""
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         self.world_size = (
@@ -130,7 +153,8 @@ class Checkpointer:
         self._host_stall_s = 0.0
         self._slot_count = max(2, settings.slots)
         prefix = settings.shm_slots
-        self._loader = SnapshotLoader(settings, self.rank, self.world_size, self._slot_count)
+        self._loader = SnapshotLoader(settings, self.rank, self.world_size, self._slot_count,
+                                      held_as)
         # Slots are made off the training thread (SlotMaker): the first save stages its copy
         # until its slot exists, and never pays for the allocation.
         self._slots = SlotSet(prefix, self._slot_count, maker=SlotMaker()) if prefix else None
@@ -365,18 +389,29 @@ class Checkpointer:
         return self._report_loaded(self._loader.load)
 
     def restore(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+        replicas: Any = None,
     ) -> tuple[int, dict[str, Any]] | None:
         """:meth:`load` applied to ``model`` and ``optimizer``; returns (step, extras).
 
         From shared memory the state is copied straight into the live tensors, with no
         intermediate copy (see :class:`~elasticft.ckpt.restoring.state.LiveState`).
+        ``replicas``: the process group of the ranks whose state equals this rank's (its
+        data-parallel replicas, not a group FSDP2 shards over); a member that holds no snapshot
+        (a rank a growth in process brought) is then healed from a live member's memory
+        (:mod:`elasticft.ckpt.restoring.heal`).
         """
         from elasticft.ckpt.restoring.state import LiveState
 
         self._wait_inflight()
+
+        def load() -> tuple[int, dict[str, Any]] | None:
+            live = LiveState(model, optimizer)
+            healed = self._loader.heal(live, replicas) if replicas is not None else None
+            return healed if healed is not None else self._loader.load(live)
+
         try:
-            return self._report_loaded(lambda: self._loader.load(LiveState(model, optimizer)))
+            return self._report_loaded(load)
         except StateMismatch as e:
             # Another model than the checkpoint's (a relaunch whose arguments changed its
             # shapes): the agent stops the run at once (elasticft.addon.policy); say how to go on.

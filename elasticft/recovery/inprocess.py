@@ -33,6 +33,13 @@ equal), as are groups made with ``new_group``. Modules sharded in the set-up (FS
 ``InProcess(modules=[model])``: after the regroup their device meshes' groups are made again
 and FSDP2 is pointed at them (:mod:`elasticft.recovery.meshes`).
 
+A generation that reshapes the job (:mod:`elasticft.agent.reshape`: a node lost with no
+standby, or one that joins) carries this rank's new variables: the survivor sets them, regroups as
+its new rank in the new world, re-points the kept meshes at the new layout's shape
+(:meth:`~elasticft.recovery.meshes.KeptModules.reshape`) and renumbers its checkpointers; the
+function, which reads ``elasticft.layout()`` at each entry (``follows_layout=True``), goes on in
+the new layout.
+
 Whatever goes wrong during recovery falls back to the agent's full restart from the same
 snapshots: an error that is not a peer failure (a bug, a CUDA error: the device's context may be
 unusable after it) is raised as before, and a generation that does not come within the timeout
@@ -146,9 +153,14 @@ class InProcess:
     """
 
     def __init__(self, settings: InProcessSettings | None = None,
-                 ops: GroupOps | None = None, modules: Sequence[Any] = ()) -> None:
+                 ops: GroupOps | None = None, modules: Sequence[Any] = (),
+                 follows_layout: bool = False) -> None:
         self.settings = settings if settings is not None else InProcessSettings.from_env()
         self.ops = ops if ops is not None else GroupOps.for_torch()
+        self.follows_layout = follows_layout
+        """The training function reads ``elasticft.layout()``, its rank and world size at each
+        entry: a round that shrinks or grows the world then goes on in process when it can
+        (:mod:`elasticft.agent.reshape`); without it such a round restarts the workers."""
         self.modules = tuple(modules)
         """The sharded modules (FSDP2, tensor parallel) built before :meth:`run` and kept
         through recoveries: their device meshes' groups are made again after a regroup
@@ -201,7 +213,8 @@ class InProcess:
                 logger.warning("%s", warning)
             self.monitor = Monitor(directory, read_json, lambda: self.ops.end(backend))
             self.monitor.start()
-        self._write("armed", {})
+        self._write("armed", {"follows_layout": self.follows_layout,
+                              "sharded_over": self._kept.sharded_over() if self._kept else []})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
             now = time.time()
             self._phases = {"joined": now}
@@ -277,7 +290,7 @@ class InProcess:
         self._write("failed", {"cause": cause, "failed": failed_at, **self.measured(),
                                **({"interrupted": interrupted_at} if interrupted_at else {})})
         backend = str(dist.get_backend())
-        rank = dist.get_rank()
+        rank, world = dist.get_rank(), dist.get_world_size()
         _release(error)
         how = self._bounded_teardown(backend)
         aborted_at = time.time()
@@ -287,10 +300,19 @@ class InProcess:
             raise RecoveryTimeout(
                 f"no in-process regroup after {settings.timeout_s:.0f} s (the agent restarts "
                 f"the workers): {cause}") from error
+        changed = generation.env_of(settings.local_rank)
+        if changed:  # a reshape: this survivor's new rank, world and layout
+            os.environ.update(changed)
+            old_rank, rank = rank, int(changed.get("RANK", rank))
+            logger.warning("reshape: rank %d of %d goes on as rank %d of %d", old_rank, world,
+                           rank, generation.world_size)
         regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
                 self.group_settings)
         regrouped_at = time.time()
-        rebound = self._kept.rebind() if self._kept is not None else "no kept modules"
+        if changed:
+            rebound = self._reshape(rank, generation.world_size)
+        else:
+            rebound = self._kept.rebind() if self._kept is not None else "no kept modules"
         self.generation = generation.generation
         self.recoveries += 1
         self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time(),
@@ -299,6 +321,21 @@ class InProcess:
                        "%.3f s)", rank, self.generation, how, aborted_at - failed_at,
                        regrouped_at - aborted_at, rebound, self._phases["joined"] - regrouped_at)
         self._write("joined", self._phases)
+
+    def _reshape(self, rank: int, world_size: int) -> str:
+        """After a regroup into a reshaped world: the kept modules' meshes take the new
+        layout's shape, and the checkpointers write as the new rank (their snapshots of the old
+        one still restore). A failure raises, and the agent restarts the job."""
+        from elasticft.ckpt import Checkpointer
+        from elasticft.plan.worker import layout
+
+        new = layout()
+        done = "no kept modules"
+        if self._kept is not None:
+            done = self._kept.reshape({"pp": new.pp, "dp": new.dp, "tp": new.tp})
+        for checkpointer in Checkpointer.instances():
+            checkpointer.renumber(rank, world_size)
+        return f"{done}, {new.describe()}"
 
     def _bounded_teardown(self, backend: str) -> str:
         """:func:`tear_down` and the device's health check, each under the hard limit; a
@@ -348,6 +385,9 @@ class InProcess:
             restored = self._restore_end(now)
             self._write("resumed", {**self._phases, "resumed": now,
                                     **({"restored": restored} if restored is not None else {})})
+        if self.monitor is not None and self.monitor.stop_due():
+            raise PeerInterrupted(f"generation {self.generation} ended by the agent at a step "
+                                  "boundary (nodes join)")
 
     def _restore_end(self, now: float) -> float | None:
         """When this entry's restore ended, if it was reported after the entry's join and

@@ -29,6 +29,17 @@ caller absorbs it there
 (:meth:`elasticft.recovery.inprocess.InProcess.run`), and the monitor raises again only after
 ``grace_s``.
 
+**At a step boundary.** When no peer failed (nodes join the job, a growth in process), the
+notice says ``at_step``: the monitor then ends nothing at first, and the main thread stops at
+its next step boundary, where it runs Python and waits in no collective
+(:meth:`Monitor.stop_due`, asked by :class:`elasticft.recovery.inprocess.InProcess` after each
+optimizer step). A peer that went on into the next step waits in a collective with it until
+its teardown closes their connections, which that peer's collective reports as a failed peer.
+Only a main thread that reaches no step boundary within ``step_wait_s`` is interrupted as
+above. An end of the groups while every rank trains would race the main thread: one that
+issues its next collective on a group just ended may wait in it for good, out of reach of the
+asynchronous exception.
+
 **The end is over before the recovery starts.** The monitor ends the groups while the main thread
 may already be leaving (its collective raised by itself, or by the first connection the monitor
 shut down). :meth:`Monitor.left` waits until an end under way is over: the survivor's teardown and
@@ -68,6 +79,14 @@ def notice(directory: Path, read: Callable[[Path], dict | None]) -> int:
     return ended
 
 
+def soft(directory: Path, read: Callable[[Path], dict | None]) -> int:
+    """The newest generation the interrupt notice ends at a step boundary (-1: none)."""
+    record = read(directory / INTERRUPT_FILE)
+    if record is not None and record.get("at_step") and isinstance(record.get("ended"), int):
+        return int(record["ended"])
+    return -1
+
+
 def _raise_in(thread_id: int, error: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread_id), ctypes.py_object(error) if error is not None else None)
@@ -77,18 +96,24 @@ class Monitor:
     """The thread that interrupts this worker's main thread when its generation ends."""
 
     def __init__(self, directory: Path, read: Callable[[Path], dict | None],
-                 end: Callable[[], str], poll_s: float = 0.005, grace_s: float = 0.5) -> None:
+                 end: Callable[[], str], poll_s: float = 0.005, grace_s: float = 0.5,
+                 step_wait_s: float = 10.0) -> None:
         self.directory = directory
         self._read = read
         self._end = end
         self._poll_s = poll_s
         self._grace_s = grace_s
+        self._step_wait_s = step_wait_s
+        self._stop_by = 0.0
+        """While ``stopping``: the monotonic time after which the groups are ended anyway."""
+        self._soft = -1
         self._lock = threading.Lock()
         self._main = threading.main_thread().ident or threading.get_ident()
         self._generation = 0
-        self._state = "outside"  # outside | running | interrupting
-        """``running``: the main thread is in the training function; ``interrupting``: and this
-        monitor ended its generation; ``outside``: anywhere else (nothing is raised there)."""
+        self._state = "outside"  # outside | running | stopping | interrupting
+        """``running``: the main thread is in the training function; ``stopping``: and its
+        generation ends at its next step boundary; ``interrupting``: and this monitor ended its
+        generation; ``outside``: anywhere else (nothing is raised there)."""
         self._quiet = threading.Event()
         """Set while no end of the groups is under way (cleared under the lock with the state)."""
         self._quiet.set()
@@ -126,6 +151,12 @@ class Monitor:
             self.interrupted_at = None
             self.how = ""
 
+    def stop_due(self) -> bool:
+        """Whether the main thread, at a step boundary, is to leave the training function
+        now (its generation ends there: :class:`PeerInterrupted`)."""
+        with self._lock:
+            return self._state == "stopping"
+
     def left(self, limit_s: float | None = None) -> bool:
         """The main thread has left the training function: no asynchronous exception lands
         after this, and an end of the groups under way is waited for (at most ``limit_s``);
@@ -146,13 +177,20 @@ class Monitor:
                 stamp.append(None)
         if stamp != self._stamp:
             self._stamp, self._last = stamp, notice(self.directory, self._read)
+            self._soft = soft(self.directory, self._read)
         return self._last
 
     def _loop(self) -> None:
         while not self._stop.wait(self._poll_s):
             ended = self._ended()
             with self._lock:
-                due = self._state == "running" and ended >= self._generation
+                if self._state == "running" and ended >= self._generation \
+                        and self._soft >= self._generation:
+                    self._state = "stopping"  # at the next step boundary
+                    self._stop_by = time.monotonic() + self._step_wait_s
+                due = ended >= self._generation and (
+                    self._state == "running"
+                    or (self._state == "stopping" and time.monotonic() > self._stop_by))
                 if due:
                     self._state = "interrupting"
                     self._quiet.clear()

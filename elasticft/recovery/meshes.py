@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -171,6 +171,74 @@ class KeptModules:
                 raise RebindError(f"FSDP2 still holds a group of the old generation at "
                                   f"{', '.join(stale)}; update elasticft.recovery.meshes")
         return f"{len(meshes)} meshes, {repointed} FSDP2 group references"
+
+
+    def sharded_over(self) -> list[str]:
+        """The mesh dimensions FSDP2 shards the kept modules' state over (``"fsdp"`` for a mesh
+        without names): a reshape that changes one of them cannot keep the shards."""
+        dims: set[str] = set()
+        for module in fsdp_modules(self.modules):
+            for info in _mesh_infos(module):
+                dims.update(info.mesh.mesh_dim_names or ("fsdp",))
+        return sorted(dims)
+
+    def reshape(self, sizes: Mapping[str, int]) -> str:
+        """After a regroup into another world (:mod:`elasticft.agent.reshape`): each kept
+        device mesh becomes the mesh of the new shape, in place. Its dimensions are named after
+        the layout's (``pp``, ``dp``, ``tp``) and ``sizes`` gives their new sizes. The new root
+        mesh is made as the script's ``init_device_mesh`` makes it (same groups, same order, as
+        a process started in the new world would), and every mesh object the modules' DTensors
+        hold (the root, and the submeshes such as ``mesh["tp"]`` the tensor parallel plan was
+        given) takes on the new mesh's state, so the parameters, their local shards and the
+        optimizer state stay where they are. Raises :class:`RebindError`."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.refused is not None:
+            raise RebindError(self.refused)
+        if fsdp_modules(self.modules):
+            raise RebindError("FSDP2 shards the kept modules over their mesh: a new world cuts "
+                              "every shard again, which only a restart does")
+        held = _held_meshes(self.modules)
+        roots = device_meshes(self.modules)
+        for root in roots:
+            names = tuple(root.mesh_dim_names or ())
+            unknown = [n for n in names if n not in sizes]
+            if not names or unknown:
+                raise RebindError(f"the device mesh {names or '(unnamed)'} has dimensions that "
+                                  f"are not the layout's ({', '.join(sorted(sizes))}): name them "
+                                  "after it to keep the modules through a reshape")
+            new_root = init_device_mesh(root.device_type, tuple(sizes[n] for n in names),
+                                        mesh_dim_names=names)
+            for mesh in held:
+                if mesh is not root and mesh._get_root_mesh() is root:
+                    dims = tuple(mesh.mesh_dim_names or ())
+                    _become(mesh, new_root[dims if len(dims) > 1 else dims[0]], root)
+            _become(root, new_root, None)
+        self.set_up_groups = _group_count()
+        shape = ", ".join(f"{n} {sizes[n]}" for n in sorted(sizes))
+        return f"{len(roots)} meshes reshaped to {shape}"
+
+
+def _held_meshes(modules: Iterable[nn.Module]) -> list[Any]:
+    """Every device mesh object the modules' DTensors hold (submeshes included), each once."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, Any] = {}
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if isinstance(tensor, DTensor):
+                seen.setdefault(id(tensor.device_mesh), tensor.device_mesh)
+    return list(seen.values())
+
+
+def _become(mesh: Any, new: Any, root: Any) -> None:
+    """``mesh`` takes on the state of ``new`` in place (its holders keep the object); a submesh
+    keeps pointing at its own root object (``root``), which takes on the new root's state."""
+    state = dict(vars(new))
+    vars(mesh).clear()
+    vars(mesh).update(state)
+    if root is not None:
+        mesh._root_mesh = root
 
 
 def _stale_groups(fsdp_module: nn.Module) -> Iterator[str]:

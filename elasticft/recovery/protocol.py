@@ -80,6 +80,10 @@ class Generation:
     agent_store: bool = True
     """The store is an agent's (every rank connects as a client); False: rank 0 hosts it, as
     torch's ``env://`` rendezvous makes it (a new rendezvous round's own address)."""
+    env: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    """A reshape (:mod:`elasticft.agent.reshape`): the variables that change for each local
+    rank (``RANK``, ``WORLD_SIZE``, the layout's...), which the survivor sets before it regroups
+    with its new rank; empty: every rank and the layout stay."""
 
     @classmethod
     def read(cls, directory: Path) -> Generation | None:
@@ -88,9 +92,16 @@ class Generation:
             return None if record is None else cls(
                 int(record["generation"]), str(record["master_addr"]),
                 int(record["master_port"]), int(record["world_size"]),
-                bool(record.get("agent_store", True)))
-        except (KeyError, TypeError, ValueError):
+                bool(record.get("agent_store", True)),
+                {str(lr): {str(k): str(v) for k, v in env.items()}
+                 for lr, env in dict(record.get("env") or {}).items()})
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
+    def env_of(self, local_rank: int) -> Mapping[str, str]:
+        """The variables that change for ``local_rank`` in this generation (none: the same)."""
+        return self.env.get(str(local_rank), {})
+
     def write(self, directory: Path) -> None:
-        write_json(directory / GENERATION_FILE, {**dataclasses.asdict(self), "time": time.time()})
+        record = {**dataclasses.asdict(self), "env": {k: dict(v) for k, v in self.env.items()}}
+        write_json(directory / GENERATION_FILE, {**record, "time": time.time()})

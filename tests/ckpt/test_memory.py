@@ -288,3 +288,29 @@ def test_sweep_removes_the_segments_of_owners_that_are_gone(tmp_path: Path) -> N
         path.write_bytes(b"x")
     assert sweep_orphans(tmp_path) == [dead]
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_renumbered_checkpointer_restores_the_old_ranks_snapshots_then_its_own(
+        prefix: str) -> None:
+    """A reshape in process renumbers a survivor (rank 2 of 4 -> rank 0 of 2): what it wrote
+    as rank 2 still restores, and once it saved as rank 0 that comes first."""
+    model, optim = trained_model()
+    with Checkpointer(_settings(prefix, slots=3), optimizers=[optim], rank=2,
+                      world_size=4) as ckpt:
+        assert ckpt.save(1, capture(model, optim, {"step": 1})).wait(30).status == "memory"
+        ckpt.renumber(0, 2)
+        assert (ckpt.rank, ckpt.world_size) == (0, 2)
+        fresh, fresh_optim = trained_model(seed=1)
+        assert ckpt.restore(fresh, fresh_optim) == (1, {"step": 1})
+        assert ckpt.last_source == "memory"
+        assert all(torch.equal(a, b) for a, b in zip(
+            fresh.state_dict().values(), model.state_dict().values(), strict=True))
+        assert ckpt.save(2, capture(model, optim, {"step": 2})).wait(30).status == "memory"
+        slots = SlotSet(prefix, 3)
+        held = sorted((h.step, h.rank, h.world_size) for h in slots.complete().values())
+        slots.close()
+        assert held == [(1, 2, 4), (2, 0, 2)]
+        assert MemoryTier(SlotSet(prefix, 3)).steps(0, 2) == [2]
+        assert MemoryTier(SlotSet(prefix, 3), held_as=((2, 4),)).steps(0, 2) == [2, 1]
+        assert ckpt.restore(fresh, fresh_optim) == (2, {"step": 2})

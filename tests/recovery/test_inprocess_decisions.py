@@ -379,3 +379,16 @@ def test_the_interrupt_notice_ends_one_generation_and_a_full_start_clears_it(
     coordinator.reset()  # new workers: the notice was for the old ones
     assert not (coordinator.directory / INTERRUPT_FILE).exists()
     coordinator.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_generation_carries_each_local_ranks_new_variables_whole(tmp_path: Path) -> None:
+    from elasticft.recovery.protocol import Generation
+
+    reshaped = Generation(3, "10.0.0.1", 29500, 2, False,
+                          {"0": {"RANK": "0", "ELASTICFT_DP": "1"}, "1": {"RANK": "1"}})
+    reshaped.write(tmp_path)
+    assert Generation.read(tmp_path) == reshaped
+    assert reshaped.env_of(1) == {"RANK": "1"} and reshaped.env_of(5) == {}
+    Generation(4, "10.0.0.1", 29500, 2).write(tmp_path)
+    assert Generation.read(tmp_path).env == {}

@@ -160,3 +160,45 @@ def test_an_interrupt_delivered_on_the_way_into_the_recovery_is_absorbed(
         assert os.getpid() == coordinator._record("joined", 0, os.getpid(), 1)["pid"]
     finally:
         coordinator.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_notice_at_the_step_boundary_ends_nothing_until_the_boundary_or_its_limit(
+        tmp_path: Path) -> None:
+    """Nodes join (no peer failed): the monitor asks the main thread to stop at its next step
+    boundary and ends the groups only once ``step_wait_s`` passed without one."""
+    import time
+
+    from elasticft.jsonfile import read_json
+    from elasticft.recovery.interrupt import Monitor
+
+    ended: list[float] = []
+
+    def end() -> str:
+        ended.append(time.monotonic())
+        return "ended"
+
+    monitor = Monitor(tmp_path, read_json, end, poll_s=0.005, grace_s=60.0, step_wait_s=0.5)
+    monitor.start()
+    try:
+        monitor.entering(0)
+        assert not monitor.stop_due()
+        write_json(tmp_path / INTERRUPT_FILE, {"ended": 0, "at_step": True})
+        deadline = time.monotonic() + 10
+        while not monitor.stop_due():
+            assert time.monotonic() < deadline, "the monitor never asked for a stop"
+            time.sleep(0.01)
+        asked = time.monotonic()
+        assert not ended  # nothing ended while the main thread may still reach a boundary
+        assert monitor.left(5.0)  # the boundary: the main thread left, nothing was ended
+        assert not ended and not monitor.stop_due()
+
+        monitor.entering(0)  # a main thread that reaches no boundary: ended after the limit
+        deadline = time.monotonic() + 10
+        while not ended:
+            assert time.monotonic() < deadline, "the groups were never ended"
+            time.sleep(0.01)
+        assert ended[0] - asked >= 0.5
+        assert monitor.left(5.0) and monitor.interrupted
+    finally:
+        monitor.stop()

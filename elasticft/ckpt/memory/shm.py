@@ -241,16 +241,25 @@ class MemoryTier(Tier):
     name = "memory"
     level = TierLevel.MEMORY
 
-    def __init__(self, slots: SlotSet, lock_timeout_s: float = 10.0) -> None:
+    def __init__(self, slots: SlotSet, lock_timeout_s: float = 10.0,
+                 held_as: tuple[tuple[int, int], ...] = ()) -> None:
         self.slots = slots
         self.lock_timeout_s = lock_timeout_s
+        self.held_as = held_as
+        """The (rank, world size) this process wrote its snapshots as before a reshape renumbered
+        it (:meth:`elasticft.ckpt.Checkpointer.renumber`): they hold the same state, and count as
+        the rank's own after its current identity's."""
+
+    def _identities(self, rank: int, world_size: int) -> list[tuple[int, int]]:
+        return [(rank, world_size), *(i for i in self.held_as if i != (rank, world_size))]
 
     def steps(self, rank: int, world_size: int) -> list[int]:
+        identities = set(self._identities(rank, world_size))
         return sorted(
             {
                 h.step
                 for h in self.slots.complete().values()
-                if h.rank == rank and h.world_size == world_size
+                if (h.rank, h.world_size) in identities
             },
             reverse=True,
         )
@@ -267,13 +276,13 @@ class MemoryTier(Tier):
     @contextlib.contextmanager
     def open(self, step: int, rank: int, world_size: int) -> Iterator[Snapshot]:
         """The snapshot in place (no copy), verified; the slot stays locked while open."""
+        order = {identity: n for n, identity in enumerate(self._identities(rank, world_size))}
         candidates = sorted(
-            ((i, h) for i, h in self.slots.complete().items() if h.step == step),
-            key=lambda ih: -ih[1].generation,
+            ((i, h) for i, h in self.slots.complete().items()
+             if h.step == step and (h.rank, h.world_size) in order),
+            key=lambda ih: (order[ih[1].rank, ih[1].world_size], -ih[1].generation),
         )
-        for index, header in candidates:
-            if header.rank != rank or header.world_size != world_size:
-                continue
+        for index, _header in candidates:
             slot = self.slots.get(index)
             if slot is None:
                 continue

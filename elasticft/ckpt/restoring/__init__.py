@@ -5,6 +5,8 @@
   remote: :class:`~elasticft.ckpt.api.TierLevel`), an older step when some rank cannot.
 * :mod:`~elasticft.ckpt.restoring.reassembly`: the ranks agreeing on a step, and the
   replicated items a deduplicated snapshot left to another rank fetched back.
+* :mod:`~elasticft.ckpt.restoring.heal`: a rank that holds nothing (brought by a growth in
+  process) healed from a data-parallel replica's memory, over the replicas' group.
 * :mod:`~elasticft.ckpt.restoring.reshard`: a durable step written at another world size,
   read back with ``dcp.load``.
 * :mod:`~elasticft.ckpt.restoring.state`: **where a snapshot is applied**: the training state

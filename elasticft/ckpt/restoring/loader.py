@@ -34,8 +34,10 @@ class SnapshotLoader:
     """Finds, agrees on and reads the step to restore, for one rank."""
 
     def __init__(self, settings: WorkerSettings, rank: int, world_size: int,
-                 slot_count: int) -> None:
+                 slot_count: int, held_as: tuple[tuple[int, int], ...] = ()) -> None:
         self.settings = settings
+        self.held_as = held_as
+        """Earlier (rank, world size) identities of this process's own memory (a reshape)."""
         self.rank = rank
         self.world_size = world_size
         self._slot_count = slot_count
@@ -55,7 +57,8 @@ class SnapshotLoader:
         s = self.settings
         tiers: list[Tier] = []
         if s.shm_slots:
-            tiers.append(MemoryTier(SlotSet(s.shm_slots, self._slot_count)))
+            tiers.append(MemoryTier(SlotSet(s.shm_slots, self._slot_count),
+                                    held_as=self.held_as))
         if s.local_dir is not None:
             tiers.append(durable.DurableTier(s.local_dir, TierLevel.LOCAL))
         if s.node_peer_addr and s.secret:
@@ -118,6 +121,26 @@ class SnapshotLoader:
                                 f"cannot restore the checkpoint of step {step} "
                                 f"({self.last_where}) into this model: {e}") from None
             excluded.add(step)
+
+    def heal(self, live: Any, group: Any) -> Any:
+        """``(step, extras)`` when a member of this rank's replica ``group`` held nothing and
+        was healed from a live member's memory (:mod:`elasticft.ckpt.restoring.heal`), else
+        None. Collective."""
+        from elasticft.ckpt.restoring.heal import heal
+
+        if not (self._ranks.active and self.settings.shm_slots):
+            return None
+        memory = MemoryTier(SlotSet(self.settings.shm_slots, self._slot_count),
+                            held_as=self.held_as)
+        try:
+            healed = heal(memory, self.rank, self.world_size, live, group)
+        finally:
+            memory.close()
+        if healed is None:
+            return None
+        step, extras, source = healed
+        self.last_source, self.last_where = "replica", f"rank {source}'s memory (live)"
+        return step, extras
 
     def _reshard(self, tiers: list[Tier], live: Any) -> Any:
         """``(step, extras)`` of the newest durable step written at another world size, loaded
