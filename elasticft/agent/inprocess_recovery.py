@@ -135,21 +135,21 @@ class AgentSide:
     round, the collaborators' such as the layout), as they are now."""
 
 
+@dataclasses.dataclass(eq=False)
 class InProcessRecovery:
-    """In-process recovery as the agent carries it out (the steps in this module's docstring)."""
+    """In-process recovery as the agent carries it out (the steps in this module's docstring):
+    the generations it publishes, the spare it keeps, and the agent's side it calls back."""
 
-    def __init__(self, coordinator: InProcessCoordinator, spare: SpareKeeper, events: EventLog,
-                 agent: AgentSide, *, shutdown_timeout: float, attempt_env: str) -> None:
-        self.coordinator = coordinator
-        self.spare = spare
-        self.events = events
-        self.agent = agent
-        self.shutdown_timeout = shutdown_timeout
-        self.attempt_env = attempt_env
-        """The worker variable that numbers the attempts (the agent's)."""
-        self.armed_pids: dict[int, int | None] = {}
-        """The workers (local rank → pid) last seen all armed."""
-        self._times: dict[str, float] = {}
+    coordinator: InProcessCoordinator
+    spare: SpareKeeper
+    events: EventLog
+    agent: AgentSide
+    shutdown_timeout: float = dataclasses.field(kw_only=True)
+    attempt_env: str = dataclasses.field(kw_only=True)
+    """The worker variable that numbers the attempts (the agent's)."""
+    armed_pids: dict[int, int | None] = dataclasses.field(default_factory=dict, init=False)
+    """The workers (local rank → pid) last seen all armed."""
+    _times: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
 
     # -- the agent's lifecycle -----------------------------------------------------------------
 
