@@ -155,13 +155,21 @@ class WarmInterpreter:
         return self.proc.poll() is None
 
     def ready(self, timeout: float = 0.0) -> bool:
-        """True once the preload imports are done (waits up to ``timeout`` seconds)."""
-        with self._ready_lock:
+        """True once the preload imports are done (waits up to ``timeout`` seconds; every local
+        rank's start may wait at once, and a caller with no time to wait is not held up by
+        them)."""
+        deadline = time.monotonic() + timeout
+        if not self._ready_lock.acquire(timeout=timeout):
+            return self._ready
+        try:
             if not self._ready:
-                readable, _, _ = select.select([self._channel], [], [], timeout)
+                left = max(deadline - time.monotonic(), 0.0)
+                readable, _, _ = select.select([self._channel], [], [], left)
                 if readable:
                     self._ready = self._channel.recv(1) == b"R"
             return self._ready
+        finally:
+            self._ready_lock.release()
 
     def mismatch(self, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str | None:
         """Why this interpreter cannot become the worker ``argv``/``env``/``cwd`` (None: it can)."""
