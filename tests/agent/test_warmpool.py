@@ -95,7 +95,9 @@ def test_the_worker_gets_the_agents_signal_dispositions_not_the_interpreters(
         warm = WarmInterpreter.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
         wait_until(warm.ready, 60, "the pre-started interpreter")
     finally:
-        signal.signal(signal.SIGINT, interrupt)
+        # Handled at the start, whatever this test process was started with (a shell's
+        # background job ignores SIGINT).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     user1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         with open(tmp_path / "w.out", "w") as out, open(tmp_path / "w.err", "w") as err:
@@ -103,6 +105,7 @@ def test_the_worker_gets_the_agents_signal_dispositions_not_the_interpreters(
                               err.fileno())
     finally:
         signal.signal(signal.SIGUSR1, user1)
+        signal.signal(signal.SIGINT, interrupt)
     assert proc.wait(timeout=60) == 0
     signals = json.loads((tmp_path / "out" / "warm.json").read_text())["signals"]
     assert signals["SIGINT"] == repr(signal.default_int_handler)
