@@ -289,9 +289,9 @@ class AgentConfig:
         "shared store keeps a previous attempt's keys and breaks restarts (pytorch#135712).")
     warm_start: bool = option(
         True,
-        "Fork workers from a warm interpreter per local rank that has imported torch once, "
-        "so a restart re-imports nothing. Python workers only; off: every start is a fresh "
-        "interpreter, as with torchrun.",
+        "Fork every local rank's workers from one warm interpreter per node that has imported "
+        "torch once, so a restart re-imports nothing. Python workers only; off: every start is "
+        "a fresh interpreter, as with torchrun.",
     )
 
 

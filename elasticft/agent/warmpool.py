@@ -1,103 +1,94 @@
-"""Warm start: restarted workers are forked from interpreters that have already imported torch.
+"""Warm start: workers are forked from one interpreter per node that has already imported torch.
 
 On a small job most of a restart is Python start-up: ``import torch`` takes about 2.5 s here and
 the first ``DistributedDataParallel`` pulls in ``torch._dynamo`` for another 2 s, per worker, on
-every restart. The :class:`WarmPool` keeps one warm interpreter per local rank that has done
-those imports once; every later start of that local rank is a fork of it, in milliseconds, and
-nothing is re-imported after a failure to compete with the resumed training for the CPU.
+every restart. The :class:`WarmPool` keeps one warm **template** interpreter per node (per
+agent) that has done those imports once; every start of every local rank is a fork of it, in
+milliseconds: torch is imported once per node, not once per local rank, and nothing is
+re-imported after a failure to compete with the resumed training for the CPU.
 
-How a warm interpreter is started and how a worker is forked from it:
+How the template is started and how a worker is forked from it
+(:mod:`elasticft.agent.warm_template` is the agent's client of it):
 
-* It runs the worker's exact command line (``python -u script.py args...``, torchrun's form)
-  in its own session, like torch's workers, with the environment of the attempt that was just
-  started, plus a bootstrap directory first on ``PYTHONPATH``. Python runs the bootstrap's
-  ``sitecustomize`` at start-up (:mod:`elasticft.agent.warm_bootstrap`): it imports the preload
-  modules and serves start requests on a socket, before the script has run.
-* At the next start, torch's ``SubprocessHandler`` asks for a process
-  (:class:`WarmSubprocessHandler` overrides its ``_popen``); the pool sends the worker's full
-  environment, working directory and stdout/stderr descriptors (torch's log files, or the
-  agent's own streams) over the socket. The interpreter forks; the child applies them and
+* It runs a worker's exact command line (``python -u script.py args...``, torchrun's form) in
+  its own session, with the environment of the start that needed it, plus a bootstrap
+  directory first on ``PYTHONPATH``. Python runs the bootstrap's ``sitecustomize`` at start-up
+  (:mod:`elasticft.agent.warm_bootstrap`): it imports the preload modules, freezes what they
+  made (``gc.freeze()``) and serves start requests on a socket, before the script has run.
+* At each start, torch's ``SubprocessHandler`` asks for a process
+  (:class:`WarmSubprocessHandler` overrides its ``_popen``); the pool sends that local rank's
+  full environment, working directory and stdout/stderr descriptors (torch's log files, or the
+  agent's own streams) over the socket. The template forks; the child applies them and
   returns from start-up, and runs the script as ``__main__``: ``sys.argv``, ``sys.path``, the
-  traceback of an exception and the exit code are Python's own.
+  traceback of an exception and the exit code are Python's own. The template serves the local
+  ranks' requests one at a time, in turn (a fork each); a start that cannot have it within
+  :data:`~elasticft.agent.warm_template.BUSY_TIMEOUT_S` starts cold.
 * The child is forked through an intermediate process that exits at once, while the agent holds
   Linux's child-subreaper flag, so the worker becomes the agent's own child: the ``Popen`` torch
   watches, signals with ``killpg`` and reaps *is* the worker
   (:class:`elasticft.procs.AdoptedWorker`). There is no proxy process, so nothing can be
   orphaned by killing it.
-* An interpreter is used only when nothing that start-up has already consumed differs: the same
-  command, working directory and environment except the variables that are bound per attempt
-  (ranks, world sizes, master address and port, ``TORCHELASTIC_*``, ``ELASTICFT_*``). Otherwise,
-  and on any error, the worker starts cold, exactly as torch would start it, and a new warm
-  interpreter is started in the background with the environment of that start.
+* The template is used for a local rank only when nothing that start-up has already consumed
+  differs: the same command, working directory and environment except the variables that are
+  bound per attempt (ranks, world sizes, master address and port, ``TORCHELASTIC_*``,
+  ``ELASTICFT_*``); so one template serves every local rank of a node. Otherwise, and on any
+  error, the worker starts cold, exactly as torch would start it, and a new template is started
+  in the background with the environment of that start. A template that dies is ended for
+  every local rank: all start cold until its successor, a single new template, is ready.
 
 Only binary entrypoints that are a Python interpreter are warm-started; ``--no-python``, NUMA
 binding and function entrypoints (where ``--start-method`` applies) start cold. Nothing in the
-warm interpreter touches CUDA or starts a thread pool: importing torch does neither, so forking
-it is as safe as a DataLoader's fork. On a machine with NVIDIA GPUs it forks, after each start,
-that local rank's next worker early, which makes its CUDA context once the running worker has
-exited (:mod:`elasticft.agent.warm_bootstrap._elasticft_warm_device`): a restarted GPU worker
-finds CUDA initialised on its device, and no GPU memory is held while a worker runs. A forked
-worker reseeds numpy's global generator, as a cold start would (Python's ``random`` reseeds
-itself on fork).
+template touches CUDA or starts a thread pool: importing torch does neither, so forking it is
+as safe as a DataLoader's fork. On a machine with NVIDIA GPUs it forks, after each start, that
+local rank's next worker early, which makes its CUDA context on the rank's device once the
+running worker has exited (:mod:`elasticft.agent.warm_bootstrap._elasticft_warm_device`): a
+restarted GPU worker finds CUDA initialised on its device, and no GPU memory is held while a
+worker runs. A forked worker reseeds numpy's global generator, as a cold start would (Python's
+``random`` reseeds itself on fork).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
-import select
-import signal
-import socket
-import struct
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
 from elasticft import torch_compat
-from elasticft.addon.api import prepend_paths
-from elasticft.agent import lifeline
+from elasticft.agent import lifeline, warm_template
 from elasticft.agent.console import gate_tracebacks
-from elasticft.procs import AdoptedWorker, adopting_orphans
+from elasticft.agent.warm_template import (
+    TemplateBusy,
+    WarmInterpreter,
+    bootstrap_dir,
+    start_signals,
+    startup_mismatch,
+)
 from elasticft.torch_compat import SubprocessContext, SubprocessHandler
+
+__all__ = [
+    "WarmInterpreter", "WarmPool", "WarmStartMixin", "WarmSubprocessContext",
+    "WarmSubprocessHandler", "bootstrap_dir", "default_device_mode", "not_warm_startable",
+    "start_signals", "startup_mismatch",
+]
 
 logger = logging.getLogger(__name__)
 
-FD_ENV = "ELASTICFT_WARM_FD"
-PRELOAD_ENV = "ELASTICFT_WARM_PRELOAD"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 """torch itself, and what the first DistributedDataParallel or torch.compile imports."""
-DEVICE_ENV = "ELASTICFT_WARM_DEVICE"
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_PYTHON_NAME = re.compile(r"python[0-9.]*$")
 
 
 def default_device_mode(nvidia_control: str = "/dev/nvidiactl") -> str:
     """``auto`` (spares that prepare the GPU of a worker that used one) where the NVIDIA driver
     is, else ``off`` (no spares). The agent must not ask CUDA itself: that would initialise it."""
     return "auto" if os.path.exists(nvidia_control) else "off"
-
-# Variables a worker gets per attempt. Python and the preloaded imports do not read them at
-# start-up, so a pre-started interpreter may take them late; any other difference means cold.
-_PER_ATTEMPT_NAMES = frozenset(
-    {
-        "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    }
-)
-_PER_ATTEMPT_PREFIXES = ("TORCHELASTIC_", "ELASTICFT_")
-_PYTHON_NAME = re.compile(r"python[0-9.]*$")
-
-
-def bootstrap_dir() -> Path:
-    return Path(__file__).resolve().parent / "warm_bootstrap"
 
 
 def not_warm_startable(argv: Sequence[str], python: str = sys.executable) -> str | None:
@@ -122,150 +113,26 @@ def not_warm_startable(argv: Sequence[str], python: str = sys.executable) -> str
     return None
 
 
-def start_signals() -> dict[str, bool]:
-    """Whether this process ignores each signal a worker's start inherits: a worker started cold
-    keeps exactly the ignored ones, every other is reset to its default at ``exec``. The warm
-    interpreter started earlier, maybe while the agent ignored more (``nohup``, a job in the
-    background), so its worker is given these dispositions."""
-    return {name: signal.getsignal(getattr(signal, name)) is signal.SIG_IGN
-            for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")}
+class _Spawning:
+    """A template being started, and the local ranks that wait for it."""
 
-
-def startup_mismatch(started: Mapping[str, str], requested: Mapping[str, str]) -> list[str]:
-    """Variables that differ between the pre-started interpreter's start-up environment and the
-    worker's, other than the per-attempt ones (pure)."""
-    return sorted(
-        name
-        for name in started.keys() | requested.keys()
-        if started.get(name) != requested.get(name)
-        and name not in _PER_ATTEMPT_NAMES
-        and not name.startswith(_PER_ATTEMPT_PREFIXES)
-    )
-
-
-class WarmInterpreter:
-    """One interpreter with the preload imports done, forking a worker per start request."""
-
-    def __init__(
-        self, proc: Popen, channel: socket.socket, argv: tuple[str, ...], env: Mapping[str, str],
-        cwd: str,
-    ) -> None:
-        self.proc = proc
-        self.argv = argv
-        self.env = dict(env)
-        self.cwd = cwd
-        self.starts = 0
-        self._channel = channel
-        self._ready = False
-        self._lock = threading.Lock()
-
-    @classmethod
-    def spawn(
-        cls, argv: Sequence[str], env: Mapping[str, str], cwd: str, preload: Sequence[str],
-        device: str = "off",
-    ) -> WarmInterpreter:
-        """``device``: ``auto``/``always`` fork a spare after each start that prepares the
-        device (see the bootstrap's ``_elasticft_warm_device``); ``off``: none."""
-        agent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        child_env = dict(env)
-        if device != "off":
-            child_env[DEVICE_ENV] = device
-        child_env["PYTHONPATH"] = prepend_paths([bootstrap_dir()], child_env.get("PYTHONPATH"))
-        child_env[FD_ENV] = str(child_end.fileno())
-        child_env[PRELOAD_ENV] = ",".join(preload)
-        try:
-            # What the warm-up prints (an import warning) goes to a private file first; each
-            # forked worker replays it into its real stdout/stderr when it starts.
-            with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-                proc = Popen(
-                    list(argv), env=child_env, cwd=cwd, stdout=out, stderr=err,
-                    pass_fds=(child_end.fileno(),), start_new_session=True,
-                )
-        except BaseException:
-            agent_end.close()
-            raise
-        finally:
-            child_end.close()
-        return cls(proc, agent_end, tuple(argv), env, cwd)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def ready(self, timeout: float = 0.0) -> bool:
-        """True once the preload imports are done (waits up to ``timeout`` seconds)."""
-        with self._lock:
-            if not self._ready:
-                readable, _, _ = select.select([self._channel], [], [], timeout)
-                if readable:
-                    self._ready = self._channel.recv(1) == b"R"
-            return self._ready
-
-    def mismatch(self, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str | None:
-        """Why this interpreter cannot become the worker ``argv``/``env``/``cwd`` (None: it can)."""
-        if tuple(str(a) for a in argv) != self.argv:
-            return "the command changed"
-        if cwd != self.cwd:
-            return f"the working directory changed to {cwd}"
-        differ = startup_mismatch(self.env, env)
-        if differ:
-            return "start-up variables changed: " + ", ".join(differ)
-        if not self.alive():
-            return f"it exited with {self.proc.returncode}"
-        return None
-
-    def start(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdout: int, stderr: int,
-        *, ready_timeout: float = 120.0,
-    ) -> Popen:
-        """Forks the worker; the returned ``Popen`` is the worker, a child of this process.
-
-        Waits for the imports first if they are still running (a restart soon after the
-        previous start); raises ``OSError`` if the interpreter cannot deliver the worker, which
-        then is to be started cold.
-        """
-        if not self.ready(ready_timeout):
-            raise OSError(f"warm interpreter {self.proc.pid} not ready after {ready_timeout} s")
-        payload = json.dumps(
-            {"argv": [str(a) for a in argv], "env": dict(env), "cwd": cwd,
-             "signals": start_signals()}
-        ).encode()
-        with self._lock, adopting_orphans():
-            socket.send_fds(self._channel, [struct.pack("!Q", len(payload))], [stdout, stderr])
-            self._channel.sendall(payload)
-            pid = self._read_pid(timeout=60.0)
-        if pid <= 0:
-            raise OSError(f"warm interpreter {self.proc.pid} could not fork the worker")
-        self.starts += 1
-        return AdoptedWorker(pid, argv)
-
-    def _read_pid(self, timeout: float) -> int:
-        reply = b""
-        deadline = time.monotonic() + timeout
-        while len(reply) < 9:
-            left = deadline - time.monotonic()
-            readable, _, _ = select.select([self._channel], [], [], max(left, 0.0))
-            chunk = self._channel.recv(9 - len(reply)) if readable else b""
-            if not chunk:
-                return -1  # the interpreter exited, or did not answer in time
-            reply += chunk
-        if reply[:1] != b"P":
-            return -1
-        return int(struct.unpack("!q", reply[1:])[0])
-
-    def discard(self) -> None:
-        """Ends the interpreter (it has run no user code; its forked workers are not touched)."""
-        self._channel.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            logger.warning("warm interpreter %d did not exit after SIGKILL", self.proc.pid)
+    def __init__(self, argv: tuple[str, ...], env: dict[str, str], cwd: str, local_rank: int
+                 ) -> None:
+        self.launch = (argv, env, cwd)
+        self.local_ranks = {local_rank}
+        self.thread: threading.Thread | None = None
 
 
 class WarmPool:
-    """Warm interpreters, one per local rank, each forking that local rank's workers."""
+    """The node's warm template: one interpreter that has imported torch, from which every local
+    rank's workers are forked (one per distinct start-up: local ranks whose command differs,
+    ``${local_rank}`` in the arguments, get one each).
+
+    Each local rank is bound to the template it forks from. A template that cannot serve a
+    rank's start (another start-up environment) is unbound from that rank and ended once no rank
+    uses it; one that died (or failed a start) is ended for every local rank at once: they all
+    start cold, and the next :meth:`refill` starts a single new template for them.
+    """
 
     def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, device: str | None = None
                  ) -> None:
@@ -273,90 +140,144 @@ class WarmPool:
         self.device = default_device_mode() if device is None else device
         self._lock = threading.Lock()
         self._interpreters: dict[int, WarmInterpreter] = {}
-        self._spawning: dict[int, threading.Thread] = {}
+        self._spawning: list[_Spawning] = []
         self._closed = False
+        self.spawned = 0
+        """Templates this pool has started (each one imports the preload modules)."""
 
     def take(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
     ) -> WarmInterpreter | None:
-        """The warm interpreter of ``local_rank`` if it can fork this worker; one that cannot
-        is ended (the next :meth:`refill` starts a new one)."""
+        """The template of ``local_rank`` if it can fork this worker. One that died is ended for
+        every local rank; one whose start-up differs is unbound from this one (the next
+        :meth:`refill` binds it to a template that matches, or starts one)."""
         with self._lock:
-            spawning = self._spawning.get(local_rank)
-        if spawning is not None:
-            spawning.join(timeout=60)  # starting the interpreter's process takes milliseconds
+            waiting = [s.thread for s in self._spawning if local_rank in s.local_ranks]
+        for thread in waiting:
+            if thread is not None:
+                thread.join(timeout=60)  # starting the interpreter's process takes milliseconds
         with self._lock:
             warm = None if self._closed else self._interpreters.get(local_rank)
         if warm is None:
             return None
         reason = warm.mismatch(argv, env, cwd)
-        if reason is not None:
-            logger.info("local rank %d starts cold: %s", local_rank, reason)
+        if reason is None:
+            return warm
+        logger.info("local rank %d starts cold: warm template %d: %s", local_rank,
+                    warm.proc.pid, reason)
+        if warm.alive():
+            self._unbind(local_rank, warm)
+        else:
             self.drop(local_rank, warm)
-            return None
-        return warm
+        return None
 
-    def drop(self, local_rank: int, warm: WarmInterpreter) -> None:
-        """Ends ``warm`` and forgets it (it failed to start a worker)."""
+    def _unbind(self, local_rank: int, warm: WarmInterpreter) -> None:
         with self._lock:
             if self._interpreters.get(local_rank) is warm:
                 del self._interpreters[local_rank]
+            unused = warm not in self._interpreters.values()
+        if unused:
+            warm.discard()
+
+    def drop(self, local_rank: int, warm: WarmInterpreter) -> None:
+        """Ends ``warm`` (it died, or failed to start a worker of ``local_rank``) and unbinds it
+        from every local rank: they all start cold until a new template is ready."""
+        with self._lock:
+            ranks = sorted(r for r, w in self._interpreters.items() if w is warm)
+            for rank in ranks:
+                del self._interpreters[rank]
+        if ranks:
+            logger.warning("warm template %d ended (%s); local ranks %s start cold until a new "
+                           "one is ready", warm.proc.pid,
+                           "it exited" if not warm.alive() else "a start failed in it", ranks)
         warm.discard()
 
     def interpreters(self) -> dict[int, WarmInterpreter]:
+        """Each local rank's template (the same object for every rank it serves)."""
         with self._lock:
             return dict(self._interpreters)
+
+    def templates(self) -> list[WarmInterpreter]:
+        """The distinct templates, normally one."""
+        with self._lock:
+            return list({id(w): w for w in self._interpreters.values()}.values())
 
     def prepare(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
     ) -> None:
-        """Makes sure an interpreter that can fork this worker exists or is being started."""
+        """Makes sure a template that can fork this worker exists or is being started."""
         if self.take(local_rank, argv, env, cwd) is None:
             self.refill(local_rank, argv, env, cwd)
 
     def refill(
         self, local_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str
     ) -> None:
-        """Starts (in the background) a warm interpreter for ``local_rank`` if it has none."""
+        """Binds ``local_rank`` to a template that can fork this worker: the node's running one,
+        or one being started, else starts one (in the background)."""
+        argv, env = tuple(str(a) for a in argv), dict(env)
         with self._lock:
-            if self._closed or local_rank in self._interpreters or (
-                local_rank in self._spawning and self._spawning[local_rank].is_alive()
-            ):
+            if self._closed or local_rank in self._interpreters:
                 return
-            thread = threading.Thread(
-                target=self._spawn, args=(local_rank, tuple(argv), dict(env), cwd),
-                name=f"elasticft-warm-{local_rank}", daemon=True,
+            for spawning in self._spawning:
+                if local_rank in spawning.local_ranks:
+                    return
+            for warm in {id(w): w for w in self._interpreters.values()}.values():
+                if warm.mismatch(argv, env, cwd) is None:
+                    self._interpreters[local_rank] = warm
+                    return
+            for spawning in self._spawning:
+                if warm_template.launch_mismatch(spawning.launch, argv, env, cwd) is None:
+                    spawning.local_ranks.add(local_rank)
+                    return
+            spawning = _Spawning(argv, env, cwd, local_rank)
+            spawning.thread = threading.Thread(
+                target=self._spawn, args=(spawning,), name="elasticft-warm-template",
+                daemon=True,
             )
-            self._spawning[local_rank] = thread
-        thread.start()
+            self._spawning.append(spawning)
+        spawning.thread.start()
 
-    def _spawn(
-        self, local_rank: int, argv: tuple[str, ...], env: dict[str, str], cwd: str
-    ) -> None:
+    def _spawn(self, spawning: _Spawning) -> None:
         try:
-            warm = WarmInterpreter.spawn(argv, env, cwd, self.preload, self.device)
+            warm = WarmInterpreter.spawn(*spawning.launch, self.preload, self.device)
         except Exception:  # the pool is an optimisation: never let it cost the run
-            logger.warning("could not start a warm interpreter for local rank %d", local_rank,
-                           exc_info=True)
+            logger.warning("could not start a warm template for local ranks %s",
+                           sorted(spawning.local_ranks), exc_info=True)
+            with self._lock:
+                if spawning in self._spawning:
+                    self._spawning.remove(spawning)
             return
         with self._lock:
-            replaced, closed = self._interpreters.get(local_rank), self._closed
+            if spawning in self._spawning:
+                self._spawning.remove(spawning)
+            closed = self._closed
+            ranks = sorted(spawning.local_ranks)
+            replaced = []
             if not closed:
-                self._interpreters[local_rank] = warm
+                self.spawned += 1
+                for rank in ranks:
+                    replaced.append(self._interpreters.get(rank))
+                    self._interpreters[rank] = warm
+            in_use = list(self._interpreters.values())
         if closed:
             warm.discard()
-        elif replaced is not None:
-            replaced.discard()
+            return
+        logger.info("warm template %d started (imports %s) for local ranks %s", warm.proc.pid,
+                    ",".join(self.preload), ranks)
+        for old in {id(w): w for w in replaced if w is not None}.values():
+            if old not in in_use:
+                old.discard()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            spawning, self._spawning = list(self._spawning.values()), {}
-        for thread in spawning:
-            thread.join(timeout=30)
+            threads, self._spawning = [s.thread for s in self._spawning], []
+        for thread in threads:
+            if thread is not None:
+                thread.join(timeout=30)
         with self._lock:
             interpreters, self._interpreters = self._interpreters, {}
-        for warm in interpreters.values():
+        for warm in {id(w): w for w in interpreters.values()}.values():
             warm.discard()
 
 
@@ -382,7 +303,12 @@ class WarmSubprocessHandler(SubprocessHandler):
                 try:
                     proc = warm.start(argv, env, cwd, out, err)
                     self.warm = True
+                    logger.info("local rank %d: worker %d forked from warm template %d",
+                                self.local_rank_id, proc.pid, warm.proc.pid)
                     return proc
+                except TemplateBusy:
+                    logger.warning("warm template busy; local rank %d starts cold",
+                                   self.local_rank_id)
                 except OSError:
                     logger.warning("warm start of local rank %d failed; starting cold",
                                    self.local_rank_id, exc_info=True)
@@ -404,8 +330,8 @@ class WarmSubprocessContext(SubprocessContext):
         if self.subprocess_handlers:
             raise ValueError("the worker processes were already started")
         if self._pool is not None and torch_compat.numa_options_of(self) is None:
-            # Every local rank's interpreter does its imports at the same time (the first
-            # start, or after a change of environment); each worker is then forked from it.
+            # The node's template does its imports once (the first start, or after a change of
+            # environment) while every local rank waits for it; each worker is forked from it.
             cwd = os.getcwd()
             for local_rank in range(self.nprocs):
                 argv = (self.entrypoint, *[str(a) for a in self.args[local_rank]])
@@ -467,11 +393,11 @@ class WarmStartMixin:
 
     def startup_env(self) -> dict[str, str]:
         """Variables the agent adds to every worker's environment that its start-up may read
-        (the NCCL settings of in-process recovery): a warm interpreter starts with them."""
+        (the NCCL settings of in-process recovery): the warm template starts with them."""
         raise NotImplementedError
 
     def prewarm(self, spec: Any) -> None:
-        """Starts the warm interpreters before the first rendezvous, so that their imports
+        """Starts the node's warm template before the first rendezvous, so that its imports
         overlap the wait (all of it for a standby, whose workers then start as fast as a
         survivor's). The environment is the one the workers most likely get: this process's,
         plus what torch adds and the ``PYTHONPATH`` the collaborators declare; a worker whose

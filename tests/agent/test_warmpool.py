@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,7 +95,9 @@ def test_the_worker_gets_the_agents_signal_dispositions_not_the_interpreters(
         warm = WarmInterpreter.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
         wait_until(warm.ready, 60, "the pre-started interpreter")
     finally:
-        signal.signal(signal.SIGINT, interrupt)
+        # Handled at the start, whatever this test process was started with (a shell's
+        # background job ignores SIGINT).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     user1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         with open(tmp_path / "w.out", "w") as out, open(tmp_path / "w.err", "w") as err:
@@ -102,6 +105,7 @@ def test_the_worker_gets_the_agents_signal_dispositions_not_the_interpreters(
                               err.fileno())
     finally:
         signal.signal(signal.SIGUSR1, user1)
+        signal.signal(signal.SIGINT, interrupt)
     assert proc.wait(timeout=60) == 0
     signals = json.loads((tmp_path / "out" / "warm.json").read_text())["signals"]
     assert signals["SIGINT"] == repr(signal.default_int_handler)
@@ -282,9 +286,9 @@ def test_interpreters_never_started_exit_without_running_the_script(tmp_path: Pa
     for rank in (0, 1):
         pool.refill(rank, argv, base_env(tmp_path), str(tmp_path))
     wait_until(lambda: len(pool.interpreters()) == 2, 60, "the pool")
-    procs = [w.proc for w in pool.interpreters().values()]
+    (template,) = pool.templates()  # one for both local ranks
     pool.close()
-    assert [p.wait(timeout=30) for p in procs] in ([0, 0], [-9, -9], [0, -9], [-9, 0])
+    assert template.proc.wait(timeout=30) in (0, -9)
     assert pool.interpreters() == {}
     # The agent disappearing (its end of the socket closed) also ends them.
     orphan = WarmInterpreter.spawn(argv, base_env(tmp_path), str(tmp_path), ("json",))
@@ -307,6 +311,95 @@ def test_a_changed_start_up_environment_starts_cold(tmp_path: Path) -> None:
     pool.close()
 
 
+# ----------------------------------------------------------------------------------------------
+# One template per node: every local rank is forked from it.
+
+
+def rank_env(tmp_path: Path, local_rank: int) -> dict[str, str]:
+    """A later attempt's environment of ``local_rank`` (show_start writes attempt1-rankN)."""
+    env = {**attempt_env(tmp_path, ""), "LOCAL_RANK": str(local_rank), "RANK": str(local_rank)}
+    del env["SHOW_START_TAG"]
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_every_local_rank_is_forked_from_one_template(tmp_path: Path) -> None:
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "sleep"]
+    pool = WarmPool(preload=("json",))
+    try:
+        for rank in (0, 1, 2):
+            pool.refill(rank, argv, {**base_env(tmp_path), "LOCAL_RANK": str(rank)},
+                        str(tmp_path))
+        wait_until(lambda: len(pool.interpreters()) == 3, 60, "the pool")
+        (template,) = pool.templates()
+        assert pool.spawned == 1  # one interpreter imported the preload modules
+        workers = {}
+        for rank in (0, 1, 2):
+            warm = pool.take(rank, argv, rank_env(tmp_path, rank), str(tmp_path))
+            assert warm is template
+            workers[rank] = warm.start(argv, rank_env(tmp_path, rank), str(tmp_path), 1, 2)
+        for rank, proc in workers.items():
+            out = tmp_path / "out" / f"attempt1-rank{rank}.json"
+            wait_until(out.exists, 60, f"local rank {rank}")
+            state = json.loads(out.read_text())
+            assert state["env"]["LOCAL_RANK"] == str(rank) and state["pid"] == proc.pid
+            worker = psutil.Process(proc.pid)
+            assert worker.ppid() == os.getpid()  # the agent's own child
+            # A fork of the template: the kernel's copy of the environment is the template's
+            # start-up one (its bootstrap socket included), not the worker's.
+            assert worker.environ() == psutil.Process(template.proc.pid).environ()
+        assert template.starts == 3 and template.alive() and pool.spawned == 1
+        for proc in workers.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_template_sends_every_rank_cold_and_one_new_template_replaces_it(
+        tmp_path: Path) -> None:
+    argv = [sys.executable, "-u", SHOW, str(tmp_path / "out"), "ok"]
+    pool = WarmPool(preload=("json",))
+    try:
+        for rank in (0, 1, 2):
+            pool.refill(rank, argv, base_env(tmp_path), str(tmp_path))
+        wait_until(lambda: len(pool.interpreters()) == 3, 60, "the pool")
+        (dead,) = pool.templates()
+        os.killpg(dead.proc.pid, signal.SIGKILL)
+        assert dead.proc.wait(timeout=30) == -signal.SIGKILL
+        # The first rank to start finds it dead: it is ended for every rank, which all go cold.
+        assert pool.take(0, argv, rank_env(tmp_path, 0), str(tmp_path)) is None
+        assert pool.interpreters() == {}
+        assert pool.take(1, argv, rank_env(tmp_path, 1), str(tmp_path)) is None
+        for rank in (0, 1, 2):  # what the agent does after the cold starts
+            pool.refill(rank, argv, rank_env(tmp_path, rank), str(tmp_path))
+        wait_until(lambda: len(pool.interpreters()) == 3, 60, "the new template")
+        (new,) = pool.templates()
+        assert new is not dead and pool.spawned == 2
+        wait_until(new.ready, 60, "the new template's imports")
+        proc = new.start(argv, rank_env(tmp_path, 2), str(tmp_path), 1, 2)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_local_rank_with_another_command_gets_a_template_of_its_own(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    pool = WarmPool(preload=("json",))
+    try:
+        pool.refill(0, [sys.executable, "-u", SHOW, out, "ok"], base_env(tmp_path), str(tmp_path))
+        pool.refill(1, [sys.executable, "-u", SHOW, out, "ok"], base_env(tmp_path), str(tmp_path))
+        pool.refill(2, [sys.executable, "-u", SHOW, out, "exit3"], base_env(tmp_path),
+                    str(tmp_path))
+        wait_until(lambda: len(pool.interpreters()) == 3, 60, "the pool")
+        shared = pool.interpreters()
+        assert shared[0] is shared[1] is not shared[2] and pool.spawned == 2
+    finally:
+        pool.close()
+
+
 def _session(process: psutil.Process) -> int | None:
     try:
         return os.getsid(process.pid)
@@ -318,13 +411,15 @@ def _session(process: psutil.Process) -> int | None:
 # Under elasticft-run, with torch preloaded.
 
 
-def run_show_start(tmp_path: Path, job_env: dict[str, str], name: str, *extra: str) -> Path:
-    """elasticft-run of show_start.py on 2 local ranks whose first attempt is SIGKILLed. Its
-    stderr (INFO lines) is kept as ``stderr-<name>.txt``."""
+def run_show_start(tmp_path: Path, job_env: dict[str, str], name: str, *extra: str,
+                   nproc: int = 2) -> Path:
+    """elasticft-run of show_start.py on ``nproc`` local ranks whose first attempt is
+    SIGKILLed. Its stderr (INFO lines) is kept as ``stderr-<name>.txt``."""
     run_dir, out = tmp_path / f"run-{name}", tmp_path / f"out-{name}"
     env = {**job_env, "SHOW_START_IMPORT": "torch", "LOGLEVEL": "INFO"}
     proc = subprocess.run(
-        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--max-restarts",
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
+         "--max-restarts",
          "2", *extra, "--run-dir", str(run_dir), SHOW, str(out), "kill-first"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200,
     )
@@ -367,6 +462,24 @@ def test_every_start_is_warm_and_sees_what_a_cold_one_sees(
         # Diagnostics' bootstrap (first on PYTHONPATH) still ran and installed the recorder.
         if cold["sitecustomize"]:
             assert "diag" in cold["sitecustomize"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_three_worker_launch_imports_torch_once(tmp_path: Path, job_env: dict[str, str]) -> None:
+    """Every worker of both attempts is forked from one template, the only interpreter of the
+    node that imported torch."""
+    run = run_show_start(tmp_path, job_env, "three", nproc=3)
+    started = [e["warm_local_ranks"] for e in read_events(run) if e["kind"] == "workers_started"]
+    assert started == [[0, 1, 2], [0, 1, 2]]
+    log = (tmp_path / "stderr-three.txt").read_text()
+    spawned = re.findall(r"warm template (\d+) started \(imports torch,torch._dynamo\)", log)
+    forked = re.findall(r"local rank (\d): worker (\d+) forked from warm template (\d+)", log)
+    assert len(spawned) == 1, log[-3000:]
+    assert sorted(int(rank) for rank, _, _ in forked) == [0, 0, 1, 1, 2, 2]
+    assert {template for _, _, template in forked} == set(spawned)
+    pids = {json.loads(p.read_text())["pid"] for p in (tmp_path / "out-three").glob("*.json")}
+    assert pids == {int(worker) for _, worker, _ in forked} and len(pids) == 6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -454,6 +567,40 @@ def test_the_spare_prepares_the_device_of_its_local_rank_after_the_worker_died(
         assert state["local_rank"] == "1" and state["cuda_visible_devices"] == ""
         assert state["warm_device_env"] is None and state["session_leader"]
         assert not state["cuda_initialized"] and state["current_device"] is None
+
+
+@pytest.mark.timeout(180)
+def test_each_local_rank_of_the_template_has_its_own_spare(tmp_path: Path) -> None:
+    """Two local ranks forked from one template, each killed and restarted: each restart is
+    its own rank's spare, which prepared that rank's device (none here)."""
+    argv = [sys.executable, "-u", SHOW_DEVICE, str(tmp_path / "out"), "cpu"]
+    env = {**base_env(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    warm = WarmInterpreter.spawn(argv, env, str(tmp_path), ("torch",), "always")
+    states: dict[str, dict] = {}
+    try:
+        for round_ in ("first", "second"):
+            procs = {}
+            for rank in (0, 1):
+                tag = f"{round_}-{rank}"
+                procs[tag] = warm.start(argv, {**env, "LOCAL_RANK": str(rank),
+                                               "SHOW_START_TAG": tag}, str(tmp_path), 1, 2)
+            for tag, proc in procs.items():
+                out = tmp_path / "out" / f"{tag}.json"
+                wait_until(out.exists, 90, f"worker {tag}")
+                assert psutil.Process(proc.pid).ppid() == os.getpid()
+                os.kill(proc.pid, signal.SIGKILL)
+                assert proc.wait(timeout=30) == -signal.SIGKILL
+                states[tag] = json.loads(out.read_text())
+        assert warm.alive() and warm.starts == 4
+    finally:
+        warm.discard()
+    for rank in (0, 1):
+        assert states[f"first-{rank}"]["prepared"] is None
+        second = states[f"second-{rank}"]
+        assert second["prepared"] == {"local_rank": rank, "pid": second["pid"], "device": None,
+                                      "skipped": "no CUDA device"}
+        assert second["local_rank"] == str(rank) and second["session_leader"]
+    assert _is_subreaper() is False
 
 
 @pytest.mark.timeout(180)

@@ -1,14 +1,15 @@
 """Warm device: the next worker of a local rank waits with its CUDA context already made.
 
-A CUDA context cannot cross a fork, so the warm interpreter (``sitecustomize`` here) must never
-touch CUDA: it forks every worker. What it can do is fork the *next* worker early. After each
-start it forks a **spare**: a process that is already that local rank's next worker, waiting.
+A CUDA context cannot cross a fork, so the warm template (``sitecustomize`` here) must never
+touch CUDA: it forks every worker of every local rank. What it can do is fork the *next* worker
+early. After each start it forks a **spare** for that start's local rank (its ``LOCAL_RANK``): a
+process that is already that local rank's next worker, waiting; each local rank has its own.
 The spare watches the worker just started (a pidfd). While that worker runs, the spare holds no
 GPU memory. Once it has exited (a crash, a kill after a hang, a stop for a restart), and only if
 it had CUDA loaded (``libcuda`` in its memory map), the spare creates the CUDA context on the
 local rank's device and a cuBLAS handle, the seconds of a GPU worker's start that need no
-rendezvous, while the agent is still deciding and rendezvousing. The next start request goes to
-the spare, which becomes the worker exactly as a freshly forked one would.
+rendezvous, while the agent is still deciding and rendezvousing. The next start request of that
+local rank goes to its spare, which becomes the worker exactly as a freshly forked one would.
 
 What the script sees is what a cold start shows, except that ``torch.cuda.is_initialized()`` is
 already true: the environment is the request's, the current device is torch's default (the
@@ -124,6 +125,15 @@ class Spare:
             os.close(fd)
         return struct.unpack("!q", reply)[0]
 
+    def close_in_child(self):
+        """In a process forked from the server: closes this spare's descriptors, without
+        ending the spare (only the server's copies decide when it is released)."""
+        with contextlib.suppress(OSError):
+            self._channel.close()
+        if self._hold_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._hold_fd)
+
     def discard(self):
         """Ends the spare (its intermediate exits and the spare sees its channel close)."""
         self._channel.close()
@@ -134,8 +144,10 @@ class Spare:
                 os.waitpid(self.intermediate, 0)
 
 
-def fork_spare(worker_pid, close_in_child, local_rank, mode, receive):
-    """Forks the spare for the worker ``worker_pid`` (through an intermediate that waits).
+def fork_spare(worker_pid, close_inherited, local_rank, mode, receive):
+    """Forks the spare of ``local_rank`` for its worker ``worker_pid`` (through an intermediate
+    that waits); ``close_inherited()`` closes, in the intermediate, the server's socket and the
+    descriptors of the other local ranks' spares.
 
     In the server: a :class:`Spare` (None when the worker cannot be watched). In the spare,
     once it is asked to start: the request and the worker's descriptors, the spare then being
@@ -157,6 +169,7 @@ def fork_spare(worker_pid, close_in_child, local_rank, mode, receive):
     try:
         server_end.close()
         os.close(hold_write)
+        close_inherited()
         spare = os.fork()
     finally:
         if spare != 0:
@@ -165,8 +178,6 @@ def fork_spare(worker_pid, close_in_child, local_rank, mode, receive):
                     os.read(hold_read, 1)  # until the server closes it (or exits)
             os._exit(0)
     os.close(hold_read)
-    for sock in close_in_child:
-        sock.close()
     try:
         return _wait_as_spare(spare_end, watched, worker_pid, local_rank, mode, receive)
     except BaseException:

@@ -1,14 +1,15 @@
-"""Warm interpreter: import the heavy modules once, then fork a worker for every start.
+"""Warm template: import the heavy modules once, then fork a worker for every start of the node.
 
 The agent starts ``python -u script.py args...`` (exactly the worker's command line) with this
 directory first on PYTHONPATH and a socket in ``ELASTICFT_WARM_FD``. Python runs this file at
 start-up, before the script: it imports the modules named in ``ELASTICFT_WARM_PRELOAD`` (torch),
-tells the agent it is ready and becomes a fork server. Each start request carries the worker's
-environment, its working directory and its stdout/stderr descriptors. The server forks; the
-child starts its own session, makes itself what a freshly started worker would be at this point
-of start-up (environment, sys.path, output streams, the ``sitecustomize`` it shadowed, e.g.
-elasticft's diagnostics bootstrap) and returns, so that the interpreter goes on to run the
-script as ``__main__``. The server stays, imports done, for the next start.
+tells the agent it is ready and becomes a fork server for every local rank of the node, serving
+their requests one at a time. Each start request carries the worker's full environment (its
+``LOCAL_RANK`` among it), its working directory and its stdout/stderr descriptors. The server
+forks; the child starts its own session, makes itself what a freshly started worker would be at
+this point of start-up (environment, sys.path, output streams, the ``sitecustomize`` it
+shadowed, e.g. elasticft's diagnostics bootstrap) and returns, so that the interpreter goes on
+to run the script as ``__main__``. The server stays, imports done, for the next start.
 
 The fork is double: the server forks an intermediate process that forks the worker and exits at
 once. The agent holds the child-subreaper flag while it waits for the reply, so the orphaned
@@ -159,9 +160,11 @@ def _become_worker(request, fds, preload_error):
     _run_shadowed_sitecustomize()
 
 
-def _fork_worker(sock, fds):
+def _fork_worker(close_inherited, fds):
     """Forks the worker (twice, see above). Returns its pid (-1: it did not start) in the
-    server, returns None in the worker, which then becomes the script; the intermediate exits."""
+    server, returns None in the worker, which then becomes the script; the intermediate exits.
+    ``close_inherited()`` closes, in the worker, the server's socket and every descriptor it
+    holds for other local ranks' spares."""
     import struct
 
     read_end, write_end = os.pipe()
@@ -176,7 +179,7 @@ def _fork_worker(sock, fds):
         try:
             # Its own session, as torch starts workers: torch signals it with killpg.
             os.setsid()
-            sock.close()
+            close_inherited()
             os.close(read_end)
             os.write(write_end, struct.pack("!q", os.getpid()))
             os.close(write_end)
@@ -201,15 +204,27 @@ def _reseed_numpy():
 
 def _warm_device():
     """The spare-forking module (:mod:`_elasticft_warm_device`, beside this file) when the agent
-    asked for device preparation, with ``mode`` and ``local_rank`` set on it; else None."""
+    asked for device preparation, with ``mode`` set on it; else None."""
     try:
         import _elasticft_warm_device as device
     except ImportError:
         os.environ.pop("ELASTICFT_WARM_DEVICE", None)
         return None
     device.mode = device.mode_from_env(os.environ)
-    device.local_rank = device.local_rank_from_env(os.environ)
     return None if device.mode == "off" else device
+
+
+def _closer(sock, spares):
+    """What a process forked from the server closes: the server's socket and the descriptors
+    of every waiting spare (a spare's intermediate exits only once all copies of its hold
+    descriptor are closed)."""
+
+    def close_inherited():
+        sock.close()
+        for spare in spares.values():
+            spare.close_in_child()
+
+    return close_inherited
 
 
 def _main():
@@ -246,7 +261,10 @@ def _main():
     # The agent may already have sent its request (it is buffered).
     with contextlib.suppress(OSError):
         sock.sendall(b"R")
-    spare = None
+    # The template serves every local rank of the node, one request at a time; with a device
+    # mode, each local rank has its own spare, forked after that rank's latest start.
+    spares = {}
+    close_inherited = _closer(sock, spares)
     while True:
         try:
             received = _receive(sock)
@@ -255,12 +273,16 @@ def _main():
         if received is None:
             os._exit(0)  # the agent is gone or discarded us; no user code has run
         request, fds = received
+        local_rank = None
+        if device is not None:
+            local_rank = device.local_rank_from_env(request["env"])
         pid = -1
-        if spare is not None:  # the next worker is waiting, maybe with its device ready
-            pid, spare = spare.start(request, fds), None
+        spare = spares.pop(local_rank, None)
+        if spare is not None:  # the rank's next worker is waiting, maybe with its device ready
+            pid = spare.start(request, fds)
         try:
             if pid == -1:
-                pid = _fork_worker(sock, fds)
+                pid = _fork_worker(close_inherited, fds)
         except OSError:  # no fork: the agent starts this worker cold
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -268,15 +290,17 @@ def _main():
             pid = -1
         if pid is None:
             break
-        if device is not None and pid > 0:
-            spare = device.fork_spare(pid, [sock], device.local_rank, device.mode, _receive)
-            if isinstance(spare, tuple):  # this process is the spare, asked to start
-                request, fds = spare
-                break
         try:
             sock.sendall(b"P" + struct.pack("!q", pid))
         except OSError:
             os._exit(0)
+        if device is not None and pid > 0:
+            spare = device.fork_spare(pid, close_inherited, local_rank, device.mode, _receive)
+            if isinstance(spare, tuple):  # this process is the spare, asked to start
+                request, fds = spare
+                break
+            if spare is not None:
+                spares[local_rank] = spare
     try:
         _reseed_numpy()
         _become_worker(request, fds, preload_error)
