@@ -429,7 +429,7 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     """Three agents as nodes on an etcd-v3 rendezvous, --nnodes 2:2, two DDP ranks each: two
     nodes train (4 ranks) and the third waits as the standby. Rank 3 computes step 5 wrongly
     once. Step 6's fingerprints name it; its node is blacklisted with reason sdc and leaves;
-    the standby takes its place, every rank restores step 4 (the newest step at which every
+    the standby takes its place, every rank restores step 4 or 2 (the newest step at which every
     fingerprint agreed; the new node from the survivor's memory) and the steps after it are
     redone: the losses are an uninterrupted run's, bit for bit, and the report counts the steps
     redone."""
@@ -469,16 +469,19 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
         (codes, job.outputs())
     suspect = job.events("sdc_suspect")[0]
     assert (suspect["step"], suspect["ranks"], suspect["nodes"]) == (6, [3], [faulty])
-    assert suspect["agreed_step"] == 4
+    # The newest compared step before 6 agreed: 4, or 2 when a loaded machine's agent compared
+    # step 4 only after the memory slots had moved past it (then recovery goes back further).
+    agreed = suspect["agreed_step"]
+    assert agreed in (2, 4), suspect
     eviction = next(e for e in job.events("eviction") if e["evicted"] == faulty)
     assert eviction["blacklisted"] and eviction["by"] == "self"
     assert blacklist_of(etcd_server.endpoint)[faulty].startswith("sdc: rank(s) [3] diverged")
     started = job.nodes[standby].events("workers_started")
     assert started and started[-1]["world_size"] == 4, job.outputs()
-    # Every node restored step 4, the standby's ranks from the survivor's memory: nothing after
-    # the corruption was kept.
+    # Every node restored the agreed step, the standby's ranks from the survivor's memory:
+    # nothing after the corruption was kept.
     restored = {e["node"]: e["step"] for e in job.events("restore") if e["step"] is not None}
-    assert restored and set(restored.values()) == {4}, restored
+    assert restored and set(restored.values()) == {agreed}, restored
     assert standby in restored
     losses = losses_of(job_dir / "loss.log")
     reference, _ = _losses(reference_dir / "run.loss")
@@ -504,7 +507,7 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
                                                 root / "peer-backups" / f"node-{node}"]
         for place in places:
             kept = durable.list_steps(place)
-            assert not [s for s in kept if 4 < s <= newest], (place, sorted(kept))
+            assert not [s for s in kept if agreed < s <= newest], (place, sorted(kept))
             assert node == standby or rejected.records(place), place
     rejections = job.events("sdc_rejected")
     assert {e["node"] for e in rejections} == set(survivors), rejections
