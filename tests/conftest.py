@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -117,21 +119,38 @@ def job_env() -> dict[str, str]:
     return clean_job_env()
 
 
+def python_stacks(pid: int) -> str:
+    """The Python stacks of a process and its children (py-spy), for a test's failure."""
+    stacks = []
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            dump = subprocess.run([str(BIN / "py-spy"), "dump", "--pid", str(process.pid)],
+                                  capture_output=True, text=True, timeout=30)
+            stacks.append(f"--- pid {process.pid} {process.cmdline()[:3]}\n"
+                          f"{dump.stdout}{dump.stderr}")
+    return "\n".join(stacks)
+
+
 def communicate_or_explain(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     """``proc.communicate(timeout)``; when it times out, the failure shows why the process hung:
     the Python stacks of it and its children (py-spy) and the end of its stderr."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        stacks = []
-        for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]:
-            dump = subprocess.run([str(BIN / "py-spy"), "dump", "--pid", str(process.pid)],
-                                  capture_output=True, text=True, timeout=30)
-            stacks.append(f"--- pid {process.pid} {process.cmdline()[:3]}\n"
-                          f"{dump.stdout}{dump.stderr}")
+        stacks = python_stacks(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
         raise AssertionError(
-            f"{proc.args[:2]} still running after {timeout} s\n" + "\n".join(stacks)
+            f"{proc.args[:2]} still running after {timeout} s\n" + stacks
             + f"\n--- stderr (end)\n{stderr[-6000:]}"
         ) from None
+
+
+def wait_or_explain(proc: subprocess.Popen, timeout: float, output: Callable[[], str]) -> int:
+    """``proc.wait(timeout)``; when it times out, the failure shows the Python stacks of it and
+    its children and ``output()`` (the logs the process writes elsewhere)."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{proc.args[:2]} still running after {timeout} s\n"
+                             + python_stacks(proc.pid) + "\n" + output()) from None

@@ -26,7 +26,7 @@ import pytest
 
 from elasticft import chaos
 from elasticft.events import read_events
-from tests.conftest import BIN, EXAMPLES, pids_by_rank
+from tests.conftest import BIN, EXAMPLES, pids_by_rank, wait_or_explain
 from tests.recovery.cluster import FAST_RDZV
 from tests.servers import EtcdServer
 
@@ -117,7 +117,7 @@ def _run_to_node_loss(job: TwoNodes) -> tuple[str, dict[int, list[int]]]:
         time.sleep(0.1)
     before = pids_by_rank(job.pid_log)
     _, survivor = job.kill_leader()
-    code = job.agents[survivor].wait(240)
+    code = wait_or_explain(job.agents[survivor], 240, job.outputs)
     assert code == 0, job.outputs()
     return survivor, before
 
@@ -233,7 +233,7 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
         before = pids_by_rank(job.pid_log)
         job.start("b")  # the node comes back: it waits to join the running job
         for name in ("a", "b"):
-            assert job.agents[name].wait(240) == 0, job.outputs()
+            assert wait_or_explain(job.agents[name], 240, job.outputs) == 0, job.outputs()
         out, _ = reference.communicate(timeout=240)
         assert reference.returncode == 0, out[-4000:]
     finally:
