@@ -73,13 +73,17 @@ def test_same_class_and_decision(case: str, launcher: str, tmp_path: Path,
     assert proc.returncode == exit_code, proc.stderr[-5000:]
     events = read_events(run_dir)
     failures = [e for e in events if e["kind"] == "failure"]
-    assert failures and failures[0]["failure_class"] == cls, failures
-    assert all(f["rank"] == 1 for f in failures), failures
+    # Rank 1's failure has the case's class. Rank 0 may fail too, as its consequence: its
+    # collective with rank 1 raises (a communication error), or the agent stops it.
+    caused = [f for f in failures if f["rank"] == 1]
+    assert caused and caused[0]["failure_class"] == cls, failures
+    assert all(f["failure_class"] in ("infrastructure", "stop_requested")
+               for f in failures if f["rank"] != 1), failures
     assert [e["action"] for e in events if e["kind"] == "decision"] == decisions
     restarts = [e["restarts"] for e in events if e["kind"] == "run_end"]
     assert restarts == [len(decisions) if exit_code == 0 else 0]
     if case == "user_error":
         assert "rank 1 (user_code) ValueError: bad config value" in proc.stderr
-        assert "parity.py:" in failures[0]["location"]
+        assert "parity.py:" in caused[0]["location"]
     if case == "hang":
-        assert "hang (frozen): rank 1 frozen" in failures[0]["message"]
+        assert "hang (frozen): rank 1 frozen" in caused[0]["message"]
