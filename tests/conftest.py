@@ -93,7 +93,7 @@ def pids_by_rank(path: Path) -> dict[int, list[int]]:
     """The processes each rank trained in (an example's ``--pid-log``: rank, pid, step per line),
     oldest first."""
     found: dict[int, list[int]] = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text().split("\n")[:-1]:  # the last one may be still being written
         rank, pid, _ = (int(v) for v in line.split())
         if pid not in found.setdefault(rank, []):
             found[rank].append(pid)

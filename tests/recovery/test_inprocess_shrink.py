@@ -46,6 +46,10 @@ def _losses(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _pids(path: Path) -> dict[int, list[int]]:
+    return pids_by_rank(path) if path.exists() else {}
+
+
 def _final(path: Path) -> dict[int, dict[str, Any]]:
     return {e["step"]: e for e in _losses(path)}  # a redone step's last entry counts
 
@@ -111,7 +115,8 @@ def _run_to_node_loss(job: TwoNodes) -> tuple[str, dict[int, list[int]]]:
     job.start("a")
     job.start("b")
     deadline = time.monotonic() + 150
-    while not any(e["step"] >= KILL_AFTER for e in _losses(job.loss_log)):
+    while not (any(e["step"] >= KILL_AFTER for e in _losses(job.loss_log))
+               and len(_pids(job.pid_log)) == 4):  # each rank writes its own line
         assert time.monotonic() < deadline, job.outputs()
         assert all(p.poll() is None for p in job.agents.values()), job.outputs()
         time.sleep(0.1)
@@ -226,7 +231,7 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
     try:
         job.start("a")
         deadline = time.monotonic() + 150
-        while not _losses(job.loss_log):
+        while not (_losses(job.loss_log) and len(_pids(job.pid_log)) == 2):
             assert time.monotonic() < deadline, job.outputs()
             assert job.agents["a"].poll() is None, job.outputs()
             time.sleep(0.1)
