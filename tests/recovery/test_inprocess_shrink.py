@@ -136,24 +136,59 @@ def _launch(tmp: Path, env: dict[str, str], nproc: int, name: str, *train: str) 
     return done.stdout + done.stderr
 
 
+def _start_reference(tmp: Path, env: dict[str, str], nproc: int, steps: int
+                     ) -> subprocess.Popen[str]:
+    """The reference's first part, beside the elastic job: the layout before the change on one
+    node, a DCP checkpoint of every step (``ref-ckpt``), its losses in ``ref.jsonl``."""
+    return subprocess.Popen(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
+         "--run-dir", str(tmp / "run-ref"), *PLAN, str(TRAINER), "--steps", str(steps),
+         "--ckpt-dir", str(tmp / "ref-ckpt"), "--loss-log", str(tmp / "ref.jsonl")],
+        env={**env, "OMP_NUM_THREADS": "1"}, cwd=tmp, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(reference: subprocess.Popen[str]) -> None:
+    out, _ = reference.communicate(timeout=240)
+    assert reference.returncode == 0, out[-4000:]
+
+
+def _reference_losses(tmp: Path, env: dict[str, str], nproc: int, steps: int, start: int
+                      ) -> dict[int, float]:
+    """The reference's losses: its first part's to ``start``, then those of a restart on
+    ``nproc`` ranks (the layout after the change) from step ``start``'s checkpoint."""
+    restart_ckpt = tmp / "restart-ckpt"
+    restart_ckpt.mkdir()
+    (restart_ckpt / f"step_{start:06d}").symlink_to(tmp / "ref-ckpt" / f"step_{start:06d}")
+    restart_log = tmp / "restart.jsonl"
+    _launch(tmp, env, nproc, "restart", "--steps", str(steps), "--ckpt-dir",
+            str(restart_ckpt), "--ckpt-every", str(steps), "--loss-log", str(restart_log))
+    want = {s: e["loss"] for s, e in _final(tmp / "ref.jsonl").items() if s <= start}
+    want.update({s: e["loss"] for s, e in _final(restart_log).items()})
+    return want
+
+
+def _assert_losses(job: TwoNodes, steps: int, start: int, layout: tuple[int, int, int],
+                   want: dict[int, float]) -> None:
+    """Every step has a loss, those after ``start`` trained in ``layout`` (TP, DP, accumulation),
+    with the reference's losses, bitwise (JSON keeps a float exact)."""
+    got = _final(job.loss_log)
+    assert sorted(got) == list(range(1, steps + 1))
+    assert {(e["tp"], e["dp"], e["grad_accum"]) for s, e in got.items() if s > start} == {
+        layout}
+    assert {s: e["loss"] for s, e in got.items()} == want
+
+
 @pytest.mark.timeout(420)
 def test_a_node_lost_without_standby_shrinks_in_process_to_tp2_dp1(
         etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path) -> None:
     # The reference's first part (TP2 x DP2, a DCP checkpoint of every step) runs beside the
     # elastic job; it is restarted into TP2 x DP1 once the step the shrink resumed from is known.
-    ckpt = tmp_path / "ref-ckpt"
-    ref_log = tmp_path / "ref.jsonl"
-    reference = subprocess.Popen(
-        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "4", "--run-dir",
-         str(tmp_path / "run-ref"), *PLAN, str(TRAINER), "--steps", str(STEPS), "--ckpt-dir",
-         str(ckpt), "--loss-log", str(ref_log)],
-        env={**job_env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    reference = _start_reference(tmp_path, job_env, 4, STEPS)
     job = TwoNodes(tmp_path, job_env, etcd_server.endpoint)
     try:
         survivor, before = _run_to_node_loss(job)
-        out, _ = reference.communicate(timeout=240)
-        assert reference.returncode == 0, out[-4000:]
+        _finish(reference)
     finally:
         if reference.poll() is None:
             reference.kill()
@@ -178,19 +213,8 @@ def test_a_node_lost_without_standby_shrinks_in_process_to_tp2_dp1(
     start = resumed[0]
 
     # The reference restarts into TP2 x DP1 (accumulation 2) from the same step's checkpoint.
-    restart_ckpt = tmp_path / "restart-ckpt"
-    restart_ckpt.mkdir()
-    (restart_ckpt / f"step_{start:06d}").symlink_to(ckpt / f"step_{start:06d}")
-    restart_log = tmp_path / "restart.jsonl"
-    _launch(tmp_path, job_env, 2, "restart", "--steps", str(STEPS), "--ckpt-dir",
-            str(restart_ckpt), "--ckpt-every", str(STEPS), "--loss-log", str(restart_log))
-    want = {s: e["loss"] for s, e in _final(ref_log).items() if s <= start}
-    want.update({s: e["loss"] for s, e in _final(restart_log).items()})
-    got = _final(job.loss_log)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert {(e["tp"], e["dp"], e["grad_accum"]) for s, e in got.items() if s > start} == {
-        (2, 1, 2)}
-    assert {s: e["loss"] for s, e in got.items()} == want  # bitwise: JSON keeps a float exact
+    _assert_losses(job, STEPS, start, (2, 1, 2),
+                   _reference_losses(tmp_path, job_env, 2, STEPS, start))
 
 
 @pytest.mark.timeout(420)
@@ -219,14 +243,7 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
         etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path) -> None:
     # The reference's first part: TP2 x DP1 (accumulation 2) on one node, a DCP checkpoint of
     # every step; restarted into TP2 x DP2 from the step the growth resumed from.
-    ckpt = tmp_path / "ref-ckpt"
-    ref_log = tmp_path / "ref.jsonl"
-    reference = subprocess.Popen(
-        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--run-dir",
-         str(tmp_path / "run-ref"), *PLAN, str(TRAINER), "--steps", str(GROW_STEPS),
-         "--ckpt-dir", str(ckpt), "--loss-log", str(ref_log)],
-        env={**job_env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    reference = _start_reference(tmp_path, job_env, 2, GROW_STEPS)
     job = TwoNodes(tmp_path, job_env, etcd_server.endpoint, steps=GROW_STEPS)
     try:
         job.start("a")
@@ -239,8 +256,7 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
         job.start("b")  # the node comes back: it waits to join the running job
         for name in ("a", "b"):
             assert wait_or_explain(job.agents[name], 240, job.outputs) == 0, job.outputs()
-        out, _ = reference.communicate(timeout=240)
-        assert reference.returncode == 0, out[-4000:]
+        _finish(reference)
     finally:
         if reference.poll() is None:
             reference.kill()
@@ -270,17 +286,5 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
     redone = len(got_lines) - len({e["step"] for e in got_lines})
     assert redone <= 1, got_lines
 
-    restart_ckpt = tmp_path / "restart-ckpt"
-    restart_ckpt.mkdir()
-    (restart_ckpt / f"step_{start:06d}").symlink_to(ckpt / f"step_{start:06d}")
-    restart_log = tmp_path / "restart.jsonl"
-    _launch(tmp_path, job_env, 4, "restart", "--steps", str(GROW_STEPS), "--ckpt-dir",
-            str(restart_ckpt), "--ckpt-every", str(GROW_STEPS), "--loss-log",
-            str(restart_log))
-    want = {s: e["loss"] for s, e in _final(ref_log).items() if s <= start}
-    want.update({s: e["loss"] for s, e in _final(restart_log).items()})
-    got = _final(job.loss_log)
-    assert sorted(got) == list(range(1, GROW_STEPS + 1))
-    assert {(e["tp"], e["dp"], e["grad_accum"]) for s, e in got.items() if s > start} == {
-        (2, 2, 1)}
-    assert {s: e["loss"] for s, e in got.items()} == want  # bitwise: JSON keeps a float exact
+    _assert_losses(job, GROW_STEPS, start, (2, 2, 1),
+                   _reference_losses(tmp_path, job_env, 4, GROW_STEPS, start))
