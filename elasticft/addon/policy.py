@@ -178,11 +178,25 @@ _ROOT_CAUSE_ORDER = (
 )
 
 
+# A collective's report that its peer went away: the peer's failure caused it, so within one
+# class it ranks after any other failure (gloo's pair, NCCL's remote-error wording).
+_PEER_GONE = re.compile(r"gloo/transport|pair\.cc|remote worker|remote process exited|"
+                        r"NCCL.*remote", re.IGNORECASE)
+
+
+def reports_a_peer_gone(failure: FailureRecord) -> bool:
+    """Whether the failure is a collective's report that a peer went away (pure)."""
+    return bool(failure.message and _PEER_GONE.search(failure.message))
+
+
 def root_cause(failures: tuple[FailureRecord, ...]) -> FailureRecord:
-    """The failure that most likely caused the others (lowest rank breaks ties)."""
+    """The failure that most likely caused the others: the most specific class; within it, one
+    that is not a collective's report of a peer gone; then the lowest rank. The order does not
+    depend on which of them the agent happened to see first."""
     if not failures:
         raise ValueError("root_cause needs at least one failure")
-    return min(failures, key=lambda f: (_ROOT_CAUSE_ORDER.index(f.failure_class), f.rank))
+    return min(failures, key=lambda f: (_ROOT_CAUSE_ORDER.index(f.failure_class),
+                                        reports_a_peer_gone(f), f.rank))
 
 
 # Messages of device and host faults: evidence against the node itself, unlike a connection

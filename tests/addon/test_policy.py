@@ -98,6 +98,31 @@ def test_the_evidence_against_a_suspect_node_leads_the_reason_of_its_eviction() 
     assert plain.reason.startswith("this node is suspect hardware (failed health check)")
 
 
+GLOO_PEER_GONE = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                  "Connection closed by peer [127.0.0.1]:44960. This is typically caused by a "
+                  "remote worker crashing.")
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected_rank"),
+    [
+        # rank 0's barrier reports rank 1's fault: rank 1's own error is the cause
+        ({0: GLOO_PEER_GONE, 1: "connection reset by peer while loading shard 3"}, 1),
+        ({0: "connection reset by peer while loading shard 3", 1: GLOO_PEER_GONE}, 0),
+        ({0: GLOO_PEER_GONE, 1: GLOO_PEER_GONE}, 0),
+        ({0: "store timed out", 1: "connection refused"}, 0),
+        ({2: None, 1: GLOO_PEER_GONE}, 2),
+    ],
+)
+def test_a_collectives_report_of_a_peer_gone_is_not_the_root_cause(
+        messages: dict[int, str | None], expected_rank: int) -> None:
+    failures = tuple(dataclasses.replace(failure(rank, FailureClass.INFRASTRUCTURE),
+                                         message=message)
+                     for rank, message in messages.items())
+    assert root_cause(failures).rank == expected_rank
+    assert root_cause(tuple(reversed(failures))).rank == expected_rank
+
+
 def test_root_cause_needs_a_failure() -> None:
     with pytest.raises(ValueError):
         root_cause(())
