@@ -49,6 +49,7 @@ def test_the_demo_warns_of_nothing_before_its_first_step_and_kills_where_it_says
     between = lines[kill + 1:resumed]
     assert len(between) <= MAX_RECOVERY_LINES, "\n".join(between)
     assert not [line for line in between if "Traceback" in line], "\n".join(between)
-    survivor_logs = (tmp_path / "demo" / "run" / "logs").glob("*/attempt_0/0/stderr.log")
-    assert any("Traceback" in log.read_text() for log in survivor_logs)
+    # The survivor's output goes to its log file, not the console (a traceback lands there when
+    # its collective raised before the agent stopped it, which is a race, not asserted).
+    assert list((tmp_path / "demo" / "run" / "logs").glob("*/attempt_0/0/stderr.log"))
     assert "elasticft report: run" in demo.stdout and "signal_crash" in demo.stdout
