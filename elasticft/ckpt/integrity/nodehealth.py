@@ -6,8 +6,9 @@ The next evidence is each node's health (:func:`elasticft.ckpt.integrity.sdc.dec
 :class:`NodeHealth` is this node's, taken each time its fingerprints are published:
 
 * the **agent's node health checks**: a critical ``detection`` the diagnostics logged for this
-  node (detector ``node_health``: NVML's uncorrectable ECC errors, retired pages pending, a GPU
-  gone, host memory; or ``preflight``), read from the agent's event log as it grows;
+  node (detector ``node_health``: NVML's faults as :func:`elasticft.devicehealth.nvml_problems`
+  decides them, a GPU gone, host memory; or ``preflight``), read from the agent's event log as
+  it grows;
 * a **known-answer computation**: a small float64 matmul whose exact result is known, in the
   agent's process (milliseconds; :func:`elasticft.devicehealth.known_answer`, the one the
   rendezvous admission runs too).
