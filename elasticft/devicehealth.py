@@ -139,7 +139,10 @@ def capture_rank_device(bound: torch.device | None) -> RankDevice | None:
     index = rank_device_index(bound, cuda_in_use, torch.cuda.current_device)
     if index is None:
         return None
-    properties = torch.cuda.get_device_properties(index)
+    try:
+        properties = torch.cuda.get_device_properties(index)
+    except Exception:  # CUDA cannot describe it: the device is still checked, NVML not asked
+        return RankDevice(index)
     return RankDevice(index, pci_bus_id_of(properties), uuid_of(properties))
 
 
@@ -358,29 +361,33 @@ def check_device(device: RankDevice | None, limit_s: float,
                  nvml: Callable[[RankDevice], NvmlAnswers | None] = read_rank_nvml
                  ) -> HealthVerdict:
     """The rank's device, checked on that device: a synchronize from a helper thread that made
-    it its current device, under ``limit_s`` (a hung kernel or device does not finish; a
-    sticky CUDA error is raised by it), then NVML's answers for that GPU."""
+    it its current device (a hung kernel or device does not finish; a sticky CUDA error is
+    raised by it), then NVML's answers for that GPU, both in that thread under ``limit_s``."""
     started = time.monotonic()
     if device is None:
         return HealthVerdict(True, "no CUDA device in use", 0.0, {"device": None})
     calls = cuda if cuda is not None else CudaCalls.of_torch()
     seen: list[int] = []
+    synchronized: list[bool] = []
+    asked: list[NvmlAnswers | None] = []
 
-    def synchronize() -> None:
+    def synchronize_then_ask_nvml() -> None:
         seen.append(calls.current_device())  # the thread's own: what its synchronize waits on
         calls.synchronize(device.index)
+        synchronized.append(True)
+        asked.append(nvml(device))
 
-    finished, error = within(synchronize, limit_s, device.index, calls)
+    finished, error = within(synchronize_then_ask_nvml, limit_s, device.index, calls)
     evidence: dict[str, Any] = {"device": dataclasses.asdict(device),
                                 "thread_device": seen[0] if seen else None}
     if not finished:
-        return HealthVerdict(False, f"torch.cuda.synchronize() of {device.describe()} did not "
-                             f"finish within {limit_s:g} s", time.monotonic() - started,
-                             evidence)
+        step = "NVML's answer for" if synchronized else "torch.cuda.synchronize() of"
+        return HealthVerdict(False, f"{step} {device.describe()} did not come within "
+                             f"{limit_s:g} s", time.monotonic() - started, evidence)
     if error is not None:
         reason = f"{device.describe()}: {type(error).__name__}: {error}".splitlines()[0]
         return HealthVerdict(False, reason, time.monotonic() - started, evidence)
-    answers = nvml(device)
+    answers = asked[0]
     evidence["nvml"] = None if answers is None else answers.to_json()
     evidence["nvml_baseline"] = None if baseline is None else baseline.to_json()
     problem = None if answers is None else nvml_verdict(answers, baseline)

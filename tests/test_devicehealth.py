@@ -152,7 +152,12 @@ def test_a_check_whose_synchronize_hangs_or_raises_fails_on_the_ranks_device() -
     verdict = check_device(RankDevice(1), 0.2, cuda=hung, nvml=lambda device: None)
     never.set()
     assert not verdict.ok
-    assert verdict.detail == "torch.cuda.synchronize() of GPU 1 did not finish within 0.2 s"
+    assert verdict.detail == "torch.cuda.synchronize() of GPU 1 did not come within 0.2 s"
+    fine = CudaCalls(lambda index: None, lambda: 1, lambda index: None)
+    stuck = threading.Event()  # an NVML that never answers is bounded by the same limit
+    verdict = check_device(RankDevice(1), 0.2, cuda=fine, nvml=lambda device: stuck.wait())
+    stuck.set()
+    assert verdict.detail == "NVML's answer for GPU 1 did not come within 0.2 s"
 
     def illegal(index: int) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
