@@ -26,8 +26,9 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    torchrun, elasticft-run's restart and its in-process recovery (the survivor keeps its
    process and its CUDA context; NCCL's communicators are aborted through
    ``torch.distributed.distributed_c10d._abort_process_group``), and in process with a spare
-   that takes the killed rank; before them bench/inprocess_abort_gpu.py, an NCCL group aborted
-   with a kernel pending, the device's health check and a new group (what one GPU allows);
+   that takes the killed rank; before them bench/inprocess_abort_gpu.py, the device health
+   check synchronizing the rank's device from its helper thread, an NCCL group aborted with a
+   kernel pending, and a new group's collective (what one GPU allows);
 6. (``persist``) bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and
    through the page cache, against the machine's disk;
 7. the test suite's ``gpu``-marked tests (pytest must be installed).
@@ -381,7 +382,7 @@ def check_inprocess(rows: list[tuple[str, str]]) -> None:
     code, text = run([sys.executable, str(ABORT_BENCH)], child_env(), limit_s=300)
     rows.append(("NCCL abort with a kernel pending (bench/inprocess_abort_gpu.py)",
                  f"exit {code}"))
-    rows.extend(("  abort", line[:160]) for line in text.strip().splitlines()[-6:])
+    rows.extend(("  abort", line[:200]) for line in text.strip().splitlines()[-8:])
     code, text = run([sys.executable, str(RECOVERY_BENCH), "--nproc", "2", "--limit-s", "300",
                       "--launchers",
                       "torchrun,elasticft-run,elasticft-inprocess,elasticft-spare"],
@@ -445,6 +446,15 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
                   and not CONTRACTS[name]()]
         inprocess = (f"; in-process recovery's torch parts ({', '.join(named)}) "
                      + ("present" if not broken else f"MISSING {broken}"))
+        # The abort bench's parts that need no GPU (the known answer, the rank's device, the
+        # abort and a new group on gloo), in its one line.
+        code, text = run([sys.executable, str(ABORT_BENCH), "--dry-run"], child_env(),
+                         limit_s=120)
+        said = text.strip().splitlines()[-1] if text.strip() else "no output"
+        said = said.split("): ", 1)[-1].removesuffix("; nothing measured on a GPU")
+        inprocess += f"; bench/inprocess_abort_gpu.py: {said}"
+        if code != 0:
+            broken.append(f"bench/inprocess_abort_gpu.py --dry-run exit {code}")
     print(f"gpu_check: dry run, {reason}: shim {'built' if shim else 'NOT BUILT'}, worker script "
           f"and bench/ckpt_gpu.py compile, launchers {launchers[0]!r} and {launchers[1]!r}"
           f"{inprocess}; nothing measured")

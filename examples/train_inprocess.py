@@ -113,7 +113,7 @@ def main() -> None:
     if args.stuck_teardown and faults["armed"]:
         ops.destroy = lambda: time.sleep(3600)  # injected: a teardown that never returns
     if args.sick_device and faults["armed"]:
-        ops.health = lambda limit_s: "injected: the device is lost"
+        ops.health = lambda limit_s, device: "injected: the device is lost"
     recovery = InProcess(ops=ops)
 
     def train() -> None:

@@ -10,7 +10,9 @@ those under ``TYPE_CHECKING``. From the bottom up:
    (``extras``), a package's lazy names (``lazy``), the
    options (``config``, ``options``) and where the launcher's own arguments end
    (``command_line``), the step records (``steps``: the format every worker
-   writes and the report reads) and ``cli``: the ``elasticft`` dispatcher names its command
+   writes and the report reads), a device's health (``devicehealth``: the known-answer, device
+   and NVML checks that pre-flight, the rendezvous, the SDC decisions and the in-process rejoin
+   share) and ``cli``: the ``elasticft`` dispatcher names its command
    modules as strings and imports only the chosen one, so what the layers see of it is
    ``CliError``, which every command raises.
 2. **add-on interface** (``addon``): what an add-on of the agent implements and decides with
@@ -61,7 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "elasticft.torch_contracts", "elasticft.unnamed", "elasticft.extras",
               "elasticft.config", "elasticft.options", "elasticft.command_line",
               "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
-              "elasticft.jsonfile", "elasticft.cli")),
+              "elasticft.jsonfile", "elasticft.devicehealth", "elasticft.cli")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm")),

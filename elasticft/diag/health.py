@@ -4,8 +4,10 @@ Each check returns :class:`HealthIssue` values; ``critical`` ones make the agent
 as suspect (the policy may evict it), the rest are reported. Checks:
 
 * GPUs through NVML (``nvidia-ml-py``) when it is installed and a driver is present: a GPU that
-  vanished since the first check, uncorrectable ECC errors, pending retired pages, temperature,
-  hardware slowdown (thermal or power brake) throttling;
+  vanished since the first check; the faults :func:`elasticft.devicehealth.nvml_problems`
+  decides for every check of a GPU (uncorrectable ECC errors since the driver loaded, retired
+  pages or a row remapping pending, a failed remapping, a recovery action the driver asks
+  for); temperature and hardware slowdown (thermal or power brake) throttling, reported;
 * host memory pressure (psutil);
 * free space of the run directory and checkpoint directories;
 * reachability of peer addresses (a TCP connect with a short timeout).
@@ -30,6 +32,8 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from elasticft.devicehealth import nvml_problems, read_nvml
 
 logger = logging.getLogger(__name__)
 
@@ -149,21 +153,10 @@ class GpuHealth:
 
     def _device(self, nvml: Any, index: int, handle: Any, limits: HealthLimits
                 ) -> list[HealthIssue]:
-        issues = []
-        try:
-            ecc = nvml.nvmlDeviceGetTotalEccErrors(
-                handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
-            if ecc > 0:
-                issues.append(HealthIssue("gpu_ecc", f"GPU {index}: {ecc} uncorrectable ECC "
-                                          "error(s) since boot", critical=True))
-        except Exception:
-            pass  # ECC not supported on this board
-        try:
-            if nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle):
-                issues.append(HealthIssue("gpu_retired_pages", f"GPU {index}: retired pages "
-                                          "pending (reset needed)", critical=True))
-        except Exception:
-            pass
+        # The faults that make a GPU unfit, decided where the in-process rejoin decides them
+        # (no baseline: uncorrectable ECC errors count since the driver loaded).
+        issues = [HealthIssue(kind, f"GPU {index}: {reason}", critical=True)
+                  for kind, reason in nvml_problems(read_nvml(nvml, handle))]
         try:
             temp = nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
             if temp > limits.max_gpu_temp_c:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticft.recovery.health import device_health
+from elasticft.recovery.health import ArmedDevice, device_health
 from elasticft.recovery.protocol import Generation
 
 logger = logging.getLogger(__name__)
@@ -190,9 +190,9 @@ class GroupOps:
     end: Callable[[str], str] = end_groups
     """Ends every group of the process from the monitor thread, while the main thread may
     wait in one (:func:`end_groups`); returns how."""
-    health: Callable[[float], str | None] = device_health
-    """Why this process's device is unfit to rejoin, or None
-    (:func:`elasticft.recovery.health.device_health`; its argument is the time limit)."""
+    health: Callable[[float, ArmedDevice], str | None] = device_health
+    """Why the rank's device is unfit to rejoin, or None
+    (:func:`elasticft.recovery.health.device_health`: the time limit, the armed device)."""
 
     @classmethod
     def for_torch(cls) -> GroupOps:
@@ -200,7 +200,7 @@ class GroupOps:
         return cls(abort=abort if callable(abort) else None)
 
 
-def tear_down(backend: str, ops: GroupOps) -> str:
+def tear_down(backend: str, ops: GroupOps, device: int | None = None) -> str:
     """Ends this process's process groups; returns how (for the log).
 
     NCCL: the communicators are aborted first, which returns while their kernels still wait
@@ -214,7 +214,7 @@ def tear_down(backend: str, ops: GroupOps) -> str:
         if dist.is_initialized():
             ops.destroy()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)  # the rank's: this may run in a helper thread
         return "abort"
     ops.destroy()
     return "destroy"

@@ -4,72 +4,41 @@ A failure that ended a peer may have hurt this process's GPU too: a kernel that 
 sticky CUDA error (an illegal address, an ECC error: every later call on the context fails),
 or a fault the driver reports through NVML. A survivor that rejoined with such a device would
 fail the new generation at once, and the agent would restart everything; replacing it alone
-costs one new process. So before it rejoins, a survivor checks (:func:`device_health`):
+costs one new process. So before it rejoins, a survivor checks its own device
+(:func:`device_health`, :func:`elasticft.devicehealth.check_device`):
 
-1. a ``torch.cuda.synchronize()`` of its device, under a time limit (a kernel still running
-   after the abort, or a hung device, does not finish in it);
+1. a synchronize of the rank's device, under the teardown's time limit, from a helper thread
+   that first made that device its current one (a new thread's is device 0): a kernel still
+   running after the abort, or a hung device, does not finish in it;
 2. CUDA's sticky errors, which that synchronize raises;
-3. NVML's view of its GPU where ``pynvml`` is installed: the device answers, and has no
-   pending retired pages (an uncorrectable memory error waiting for a reset).
+3. NVML's answers for that GPU, named by its PCI bus id (or UUID), where ``pynvml`` is
+   installed: retired pages or a row remapping pending, a failed remapping, a recovery action
+   the driver asks for, and uncorrectable ECC errors since recovery armed.
 
-A process without CUDA (gloo on CPU) passes at once. The check returns why the device is unfit,
-or None; :class:`elasticft.recovery.groups.GroupOps` carries it as the seam tests replace.
+The rank's device and NVML's baseline are taken when recovery arms
+(:meth:`elasticft.devicehealth.ArmedDevice.arm`, from the group's bound ``device_id`` or the
+main thread's current device). A process without a CUDA device (gloo on CPU) passes at once.
+The check returns why the device is unfit, or None; the verdict's evidence goes to the log.
+:class:`elasticft.recovery.groups.GroupOps` carries it as the seam tests replace.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any
+import json
+import logging
 
-import torch
+from elasticft.devicehealth import ArmedDevice, capture_rank_device, within
 
+__all__ = ["ArmedDevice", "device_health", "within"]
 
-def within(call: Callable[[], Any], limit_s: float) -> tuple[bool, BaseException | None]:
-    """Runs ``call`` in a daemon thread for at most ``limit_s``: (finished, its error)."""
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            call()
-            outcome.append(None)
-        except BaseException as e:  # reported to the caller, whatever it was
-            outcome.append(e)
-
-    thread = threading.Thread(target=run, name="elasticft-bounded", daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    return (bool(outcome), outcome[0] if outcome else None)
+logger = logging.getLogger(__name__)
 
 
-def _nvml_problem(index: int) -> str | None:
-    try:
-        import pynvml  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle):
-                return f"NVML: GPU {index} has retired pages pending (it needs a reset)"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as e:  # NVML's own error: the driver cannot answer for the device
-        if "NotSupported" in type(e).__name__ or "Not Supported" in str(e):
-            return None
-        return f"NVML: GPU {index}: {e}"
-    return None
-
-
-def device_health(limit_s: float) -> str | None:
-    """Why this process's CUDA device is unfit to rejoin, or None (see the module)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    index = torch.cuda.current_device()
-    finished, error = within(torch.cuda.synchronize, limit_s)
-    if not finished:
-        return f"torch.cuda.synchronize() of GPU {index} did not finish within {limit_s:.0f} s"
-    if error is not None:
-        return f"GPU {index}: {type(error).__name__}: {error}".splitlines()[0]
-    return _nvml_problem(index)
+def device_health(limit_s: float, armed: ArmedDevice | None = None) -> str | None:
+    """Why the rank's device (``armed``: taken when recovery armed; else the caller's current
+    device, with no ECC baseline) is unfit to rejoin, or None (see the module)."""
+    if armed is None:
+        armed = ArmedDevice(capture_rank_device(None))
+    verdict = armed.check(limit_s)
+    logger.info("device health before the rejoin: %s", json.dumps(verdict.to_json()))
+    return None if verdict.ok else verdict.detail

@@ -67,7 +67,7 @@ from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
-from elasticft.recovery.health import within
+from elasticft.recovery.health import ArmedDevice, within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
 from elasticft.recovery.meshes import KeptModules, RebindError, device_meshes
 from elasticft.recovery.ncclenv import abort_warning, nccl_version
@@ -180,6 +180,8 @@ class InProcess:
         """When the script said its restore ended (:meth:`restore_done`)."""
         self.group_settings = GroupSettings()
         """What the script asked of its group, read back when recovery arms."""
+        self.device = ArmedDevice()
+        """The rank's device and NVML's baseline for it, taken when recovery arms."""
         self.monitor: Monitor | None = None
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -205,6 +207,7 @@ class InProcess:
         self._entered = time.time()
         self._resume_hook = register_optimizer_step_post_hook(self._on_step)
         self.group_settings = GroupSettings.of_default_group()
+        self.device = ArmedDevice.arm(self.group_settings.device_id)
         if self.modules:
             self._kept = KeptModules.arm(self.modules)
         if dist.is_available() and dist.is_initialized():
@@ -343,12 +346,14 @@ class InProcess:
         with :data:`LEAVE_EXIT_CODE`), and the agent replaces it in the same generation."""
         limit = self.settings.teardown_limit_s
         how: list[str] = []
-        finished, error = within(lambda: how.append(tear_down(backend, self.ops)), limit)
+        device = self.device.index
+        finished, error = within(lambda: how.append(tear_down(backend, self.ops, device)), limit,
+                                 device)
         if not finished:
             self._leave(f"the teardown of its process groups did not end within {limit:.0f} s")
         if error is not None:
             logger.warning("teardown: %s: %s", type(error).__name__, error)
-        sick = self.ops.health(limit)
+        sick = self.ops.health(limit, self.device)
         if sick is not None:
             self._leave(f"its device failed the health check: {sick}")
         return how[0] if how else "teardown failed"

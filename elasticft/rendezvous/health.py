@@ -2,42 +2,41 @@
 
 A standby must be ready to take over at once, so it imports torch and runs this check before it
 parks in the rendezvous; a node that fails it is refused with the reason instead of joining and
-failing later inside a collective. The default check is cheap (milliseconds): a small matmul
-against a known result, and a usable gloo backend. Callers may inject their own (e.g. the
-diagnostics' GPU/NCCL checks).
+failing later inside a collective. The default check is cheap (milliseconds): the known-answer
+matmul of :mod:`elasticft.devicehealth`, and a usable gloo backend. Callers may inject their
+own (e.g. the diagnostics' GPU/NCCL checks); every check answers with the one verdict shape,
+:class:`elasticft.devicehealth.HealthVerdict` (``HealthReport`` here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
+from elasticft.devicehealth import HealthVerdict
 
-@dataclasses.dataclass(frozen=True)
-class HealthReport:
-    ok: bool
-    detail: str
-    seconds: float
+HealthReport = HealthVerdict
+"""What a node's admission check answers (the shared verdict: ``ok``, ``detail``...)."""
 
-
-HealthCheck = Callable[[], HealthReport]
+HealthCheck = Callable[[], HealthVerdict]
 
 
-def basic_health_check() -> HealthReport:
+def basic_health_check() -> HealthVerdict:
     started = time.monotonic()
     try:
         import torch
         import torch.distributed as dist
 
-        a = torch.arange(16, dtype=torch.float64).reshape(4, 4)
-        product = a @ torch.eye(4, dtype=torch.float64) * 2
-        if not torch.equal(product, a * 2):
-            return HealthReport(False, "CPU matmul gave a wrong result", time.monotonic() - started)
+        from elasticft.devicehealth import known_answer
+
+        computed = known_answer()
+        if not computed.ok:
+            return HealthVerdict(False, computed.detail, time.monotonic() - started,
+                                 computed.evidence)
         if not (dist.is_available() and dist.is_gloo_available()):
-            return HealthReport(False, "torch.distributed with gloo is not available",
-                                time.monotonic() - started)
+            return HealthVerdict(False, "torch.distributed with gloo is not available",
+                                 time.monotonic() - started, computed.evidence)
     except Exception as e:  # a broken torch install is exactly what this check is for
-        return HealthReport(False, f"{type(e).__name__}: {e}", time.monotonic() - started)
-    return HealthReport(True, f"torch {torch.__version__}: matmul and gloo ok",
-                        time.monotonic() - started)
+        return HealthVerdict(False, f"{type(e).__name__}: {e}", time.monotonic() - started)
+    return HealthVerdict(True, f"torch {torch.__version__}: matmul and gloo ok",
+                         time.monotonic() - started, computed.evidence)

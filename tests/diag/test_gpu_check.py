@@ -37,12 +37,19 @@ def test_an_unknown_part_is_a_usage_error_that_names_the_choices():
 
 
 @pytest.mark.timeout(120)
-def test_the_inprocess_part_dry_runs_and_checks_the_torch_parts_it_names():
+def test_the_inprocess_part_dry_runs_its_parts_without_cuda_and_checks_the_torch_parts():
     done = subprocess.run(["bash", str(SCRIPT), "--parts", "inprocess"], capture_output=True,
                           text=True, timeout=100,
                           env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: dry run, no CUDA device"), lines
-    assert "_abort_process_group" in lines[0] and ") present; nothing measured" in lines[0]
+    assert "_abort_process_group" in lines[0] and ") present; " in lines[0]
     assert "_get_default_group" in lines[0]  # ProcessGroup.abort and the group's settings
+    # The abort bench's parts without CUDA: the known answer, no device as recovery arms, a
+    # gloo group aborted by torch's real call (which clears its table) and a new group.
+    said = lines[0].split("bench/inprocess_abort_gpu.py: ", 1)[1]
+    assert said.startswith("known answer right, rank device None, gloo group aborted by "
+                           "_abort_process_group in "), said
+    assert "(table cleared), a new group's all_reduce right in " in said
+    assert said.endswith("; nothing measured"), said

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticft.devicehealth import ArmedDevice, CudaCalls, NvmlAnswers, RankDevice
 from elasticft.jsonfile import read_json, write_json
-from elasticft.recovery.health import device_health, within
+from elasticft.recovery.health import within
 from elasticft.recovery.interrupt import INTERRUPT_FILE, Monitor, PeerInterrupted
 from elasticft.recovery.ncclenv import abort_warning, worker_env
 
@@ -53,9 +54,56 @@ def test_a_bounded_call_returns_its_error_or_gives_up_at_the_limit() -> None:
     never.set()
 
 
+class PerThreadDevice:
+    """CUDA's current device as torch keeps it: per thread, device 0 in a new thread. It stands
+    in for ``torch.cuda.set_device``/``current_device``/``synchronize`` where no GPU is; what
+    each thread synchronized is recorded as (thread, its current device, the device asked)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self.synchronized: list[tuple[str, int, int]] = []
+
+    def set_device(self, index: int) -> None:
+        self._local.index = index
+
+    def current_device(self) -> int:
+        return getattr(self._local, "index", 0)
+
+    def synchronize(self, index: int) -> None:
+        self.synchronized.append((threading.current_thread().name, self.current_device(), index))
+
+    def calls(self) -> CudaCalls:
+        return CudaCalls(self.set_device, self.current_device, self.synchronize)
+
+
 @pytest.mark.timeout(30)
-def test_a_process_without_cuda_passes_the_health_check() -> None:
-    assert device_health(1.0) is None
+def test_the_bounded_call_runs_on_the_ranks_device_not_device_0() -> None:
+    cuda = PerThreadDevice()
+    cuda.set_device(3)  # the main thread's, as the script set it
+    seen: list[int] = []
+    assert within(lambda: seen.append(cuda.current_device()), 5.0, cuda=cuda.calls()) == (
+        True, None)
+    assert seen == [0]  # a bare helper thread is on device 0: what the check must not use
+    assert within(lambda: seen.append(cuda.current_device()), 5.0, 3, cuda.calls()) == (
+        True, None)
+    assert seen == [0, 3] and cuda.current_device() == 3
+
+
+@pytest.mark.timeout(30)
+def test_the_rejoin_check_synchronizes_the_armed_device_from_its_helper_thread() -> None:
+    """The survivor's check (:meth:`ArmedDevice.check`, what ``device_health`` runs) on rank
+    device 2 with NVML's baseline taken when it armed: the CUDA branch, with the per-thread
+    device calls above in place of torch's."""
+    cuda = PerThreadDevice()
+    armed = ArmedDevice(RankDevice(2, "00000000:3B:00.0"), NvmlAnswers(uncorrectable_ecc=4))
+    verdict = armed.check(5.0, cuda.calls(), lambda device: NvmlAnswers(uncorrectable_ecc=4))
+    assert verdict.ok, verdict.detail
+    assert cuda.synchronized == [("elasticft-bounded", 2, 2)]
+    assert verdict.evidence["thread_device"] == 2
+    verdict = armed.check(5.0, cuda.calls(), lambda device: NvmlAnswers(uncorrectable_ecc=5))
+    assert not verdict.ok
+    assert verdict.detail == ("NVML: GPU 2 (00000000:3B:00.0): 1 uncorrectable ECC error(s) "
+                              "since the job started (5 since the driver loaded)")
 
 
 @pytest.mark.timeout(60)

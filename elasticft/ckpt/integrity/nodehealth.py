@@ -6,10 +6,12 @@ The next evidence is each node's health (:func:`elasticft.ckpt.integrity.sdc.dec
 :class:`NodeHealth` is this node's, taken each time its fingerprints are published:
 
 * the **agent's node health checks**: a critical ``detection`` the diagnostics logged for this
-  node (detector ``node_health``: NVML's uncorrectable ECC errors, retired pages pending, a GPU
-  gone, host memory; or ``preflight``), read from the agent's event log as it grows;
+  node (detector ``node_health``: NVML's faults as :func:`elasticft.devicehealth.nvml_problems`
+  decides them, a GPU gone, host memory; or ``preflight``), read from the agent's event log as
+  it grows;
 * a **known-answer computation**: a small float64 matmul whose exact result is known, in the
-  agent's process (milliseconds).
+  agent's process (milliseconds; :func:`elasticft.devicehealth.known_answer`, the one the
+  rendezvous admission runs too).
 
 Either failing makes the node fail; otherwise it passes.
 """
@@ -21,6 +23,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from elasticft.devicehealth import known_answer
 from elasticft.jsonfile import LineTail
 
 logger = logging.getLogger(__name__)
@@ -30,14 +33,10 @@ HEALTH_DETECTORS = ("node_health", "preflight")
 
 
 def known_answer_check() -> str | None:
-    """A wrong result of a matmul with an exact known answer, described; None when right."""
-    import torch
-
-    a = torch.arange(64 * 64, dtype=torch.float64).reshape(64, 64) % 17
-    b = torch.eye(64, dtype=torch.float64) * 3
-    if not torch.equal(a @ b, a * 3):
-        return "a float64 matmul with a known exact result came out wrong"
-    return None
+    """A wrong result of the known-answer matmul (:func:`elasticft.devicehealth.known_answer`),
+    described; None when right."""
+    verdict = known_answer()
+    return None if verdict.ok else verdict.detail
 
 
 class NodeHealth:
