@@ -218,7 +218,11 @@ class Monitor:
     def protected(self) -> Iterator[None]:
         """A section of the main thread that the asynchronous :class:`PeerInterrupted` does not
         interrupt: one due in it is raised as the section ends. The groups are ended all the
-        same (a collective in the section raises), and the commit gate still refuses."""
+        same (a collective in the section raises), and the commit gate still refuses. Only the
+        main thread's sections count: the monitor raises into no other thread."""
+        if threading.get_ident() != self._main:
+            yield
+            return
         with self._lock:
             self._protected += 1
             if self._protected == 1 and self._state == "interrupting":

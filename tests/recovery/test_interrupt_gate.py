@@ -128,6 +128,34 @@ def test_a_protected_section_defers_the_interrupt_to_its_end(tmp_path: Path) -> 
         monitor.stop()
 
 
+@pytest.mark.timeout(60)
+def test_another_threads_section_does_not_defer_the_main_threads_interrupt(
+        tmp_path: Path) -> None:
+    monitor = Monitor(tmp_path, read_json, lambda: "test", grace_s=0.01)
+    monitor.start()
+    inside, release = threading.Event(), threading.Event()
+
+    def section_elsewhere() -> None:
+        with monitor.protected():
+            inside.set()
+            release.wait(30)
+
+    other = threading.Thread(target=section_elsewhere, daemon=True)
+    try:
+        monitor.entering(0)
+        other.start()
+        assert inside.wait(10)
+        write_json(tmp_path / INTERRUPT_FILE, {"ended": 0})
+        with pytest.raises(PeerInterrupted):
+            while True:
+                pass
+        assert monitor.left(5.0)
+    finally:
+        release.set()
+        other.join(10)
+        monitor.stop()
+
+
 @pytest.fixture
 def group_of_one(monkeypatch: pytest.MonkeyPatch):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
