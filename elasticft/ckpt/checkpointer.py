@@ -270,6 +270,7 @@ class Checkpointer:
             request.refusal = _gate_refusal(
                 [(gate, gate.current()) for gate in list(Checkpointer._commit_gates.values())])
             if (refused := request.refusal()) is not None:
+                logger.warning("save of step %d refused: %s", step, refused)
                 raise refused
             self._wait_inflight()
             if self._bitflip is not None:
