@@ -270,8 +270,9 @@ class InProcess:
         :class:`PeerInterrupted` does not interrupt (:meth:`Monitor.protected
         <elasticft.recovery.interrupt.Monitor.protected>`): one due in it is raised when the
         section ends. The process groups are ended all the same, so a collective in the section
-        raises (a protected section must not wait on a peer that may be dead), and the optimizer
-        step and the checkpoint save still refuse a step of a generation that ended."""
+        raises (gloo) or returns a wrong result (NCCL), and the optimizer step and the checkpoint
+        save still refuse a step of a generation that ended. A section must not wait on a peer
+        by other means (a blocking receive, a store key): nothing ends such a wait."""
         if self.monitor is None:
             yield
             return
