@@ -24,11 +24,19 @@ with --exit-after-failed the rank then exits right after reporting it, before it
 check), and --replacement-fails (a replacement process exits at once, which makes the agent fall
 back to a full restart). --manual-sgd trains without a torch.optim optimizer and tells InProcess
 of each step (InProcess.step_done).
+
+Scripts as users write them: --wrong-after-interrupt all-reduces the gradients in a DDP comm
+hook that, when the all-reduce fails, returns them filled with garbage instead of raising (what
+an aborted NCCL kernel does; --wrong-log gets a 'rank pid step' line each time), and runs each
+step, from its backward to its save, in InProcess.atomic(): only elasticft's gate keeps such a
+step from being taken and saved. --swallow-exceptions retries a step that raised an Exception
+(log and retry, as a script's `except Exception:` loop does): the interrupt still ends it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -89,6 +97,13 @@ def main() -> None:
     parser.add_argument("--stuck-teardown", action="store_true")
     parser.add_argument("--sick-device", action="store_true")
     parser.add_argument("--replacement-fails", action="store_true")
+    parser.add_argument("--wrong-after-interrupt", action="store_true",
+                        help="a DDP comm hook returns garbage gradients when its all-reduce "
+                        "fails; each step runs in InProcess.atomic()")
+    parser.add_argument("--wrong-log", type=Path,
+                        help="the comm hook appends 'rank pid step' for each garbage result")
+    parser.add_argument("--swallow-exceptions", action="store_true",
+                        help="retry a step that raised an Exception (except Exception:)")
     parser.add_argument("--no-step-records", action="store_true",
                         help="write no step records: the report numbers the steps by the "
                         "optimizer's own count (elasticft's automatic records)")
@@ -116,9 +131,32 @@ def main() -> None:
         ops.health = lambda limit_s, device: "injected: the device is lost"
     recovery = InProcess(ops=ops)
 
+    def all_reduce_or_garbage(step, bucket):
+        """DDP's all-reduce (the sum of the gradients divided by the world size), except that a
+        failed one returns garbage, as an aborted NCCL kernel leaves its buffer, not an error.
+        (No annotations: DDP compares them with its own classes, and this module's are
+        strings.) ``step``: the hook's state, the step being taken."""
+        buffer = bucket.buffer()
+        try:
+            buffer.div_(dist.get_world_size())
+            dist.all_reduce(buffer)
+        except Exception:
+            buffer.fill_(1e3)
+            if args.wrong_log:
+                with open(args.wrong_log, "a") as f:
+                    f.write(f"{dist.get_rank()} {os.getpid()} {step[0]}\n")
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
     def train() -> None:
         rank = dist.get_rank()  # read here: a spare takes its rank in InProcess().run
-        model = DistributedDataParallel(net)  # bound to this generation's process group
+        current = [0]  # the step the comm hook reports
+        if args.wrong_after_interrupt:  # the buffer (a constant mask) needs no broadcast
+            model = DistributedDataParallel(net, broadcast_buffers=False)
+            model.register_comm_hook(current, all_reduce_or_garbage)
+        else:
+            model = DistributedDataParallel(net)  # bound to this generation's process group
         start = 0
         restored = ckpt.restore(net, optim)  # in place, into the live tensors
         if restored is not None:
@@ -126,50 +164,68 @@ def main() -> None:
             if rank == 0:
                 print(f"resumed from step {start} (source={ckpt.last_source})", flush=True)
         for step in range(start, args.steps):
-            if faults["armed"] and step + 1 == args.infra_error_at_step:
-                faults["armed"] = False
-                raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
-            x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
-            loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-            if optim is None:
-                net.zero_grad(set_to_none=True)
-                loss.backward()
-                with torch.no_grad():
-                    for p in net.parameters():
-                        p -= args.lr * p.grad
-                recovery.step_done()
-            else:
-                optim.zero_grad(set_to_none=True)
-                loss.backward()
-                optim.step()
-            done = step + 1
-            if rank == 0:
-                value = loss.item()
-                print(f"step {done} loss {value:.6f}", flush=True)
-                if args.loss_log:
-                    with open(args.loss_log, "a") as f:
-                        f.write(f"{done} {value!r}\n")
-            if args.pid_log:
-                with open(args.pid_log, "a") as f:
-                    f.write(f"{rank} {os.getpid()} {done}\n")
-            if faults["armed"] and done == args.crash_at_step \
-                    and args.crash_mode == "before-save":
-                os.kill(os.getpid(), signal.SIGKILL)
-            request = ckpt.save(done, snapshot(extra={"step": done}))
-            if not args.no_step_records:
-                record_step(done, 0.0)
-            if faults["armed"] and done == args.crash_at_step:
-                if args.crash_mode in ("after-save", "keep-sockets"):
-                    request.wait()
-                    time.sleep(1.0)  # the others wait in the next step's collective
-                if args.crash_mode == "keep-sockets":
-                    keep_sockets(args.keeper_pid)
-                os.kill(os.getpid(), signal.SIGKILL)
-            if faults["armed"] and done == args.hang_at_step:
+            current[0] = step + 1
+            failures = 0
+            while True:
+                try:
+                    if failures:
+                        time.sleep(0.1)  # a back-off before the retry, inside the `try`
+                    with recovery.atomic() if args.wrong_after_interrupt \
+                            else contextlib.nullcontext():
+                        one_step(model, rank, step)
+                    break
+                except Exception as e:  # the interrupt is no Exception: it is not caught
+                    if not args.swallow_exceptions:
+                        raise
+                    failures += 1
+                    print(f"rank {rank}: step {step + 1} failed, retried: "
+                          f"{type(e).__name__}: {e}".splitlines()[0], flush=True)
+
+    def one_step(model: DistributedDataParallel, rank: int, step: int) -> None:
+        if faults["armed"] and step + 1 == args.infra_error_at_step:
+            faults["armed"] = False
+            raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
+        x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        if optim is None:
+            net.zero_grad(set_to_none=True)
+            loss.backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= args.lr * p.grad
+            recovery.step_done()
+        else:
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+        done = step + 1
+        if rank == 0:
+            value = loss.item()
+            print(f"step {done} loss {value:.6f}", flush=True)
+            if args.loss_log:
+                with open(args.loss_log, "a") as f:
+                    f.write(f"{done} {value!r}\n")
+        if args.pid_log:
+            with open(args.pid_log, "a") as f:
+                f.write(f"{rank} {os.getpid()} {done}\n")
+        if faults["armed"] and done == args.crash_at_step \
+                and args.crash_mode == "before-save":
+            os.kill(os.getpid(), signal.SIGKILL)
+        request = ckpt.save(done, snapshot(extra={"step": done}))
+        if not args.no_step_records:
+            record_step(done, 0.0)
+        if faults["armed"] and done == args.crash_at_step:
+            if args.crash_mode in ("after-save", "keep-sockets"):
                 request.wait()
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if args.step_time:
-                time.sleep(args.step_time)
+                time.sleep(1.0)  # the others wait in the next step's collective
+            if args.crash_mode == "keep-sockets":
+                keep_sockets(args.keeper_pid)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if faults["armed"] and done == args.hang_at_step:
+            request.wait()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if args.step_time:
+            time.sleep(args.step_time)
 
     recovery.run(train)
     rank = dist.get_rank()

@@ -95,6 +95,9 @@ INFRA_EXCEPTIONS = frozenset(
         "BrokenPipeError",
         "TimeoutError",
         "OutOfMemoryError",
+        # In-process recovery's interrupt of a survivor whose peer failed (a BaseException,
+        # named by neither suffix below): a consequence of that failure, not a fault of its own.
+        "PeerInterrupted",
     }
 )
 INFRA_PATTERN = re.compile(
@@ -103,8 +106,8 @@ INFRA_PATTERN = re.compile(
     r"device-side assert|unhandled system error|peer closed|TCPStore|DistStore",
     re.IGNORECASE,
 )
-_EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning|"
-                       r"StateMismatch)|"
+_EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception|Interrupt|Interrupted|Exit|"
+                       r"Warning|StateMismatch)|"
                        r"[A-Za-z_][\w.]*Error)(: (?P<msg>.*))?$")
 _FRAME_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 

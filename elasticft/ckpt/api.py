@@ -12,6 +12,12 @@ by :class:`TierLevel` (the one numbering of the package, its options and its doc
 Every tier answers the same two questions: which steps do you hold for this rank, and give me
 the snapshot of that step (verified). A tier that cannot answer raises a
 :class:`CheckpointError` whose ``reason`` says why, and the loader moves on to the next tier.
+
+Every tier takes its snapshots from the memory tier's *complete* ones, so a snapshot is
+committed where it is sealed complete. A :class:`CommitGate` can refuse that: the layer that
+knows when training state stopped being trustworthy (in-process recovery, after its process
+groups were ended) registers one with the checkpointer, which asks it when a save starts and
+again before it seals the snapshot.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Protocol
 
 
 class CheckpointError(Exception):
@@ -117,3 +123,15 @@ class Tier(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - most tiers hold nothing open
         """Releases what the tier holds open."""
+
+
+class CommitGate(Protocol):
+    """What may forbid committing a snapshot: asked when a save starts and again right before
+    its snapshot is sealed complete (on the copy thread)."""
+
+    def current(self) -> int:
+        """The period a save taken now belongs to (in-process recovery: its generation)."""
+
+    def refusal(self, taken_in: int) -> BaseException | None:
+        """The error refusing a snapshot taken in period ``taken_in``, or None if it may be
+        committed. ``save`` raises it; a refused seal leaves the snapshot incomplete."""

@@ -12,6 +12,10 @@ whole in shared memory. Under ``elasticft-run`` the agent then persists, replica
 crash, flushes it; without an agent the checkpointer persists every ``persist_every``-th step
 itself, on a background thread (:mod:`elasticft.ckpt.persisting.persister`).
 
+A registered commit gate (:meth:`Checkpointer.register_commit_gate`,
+:class:`elasticft.ckpt.api.CommitGate`) can refuse a save: ``save`` then raises its error, and
+a copy already under way when the gate closes is not sealed, so no tier ever sees it.
+
 Loading takes the newest step that *every* rank can restore, each rank from its fastest verified
 source (:mod:`elasticft.ckpt.restoring.loader`).
 
@@ -28,13 +32,15 @@ import os
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
-from elasticft.ckpt.api import CheckpointError, StateMismatch
+from elasticft.ckpt.api import CheckpointError, CommitGate, StateMismatch
 from elasticft.ckpt.control import (
     ControlWatcher,
     announce_dir,
@@ -81,6 +87,19 @@ class Checkpointer:
 
     _instances: ClassVar[weakref.WeakSet[Checkpointer]] = weakref.WeakSet()
     """Every checkpointer of this process, weakly held (:meth:`instances`)."""
+
+    _commit_gates: ClassVar[OrderedDict[int, CommitGate]] = OrderedDict()
+    """The gates every save of this process asks (:meth:`register_commit_gate`)."""
+
+    @classmethod
+    def register_commit_gate(cls, gate: CommitGate) -> RemovableHandle:
+        """Makes every checkpointer of this process, made before or after, ask ``gate`` before
+        it commits a snapshot; ``.remove()`` on the handle withdraws it. Process-wide, as
+        torch's optimizer-step hooks are: the gate's owner (in-process recovery) does not
+        know where the script keeps its checkpointers, nor when it makes them."""
+        handle = RemovableHandle(Checkpointer._commit_gates)
+        Checkpointer._commit_gates[handle.id] = gate
+        return handle
 
     @classmethod
     def instances(cls) -> list[Checkpointer]:
@@ -248,6 +267,11 @@ class Checkpointer:
         request = SaveRequest(step)
         self._remove_loaded_hook()
         try:
+            request.refusal = _gate_refusal(
+                [(gate, gate.current()) for gate in list(Checkpointer._commit_gates.values())])
+            if (refused := request.refusal()) is not None:
+                logger.warning("save of step %d refused: %s", step, refused)
+                raise refused
             self._wait_inflight()
             if self._bitflip is not None:
                 self._flip_one_bit(step)
@@ -516,6 +540,14 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _gate_refusal(taken: list[tuple[CommitGate, int]]) -> Callable[[], BaseException | None]:
+    """What asks each gate about a snapshot taken in the period it named at the save."""
+    def refusal() -> BaseException | None:
+        return next((error for gate, period in taken
+                     if (error := gate.refusal(period)) is not None), None)
+    return refusal
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -45,18 +45,24 @@ snapshots: an error that is not a peer failure (a bug, a CUDA error: the device'
 unusable after it) is raised as before, and a generation that does not come within the timeout
 re-raises the original error, so the process exits and the agent restarts the group.
 
+A step that finishes after its generation ended is never committed (an aborted NCCL collective
+may return a wrong result without raising): an optimizer-step pre-hook, :meth:`InProcess.step_done`
+and the checkpointers' commit gate refuse it (:mod:`elasticft.recovery.interrupt`). A section
+that must not be interrupted in its middle runs under :meth:`InProcess.atomic`.
+
 Without ``elasticft-run`` (no in-process directory in the environment) :meth:`InProcess.run`
 just calls the function once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -171,6 +177,8 @@ class InProcess:
         """How often this process regrouped."""
         self._phases: dict[str, float] = {}
         self._resume_hook: Any = None
+        self._gate_hooks: list[Any] = []
+        """The optimizer-step pre-hook and the checkpointers' commit gate, while armed."""
         self._awaiting: int | None = None
         """The generation whose first step is still to be reported."""
         self._steps: list[float] = []
@@ -202,10 +210,16 @@ class InProcess:
         # collection that frees a failed call's group (_release) then walks only what came
         # after; a full walk of a torch process took 0.2-0.7 s of a survivor's teardown.
         gc.freeze()
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        from elasticft.ckpt import Checkpointer
 
         self._entered = time.time()
         self._resume_hook = register_optimizer_step_post_hook(self._on_step)
+        self._gate_hooks = [register_optimizer_step_pre_hook(self._before_step)]
         self.group_settings = GroupSettings.of_default_group()
         self.device = ArmedDevice.arm(self.group_settings.device_id)
         if self.modules:
@@ -216,6 +230,7 @@ class InProcess:
                 logger.warning("%s", warning)
             self.monitor = Monitor(directory, read_json, lambda: self.ops.end(backend))
             self.monitor.start()
+            self._gate_hooks.append(Checkpointer.register_commit_gate(self.monitor))
         self._write("armed", {"follows_layout": self.follows_layout,
                               "sharded_over": self._kept.sharded_over() if self._kept else []})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
@@ -232,18 +247,47 @@ class InProcess:
                     return outcome
                 if not self._recoverable(outcome):
                     raise outcome
+                if self.monitor is not None:  # the teardown's abort ends the groups too
+                    self.monitor.generation_over(self.generation)
                 self._recover(outcome)
                 self._report_first_step()
         finally:
             if self.monitor is not None:
                 self.monitor.stop()
             self._resume_hook.remove()
+            for hook in self._gate_hooks:
+                hook.remove()
 
     def step_done(self) -> None:
         """Tells the agent that a training step after the latest (re-)entry is over. Steps of a
         ``torch.optim`` optimizer say so by themselves; a script whose optimizer is not one
-        calls this after each step (it costs nothing after the first)."""
+        calls this after each step's update and before its save (it costs nothing after the
+        first). Raises :class:`PeerInterrupted` when the generation ended: the update may have
+        used a collective's wrong result, and the restore replaces it."""
+        self._before_step()
         self._on_step()
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A section of the main thread that the monitor's asynchronous
+        :class:`PeerInterrupted` does not interrupt (:meth:`Monitor.protected
+        <elasticft.recovery.interrupt.Monitor.protected>`): one due in it is raised when the
+        section ends. The process groups are ended all the same, so a collective in the section
+        raises (gloo) or returns a wrong result (NCCL), and the optimizer step and the checkpoint
+        save still refuse a step of a generation that ended. A section must not wait on a peer
+        by other means (a blocking receive, a store key): nothing ends such a wait."""
+        if self.monitor is None:
+            yield
+            return
+        with self.monitor.protected():
+            yield
+
+    def _before_step(self, *_: Any) -> None:
+        """Before every optimizer step (and at :meth:`step_done`): a step of a generation whose
+        groups were ended is refused, whatever its collectives returned."""
+        if self.monitor is not None and (refused := self.monitor.refusal(self.generation)):
+            logger.warning("step refused in generation %d: %s", self.generation, refused)
+            raise refused
 
     def restore_done(self) -> None:
         """Tells the agent that this entry's restore is over, for a script that restores without
@@ -278,7 +322,7 @@ class InProcess:
 
     def _recoverable(self, error: BaseException) -> bool:
         interrupted = self.monitor is not None and self.monitor.interrupted
-        return (isinstance(error, Exception) and dist.is_available()
+        return (isinstance(error, (Exception, PeerInterrupted)) and dist.is_available()
                 and dist.is_initialized()
                 and (peer_failure(error) or isinstance(error, PeerInterrupted)
                      or (interrupted and not _device_fault(error))))

@@ -46,16 +46,35 @@ shut down). :meth:`Monitor.left` waits until an end under way is over: the survi
 regroup never run beside it. Beside them the end would shut down connections of the next
 generation (the teardown closes the old sockets and the regroup's new ones reuse their descriptor
 numbers, which the end listed before it shut them down) and abort a group the teardown destroys.
+
+**No step committed after the end.** A collective the end interrupts need not raise: an aborted
+NCCL kernel returns, and the buffer it leaves holds a partial sum. The main thread can then go on
+to its optimizer step and its save before the asynchronous exception lands. So the monitor marks
+the generation over (:meth:`Monitor.generation_over`) *before* it ends the groups, and the
+survivor asks the mark where a step becomes state (:func:`commit_refusal`): before every optimizer
+step, at :meth:`~elasticft.recovery.inprocess.InProcess.step_done`, when a checkpoint's save
+starts and when its snapshot would be sealed complete (the monitor is the checkpointer's commit
+gate, :class:`elasticft.ckpt.api.CommitGate`). A step whose collective returned after the mark is
+refused everywhere: its optimizer step does not run (:class:`PeerInterrupted`), and a snapshot
+taken in the generation and sealed after the mark stays incomplete, so no tier (memory, disk,
+peer, replicas, fingerprints: all read only complete snapshots) ever holds it.
+
+**Outside ``except Exception:``.** :class:`PeerInterrupted` is a ``BaseException``: a script's
+``except Exception:`` retry loop does not swallow it. A section that must not be interrupted in
+its middle runs under :meth:`Monitor.protected` (``InProcess.atomic()``): the asynchronous
+exception waits until the section's end, then is raised at once. The groups are still ended in
+the section, so a collective there raises: a protected section must not wait on a peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -63,8 +82,22 @@ logger = logging.getLogger(__name__)
 INTERRUPT_FILE = "interrupt.json"
 
 
-class PeerInterrupted(RuntimeError):
-    """The agent reported a failed peer: this survivor's generation is over and it regroups."""
+class PeerInterrupted(BaseException):
+    """The agent reported a failed peer: this survivor's generation is over and it regroups.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: a script's ``except Exception:`` around
+    its step does not swallow it, and the recovery it asks for still happens."""
+
+
+def commit_refusal(taken_in: int, ended: int) -> str | None:
+    """Why a step (or snapshot) taken in generation ``taken_in`` may not be committed when
+    ``ended`` is the newest generation marked over (-1: none), or None when it may (pure).
+
+    Marked over means its groups' end has begun: a collective of that generation may have
+    returned a wrong result without raising, so nothing it computed counts any more."""
+    if ended >= taken_in:
+        return f"generation {taken_in} ended (its process groups were ended)"
+    return None
 
 
 def notice(directory: Path, read: Callable[[Path], dict | None]) -> int:
@@ -124,6 +157,11 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._stamp: list[tuple[int, int, int] | None] = []
         self._last = -1
+        self._over = -1
+        """The newest generation marked over (:meth:`generation_over`): set before its groups'
+        end begins, never lowered."""
+        self._protected = 0
+        """How deep the main thread is in protected sections (:meth:`protected`)."""
 
     def start(self) -> None:
         """Starts the thread; it interrupts nothing before :meth:`entering`."""
@@ -156,6 +194,48 @@ class Monitor:
         now (its generation ends there: :class:`PeerInterrupted`)."""
         with self._lock:
             return self._state == "stopping"
+
+    def generation_over(self, generation: int) -> None:
+        """Marks ``generation`` over: from here nothing it computes is committed
+        (:meth:`refusal`). The monitor marks it before it ends the groups; the main thread
+        before its own teardown ends them."""
+        with self._lock:
+            self._over = max(self._over, generation)
+
+    def current(self) -> int:
+        """The generation the main thread trains in (a save taken now belongs to it)."""
+        with self._lock:
+            return self._generation
+
+    def refusal(self, taken_in: int) -> PeerInterrupted | None:
+        """The error that refuses a step or snapshot taken in ``taken_in``, or None when it may
+        be committed (:func:`commit_refusal`; the checkpointer's commit gate)."""
+        with self._lock:
+            why = commit_refusal(taken_in, self._over)
+        return PeerInterrupted(f"not committed: {why}") if why is not None else None
+
+    @contextlib.contextmanager
+    def protected(self) -> Iterator[None]:
+        """A section of the main thread that the asynchronous :class:`PeerInterrupted` does not
+        interrupt: one due in it is raised as the section ends. The groups are ended all the
+        same (a collective in the section raises), and the commit gate still refuses. Only the
+        main thread's sections count: the monitor raises into no other thread."""
+        if threading.get_ident() != self._main:
+            yield
+            return
+        with self._lock:
+            self._protected += 1
+            if self._protected == 1 and self._state == "interrupting":
+                _raise_in(self._main, None)  # one sent just before: raised at the end instead
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._protected -= 1
+                due = self._protected == 0 and self._state == "interrupting"
+            if due:
+                raise PeerInterrupted(f"generation {self._generation} ended by the agent "
+                                      "(raised at the end of a protected section)")
 
     def left(self, limit_s: float | None = None) -> bool:
         """The main thread has left the training function: no asynchronous exception lands
@@ -193,6 +273,7 @@ class Monitor:
                     or (self._state == "stopping" and time.monotonic() > self._stop_by))
                 if due:
                     self._state = "interrupting"
+                    self._over = max(self._over, self._generation)  # before the end begins
                     self._quiet.clear()
             if due:
                 self._interrupt()
@@ -214,4 +295,5 @@ class Monitor:
             with self._lock:
                 if self._state != "interrupting":
                     return
-                _raise_in(self._main, PeerInterrupted)
+                if not self._protected:
+                    _raise_in(self._main, PeerInterrupted)

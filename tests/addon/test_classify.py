@@ -173,6 +173,13 @@ def traceback_through(*frames: Path | str, error: str = "RuntimeError: size mism
     # A communication fault stays one, wherever it surfaced.
     (("/job/train.py", ELASTICFT_DIR / "ckpt" / "peer.py"), "ConnectionResetError: reset",
      FailureClass.INFRASTRUCTURE, "/job/train.py:10"),
+    # A survivor that leaves with in-process recovery's interrupt (a BaseException, raised in
+    # elasticft's hook, with or without a message): its peer's failure, not its own.
+    (("/job/train.py", ELASTICFT_DIR / "recovery" / "inprocess.py"),
+     "elasticft.recovery.interrupt.PeerInterrupted: not committed: generation 0 ended",
+     FailureClass.INFRASTRUCTURE, "/job/train.py:10"),
+    (("/job/train.py",), "elasticft.recovery.interrupt.PeerInterrupted",
+     FailureClass.INFRASTRUCTURE, "/job/train.py:10"),
     # The user's call into torch: the user's frame, the user's class.
     (("/job/train.py", TORCH_DIR / "nn" / "module.py"), "TypeError: bad argument",
      FailureClass.USER_CODE, "/job/train.py:10"),

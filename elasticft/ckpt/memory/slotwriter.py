@@ -6,7 +6,9 @@ for a reader; with none free it skips the snapshot and says so), writes the head
 (``WRITING``) and the manifest, and copies right away only what training could change before
 the next optimizer step. The rest (parameters and optimizer state, and CUDA state through the
 device copier, :mod:`elasticft.ckpt.memory.device`) goes to the copy thread, which seals the header
-``COMPLETE`` once all of it landed (:mod:`elasticft.ckpt.memory.slotformat`). The optimizer's
+``COMPLETE`` once all of it landed (:mod:`elasticft.ckpt.memory.slotformat`), unless the save's
+commit gate refuses it then (:attr:`SaveRequest.refusal`): the slot stays ``WRITING``, as a
+crash mid-write leaves it, and no reader takes it. The optimizer's
 pre-step hook waits for that part (:meth:`SlotWriter.before_optimizer_step`), so the snapshot
 is exactly the state after the saved step. A save whose slot is still being made
 (:mod:`elasticft.ckpt.memory.slotmaker`) stages its copy and the copy thread writes it once the slot
@@ -52,13 +54,17 @@ class SaveRequest:
     def __init__(self, step: int) -> None:
         self.step = step
         self.status = "pending"
-        """pending | memory (complete in shared memory) | skipped | failed."""
+        """pending | memory (complete in shared memory) | skipped | failed | refused (its
+        commit gate refused the seal)."""
         self.skipped: str | None = None
         """Why no snapshot was taken (status ``skipped``), else None."""
         self.error: BaseException | None = None
         self.guarded_done = threading.Event()
         self.device: PendingCopy | None = None
         """The CUDA part of the copy (see :mod:`elasticft.ckpt.memory.device`), if any."""
+        self.refusal: Callable[[], BaseException | None] = lambda: None
+        """Asked right before the seal, once every byte landed (CUDA copies included): an
+        error refuses the commit (:class:`elasticft.ckpt.api.CommitGate`)."""
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -305,6 +311,13 @@ class SlotWriter:
                 if request.device is not None:
                     assert self.device is not None
                     self.device.synchronize(request.device)
+                refused = request.refusal()
+                if refused is not None:
+                    slot.unlock()
+                    logger.warning("memory snapshot of step %d not sealed: %s", header.step,
+                                   refused)
+                    request._finish("refused", refused)
+                    continue
                 manifest = slot.map[HEADER_BYTES : HEADER_BYTES + header.manifest_len]
                 seal = seal_of(header, manifest, slot.payload(header), offsets)
                 slot.write_header(dataclasses.replace(
