@@ -60,11 +60,18 @@ class InProcessCoordinator:
                 TIMEOUT_ENV: str(self.timeout_s), TEARDOWN_ENV: str(self.teardown_limit_s)}
 
     def reset(self) -> None:
-        """A full start of the workers: the old records are stale (their pids are gone)."""
+        """A full start of the workers: nothing in the directory is theirs.
+
+        The old workers' records name pids that are gone; the interrupt notice and
+        ``generation.json`` ended their generations, and would end the new workers' at once
+        (a worker reads a published generation above its own as the end of its own); a
+        spare's files belong to a spare that is gone. They may be an earlier agent's too: one
+        that died (SIGKILL) in the middle of a recovery left them in the same run directory.
+        """
         self.recovery = None
         self._interrupted = -1
-        if self.directory.exists():  # the notice too: it ended the old workers' generation
-            for path in [*self.directory.glob("*-l*.json"), self.directory / INTERRUPT_FILE]:
+        if self.directory.exists():
+            for path in self.directory.glob("*.json"):
                 with contextlib.suppress(OSError):
                     path.unlink()
         self.directory.mkdir(parents=True, exist_ok=True)
