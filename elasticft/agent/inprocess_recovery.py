@@ -22,6 +22,13 @@ or a communication error, restarts left), the agent does not stop the survivors.
    the new generation (``resumed``); the event log then gets a ``recover_in_process`` event
    with its phases (detect, abort, regroup, restore and redo).
 
+Every survivor is bounded from the interrupt notice: one that has not reported ``failed``
+within the teardown's hard limit of it (its main thread is held in a C call, or holds the GIL,
+and its own monitor cannot run), or is not in the new group within the limit of its report, is
+killed (a ``survivor_killed`` event with what the agent saw:
+:func:`elasticft.agent.recovery_timing.overruns`) and replaced in the same generation, like
+the failed rank (``survivor_replaced``), with no restart.
+
 A failure while a recovery is still under way, a replacement that cannot be started, or a
 generation that does not resume within the timeout falls back to the full restart from the same
 snapshots (``InProcessCoordinator.overdue``, :mod:`elasticft.agent.generations`).
@@ -150,6 +157,8 @@ class InProcessRecovery:
     armed_pids: dict[int, int | None] = dataclasses.field(default_factory=dict, init=False)
     """The workers (local rank → pid) last seen all armed."""
     _times: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
+    _killed: dict[int, str] = dataclasses.field(default_factory=dict, init=False)
+    """The survivors this recovery killed past their limit (local rank → why)."""
 
     # -- the agent's lifecycle -----------------------------------------------------------------
 
@@ -165,6 +174,7 @@ class InProcessRecovery:
         """A full start of the workers: the old records are stale."""
         self.coordinator.reset()
         self.armed_pids = {}
+        self._killed = {}
 
     def on_workers_stopped(self) -> None:
         self.spare.stop()
@@ -241,7 +251,8 @@ class InProcessRecovery:
     def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
         """Workers that exited while a recovery on this agent's store is still forming its
         group (a survivor whose teardown overran the hard limit, or whose device failed its
-        check) are replaced in that same generation; returns whether all were."""
+        check, or that the agent killed past its limit) are replaced in that same generation;
+        returns whether all were."""
         recovery, generation = self.coordinator.recovery, self.coordinator.published
         if (recovery is None or generation is None or recovery.joined_at is not None
                 or generation.generation != recovery.generation):
@@ -272,7 +283,8 @@ class InProcessRecovery:
             recovery.replaced[local_rank] = pid
         for local_rank in local_ranks:
             rank = group.workers[local_rank].global_rank
-            why = str(records[local_rank].get("why", f"exit {exited[rank].exitcode}"))
+            why = self._killed.get(local_rank) or str(
+                records[local_rank].get("why", f"exit {exited[rank].exitcode}"))
             logger.warning("in-process recovery of generation %d: local rank %d left (%s); "
                            "its replacement joins the same generation", recovery.generation,
                            local_rank, why)
@@ -302,12 +314,7 @@ class InProcessRecovery:
                                      self.spare.taken.get(recovery.generation, {})),
                                  phases=timings)
                 return None
-            if recovery.joined_at is None:
-                for local_rank in self.coordinator.stuck(pids, time.time()):
-                    logger.warning("local rank %d overran its teardown's hard limit "
-                                   "(%.0f s): killed", local_rank,
-                                   self.coordinator.teardown_limit_s)
-                    procs.kill([torch_compat.worker_process(self._context(), local_rank)])
+            self._kill_overruns(recovery, pids)
             if self.coordinator.overdue(time.monotonic(), pids):
                 what = (f"its first step not done within {recovery.first_step_s:.0f} s of "
                         f"the regroup" if recovery.joined_at is not None else
@@ -330,6 +337,25 @@ class InProcessRecovery:
                              f"every worker caught a communication error, rank "
                              f"{by_local[first]} first: {waiting[first][1]}")
         return None
+
+    def _kill_overruns(self, recovery: Recovery, pids: Mapping[int, int | None]) -> None:
+        """Kills each survivor past its limit from the interrupt notice, or from its own
+        report (:func:`elasticft.agent.recovery_timing.overruns`), once: its exit is then
+        replaced in the same recovery (:meth:`replace_leavers`), with the reason logged here."""
+        workers = self._group().workers
+        for overrun in self.coordinator.overruns(pids, time.time()):
+            if overrun.local_rank in self._killed:
+                continue
+            self._killed[overrun.local_rank] = overrun.reason
+            rank = workers[overrun.local_rank].global_rank
+            logger.warning("in-process recovery of generation %d: rank %d (local rank %d, pid "
+                           "%s) %s; killed, for a replacement in the same generation",
+                           recovery.generation, rank, overrun.local_rank, overrun.pid,
+                           overrun.reason)
+            self.events.emit("survivor_killed", attempt=self.agent.attempt(),
+                             generation=recovery.generation, rank=rank, pid=overrun.pid,
+                             reason=overrun.reason, **overrun.evidence)
+            procs.kill([torch_compat.worker_process(self._context(), overrun.local_rank)])
 
     # -- a recovery ------------------------------------------------------------------------------
 
@@ -378,9 +404,14 @@ class InProcessRecovery:
             except Exception as e:  # anything: the restart starts from the same snapshots
                 logger.exception("could not replace workers %s in process", replace)
                 return f"{type(e).__name__}: {e}"
+        published_at = time.time()
+        notified_at, notice_at_step = self.coordinator.notice_of(
+            generation.generation - 1, published_at, at_step)
         self.coordinator.recovery = Recovery(
-            generation.generation, cause, seen_at, decided_at, time.time(), replaced,
-            time.monotonic() + self.coordinator.join_limit_s, times=self._times)
+            generation.generation, cause, seen_at, decided_at, published_at, replaced,
+            time.monotonic() + self.coordinator.join_limit_s, times=self._times,
+            notified_at=notified_at, at_step=notice_at_step)
+        self._killed = {}
         self.armed_pids = {}
         group = self.agent.group_info()
         logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
