@@ -17,7 +17,11 @@ or a communication error, restarts left), the agent does not stop the survivors.
    (``generation.json``), for the survivors to regroup on,
 3. starts the replacement at once, from the warm interpreter when there is one, with the failed
    worker's environment and the new store as its ``MASTER_PORT``: its unchanged
-   ``init_process_group()`` meets the survivors' regroup,
+   ``init_process_group()`` meets the survivors' regroup. On a node with GPUs it starts only on
+   a GPU no live worker uses and that did not fault (:mod:`elasticft.agent.placement`: a
+   worker that died of a device fault gets no replacement on its GPU); where there is none,
+   the failure is not recovered in process and the policy's restart or eviction decides, the
+   reason in the event log (``replacement_unplaced``),
 4. keeps monitoring. The recovery is over when every worker reports its first optimizer step in
    the new generation (``resumed``); the event log then gets a ``recover_in_process`` event
    with its phases (detect, abort, regroup, restore and redo).
@@ -68,8 +72,9 @@ from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
-from elasticft.agent import reshape
+from elasticft.agent import placement, reshape
 from elasticft.agent.generations import InProcessCoordinator
+from elasticft.agent.placement import died_of_device_fault
 from elasticft.agent.recovery_timing import Recovery, phases
 from elasticft.agent.replace import replace_after_kill, start_replacements
 from elasticft.agent.spare_keeper import SpareKeeper
@@ -106,6 +111,12 @@ def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: 
     if failed >= workers:
         return "no worker survived"
     return replaceable
+
+
+def _device_faults(failures: Sequence[FailureRecord]) -> dict[int, bool]:
+    """Local rank → whether its worker's failure names a fault of its GPU (pure)."""
+    return {f.local_rank: died_of_device_fault(f"{f.exception or ''} {f.message or ''}")
+            for f in failures}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,11 +253,35 @@ class InProcessRecovery:
         """Why this failure cannot be recovered in process (None: it can)."""
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
-        return blocker(
+        why = blocker(
             armed=self.all_armed(), nodes=group.group_world_size,
             recovering=self.recovering, failed=len(replace), workers=len(pids),
             shared_store=torch_compat.workers_use_agent_store(self._group()),
             replaceable=torch_compat.replace_worker_unavailable(self._context()))
+        if why is None and replace:
+            why = self._unplaceable(replace, _device_faults(failures))
+        return why
+
+    def _unplaceable(self, replace: Sequence[int], faults: Mapping[int, bool],
+                     spare_takes: bool = True) -> str | None:
+        """Why a replacement of one of ``replace`` has no GPU to start on (its worker's faulted,
+        or another rank's worker uses the one its environment names), or None; the rank the
+        ready spare takes (``spare_takes``) needs none. The reason goes to the event log."""
+        context = self._context()
+        if context is None or not self.spare.gpus:
+            return None
+        use = self.spare.gpu_use(context)
+        by_spare = self.spare.would_take(replace) if spare_takes else None
+        for local_rank in replace:
+            if local_rank == by_spare:
+                continue
+            where = placement.replacement_gpu(use, local_rank, faults.get(local_rank, False))
+            if where.gpu is None:
+                self.events.emit("replacement_unplaced", attempt=self.agent.attempt(),
+                                 rank=self._group().workers[local_rank].global_rank,
+                                 reason=where.reason)
+                return f"no GPU for a replacement: {where.reason}"
+        return None
 
     def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
         """Workers that exited while a recovery on this agent's store is still forming its
@@ -264,6 +299,15 @@ class InProcessRecovery:
             return False  # a replacement that failed: the restart
         records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
                    for lr in local_ranks}
+        faults = {lr: died_of_device_fault(str(records[lr].get("why", "")))
+                  for lr in local_ranks}
+        if (why_not := self._unplaceable(local_ranks, faults, spare_takes=False)
+                ) is not None:
+            logger.warning("workers %s left the recovery of generation %d: %s; restarting",
+                           local_ranks, recovery.generation, why_not)
+            return False
+        for local_rank in local_ranks:
+            self.spare.place_replacement(context, local_rank, faults[local_rank])
         attempt = self.agent.attempt()
 
         def env_of(env: Any) -> dict[str, str]:
@@ -400,7 +444,8 @@ class InProcessRecovery:
                 return None
         else:
             try:
-                generation, replaced = self._replace_in_process(replace)
+                generation, replaced = self._replace_in_process(replace,
+                                                                _device_faults(failures))
             except Exception as e:  # anything: the restart starts from the same snapshots
                 logger.exception("could not replace workers %s in process", replace)
                 return f"{type(e).__name__}: {e}"
@@ -429,9 +474,12 @@ class InProcessRecovery:
         workers = self._group().workers
         return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
 
-    def _replace_in_process(self, replace: list[int]) -> tuple[Generation, dict[int, int]]:
+    def _replace_in_process(self, replace: list[int], faults: Mapping[int, bool]
+                            ) -> tuple[Generation, dict[int, int]]:
         """Kills the failed local workers, publishes the next generation on a store of this
-        agent's and starts their replacements at once; returns it and their pids."""
+        agent's and starts their replacements at once, each on the GPU
+        :func:`elasticft.agent.placement.replacement_gpu` allows (``faults``: local ranks
+        whose worker died of a device fault); returns it and their pids."""
         context, group = self._context(), self._group()
         times = self._times
 
@@ -446,9 +494,14 @@ class InProcessRecovery:
 
             times["fork"] = time.time()
             replaced = self.spare.take(context, replace, generation, env_of)  # a ready spare
-            replaced.update(start_replacements(
-                context, [lr for lr in replace if lr not in replaced], self.agent.warm_pool(),
-                env_of))
+            started = [lr for lr in replace if lr not in replaced]
+            for local_rank in started:
+                where = self.spare.place_replacement(context, local_rank,
+                                                     faults.get(local_rank, False))
+                if where.gpu is None:
+                    raise RuntimeError(f"no GPU for a replacement: {where.reason}")
+            replaced.update(start_replacements(context, started, self.agent.warm_pool(),
+                                               env_of))
             times["forked"] = time.time()
             for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
                 group.workers[local_rank].id = pid
