@@ -105,6 +105,10 @@ class InProcessCoordinator:
         """What a worker said of itself when it armed (empty: not armed)."""
         return self._record("armed", local_rank, pid) or {}
 
+    def left_record(self, local_rank: int, pid: int | None) -> dict[str, Any]:
+        """Why a worker left for a replacement (empty: it did not)."""
+        return self._record("left", local_rank, pid) or {}
+
     def waiting(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
         """Workers that caught a peer failure in the current generation: when, and its cause."""
         found = {}

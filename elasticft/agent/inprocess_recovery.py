@@ -113,12 +113,6 @@ def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: 
     return replaceable
 
 
-def _device_faults(failures: Sequence[FailureRecord]) -> dict[int, bool]:
-    """Local rank → whether its worker's failure names a fault of its GPU (pure)."""
-    return {f.local_rank: died_of_device_fault(f"{f.exception or ''} {f.message or ''}")
-            for f in failures}
-
-
 @dataclasses.dataclass(frozen=True)
 class AgentSide:
     """What in-process recovery needs of the agent that holds it: reads of its state and the
@@ -259,8 +253,19 @@ class InProcessRecovery:
             shared_store=torch_compat.workers_use_agent_store(self._group()),
             replaceable=torch_compat.replace_worker_unavailable(self._context()))
         if why is None and replace:
-            why = self._unplaceable(replace, _device_faults(failures))
+            why = self._unplaceable(replace, self._device_faults(failures))
         return why
+
+    def _device_faults(self, failures: Sequence[FailureRecord]) -> dict[int, bool]:
+        """Local rank → whether its worker died of a fault of its GPU: its failure says so, or
+        the ``left`` record it wrote (a survivor whose device failed the health check may exit
+        before the agent saw it wait)."""
+        faults: dict[int, bool] = {}
+        for f in failures:
+            left = self.coordinator.left_record(f.local_rank, f.pid).get("why", "")
+            faults[f.local_rank] = faults.get(f.local_rank, False) or died_of_device_fault(
+                f"{f.exception or ''} {f.message or ''} {left}")
+        return faults
 
     def _unplaceable(self, replace: Sequence[int], faults: Mapping[int, bool],
                      spare_takes: bool = True) -> str | None:
@@ -444,8 +449,8 @@ class InProcessRecovery:
                 return None
         else:
             try:
-                generation, replaced = self._replace_in_process(replace,
-                                                                _device_faults(failures))
+                generation, replaced = self._replace_in_process(
+                    replace, self._device_faults(failures))
             except Exception as e:  # anything: the restart starts from the same snapshots
                 logger.exception("could not replace workers %s in process", replace)
                 return f"{type(e).__name__}: {e}"

@@ -1,9 +1,14 @@
 """Which GPU each process of a node uses while its workers recover in process, by tables: a new
 spare goes on a GPU no worker uses (after a spare took a rank, the one that rank's dead worker
 freed), a replacement only on the GPU its environment names when that one is free and did not
-fault, and which failures name a fault of the GPU."""
+fault, and which failures name a fault of the GPU. End to end under a real ``elasticft-run``
+(gloo) whose workers are told of two GPUs (``CUDA_VISIBLE_DEVICES``, which torch's CPU build
+ignores): a survivor whose device fails its health check gets no replacement on that GPU, and
+the policy restarts the workers instead, with the reason in the event log."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,7 @@ from elasticft.agent.placement import (
     taken,
 )
 from elasticft.agent.spare_keeper import SpareMove, next_move
+from tests.recovery.test_inprocess import STEPS, _run
 
 THREE = ("0", "1", "2")
 
@@ -96,3 +102,19 @@ def test_the_node_state_follows_a_take_and_a_restart() -> None:
 ])
 def test_which_failures_name_a_fault_of_the_gpu(text: str, fault: bool) -> None:
     assert died_of_device_fault(text) is fault
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_survivor_whose_gpu_failed_gets_no_replacement_on_it_and_the_workers_restart(
+        tmp_path: Path, job_env: dict[str, str], inprocess_reference: dict[int, str]) -> None:
+    run = _run(tmp_path, "faulty", {**job_env, "CUDA_VISIBLE_DEVICES": "0,1"},
+               "--fault-rank", "1", "--infra-error-at-step", "6", "--sick-device",
+               launch=("--recovery-inprocess-teardown-limit-s", "3"))
+    events = run["events"]
+    (unplaced,) = [e for e in events if e["kind"] == "replacement_unplaced"]
+    assert unplaced["rank"] == 1 and "GPU 1" in unplaced["reason"], unplaced
+    assert "died of a device fault" in unplaced["reason"], unplaced
+    assert not [e for e in events if e["kind"] == "survivor_replaced"], run["text"][-5000:]
+    assert [e["kind"] for e in events].count("restart") == 1, run["text"][-5000:]
+    assert run["losses"] == {s: v for s, v in inprocess_reference.items() if s <= STEPS}
