@@ -498,7 +498,8 @@ class InProcessRecovery:
                                                         self.attempt_env)
 
             times["fork"] = time.time()
-            replaced = self.spare.take(context, replace, generation, env_of)  # a ready spare
+            replaced = self.spare.take(context, replace, generation, env_of,  # a ready spare
+                                       faults)
             started = [lr for lr in replace if lr not in replaced]
             for local_rank in started:
                 where = self.spare.place_replacement(context, local_rank,

@@ -120,11 +120,15 @@ def replacement_gpu(use: GpuUse, local_rank: int, device_fault: bool) -> Placeme
                      else f"GPU {gpu}, which no process uses")
 
 
-def taken(use: GpuUse, local_rank: int) -> GpuUse:
-    """The spare took ``local_rank``: its GPU is the rank's now, the dead worker's is free."""
+def taken(use: GpuUse, local_rank: int, device_fault: bool = False) -> GpuUse:
+    """The spare took ``local_rank``: its GPU is the rank's now; the dead worker's is free, or
+    out of use where it faulted (``device_fault``)."""
     if not use.gpus or use.spare is None:
         return use
-    return dataclasses.replace(use, workers={**use.workers, local_rank: use.spare}, spare=None)
+    dead_gpu = use.workers.get(local_rank)
+    faulty = use.faulty | ({dead_gpu} if device_fault and dead_gpu else set())
+    return dataclasses.replace(use, workers={**use.workers, local_rank: use.spare}, spare=None,
+                               faulty=frozenset(faulty))
 
 
 def restarted(use: GpuUse, local_rank: int, device_fault: bool = False) -> GpuUse:

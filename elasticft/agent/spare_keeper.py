@@ -258,10 +258,12 @@ class SpareKeeper:
         return pick(ready=self.ready(), alive=alive, failed_local_ranks=failed_local_ranks)
 
     def take(self, context: Any, failed_local_ranks: Sequence[int], generation: Generation,
-             env_of: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[int, int]:
+             env_of: Callable[[Mapping[str, str]], dict[str, str]],
+             device_faults: Mapping[int, bool] | None = None) -> dict[int, int]:
         """Gives the spare a failed local rank, in torch's process ``context`` and in the
         spare's assignment; returns {local rank: pid} (empty: no spare could, the caller starts
-        replacements)."""
+        replacements). ``device_faults``: the failed ranks whose worker died of a fault of its
+        GPU, which then takes no spare either."""
         local_rank = self.would_take(failed_local_ranks)
         if local_rank is None:
             if self.enabled:
@@ -275,7 +277,8 @@ class SpareKeeper:
         Assignment(generation, local_rank, env).write(self.directory, str(self.number))
         self.taken[generation.generation] = {local_rank: handler.proc.pid}
         if self.use is not None:  # the spare's GPU is the rank's; the dead worker's is free
-            self.use = placement.taken(self.use, local_rank)
+            self.use = placement.taken(self.use, local_rank,
+                                       (device_faults or {}).get(local_rank, False))
         logger.warning("in-process spare %d (pid %d) takes local rank %d", self.number,
                        handler.proc.pid, local_rank)
         return {local_rank: handler.proc.pid}

@@ -86,6 +86,9 @@ def test_the_node_state_follows_a_take_and_a_restart() -> None:
     assert use.faulty == {"0"} and use.workers[0] == "0"
     assert spare_gpu(use)[0] == "1"
     assert restarted(GpuUse.start([], [0]), 0, True) == GpuUse.start([], [0])
+    # the spare took a rank whose worker died of a device fault: no spare goes on that GPU
+    use = taken(GpuUse(THREE, {0: "0", 1: "1"}, spare="2"), 1, device_fault=True)
+    assert use.faulty == {"1"} and spare_gpu(use)[0] is None
 
 
 @pytest.mark.timeout(30)
