@@ -533,7 +533,8 @@ class RecoveryConfig:
     recovery_inprocess_teardown_limit_s: float = option(
         30.0, "Hard limit of a survivor's teardown in an in-process recovery (the abort of its "
         "process groups, the device's synchronize and release) and of its device's health "
-        "check: a survivor that overruns it or whose device is unfit is killed and replaced "
+        "check, and of its way out of the training function from the agent's interrupt "
+        "notice: a survivor that overruns it or whose device is unfit is killed and replaced "
         "while the others go on in process. Keep torch's NCCL watchdog above it.", minimum=1)
     recovery_inprocess_spare: bool = option(
         False, "Keep one pre-started spare process per node for in-process recovery: it runs "

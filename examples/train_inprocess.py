@@ -23,7 +23,9 @@ with --exit-after-failed the rank then exits right after reporting it, before it
 --stuck-teardown its teardown never returns; with --sick-device its device fails the health
 check), and --replacement-fails (a replacement process exits at once, which makes the agent fall
 back to a full restart). --manual-sgd trains without a torch.optim optimizer and tells InProcess
-of each step (InProcess.step_done).
+of each step (InProcess.step_done). A second fault on another rank: --gil-hold-rank R
+--gil-hold-at-step N has rank R, after the save of step N, enter a C call that holds the GIL for
+an hour (a main thread, and a monitor thread, that never run again), in the first attempt.
 
 Scripts as users write them: --wrong-after-interrupt all-reduces the gradients in a DDP comm
 hook that, when the all-reduce fails, returns them filled with garbage instead of raising (what
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -97,6 +100,8 @@ def main() -> None:
     parser.add_argument("--stuck-teardown", action="store_true")
     parser.add_argument("--sick-device", action="store_true")
     parser.add_argument("--replacement-fails", action="store_true")
+    parser.add_argument("--gil-hold-rank", type=int, default=-1)
+    parser.add_argument("--gil-hold-at-step", type=int, default=-1)
     parser.add_argument("--wrong-after-interrupt", action="store_true",
                         help="a DDP comm hook returns garbage gradients when its all-reduce "
                         "fails; each step runs in InProcess.atomic()")
@@ -119,8 +124,9 @@ def main() -> None:
     optim = None if args.manual_sgd else torch.optim.AdamW(net.parameters(), lr=args.lr)
     ckpt = Checkpointer.from_env(optimizers=[optim] if optim is not None else [])
     snapshot = StateCapture(net, optim)
-    faults = {"armed": os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and
-              rank == args.fault_rank}
+    first_attempt = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
+    faults = {"armed": first_attempt and rank == args.fault_rank,
+              "gil": first_attempt and rank == args.gil_hold_rank}
 
     ops = GroupOps.for_torch()
     if args.exit_after_failed and faults["armed"]:
@@ -221,6 +227,9 @@ def main() -> None:
             if args.crash_mode == "keep-sockets":
                 keep_sockets(args.keeper_pid)
             os.kill(os.getpid(), signal.SIGKILL)
+        if faults["gil"] and done == args.gil_hold_at_step:
+            request.wait()
+            ctypes.PyDLL(None).sleep(3600)  # PyDLL: the GIL stays held in the call
         if faults["armed"] and done == args.hang_at_step:
             request.wait()
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -14,18 +14,25 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from elasticft.agent.recovery_timing import Recovery, first_step_limit
+from elasticft.agent.recovery_timing import (
+    Overrun,
+    Recovery,
+    SurvivorState,
+    first_step_limit,
+    overruns,
+)
 from elasticft.jsonfile import read_json, write_json
 from elasticft.recovery.interrupt import INTERRUPT_FILE
 from elasticft.recovery.protocol import (
     DIR_ENV,
     GENERATION_ENV,
+    STEP_WAIT_S,
     TEARDOWN_ENV,
     TIMEOUT_ENV,
     Generation,
@@ -46,6 +53,9 @@ class InProcessCoordinator:
         self.published: Generation | None = None
         """The latest generation on a store of this agent's (None after a new round's)."""
         self.completed = 0
+        self.notified: tuple[int, float, bool] | None = None
+        """The latest interrupt notice written: the generation it ended, when, and whether it
+        asked for a step boundary."""
         self._interrupted = -1
         self._stores: list[Any] = []
 
@@ -60,11 +70,19 @@ class InProcessCoordinator:
                 TIMEOUT_ENV: str(self.timeout_s), TEARDOWN_ENV: str(self.teardown_limit_s)}
 
     def reset(self) -> None:
-        """A full start of the workers: the old records are stale (their pids are gone)."""
+        """A full start of the workers: nothing in the directory is theirs.
+
+        The old workers' records name pids that are gone; the interrupt notice and
+        ``generation.json`` ended their generations, and would end the new workers' at once
+        (a worker reads a published generation above its own as the end of its own); a
+        spare's files belong to a spare that is gone. They may be an earlier agent's too: one
+        that died (SIGKILL) in the middle of a recovery left them in the same run directory.
+        """
         self.recovery = None
+        self.notified = None
         self._interrupted = -1
-        if self.directory.exists():  # the notice too: it ended the old workers' generation
-            for path in [*self.directory.glob("*-l*.json"), self.directory / INTERRUPT_FILE]:
+        if self.directory.exists():
+            for path in self.directory.glob("*.json"):
                 with contextlib.suppress(OSError):
                     path.unlink()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -87,6 +105,10 @@ class InProcessCoordinator:
         """What a worker said of itself when it armed (empty: not armed)."""
         return self._record("armed", local_rank, pid) or {}
 
+    def left_record(self, local_rank: int, pid: int | None) -> dict[str, Any]:
+        """Why a worker left for a replacement (empty: it did not)."""
+        return self._record("left", local_rank, pid) or {}
+
     def waiting(self, pids: Mapping[int, int | None]) -> dict[int, tuple[float, str]]:
         """Workers that caught a peer failure in the current generation: when, and its cause."""
         found = {}
@@ -107,8 +129,10 @@ class InProcessCoordinator:
         if self._interrupted == self.generation:
             return
         self._interrupted = self.generation
+        now = time.time()
         write_json(self.directory / INTERRUPT_FILE, {"ended": self.generation,
-                                                     "time": time.time(), "at_step": at_step})
+                                                     "time": now, "at_step": at_step})
+        self.notified = (self.generation, now, at_step)
 
     def publish(self, master_addr: str, world_size: int) -> Generation:
         """Starts the next generation's store and tells the survivors where it is."""
@@ -133,6 +157,14 @@ class InProcessCoordinator:
         self.published = None
         return generation
 
+    def notice_of(self, ended: int, published_at: float, at_step: bool) -> tuple[float, bool]:
+        """When the survivors of generation ``ended`` were told that it is over, and whether
+        to stop at a step boundary: the interrupt notice, else (it could not be written) the
+        next generation's publication."""
+        if self.notified is not None and self.notified[0] == ended:
+            return self.notified[1], self.notified[2]
+        return published_at, at_step
+
     def replacement_env(self, env: Mapping[str, str], generation: Generation, attempt: int,
                         attempt_env: str) -> dict[str, str]:
         # The store is the agent's: every rank connects as a client, rank 0 included.
@@ -156,20 +188,35 @@ class InProcessCoordinator:
         return all(self._record("joined", lr, pid, self.generation) is not None
                    for lr, pid in pids.items())
 
-    def stuck(self, pids: Mapping[int, int | None], now: float, grace_s: float = 5.0
-              ) -> list[int]:
-        """Survivors still in their teardown (a ``failed`` record of the previous generation,
-        none of this one) past the hard limit and ``grace_s``: their own limit did not end
-        them, the agent kills them (wall clock ``now``)."""
+    def survivors(self, pids: Mapping[int, int | None], replaced: Collection[int]
+                  ) -> list[SurvivorState]:
+        """What the records say of each survivor of the recovery under way (the workers less
+        the ``replaced`` local ranks): its ``failed``, ``torn`` and ``left`` records of the
+        generation that ended, its ``joined`` of the new one."""
+        ended = self.generation - 1
         found = []
         for local_rank, pid in pids.items():
-            failed = self._record("failed", local_rank, pid, self.generation - 1)
-            if (failed is not None and self._record("joined", local_rank, pid,
-                                                    self.generation) is None
-                    and now > float(failed.get("failed", now)) + self.teardown_limit_s
-                    + grace_s):
-                found.append(local_rank)
+            if local_rank in replaced:
+                continue
+            failed = self._record("failed", local_rank, pid, ended)
+            found.append(SurvivorState(
+                local_rank, pid,
+                failed_at=float(failed.get("failed", 0.0)) if failed is not None else None,
+                torn_down=self._record("torn", local_rank, pid, ended) is not None,
+                left=self._record("left", local_rank, pid, ended) is not None,
+                joined=self._record("joined", local_rank, pid, self.generation) is not None))
         return found
+
+    def overruns(self, pids: Mapping[int, int | None], now: float) -> list[Overrun]:
+        """The survivors of the recovery under way past their limit, from the interrupt
+        notice or from their ``failed`` record (:func:`overruns`; wall clock ``now``)."""
+        recovery = self.recovery
+        if recovery is None or recovery.joined_at is not None:
+            return []
+        return overruns(self.survivors(pids, recovery.replaced),
+                        notified_at=recovery.notified_at, now=now,
+                        limit_s=self.teardown_limit_s, step_wait_s=STEP_WAIT_S,
+                        at_step=recovery.at_step)
 
     def overdue(self, now: float, pids: Mapping[int, int | None] | None = None) -> bool:
         """Whether the recovery under way overran its phase's limit: joining (teardown and

@@ -17,10 +17,21 @@ or a communication error, restarts left), the agent does not stop the survivors.
    (``generation.json``), for the survivors to regroup on,
 3. starts the replacement at once, from the warm interpreter when there is one, with the failed
    worker's environment and the new store as its ``MASTER_PORT``: its unchanged
-   ``init_process_group()`` meets the survivors' regroup,
+   ``init_process_group()`` meets the survivors' regroup. On a node with GPUs it starts only on
+   a GPU no live worker uses and that did not fault (:mod:`elasticft.agent.placement`: a
+   worker that died of a device fault gets no replacement on its GPU); where there is none,
+   the failure is not recovered in process and the policy's restart or eviction decides, the
+   reason in the event log (``replacement_unplaced``),
 4. keeps monitoring. The recovery is over when every worker reports its first optimizer step in
    the new generation (``resumed``); the event log then gets a ``recover_in_process`` event
    with its phases (detect, abort, regroup, restore and redo).
+
+Every survivor is bounded from the interrupt notice: one that has not reported ``failed``
+within the teardown's hard limit of it (its main thread is held in a C call, or holds the GIL,
+and its own monitor cannot run), or is not in the new group within the limit of its report, is
+killed (a ``survivor_killed`` event with what the agent saw:
+:func:`elasticft.agent.recovery_timing.overruns`) and replaced in the same generation, like
+the failed rank (``survivor_replaced``), with no restart.
 
 A failure while a recovery is still under way, a replacement that cannot be started, or a
 generation that does not resume within the timeout falls back to the full restart from the same
@@ -61,8 +72,9 @@ from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
-from elasticft.agent import reshape
+from elasticft.agent import placement, reshape
 from elasticft.agent.generations import InProcessCoordinator
+from elasticft.agent.placement import died_of_device_fault
 from elasticft.agent.recovery_timing import Recovery, phases
 from elasticft.agent.replace import replace_after_kill, start_replacements
 from elasticft.agent.spare_keeper import SpareKeeper
@@ -150,6 +162,8 @@ class InProcessRecovery:
     armed_pids: dict[int, int | None] = dataclasses.field(default_factory=dict, init=False)
     """The workers (local rank → pid) last seen all armed."""
     _times: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
+    _killed: dict[int, str] = dataclasses.field(default_factory=dict, init=False)
+    """The survivors this recovery killed past their limit (local rank → why)."""
 
     # -- the agent's lifecycle -----------------------------------------------------------------
 
@@ -165,6 +179,7 @@ class InProcessRecovery:
         """A full start of the workers: the old records are stale."""
         self.coordinator.reset()
         self.armed_pids = {}
+        self._killed = {}
 
     def on_workers_stopped(self) -> None:
         self.spare.stop()
@@ -232,16 +247,52 @@ class InProcessRecovery:
         """Why this failure cannot be recovered in process (None: it can)."""
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
-        return blocker(
+        why = blocker(
             armed=self.all_armed(), nodes=group.group_world_size,
             recovering=self.recovering, failed=len(replace), workers=len(pids),
             shared_store=torch_compat.workers_use_agent_store(self._group()),
             replaceable=torch_compat.replace_worker_unavailable(self._context()))
+        if why is None and replace:
+            why = self._unplaceable(replace, self._device_faults(failures))
+        return why
+
+    def _device_faults(self, failures: Sequence[FailureRecord]) -> dict[int, bool]:
+        """Local rank → whether its worker died of a fault of its GPU: its failure says so, or
+        the ``left`` record it wrote (a survivor whose device failed the health check may exit
+        before the agent saw it wait)."""
+        faults: dict[int, bool] = {}
+        for f in failures:
+            left = self.coordinator.left_record(f.local_rank, f.pid).get("why", "")
+            faults[f.local_rank] = faults.get(f.local_rank, False) or died_of_device_fault(
+                f"{f.exception or ''} {f.message or ''} {left}")
+        return faults
+
+    def _unplaceable(self, replace: Sequence[int], faults: Mapping[int, bool],
+                     spare_takes: bool = True) -> str | None:
+        """Why a replacement of one of ``replace`` has no GPU to start on (its worker's faulted,
+        or another rank's worker uses the one its environment names), or None; the rank the
+        ready spare takes (``spare_takes``) needs none. The reason goes to the event log."""
+        context = self._context()
+        if context is None or not self.spare.gpus:
+            return None
+        use = self.spare.gpu_use(context)
+        by_spare = self.spare.would_take(replace) if spare_takes else None
+        for local_rank in replace:
+            if local_rank == by_spare:
+                continue
+            where = placement.replacement_gpu(use, local_rank, faults.get(local_rank, False))
+            if where.gpu is None:
+                self.events.emit("replacement_unplaced", attempt=self.agent.attempt(),
+                                 rank=self._group().workers[local_rank].global_rank,
+                                 reason=where.reason)
+                return f"no GPU for a replacement: {where.reason}"
+        return None
 
     def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
         """Workers that exited while a recovery on this agent's store is still forming its
         group (a survivor whose teardown overran the hard limit, or whose device failed its
-        check) are replaced in that same generation; returns whether all were."""
+        check, or that the agent killed past its limit) are replaced in that same generation;
+        returns whether all were."""
         recovery, generation = self.coordinator.recovery, self.coordinator.published
         if (recovery is None or generation is None or recovery.joined_at is not None
                 or generation.generation != recovery.generation):
@@ -253,6 +304,15 @@ class InProcessRecovery:
             return False  # a replacement that failed: the restart
         records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
                    for lr in local_ranks}
+        faults = {lr: died_of_device_fault(str(records[lr].get("why", "")))
+                  for lr in local_ranks}
+        if (why_not := self._unplaceable(local_ranks, faults, spare_takes=False)
+                ) is not None:
+            logger.warning("workers %s left the recovery of generation %d: %s; restarting",
+                           local_ranks, recovery.generation, why_not)
+            return False
+        for local_rank in local_ranks:
+            self.spare.place_replacement(context, local_rank, faults[local_rank])
         attempt = self.agent.attempt()
 
         def env_of(env: Any) -> dict[str, str]:
@@ -272,7 +332,8 @@ class InProcessRecovery:
             recovery.replaced[local_rank] = pid
         for local_rank in local_ranks:
             rank = group.workers[local_rank].global_rank
-            why = str(records[local_rank].get("why", f"exit {exited[rank].exitcode}"))
+            why = self._killed.get(local_rank) or str(
+                records[local_rank].get("why", f"exit {exited[rank].exitcode}"))
             logger.warning("in-process recovery of generation %d: local rank %d left (%s); "
                            "its replacement joins the same generation", recovery.generation,
                            local_rank, why)
@@ -302,12 +363,7 @@ class InProcessRecovery:
                                      self.spare.taken.get(recovery.generation, {})),
                                  phases=timings)
                 return None
-            if recovery.joined_at is None:
-                for local_rank in self.coordinator.stuck(pids, time.time()):
-                    logger.warning("local rank %d overran its teardown's hard limit "
-                                   "(%.0f s): killed", local_rank,
-                                   self.coordinator.teardown_limit_s)
-                    procs.kill([torch_compat.worker_process(self._context(), local_rank)])
+            self._kill_overruns(recovery, pids)
             if self.coordinator.overdue(time.monotonic(), pids):
                 what = (f"its first step not done within {recovery.first_step_s:.0f} s of "
                         f"the regroup" if recovery.joined_at is not None else
@@ -330,6 +386,25 @@ class InProcessRecovery:
                              f"every worker caught a communication error, rank "
                              f"{by_local[first]} first: {waiting[first][1]}")
         return None
+
+    def _kill_overruns(self, recovery: Recovery, pids: Mapping[int, int | None]) -> None:
+        """Kills each survivor past its limit from the interrupt notice, or from its own
+        report (:func:`elasticft.agent.recovery_timing.overruns`), once: its exit is then
+        replaced in the same recovery (:meth:`replace_leavers`), with the reason logged here."""
+        workers = self._group().workers
+        for overrun in self.coordinator.overruns(pids, time.time()):
+            if overrun.local_rank in self._killed:
+                continue
+            self._killed[overrun.local_rank] = overrun.reason
+            rank = workers[overrun.local_rank].global_rank
+            logger.warning("in-process recovery of generation %d: rank %d (local rank %d, pid "
+                           "%s) %s; killed, for a replacement in the same generation",
+                           recovery.generation, rank, overrun.local_rank, overrun.pid,
+                           overrun.reason)
+            self.events.emit("survivor_killed", attempt=self.agent.attempt(),
+                             generation=recovery.generation, rank=rank, pid=overrun.pid,
+                             reason=overrun.reason, **overrun.evidence)
+            procs.kill([torch_compat.worker_process(self._context(), overrun.local_rank)])
 
     # -- a recovery ------------------------------------------------------------------------------
 
@@ -374,13 +449,19 @@ class InProcessRecovery:
                 return None
         else:
             try:
-                generation, replaced = self._replace_in_process(replace)
+                generation, replaced = self._replace_in_process(
+                    replace, self._device_faults(failures))
             except Exception as e:  # anything: the restart starts from the same snapshots
                 logger.exception("could not replace workers %s in process", replace)
                 return f"{type(e).__name__}: {e}"
+        published_at = time.time()
+        notified_at, notice_at_step = self.coordinator.notice_of(
+            generation.generation - 1, published_at, at_step)
         self.coordinator.recovery = Recovery(
-            generation.generation, cause, seen_at, decided_at, time.time(), replaced,
-            time.monotonic() + self.coordinator.join_limit_s, times=self._times)
+            generation.generation, cause, seen_at, decided_at, published_at, replaced,
+            time.monotonic() + self.coordinator.join_limit_s, times=self._times,
+            notified_at=notified_at, at_step=notice_at_step)
+        self._killed = {}
         self.armed_pids = {}
         group = self.agent.group_info()
         logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
@@ -398,9 +479,12 @@ class InProcessRecovery:
         workers = self._group().workers
         return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
 
-    def _replace_in_process(self, replace: list[int]) -> tuple[Generation, dict[int, int]]:
+    def _replace_in_process(self, replace: list[int], faults: Mapping[int, bool]
+                            ) -> tuple[Generation, dict[int, int]]:
         """Kills the failed local workers, publishes the next generation on a store of this
-        agent's and starts their replacements at once; returns it and their pids."""
+        agent's and starts their replacements at once, each on the GPU
+        :func:`elasticft.agent.placement.replacement_gpu` allows (``faults``: local ranks
+        whose worker died of a device fault); returns it and their pids."""
         context, group = self._context(), self._group()
         times = self._times
 
@@ -414,10 +498,16 @@ class InProcessRecovery:
                                                         self.attempt_env)
 
             times["fork"] = time.time()
-            replaced = self.spare.take(context, replace, generation, env_of)  # a ready spare
-            replaced.update(start_replacements(
-                context, [lr for lr in replace if lr not in replaced], self.agent.warm_pool(),
-                env_of))
+            replaced = self.spare.take(context, replace, generation, env_of,  # a ready spare
+                                       faults)
+            started = [lr for lr in replace if lr not in replaced]
+            for local_rank in started:
+                where = self.spare.place_replacement(context, local_rank,
+                                                     faults.get(local_rank, False))
+                if where.gpu is None:
+                    raise RuntimeError(f"no GPU for a replacement: {where.reason}")
+            replaced.update(start_replacements(context, started, self.agent.warm_pool(),
+                                               env_of))
             times["forked"] = time.time()
             for local_rank, pid in replaced.items():  # torch's monitor compares ids and pids
                 group.workers[local_rank].id = pid

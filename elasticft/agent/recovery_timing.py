@@ -7,6 +7,15 @@ restored, first step). :func:`phases` turns both into the seconds of each phase 
 log and ``elasticft report``; :func:`first_step_limit` derives the first step's limit from what the
 survivors measured of their steps before the failure, so that a slow first step (a compiled
 model, a long step) is not taken for a stuck recovery.
+
+**Bounded from the interrupt.** Once the agent has told the survivors that their generation is
+over (the interrupt notice, or the published generation), each has the teardown's hard limit to
+report ``failed`` (it left the training function) and then the same limit to be in the new
+group. A survivor whose main thread never leaves (a C call that does not return, one that holds
+the GIL, so that even its monitor thread cannot run) reports nothing at all:
+:func:`overruns` names it once its limit from the notice has passed, and the agent kills it and
+replaces it in the same recovery, as it does the failed rank. The decision is pure, over a
+:class:`SurvivorState` per survivor; what it saw goes to the event log with it.
 """
 
 from __future__ import annotations
@@ -38,6 +47,82 @@ class Recovery:
     times: dict[str, float] = dataclasses.field(default_factory=dict)
     """The agent's own wall-clock marks: ``reaped`` (the failed processes gone), ``fork`` and
     ``forked`` (the replacements' start)."""
+    notified_at: float | None = None
+    """Wall clock when the survivors were told that their generation is over (the interrupt
+    notice, else the published generation): their limits (:func:`overruns`) count from it."""
+    at_step: bool = False
+    """The notice asked them to stop at their next step boundary (no peer failed)."""
+
+
+GRACE_S = 5.0
+"""What the agent adds to a survivor's own hard limit before it kills it: the survivor's own
+bound (its teardown's, its monitor's) ends it first when it can."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SurvivorState:
+    """What the agent's files say of one survivor of a recovery under way."""
+
+    local_rank: int
+    pid: int | None
+    failed_at: float | None = None
+    """Wall clock of its ``failed`` record of the generation that ended (None: none yet)."""
+    torn_down: bool = False
+    """It wrote ``torn``: its teardown and health check are over (it waits for the others in
+    the regroup, which the recovery's own deadline bounds)."""
+    left: bool = False
+    """It wrote ``left``: its own limit ended it, and it exits by itself."""
+    joined: bool = False
+    """It is in the new generation's group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrun:
+    """A survivor past its limit: the agent kills it and replaces it in the same recovery."""
+
+    local_rank: int
+    pid: int | None
+    reason: str
+    evidence: dict[str, Any]
+    """What the decision saw, for the event log."""
+
+
+def overruns(survivors: Sequence[SurvivorState], *, notified_at: float | None, now: float,
+             limit_s: float, step_wait_s: float = 0.0, at_step: bool = False,
+             grace_s: float = GRACE_S) -> list[Overrun]:
+    """The survivors to kill (pure; wall-clock times).
+
+    One that reported ``failed`` has twice ``limit_s`` (and ``grace_s``) from then to report
+    ``torn``: its teardown, then its health check, each run under that limit. One that reported
+    nothing has ``limit_s`` from the notice (``notified_at``) to report ``failed``, after
+    ``step_wait_s`` when the notice asked for a step boundary (``at_step``), since its monitor
+    ends its groups only then. One torn down (it waits in the regroup, for the others), joined,
+    or left by itself is no longer the agent's to end.
+    """
+    found = []
+    for survivor in survivors:
+        if survivor.torn_down or survivor.joined or survivor.left:
+            continue
+        if survivor.failed_at is not None:
+            due = survivor.failed_at + 2 * limit_s + grace_s
+            reason = (f"still in its teardown {now - survivor.failed_at:.1f} s after it reported "
+                      f"its failure: it overran the hard limit ({limit_s:.0f} s for the "
+                      f"teardown, and as much for the health check)")
+            since = {"failed_at": survivor.failed_at}
+        elif notified_at is not None:
+            allowed = limit_s + (step_wait_s if at_step else 0.0)
+            due = notified_at + allowed + grace_s
+            reason = (f"did not report its failure within {allowed:.0f} s of the interrupt "
+                      f"notice: its main thread does not leave the training function (a call "
+                      f"that does not return, or one that holds the GIL)")
+            since = {"notified_at": notified_at, "at_step": at_step}
+        else:
+            continue
+        if now > due:
+            found.append(Overrun(survivor.local_rank, survivor.pid, reason, {
+                **since, "limit_s": limit_s, "grace_s": grace_s, "seen_at": now,
+                "over_s": round(now - due, 3)}))
+    return found
 
 
 FIRST_STEP_FLOOR_S = 30.0

@@ -20,18 +20,22 @@ up to :data:`FAILED_LIMIT` times per attempt (:func:`next_move`); it never stops
 Cost: a second copy of one rank's memory on the node (host memory on CPU).
 
 **On a node with GPUs** the spare's device is chosen before it builds anything
-(:func:`spare_gpu`): a GPU of the node that no worker uses, the only one it sees
-(``CUDA_VISIBLE_DEVICES``), and that device becomes the rank's when the spare takes one. It then
-never holds a copy of a rank's state on another rank's GPU (as ``LOCAL_RANK=0`` would make it
-do on rank 0's). Such a spare starts cold: the warm interpreter it would fork from may hold a
-CUDA context on rank 0's GPU. Where every GPU runs a rank there is no spare (a failed rank gets
-a new process); the price of the spare is then a GPU kept free, and what it buys is the set-up
-and first step of a replacement, paid before the failure.
+(:func:`elasticft.agent.placement.spare_gpu`): a GPU of the node that no worker uses and none
+died on, the only one it sees (``CUDA_VISIBLE_DEVICES``), and that device becomes the rank's
+when the spare takes one; the GPU the rank's dead worker used is then free, and the next spare
+goes there. It never holds a copy of a rank's state on another rank's GPU (as ``LOCAL_RANK=0``
+would make it do on rank 0's). Such a spare starts cold: the warm interpreter it would fork from
+may hold a CUDA context on rank 0's GPU. Where every GPU runs a rank there is no spare (a failed
+rank gets a new process); the price of the spare is then a GPU kept free, and what it buys is the
+set-up and first step of a replacement, paid before the failure. The keeper holds the node's
+:class:`~elasticft.agent.placement.GpuUse`, which says where a replacement process may start
+too (:meth:`SpareKeeper.place_replacement`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
@@ -40,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import procs, steps, torch_compat
+from elasticft.agent import placement
+from elasticft.agent.placement import GpuUse, Placement, spare_gpu
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessHandler
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv as diag_workerenv
@@ -75,20 +81,6 @@ def node_gpus(visible: str | None, device_files: Sequence[str]) -> list[str]:
     indices = {int(name) for f in device_files
                if (name := Path(f).name.removeprefix("nvidia")).isdigit()}
     return [str(i) for i in sorted(indices)]
-
-
-def spare_gpu(gpus: Sequence[str], workers: int) -> tuple[str | None, str]:
-    """The GPU a spare uses, and why (pure): the first of the node's ``gpus`` that none of its
-    ``workers`` uses (local rank k uses the k-th); None where every GPU runs a rank. On a node
-    without GPUs: "" (no GPU to choose)."""
-    if not gpus:
-        return "", "no GPU on this node"
-    free = list(gpus[workers:])
-    if not free:
-        return None, (f"every GPU of this node runs a rank ({len(gpus)} GPUs, {workers} "
-                      f"workers): a spare would hold its copy of a rank's state on that rank's "
-                      f"GPU")
-    return free[0], f"GPU {free[0]}, which no worker uses"
 
 
 def spare_env(worker_env: Mapping[str, str], spare: str) -> dict[str, str]:
@@ -143,6 +135,8 @@ class SpareKeeper:
         self.enabled = enabled
         self.gpus = list(gpus)
         """The GPUs the node's workers see (:func:`node_gpus`); empty on a CPU node."""
+        self.use: GpuUse | None = None
+        """Which GPU each process of the node uses (None until the workers' first tick)."""
         self._unplaced = ""
         self.handler: Any = None
         """torch's ``SubprocessHandler`` of the spare that runs, or None."""
@@ -162,7 +156,10 @@ class SpareKeeper:
         says so. Never raises: a spare is an optimisation."""
         try:
             self._watch()
-            gpu, why = spare_gpu(self.gpus, len(context.envs)) if context is not None else ("", "")
+            if context is None:
+                return
+            use = self.gpu_use(context)
+            gpu, why = spare_gpu(use)
             if gpu is None and self.enabled and why != self._unplaced:
                 self._unplaced = why
                 logger.warning("no in-process spare: %s", why)
@@ -199,6 +196,24 @@ class SpareKeeper:
                         setup)
             self.events.emit("spare_ready", spare=self.number, pid=pid, setup_s=round(setup, 3))
 
+    def gpu_use(self, context: Any) -> GpuUse:
+        """The node's GPUs and who uses them; from torch's ``context`` at the workers' start."""
+        if self.use is None:
+            self.use = GpuUse.start(self.gpus, context.envs.keys())
+        return self.use
+
+    def place_replacement(self, context: Any, local_rank: int, device_fault: bool) -> Placement:
+        """Where a replacement of ``local_rank`` starts (:func:`placement.replacement_gpu`);
+        a spare in its set-up on that GPU is stopped first, and the rank's GPU is recorded."""
+        use = self.gpu_use(context)
+        where = placement.replacement_gpu(use, local_rank, device_fault)
+        if where.stop_spare:
+            logger.warning("in-process spare %d gives up %s", self.number, where.reason)
+            self._discard()
+        if where.gpu is not None:
+            self.use = placement.restarted(self.gpu_use(context), local_rank, device_fault)
+        return where
+
     def ready(self) -> bool:
         """Whether the running spare has finished its set-up and waits for a rank."""
         if self.handler is None:
@@ -226,6 +241,8 @@ class SpareKeeper:
             stdout=outputs.get("stdout"), stderr=outputs.get("stderr"),
             local_rank_id=SPARE_LOCAL_RANK, numa_options=None))
         self.handler = handler
+        if self.use is not None:
+            self.use = dataclasses.replace(self.use, spare=gpu or None)
         if pool is not None and handler.launch is not None:
             pool.refill(SPARE_LOCAL_RANK, *handler.launch)
         logger.info("in-process spare %d started (pid %d, %s)", self.number, handler.proc.pid,
@@ -235,13 +252,19 @@ class SpareKeeper:
 
     # -- a failure -------------------------------------------------------------------------------
 
+    def would_take(self, failed_local_ranks: Sequence[int]) -> int | None:
+        """The failed local rank the spare takes now (:func:`pick`), or None."""
+        alive = self.handler is not None and self.handler.proc.poll() is None
+        return pick(ready=self.ready(), alive=alive, failed_local_ranks=failed_local_ranks)
+
     def take(self, context: Any, failed_local_ranks: Sequence[int], generation: Generation,
-             env_of: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[int, int]:
+             env_of: Callable[[Mapping[str, str]], dict[str, str]],
+             device_faults: Mapping[int, bool] | None = None) -> dict[int, int]:
         """Gives the spare a failed local rank, in torch's process ``context`` and in the
         spare's assignment; returns {local rank: pid} (empty: no spare could, the caller starts
-        replacements)."""
-        alive = self.handler is not None and self.handler.proc.poll() is None
-        local_rank = pick(ready=self.ready(), alive=alive, failed_local_ranks=failed_local_ranks)
+        replacements). ``device_faults``: the failed ranks whose worker died of a fault of its
+        GPU, which then takes no spare either."""
+        local_rank = self.would_take(failed_local_ranks)
         if local_rank is None:
             if self.enabled:
                 logger.info("no in-process spare ready for local rank(s) %s; starting a "
@@ -253,6 +276,9 @@ class SpareKeeper:
         torch_compat.replace_worker(context, local_rank, env, lambda **_: handler)
         Assignment(generation, local_rank, env).write(self.directory, str(self.number))
         self.taken[generation.generation] = {local_rank: handler.proc.pid}
+        if self.use is not None:  # the spare's GPU is the rank's; the dead worker's is free
+            self.use = placement.taken(self.use, local_rank,
+                                       (device_faults or {}).get(local_rank, False))
         logger.warning("in-process spare %d (pid %d) takes local rank %d", self.number,
                        handler.proc.pid, local_rank)
         return {local_rank: handler.proc.pid}
@@ -260,9 +286,11 @@ class SpareKeeper:
     # -- the end of an attempt -------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ends the spare that waits (the attempt's workers are gone, or the run ends)."""
+        """Ends the spare that waits (the attempt's workers are gone, or the run ends): the
+        next workers start on their own GPUs again."""
         self.failed = 0
         self._discard()
+        self.use = None
         for pattern in ("spare-*.json", "assign-*.json"):
             for path in self.directory.glob(pattern):
                 with contextlib.suppress(OSError):
@@ -270,6 +298,8 @@ class SpareKeeper:
 
     def _discard(self) -> None:
         handler, self.handler = self.handler, None
+        if self.use is not None:
+            self.use = dataclasses.replace(self.use, spare=None)
         if handler is not None:
             procs.kill_and_reap([handler.proc], 10.0)
             for stream in (getattr(handler, "_stdout", None), getattr(handler, "_stderr", None)):

@@ -341,6 +341,7 @@ class InProcess:
         _release(error)
         how = self._bounded_teardown(backend)
         aborted_at = time.time()
+        self._write("torn", {"aborted": aborted_at})  # the agent's limit on it ends here
         deadline = time.monotonic() + settings.timeout_s
         generation = self._wait_generation(deadline)
         if generation is None:

@@ -77,6 +77,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from elasticft.recovery.protocol import STEP_WAIT_S
+
 logger = logging.getLogger(__name__)
 
 INTERRUPT_FILE = "interrupt.json"
@@ -130,7 +132,7 @@ class Monitor:
 
     def __init__(self, directory: Path, read: Callable[[Path], dict | None],
                  end: Callable[[], str], poll_s: float = 0.005, grace_s: float = 0.5,
-                 step_wait_s: float = 10.0) -> None:
+                 step_wait_s: float = STEP_WAIT_S) -> None:
         self.directory = directory
         self._read = read
         self._end = end

@@ -2,15 +2,24 @@
 
 elasticft ends a survivor's NCCL communicators itself (the monitor's abort, under the hard
 limit of ``--recovery-inprocess-teardown-limit-s``). torch's own watchdog must not end the
-process first, and NCCL must be able to abort and make communicators again in one process. On a
-node with GPUs the agent gives every worker these defaults (:func:`worker_env`); a variable
-already set in the agent's environment is left as it is:
+process first, nor abort the communicators beside elasticft, and NCCL must be able to abort and
+make communicators again in one process. On a node with GPUs the agent gives every worker these
+defaults (:func:`worker_env`); a variable already set in the agent's environment is left as it
+is:
 
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
-    torch's "clean up only": on a communicator error or a collective's timeout the watchdog
-    aborts the communicators and the error reaches the training thread as an exception, which
-    the recovery handles; torch's default (``3``, or ``1`` as torchrun sets it) tears the whole
-    process down, survivor included.
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
+    as torch's documentation of ``_abort_process_group`` (the call elasticft ends a group with)
+    asks: the watchdog handles no error or timeout itself, so the only abort of a communicator
+    is elasticft's. With ``2`` ("clean up only") the watchdog aborts the communicators on a
+    communicator error or a collective's timeout from its own thread, at any moment, while the
+    monitor may be aborting the same group and the survivor's teardown destroying it; with torch's
+    default (``3``, or ``1`` as torchrun sets it) it tears the whole process down, survivor
+    included. What the watchdog would have acted on is seen by elasticft instead: a dead peer by
+    the agent (its exit, or its node's loss), which then interrupts the survivors; a collective
+    that never completes by the hang detection (:mod:`elasticft.diag`), well before NCCL's
+    10-minute timeout, in a job without in-process recovery too (its workers are then restarted,
+    not left to torch's teardown). A user who sets the variable keeps it, and with it the race:
+    two aborts of one communicator from two threads.
 ``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``
     a CUDA error seen by the watchdog is not rethrown there (which would end the process); the
     survivor's health check then decides whether its device may rejoin.
@@ -40,7 +49,7 @@ def worker_env(environ: Mapping[str, str], teardown_limit_s: float) -> dict[str,
     """The defaults above, less what ``environ`` (the agent's) already sets (pure)."""
     heartbeat = max(HEARTBEAT_FLOOR_S, int(4 * teardown_limit_s) + 60)
     defaults = {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
         "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(heartbeat),

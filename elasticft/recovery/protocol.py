@@ -7,8 +7,8 @@ a process starts in, the regroup timeout and the teardown's hard limit. The reco
 file written whole (:func:`elasticft.jsonfile.write_json`) so a reader never sees half of one:
 
 * ``generation.json`` (:class:`Generation`), the agent's: the next generation's store and size;
-* ``armed``, ``failed``, ``joined``, ``resumed`` and ``left`` (:func:`worker_file`), a worker's:
-  where it stands in a recovery.
+* ``armed``, ``failed``, ``torn``, ``joined``, ``resumed`` and ``left`` (:func:`worker_file`), a
+  worker's: where it stands in a recovery.
 
 Both sides (:mod:`elasticft.recovery.inprocess`, :mod:`elasticft.recovery.spare` and the agent's
 :mod:`elasticft.agent.inprocess_recovery`) read and write them through this module, which imports no
@@ -31,6 +31,10 @@ TIMEOUT_ENV = "ELASTICFT_INPROCESS_TIMEOUT"
 TEARDOWN_ENV = "ELASTICFT_INPROCESS_TEARDOWN_LIMIT"
 WORKER_ENV = frozenset({DIR_ENV, GENERATION_ENV, TIMEOUT_ENV, TEARDOWN_ENV})
 """Worker variables the agent sets for in-process recovery."""
+
+STEP_WAIT_S = 10.0
+"""How long a survivor told to stop at its next step boundary (the notice's ``at_step``) may
+take to reach one before its monitor ends its groups anyway; the agent's limits add it."""
 
 GENERATION_FILE = "generation.json"
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +68,10 @@ class InProcessSettings:
 
 def worker_file(directory: Path, kind: str, local_rank: int) -> Path:
     """``armed`` (the worker recovers in process), ``failed`` (it caught a peer failure and
-    waits for the next generation), ``joined`` (it is in the generation's group), ``resumed``
-    (its first optimizer step in that generation is over)."""
+    waits for the next generation), ``torn`` (its teardown and health check are over: it
+    waits for the generation, or regroups), ``joined`` (it is in the generation's group),
+    ``resumed`` (its first optimizer step in that generation is over), ``left`` (its own
+    limit ended it: it exits for a replacement)."""
     return directory / f"{kind}-l{local_rank}.json"
 
 

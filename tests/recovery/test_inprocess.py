@@ -23,9 +23,9 @@ STEPS = 10
 
 
 def _run(tmp: Path, name: str, env: dict[str, str], *extra: str,
-         launch: tuple[str, ...] = ()) -> dict:
+         launch: tuple[str, ...] = (), nproc: int = 2) -> dict:
     losses, pids = tmp / f"{name}.loss", tmp / f"{name}.pid"
-    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "3", "--run-dir", str(tmp / name), "--ckpt-persist-every", "0",
            "--monitor-interval", "0.1", *launch, str(EXAMPLES / "train_inprocess.py"),
            "--steps", str(STEPS), "--loss-log", str(losses), "--pid-log", str(pids), *extra]

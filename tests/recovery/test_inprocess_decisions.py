@@ -378,7 +378,34 @@ def test_the_interrupt_notice_ends_one_generation_and_a_full_start_clears_it(
     assert notice(coordinator.directory, read_json) == 1
     coordinator.reset()  # new workers: the notice was for the old ones
     assert not (coordinator.directory / INTERRUPT_FILE).exists()
+    assert notice(coordinator.directory, read_json) == -1  # generation.json too
     coordinator.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_new_agent_starts_its_workers_in_a_directory_cleared_of_a_dead_agents_files(
+        tmp_path: Path) -> None:
+    """An agent SIGKILLed in a recovery left its notice, its published generation, its
+    workers' records and a spare's assignment: the next agent's first start clears them, so
+    its workers (generation 0) are not told that their generation is over."""
+    from elasticft.jsonfile import read_json
+    from elasticft.recovery.interrupt import notice
+    from elasticft.recovery.spare import Assignment
+
+    dead = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
+    dead.reset()
+    dead.interrupt()
+    generation = dead.publish("127.0.0.1", 2)
+    write_json(worker_file(dead.directory, "failed", 0), {"pid": 10, "generation": 0})
+    Assignment(generation, 1, {"RANK": "1"}).write(dead.directory, "1")
+    assert notice(dead.directory, read_json) == 0
+
+    fresh = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
+    fresh.reset()  # the new agent's first start of its workers
+    assert fresh.worker_env()[protocol.GENERATION_ENV] == "0"
+    assert notice(fresh.directory, read_json) == -1
+    assert sorted(p.name for p in fresh.directory.iterdir()) == []
+    dead.close()
 
 
 @pytest.mark.timeout(10)

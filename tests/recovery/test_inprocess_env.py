@@ -19,9 +19,11 @@ from elasticft.recovery.ncclenv import abort_warning, worker_env
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("environ", "limit", "expected"), [
-    ({}, 30.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    # the watchdog handles nothing: elasticft's abort is the only one (torch's documentation of
+    # _abort_process_group asks for it)
+    ({}, 30.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
                 "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}),
-    ({}, 200.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    ({}, 200.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
                  "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "860"}),
     # what the user set stays theirs
     ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_NVLS_ENABLE": "1"}, 30.0,

@@ -15,7 +15,6 @@ from elasticft.agent.spare_keeper import (
     node_gpus,
     pick,
     spare_env,
-    spare_gpu,
 )
 from elasticft.ckpt.settings import ENV_CONTROL, ENV_SHM
 from elasticft.recovery.protocol import Generation
@@ -101,23 +100,6 @@ def test_status_counts_the_spares_and_says_which_recovery_a_spare_made(tmp_path:
         "spares: 2 started, 1 ready, 1 took a rank, 1 exited while waiting")
     assert "replaced rank(s) 1 (by the spare): total 0.50 s" in format_recoveries(
         *recoveries(tmp_path))
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize(("gpus", "workers", "gpu"), [
-    ([], 2, ""),  # a CPU node: nothing to choose
-    (["0", "1"], 2, None),  # every GPU runs a rank: no spare (not a copy on rank 0's GPU)
-    (["0", "1", "2"], 2, "2"),  # the GPU no worker uses
-    (["4", "5", "6", "7"], 2, "6"),  # CUDA_VISIBLE_DEVICES=4,5,6,7: ranks on 4 and 5
-    (["0"], 1, None),
-])
-def test_a_spare_on_a_node_with_gpus_takes_a_gpu_no_rank_uses(gpus: list[str], workers: int,
-                                                              gpu: str | None) -> None:
-    chosen, why = spare_gpu(gpus, workers)
-    assert chosen == gpu and why
-    moves = next_move(enabled=True, running=False, failed=0, armed=True, recovering=False,
-                      warm_ready=None, placeable=chosen is not None)
-    assert moves is (SpareMove.START if chosen is not None else SpareMove.OFF)
 
 
 @pytest.mark.timeout(30)
