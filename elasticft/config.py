@@ -357,35 +357,45 @@ class SlurmConfig:
     )
 
 
+def parse_notices(value: Any, source: str = "--preempt-notices") -> str:
+    """``auto``, ``off``, or the http(s) URL of one metadata server that answers for every
+    provider (a site's proxy, a test's server)."""
+    text = str(value).strip()
+    if text in ("auto", "off") or text.startswith(("http://", "https://")):
+        return text.rstrip("/")
+    raise _bad(source, value, "give auto, off or a metadata server's URL (http://HOST[:PORT])")
+
+
 @dataclasses.dataclass(frozen=True)
 class PreemptConfig:
     """Preemption notices: cloud metadata endpoints, Kubernetes' SIGTERM (elasticft.preemption)."""
 
-    preempt_mode: Literal["auto", "off"] = option(
+    preempt_notices: str = option(
         "auto",
-        "Watch for preemption notices: auto polls the cloud metadata endpoints that answer at "
-        "start (AWS, Google Cloud, Azure) and, under Kubernetes, takes SIGTERM as one; on a "
-        "notice the newest snapshot is persisted, the workers stop and the launcher exits 75 "
-        "(preempted, resume me). off: SIGTERM stops the run as under torchrun.")
-    preempt_aws_url: str = option(
-        "http://169.254.169.254", "Base URL of AWS's instance metadata (spot instance-action, "
-        "rebalance recommendation).")
-    preempt_gcp_url: str = option(
-        "http://metadata.google.internal", "Base URL of Google Cloud's metadata server "
-        "(instance/preempted).")
-    preempt_azure_url: str = option(
-        "http://169.254.169.254", "Base URL of Azure's instance metadata (Scheduled Events).")
-    preempt_poll_s: float = option(
-        5.0, "Seconds between two polls of a cloud metadata endpoint that answered.",
-        minimum=0.1)
+        "Watch for preemption notices. auto: the cloud metadata endpoints (AWS, Google Cloud, "
+        "Azure) that answer at start are polled, and under Kubernetes SIGTERM is one; a URL: "
+        "that server answers for every provider; off: SIGTERM stops the run as under torchrun. "
+        "On a notice the newest snapshot is persisted, the workers stop and the launcher exits "
+        "75 (preempted, resume me).",
+        parse=parse_notices, kind="auto|off|URL")
     preempt_grace_s: float = option(
-        30.0, "Under Kubernetes: seconds from SIGTERM to SIGKILL (the pod's "
-        "terminationGracePeriodSeconds) when --preempt-grace-file does not say.", minimum=1)
-    preempt_grace_file: Path | None = option(
-        None, "Under Kubernetes: a file holding the pod's termination grace period in seconds "
-        "(e.g. a downward-API volume of an annotation), read when SIGTERM comes.")
+        30.0, "Under Kubernetes: seconds from SIGTERM to SIGKILL, the pod's "
+        "terminationGracePeriodSeconds (Kubernetes' default is 30).", minimum=1)
+    preempt_poll_s: float = tuning(
+        2.0, "Seconds between two polls of a cloud metadata endpoint that answered.")
     preempt_probe_timeout_s: float = tuning(
         1.0, "Longest wait for a cloud metadata endpoint's first answer (in the background).")
+    preempt_aws_url: str = tuning(
+        "http://169.254.169.254", "AWS's instance metadata (spot/instance-action, rebalance).")
+    preempt_gcp_url: str = tuning("http://metadata.google.internal",
+                                  "Google Cloud's metadata server (instance/preempted).")
+    preempt_azure_url: str = tuning("http://169.254.169.254", "Azure's Scheduled Events.")
+
+    def urls(self) -> tuple[str, str, str]:
+        """The AWS, Google Cloud and Azure base URLs (one server's when --preempt-notices is)."""
+        if self.preempt_notices.startswith(("http://", "https://")):
+            return (self.preempt_notices,) * 3
+        return self.preempt_aws_url, self.preempt_gcp_url, self.preempt_azure_url
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,9 +52,9 @@ from elasticft.addon.api import (
     StopRun,
 )
 from elasticft.addon.policy import Action, ActionKind
+from elasticft.addon.savenow import CheckpointNow, SaveBeforeExit
 from elasticft.config import ConfigError, SlurmConfig
 from elasticft.events import EventLog
-from elasticft.savenow import CheckpointNow, SaveBeforeExit
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,241 @@
+"""The agent's answer to a preemption notice: decide, save before the deadline, exit 75.
+
+:class:`PreemptionHandler` is an agent collaborator (:class:`elasticft.addon.api.AddOn`).
+Notices reach it from two places, and neither does any work where it arrives:
+
+* the cloud watcher's threads (:class:`~elasticft.preemption.notices.CloudWatcher`), started
+  when the add-on is built and never waited for;
+* under Kubernetes (``KUBERNETES_SERVICE_HOST``), SIGTERM: the handler takes over torch's
+  SIGTERM handler whenever workers start (torch installs its own at each start) and only
+  records the notice, with the deadline the pod's grace period gives (``--preempt-grace-s``).
+  A second SIGTERM goes to torch's handler and stops the run at once. Outside Kubernetes, and
+  under Slurm (whose handler owns SIGTERM as a cancel), SIGTERM keeps torch's meaning.
+
+The work happens in :meth:`PreemptionHandler.check`, on the agent's monitor tick: one
+``preemption_notice`` event, the pure decision (:func:`~elasticft.preemption.decision.decide`)
+with its facts and reason as a ``preemption_decision`` event, the save through the one
+"save before the deadline" path (:class:`elasticft.addon.savenow.SaveBeforeExit`) as a
+``preemption_saved`` event (durable or not, the step, how long before the deadline), and the
+end of the run: :class:`~elasticft.addon.api.StopRun` with state ``preempted`` and exit code
+:data:`~elasticft.preemption.PREEMPTED_EXIT_CODE`. The agent then stops the workers; the
+checkpoint service persists anything newer when it closes. A relaunch of the same command on
+the same run directory (or with the same ``--ckpt-remote-dir``) resumes from the saved step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, StopRun
+from elasticft.addon.savenow import CheckpointNow, SaveBeforeExit
+from elasticft.config import PreemptConfig
+from elasticft.events import EventLog
+from elasticft.preemption import PREEMPTED_EXIT_CODE
+from elasticft.preemption.decision import NoticeFacts, PlanAction, decide
+from elasticft.preemption.notices import (
+    CloudWatcher,
+    Notice,
+    cloud_sources,
+    in_kubernetes,
+)
+from elasticft.steps import read_steps
+
+logger = logging.getLogger(__name__)
+
+
+def _more_urgent(new: Notice, old: Notice | None) -> bool:
+    """Whether ``new`` replaces the notice still waiting: a termination beats a rebalance,
+    and of two terminations the earlier deadline wins."""
+    if old is None:
+        return True
+    if new.kind != old.kind:
+        return new.kind == "termination"
+    return new.deadline is not None and (old.deadline is None or new.deadline < old.deadline)
+
+
+@dataclasses.dataclass(eq=False)
+class PreemptionHandler(AgentCollaborator):
+    """Watches for preemption notices and acts on them (see the module docstring)."""
+
+    config: PreemptConfig
+    _: dataclasses.KW_ONLY
+    saver: SaveBeforeExit
+    events: EventLog | None = None
+    watcher: CloudWatcher | None = None
+    kubernetes: bool = False
+    """Take SIGTERM as a notice with the pod's grace period."""
+    wall_clock: Callable[[], float] = time.time
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Notice | None = None
+        self._torch_term_handler: Any = None
+        self._term_seen = False
+        self.outcome: str | None = None
+
+    # -- where notices arrive: record only --------------------------------------------------------
+
+    def notify(self, notice: Notice) -> None:
+        """Records a notice (from any thread, or a signal handler); ``check`` acts on it."""
+        with self._lock:
+            if _more_urgent(notice, self._pending):
+                self._pending = notice
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        # Runs between bytecodes of the agent's main thread: record only, act in check(). A
+        # second SIGTERM is torch's again: it stops the run at once.
+        handler = self._torch_term_handler
+        signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+        self._term_seen = True
+        grace = self.config.preempt_grace_s
+        self.notify(Notice("kubernetes", "termination", self.wall_clock() + grace,
+                           f"SIGTERM, termination grace period {grace:g} s"))
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def on_workers_started(self, group: GroupInfo) -> None:
+        if not self.kubernetes or self._term_seen:
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current is not self._on_term:
+            self._torch_term_handler = current
+            signal.signal(signal.SIGTERM, self._on_term)
+
+    def check(self, group: GroupInfo) -> None:
+        with self._lock:
+            notice, self._pending = self._pending, None
+        if notice is not None and self.outcome is None:
+            self._act(group, notice)
+        return None
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+
+    # -- acting ---------------------------------------------------------------------------------
+
+    def _emit(self, kind: str, **payload: Any) -> None:
+        if self.events is not None:
+            self.events.emit(kind, **payload)
+
+    def _facts(self, group: GroupInfo, notice: Notice, now: float) -> NoticeFacts:
+        worker_api = self.saver.uses_worker_api(group)
+        newest = durable = None
+        service = self.saver.checkpointer
+        if worker_api and service is not None:
+            newest = getattr(service, "newest_common_step", lambda g: None)(group)
+            durable = _durable_step(service)
+        step_time, age = _step_timing(group, newest, now)
+        return NoticeFacts(kind=notice.kind, seconds_left=notice.seconds_left(now),
+                           worker_api=worker_api, newest_step=newest, durable_step=durable,
+                           snapshot_age_s=age, step_time_s=step_time,
+                           nodes=group.group_world_size)
+
+    def _act(self, group: GroupInfo, notice: Notice) -> None:
+        now = self.wall_clock()
+        left = notice.seconds_left(now)
+        logger.warning("preemption notice from %s: %s%s", notice.provider, notice.detail,
+                       f" ({left:.0f} s left)" if left is not None else "")
+        self._emit("preemption_notice", provider=notice.provider, notice=notice.kind,
+                   detail=notice.detail, deadline=notice.deadline, seconds_left=left)
+        facts = self._facts(group, notice, now)
+        plan = decide(facts)
+        logger.warning("preemption: %s", plan.reason)
+        self._emit("preemption_decision", action=plan.action.value, reason=plan.reason,
+                   save_budget_s=plan.save_budget_s, facts=dataclasses.asdict(facts))
+        if plan.action is PlanAction.CONTINUE:
+            return
+        saved = ""
+        if plan.action in (PlanAction.SAVE_AND_STOP, PlanAction.PERSIST_AND_CONTINUE):
+            saved = self._save(group, notice, plan.save_budget_s,
+                               keep_training=plan.action is PlanAction.PERSIST_AND_CONTINUE)
+        if plan.action is PlanAction.PERSIST_AND_CONTINUE:
+            return
+        self.outcome = "preempted"
+        raise StopRun("preempted", f"preempted ({notice.provider}: {notice.detail}); {saved}",
+                      exit_code=PREEMPTED_EXIT_CODE)
+
+    def _save(self, group: GroupInfo, notice: Notice, budget_s: float, keep_training: bool
+              ) -> str:
+        started = self.clock()
+        if keep_training:  # only the checkpoint service: a signal would end a plain script
+            service = self.saver.checkpointer
+            durable = service is not None and service.checkpoint_now("rebalance", budget_s)
+            how = "checkpoint service acknowledged" if durable else "not persisted"
+        else:
+            durable, how = self.saver.save(group, started + budget_s, signal.SIGTERM,
+                                           "preemption")
+        took = self.clock() - started
+        left = notice.seconds_left(self.wall_clock())
+        step = _durable_step(self.saver.checkpointer) if durable else None
+        self._emit("preemption_saved", provider=notice.provider, durable=durable, how=how,
+                   step=step, duration_s=took, before_deadline_s=left)
+        words = (f"checkpoint {'durable' if durable else 'NOT confirmed'}"
+                 f"{f' at step {step}' if step is not None else ''} ({how}, {took:.1f} s"
+                 f"{f', {left:.1f} s before the deadline' if left is not None else ''})")
+        (logger.warning if durable else logger.error)("preemption: %s", words)
+        return words
+
+
+def _durable_step(service: CheckpointNow | None) -> int | None:
+    """The checkpoint service's newest persisted step (None: none, or not known)."""
+    persisted = getattr(getattr(service, "persister", None), "persisted", None)
+    return persisted if isinstance(persisted, int) and persisted >= 0 else None
+
+
+def _step_timing(group: GroupInfo, newest: int | None, now: float
+                 ) -> tuple[float | None, float | None]:
+    """(step time, age of the newest snapshot) from this node's first rank's step records."""
+    ranks = [w.global_rank for w in group.workers]
+    try:
+        records = read_steps(group.run_dir).get(min(ranks), []) if ranks else []
+    except OSError:
+        return None, None
+    recent = records[-6:]
+    gaps = [b.time - a.time for a, b in itertools.pairwise(recent)
+            if b.step == a.step + 1]
+    step_time = statistics.median(gaps) if gaps else None
+    taken = [r.time for r in records if r.step == newest] if newest is not None else []
+    age = now - taken[-1] if taken else None
+    return step_time, age
+
+
+class PreemptionAddOn(AddOn[PreemptionHandler]):
+    """The preemption handler as an add-on of the agent; None with ``--preempt-notices off``. It
+    needs the checkpoint service (when there is one) for the save. Built on the main thread,
+    where SIGTERM's handler can be installed."""
+
+    name: ClassVar[str] = "preempt"
+    needs: ClassVar[tuple[str, ...]] = ("ckpt", "slurm")
+
+    def build(self, context: AddOnContext, built: Mapping[str, AgentCollaborator | None]
+              ) -> PreemptionHandler | None:
+        config = context.options.preempt
+        if config.preempt_notices == "off":
+            return None
+        service = built.get("ckpt")
+        under_slurm = built.get("slurm") is not None  # Slurm's SIGTERM is a cancel
+        handler = PreemptionHandler(
+            config,
+            saver=SaveBeforeExit(service if isinstance(service, CheckpointNow) else None),
+            events=context.events,
+            kubernetes=in_kubernetes(context.env) and not under_slurm,
+        )
+        handler.watcher = CloudWatcher(
+            cloud_sources(*config.urls()),
+            handler.notify, poll_s=config.preempt_poll_s,
+            probe_timeout_s=config.preempt_probe_timeout_s)
+        handler.watcher.start()
+        if handler.kubernetes:
+            logger.info("Kubernetes pod: SIGTERM is a preemption notice (save, stop, exit %d)",
+                        PREEMPTED_EXIT_CODE)
+        return handler
