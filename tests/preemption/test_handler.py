@@ -1,0 +1,112 @@
+"""The preemption add-on in the agent's process: it never holds up the launch for a probe, takes
+SIGTERM as a notice only inside a Kubernetes pod (and not under Slurm), and ends the run as
+preempted with exit code 75 after the save."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from elasticft.addon.api import AddOnContext, GroupInfo, StopRun
+from elasticft.config import ElasticftConfig, PreemptConfig
+from elasticft.events import EventLog, read_events
+from elasticft.preemption import PREEMPTED_EXIT_CODE
+from elasticft.preemption.handler import PreemptionAddOn, PreemptionHandler
+
+
+def _context(config: PreemptConfig, env: dict[str, str], events: EventLog | None = None
+             ) -> AddOnContext:
+    return AddOnContext(ElasticftConfig(preempt=config),
+                        SimpleNamespace(local_addr=None), env, events)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An address that accepts connections (the kernel's backlog) and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.fixture
+def torch_like_term_handler() -> Iterator[None]:
+    before = signal.getsignal(signal.SIGTERM)
+
+    def torch_handler(signum: int, frame: object) -> None:
+        raise AssertionError("torch's handler ran")
+
+    signal.signal(signal.SIGTERM, torch_handler)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def _probing() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("elasticft-preempt")]
+
+
+@pytest.mark.timeout(60)
+def test_the_launch_does_not_wait_for_an_endpoint_that_does_not_answer(
+        silent_endpoint: str) -> None:
+    config = PreemptConfig(preempt_notices=silent_endpoint, preempt_probe_timeout_s=30.0)
+    handler = PreemptionAddOn().build(_context(config, {}), {"ckpt": None, "slurm": None})
+    assert handler is not None and handler.watcher is not None
+    try:
+        # Built, and so the agent goes on, while every probe still waits for its answer.
+        assert len(_probing()) == 3 and handler.watcher.watching == []
+    finally:
+        handler.close()
+
+
+def test_off_builds_nothing() -> None:
+    assert PreemptionAddOn().build(_context(PreemptConfig(preempt_notices="off"), {}),
+                                   {"ckpt": None, "slurm": None}) is None
+
+
+def _group(run_dir: Path) -> GroupInfo:
+    return GroupInfo(run_id="r", node_id="n0", run_dir=run_dir, round=0, group_rank=0,
+                     group_world_size=1, restart_count=0, workers=())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("env", "slurm", "takes_sigterm"), [
+    ({"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, None, True),
+    ({}, None, False),  # outside Kubernetes SIGTERM is torch's, as under torchrun
+    ({"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, object(), False),  # Slurm's: a cancel
+])
+def test_sigterm_is_a_notice_only_in_a_pod(
+        env: dict[str, str], slurm: object, takes_sigterm: bool, tmp_path: Path,
+        torch_like_term_handler: None, silent_endpoint: str) -> None:
+    events = EventLog(tmp_path, "n0")
+    config = PreemptConfig(preempt_notices=silent_endpoint, preempt_grace_s=45)
+    handler = PreemptionAddOn().build(_context(config, env, events),
+                                      {"ckpt": None, "slurm": slurm})  # type: ignore[dict-item]
+    assert isinstance(handler, PreemptionHandler)
+    torch_handler = signal.getsignal(signal.SIGTERM)
+    group = _group(tmp_path)
+    try:
+        handler.on_workers_started(group)
+        assert (signal.getsignal(signal.SIGTERM) is not torch_handler) is takes_sigterm
+        if not takes_sigterm:
+            return
+        signal.raise_signal(signal.SIGTERM)
+        # Recorded only; a second SIGTERM would be torch's again.
+        assert signal.getsignal(signal.SIGTERM) is torch_handler
+        with pytest.raises(StopRun) as stop:
+            handler.check(group)
+        assert (stop.value.state, stop.value.exit_code) == ("preempted", PREEMPTED_EXIT_CODE)
+        handler.check(group)  # acted once
+    finally:
+        handler.close()
+        events.close()
+    found = {e["kind"]: e for e in read_events(tmp_path)}
+    assert found["preemption_notice"]["provider"] == "kubernetes"
+    assert "grace period 45 s" in found["preemption_notice"]["detail"]
+    assert found["preemption_decision"]["action"] == "save_and_stop"
+    assert found["preemption_saved"]["durable"] is True  # no worker to wait for
