@@ -334,7 +334,6 @@ class CloudWatcher:
                          "notices (%s)", "; ".join(f"{p}: {w}" for p, w in silent.items()))
 
     def close(self) -> None:
+        """Stops the polls. Never waits: a thread may still be in a probe or a request (its
+        timeout bounds it), and being daemon threads they end with the process."""
         self._stop.set()
-        for thread in self._threads:
-            if thread.is_alive():
-                thread.join(timeout=0.5)

@@ -1,12 +1,15 @@
 """A local metadata server that answers as one cloud provider's documented endpoint does.
 
 It listens on 127.0.0.1 only, serves one request at a time in a loop that ends by itself
-(``lifetime_s``, or :meth:`MetadataServer.close`), and announces a preemption once the test calls
-:meth:`MetadataServer.preempt`. Paths, headers and payloads are the providers' documented ones:
+(``lifetime_s``, or :meth:`MetadataServer.close`), and announces a preemption once the test
+calls :meth:`MetadataServer.preempt` (AWS also a rebalance recommendation, once it calls
+:meth:`MetadataServer.rebalance`). Paths, headers and payloads are the providers' documented
+ones:
 
 * aws: IMDSv2 (``PUT /latest/api/token``, then the token in ``X-aws-ec2-metadata-token``; 401
   without it), ``/latest/meta-data/spot/instance-action`` (404, then
-  ``{"action": "terminate", "time": "<UTC>"}``), the rebalance recommendation (404);
+  ``{"action": "terminate", "time": "<UTC>"}``), the rebalance recommendation (404, then
+  ``{"noticeTime": "<UTC>"}``);
 * gcp: ``/computeMetadata/v1/instance/preempted`` with ``Metadata-Flavor: Google`` (403
   without it), answering ``FALSE`` then ``TRUE``;
 * azure: ``Metadata: true`` required (400 without it), ``/metadata/instance/compute/name`` and
@@ -32,6 +35,8 @@ class MetadataServer:
         self.lead_s = lead_s
         self.deadline: float | None = None
         """Wall-clock time the announced preemption takes the machine (None: none yet)."""
+        self.rebalance_at: float | None = None
+        """When AWS recommended a rebalance (None: it has not)."""
         self.requests: list[str] = []
         server = self
 
@@ -81,9 +86,13 @@ class MetadataServer:
         self.deadline = float(int(time.time() + self.lead_s))
         return self.deadline
 
+    def rebalance(self) -> None:
+        """AWS: an elevated risk of interruption, no deadline."""
+        self.rebalance_at = time.time()
+
     def replace_machine(self) -> None:
         """The relaunch runs on a machine nobody is preempting (yet)."""
-        self.deadline = None
+        self.deadline = self.rebalance_at = None
 
     def answer(self, url: str, headers: object) -> tuple[int, str, dict[str, str]]:
         path, _, query = url.partition("?")
@@ -97,6 +106,9 @@ class MetadataServer:
             if item == "spot/instance-action" and self.deadline is not None:
                 when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.deadline))
                 return 200, json.dumps({"action": "terminate", "time": when}), {}
+            if item == "events/recommendations/rebalance" and self.rebalance_at is not None:
+                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.rebalance_at))
+                return 200, json.dumps({"noticeTime": when}), {}
             return 404, "Not Found", {}
         if self.provider == "gcp" and path == "/computeMetadata/v1/instance/preempted":
             if get("Metadata-Flavor") != "Google":
