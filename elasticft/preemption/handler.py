@@ -79,31 +79,32 @@ class PreemptionHandler(AgentCollaborator):
         self._lock = threading.Lock()
         self._pending: Notice | None = None
         self._torch_term_handler: Any = None
-        self._term_seen = False
+        self._term_at: float | None = None
+        """When SIGTERM came (wall clock); the handler sets nothing else, takes no lock."""
+        self._term_noted = False
         self.outcome: str | None = None
 
     # -- where notices arrive: record only --------------------------------------------------------
 
     def notify(self, notice: Notice) -> None:
-        """Records a notice (from any thread, or a signal handler); ``check`` acts on it."""
+        """Records a notice (from any thread but a signal handler's); ``check`` acts on it."""
         with self._lock:
             if _more_urgent(notice, self._pending):
                 self._pending = notice
 
     def _on_term(self, signum: int, frame: Any) -> None:
-        # Runs between bytecodes of the agent's main thread: record only, act in check(). A
-        # second SIGTERM is torch's again: it stops the run at once.
+        # Runs between bytecodes of the agent's main thread, maybe inside check() holding the
+        # lock: note the time only, check() makes it a notice. A second SIGTERM is torch's
+        # again: it stops the run at once.
         handler = self._torch_term_handler
         signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
-        self._term_seen = True
-        grace = self.config.preempt_grace_s
-        self.notify(Notice("kubernetes", "termination", self.wall_clock() + grace,
-                           f"SIGTERM, termination grace period {grace:g} s"))
+        if self._term_at is None:
+            self._term_at = self.wall_clock()
 
     # -- hooks ----------------------------------------------------------------------------------
 
     def on_workers_started(self, group: GroupInfo) -> None:
-        if not self.kubernetes or self._term_seen:
+        if not self.kubernetes or self._term_at is not None:
             return
         current = signal.getsignal(signal.SIGTERM)
         if current is not self._on_term:
@@ -111,6 +112,11 @@ class PreemptionHandler(AgentCollaborator):
             signal.signal(signal.SIGTERM, self._on_term)
 
     def check(self, group: GroupInfo) -> None:
+        if self._term_at is not None and not self._term_noted:
+            self._term_noted = True
+            grace = self.config.preempt_grace_s
+            self.notify(Notice("kubernetes", "termination", self._term_at + grace,
+                               f"SIGTERM, termination grace period {grace:g} s"))
         with self._lock:
             notice, self._pending = self._pending, None
         if notice is not None and self.outcome is None:

@@ -245,11 +245,14 @@ def _segments(events: Sequence[dict[str, Any]], node: str) -> list[_Segment]:
     for event in events:
         if event.get("node") != node:
             continue
-        if event["kind"] == "run_start" or not segments:
-            # The launcher's own start-up (Python, torch import) is part of the wall time.
-            began = min(event["time"], float(event.get("process_started") or event["time"]))
-            segments.append(_Segment(began, event["time"], node, []))
+        # A relaunch's launcher writes its "relaunch" event just before its run_start: the
+        # allocation begins there, not at the end of the one before.
+        opened = bool(segments) and all(e["kind"] == "relaunch" for e in segments[-1].events)
+        if (event["kind"] in ("run_start", "relaunch") and not opened) or not segments:
+            segments.append(_Segment(event["time"], event["time"], node, []))
         segment = segments[-1]
+        # The launcher's own start-up (Python, torch import) is part of the wall time.
+        segment.start = min(segment.start, float(event.get("process_started") or event["time"]))
         segment.events.append(event)
         segment.end = max(segment.end, event["time"])
     return segments

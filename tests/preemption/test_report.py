@@ -52,3 +52,25 @@ def test_a_rebalance_recommendation_that_training_survived_is_listed_too() -> No
     assert [(p.notice, p.action) for p in a.preemptions] == [("rebalance",
                                                               "persist_and_continue")]
     assert "rebalance" in format_report(a)
+
+
+def test_a_relaunch_on_the_same_run_directory_is_the_next_allocation() -> None:
+    """The relaunch's launcher writes "relaunch" just before its run_start: both open the new
+    allocation, whose steps count (they did not, while "relaunch" closed the earlier one)."""
+    events = [
+        ev(0.0, "run_start", run_id="r"),
+        ev(1.0, "workers_started", attempt=0, pids={"0": 1}),
+        ev(6.5, "preemption_notice", provider="gcp", notice="termination"),
+        ev(6.5, "preemption_decision", action="save_and_stop"),
+        ev(7.0, "run_end", state="preempted", exit_code=75),
+        ev(20.0, "relaunch", newest_step=5),
+        ev(20.0, "run_start", run_id="r", process_started=18.0),
+        ev(21.0, "workers_started", attempt=0, pids={"0": 5}),
+        ev(27.5, "run_end", state="succeeded"),
+    ]
+    records = [(2.0 + i, i + 1) for i in range(5)] + [(22.0 + i, 6 + i) for i in range(5)]
+    a = analyze(events, {0: steps(records)})
+    assert (a.allocations, a.last_step, a.steps_done) == (2, 10, 10)
+    assert a.queued_s == pytest.approx(11.0)  # 7 -> 18: between the launches
+    assert a.observed_s == pytest.approx(7.0 + 9.5)
+    assert sum(a.phases.values()) == pytest.approx(a.observed_s)
