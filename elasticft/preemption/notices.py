@@ -30,6 +30,7 @@ import calendar
 import contextlib
 import dataclasses
 import email.utils
+import http.client
 import json
 import logging
 import threading
@@ -151,6 +152,10 @@ def in_kubernetes(env: Mapping[str, str]) -> bool:
 # Talking to the metadata endpoints.
 
 
+UNREACHABLE = (OSError, http.client.HTTPException)
+"""What a request to an endpoint that is not there, or not HTTP, raises."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Answer:
     status: int
@@ -158,13 +163,14 @@ class Answer:
     headers: Mapping[str, str]
 
 
-def http(method: str, url: str, headers: Mapping[str, str], timeout: float) -> Answer:
-    """One request; an HTTP error status is an answer, an unreachable endpoint raises OSError."""
-    request = urllib.request.Request(url, method=method, headers=dict(headers))
+def request(method: str, url: str, headers: Mapping[str, str], timeout: float) -> Answer:
+    """One request; an HTTP error status is an answer, an endpoint that is not there (or does
+    not speak HTTP) raises one of :data:`UNREACHABLE`."""
+    prepared = urllib.request.Request(url, method=method, headers=dict(headers))
     # Metadata endpoints are link-local: never through a proxy the environment names.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(request, timeout=timeout) as response:
+        with opener.open(prepared, timeout=timeout) as response:
             return Answer(response.status, response.read(65536).decode(errors="replace"),
                           dict(response.headers))
     except urllib.error.HTTPError as e:
@@ -192,7 +198,7 @@ class AwsSource(Source):
         self._rebalance_seen = False
 
     def _fetch_token(self, timeout: float) -> bool:
-        answer = http("PUT", f"{self.base}/latest/api/token",
+        answer = request("PUT", f"{self.base}/latest/api/token",
                       {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)}, timeout)
         self._token = answer.body.strip() if answer.status == 200 else None
         return self._token is not None
@@ -201,13 +207,14 @@ class AwsSource(Source):
         if self._fetch_token(timeout):
             return True
         # IMDSv1 only: no token, the metadata answers plain GETs.
-        return http("GET", f"{self.base}/latest/meta-data/instance-id", {}, timeout).status == 200
+        plain = request("GET", f"{self.base}/latest/meta-data/instance-id", {}, timeout)
+        return plain.status == 200
 
     def _get(self, path: str, timeout: float) -> Answer:
         headers = {"X-aws-ec2-metadata-token": self._token} if self._token else {}
-        answer = http("GET", f"{self.base}/latest/meta-data/{path}", headers, timeout)
+        answer = request("GET", f"{self.base}/latest/meta-data/{path}", headers, timeout)
         if answer.status == 401 and self._fetch_token(timeout):  # the token expired
-            answer = http("GET", f"{self.base}/latest/meta-data/{path}",
+            answer = request("GET", f"{self.base}/latest/meta-data/{path}",
                           {"X-aws-ec2-metadata-token": self._token or ""}, timeout)
         return answer
 
@@ -229,12 +236,12 @@ class GcpSource(Source):
         self.url = base_url.rstrip("/") + "/computeMetadata/v1/instance/preempted"
 
     def probe(self, timeout: float) -> bool:
-        answer = http("GET", self.url, self.HEADERS, timeout)
+        answer = request("GET", self.url, self.HEADERS, timeout)
         flavor = {k.lower(): v for k, v in answer.headers.items()}.get("metadata-flavor")
         return answer.status == 200 and flavor == "Google"
 
     def poll(self, now: float, timeout: float) -> Notice | None:
-        answer = http("GET", self.url, self.HEADERS, timeout)
+        answer = request("GET", self.url, self.HEADERS, timeout)
         return parse_gcp_preempted(answer.status, answer.body, now)
 
 
@@ -247,18 +254,18 @@ class AzureSource(Source):
         self.vm_name: str | None = None
 
     def probe(self, timeout: float) -> bool:
-        name = http("GET", f"{self.base}/metadata/instance/compute/name?"
+        name = request("GET", f"{self.base}/metadata/instance/compute/name?"
                     "api-version=2021-02-01&format=text", self.HEADERS, timeout)
         if name.status != 200:
             return False
         self.vm_name = name.body.strip() or None
         # The first call starts Azure's Scheduled Events service (up to two minutes).
-        first = http("GET", f"{self.base}/metadata/scheduledevents?{AZURE_API}", self.HEADERS,
+        first = request("GET", f"{self.base}/metadata/scheduledevents?{AZURE_API}", self.HEADERS,
                      max(timeout, AZURE_FIRST_CALL_S))
         return first.status == 200
 
     def poll(self, now: float, timeout: float) -> Notice | None:
-        answer = http("GET", f"{self.base}/metadata/scheduledevents?{AZURE_API}", self.HEADERS,
+        answer = request("GET", f"{self.base}/metadata/scheduledevents?{AZURE_API}", self.HEADERS,
                       timeout)
         return parse_azure_scheduled_events(answer.status, answer.body, now, self.vm_name)
 
@@ -297,7 +304,7 @@ class CloudWatcher:
         try:
             answered = source.probe(self._probe_timeout_s)
             why = "" if answered else "not this provider's answer"
-        except OSError as e:
+        except UNREACHABLE as e:
             answered, why = False, f"{type(e).__name__}: {getattr(e, 'reason', e)}"
         if not answered:
             self._give_up(source.provider, why)
@@ -312,7 +319,7 @@ class CloudWatcher:
             try:
                 notice = source.poll(self._clock(), max(self._probe_timeout_s, 2.0))
                 failures = 0
-            except OSError as e:
+            except UNREACHABLE as e:
                 failures += 1
                 if failures == 3:  # a blip is normal; three in a row are worth a line
                     logger.warning("%s's metadata does not answer (%s); still polling",
