@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticft.ckpt.persisting import durable
 from elasticft.events import read_events
 from elasticft.preemption import PREEMPTED_EXIT_CODE
 from elasticft.report.tor import analyze
@@ -61,10 +62,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 def _preempted_then_resumed(cwd: Path, command: list[str], env: dict[str, str],
                             announce: Callable[[subprocess.Popen], float],
                             reference: dict[int, str],
-                            new_machine: Callable[[], None] = lambda: None) -> list[dict]:
+                            new_machine: Callable[[], None] = lambda: None,
+                            remote: Path | None = None) -> list[dict]:
     """Runs ``command`` until step 4, ``announce``s the preemption (returns its deadline), checks
-    the exit and the save, relaunches (on a ``new_machine``) and checks its bit-exact resume;
-    returns the first run's events."""
+    the exit and the save (on disk, and in ``remote`` when given), relaunches (on a
+    ``new_machine``) and checks its bit-exact resume; returns the first run's events."""
     first = subprocess.Popen([*command, "--loss-log", str(cwd / "loss-1")], env=env, cwd=cwd,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -88,6 +90,8 @@ def _preempted_then_resumed(cwd: Path, command: list[str], env: dict[str, str],
     end = next(e for e in events if e["kind"] == "run_end")
     assert (end["state"], end["exit_code"]) == ("preempted", PREEMPTED_EXIT_CODE)
     assert end["time"] < deadline  # out before the machine goes
+    for place in (run_dir / "ckpt", *([remote] if remote else [])):
+        assert saved["step"] in durable.committed_steps(place), place
     trained = max(_losses(cwd / "loss-1"))
     assert trained < STEPS, "the notice came after the end of training"
 
@@ -119,11 +123,14 @@ def test_a_cloud_notice_saves_exits_75_and_the_relaunch_resumes_bit_exact(
             tmp_path / "elasticft-runs")), 120, "the save on the rebalance recommendation")
         return server.preempt()
 
+    remote = tmp_path / "remote"  # storage a new machine would see too
     try:
-        events = _preempted_then_resumed(tmp_path, _command(server.url), clean_job_env(),
-                                         announce, reference, new_machine=server.replace_machine)
+        events = _preempted_then_resumed(
+            tmp_path, _command(server.url, "--ckpt-remote-dir", str(remote)), clean_job_env(),
+            announce, reference, new_machine=server.replace_machine, remote=remote)
     finally:
         server.close()
+
     notices = [(e["provider"], e["notice"]) for e in events if e["kind"] == "preemption_notice"]
     actions = [e["action"] for e in events if e["kind"] == "preemption_decision"]
     assert notices == [("aws", "rebalance"), ("aws", "termination")]
