@@ -46,7 +46,7 @@ from elasticft.preemption.notices import (
     cloud_sources,
     in_kubernetes,
 )
-from elasticft.steps import read_steps
+from elasticft.steps import read_rank_steps
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _step_timing(group: GroupInfo, newest: int | None, now: float
     """(step time, age of the newest snapshot) from this node's first rank's step records."""
     ranks = [w.global_rank for w in group.workers]
     try:
-        records = read_steps(group.run_dir).get(min(ranks), []) if ranks else []
+        records = read_rank_steps(group.run_dir, min(ranks)) if ranks else []
     except OSError:
         return None, None
     recent = records[-6:]

@@ -4,6 +4,7 @@ preempted with exit code 75 after the save."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import threading
@@ -110,3 +111,20 @@ def test_sigterm_is_a_notice_only_in_a_pod(
     assert "grace period 45 s" in found["preemption_notice"]["detail"]
     assert found["preemption_decision"]["action"] == "save_and_stop"
     assert found["preemption_saved"]["durable"] is True  # no worker to wait for
+
+
+def test_the_step_time_and_the_snapshots_age_come_from_the_first_ranks_records(
+        tmp_path: Path) -> None:
+    from elasticft.addon.api import WorkerInfo
+    from elasticft.preemption.handler import _step_timing
+    from elasticft.steps import step_log_path
+
+    path = step_log_path(tmp_path, 4)
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(f'{{"time": {100 + 0.5 * s}, "step": {s}}}\n' for s in range(1, 9))
+                    + '{"time": 1')  # a torn last line
+    group = dataclasses.replace(_group(tmp_path), workers=(
+        WorkerInfo(1, 5, 8, 11), WorkerInfo(0, 4, 8, 10)))
+    assert _step_timing(group, 6, now=110.0) == (pytest.approx(0.5), pytest.approx(7.0))
+    assert _step_timing(group, None, now=110.0) == (pytest.approx(0.5), None)
+    assert _step_timing(_group(tmp_path), 6, now=110.0) == (None, None)  # no workers
