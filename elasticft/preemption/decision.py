@@ -14,6 +14,9 @@ the reason, which goes to the event log with the facts.
 * A termination with no time left: stop now; a relaunch resumes from the newest durable step.
 * A **rebalance** recommendation (a risk, no deadline): persist the newest snapshot when it is
   newer than the durable one, and go on training.
+* Another node's termination (it told the round): when the job can go on without that node
+  (an elastic rendezvous keeps enough nodes), go on, and its departure is a node loss like any
+  other; else save and stop too, so that every node saves its newest step before the deadline.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class NoticeFacts:
     snapshot_age_s: float | None = None
     step_time_s: float | None = None
     nodes: int = 1
+    from_node: str = ""
+    """Another node of the job is the one preempted ("": this node)."""
+    goes_on_without_it: bool = False
+    """The job can go on without that node (an elastic rendezvous keeps enough nodes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +98,17 @@ def decide(facts: NoticeFacts) -> Plan:
                     "rebalance recommendation (interruption risk, no deadline): nothing newer "
                     "than the durable step to persist; training on")
     left = facts.seconds_left
-    nodes = f"; every node saves on its own notice ({facts.nodes} nodes)" if facts.nodes > 1 \
-        else ""
+    if facts.from_node and facts.goes_on_without_it:
+        return Plan(PlanAction.CONTINUE, 0.0,
+                    f"node {facts.from_node} is preempted and the job can go on without it: "
+                    "its departure is handled as a node loss; training on")
+    if facts.from_node:
+        nodes = (f"; node {facts.from_node} is preempted and the job cannot go on without it: "
+                 f"all {facts.nodes} nodes save and exit")
+    elif facts.nodes > 1:
+        nodes = f"; the other {facts.nodes - 1} node(s) are told"
+    else:
+        nodes = ""
     budget = REBALANCE_SAVE_S if left is None else min(SAVE_SHARE * left, left - EXIT_MARGIN_S)
     if budget < MIN_SAVE_S:
         durable = (f"step {facts.durable_step}" if facts.durable_step is not None

@@ -11,6 +11,12 @@ Notices reach it from two places, and neither does any work where it arrives:
   A second SIGTERM goes to torch's handler and stops the run at once. Outside Kubernetes, and
   under Slurm (whose handler owns SIGTERM as a cancel), SIGTERM keeps torch's meaning.
 
+In a job of several nodes, a node about to save and stop on its own termination notice first
+leaves it in the round's store (:data:`PEER_NOTICE_KEY`); every other node looks there once a
+poll interval and decides on it too: it goes on when the rendezvous can carry on without that
+node (elastic, enough nodes left), and the departure is then a node loss like any other; else it
+saves and stops at the same time, before the same deadline.
+
 The work happens in :meth:`PreemptionHandler.check`, on the agent's monitor tick: one
 ``preemption_notice`` event, the pure decision (:func:`~elasticft.preemption.decision.decide`)
 with its facts and reason as a ``preemption_decision`` event, the save through the one
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import signal
 import statistics
@@ -34,7 +41,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInfo, StopRun
+from elasticft.addon.api import (
+    AddOn,
+    AddOnContext,
+    AgentCollaborator,
+    GroupInfo,
+    StopRun,
+    run_ending_errors,
+)
 from elasticft.addon.savenow import CheckpointNow, SaveBeforeExit
 from elasticft.config import PreemptConfig
 from elasticft.events import EventLog
@@ -49,6 +63,9 @@ from elasticft.preemption.notices import (
 from elasticft.steps import read_rank_steps
 
 logger = logging.getLogger(__name__)
+
+PEER_NOTICE_KEY = "elasticft/preemption/notice"
+"""Where a preempted node tells the other nodes of its round (the round's store)."""
 
 
 def _more_urgent(new: Notice, old: Notice | None) -> bool:
@@ -72,10 +89,17 @@ class PreemptionHandler(AgentCollaborator):
     watcher: CloudWatcher | None = None
     kubernetes: bool = False
     """Take SIGTERM as a notice with the pod's grace period."""
+    elastic: bool = False
+    """The rendezvous lets the job go on with fewer nodes (not the static one)."""
+    min_nodes: int = 1
+    node_id: str = ""
     wall_clock: Callable[[], float] = time.time
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
+        self._store: Any = None
+        self._peer_heard = False
+        self._peer_looked = float("-inf")
         self._lock = threading.Lock()
         self._pending: Notice | None = None
         self._torch_term_handler: Any = None
@@ -111,7 +135,47 @@ class PreemptionHandler(AgentCollaborator):
             self._torch_term_handler = current
             signal.signal(signal.SIGTERM, self._on_term)
 
+    def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
+        # A new round's store: a notice another node left in an earlier round is not in it.
+        self._store, self._peer_heard = store, False
+
+    def _hear_peers(self, group: GroupInfo) -> None:
+        """Another node's termination notice, left in the round's store (looked at once every
+        poll interval: every node asks the same store)."""
+        now = self.clock()
+        if (self._store is None or self._peer_heard or group.group_world_size < 2
+                or now - self._peer_looked < self.config.preempt_poll_s):
+            return
+        self._peer_looked = now
+        try:
+            if not self._store.check([PEER_NOTICE_KEY]):
+                return
+            told = json.loads(self._store.get(PEER_NOTICE_KEY))
+        except run_ending_errors():
+            raise
+        except Exception:
+            logger.debug("could not look for another node's preemption notice", exc_info=True)
+            return
+        self._peer_heard = True
+        if told.get("node") != (self.node_id or group.node_id):
+            self.notify(Notice(told.get("provider", "aws"), "termination", told.get("deadline"),
+                               str(told.get("detail", "")), from_node=str(told.get("node"))))
+
+    def _tell_peers(self, group: GroupInfo, notice: Notice) -> None:
+        if self._store is None or group.group_world_size < 2 or notice.from_node:
+            return
+        self._peer_heard = True  # this node's own
+        try:
+            self._store.set(PEER_NOTICE_KEY, json.dumps({
+                "node": self.node_id or group.node_id, "provider": notice.provider,
+                "deadline": notice.deadline, "detail": notice.detail}))
+        except run_ending_errors():
+            raise
+        except Exception as e:
+            logger.warning("could not tell the other nodes of this preemption: %s", e)
+
     def check(self, group: GroupInfo) -> None:
+        self._hear_peers(group)
         if self._term_at is not None and not self._term_noted:
             self._term_noted = True
             grace = self.config.preempt_grace_s
@@ -144,15 +208,19 @@ class PreemptionHandler(AgentCollaborator):
         return NoticeFacts(kind=notice.kind, seconds_left=notice.seconds_left(now),
                            worker_api=worker_api, newest_step=newest, durable_step=durable,
                            snapshot_age_s=age, step_time_s=step_time,
-                           nodes=group.group_world_size)
+                           nodes=group.group_world_size, from_node=notice.from_node,
+                           goes_on_without_it=self.elastic
+                           and group.group_world_size - 1 >= max(self.min_nodes, 1))
 
     def _act(self, group: GroupInfo, notice: Notice) -> None:
         now = self.wall_clock()
         left = notice.seconds_left(now)
-        logger.warning("preemption notice from %s: %s%s", notice.provider, notice.detail,
-                       f" ({left:.0f} s left)" if left is not None else "")
+        logger.warning("preemption notice from %s%s: %s%s", notice.provider,
+                       f" for node {notice.from_node}" if notice.from_node else "",
+                       notice.detail, f" ({left:.0f} s left)" if left is not None else "")
         self._emit("preemption_notice", provider=notice.provider, notice=notice.kind,
-                   detail=notice.detail, deadline=notice.deadline, seconds_left=left)
+                   detail=notice.detail, deadline=notice.deadline, seconds_left=left,
+                   from_node=notice.from_node)
         facts = self._facts(group, notice, now)
         plan = decide(facts)
         logger.warning("preemption: %s", plan.reason)
@@ -160,6 +228,8 @@ class PreemptionHandler(AgentCollaborator):
                    save_budget_s=plan.save_budget_s, facts=dataclasses.asdict(facts))
         if plan.action is PlanAction.CONTINUE:
             return
+        if plan.action in (PlanAction.SAVE_AND_STOP, PlanAction.STOP):
+            self._tell_peers(group, notice)  # they save at the same time as this node
         saved = ""
         if plan.action in (PlanAction.SAVE_AND_STOP, PlanAction.PERSIST_AND_CONTINUE):
             saved = self._save(group, notice, plan.save_budget_s,
@@ -230,11 +300,15 @@ class PreemptionAddOn(AddOn[PreemptionHandler]):
             return None
         service = built.get("ckpt")
         under_slurm = built.get("slurm") is not None  # Slurm's SIGTERM is a cancel
+        launch = context.launch
         handler = PreemptionHandler(
             config,
             saver=SaveBeforeExit(service if isinstance(service, CheckpointNow) else None),
             events=context.events,
             kubernetes=in_kubernetes(context.env) and not under_slurm,
+            elastic=getattr(launch, "rdzv_backend", "static") != "static",
+            min_nodes=int(getattr(launch, "min_nodes", 1) or 1),
+            node_id=context.options.agent.node_id or "",
         )
         handler.watcher = CloudWatcher(
             cloud_sources(*config.urls()),

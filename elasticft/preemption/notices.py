@@ -63,6 +63,9 @@ class Notice:
     """Wall-clock time (epoch seconds) the machine goes; None: no deadline given."""
     detail: str
     """The provider's own words (the action, the event id), for the event log."""
+    from_node: str = ""
+    """The node whose machine it announces, when that is another node of the job ("": this
+    one's own)."""
 
     def seconds_left(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now

@@ -32,7 +32,13 @@ T = "termination"
          "leave no time to save: stopping; a relaunch resumes from step 30"),
         (NoticeFacts(T, -5.0, True), PlanAction.STOP, 0.0, "resumes from the beginning"),
         (NoticeFacts(T, 60.0, True, newest_step=9, nodes=4), PlanAction.SAVE_AND_STOP, 48.0,
-         "every node saves on its own notice (4 nodes)"),
+         "the other 3 node(s) are told"),
+        # Another node's notice: go on without it when the rendezvous allows, else save too.
+        (NoticeFacts(T, 60.0, True, newest_step=9, nodes=4, from_node="n2",
+                     goes_on_without_it=True), PlanAction.CONTINUE, 0.0,
+         "node n2 is preempted and the job can go on without it"),
+        (NoticeFacts(T, 60.0, True, newest_step=9, nodes=4, from_node="n2"),
+         PlanAction.SAVE_AND_STOP, 48.0, "cannot go on without it: all 4 nodes save and exit"),
         # A rebalance recommendation: a risk, no deadline.
         (NoticeFacts("rebalance", None, True, newest_step=40, durable_step=30),
          PlanAction.PERSIST_AND_CONTINUE, 60.0, "persisting step 40 and training on"),

@@ -128,3 +128,58 @@ def test_the_step_time_and_the_snapshots_age_come_from_the_first_ranks_records(
     assert _step_timing(group, 6, now=110.0) == (pytest.approx(0.5), pytest.approx(7.0))
     assert _step_timing(group, None, now=110.0) == (pytest.approx(0.5), None)
     assert _step_timing(_group(tmp_path), 6, now=110.0) == (None, None)  # no workers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("elastic", "min_nodes", "others_stop"), [
+    (False, 2, True),  # static: the job cannot go on without the preempted node
+    (True, 2, True),  # elastic, but 2 nodes are the least it runs on
+    (True, 1, False),  # elastic with room: the others go on; the departure is a node loss
+])
+def test_a_preempted_node_tells_the_others_of_its_round(
+        elastic: bool, min_nodes: int, others_stop: bool, tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from elasticft.addon.savenow import SaveBeforeExit
+    from elasticft.preemption.notices import Notice
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))
+    nodes = {}
+    for rank, name in enumerate(("a", "b")):
+        store = PrefixStore("round-3/", TCPStore("127.0.0.1", server.port, is_master=False,
+                                                  timeout=timedelta(seconds=10)))
+        events = EventLog(tmp_path / name, name)
+        handler = PreemptionHandler(PreemptConfig(preempt_poll_s=0.1),
+                                    saver=SaveBeforeExit(None), events=events, elastic=elastic,
+                                    min_nodes=min_nodes, node_id=name)
+        group = dataclasses.replace(_group(tmp_path / name), node_id=name, group_rank=rank,
+                                    group_world_size=2, round=3)
+        handler.on_rendezvous(group, store)
+        nodes[name] = (handler, group, events)
+    a, b = nodes["a"], nodes["b"]
+    b[0].check(b[1])  # nothing yet
+    a[0].notify(Notice("gcp", "termination", a[0].wall_clock() + 30, "instance/preempted TRUE"))
+    with pytest.raises(StopRun):
+        a[0].check(a[1])
+    try:
+        def b_acts() -> bool:
+            try:
+                b[0].check(b[1])
+            except StopRun as stop:
+                assert (stop.state, stop.exit_code) == ("preempted", PREEMPTED_EXIT_CODE)
+                return True
+            return any(e["kind"] == "preemption_decision" for e in read_events(tmp_path / "b"))
+
+        from tests.agent.test_launch import wait_until
+
+        wait_until(b_acts, 30, "node b to hear of node a's notice")
+    finally:
+        for handler, _, events in nodes.values():
+            handler.close()
+            events.close()
+    decision = next(e for e in read_events(tmp_path / "b") if e["kind"] == "preemption_decision")
+    assert decision["facts"]["from_node"] == "a"
+    assert decision["action"] == ("save_and_stop" if others_stop else "continue")
