@@ -72,7 +72,7 @@ class Plan:
 
 def _snapshot_words(facts: NoticeFacts) -> str:
     if not facts.worker_api:
-        return "a plain script: it is sent the signal and saves itself"
+        return "a plain script: it is sent the signal, as torchrun does, and saves if it handles it"
     if facts.newest_step is None:
         return "no snapshot held yet: the workers are asked for theirs"
     age, step = facts.snapshot_age_s, facts.step_time_s

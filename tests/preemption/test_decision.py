@@ -26,7 +26,7 @@ T = "termination"
         (NoticeFacts(T, 10.0, True, newest_step=3), PlanAction.SAVE_AND_STOP, 7.0,
          "newest snapshot step 3: persisting it"),
         (NoticeFacts(T, 30.0, False), PlanAction.SAVE_AND_STOP, 24.0,
-         "a plain script: it is sent the signal and saves itself"),
+         "a plain script: it is sent the signal, as torchrun does, and saves if it handles it"),
         # No time left to save anything.
         (NoticeFacts(T, 3.5, True, newest_step=40, durable_step=30), PlanAction.STOP, 0.0,
          "leave no time to save: stopping; a relaunch resumes from step 30"),
