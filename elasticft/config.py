@@ -359,8 +359,8 @@ class SlurmConfig:
 
 def parse_notices(value: Any, source: str = "--preempt-notices") -> str:
     """``auto``, ``off``, or the http(s) URL of one metadata server that answers for every
-    provider (a site's proxy, a test's server)."""
-    text = str(value).strip()
+    provider (a site's proxy, a test's server). YAML reads a bare off as false."""
+    text = ("off" if value is False else "auto" if value is True else str(value)).strip()
     if text in ("auto", "off") or text.startswith(("http://", "https://")):
         return text.rstrip("/")
     raise _bad(source, value, "give auto, off or a metadata server's URL (http://HOST[:PORT])")

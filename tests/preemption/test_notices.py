@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from elasticft.config import PreemptConfig
+from elasticft.config import ConfigError, PreemptConfig, parse_notices
 from elasticft.preemption.notices import (
     CloudWatcher,
     Notice,
@@ -161,3 +161,17 @@ def test_no_endpoint_answering_costs_one_debug_line(caplog: pytest.LogCaptureFix
     assert [r.levelno for r in lines] == [logging.DEBUG], [r.getMessage() for r in lines]
     assert "no cloud metadata endpoint answered" in lines[0].getMessage()
     assert watcher.watching == []
+
+
+@pytest.mark.parametrize(("value", "parsed"), [
+    ("auto", "auto"), ("off", "off"), (False, "off"),  # YAML's bare off
+    ("http://10.0.0.1:8080/", "http://10.0.0.1:8080"), ("https://meta.example", "https://meta.example"),
+])
+def test_the_notices_option(value: object, parsed: str) -> None:
+    assert parse_notices(value) == parsed
+
+
+def test_a_bad_notices_value_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"--preempt-notices='sometimes' is not valid; give "
+                       r"auto, off or a metadata server's URL"):
+        parse_notices("sometimes")
