@@ -11,8 +11,8 @@ once, with :func:`option`, and that single declaration gives it
 
 Knobs few users should turn are declared with :func:`tuning` instead: fields that the Python API
 (custom agents, tests) can set, which no flag, variable or YAML key reads. Options that were
-removed or merged are listed in :data:`REMOVED_OPTIONS`, so that an old variable or YAML key is
-an error naming what replaced it.
+removed or merged are listed in :mod:`elasticft.removed_options`, so that an old variable or
+YAML key is an error naming what replaced it.
 
 :mod:`elasticft.options` reads them (precedence CLI flag > ``ELASTICFT_*`` env > YAML file >
 default). torchrun's own flags (and their ``PET_*`` variables) stay with torch's parser.
@@ -34,7 +34,7 @@ from typing import Any, Literal
 ENV_PREFIX = "ELASTICFT_"
 RUNS_DIR = Path("elasticft-runs")
 """Where runs go without --run-dir or --log-dir: ``RUNS_DIR/<run id>``, relative to the cwd."""
-YAML_SECTIONS = ("plan", "slurm", "diag", "hang", "slow", "ckpt", "recovery")
+YAML_SECTIONS = ("plan", "slurm", "preempt", "diag", "hang", "slow", "ckpt", "recovery")
 """Name prefixes that are YAML sections: ``--hang-initial-timeout-s`` is
 ``hang: {initial_timeout_s: ...}``; an option without one is a top-level key."""
 
@@ -357,6 +357,47 @@ class SlurmConfig:
     )
 
 
+def parse_notices(value: Any, source: str = "--preempt-notices") -> str:
+    """``auto``, ``off``, or the http(s) URL of one metadata server that answers for every
+    provider (a site's proxy, a test's server). YAML reads a bare off as false."""
+    text = ("off" if value is False else "auto" if value is True else str(value)).strip()
+    if text in ("auto", "off") or text.startswith(("http://", "https://")):
+        return text.rstrip("/")
+    raise _bad(source, value, "give auto, off or a metadata server's URL (http://HOST[:PORT])")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreemptConfig:
+    """Preemption notices: cloud metadata endpoints, Kubernetes' SIGTERM (elasticft.preemption)."""
+
+    preempt_notices: str = option(
+        "auto",
+        "Watch for preemption notices. auto: the cloud metadata endpoints (AWS, Google Cloud, "
+        "Azure) that answer at start are polled, and under Kubernetes SIGTERM is one; a URL: "
+        "that server answers for every provider; off: SIGTERM stops the run as under torchrun. "
+        "On a notice the newest snapshot is persisted, the workers stop and the launcher exits "
+        "75 (preempted, resume me).",
+        parse=parse_notices, kind="auto|off|URL")
+    preempt_grace_s: float = option(
+        30.0, "Under Kubernetes: seconds from SIGTERM to SIGKILL, the pod's "
+        "terminationGracePeriodSeconds (Kubernetes' default is 30).", minimum=1)
+    preempt_poll_s: float = tuning(
+        2.0, "Seconds between two polls of a cloud metadata endpoint that answered.")
+    preempt_probe_timeout_s: float = tuning(
+        1.0, "Longest wait for a cloud metadata endpoint's first answer (in the background).")
+    preempt_aws_url: str = tuning(
+        "http://169.254.169.254", "AWS's instance metadata (spot/instance-action, rebalance).")
+    preempt_gcp_url: str = tuning("http://metadata.google.internal",
+                                  "Google Cloud's metadata server (instance/preempted).")
+    preempt_azure_url: str = tuning("http://169.254.169.254", "Azure's Scheduled Events.")
+
+    def urls(self) -> tuple[str, str, str]:
+        """The AWS, Google Cloud and Azure base URLs (one server's when --preempt-notices is)."""
+        if self.preempt_notices.startswith(("http://", "https://")):
+            return (self.preempt_notices,) * 3
+        return self.preempt_aws_url, self.preempt_gcp_url, self.preempt_azure_url
+
+
 @dataclasses.dataclass(frozen=True)
 class DiagConfig:
     """Diagnostics: hang, slow-rank, loss, log and node-health detection (elasticft.diag)."""
@@ -552,47 +593,7 @@ class ElasticftConfig:
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    preempt: PreemptConfig = dataclasses.field(default_factory=PreemptConfig)
     diag: DiagConfig = dataclasses.field(default_factory=DiagConfig)
     ckpt: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
-
-
-_API_ONLY = "now a tuning constant, settable only through the Python API"
-REMOVED_OPTIONS: dict[str, str] = {
-    "layout_tp": "replaced by --layout TP,PP,DP (* for a dimension left to the planner, "
-                 "e.g. 2,*,*)",
-    "layout_pp": "replaced by --layout TP,PP,DP (e.g. *,4,*)",
-    "layout_dp": "replaced by --layout TP,PP,DP (e.g. *,*,8)",
-    "ckpt_layout": "replaced by --layout TP,PP,DP: a fully given layout also places the peer "
-                   "backups",
-    "slurm_signal_lead_time": "replaced by --slurm-signal SIG@SECONDS (sbatch's syntax, e.g. "
-                              "USR1@120)",
-    "diag_preflight_allreduce": "replaced by --diag-preflight allreduce",
-    "diag_metrics_port": "replaced by --diag-metrics [HOST:]PORT (e.g. 9100)",
-    "diag_metrics_host": "replaced by --diag-metrics [HOST:]PORT (e.g. 0.0.0.0:9100)",
-    "event_dir": "events are written under --run-dir, elsewhere only through the Python API "
-                 "(AgentConfig.event_dir)",
-    "capture_stderr": "the workers' stderr is captured, unless turned off through the Python "
-                      "API (AgentConfig.capture_stderr)",
-    "share_rdzv_store": "workers get a fresh store per attempt (the shared one breaks restarts, "
-                        "pytorch#135712), unless the Python API asks for it "
-                        "(AgentConfig.share_rdzv_store)",
-    "plan_gpu_memory_gib": "give memory_gib in a --plan-hardware JSON file",
-    "slurm_resubmit_script": "--slurm-requeue sbatch resubmits the job's own script",
-    "ckpt_peer_addr": "derived from --local-addr, else this host's address",
-    "ckpt_peer_secret": "a secret is generated per job",
-}
-"""Former option names (field names) and what became of each, for one-line errors on an old
-``ELASTICFT_*`` variable or YAML key. Tuning constants not named here get a generic line."""
-
-
-def removed_option_message(name: str) -> str | None:
-    """What became of the former option ``name`` (a field name), or None if it never was one."""
-    if name in REMOVED_OPTIONS:
-        return REMOVED_OPTIONS[name]
-    for section in dataclasses.fields(ElasticftConfig):
-        cls = section.default_factory  # type: ignore[misc]
-        for field in dataclasses.fields(cls):
-            if field.name == name and is_tuning(field):
-                return f"{_API_ONLY} ({cls.__name__}.{name})"
-    return None

@@ -116,11 +116,12 @@ def default_add_ons() -> list[AddOn[Any]]:
     from elasticft.ckpt.service import CheckpointAddOn
     from elasticft.diag.monitor import DiagAddOn
     from elasticft.plan.collaborator import LayoutAddOn
+    from elasticft.preemption.handler import PreemptionAddOn
     from elasticft.recovery.orchestrator import RecoveryAddOn
     from elasticft.slurm import SlurmAddOn
 
     return [LayoutAddOn(), StepLogAddOn(), DiagAddOn(), RecoveryAddOn(), CheckpointAddOn(),
-            SlurmAddOn()]
+            SlurmAddOn(), PreemptionAddOn()]
 
 
 def with_stderr_teed(redirects: Std | dict[int, Std], tee: Std | dict[int, Std],
@@ -392,8 +393,9 @@ def launch(
             state, exit_code, return_values = "succeeded", 0, dict(result.return_values)
             close_rendezvous = True
     except StopRun as e:
-        # A collaborator ended the run on purpose (a Slurm time-limit checkpoint and requeue);
-        # the agent has stopped the workers. Other nodes handle their own signal.
+        # A collaborator ended the run on purpose (a Slurm time-limit checkpoint and requeue, a
+        # preemption's checkpoint); the agent has stopped the workers. Other nodes handle their
+        # own signal.
         state, reason, exit_code = e.state, e.reason, e.exit_code
     except SignalException as e:
         # The launcher itself was signalled (scancel, Ctrl-C, kill): its workers are already

@@ -29,8 +29,8 @@ from elasticft.config import (
     ConfigError,
     ElasticftConfig,
     is_tuning,
-    removed_option_message,
 )
+from elasticft.removed_options import removed_option_message
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,6 @@ gives ``--nnodes`` and ``SLURM_JOB_ID`` the rendezvous id. Flags the user gives 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -43,18 +42,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol
 
-from elasticft import procs
 from elasticft.addon.api import (
     AddOn,
     AddOnContext,
     AgentCollaborator,
     GroupInfo,
     StopRun,
-    run_ending_errors,
 )
 from elasticft.addon.policy import Action, ActionKind
+from elasticft.addon.savenow import CheckpointNow, SaveBeforeExit
 from elasticft.config import ConfigError, SlurmConfig
 from elasticft.events import EventLog
 
@@ -282,19 +280,6 @@ def requeue_command(
 # The agent's side.
 
 
-@runtime_checkable
-class CheckpointNow(Protocol):
-    """The checkpoint service's "save now and wait until durable" (worker-API jobs)."""
-
-    def checkpoint_now(self, reason: str, timeout: float) -> bool: ...
-
-
-def describe_status(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"exit {os.WEXITSTATUS(status)}"
-
-
 @dataclasses.dataclass(eq=False)
 class SlurmHandler(AgentCollaborator):
     """The agent's answer to Slurm's time-limit signal and cancel (see the module docstring)."""
@@ -318,6 +303,7 @@ class SlurmHandler(AgentCollaborator):
         self._signal_seen = threading.Event()
         self._handled = False
         self._torch_term_handler: Any = None
+        self._saver = SaveBeforeExit(self.checkpointer, self.clock, self.poll_interval)
         self.outcome: str | None = None
         """What ended the run from Slurm's side: requeued, cancelled (None while running)."""
 
@@ -391,7 +377,7 @@ class SlurmHandler(AgentCollaborator):
         )
         self._emit("slurm_time_limit", signal=self.signal.name, lead_time_s=lead)
         started = self.clock()
-        durable, how = self._checkpoint(group, deadline)
+        durable, how = self._saver.save(group, deadline, self.signal, "slurm time limit")
         save_s = self.clock() - started
         self._emit("slurm_checkpoint", durable=durable, how=how, duration_s=save_s)
         if not durable:
@@ -411,61 +397,6 @@ class SlurmHandler(AgentCollaborator):
         if not ok:
             raise StopRun("failed", f"{reason}; requeue failed: {detail}", exit_code=1)
         raise StopRun("requeued", f"{reason}; requeued ({detail})", exit_code=0)
-
-    def _checkpoint(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:
-        timeout = max(deadline - self.clock(), 1.0)
-        if self.checkpointer is not None and self._service_has_snapshot(group):
-            try:
-                if self.checkpointer.checkpoint_now("slurm time limit", timeout):
-                    return True, "checkpoint service acknowledged"
-                # No snapshot to persist: a plain script (no worker API); it saves on the signal.
-                logger.info("the checkpoint service holds no snapshot; forwarding %s instead",
-                            self.signal.name)
-            except run_ending_errors():
-                raise
-            except Exception:
-                logger.exception("checkpoint service failed; forwarding the signal instead")
-        return self._forward_and_wait(group, deadline)
-
-    def _service_has_snapshot(self, group: GroupInfo) -> bool:
-        # Workers that never used the worker API leave the service empty; asking them would
-        # only spend the lead time waiting for acks that cannot come.
-        newest = getattr(self.checkpointer, "newest_common_step", None)
-        if not callable(newest):
-            return True
-        try:
-            return newest(group) is not None
-        except run_ending_errors():
-            raise
-        except Exception:
-            logger.debug("checkpoint service could not tell its newest snapshot", exc_info=True)
-            return True
-
-    def _forward_and_wait(self, group: GroupInfo, deadline: float) -> tuple[bool, str]:
-        pids = [w.pid for w in group.workers if w.pid]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, self.signal)
-        logger.info("forwarded %s to workers %s; waiting for them to save and exit",
-                    self.signal.name, pids)
-        statuses: dict[int, int] = {}
-        while self.clock() < deadline:
-            for pid in pids:
-                if pid not in statuses:
-                    status = procs.exit_status(pid)
-                    if status is not None:
-                        statuses[pid] = status
-            if len(statuses) == len(pids):
-                break
-            time.sleep(self.poll_interval)
-        if len(statuses) < len(pids):
-            left = sorted(set(pids) - set(statuses))
-            return False, f"workers {left} still running at the deadline"
-        bad = {pid: describe_status(s) for pid, s in statuses.items() if s != 0}
-        if bad:
-            return False, "workers did not exit cleanly after the signal: " + ", ".join(
-                f"{pid} {what}" for pid, what in sorted(bad.items()))
-        return True, f"{len(pids)} worker(s) saved and exited"
 
     def _requeue(self) -> tuple[bool, str]:
         try:

@@ -44,6 +44,7 @@ every worker (so it imports only the standard library), the reader serves ``elas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -309,6 +310,18 @@ def read_steps(run_dir: Path) -> dict[int, list[StepRecord]]:
         target = automatic if is_auto else explicit
         target.setdefault(rank, []).extend(_read_file(path, rank, is_auto))
     return merge_steps(explicit, automatic)
+
+
+def read_rank_steps(run_dir: Path, rank: int) -> list[StepRecord]:
+    """One rank's records in time order, as :func:`read_steps` gives them, reading only its
+    own files (the agent, which knows where its workers write)."""
+    explicit_path = step_log_path(run_dir, rank)
+    found: dict[bool, list[StepRecord]] = {}
+    for path, is_auto in ((explicit_path, False), (auto_step_path(explicit_path), True)):
+        with contextlib.suppress(FileNotFoundError):
+            found[is_auto] = _read_file(path, rank, is_auto)
+    merged = merge_steps({rank: found.get(False, [])}, {rank: found.get(True, [])})
+    return merged.get(rank, [])
 
 
 def merge_steps(explicit: Mapping[int, list[StepRecord]],

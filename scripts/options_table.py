@@ -22,17 +22,18 @@ INTRO = f"""\
 Every elasticft option can be set three ways: with a flag, with an `ELASTICFT_*` environment
 variable (the flag's name upper-cased, `-` made `_`), or with a YAML key in `--config FILE.yaml`
 (or `ELASTICFT_CONFIG`). One rule names the YAML key: a flag `--<section>-<key>` whose section
-is plan, slurm, diag, hang, slow, ckpt or recovery is `<section>: {{<key>: value}}` (written
-`ckpt.dir` below); any other option is a top-level key (`run_dir`, `layout`). When the same
-option is set more than one way, the flag wins over the environment variable, which wins over
-the YAML file, which wins over the default. A boolean (default `True` or `False` below) is
+is plan, slurm, preempt, diag, hang, slow, ckpt or recovery is `<section>: {{<key>: value}}`
+(written `ckpt.dir` below); any other option is a top-level key (`run_dir`, `layout`). When the
+same option is set more than one way, the flag wins over the environment variable, which wins
+over the YAML file, which wins over the default. A boolean (default `True` or `False` below) is
 written as torchrun's flags are, `--warm-start` or `--no-warm-start`, or with a value,
 `--warm-start false` (`true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`, as in the environment).
 A bad value stops elasticft-run before anything starts: it prints one line naming the value and
 how to fix it, and exits with code 2. An unknown `ELASTICFT_*` variable (the message names the
 closest known one) or YAML key is also an error; one naming a former option says what replaced
 it. Every torchrun flag keeps its meaning too ([launcher.md](launcher.md)); the etcd-v3
-`--rdzv-conf` keys are in [rendezvous.md](rendezvous.md).
+`--rdzv-conf` keys are in [rendezvous.md](rendezvous.md); what a preemption notice does, and
+the `--preempt-*` options' sources and timings, are in [preemption.md](preemption.md).
 
 ```yaml
 # elasticft.yaml

@@ -101,11 +101,12 @@ def pids_by_rank(path: Path) -> dict[int, list[int]]:
 
 
 def clean_job_env() -> dict[str, str]:
-    """The environment a launched job gets: this one, minus variables that would steer it."""
+    """The environment a launched job gets: this one, minus variables that would steer it (a
+    suite run inside a Kubernetes pod must not make every SIGTERM a preemption notice)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_", "SLURM_"))
+        if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_", "SLURM_", "KUBERNETES_"))
         and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env["PYTHONUNBUFFERED"] = "1"

@@ -171,7 +171,7 @@ def existing_flags() -> frozenset[str]:
 
 def test_no_page_names_an_option_that_does_not_exist() -> None:
     """A removed option (``--hang-floor-s``) or a misspelt one is a doc that lies."""
-    from elasticft.config import REMOVED_OPTIONS
+    from elasticft.removed_options import REMOVED_OPTIONS
 
     abbreviations = {word for word in OPTION_ABBREVIATIONS
                      if any(flag.startswith(word) for flag in existing_flags())}
@@ -187,8 +187,8 @@ def test_no_page_names_an_environment_variable_that_nothing_reads() -> None:
     """Every ``ELASTICFT_*`` name is an option's variable, one the agent gives its workers, or
     one a script of the repository reads (``ELASTICFT_COMPAT_TORCH``); never a removed one."""
     from elasticft.agent.agent import WORKER_ENV_NAMES
-    from elasticft.config import REMOVED_OPTIONS
     from elasticft.options import known_env_names
+    from elasticft.removed_options import REMOVED_OPTIONS
 
     scripts = set()
     for name in tracked_files():

@@ -8,7 +8,7 @@ those under ``TYPE_CHECKING``. From the bottom up:
    (``procs``), the torch compatibility shim (``torch_compat``), files with no name
    (``unnamed``), JSON records written whole (``jsonfile``), optional-extra errors
    (``extras``), a package's lazy names (``lazy``), the
-   options (``config``, ``options``) and where the launcher's own arguments end
+   options (``config``, ``options``, ``removed_options``) and where the launcher's own arguments end
    (``command_line``), the step records (``steps``: the format every worker
    writes and the report reads), a device's health (``devicehealth``: the known-answer, device
    and NVML checks that pre-flight, the rendezvous, the SDC decisions and the in-process rejoin
@@ -16,10 +16,12 @@ those under ``TYPE_CHECKING``. From the bottom up:
    modules as strings and imports only the chosen one, so what the layers see of it is
    ``CliError``, which every command raises.
 2. **add-on interface** (``addon``): what an add-on of the agent implements and decides with
-   (``addon.api``, ``addon.classify``, ``addon.policy``). The subsystems plug into the agent
+   (``addon.api``, ``addon.classify``, ``addon.policy``), and the one way an add-on saves
+   before a deadline (``addon.savenow``). The subsystems plug into the agent
    through it, so it sits below them, in a package of its own, apart from the agent itself.
 3. **subsystems**: checkpoints (``ckpt``), diagnostics (``diag``), the layout planner
-   (``plan``), the etcd rendezvous (``rendezvous``) and Slurm (``slurm``). Each stands alone:
+   (``plan``), the etcd rendezvous (``rendezvous``), Slurm (``slurm``) and preemption notices
+   (``preemption``). Each stands alone:
    none imports another (checked below), so each can be read, tested and changed by itself.
 4. **worker recovery**: the workers' side of in-process recovery (``recovery.inprocess`` and
    its spare, ``recovery.spare``, with the pieces both use: the records and settings shared with
@@ -63,10 +65,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "elasticft.torch_contracts", "elasticft.unnamed", "elasticft.extras",
               "elasticft.config", "elasticft.options", "elasticft.command_line",
               "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
-              "elasticft.jsonfile", "elasticft.devicehealth", "elasticft.cli")),
+              "elasticft.jsonfile", "elasticft.devicehealth", "elasticft.cli",
+              "elasticft.removed_options")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
-                    "elasticft.slurm")),
+                    "elasticft.slurm", "elasticft.preemption")),
     # The workers' side of in-process recovery drives the subsystems' worker APIs (a spare
     # rebinds the checkpointers and diagnostics of the rank it takes); the agent drives it.
     ("worker recovery", ("elasticft.recovery.inprocess", "elasticft.recovery.spare",

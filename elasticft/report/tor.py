@@ -14,8 +14,8 @@ healthy            the time of every step that moved training forward, up to ``t
                    (steps faster than the median make it a little less than the optimal time)
 slow steps         what those steps took beyond ``t_healthy`` (fail-slow, and noise around it)
 slow recovery      that excess in the first steps after a restart, until a step is healthy again
-checkpoint stall   time steps spent saving (``ckpt_s`` of the step records), and a Slurm
-                   time-limit checkpoint
+checkpoint stall   time steps spent saving (``ckpt_s`` of the step records), and the last
+                   save of an allocation that ended on Slurm's time limit or a preemption
 detection          from the last finished step to the agent's failure event (includes the work
                    of the step in flight, which is lost)
 repair             from the failure to the restarted workers' first step (stop, rendezvous,
@@ -26,7 +26,10 @@ shutdown           last step to the end of the run
 =================  =============================================================================
 
 ETTR is the time in steps that moved training forward (healthy + slow + slow recovery) over the
-wall time; MTBF is wall time over the number of failures.
+wall time; MTBF is wall time over the number of failures. A preemption (a cloud's or Kubernetes'
+notice, :mod:`elasticft.preemption`) is not a failure: it is listed apart, with what was saved
+and how long before the deadline, and its cost shows in the phases (the last save, the next
+allocation's start-up and the steps it computes again).
 
 On a short run, start-up and shutdown (paid once per launch) can be most of the wall time: TOR
 then measures the launch more than the reliability. The report says so when they are more than
@@ -89,6 +92,30 @@ class Fault:
         return data
 
 
+@dataclasses.dataclass
+class Preemption:
+    """One preemption notice the run acted on (its ``preemption_*`` events)."""
+
+    time: float
+    provider: str
+    notice: str
+    """termination, or rebalance (a risk without a deadline)."""
+    action: str = ""
+    durable: bool | None = None
+    step: int | None = None
+    save_s: float = 0.0
+    before_deadline_s: float | None = None
+
+    def saved(self) -> str:
+        if self.durable is None:
+            return "nothing"
+        step = f"step {self.step}" if self.step is not None else "newest"
+        return f"{step} ({self.save_s:.1f} s)" if self.durable else "NOT confirmed"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass(frozen=True)
 class Span:
     """A labelled interval of the timeline (for the plot)."""
@@ -118,6 +145,8 @@ class Analysis:
     end_state: str
     end_reason: str = ""
     """Why the run ended, as its launcher said (empty for a success)."""
+    preemptions: list[Preemption] = dataclasses.field(default_factory=list)
+    """Notices the run acted on; not failures (MTBF counts none of them)."""
 
     @property
     def step_source(self) -> str:
@@ -178,6 +207,7 @@ class Analysis:
             "step_numbers": STEP_SOURCE_LINES[self.step_source],
             "phases_s": dict(self.phases),
             "faults": [f.to_json() for f in self.faults],
+            "preemptions": [p.to_json() for p in self.preemptions],
         }
 
 
@@ -215,11 +245,14 @@ def _segments(events: Sequence[dict[str, Any]], node: str) -> list[_Segment]:
     for event in events:
         if event.get("node") != node:
             continue
-        if event["kind"] == "run_start" or not segments:
-            # The launcher's own start-up (Python, torch import) is part of the wall time.
-            began = min(event["time"], float(event.get("process_started") or event["time"]))
-            segments.append(_Segment(began, event["time"], node, []))
+        # A relaunch's launcher writes its "relaunch" event just before its run_start: the
+        # allocation begins there, not at the end of the one before.
+        opened = bool(segments) and all(e["kind"] == "relaunch" for e in segments[-1].events)
+        if (event["kind"] in ("run_start", "relaunch") and not opened) or not segments:
+            segments.append(_Segment(event["time"], event["time"], node, []))
         segment = segments[-1]
+        # The launcher's own start-up (Python, torch import) is part of the wall time.
+        segment.start = min(segment.start, float(event.get("process_started") or event["time"]))
         segment.events.append(event)
         segment.end = max(segment.end, event["time"])
     return segments
@@ -286,7 +319,9 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
     # Marks: the events that change what the time between two marks means.
     marks: list[tuple[float, str, Any]] = []
     attempt_counter = 0
-    time_limited: set[int] = set()  # allocations that ended on Slurm's time-limit signal
+    # Allocations that ended in a last save: Slurm's time limit, a preemption.
+    time_limited: set[int] = set()
+    preemptions: list[Preemption] = []
     for si, segment in enumerate(segments):
         marks.append((segment.start, "segment_start", si))
         seen_failure_attempts: set[int] = set()
@@ -316,6 +351,18 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
                 pending_fault.in_process = dict(event.get("phases", {}))
             elif kind == "slurm_time_limit":
                 time_limited.add(si)
+            elif kind == "preemption_notice":
+                preemptions.append(Preemption(event["time"], str(event.get("provider", "?")),
+                                              str(event.get("notice", "termination"))))
+            elif kind == "preemption_decision" and preemptions:
+                preemptions[-1].action = str(event.get("action", ""))
+                if preemptions[-1].action in ("save_and_stop", "stop"):
+                    time_limited.add(si)
+            elif kind == "preemption_saved" and preemptions:
+                last = preemptions[-1]
+                last.durable, last.step = bool(event.get("durable")), event.get("step")
+                last.save_s = float(event.get("duration_s") or 0.0)
+                last.before_deadline_s = event.get("before_deadline_s")
         marks.append((segment.end, "segment_end", si))
     for record in records:
         marks.append((record.time, "step", record))
@@ -406,7 +453,8 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
             faults.append(fault)
             last_fault, recovering = fault, True
         elif kind == "segment_end":
-            # The tail of an allocation that ended on the time-limit signal is its checkpoint.
+            # The tail of an allocation that ended in a last save (time limit, preemption) is
+            # that checkpoint.
             tail = "checkpoint_stall" if payload in time_limited else "shutdown"
             add("repair" if prev_kind == "failure" else tail, prev_time, gap)
             if prev_kind == "failure" and last_fault is not None:
@@ -433,6 +481,7 @@ def analyze(events: Sequence[dict[str, Any]], steps: dict[int, list[StepRecord]]
         steps=records,
         end_state=str(end_event.get("state")) if end_event else "running or killed",
         end_reason=str(end_event.get("reason") or "") if end_event else "",
+        preemptions=preemptions,
     )
 
 
@@ -491,6 +540,7 @@ def format_report(a: Analysis) -> str:
         share = seconds / a.observed_s if a.observed_s else 0.0
         lines.append(f"    {phase.replace('_', ' '):<17}{seconds:9.2f} s  {share:7.1%}")
     lines.append(f"    {'total':<17}{sum(a.phases.values()):9.2f} s")
+    lines += _preemption_lines(a)
     if a.faults:
         lines += ["", "  failures:",
                   "    #  at (s)  class            ranks   action            detect  repair  "
@@ -508,6 +558,19 @@ def format_report(a: Analysis) -> str:
                     f"{phase_name(name)} {seconds:.2f} s"
                     for name, seconds in f.in_process.items()))
     return "\n".join(lines)
+
+
+def _preemption_lines(a: Analysis) -> list[str]:
+    if not a.preemptions:
+        return []
+    lines = ["", f"  preemptions: {len(a.preemptions)} (not failures)",
+             "    #  at (s)  source      notice       action          saved            "
+             "before deadline"]
+    for i, p in enumerate(a.preemptions, 1):
+        left = f"{p.before_deadline_s:.1f} s" if p.before_deadline_s is not None else "-"
+        lines.append(f"    {i:<2}{p.time - a.start:7.1f}  {p.provider:<11} {p.notice:<12} "
+                     f"{p.action or '-':<15} {p.saved():<16} {left}")
+    return lines
 
 
 def phase_name(key: str) -> str:

@@ -94,4 +94,4 @@ def test_the_default_add_ons_declare_a_valid_order() -> None:
     assert build_order([(a.name, a.needs) for a in add_ons]).index("ckpt") < \
         build_order([(a.name, a.needs) for a in add_ons]).index("recovery")
     hooks = hook_order([(a.name, a.runs_before) for a in add_ons])
-    assert hooks == ["plan", "steps", "diag", "recovery", "ckpt", "slurm"]
+    assert hooks == ["plan", "steps", "diag", "recovery", "ckpt", "slurm", "preempt"]
