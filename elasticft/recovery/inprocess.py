@@ -60,13 +60,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
 from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.jsonfile import read_json, write_json
-from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
+from elasticft.recovery import sockets
+from elasticft.recovery.groups import ArmedGroup, GroupOps, regroup, tear_down
 from elasticft.recovery.health import within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
 from elasticft.recovery.meshes import KeptModules, RebindError, device_meshes
@@ -178,8 +177,10 @@ class InProcess:
         self._first_step_s: float | None = None
         self._restored_at: float | None = None
         """When the script said its restore ended (:meth:`restore_done`)."""
-        self.group_settings = GroupSettings()
-        """What the script asked of its group, read back when recovery arms."""
+        self.group: ArmedGroup | None = None
+        """The script's default group as recovery armed it (backend, rank, world size, the
+        script's settings, device), kept current through regroups: after a failure nothing of
+        it is read from torch's table of groups, which an abort clears."""
         self.monitor: Monitor | None = None
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -204,15 +205,22 @@ class InProcess:
 
         self._entered = time.time()
         self._resume_hook = register_optimizer_step_post_hook(self._on_step)
-        self.group_settings = GroupSettings.of_default_group()
+        self.group = ArmedGroup.of_default_group()
         if self.modules:
             self._kept = KeptModules.arm(self.modules)
-        if dist.is_available() and dist.is_initialized():
-            backend = str(dist.get_backend())
+        if sockets.installed() is None:  # the bootstrap records from the script's first group
+            sockets.install()
+            if self.group is not None and "gloo" in self.group.backend.lower():
+                logger.warning("the sockets of the groups made before InProcess.run were not "
+                               "recorded: a gloo wait on a silent peer is not ended")
+        if self.group is not None:
+            backend = self.group.backend
             if "nccl" in backend.lower() and (warning := abort_warning(nccl_version())):
                 logger.warning("%s", warning)
-            self.monitor = Monitor(directory, read_json, lambda: self.ops.end(backend))
-            self.monitor.start()
+            monitor = Monitor(directory, read_json,
+                              lambda: self.ops.end(backend, lambda: monitor.inside))
+            self.monitor = monitor
+            monitor.start()
         self._write("armed", {"follows_layout": self.follows_layout,
                               "sharded_over": self._kept.sharded_over() if self._kept else []})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
@@ -275,8 +283,7 @@ class InProcess:
 
     def _recoverable(self, error: BaseException) -> bool:
         interrupted = self.monitor is not None and self.monitor.interrupted
-        return (isinstance(error, Exception) and dist.is_available()
-                and dist.is_initialized()
+        return (isinstance(error, Exception) and self.group is not None
                 and (peer_failure(error) or isinstance(error, PeerInterrupted)
                      or (interrupted and not _device_fault(error))))
 
@@ -289,8 +296,8 @@ class InProcess:
         logger.warning("in-process recovery of generation %d: %s", self.generation, cause)
         self._write("failed", {"cause": cause, "failed": failed_at, **self.measured(),
                                **({"interrupted": interrupted_at} if interrupted_at else {})})
-        backend = str(dist.get_backend())
-        rank, world = dist.get_rank(), dist.get_world_size()
+        assert self.group is not None  # _recoverable
+        backend, rank, world = self.group.backend, self.group.rank, self.group.world_size
         _release(error)
         how = self._bounded_teardown(backend)
         aborted_at = time.time()
@@ -307,7 +314,8 @@ class InProcess:
             logger.warning("reshape: rank %d of %d goes on as rank %d of %d", old_rank, world,
                            rank, generation.world_size)
         regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
-                self.group_settings)
+                self.group.settings)
+        self.group = self.group.moved(rank, generation.world_size)
         regrouped_at = time.time()
         if changed:
             rebound = self._reshape(rank, generation.world_size)
