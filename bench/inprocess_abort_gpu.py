@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
 
-from elasticft.recovery.groups import end_groups
+from elasticft.recovery.groups import destroy_registered, end_groups
 from elasticft.recovery.health import device_health, within
 from elasticft.recovery.ncclenv import abort_warning, nccl_version
 
@@ -59,7 +59,7 @@ def main() -> int:
               f"{'returned' if finished else 'DID NOT RETURN'} in {abort_s:.3f} s "
               f"(limit {args.limit_s:.0f} s){f', error {error!r}' if error else ''}")
         ok &= finished
-        with_destroy, _ = within(dist.destroy_process_group, args.limit_s)
+        with_destroy, _ = within(destroy_registered, args.limit_s)  # the abort cleared it
         started = time.perf_counter()
         sick = device_health(args.limit_s)
         print(f"attempt {attempt}: destroy {'done' if with_destroy else 'HUNG'}; health check "

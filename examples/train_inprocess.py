@@ -23,7 +23,12 @@ with --exit-after-failed the rank then exits right after reporting it, before it
 --stuck-teardown its teardown never returns; with --sick-device its device fails the health
 check), and --replacement-fails (a replacement process exits at once, which makes the agent fall
 back to a full restart). --manual-sgd trains without a torch.optim optimizer and tells InProcess
-of each step (InProcess.step_done).
+of each step (InProcess.step_done). --extra-group makes a second process group in each entry
+and all-reduces on it every step (a group the recovery ends besides the default one).
+--own-store PORT and --own-echo PORT: before run(), every rank connects its own TCP clients (a
+TCPStore client and a socket to an echo server, both hosted outside the job); after its
+training each rank uses them again and appends "RANK ok RECOVERIES" (or what failed) to
+--own-clients-log: a recovery leaves the script's own connections alone.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -64,6 +71,26 @@ def keep_sockets(pid_file: Path | None) -> None:
         time.sleep(0.01)
 
 
+class OwnClients:
+    """The script's own TCP clients, made before InProcess.run and used again after it."""
+
+    def __init__(self, store_port: int, echo_port: int) -> None:
+        self.store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                                   timeout=timedelta(seconds=30))
+        self.echo = socket.create_connection(("127.0.0.1", echo_port), timeout=30)
+
+    def check(self, key: str) -> str:
+        """"ok" when both clients still work, else what failed."""
+        try:
+            self.store.set(key, "alive")
+            assert self.store.get(key) == b"alive"
+            self.echo.sendall(key.encode())
+            assert self.echo.recv(len(key)) == key.encode()
+            return "ok"
+        except Exception as e:
+            return f"{type(e).__name__}:{str(e).split()[0] if str(e) else ''}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -89,6 +116,10 @@ def main() -> None:
     parser.add_argument("--stuck-teardown", action="store_true")
     parser.add_argument("--sick-device", action="store_true")
     parser.add_argument("--replacement-fails", action="store_true")
+    parser.add_argument("--extra-group", action="store_true")
+    parser.add_argument("--own-store", type=int, help="port of a TCPStore hosted outside the job")
+    parser.add_argument("--own-echo", type=int, help="port of an echo server outside the job")
+    parser.add_argument("--own-clients-log", type=Path)
     parser.add_argument("--no-step-records", action="store_true",
                         help="write no step records: the report numbers the steps by the "
                         "optimizer's own count (elasticft's automatic records)")
@@ -104,6 +135,7 @@ def main() -> None:
     optim = None if args.manual_sgd else torch.optim.AdamW(net.parameters(), lr=args.lr)
     ckpt = Checkpointer.from_env(optimizers=[optim] if optim is not None else [])
     snapshot = StateCapture(net, optim)
+    own = OwnClients(args.own_store, args.own_echo) if args.own_store else None
     faults = {"armed": os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and
               rank == args.fault_rank}
 
@@ -119,6 +151,7 @@ def main() -> None:
     def train() -> None:
         rank = dist.get_rank()  # read here: a spare takes its rank in InProcess().run
         model = DistributedDataParallel(net)  # bound to this generation's process group
+        extra = dist.new_group() if args.extra_group else None
         start = 0
         restored = ckpt.restore(net, optim)  # in place, into the live tensors
         if restored is not None:
@@ -131,6 +164,8 @@ def main() -> None:
                 raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
             x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
             loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+            if extra is not None:
+                dist.all_reduce(torch.ones(1), group=extra)
             if optim is None:
                 net.zero_grad(set_to_none=True)
                 loss.backward()
@@ -173,6 +208,9 @@ def main() -> None:
 
     recovery.run(train)
     rank = dist.get_rank()
+    if own is not None and args.own_clients_log:
+        with open(args.own_clients_log, "a") as f:
+            f.write(f"{rank} {own.check(f'rank-{rank}')} {recovery.recoveries}\n")
     ckpt.close()
     dist.barrier()
     if rank == 0:

@@ -9,8 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -68,32 +66,6 @@ def test_only_recorded_sockets_their_descriptor_still_names_are_shut_down(
         now: dict[int, int], shut: list[int]) -> None:
     recorded = [_s(7, 700), _s(8, 800)]
     assert [s.fd for s in still_recorded(recorded, now)] == shut
-
-
-@pytest.fixture
-def echo_server() -> Iterator[tuple[str, int]]:
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(30)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=_echo, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    yield server.getsockname()
-    stop.set()
-    server.close()
-
-
-def _echo(conn: socket.socket) -> None:
-    with conn:
-        while data := conn.recv(1024):
-            conn.sendall(data)
 
 
 def _alive(sock: socket.socket) -> bool:
