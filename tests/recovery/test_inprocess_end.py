@@ -32,12 +32,14 @@ def reference(inprocess_reference: dict[int, str]) -> dict[int, str]:
 @pytest.mark.timeout(600)
 def test_the_survivor_ends_its_groups_as_on_nccl_and_keeps_its_process(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
-    """Rank 1 is SIGKILLed. The survivor ends its two groups with torch's abort (the call NCCL
-    groups get; on gloo it ends no wait, the dead peer's closed sockets do), which leaves
-    torch with no group: its recovery reads nothing of torch's table, keeps its process and
-    goes on bit-exact."""
+    """Rank 1 is SIGKILLed while the survivor runs Python after its step (``--step-time``):
+    the agent's notice makes the survivor's monitor end its two groups with torch's abort (the
+    calls an NCCL job makes), which leaves torch with no group, and then interrupts the main
+    thread. Its recovery reads nothing of torch's table: it keeps its process and goes on
+    bit-exact. (Where the survivor's collective raised first, its teardown makes the same
+    calls.)"""
     run = _run(tmp_path, "abort", job_env, "--fault-rank", "1", "--crash-at-step", "6",
-               "--crash-mode", "after-save", "--extra-group")
+               "--crash-mode", "after-save", "--extra-group", "--step-time", "3")
     _recovered_in_process(run, [1])
     assert ABORTED_LIVE_GROUPS in run["text"], run["text"][-5000:]
     assert len(run["pids"][0]) == 1, run["pids"]  # the survivor kept its process
