@@ -7,8 +7,10 @@ peer fails. When it raises an error of the communication layer (:func:`peer_fail
 survivor
 
 1. **reports** it to the agent (a file in the agent's in-process directory),
-2. **aborts** its process groups (``destroy_process_group``; on NCCL torch's
-   ``_abort_process_group`` first, which ends the communicators' kernels without waiting),
+2. **aborts** its process groups, with the same calls on every backend (torch's
+   ``_abort_process_group`` on each, the default group last, which clears torch's table of
+   groups: :func:`elasticft.recovery.groups.tear_down`); what it needs of its group it took
+   when recovery armed (:class:`elasticft.recovery.groups.ArmedGroup`),
 3. **waits for the agent's next generation**: the agent starts a replacement for the failed
    rank at once, in parallel, from its warm interpreter, and publishes a new store for the
    generation (``generation.json``: its address and port); when the failed rank was on another

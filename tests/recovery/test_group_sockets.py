@@ -119,12 +119,14 @@ sys.stdin.read()  # until the test closes its end
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("waiting", [True, False], ids=["waiting", "returned"])
 def test_a_gloo_groups_record_holds_its_connection_and_none_of_the_scripts(
-        echo_server: tuple[str, int]) -> None:
+        echo_server: tuple[str, int], waiting: bool) -> None:
     """A real two-process gloo group: the record of its creation holds the group's connection
     only (not the store it is made on, which this process hosts, nor the script's own client);
     the end aborts the group through torch, clears torch's table and shuts that connection
-    down, and the script's client still works."""
+    down, and the script's client still works. When the main thread's call returned by itself
+    (``waiting`` False), nothing is shut down."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     own = socket.create_connection(echo_server)
@@ -140,11 +142,18 @@ def test_a_gloo_groups_record_holds_its_connection_and_none_of_the_scripts(
         assert made and not {s.fd for s in made} & ours, (made, ours)
         dist.all_reduce(torch.ones(1))
         held = dist.group.WORLD  # as a pending collective holds it: the abort frees nothing
-        how = end_groups("gloo", lambda: True)
+        how = end_groups("gloo", lambda: waiting)
         assert "abort(1 of 1 groups, default last; is_initialized() False after)" in how, how
-        assert f"shutdown({len(made)} of " in how, how
         assert not dist.is_initialized()
         assert _alive(own)
+        open_now = {s.fd: s.inode for s in sockets.snapshot().values()}
+        if waiting:
+            assert f"shutdown({len(made)} of {len(made)} " in how, how
+        else:
+            assert "nothing shut down" in how, how
+            assert still_recorded(made, open_now) == made  # open, and not shut down
+            states = {s.fd: s.state for s in sockets.snapshot().values()}
+            assert [states.get(s.fd) for s in made] == ["01"] * len(made)  # still established
         del held  # freed: gloo closes the connection it still has open
         assert not still_recorded(made, {s.fd: s.inode for s in sockets.snapshot().values()})
     finally:
