@@ -221,6 +221,12 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         for part in REPLACE_WORKER_PARTS),
     "torch.distributed.distributed_c10d._abort_process_group(group)": lambda: list(
         _parameters(torch.distributed.distributed_c10d._abort_process_group)) == ["group"],
+    # recovery/groups.py: the default group's abort ends every group and clears torch's table,
+    # after which the recovery reads nothing of it (ArmedGroup, destroy_registered).
+    "_abort_process_group(WORLD) clears the table (_update_default_pg(None), pg_map.clear())":
+        lambda: all(part in inspect.getsource(
+            torch.distributed.distributed_c10d._abort_process_group)
+            for part in ("_update_default_pg(None)", "pg_map.clear()")),
     # recovery/groups.py: every group ended from the monitor thread; the script's settings.
     "_get_default_group(), ProcessGroup.abort(), _get_backend(d).options._timeout, "
     "bound_device_id": lambda: _has(torch.distributed.distributed_c10d, "_get_default_group")
@@ -259,7 +265,8 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "torch.distributed.elastic.utils.macros.substitute(args, local_rank)":
         lambda: macros.substitute([macros.local_rank], "3") == ["3"],
     # Read by the worker's recorder (diag/recorder.py), which cannot afford importing this
-    # module in every worker: it re-decides its wrapping after each process group is created.
+    # module in every worker: it re-decides its wrapping after each process group is created;
+    # wrapped by recovery/sockets.py, which records the connections each group makes.
     "torch.distributed.distributed_c10d._new_process_group_helper and _world.pg_map":
         lambda: callable(getattr(torch.distributed.distributed_c10d,
                                  "_new_process_group_helper", None))

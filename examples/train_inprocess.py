@@ -33,6 +33,12 @@ an aborted NCCL kernel does; --wrong-log gets a 'rank pid step' line each time),
 step, from its backward to its save, in InProcess.atomic(): only elasticft's gate keeps such a
 step from being taken and saved. --swallow-exceptions retries a step that raised an Exception
 (log and retry, as a script's `except Exception:` loop does): the interrupt still ends it.
+--extra-group makes a second process group in each entry and all-reduces on it every step (a
+group the recovery ends besides the default one). --own-store PORT and --own-echo PORT: before
+run(), every rank connects its own TCP clients (a TCPStore client and a socket to an echo
+server, both hosted outside the job); after its training each rank uses them again and appends
+"RANK ok RECOVERIES" (or what failed) to --own-clients-log: a recovery leaves the script's own
+connections alone.
 """
 
 from __future__ import annotations
@@ -42,9 +48,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,6 +82,26 @@ def keep_sockets(pid_file: Path | None) -> None:
         os._exit(0)
     while pid_file is not None and not pid_file.exists():
         time.sleep(0.01)
+
+
+class OwnClients:
+    """The script's own TCP clients, made before InProcess.run and used again after it."""
+
+    def __init__(self, store_port: int, echo_port: int) -> None:
+        self.store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                                   timeout=timedelta(seconds=30))
+        self.echo = socket.create_connection(("127.0.0.1", echo_port), timeout=30)
+
+    def check(self, key: str) -> str:
+        """"ok" when both clients still work, else what failed."""
+        try:
+            self.store.set(key, "alive")
+            assert self.store.get(key) == b"alive"
+            self.echo.sendall(key.encode())
+            assert self.echo.recv(len(key)) == key.encode()
+            return "ok"
+        except Exception as e:
+            return f"{type(e).__name__}:{str(e).split()[0] if str(e) else ''}"
 
 
 def main() -> None:
@@ -109,6 +138,10 @@ def main() -> None:
                         help="the comm hook appends 'rank pid step' for each garbage result")
     parser.add_argument("--swallow-exceptions", action="store_true",
                         help="retry a step that raised an Exception (except Exception:)")
+    parser.add_argument("--extra-group", action="store_true")
+    parser.add_argument("--own-store", type=int, help="port of a TCPStore hosted outside the job")
+    parser.add_argument("--own-echo", type=int, help="port of an echo server outside the job")
+    parser.add_argument("--own-clients-log", type=Path)
     parser.add_argument("--no-step-records", action="store_true",
                         help="write no step records: the report numbers the steps by the "
                         "optimizer's own count (elasticft's automatic records)")
@@ -127,6 +160,7 @@ def main() -> None:
     first_attempt = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
     faults = {"armed": first_attempt and rank == args.fault_rank,
               "gil": first_attempt and rank == args.gil_hold_rank}
+    own = OwnClients(args.own_store, args.own_echo) if args.own_store else None
 
     ops = GroupOps.for_torch()
     if args.exit_after_failed and faults["armed"]:
@@ -163,6 +197,7 @@ def main() -> None:
             model.register_comm_hook(current, all_reduce_or_garbage)
         else:
             model = DistributedDataParallel(net)  # bound to this generation's process group
+        extra = dist.new_group() if args.extra_group else None
         start = 0
         restored = ckpt.restore(net, optim)  # in place, into the live tensors
         if restored is not None:
@@ -178,7 +213,7 @@ def main() -> None:
                         time.sleep(0.1)  # a back-off before the retry, inside the `try`
                     with recovery.atomic() if args.wrong_after_interrupt \
                             else contextlib.nullcontext():
-                        one_step(model, rank, step)
+                        one_step(model, extra, rank, step)
                     break
                 except Exception as e:  # the interrupt is no Exception: it is not caught
                     if not args.swallow_exceptions:
@@ -187,12 +222,14 @@ def main() -> None:
                     print(f"rank {rank}: step {step + 1} failed, retried: "
                           f"{type(e).__name__}: {e}".splitlines()[0], flush=True)
 
-    def one_step(model: DistributedDataParallel, rank: int, step: int) -> None:
+    def one_step(model: DistributedDataParallel, extra: Any, rank: int, step: int) -> None:
         if faults["armed"] and step + 1 == args.infra_error_at_step:
             faults["armed"] = False
             raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
         x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        if extra is not None:
+            dist.all_reduce(torch.ones(1), group=extra)
         if optim is None:
             net.zero_grad(set_to_none=True)
             loss.backward()
@@ -238,6 +275,9 @@ def main() -> None:
 
     recovery.run(train)
     rank = dist.get_rank()
+    if own is not None and args.own_clients_log:
+        with open(args.own_clients_log, "a") as f:
+            f.write(f"{rank} {own.check(f'rank-{rank}')} {recovery.recoveries}\n")
     ckpt.close()
     dist.barrier()
     if rank == 0:

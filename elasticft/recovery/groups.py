@@ -7,20 +7,24 @@ default group, and how every group of the process is ended while a call may stil
 (torch keeps them on the group and its backend), so the regroup after a failure makes the same
 group again: a hang after a recovery is found within the script's timeout, not torch's default.
 
-**Ending every group** (:func:`end_groups`): the default group, ``new_group`` groups and a
-``DeviceMesh``'s groups are all in torch's table of groups. NCCL's are aborted through torch
-(``_abort_process_group``), which ends the communicators' kernels without waiting for the
-dead peer. Gloo's ``abort`` returns at once but leaves a pending collective waiting (measured on
-torch 2.13: an ``allreduce`` with a silent peer returned only when that peer's process ended):
-its wait is on the group's TCP connections, so the survivor shuts down its own ends of them
-(:func:`end_tcp_connections`). Gloo's connections cannot be told apart from outside gloo, so
-every established TCP connection of the process is shut down: the others a worker has are
-normally its old group's store connection, which the regroup replaces; a script's own
-long-lived TCP client (a metrics exporter, say) sees a reset and has to reconnect. A peer that
-died without closing its sockets (they live on in a child of it, or, on NCCL, there is nothing
-to close) then costs the survivor nothing: gloo's receive sees its own socket end and the
-collective raises "connection closed", which the recovery handles like any peer failure. Only
-this process's descriptors are touched.
+**What the recovery keeps of the group** (:class:`ArmedGroup`): the backend, the rank, the
+world size, those settings and the rank's device, taken once when recovery arms and carried
+through regroups. After a failure the recovery reads nothing of torch's table of groups, which
+an abort of the default group clears.
+
+**Ending every group** (:func:`end_groups`): one sequence of calls on every backend, so the
+code a GPU job runs is the code the CPU tests run. Every group in torch's table (the default
+group, ``new_group`` groups, a ``DeviceMesh``'s groups) is aborted through torch's
+``_abort_process_group``, the default group last, whose abort clears the table
+(:func:`abort_groups`). What differs per backend is only what makes a pending wait return. On
+NCCL the abort ends the communicators' kernels without waiting for the dead peer. Gloo's abort
+returns at once and leaves a pending collective waiting (measured on torch 2.13: an
+``allreduce`` with a silent peer returned only when that peer's process ended); its wait is on
+the group's TCP connections, so the survivor shuts down its own ends of the connections those
+groups made, recorded when they were made (:mod:`elasticft.recovery.sockets`): gloo's receive
+sees end of file and the collective raises "connection closed", which the recovery handles like
+any peer failure. The script's other connections are left alone. ``end_groups`` is the one
+place where torch's revocation of a group in place can take over once a release has it.
 
 **Tearing down and regrouping** (:class:`GroupOps`, :func:`tear_down`, :func:`regroup`): torch's
 functions behind one seam the tests replace; the regroup joins the next generation's store
@@ -32,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -40,14 +43,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticft.recovery import sockets
 from elasticft.recovery.health import ArmedDevice, device_health
 from elasticft.recovery.protocol import Generation
 
 logger = logging.getLogger(__name__)
-
-_ESTABLISHED = "01"
-"""The state of an established connection in ``/proc/net/tcp``."""
-
 
 @dataclasses.dataclass(frozen=True)
 class GroupSettings:
@@ -91,83 +91,80 @@ class GroupSettings:
         return kwargs
 
 
+@dataclasses.dataclass(frozen=True)
+class ArmedGroup:
+    """What the in-process path needs of the script's default group, taken from torch once, when
+    recovery arms. After a failure torch's table of groups may be gone (an abort of the default
+    group clears it), so the recovery reads none of this from torch then."""
+
+    backend: str
+    rank: int
+    world_size: int
+    settings: GroupSettings
+
+    @classmethod
+    def of_default_group(cls) -> ArmedGroup | None:
+        """Read from the live default group (None when there is none)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        backend = str(dist.get_backend())
+        return cls(backend, dist.get_rank(), dist.get_world_size(),
+                   GroupSettings.of_default_group())
+
+    def moved(self, rank: int, world_size: int) -> ArmedGroup:
+        """The same group's facts after a regroup as ``rank`` of ``world_size``."""
+        return dataclasses.replace(self, rank=rank, world_size=world_size)
+
+
 def process_groups() -> list[Any]:
-    """Every process group of this process (the default one first), from torch's table."""
+    """Every process group of this process in torch's table, the default one last."""
     if not (dist.is_available() and dist.is_initialized()):
         return []
     default = dist.distributed_c10d._get_default_group()
     others = [g for g in dist.distributed_c10d._world.pg_map if g is not default]
-    return [default, *others]
+    return [*others, default]
 
 
-def end_groups(backend: str) -> str:
-    """Ends every process group of this process while calls may wait in them; returns how
-    (for the log). Safe from a thread other than the one blocked in a collective."""
+def abort_groups() -> str:
+    """Aborts every process group in torch's table through torch
+    (``_abort_process_group``), the others first and the default group last: its abort aborts
+    what is left and clears torch's table (``dist.is_initialized()`` is False after it). The
+    same calls on every backend: on NCCL they end the communicators' kernels without waiting
+    for a dead peer; gloo's abort returns at once and leaves a pending wait in place
+    (:func:`end_groups` ends it). Returns what was done, for the log."""
     groups = process_groups()
-    if "nccl" in backend.lower():
-        abort = dist.distributed_c10d._abort_process_group
-        for group in groups:
-            try:
-                abort(group)
-            except Exception as e:  # one group's abort must not keep the others alive
-                logger.warning("aborting a process group failed: %s", e)
-        return "abort"
+    abort = dist.distributed_c10d._abort_process_group
+    aborted = 0
     for group in groups:
         try:
-            group.abort()
-        except Exception as e:
-            logger.debug("gloo abort: %s", e)
-    ended = end_tcp_connections()
-    return f"abort+shutdown({ended})"
+            abort(group)
+            aborted += 1
+        except Exception as e:  # one group's abort must not keep the others alive
+            logger.warning("aborting a process group failed: %s", e)
+    initialized = dist.is_available() and dist.is_initialized()
+    return f"abort({aborted} of {len(groups)} groups, default last; is_initialized() " \
+           f"{initialized} after)"
 
 
-def tcp_connections(pid: int | str = "self") -> list[int]:
-    """File descriptors of this process's established TCP connections (IPv4 and IPv6)."""
-    inodes = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] == _ESTABLISHED:
-                        inodes.add(fields[9])
-        except OSError:
-            continue
-    found = []
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return []
-    for name in names:
-        try:
-            target = os.readlink(f"{fd_dir}/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            found.append(int(name))
-    return sorted(found)
+def end_groups(backend: str, waiting: Callable[[], bool] = lambda: True) -> str:
+    """Ends every process group of this process while a call may wait in one; returns how (for
+    the log). Safe from a thread other than the one blocked in a collective.
 
-
-def end_tcp_connections() -> int:
-    """Shuts down this process's established TCP connections (both directions), which ends
-    every wait on them: a pending receive sees end of file. The descriptors stay open (their
-    owners close them). Returns how many were shut down."""
-    ended = 0
-    for fd in tcp_connections():
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-            ended += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return ended
+    The groups are aborted the same way on every backend (:func:`abort_groups`); what makes a
+    pending wait return is the backend's part: on NCCL the abort itself, on gloo a shutdown of
+    the connections those groups made (:mod:`elasticft.recovery.sockets`). Nothing is shut down
+    once ``waiting()`` says the main thread left the call by itself. This function is the one
+    seam where torch's revocation of a group in place can take over once a release has it."""
+    how = abort_groups()
+    if "gloo" not in backend.lower():
+        return how
+    recording = sockets.installed()
+    if recording is None:
+        return f"{how}+no sockets recorded"
+    if not waiting():
+        return f"{how}+nothing shut down (the call returned by itself)"
+    shut, recorded = recording.shut_down()
+    return f"{how}+shutdown({shut} of {recorded} recorded group sockets)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,17 +176,26 @@ survivor's regroup uses the same one, so it meets the replacement's unchanged ca
 
 
 
+def destroy_registered() -> None:
+    """Destroys the process groups still in torch's table (none after an abort of the default
+    group, which cleared it)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @dataclasses.dataclass
 class GroupOps:
     """How a process group is torn down and made: torch's functions, replaceable in tests."""
 
-    abort: Callable[[], None] | None = None
-    """Ends the default group without waiting for its work (NCCL); None: this torch has none."""
-    destroy: Callable[[], None] = dist.destroy_process_group
+    abort: Callable[[], str | None] | None = None
+    """Aborts every group without waiting for its work (:func:`abort_groups`); None: this torch
+    has no ``_abort_process_group``."""
+    destroy: Callable[[], None] = destroy_registered
     init: Callable[..., None] = dist.init_process_group
-    end: Callable[[str], str] = end_groups
+    end: Callable[[str, Callable[[], bool]], str] = end_groups
     """Ends every group of the process from the monitor thread, while the main thread may
-    wait in one (:func:`end_groups`); returns how."""
+    wait in one (:func:`end_groups`: the backend, and whether the main thread still waits);
+    returns how."""
     health: Callable[[float, ArmedDevice], str | None] = device_health
     """Why the rank's device is unfit to rejoin, or None
     (:func:`elasticft.recovery.health.device_health`: the time limit, the armed device)."""
@@ -197,27 +203,29 @@ class GroupOps:
     @classmethod
     def for_torch(cls) -> GroupOps:
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        return cls(abort=abort if callable(abort) else None)
+        return cls(abort=abort_groups if callable(abort) else None)
 
 
 def tear_down(backend: str, ops: GroupOps, device: int | None = None) -> str:
     """Ends this process's process groups; returns how (for the log).
 
-    NCCL: the communicators are aborted first, which returns while their kernels still wait
-    for the dead peer (a plain destroy would wait for them); the CUDA streams then hold no
-    NCCL work, and the caching allocator frees the blocks those kernels used once their
-    streams are synchronised. Gloo's destroy closes its sockets, which also ends the waits of
-    peers that are still inside a collective with this process.
+    The same calls on every backend: every group still in torch's table is aborted
+    (:func:`abort_groups`; none when the monitor's end already did, which cleared the table),
+    then what is still registered is destroyed. On NCCL the abort returns while the
+    communicators' kernels still wait for the dead peer (a plain destroy would wait for them);
+    the CUDA streams then hold no NCCL work, and the caching allocator frees the blocks those
+    kernels used once their streams are synchronised. A gloo group closes its sockets once
+    nothing holds it (:func:`elasticft.recovery.inprocess._release`), which also ends the waits
+    of peers that are still inside a collective with this process.
     """
-    if "nccl" in backend.lower() and ops.abort is not None:
-        ops.abort()
-        if dist.is_initialized():
-            ops.destroy()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize(device)  # the rank's: this may run in a helper thread
-        return "abort"
+    how = "destroy"
+    if ops.abort is not None:
+        how = ops.abort() or "abort"
     ops.destroy()
-    return "destroy"
+    if ("nccl" in backend.lower() and ops.abort is not None
+            and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        torch.cuda.synchronize(device)  # the rank's: this may run in a helper thread
+    return how
 
 
 def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,

@@ -7,8 +7,10 @@ peer fails. When it raises an error of the communication layer (:func:`peer_fail
 survivor
 
 1. **reports** it to the agent (a file in the agent's in-process directory),
-2. **aborts** its process groups (``destroy_process_group``; on NCCL torch's
-   ``_abort_process_group`` first, which ends the communicators' kernels without waiting),
+2. **aborts** its process groups, with the same calls on every backend (torch's
+   ``_abort_process_group`` on each, the default group last, which clears torch's table of
+   groups: :func:`elasticft.recovery.groups.tear_down`); what it needs of its group it took
+   when recovery armed (:class:`elasticft.recovery.groups.ArmedGroup`),
 3. **waits for the agent's next generation**: the agent starts a replacement for the failed
    rank at once, in parallel, from its warm interpreter, and publishes a new store for the
    generation (``generation.json``: its address and port); when the failed rank was on another
@@ -66,13 +68,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch.distributed as dist
-
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
 from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.jsonfile import read_json, write_json
-from elasticft.recovery.groups import GroupOps, GroupSettings, regroup, tear_down
+from elasticft.recovery import sockets
+from elasticft.recovery.groups import ArmedGroup, GroupOps, regroup, tear_down
 from elasticft.recovery.health import ArmedDevice, within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
 from elasticft.recovery.meshes import KeptModules, RebindError, device_meshes
@@ -186,8 +187,10 @@ class InProcess:
         self._first_step_s: float | None = None
         self._restored_at: float | None = None
         """When the script said its restore ended (:meth:`restore_done`)."""
-        self.group_settings = GroupSettings()
-        """What the script asked of its group, read back when recovery arms."""
+        self.group: ArmedGroup | None = None
+        """The script's default group as recovery armed it (backend, rank, world size, the
+        script's settings), kept current through regroups: after a failure nothing of
+        it is read from torch's table of groups, which an abort clears."""
         self.device = ArmedDevice()
         """The rank's device and NVML's baseline for it, taken when recovery arms."""
         self.monitor: Monitor | None = None
@@ -220,17 +223,24 @@ class InProcess:
         self._entered = time.time()
         self._resume_hook = register_optimizer_step_post_hook(self._on_step)
         self._gate_hooks = [register_optimizer_step_pre_hook(self._before_step)]
-        self.group_settings = GroupSettings.of_default_group()
-        self.device = ArmedDevice.arm(self.group_settings.device_id)
+        self.group = ArmedGroup.of_default_group()
+        self.device = ArmedDevice.arm(self.group.settings.device_id if self.group else None)
         if self.modules:
             self._kept = KeptModules.arm(self.modules)
-        if dist.is_available() and dist.is_initialized():
-            backend = str(dist.get_backend())
+        if sockets.installed() is None:  # the bootstrap records from the script's first group
+            sockets.install()
+            if self.group is not None and "gloo" in self.group.backend.lower():
+                logger.warning("the sockets of the groups made before InProcess.run were not "
+                               "recorded: a gloo wait on a silent peer is not ended")
+        if self.group is not None:
+            backend = self.group.backend
             if "nccl" in backend.lower() and (warning := abort_warning(nccl_version())):
                 logger.warning("%s", warning)
-            self.monitor = Monitor(directory, read_json, lambda: self.ops.end(backend))
-            self.monitor.start()
-            self._gate_hooks.append(Checkpointer.register_commit_gate(self.monitor))
+            monitor = Monitor(directory, read_json,
+                              lambda: self.ops.end(backend, lambda: monitor.inside))
+            self.monitor = monitor
+            monitor.start()
+            self._gate_hooks.append(Checkpointer.register_commit_gate(monitor))
         self._write("armed", {"follows_layout": self.follows_layout,
                               "sharded_over": self._kept.sharded_over() if self._kept else []})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
@@ -322,8 +332,7 @@ class InProcess:
 
     def _recoverable(self, error: BaseException) -> bool:
         interrupted = self.monitor is not None and self.monitor.interrupted
-        return (isinstance(error, (Exception, PeerInterrupted)) and dist.is_available()
-                and dist.is_initialized()
+        return (isinstance(error, (Exception, PeerInterrupted)) and self.group is not None
                 and (peer_failure(error) or isinstance(error, PeerInterrupted)
                      or (interrupted and not _device_fault(error))))
 
@@ -336,8 +345,8 @@ class InProcess:
         logger.warning("in-process recovery of generation %d: %s", self.generation, cause)
         self._write("failed", {"cause": cause, "failed": failed_at, **self.measured(),
                                **({"interrupted": interrupted_at} if interrupted_at else {})})
-        backend = str(dist.get_backend())
-        rank, world = dist.get_rank(), dist.get_world_size()
+        assert self.group is not None  # _recoverable
+        backend, rank, world = self.group.backend, self.group.rank, self.group.world_size
         _release(error)
         how = self._bounded_teardown(backend)
         aborted_at = time.time()
@@ -355,7 +364,8 @@ class InProcess:
             logger.warning("reshape: rank %d of %d goes on as rank %d of %d", old_rank, world,
                            rank, generation.world_size)
         regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
-                self.group_settings)
+                self.group.settings)
+        self.group = self.group.moved(rank, generation.world_size)
         regrouped_at = time.time()
         if changed:
             rebound = self._reshape(rank, generation.world_size)

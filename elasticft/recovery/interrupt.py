@@ -183,6 +183,11 @@ class Monitor:
     def interrupted(self) -> bool:
         return self.interrupted_at is not None
 
+    @property
+    def inside(self) -> bool:
+        """Whether the main thread is still in the training function (it has not said it left)."""
+        return self._state != "outside"
+
     def entering(self, generation: int) -> None:
         """The main thread (re-)enters the training function, in ``generation``: from here the
         monitor interrupts it when that generation ends."""

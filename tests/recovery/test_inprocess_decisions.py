@@ -218,12 +218,14 @@ class _Ops:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("backend", "with_abort", "calls", "how"), [
-    ("gloo", True, ["destroy"], "destroy"),
-    ("nccl", True, ["abort"], "abort"),  # aborted communicators: nothing left to destroy
-    ("cuda:nccl,cpu:gloo", True, ["abort"], "abort"),
+    # The same calls on every backend: the abort, then a destroy of what is still registered.
+    ("gloo", True, ["abort", "destroy"], "abort"),
+    ("nccl", True, ["abort", "destroy"], "abort"),
+    ("cuda:nccl,cpu:gloo", True, ["abort", "destroy"], "abort"),
     ("nccl", False, ["destroy"], "destroy"),  # a torch without the abort
+    ("gloo", False, ["destroy"], "destroy"),
 ])
-def test_teardown_aborts_nccl_communicators_and_destroys_gloo(
+def test_teardown_aborts_then_destroys_what_is_left_on_every_backend(
         backend: str, with_abort: bool, calls: list[str], how: str) -> None:
     ops = _Ops(with_abort)
     assert tear_down(backend, ops.ops) == how

@@ -4,8 +4,8 @@ driven through the seams (:class:`GroupOps`, the thread state), no timing left t
 
 1. The survivor's collective raised by itself (the dead peer's sockets closed) while the monitor
    was still ending the groups: the teardown and the regroup must wait until that end is over,
-   or the end shuts down the next generation's connections (their descriptors reuse the numbers
-   it listed) and the regroup fails: the survivor exits 1 and the job restarts.
+   or the end aborts the next generation's group and the regroup fails: the survivor exits 1
+   and the job restarts.
 2. The monitor's asynchronous exception is delivered after the training function has already
    raised, on the way into the recovery: it is absorbed there, not raised out of ``run``.
 """
@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.jsonfile import write_json
-from elasticft.recovery.groups import GroupOps, end_tcp_connections
+from elasticft.recovery import sockets
+from elasticft.recovery.groups import GroupOps, destroy_registered, end_groups
 from elasticft.recovery.inprocess import InProcess
 from elasticft.recovery.interrupt import INTERRUPT_FILE, PeerInterrupted, _raise_in
 from elasticft.recovery.protocol import InProcessSettings, worker_file
@@ -68,23 +69,25 @@ def test_the_teardown_and_regroup_wait_for_the_monitors_end(tmp_path: Path, grou
     order: list[str] = []
     ending, regrouped, ended = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_end(backend: str) -> str:
-        """The monitor's end, descheduled after it listed the connections: it shuts them down
-        only once the main thread regrouped, or after 1 s."""
+    sockets.install()
+
+    def slow_end(backend: str, waiting) -> str:
+        """The monitor's end, descheduled as it starts: it ends the groups only once the main
+        thread regrouped, or after 1 s."""
         order.append("end")
         ending.set()
         regrouped.wait(1.0)
-        count = end_tcp_connections()
+        how = end_groups(backend, waiting)
         order.append("end over")
         ended.set()
-        return f"test({count})"
+        return how
 
     def init(*args, **kwargs) -> None:
         order.append("init")
         dist.init_process_group(*args, **kwargs)
         regrouped.set()
 
-    ops = GroupOps(destroy=lambda: (order.append("destroy"), dist.destroy_process_group()),
+    ops = GroupOps(destroy=lambda: (order.append("destroy"), destroy_registered()),
                    init=init, end=slow_end)
     recovery = InProcess(InProcessSettings(directory=directory, timeout_s=30), ops=ops)
     entries: list[int] = []
@@ -128,7 +131,7 @@ def test_an_interrupt_delivered_on_the_way_into_the_recovery_is_absorbed(
     coordinator = InProcessCoordinator(directory, timeout_s=30)
     coordinator.reset()
     recovery = InProcess(InProcessSettings(directory=directory, timeout_s=30),
-                         ops=GroupOps(end=lambda backend: "test"))
+                         ops=GroupOps(end=lambda backend, waiting: "test"))
     entries: list[int] = []
 
     def train() -> str:
