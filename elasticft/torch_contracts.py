@@ -266,7 +266,7 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: macros.substitute([macros.local_rank], "3") == ["3"],
     # Read by the worker's recorder (diag/recorder.py), which cannot afford importing this
     # module in every worker: it re-decides its wrapping after each process group is created;
-    # wrapped by recovery/sockets.py, which records the connections each group makes.
+    # wrapped by diag/groupsockets.py, which records the connections each group makes.
     "torch.distributed.distributed_c10d._new_process_group_helper and _world.pg_map":
         lambda: callable(getattr(torch.distributed.distributed_c10d,
                                  "_new_process_group_helper", None))

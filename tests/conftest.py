@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.servers import EtcdServer, etcd_cluster, etcd_server  # noqa: F401  (real etcd)
+from tests.servers import EtcdServer, echo_server, etcd_cluster, etcd_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,3 +202,33 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def echo_server() -> Iterator[tuple[str, int]]:
+    """A small TCP echo server on this host, one thread per client: a script's own service."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.5)  # how soon it sees the stop
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            threading.Thread(target=_echo, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()
+    stop.set()
+    server.close()
+
+
+def _echo(conn: socket.socket) -> None:
+    with conn:
+        while data := conn.recv(1024):
+            conn.sendall(data)

@@ -6,8 +6,8 @@ it only adds an import hook. When the script imports ``torch``, the hook lets th
 and then installs the recorder (:func:`elasticft.diag.recorder.install`) when the worker has
 diagnostics rings (:class:`elasticft.diag.ring.RingFiles`), and the optimizer-step recorder
 (:class:`elasticft.steps.AutoStepRecorder`) when it has a step log, and the recording of each
-process group's sockets (:mod:`elasticft.recovery.sockets`) when in-process recovery is on, so it
-sees the script's own ``init_process_group``. A function entrypoint gets
+process group's sockets (:mod:`elasticft.diag.groupsockets`, which in-process recovery needs), so
+it sees the script's own ``init_process_group``. A function entrypoint gets
 its environment only once its process runs, after start-up: :class:`ArmedEntrypoint` arms it
 there instead. Child processes (data
 loader workers started with *spawn*) inherit the environment and so run the bootstrap too; the
@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
+from elasticft.diag import groupsockets
 from elasticft.diag.recorder import OWNER_PID_ENV
 from elasticft.diag.ring import RingFiles, RingUnavailable
-from elasticft.recovery.protocol import DIR_ENV
 from elasticft.steps import STEP_LOG_ENV, AutoStepRecorder, auto_step_path
 
 AUTO_INSTALL_ENV = "ELASTICFT_DIAG_AUTO"
@@ -86,27 +86,19 @@ def wanted(env: Mapping[str, str], pid: int) -> tuple[bool, bool]:
     return diag, bool(env.get(STEP_LOG_ENV))
 
 
-def records_group_sockets(env: Mapping[str, str], pid: int) -> bool:
-    """Whether process ``pid`` records its process groups' sockets (in-process recovery)."""
-    owner = env.get(OWNER_PID_ENV)
-    return bool(env.get(DIR_ENV)) and (not owner or owner == str(pid))
-
-
 def arm(env: Mapping[str, str]) -> bool:
     """Arranges for the recorders to be installed once torch is imported; True if armed."""
     diag, steps = wanted(env, os.getpid())
-    group_sockets = records_group_sockets(env, os.getpid())
-    if not (diag or steps or group_sockets):
+    if not (diag or steps):
         return False
     rank = int(env.get("RANK", "0"))
     files = RingFiles.from_env(env, rank) if diag else None
     step_log = Path(env[STEP_LOG_ENV]) if steps else None
 
     def install(_torch: ModuleType) -> None:
-        if group_sockets:
-            from elasticft.recovery import sockets
-
-            sockets.install()
+        # Every group's sockets, from the script's first group on: in-process recovery ends a
+        # pending gloo wait through them (recording costs a look at /proc per group made).
+        groupsockets.install()
         if files is not None:
             from elasticft.diag import recorder, shimcheck
 

@@ -21,7 +21,7 @@ NCCL the abort ends the communicators' kernels without waiting for the dead peer
 returns at once and leaves a pending collective waiting (measured on torch 2.13: an
 ``allreduce`` with a silent peer returned only when that peer's process ended); its wait is on
 the group's TCP connections, so the survivor shuts down its own ends of the connections those
-groups made, recorded when they were made (:mod:`elasticft.recovery.sockets`): gloo's receive
+groups made, recorded when they were made (:mod:`elasticft.diag.groupsockets`): gloo's receive
 sees end of file and the collective raises "connection closed", which the recovery handles like
 any peer failure. The script's other connections are left alone. ``end_groups`` is the one
 place where torch's revocation of a group in place can take over once a release has it.
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticft.recovery import sockets
+from elasticft.diag import groupsockets
 from elasticft.recovery.health import ArmedDevice, device_health
 from elasticft.recovery.protocol import Generation
 
@@ -152,13 +152,13 @@ def end_groups(backend: str, waiting: Callable[[], bool] = lambda: True) -> str:
 
     The groups are aborted the same way on every backend (:func:`abort_groups`); what makes a
     pending wait return is the backend's part: on NCCL the abort itself, on gloo a shutdown of
-    the connections those groups made (:mod:`elasticft.recovery.sockets`). Nothing is shut down
+    the connections those groups made (:mod:`elasticft.diag.groupsockets`). Nothing is shut down
     once ``waiting()`` says the main thread left the call by itself. This function is the one
     seam where torch's revocation of a group in place can take over once a release has it."""
     how = abort_groups()
     if "gloo" not in backend.lower():
         return how
-    recording = sockets.installed()
+    recording = groupsockets.installed()
     if recording is None:
         return f"{how}+no sockets recorded"
     if not waiting():

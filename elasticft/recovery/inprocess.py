@@ -71,8 +71,8 @@ from typing import Any, TypeVar
 from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
 from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
+from elasticft.diag import groupsockets
 from elasticft.jsonfile import read_json, write_json
-from elasticft.recovery import sockets
 from elasticft.recovery.groups import ArmedGroup, GroupOps, regroup, tear_down
 from elasticft.recovery.health import ArmedDevice, within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
@@ -227,8 +227,8 @@ class InProcess:
         self.device = ArmedDevice.arm(self.group.settings.device_id if self.group else None)
         if self.modules:
             self._kept = KeptModules.arm(self.modules)
-        if sockets.installed() is None:  # the bootstrap records from the script's first group
-            sockets.install()
+        if groupsockets.installed() is None:  # the bootstrap records from the script's first group
+            groupsockets.install()
             if self.group is not None and "gloo" in self.group.backend.lower():
                 logger.warning("the sockets of the groups made before InProcess.run were not "
                                "recorded: a gloo wait on a silent peer is not ended")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -103,33 +101,3 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Path, int]
             return self[key]
 
     return Lazy()
-
-
-@pytest.fixture
-def echo_server() -> Iterator[tuple[str, int]]:
-    """A small TCP echo server on this host, one thread per client: a script's own service."""
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.5)  # how soon it sees the stop
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            threading.Thread(target=_echo, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    yield server.getsockname()
-    stop.set()
-    server.close()
-
-
-def _echo(conn: socket.socket) -> None:
-    with conn:
-        while data := conn.recv(1024):
-            conn.sendall(data)

@@ -22,8 +22,8 @@ import pytest
 import torch.distributed as dist
 
 from elasticft.agent.generations import InProcessCoordinator
+from elasticft.diag import groupsockets
 from elasticft.jsonfile import write_json
-from elasticft.recovery import sockets
 from elasticft.recovery.groups import GroupOps, destroy_registered, end_groups
 from elasticft.recovery.inprocess import InProcess
 from elasticft.recovery.interrupt import INTERRUPT_FILE, PeerInterrupted, _raise_in
@@ -69,7 +69,7 @@ def test_the_teardown_and_regroup_wait_for_the_monitors_end(tmp_path: Path, grou
     order: list[str] = []
     ending, regrouped, ended = threading.Event(), threading.Event(), threading.Event()
 
-    sockets.install()
+    groupsockets.install()
 
     def slow_end(backend: str, waiting) -> str:
         """The monitor's end, descheduled as it starts: it ends the groups only once the main

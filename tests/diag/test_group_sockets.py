@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticft.recovery import sockets
+from elasticft.diag import groupsockets as sockets
+from elasticft.diag.groupsockets import GroupSockets, TcpSocket, made_by_group, still_recorded
 from elasticft.recovery.groups import destroy_registered, end_groups
-from elasticft.recovery.sockets import GroupSockets, TcpSocket, made_by_group, still_recorded
 
 ROOT = Path(__file__).resolve().parents[2]
 EST, LISTEN = "01", "0A"
