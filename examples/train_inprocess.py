@@ -171,27 +171,30 @@ def main() -> None:
         ops.health = lambda limit_s, device: "injected: the device is lost"
     recovery = InProcess(ops=ops)
 
-    def all_reduce_or_garbage(step, bucket):
+    def all_reduce_or_garbage(state, bucket):
         """DDP's all-reduce (the sum of the gradients divided by the world size), except that a
         failed one returns garbage, as an aborted NCCL kernel leaves its buffer, not an error.
         (No annotations: DDP compares them with its own classes, and this module's are
-        strings.) ``step``: the hook's state, the step being taken."""
+        strings.) ``state``: the hook's state, [the step being taken, rank, world size], read
+        before the step: after an abort torch's table of groups is gone, and with it
+        ``dist.get_rank()``."""
+        step, rank, world = state
         buffer = bucket.buffer()
         try:
-            buffer.div_(dist.get_world_size())
+            buffer.div_(world)
             dist.all_reduce(buffer)
         except Exception:
             buffer.fill_(1e3)
             if args.wrong_log:
                 with open(args.wrong_log, "a") as f:
-                    f.write(f"{dist.get_rank()} {os.getpid()} {step[0]}\n")
+                    f.write(f"{rank} {os.getpid()} {step}\n")
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
 
     def train() -> None:
         rank = dist.get_rank()  # read here: a spare takes its rank in InProcess().run
-        current = [0]  # the step the comm hook reports
+        current = [0, rank, dist.get_world_size()]  # the comm hook's state
         if args.wrong_after_interrupt:  # the buffer (a constant mask) needs no broadcast
             model = DistributedDataParallel(net, broadcast_buffers=False)
             model.register_comm_hook(current, all_reduce_or_garbage)
