@@ -158,16 +158,28 @@ class FitRecovery:
         self.restored_step = None
         return entry(*args, **kwargs)
 
-    def checkpointer(self, optimizer: torch.optim.Optimizer) -> Any:
+    def checkpointer(self, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """The checkpointer, made at the first need (the process group exists by then), with
         ``optimizer`` guarded by it."""
         from elasticft.ckpt import Checkpointer
 
         if self._checkpointer is None:
-            self._checkpointer = Checkpointer.from_env(optimizers=[optimizer],
-                                                       **self.checkpoint_defaults)
-        self._checkpointer.watch(optimizer)
+            self._checkpointer = Checkpointer.from_env(**self.checkpoint_defaults)
+        if optimizer is not None:
+            self._checkpointer.watch(optimizer)
         return self._checkpointer
+
+    def newest_common_step(self) -> int | None:
+        """The newest step every rank holds in memory, for a framework that must know it
+        before it makes the objects it is restored into. Collective (one all-reduce on the
+        default group): every rank calls it at the same point of the entry."""
+        own = self.checkpointer().newest_step()
+        if not (dist.is_available() and dist.is_initialized()):
+            return own
+        device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+        agreed = torch.tensor([-1 if own is None else own], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        return None if int(agreed.item()) < 0 else int(agreed.item())
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: Mapping[str, Any]) -> None:
@@ -181,6 +193,10 @@ class FitRecovery:
             self._capture = StateCapture(model, optimizer)
             self._captured = (id(model), id(optimizer))
         checkpointer.save(step, self._capture(extra={**extra, "step": step}))
+        self._steps.record(step)
+
+    def step_done(self, step: int) -> None:
+        """Records a step that is not snapshotted (the last one) for the report."""
         self._steps.record(step)
 
     def restore(self, model: torch.nn.Module,

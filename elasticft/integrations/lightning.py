@@ -80,7 +80,7 @@ class InProcessDDPStrategy(DDPStrategy):
             return
         extra = restored[1]["lightning"]
         for config, state in zip(trainer.lr_scheduler_configs, extra["schedulers"], strict=True):
-            config.scheduler.load_state_dict(state)
+            config.scheduler.load_state_dict(json.loads(state))
         trainer.fit_loop.load_state_dict(json.loads(extra["fit_loop"]))
         # The batches of this epoch done by the restored step (its counters, now loaded).
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
@@ -114,10 +114,15 @@ class InProcessDDPStrategy(DDPStrategy):
         if step == 0 or step == self.recovery.restored_step:
             return  # nothing new since the entry
         self.recovery.save(step, self.lightning_module, self.optimizers[0], {"lightning": {
-            # The loops' state nests dicts with int keys: kept as one JSON string.
+            # JSON strings: a snapshot keeps leaves (not empty containers) under str keys.
             "fit_loop": json.dumps(trainer.fit_loop.state_dict()),
-            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "schedulers": [json.dumps(c.scheduler.state_dict())
+                           for c in trainer.lr_scheduler_configs],
         }})
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.recovery.step_done(self.lightning_module.trainer.global_step)
 
 
 class _SkipOnce:
