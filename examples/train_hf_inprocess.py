@@ -8,7 +8,8 @@ regression model on a seeded dataset, the Trainer's AdamW and linear schedule, o
 on CPU. Faults for tests and demos: ``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at
 the end of optimizer step N, before its snapshot, in the first attempt (the others redo it).
 Rank 0 writes the final parameters to ``--params-out``; every rank appends ``rank pid step``
-lines to ``--pid-log``.
+lines to ``--pid-log``. ``--restart-mode`` calls ``trainer.train()`` instead (the restart mode,
+for comparison).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--pid-log", type=Path)
     parser.add_argument("--params-out", type=Path)
     parser.add_argument("--output-dir", type=Path, default=Path("hf-output"))
+    parser.add_argument("--restart-mode", action="store_true",
+                        help="trainer.train() as it is: the restart mode, for comparison")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -85,7 +88,10 @@ def main() -> None:
         ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=training, train_dataset=Pairs(),
                       callbacks=[Faults(args)])
-    train(trainer)  # in place of trainer.train()
+    if args.restart_mode:
+        trainer.train()
+    else:
+        train(trainer)  # in place of trainer.train()
     if trainer.is_world_process_zero():
         print(f"finished {trainer.state.global_step} steps", flush=True)
         if args.params_out:

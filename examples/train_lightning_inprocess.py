@@ -5,9 +5,11 @@ others a roll-back, not their processes.
 
 The only elasticft line is ``strategy=InProcessDDPStrategy()``. A tiny regression model on a
 seeded dataset, Adam with a step scheduler, over two epochs. Faults for tests and demos:
-``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at the start of optimizer step N+1 in the
-first attempt. Rank 0 writes the final parameters to ``--params-out``; every rank appends
-``rank pid step`` lines to ``--pid-log``.
+``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at the start of optimizer step N+1, before
+the snapshot of step N, in the first attempt (the others redo step N). ``--restart-mode`` trains
+with Lightning's own DDP strategy instead (the restart mode, for comparison). Rank 0 writes the
+final parameters to ``--params-out``; every rank appends ``rank pid step`` lines to
+``--pid-log``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from elasticft.integrations.lightning import InProcessDDPStrategy
@@ -70,6 +73,8 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--pid-log", type=Path)
     parser.add_argument("--params-out", type=Path)
+    parser.add_argument("--restart-mode", action="store_true",
+                        help="Lightning's own DDPStrategy: the restart mode, for comparison")
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -77,15 +82,17 @@ def main() -> None:
     x = torch.randn(48, 8, generator=generator)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
     model = Regression(args.lr)
-    strategy = InProcessDDPStrategy(process_group_backend="gloo")
+    strategy = (DDPStrategy(process_group_backend="gloo") if args.restart_mode
+                else InProcessDDPStrategy(process_group_backend="gloo"))
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         num_nodes=1, strategy=strategy, max_epochs=args.epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Faults(args)])
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
     if trainer.global_rank == 0:
-        print(f"finished {trainer.global_step} steps; {strategy.recovery.recoveries} in-process "
-              "recoveries in this process", flush=True)
+        recoveries = getattr(getattr(strategy, "recovery", None), "recoveries", 0)
+        print(f"finished {trainer.global_step} steps; {recoveries} in-process recoveries in "
+              "this process", flush=True)
         if args.params_out:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                        args.params_out)
