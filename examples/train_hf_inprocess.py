@@ -1,7 +1,7 @@
 """A Hugging Face Trainer script recovered in process: one line, and a failed rank costs the
 others a roll-back, not their processes.
 
-    elasticft-run --standalone --nproc-per-node 2 examples/train_hf_inprocess.py
+    elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 examples/train_hf_inprocess.py
 
 The only elasticft line is ``train(trainer)`` in place of ``trainer.train()``. A tiny
 regression model on a seeded dataset, the Trainer's AdamW and linear schedule, over two epochs,

@@ -1,7 +1,8 @@
 """A Lightning script recovered in process: one strategy object, and a failed rank costs the
 others a roll-back, not their processes.
 
-    elasticft-run --standalone --nproc-per-node 2 examples/train_lightning_inprocess.py
+    elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 \
+        examples/train_lightning_inprocess.py
 
 The only elasticft line is ``strategy=InProcessDDPStrategy()``. A tiny regression model on a
 seeded dataset, Adam with a step scheduler, over two epochs. Faults for tests and demos:
