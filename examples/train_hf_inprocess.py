@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--pid-log", type=Path)
     parser.add_argument("--params-out", type=Path)
     parser.add_argument("--output-dir", type=Path, default=Path("hf-output"))
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="the Trainer's own checkpoints every N steps (0: none)")
     parser.add_argument("--restart-mode", action="store_true",
                         help="trainer.train() as it is: the restart mode, for comparison")
     args = parser.parse_args()
@@ -83,7 +85,8 @@ def main() -> None:
     model = Regression()
     training = TrainingArguments(
         output_dir=str(args.output_dir), per_device_train_batch_size=4,
-        num_train_epochs=args.epochs, learning_rate=1e-2, save_strategy="no", report_to=[],
+        num_train_epochs=args.epochs, learning_rate=1e-2, report_to=[],
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         use_cpu=True, seed=0, logging_steps=1000, disable_tqdm=True, ddp_backend="gloo",
         ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=training, train_dataset=Pairs(),

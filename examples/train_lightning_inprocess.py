@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--pid-log", type=Path)
     parser.add_argument("--params-out", type=Path)
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="Lightning's own ModelCheckpoint every 3 steps into this directory")
     parser.add_argument("--restart-mode", action="store_true",
                         help="Lightning's own DDPStrategy: the restart mode, for comparison")
     args = parser.parse_args()
@@ -83,12 +86,14 @@ def main() -> None:
     x = torch.randn(48, 8, generator=generator)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
     model = Regression(args.lr)
+    checkpoints = [ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=3,
+                                   save_top_k=-1)] if args.checkpoint_dir else []
     strategy = (DDPStrategy(process_group_backend="gloo") if args.restart_mode
                 else InProcessDDPStrategy(process_group_backend="gloo"))
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         num_nodes=1, strategy=strategy, max_epochs=args.epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Faults(args)])
+                        enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Faults(args), *checkpoints])
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
     if trainer.global_rank == 0:
         recoveries = getattr(getattr(strategy, "recovery", None), "recoveries", 0)

@@ -38,7 +38,7 @@ TRANSFORMERS = (("transformers", "transformers"), ("accelerate", "accelerate"))
 require(TRANSFORMERS, "in-process recovery for the Hugging Face Trainer", "hf")
 
 from transformers import TrainerCallback  # noqa: E402
-from transformers.trainer_callback import TrainerState  # noqa: E402
+from transformers.trainer_callback import ExportableState, TrainerState  # noqa: E402
 
 TRAINER_PRIVATE = ("_load_from_checkpoint", "model_wrapped", "_created_lr_scheduler",
                    "_train_batch_size")
@@ -87,7 +87,12 @@ class _Entry:
             return trainer.train(**self.kwargs)
         with tempfile.TemporaryDirectory(prefix="elasticft-resume-") as directory:
             # What the Trainer reads to resume: the step, and the settings it compares.
-            state = TrainerState(global_step=self.resume_step,
+            # The stateful callbacks listed as the Trainer lists them when it starts, so its
+            # own checkpoints can save their states.
+            stateful = [callback for callback in [*trainer.callback_handler.callbacks,
+                                                  trainer.control]
+                        if isinstance(callback, ExportableState)]
+            state = TrainerState(global_step=self.resume_step, stateful_callbacks=stateful,
                                  train_batch_size=trainer._train_batch_size)
             state.compute_steps(trainer.args, max(trainer.args.max_steps, 1))
             state.save_to_json(str(Path(directory) / "trainer_state.json"))
