@@ -124,13 +124,15 @@ class FitRecovery:
         self.checkpoint_defaults = checkpoint_defaults
         """Passed to :meth:`elasticft.ckpt.Checkpointer.from_env` (e.g. ``ckpt_dir``)."""
         self.entries = 0
-        """How often the entry was called in this process."""
+        """How often the entry was called in the current :meth:`run`."""
+        self._saved = False
+        self._runs = 0
         self.restored_step: int | None = None
         """The step the latest entry restored, None when it started from the beginning."""
         self._checkpointer: Any = None
         self._capture: Any = None
         self._captured: tuple[int, int] | None = None
-        self._steps = StepRecorder.from_env()
+        self._steps = StepRecorder(None)
 
     @property
     def recoveries(self) -> int:
@@ -145,18 +147,36 @@ class FitRecovery:
 
     def run(self, entry: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """``entry(*args, **kwargs)``, called again after each in-process recovery."""
-        self.check()
+        self.entries = 0
+        self._steps = StepRecorder.from_env()
+        if self._runs:  # the replacement of a later run would start the script over
+            logger.warning("%s: only the first training run of a process is recovered in "
+                           "process; this one restarts on a failure", self.framework)
+        else:
+            self.check()
+        self._runs += 1
         try:
+            if self._runs > 1:
+                return entry(*args, **kwargs)
             return self.inprocess.run(self._enter, entry, args, kwargs)
-        finally:
+        finally:  # a later run (a second fit) opens them again
             self._steps.close()
             if self._checkpointer is not None:
                 self._checkpointer.close()
+            self._checkpointer, self._capture, self._captured = None, None, None
 
     def _enter(self, entry: Callable[..., _T], args: Any, kwargs: Any) -> _T:
         self.entries += 1
         self.restored_step = None
         return entry(*args, **kwargs)
+
+    @property
+    def resuming(self) -> bool:
+        """Whether this entry resumes from elasticft's memory: an entry again after a
+        recovery, or the first entry of a process that has not trained yet (a replacement, a
+        restarted worker, a relaunch). A second training run of the same process (another
+        ``fit``) goes on from its live state instead. The same on every rank."""
+        return self.entries > 1 or not self._saved
 
     def checkpointer(self, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """The checkpointer, made at the first need (the process group exists by then), with
@@ -193,6 +213,7 @@ class FitRecovery:
             self._capture = StateCapture(model, optimizer)
             self._captured = (id(model), id(optimizer))
         checkpointer.save(step, self._capture(extra={**extra, "step": step}))
+        self._saved = True
         self._steps.record(step)
 
     def step_done(self, step: int) -> None:

@@ -82,7 +82,8 @@ class _Entry:
             trainer.accelerator.free_memory()
             trainer.model_wrapped, trainer.optimizer, trainer.lr_scheduler = self.built
             trainer._created_lr_scheduler = False
-        self.resume_step = self.recovery.newest_common_step()
+        self.resume_step = self.recovery.newest_common_step() if self.recovery.resuming \
+            else None
         if self.resume_step is None:
             return trainer.train(**self.kwargs)
         with tempfile.TemporaryDirectory(prefix="elasticft-resume-") as directory:

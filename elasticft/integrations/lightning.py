@@ -44,6 +44,7 @@ require(LIGHTNING, "in-process recovery for Lightning", "lightning")
 
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.strategies.launchers.launcher import _Launcher  # noqa: E402
+from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
 FIT_ARGS = ("model", "train_dataloaders", "val_dataloaders", "datamodule", "ckpt_path",
             "weights_only")
@@ -72,6 +73,8 @@ class InProcessDDPStrategy(DDPStrategy):
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)  # the DDP wrapper, the optimizers, the schedulers
+        if trainer.state.fn != TrainerFn.FITTING or not self.recovery.resuming:
+            return
         if len(self.optimizers) != 1:
             raise EntryRuleBroken(f"in-process recovery of Lightning takes one optimizer, not "
                                   f"{len(self.optimizers)}")
@@ -166,6 +169,8 @@ class _InProcessLauncher(_Launcher):
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None,
                **kwargs: Any) -> Any:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # validate, test, predict
+            return self.inner.launch(function, *args, trainer=trainer, **kwargs)
         return self.inner.launch(self._recovered, function, *args, trainer=trainer, **kwargs)
 
     def _recovered(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
