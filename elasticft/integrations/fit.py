@@ -19,7 +19,10 @@ entry again after its regroup, and gives the framework's integration the two hal
   loop, scheduler and data position objects.
 
 The framework's own checkpoints are not touched: they are written and loaded as the framework
-does without elasticft. Without ``elasticft-run`` the entry is called once.
+does without elasticft. Without ``elasticft-run`` the entry is called once. Only the first
+training run of a process is recovered in process: a replacement runs the script from its
+start, so it could not meet the survivors in a second ``fit``; a later run goes on from the live
+state and a failure in it restarts the workers, which resume from the same memory.
 
 What the script must not do is checked when recovery arms, before the first entry
 (:func:`entry_problems`, pure, on :class:`EntryFacts`): a collective on the default group
