@@ -11,6 +11,9 @@ etcd-v3 rendezvous        grpcio, pyetcd      ``elasticft[etcd]``
 ``report --plot``         matplotlib          ``elasticft[report]``
 hang stacks               py-spy (program)    ``elasticft[diag]``
 GPU health (NVML)         nvidia-ml-py        ``elasticft[gpu]``
+Lightning in process      lightning           ``elasticft[lightning]``
+HF Trainer in process     transformers,       ``elasticft[hf]``
+                          accelerate
 ========================  ==================  ========================================
 
 py-spy and nvidia-ml-py are also base dependencies, because the features that use them are on

@@ -271,6 +271,11 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         lambda: callable(getattr(torch.distributed.distributed_c10d,
                                  "_new_process_group_helper", None))
         and hasattr(torch.distributed.distributed_c10d._world, "pg_map"),
+    # Read when a framework's in-process recovery arms (integrations/fit.py): collectives run
+    # on the default group before the entry; a backend without the count reads as unknown.
+    "torch.distributed.distributed_c10d._get_default_group()._get_sequence_number_for_group":
+        lambda: callable(getattr(torch.distributed.distributed_c10d, "_get_default_group", None))
+        and hasattr(torch.distributed.ProcessGroup, "_get_sequence_number_for_group"),
     # Replaced for the duration of a save or restore by ckpt/restoring/state.py
     # (optimizer_state_as_is): the state-dict helpers must look it up as a module global when they
     # call it.

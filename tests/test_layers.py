@@ -28,7 +28,8 @@ those under ``TYPE_CHECKING``. From the bottom up:
    the agent, ``recovery.protocol``, the process groups, ``recovery.groups``, and the sharded
    modules a survivor keeps, ``recovery.meshes``), which
    re-enters the training function and rebinds the subsystems' worker APIs to a new rank; the
-   agent drives it.
+   agent drives it. Above it, the **framework integrations** (``integrations``: Lightning,
+   the Hugging Face Trainer) wrap a framework's entry point in it.
 5. **orchestration**: the agent (``agent``, with its warm pool and the order of its add-ons)
    gathers the subsystems' worker environments and collaborators, and plugs them in through the
    add-on interface; recovery (``recovery``) coordinates checkpoints across a rendezvous.
@@ -76,6 +77,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                           "elasticft.recovery.groups", "elasticft.recovery.interrupt",
                           "elasticft.recovery.health", "elasticft.recovery.ncclenv",
                           "elasticft.recovery.protocol", "elasticft.recovery.meshes")),
+    ("framework integrations", ("elasticft.integrations",)),
     ("orchestration", ("elasticft.agent", "elasticft.recovery")),
     ("tools", ("elasticft.report", "elasticft.chaos")),
     ("entry points", ("elasticft.launcher", "elasticft.run", "elasticft.worker", "elasticft")),

@@ -91,3 +91,21 @@ def test_the_cpu_quick_start_runs_in_order_with_a_kill_in_the_middle(
                            capture_output=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from step {steps}" in again.stdout, again.stdout[-2000:]
+
+
+def test_the_in_process_quick_start_keeps_the_survivor_in_its_process(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    """The quick start's in-process command: its output says what the README says it does."""
+    section = re.search(r"^## Quick start: CPU.*?(?=^## )", README.read_text(), re.S | re.M)
+    assert section is not None
+    blocks = FENCE.findall(section.group(0))
+    assert len(blocks) == 2, "the CPU quick start has the restart block and the in-process one"
+    (launch,) = [shlex.split(line) for line in blocks[1].splitlines() if line.strip()]
+    script = next(word for word in launch if word.endswith(".py"))
+    shutil.copytree(ROOT / Path(script).parent, tmp_path / Path(script).parent)
+    out = subprocess.run(program(launch), cwd=tmp_path, env=job_env, text=True,
+                         capture_output=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "rank 0 rejoined in generation 1" in text, text[-3000:]
+    assert "1 in-process recoveries in this process" in text, text[-3000:]

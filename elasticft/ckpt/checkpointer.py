@@ -127,6 +127,15 @@ class Checkpointer:
         self._open(settings, optimizers=self.optimizers, rank=rank, world_size=world_size,
                    dedup_replicas=self.dedup_requested, device_copier=None)
 
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Guards ``optimizer`` as the ones given at construction are: its ``step()`` waits
+        for a snapshot copy in flight. For an optimizer made after this checkpointer (a
+        framework makes a new one each time its training is entered)."""
+        if any(optimizer is known for known in self.optimizers):
+            return
+        self.optimizers = (*self.optimizers, optimizer)
+        self._hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+
     @property
     def closed(self) -> bool:
         return self._closed

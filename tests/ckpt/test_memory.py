@@ -86,6 +86,28 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(60)
+def test_an_optimizer_watched_after_construction_keeps_the_snapshot_exact(prefix: str) -> None:
+    """A framework makes its optimizer after the checkpointer: watch() gives it the pre-step
+    hook the constructor's optimizers get, once however often it is called."""
+    model, optim = trained_model()
+    with Checkpointer(_settings(prefix, slots=2)) as ckpt:
+        ckpt.watch(optim)
+        ckpt.watch(optim)
+        assert ckpt.optimizers == (optim,)
+        request = ckpt.save(1, capture(model, optim, {"step": 1}))
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        model(torch.ones(2, 8)).sum().backward()
+        optim.step()  # waits for the copy in flight: the snapshot stays at step 1
+        assert request.wait(30).status == "memory"
+        step, state = ckpt.load()
+    fresh, fresh_optim = trained_model(seed=1)
+    restore(state, fresh, fresh_optim)
+    assert step == 1
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_writer_killed_mid_save_leaves_previous_snapshot_intact(prefix: str) -> None:

@@ -1,0 +1,108 @@
+"""A Lightning script recovered in process: one strategy object, and a failed rank costs the
+others a roll-back, not their processes.
+
+    elasticft-run --standalone --nproc-per-node 2 --max-restarts 3 \
+        examples/train_lightning_inprocess.py
+
+The only elasticft line is ``strategy=InProcessDDPStrategy()``. A tiny regression model on a
+seeded dataset, Adam with a step scheduler, over two epochs. Faults for tests and demos:
+``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at the start of optimizer step N+1, before
+the snapshot of step N, in the first attempt (the others redo step N). ``--restart-mode`` trains
+with Lightning's own DDP strategy instead (the restart mode, for comparison). Rank 0 writes the
+final parameters to ``--params-out``; every rank appends ``rank pid step`` lines to
+``--pid-log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from elasticft.integrations.lightning import InProcessDDPStrategy
+
+
+class Regression(L.LightningModule):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                       torch.nn.Linear(32, 1))
+        self.lr = lr
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> dict:
+        optim = torch.optim.Adam(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(optim, step_size=4, gamma=0.5)
+        return {"optimizer": optim, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Faults(L.Callback):
+    """Kills a rank at a step, and logs each rank's process at each step."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: object,
+                             batch_idx: int) -> None:
+        first = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and \
+            os.environ.get("ELASTICFT_INPROCESS_GEN", "0") == "0"
+        if first and trainer.global_rank == self.args.fault_rank \
+                and trainer.global_step == self.args.crash_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: object,
+                           batch: object, batch_idx: int) -> None:
+        if self.args.pid_log:
+            with open(self.args.pid_log, "a") as f:
+                f.write(f"{trainer.global_rank} {os.getpid()} {trainer.global_step}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--crash-at-step", type=int, default=-1)
+    parser.add_argument("--pid-log", type=Path)
+    parser.add_argument("--params-out", type=Path)
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="Lightning's own ModelCheckpoint every 3 steps into this directory")
+    parser.add_argument("--restart-mode", action="store_true",
+                        help="Lightning's own DDPStrategy: the restart mode, for comparison")
+    args = parser.parse_args()
+
+    L.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 8, generator=generator)
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+    model = Regression(args.lr)
+    checkpoints = [ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=3,
+                                   save_top_k=-1)] if args.checkpoint_dir else []
+    strategy = (DDPStrategy(process_group_backend="gloo") if args.restart_mode
+                else InProcessDDPStrategy(process_group_backend="gloo"))
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                        num_nodes=1, strategy=strategy, max_epochs=args.epochs, logger=False,
+                        enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Faults(args), *checkpoints])
+    trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
+    if trainer.global_rank == 0:
+        recoveries = getattr(getattr(strategy, "recovery", None), "recoveries", 0)
+        print(f"finished {trainer.global_step} steps; {recoveries} in-process recoveries in "
+              "this process", flush=True)
+        if args.params_out:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                       args.params_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""A framework example run under a real ``elasticft-run --standalone --nproc-per-node 2``
+(gloo), with what the integration tests compare: each rank's processes, the final parameters
+rank 0 wrote, the event log and the report's faults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from elasticft.events import read_events
+from tests.conftest import BIN, EXAMPLES, pids_by_rank
+
+
+def run_job(tmp: Path, script: str, name: str, env: dict[str, str], *extra: str) -> dict:
+    params, pids = tmp / f"{name}.pt", tmp / f"{name}.pid"
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "3", "--run-dir", str(tmp / name), "--ckpt-persist-every", "0",
+           "--monitor-interval", "0.1", str(EXAMPLES / script), "--params-out", str(params),
+           "--pid-log", str(pids), *extra]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-5000:]
+    report = subprocess.run([str(BIN / "elasticft"), "report", str(tmp / name), "--json"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr[-3000:]
+    return {"text": text, "pids": pids_by_rank(pids), "params": torch.load(params),
+            "events": read_events(tmp / name), "report": json.loads(report.stdout)}
+
+
+def assert_recovered_in_process(run: dict, reference: dict) -> None:
+    """Rank 1 was replaced in process, rank 0 kept its process, the run took the reference's
+    steps to the reference's parameters bit for bit, and the report counts the redo."""
+    kinds = [e["kind"] for e in run["events"]]
+    assert "restart" not in kinds, run["text"][-5000:]
+    assert kinds.count("recover_in_process") == 1, run["text"][-5000:]
+    assert len(run["pids"][0]) == 1, run["pids"]
+    assert len(run["pids"][1]) == 2, run["pids"]
+    finished = [line for line in reference["text"].splitlines() if "finished" in line]
+    assert finished and finished[0].split("finished")[1].split(";")[0] in run["text"]
+    assert run["report"]["last_step"] == reference["report"]["last_step"]
+    assert run["params"].keys() == reference["params"].keys()
+    for key, value in reference["params"].items():
+        assert torch.equal(run["params"][key], value), key
+    (fault,) = run["report"]["faults"]
+    assert fault["action"] == "recover_in_process" and fault["rollback_steps"] >= 1, fault

@@ -1,0 +1,30 @@
+"""The Hugging Face Trainer's ``train()`` recovered in process (``elasticft.integrations.hf
+.train``) under a real ``elasticft-run``: rank 1 SIGKILLed mid-training, rank 0 keeps its
+process, and the run ends with an uninterrupted run's steps and parameters, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.jobs import assert_recovered_in_process, run_job
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SCRIPT = "train_hf_inprocess.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_rank_costs_the_survivor_a_rollback_not_its_process(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    reference = run_job(tmp_path, SCRIPT, "reference", job_env)
+    run = run_job(tmp_path, SCRIPT, "fault", job_env, "--crash-at-step", "5", "--save-steps", "3",
+                  "--output-dir", str(tmp_path / "own"))
+    assert_recovered_in_process(run, reference)
+    assert "Trainer entry 2 resumes from step 4" in run["text"]
+    # The Trainer's own checkpoints are written through the recovery as without it.
+    assert sorted(p.name for p in (tmp_path / "own").iterdir()) == [
+        "checkpoint-12", "checkpoint-3", "checkpoint-6", "checkpoint-9"]
