@@ -225,8 +225,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             master_port=worker_group.master_port,
         )
         if self.in_process.news is not None:
-            self.in_process.news.on_rendezvous(self._store, self._round,
-                                               worker_group.group_world_size)
+            self.in_process.news.on_rendezvous(
+                self._store, self._round, worker_group.group_world_size,
+                worker_group.group_rank or 0, worker_group.spec.local_addr or socket.getfqdn())
         group = self.group_info()
         self._each_collaborator("on_rendezvous", lambda c: c.on_rendezvous(group, self._store))
 

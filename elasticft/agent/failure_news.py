@@ -23,10 +23,13 @@ The first agent that sees every node of the round counted starts the next genera
 TCPStore of its own, on a fresh port) and publishes its address (**next**, compare-and-set
 again: exactly one host wins). Every agent writes that address as its node's next generation
 (``generation.json``), and the node whose worker died starts only that worker's replacement
-there. A node whose agent died with it never counts itself in: when :data:`COUNT_IN_LIMIT_S`
-has passed, the **next** record says ``round`` instead (:func:`next_move`), and every agent
-joins the next rendezvous round as before (a standby takes the lost node's place; the survivors
-keep their processes).
+there. A node whose agent died with it never counts itself in: an agent that has waited
+:data:`PROBE_AFTER_S` probes the other agents' control endpoints (each agent listens on one and
+writes it in the round's store; a refused connection is evidence that the agent is gone,
+:mod:`elasticft.rendezvous.liveness`), and with such evidence, or when
+:data:`COUNT_IN_LIMIT_S` has passed without it, the **next** record says ``round`` instead
+(:func:`next_move`): every agent joins the next rendezvous round as before (a standby takes the
+lost node's place; the survivors keep their processes).
 
 **The keys** are named by the round and the recovery's index in it (:data:`ENDED_KEY`): every
 node of a round starts at index 0 and counts the same recoveries, so the keys agree even where
@@ -53,6 +56,7 @@ from elasticft.recovery.roundstore import (
     own_connection,
     text,
 )
+from elasticft.rendezvous import liveness
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +66,16 @@ COUNT_KEY = "elasticft/inprocess/{}/{}/in"
 """Round, index → how many agents have interrupted their workers (a counter)."""
 NEXT_KEY = "elasticft/inprocess/{}/{}/next"
 """Round, index → the :class:`NextGeneration` record (JSON), written once."""
+ENDPOINT_KEY = "elasticft/inprocess/{}/endpoint/{}"
+"""Round, group rank → that node's agent's control endpoint (``host:port``)."""
 
 COUNT_IN_LIMIT_S = 5.0
 """How long the agents wait for every node to count itself in before they take the next
-rendezvous round instead: a live agent counts itself in within a monitor tick of hearing; one
-that has not after this long is taken for lost with its node (the rendezvous then judges)."""
+rendezvous round instead, with no evidence that a node is gone (a probe that got no answer: a
+machine down, a network cut): a live agent counts itself in within a monitor tick of hearing."""
+PROBE_AFTER_S = 0.3
+"""An agent that has waited this long for the others probes their control endpoints (then at
+most every :data:`~elasticft.rendezvous.liveness.PROBE_EVERY_S`)."""
 POLL_S = 0.05
 """How often an agent that waits for the others reads the count and the next record."""
 
@@ -122,15 +131,20 @@ class Move:
     reason: str
 
 
-def next_move(*, counted: int, nodes: int, waited_s: float, limit_s: float) -> Move:
+def next_move(*, counted: int, nodes: int, waited_s: float, limit_s: float,
+              gone: tuple[str, ...] = ()) -> Move:
     """What an agent does while no next record exists (pure): ``counted`` of the round's
     ``nodes`` agents have interrupted their workers, ``waited_s`` since this one counted
-    itself in.
+    itself in; ``gone``: why agents that have not are gone (their probes' verdicts).
 
-    Every node in: host the next generation's store (the first to publish it wins). Past the
-    limit with a node missing: the next rendezvous round, where the lost node is judged."""
+    Every node in: host the next generation's store (the first to publish it wins). A node
+    gone on evidence, or past the limit with a node missing: the next rendezvous round, where
+    the lost node is replaced."""
     if counted >= nodes:
         return Move("host", f"all {nodes} nodes interrupted their workers")
+    if gone:
+        return Move("round", f"{counted} of {nodes} nodes interrupted their workers and "
+                             f"{'; '.join(gone)}: the next rendezvous round replaces it")
     if waited_s >= limit_s:
         return Move("round", f"{counted} of {nodes} nodes interrupted their workers within "
                              f"{limit_s:.0f} s: a node is lost, the next rendezvous round "
@@ -161,6 +175,9 @@ class FailureNews:
         """The newest index this agent has acted on (its recovery began)."""
         self._stop = threading.Event()
         self._watcher: tuple[threading.Thread, Any] | None = None
+        self._endpoint: liveness.ControlEndpoint | None = None
+        """This agent's control endpoint, which the others probe while they wait for it."""
+        self._group_rank = 0
 
     @property
     def available(self) -> bool:
@@ -171,14 +188,25 @@ class FailureNews:
     def index(self) -> int:
         return self._index
 
-    def on_rendezvous(self, store: Any, round_: int, nodes: int) -> None:
-        """A new round: its recoveries count from 0 and its ended keys are watched."""
+    def on_rendezvous(self, store: Any, round_: int, nodes: int, group_rank: int, addr: str
+                      ) -> None:
+        """A new round: its recoveries count from 0, its ended keys are watched, and this
+        agent's control endpoint (on ``addr``) is written for the others to probe."""
         self._stop_watcher()
         with self._lock:
             self._store, self._round, self._nodes = store, round_, nodes
             self._index, self._known, self._acted = 0, {}, -1
+            self._group_rank = group_rank
         if store is None or nodes <= 1:
             return
+        if self._endpoint is None:
+            self._endpoint = liveness.ControlEndpoint(addr)
+        try:
+            store.set(ENDPOINT_KEY.format(round_, group_rank), self._endpoint.endpoint)
+        except run_ending_errors():
+            raise
+        except Exception as e:  # no probe of this node: the others wait for the limit
+            logger.warning("could not write this agent's control endpoint: %s", e)
         self._stop = threading.Event()
         watch_store = own_connection(store)
         interrupt = interrupter(watch_store)
@@ -191,6 +219,8 @@ class FailureNews:
 
     def close(self) -> None:
         self._stop_watcher()
+        if self._endpoint is not None:
+            self._endpoint.close()
 
     def _stop_watcher(self) -> None:
         self._stop.set()
@@ -273,13 +303,19 @@ class FailureNews:
         next_key, count_key = NEXT_KEY.format(round_, index), COUNT_KEY.format(round_, index)
         store.add(count_key, 1)
         started = time.monotonic()
+        probed_at, gone = -liveness.PROBE_EVERY_S, ()
         while True:
-            waited = time.monotonic() - started
+            now = time.monotonic()
+            waited = now - started
             try:
                 if store.check([next_key]):
                     return NextGeneration.from_json(store.get(next_key))
-                move = next_move(counted=store.add(count_key, 0), nodes=self._nodes,
-                                 waited_s=waited, limit_s=self.count_in_limit_s)
+                counted = store.add(count_key, 0)
+                if (counted < self._nodes and waited >= PROBE_AFTER_S
+                        and now - probed_at >= liveness.PROBE_EVERY_S):
+                    probed_at, gone = now, self._gone()
+                move = next_move(counted=counted, nodes=self._nodes, waited_s=waited,
+                                 limit_s=self.count_in_limit_s, gone=gone)
             except run_ending_errors():
                 raise
             except Exception as e:  # the store itself: the rendezvous judges
@@ -297,6 +333,19 @@ class FailureNews:
                 proposal = NextGeneration(True, move.reason)
             return NextGeneration.from_json(store.compare_set(next_key, "",
                                                               proposal.to_json()))
+
+    def _gone(self) -> tuple[str, ...]:
+        """Probes the other agents of the round; why each that is gone on evidence is."""
+        found = []
+        for rank in range(self._nodes):
+            key = ENDPOINT_KEY.format(self._round, rank)
+            if rank == self._group_rank or not self._store.check([key]):
+                continue
+            verdict = liveness.judge(liveness.gather(f"rank {rank}",
+                                                     text(self._store.get(key))))
+            if verdict.kind is liveness.Liveness.DEAD:
+                found.append(verdict.reason)
+        return tuple(found)
 
     def done(self) -> None:
         """The recovery of the current index has its next generation: the next failure is

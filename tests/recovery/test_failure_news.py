@@ -26,10 +26,14 @@ from elasticft.events import EventLog, read_events
     (1, 2, 5.0, "round", "a node is lost"),
     (0, 3, 9.0, "round", "0 of 3"),
     (2, 2, 9.0, "host", "all 2 nodes"),  # everyone in, however late
+    (1, 2, 0.4, "round", "refused"),  # gone on evidence: no need to wait for the limit
+    (2, 2, 0.4, "host", "all 2 nodes"),  # a refusal seen before its node came in: it is in
 ])
 def test_what_a_waiting_agent_does(counted: int, nodes: int, waited_s: float, kind: str,
                                    why: str) -> None:
-    move = next_move(counted=counted, nodes=nodes, waited_s=waited_s, limit_s=5.0)
+    gone = ("agent of node rank 1 is gone: its control endpoint refused the connection",) \
+        if why == "refused" or waited_s == 0.4 else ()
+    move = next_move(counted=counted, nodes=nodes, waited_s=waited_s, limit_s=5.0, gone=gone)
     assert move.kind == kind and why in move.reason
 
 
@@ -40,11 +44,13 @@ def store_server() -> dist.TCPStore:
 
 
 def _news(server: dist.TCPStore, tmp_path: Path, node: str, nodes: int,
-          heard: Callable[[object], None], limit_s: float = 5.0) -> FailureNews:
+          heard: Callable[[object], None], limit_s: float = 5.0, rank: int = 0
+          ) -> FailureNews:
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
                            timeout=timedelta(seconds=30))
     news = FailureNews(EventLog(tmp_path / "events", node), node, heard, limit_s)
-    news.on_rendezvous(dist.PrefixStore("torch.rendezvous.job.0", client), 0, nodes)
+    news.on_rendezvous(dist.PrefixStore("torch.rendezvous.job.0", client), 0, nodes,
+                       rank, "127.0.0.1")
     return news
 
 
@@ -60,7 +66,8 @@ def test_every_node_hears_and_the_nodes_agree_on_one_generation(
         store_server: dist.TCPStore, tmp_path: Path) -> None:
     interrupted = threading.Event()
     a = _news(store_server, tmp_path, "a", 2, lambda _ended: interrupted.set())
-    b = _news(store_server, tmp_path, "b", 2, lambda _ended: pytest.fail("b heard itself"))
+    b = _news(store_server, tmp_path, "b", 2, lambda _ended: pytest.fail("b heard itself"),
+              rank=1)
     try:
         ended = b.publish_ended("rank 3 died")
         assert ended.node == "b" and ended.index == 0
@@ -109,5 +116,21 @@ def test_a_node_that_never_counts_itself_in_sends_everyone_to_the_next_round(
         a.publish_ended("every worker caught a communication error")
         agreed = a.agree(lambda: pytest.fail("no host without every node"))
         assert agreed.round and "a node is lost" in agreed.reason
+    finally:
+        a.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_node_whose_agent_is_gone_sends_everyone_to_the_next_round_at_once(
+        store_server: dist.TCPStore, tmp_path: Path) -> None:
+    """Node b's agent wrote its control endpoint and died (its endpoint closed): a's probe is
+    refused, and a does not wait for the limit."""
+    a = _news(store_server, tmp_path, "a", 2, lambda _ended: None, limit_s=60.0)
+    b = _news(store_server, tmp_path, "b", 2, lambda _ended: None, rank=1)
+    try:
+        b.close()
+        a.publish_ended("every worker caught a communication error")
+        agreed = a.agree(lambda: pytest.fail("no host without every node"))
+        assert agreed.round and "refused" in agreed.reason, agreed
     finally:
         a.close()
