@@ -86,21 +86,31 @@ from elasticft.recovery.protocol import Generation, worker_file
 logger = logging.getLogger(__name__)
 
 
+CHAINED_LIMIT = 2
+"""In-process recoveries begun in a row before one completes: a failure during the last of them
+(the third failure) restarts the group instead."""
+
+
 def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: int,
-            replaceable: str | None, shared_store: bool = False, across_nodes: bool = False
-            ) -> str | None:
+            replaceable: str | None, shared_store: bool = False, across_nodes: bool = False,
+            chained: int = 0) -> str | None:
     """Why this failure cannot be recovered in process (None: it can); pure.
 
     ``failed``: local workers that failed (crashed, hung, or raised while the others did not);
     ``replaceable``: why torch's process context cannot replace one worker, or None;
     ``shared_store``: the rounds' workers share one agent store (``share_tcp_store``), which
     keeps the old group's keys; ``across_nodes``: the nodes share a store where they agree on
-    a generation with only the failed ranks new (:mod:`elasticft.agent.failure_news`).
+    a generation with only the failed ranks new (:mod:`elasticft.agent.failure_news`);
+    ``chained``: recoveries begun since the last one that completed (a failure during one of
+    them begins the next, across nodes, up to :data:`CHAINED_LIMIT`).
     """
     if not armed:
         return "the workers do not all run under elasticft.recovery.inprocess"
-    if recovering:
+    if recovering and not (across_nodes and nodes != 1):
         return "a failure during an in-process recovery"
+    if recovering and chained >= CHAINED_LIMIT:
+        return (f"a failure during in-process recovery {chained} in a row (at most "
+                f"{CHAINED_LIMIT} before one completes)")
     if nodes != 1 and failed and not across_nodes:
         return (f"a worker of this node failed in a job of {nodes} nodes (across nodes only the "
                 f"nodes whose workers all survived regroup in process, as the job's nodes "
@@ -163,6 +173,8 @@ class InProcessRecovery:
     """The news of ended generations across the job's nodes (None: one node only)."""
     armed_pids: dict[int, int | None] = dataclasses.field(default_factory=dict, init=False)
     """The workers (local rank → pid) last seen all armed."""
+    chained: int = dataclasses.field(default=0, init=False)
+    """Recoveries begun since the last one completed (or since the workers started)."""
     _times: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
 
     # -- the agent's lifecycle -----------------------------------------------------------------
@@ -179,6 +191,7 @@ class InProcessRecovery:
         """A full start of the workers: the old records are stale."""
         self.coordinator.reset()
         self.armed_pids = {}
+        self.chained = 0
 
     def on_workers_stopped(self) -> None:
         self.spare.stop()
@@ -256,7 +269,7 @@ class InProcessRecovery:
             armed=self.all_armed(), nodes=group.group_world_size,
             recovering=self.recovering, failed=len(replace), workers=len(pids),
             shared_store=torch_compat.workers_use_agent_store(self._group()),
-            across_nodes=self._across_nodes(),
+            across_nodes=self._across_nodes(), chained=self.chained,
             replaceable=torch_compat.replace_worker_unavailable(self._context()))
 
     def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
@@ -305,6 +318,10 @@ class InProcessRecovery:
     def progress(self, group: GroupInfo, armed: bool) -> Detection | None:
         """Completes a recovery under way, or reports one that is overdue; sees workers that all
         caught a communication error with none exited (a regroup with no replacement)."""
+        heard = self.news.heard() if self.news is not None and (armed or self.recovering) \
+            else None
+        if heard is not None:  # another node ended the generation: this one's are survivors
+            return self._recover_heard(*heard)
         recovery = self.coordinator.recovery
         pids = self.worker_pids()
         if recovery is not None:
@@ -312,6 +329,7 @@ class InProcessRecovery:
             if records is not None:
                 self.coordinator.recovery = None
                 self.coordinator.completed += 1
+                self.chained = 0
                 timings = phases(recovery, records)
                 logger.warning("in-process recovery of generation %d done: %s",
                                recovery.generation, timings)
@@ -339,16 +357,6 @@ class InProcessRecovery:
             return None
         if not armed:
             return None
-        heard = self.news.heard() if self.news is not None else None
-        if heard is not None:  # another node ended the generation: this one's are survivors
-            record, at = heard
-            failed = self._recover(f"node {record.node} ended generation: {record.cause}", (),
-                                   at, in_round=False, across=True)
-            if failed is None:
-                return None
-            return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
-                             f"in-process recovery of node {record.node}'s failure failed: "
-                             f"{failed}")
         waiting = self._waiting_survivors(pids)
         if waiting and len(waiting) < len(pids):
             # A worker's own communication error: its peers may wait in a collective with it
@@ -361,6 +369,20 @@ class InProcessRecovery:
                              f"every worker caught a communication error, rank "
                              f"{by_local[first]} first: {waiting[first][1]}")
         return None
+
+    def _recover_heard(self, record: Any, at: float) -> Detection | None:
+        """Another node ended the generation (:class:`~elasticft.agent.failure_news.Ended`,
+        heard at ``at``): this node's workers regroup with the others (a recovery under way
+        here is superseded, up to :data:`CHAINED_LIMIT` in a row)."""
+        cause = f"node {record.node} ended generation: {record.cause}"
+        if self.recovering and self.chained >= CHAINED_LIMIT:
+            return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                             f"{cause}, during in-process recovery {self.chained} in a row")
+        failed = self._recover(cause, (), at, in_round=False, across=True)
+        if failed is None:
+            return None
+        return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                         f"in-process recovery of node {record.node}'s failure failed: {failed}")
 
     # -- a recovery ------------------------------------------------------------------------------
 
@@ -397,6 +419,11 @@ class InProcessRecovery:
         replace = self._to_replace(pids, failures)
         replaced: dict[int, int] = {}
         self._times = {}
+        if self.coordinator.recovery is not None:  # a failure during it: the next one begins
+            logger.warning("in-process recovery of generation %d superseded: %s",
+                           self.coordinator.generation, cause)
+            self.coordinator.recovery = None
+        self.chained += 1
         try:
             self.coordinator.interrupt(at_step=at_step)
         except OSError as e:  # the survivors then leave when their collectives raise

@@ -9,6 +9,7 @@ worker's sockets stay open (nothing raises in any survivor: only the news interr
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -139,3 +140,43 @@ def test_a_silent_death_on_one_node_is_heard_by_every_node(
         if keeper.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(keeper.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_a_second_worker_killed_after_the_survivors_joined_is_replaced_too(
+        etcd_server: EtcdServer, make_job, reference4: Losses,  # noqa: F811
+        tmp_path: Path) -> None:
+    """Rank 3 dies; as soon as the other node's workers joined the next generation, rank 1 (a
+    survivor of the first recovery, on the other node) is SIGKILLed: it is replaced in a
+    generation after it, with no restart."""
+    pid_log = tmp_path / "pids.log"
+    job = make_job(etcd_server.endpoint, INPROCESS, steps=STEPS, nproc_per_node=2,
+                   extra_train=["--pid-log", str(pid_log), "--fault-rank", str(FAILED_RANK),
+                                "--crash-at-step", str(CRASH_AT), "--crash-mode",
+                                "after-save"])
+    failed, other = _run_with_crash(job)
+    second = int(job.nodes[other].events("workers_started")[0]["pids"]["1"])
+    joined = job.nodes[other].run_dir / "inprocess" / other / "joined-l1.json"
+
+    def rank_1_joined() -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(joined.read_text()).get("generation") == 1
+        return False
+
+    job.wait_for("rank 1 in the next generation", rank_1_joined)
+    os.kill(second, signal.SIGKILL)
+    for name in ("a", "b"):
+        code = job.nodes[name].wait(150)
+        assert code == 0, f"node {name} exited {code}\n{job.outputs()}"
+    _close_after_the_fault(losses_of(job.loss_log), reference4)
+    pids = pids_by_rank(pid_log)
+    assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 2, 2: 1, 3: 2}, pids
+    for name in (failed, other):
+        node = job.nodes[name]
+        assert not node.events("restart"), job.outputs()
+        assert len(node.events("workers_started")) == 1, job.outputs()
+        assert [e["index"] for e in node.events("failure_heard")] == [0, 1]
+        assert node.events("recover_in_process"), job.outputs()
+    replaced = {rank for e in read_events(job.tmp) if e["kind"] == "worker_replaced"
+                for rank in e["replaced"]}
+    assert replaced == {"1", "3"}, replaced
