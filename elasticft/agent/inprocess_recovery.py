@@ -331,6 +331,9 @@ class InProcessRecovery:
                 self.coordinator.completed += 1
                 self.chained = 0
                 timings = phases(recovery, records)
+                if {"agree", "agreed"} <= recovery.times.keys():  # across nodes
+                    timings["agree_s"] = round(recovery.times["agreed"]
+                                               - recovery.times["agree"], 4)
                 logger.warning("in-process recovery of generation %d done: %s",
                                recovery.generation, timings)
                 self.events.emit("recover_in_process", attempt=self.agent.attempt(),
@@ -475,11 +478,13 @@ class InProcessRecovery:
         round instead (None when this node's workers restarted in it)."""
         assert self.news is not None
         news = self.news
+        self._times["agree"] = time.time()
         news.publish_ended(cause)
         spec = self._group().spec
         addr = getattr(spec, "local_addr", None) or socket.getfqdn()
         agreed = news.agree(lambda: self.coordinator.host_store(addr))
         news.done()
+        self._times["agreed"] = time.time()
         if agreed.round:
             logger.warning("no generation across nodes: %s", agreed.reason)
             if replace:  # this node's failed workers restart in the round, with the others
