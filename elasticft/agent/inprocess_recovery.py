@@ -331,9 +331,11 @@ class InProcessRecovery:
                 self.coordinator.completed += 1
                 self.chained = 0
                 timings = phases(recovery, records)
-                if {"agree", "agreed"} <= recovery.times.keys():  # across nodes
-                    timings["agree_s"] = round(recovery.times["agreed"]
-                                               - recovery.times["agree"], 4)
+                times = recovery.times  # across nodes: the agents' own waits
+                for phase, start, end in (("agree_s", "agree", "agreed"),
+                                          ("rendezvous_s", "rendezvous", "rendezvoused")):
+                    if start in times and end in times:
+                        timings[phase] = round(times[end] - times[start], 4)
                 logger.warning("in-process recovery of generation %d done: %s",
                                recovery.generation, timings)
                 self.events.emit("recover_in_process", attempt=self.agent.attempt(),
@@ -417,7 +419,7 @@ class InProcessRecovery:
 
     def _recover(self, cause: str, failures: Sequence[FailureRecord], seen_at: float, *,
                  in_round: bool, at_step: bool = False, across: bool = False) -> str | None:
-        decided_at = time.time()
+        decided_at, decided_mono = time.time(), time.monotonic()
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
         replaced: dict[int, int] = {}
@@ -452,7 +454,7 @@ class InProcessRecovery:
                 return f"{type(e).__name__}: {e}"
         self.coordinator.recovery = Recovery(
             generation.generation, cause, seen_at, decided_at, time.time(), replaced,
-            time.monotonic() + self.coordinator.join_limit_s, times=self._times)
+            decided_mono + self.coordinator.join_limit_s, times=self._times)
         self.armed_pids = {}
         group = self.agent.group_info()
         logger.warning("in-process recovery: generation %d on port %d, replaced local rank(s) "
@@ -544,7 +546,9 @@ class InProcessRecovery:
         before = [(w.global_rank, w.world_size) for w in wg.workers]
         old_layout = plan_worker.layout(self.agent.round_env(wg.workers[0].local_rank))
         self.agent.next_attempt()
+        self._times["rendezvous"] = time.time()
         self.agent.rendezvous()
+        self._times["rendezvoused"] = time.time()
         wg = self._group()
         for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
             worker.id = pids.get(worker.local_rank)

@@ -94,6 +94,7 @@ def _check_only_the_failed_rank_replaced(job: Job, reference: Losses, pid_log: P
         assert len(node.events("workers_started")) == 1, job.outputs()
         done = node.events("recover_in_process")
         assert len(done) == 1, job.outputs()
+        assert "agree_s" in done[0]["phases"] and "rendezvous_s" not in done[0]["phases"]
         heard = node.events("failure_heard")
         assert len(heard) == 1, heard
         assert heard[0]["index"] == 0

@@ -51,8 +51,8 @@ def test_a_lost_node_is_replaced_by_the_standby_and_the_survivor_regroups_in_pro
     done = node.events("recover_in_process")
     assert len(done) == 1, job.outputs()
     assert done[0]["replaced"] == {}  # the standby's new worker took the lost rank
-    assert {"detect_s", "abort_s", "regroup_s", "restore_s", "redo_s", "total_s"} <= set(
-        done[0]["phases"])
+    assert {"detect_s", "abort_s", "regroup_s", "restore_s", "redo_s", "total_s",
+            "agree_s", "rendezvous_s"} <= set(done[0]["phases"])
     assert [e["action"] for e in node.events("decision")] == ["recover_in_process"]
     pids = pids_by_rank(pid_log)
     assert len(pids[0]) == 1, pids  # the survivor (rank 0) never left its process
