@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
+from elasticft import chaos
 from elasticft.events import read_events
 from tests.conftest import BIN, EXAMPLES, pids_by_rank
 from tests.recovery.cluster import Job, Losses, losses_of, reference_losses
 from tests.recovery.conftest import made_once
-from tests.recovery.test_faults import STEPS, make_job  # noqa: F401  (fixture)
+from tests.recovery.test_faults import LONG, STEPS, make_job, with_standby  # noqa: F401
 from tests.servers import EtcdServer
 
 pytestmark = pytest.mark.slow
@@ -40,12 +41,19 @@ order than the uninterrupted run did. One node with 4 workers shows the same dif
 2 ranks a sum of two is the same in any order, and those runs are bit-exact."""
 
 
-def _close_after_the_fault(losses: Losses, reference: Losses) -> None:
+def _first(reference: Losses, steps: int) -> Losses:
+    return Losses({s: v for s, v in reference.values.items() if s <= steps},
+                  {s: n for s, n in reference.logged.items() if s <= steps})
+
+
+def _close_after_the_fault(losses: Losses, reference: Losses, steps: int = STEPS,
+                           fault_at: int = CRASH_AT) -> None:
     """Every step logged; up to the failure bit-exact, after it within :data:`ULPS`."""
+    reference = _first(reference, steps)
     assert set(losses.values) == set(reference.values), (losses.values, reference.values)
     for step, value in reference.values.items():
         got, want = float(losses.values[step]), float(value)
-        if step <= CRASH_AT:
+        if step <= fault_at:
             assert losses.values[step] == value, (step, got, want)
         else:
             assert abs(got - want) <= ULPS * math.ulp(want) * 2 ** 29, (step, got, want)
@@ -53,13 +61,15 @@ def _close_after_the_fault(losses: Losses, reference: Losses) -> None:
 
 @pytest.fixture(scope="session")
 def reference4(tmp_path_factory: pytest.TempPathFactory) -> Losses:
-    """An uninterrupted run of the in-process example on 4 workers (made once per test run)."""
+    """An uninterrupted run of the in-process example on 4 workers (made once per test run),
+    :data:`LONG` steps: a step's loss does not depend on ``--steps``, so its first N steps are an
+    N-step run's (:func:`_first`)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_", "SLURM_"))}
     env["PYTHONUNBUFFERED"] = "1"
 
     def run() -> dict[str, dict[int, Any]]:
-        losses = reference_losses(tmp_path_factory.mktemp("inprocess4"), env, INPROCESS, STEPS,
+        losses = reference_losses(tmp_path_factory.mktemp("inprocess4"), env, INPROCESS, LONG,
                                   nproc=4)
         return {"values": losses.values, "logged": losses.logged}
 
@@ -181,3 +191,32 @@ def test_a_second_worker_killed_after_the_survivors_joined_is_replaced_too(
     replaced = {rank for e in read_events(job.tmp) if e["kind"] == "worker_replaced"
                 for rank in e["replaced"]}
     assert replaced == {"1", "3"}, replaced
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_is_replaced_by_the_standby_and_the_other_nodes_workers_keep_theirs(
+        etcd_server: EtcdServer, make_job, reference4: Losses,  # noqa: F811
+        tmp_path: Path) -> None:
+    """Node b's agent and workers SIGKILLed with a standby waiting: the survivor's 2 workers keep
+    their processes and regroup with the standby's in the next round."""
+    pid_log = tmp_path / "pids.log"
+    job = make_job(etcd_server.endpoint, INPROCESS, steps=LONG, step_time=0.25,
+                   nproc_per_node=2, extra_train=["--pid-log", str(pid_log)])
+    standby = with_standby(job)
+    survivor, _ = chaos.leader_agent(etcd_server.endpoint, job.job_id)
+    lost = next(n for n in job.nodes if n not in (survivor, standby))
+    before = job.last_step()
+    chaos.kill_node(job.tmp, lost)
+    for name in (survivor, standby):
+        code = job.nodes[name].wait(180)
+        assert code == 0, f"node {name} exited {code}\n{job.outputs()}"
+    _close_after_the_fault(losses_of(job.loss_log), reference4, LONG, before)
+    pids = pids_by_rank(pid_log)
+    assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 1, 2: 2, 3: 2}, pids
+    node = job.nodes[survivor]
+    assert not node.events("restart"), job.outputs()
+    assert len(node.events("workers_started")) == 1, job.outputs()
+    done = node.events("recover_in_process")
+    assert len(done) == 1 and done[0]["replaced"] == {}, job.outputs()
+    assert "rendezvous_s" in done[0]["phases"], done[0]["phases"]
+    assert job.nodes[standby].events("workers_started")[-1]["world_size"] == 4
