@@ -168,6 +168,10 @@ class InProcessCoordinator:
             records[local_rank] = record
         return records
 
+    def joined_by(self, local_rank: int, pid: int | None) -> bool:
+        """Whether that worker joined the current generation's group (it had formed)."""
+        return self._record("joined", local_rank, pid, self.generation) is not None
+
     def joined(self, pids: Mapping[int, int | None]) -> bool:
         """Whether every worker has its ``joined`` record of the current generation."""
         return all(self._record("joined", lr, pid, self.generation) is not None

@@ -285,6 +285,9 @@ class InProcessRecovery:
         local_ranks = [by_global[r] for r in exited if r in by_global]
         if not local_ranks or any(lr in recovery.replaced for lr in local_ranks):
             return False  # a replacement that failed: the restart
+        if any(self.coordinator.joined_by(by_global[r], exited[r].pid)
+               for r in exited if r in by_global):
+            return False  # its group had formed: a replacement cannot join it (a new failure)
         records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
                    for lr in local_ranks}
         attempt = self.agent.attempt()
