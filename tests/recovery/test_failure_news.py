@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticft.agent.failure_news import FailureNews, NextGeneration, next_move
-from elasticft.events import EventLog, read_events
+from elasticft.events import EventLog, failures_heard_lines, read_events
 
 
 @pytest.mark.timeout(30)
@@ -134,3 +134,20 @@ def test_a_node_whose_agent_is_gone_sends_everyone_to_the_next_round_at_once(
         assert agreed.round and "refused" in agreed.reason, agreed
     finally:
         a.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_report_says_who_heard_first_and_how_long_after_the_others_did() -> None:
+    def heard(node: str, source: str, at: float, after: float, index: int = 0) -> dict:
+        return {"kind": "failure_heard", "node": node, "source": source, "round": 2,
+                "index": index, "heard": at, "after_s": after, "cause": "rank 3 died"}
+
+    events = [heard("b", "b", 10.0, 0.0), heard("a", "b", 10.012, 0.012),
+              heard("a", "a", 20.0, 0.0, 1), {"kind": "decision"}]
+    found, text = failures_heard_lines(events)
+    assert len(found) == 3
+    assert text.splitlines()[0] == ("failure heard (round 2, recovery 0) from node b: b (first), "
+                                    "a after 0.012 s; cause: rank 3 died")
+    assert "(round 2, recovery 1) from node a: a (first)" in text
+    assert failures_heard_lines([{"kind": "decision"}]) == (
+        [], "failure heard across nodes: none")
