@@ -218,17 +218,23 @@ class FailureNews:
         thread.start()
 
     def close(self) -> None:
-        self._stop_watcher()
+        """Stops the watcher and waits for it to leave its store call (a thread must not be in
+        one when the interpreter exits: :data:`~elasticft.recovery.roundstore.WATCH_WAKE_S`)."""
+        thread = self._stop_watcher()
+        if thread is not None:
+            thread.join(WATCH_WAKE_S + 1.0)
         if self._endpoint is not None:
             self._endpoint.close()
 
-    def _stop_watcher(self) -> None:
+    def _stop_watcher(self) -> threading.Thread | None:
         self._stop.set()
-        if self._watcher is not None:
-            thread, interrupt = self._watcher
-            if interrupt is not None:
-                interrupt(thread)
-            self._watcher = None
+        if self._watcher is None:
+            return None
+        thread, interrupt = self._watcher
+        if interrupt is not None:
+            interrupt(thread)
+        self._watcher = None
+        return thread
 
     # -- hearing ------------------------------------------------------------------------------
 
