@@ -83,6 +83,29 @@ class EventLog:
                 self._file.close()
 
 
+def failures_heard_lines(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """When each node heard of each failure across nodes and from whom (``failure_heard``
+    events), and lines saying so: one per recovery, the node that knew first, then the others
+    with how long after its record they heard."""
+    heard = [e for e in events if e.get("kind") == "failure_heard"]
+    if not heard:
+        return [], "failure heard across nodes: none"
+    by_recovery: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for event in heard:
+        by_recovery.setdefault((int(event.get("round", -1)), int(event.get("index", 0))),
+                               []).append(event)
+    lines = []
+    for (round_, index), found in sorted(by_recovery.items()):
+        source = found[0].get("source")
+        nodes = ", ".join(
+            f"{e.get('node')} (first)" if e.get("node") == e.get("source")
+            else f"{e.get('node')} after {float(e.get('after_s', 0.0)):.3f} s"
+            for e in sorted(found, key=lambda e: float(e.get("heard", 0.0))))
+        lines.append(f"failure heard (round {round_}, recovery {index}) from node {source}: "
+                     f"{nodes}; cause: {found[0].get('cause')}")
+    return heard, "\n  ".join(lines)
+
+
 def snapshots_skipped_line(events: list[dict[str, Any]]) -> tuple[int, str]:
     """How many saves workers could not take (``snapshot_skipped``), and a line saying so."""
     skipped = [e for e in events if e.get("kind") == "snapshot_skipped"]

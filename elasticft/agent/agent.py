@@ -51,6 +51,7 @@ from elasticft.addon.policy import (
     root_cause,
 )
 from elasticft.agent import console, lifeline
+from elasticft.agent.failure_news import FailureNews
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.agent.inprocess_recovery import AgentSide, InProcessRecovery
 from elasticft.agent.replace import ending_exits, failed_exits, notify_before_survivors_stopped
@@ -160,7 +161,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                                      node_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"),
                                                glob.glob(GPU_DEVICE_GLOB))),
             events, self._agent_side(), shutdown_timeout=shutdown_timeout,
-            attempt_env=ATTEMPT_ENV)
+            attempt_env=ATTEMPT_ENV,
+            news=FailureNews(events, node_id, lambda _ended: generations.interrupt()))
         """In-process recovery (:mod:`elasticft.agent.inprocess_recovery`)."""
         self._decided: tuple[FailureRecord, ...] = ()
         self._seen_at = 0.0
@@ -222,6 +224,10 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             master_addr=worker_group.master_addr,
             master_port=worker_group.master_port,
         )
+        if self.in_process.news is not None:
+            self.in_process.news.on_rendezvous(
+                self._store, self._round, worker_group.group_world_size,
+                worker_group.group_rank or 0, worker_group.spec.local_addr or socket.getfqdn())
         group = self.group_info()
         self._each_collaborator("on_rendezvous", lambda c: c.on_rendezvous(group, self._store))
 

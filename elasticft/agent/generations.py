@@ -145,6 +145,23 @@ class InProcessCoordinator:
         self.published = generation
         return generation
 
+    def host_store(self, master_addr: str) -> tuple[str, int]:
+        """Starts a store for the next generation of a job of several nodes, which the nodes
+        may agree on (:mod:`elasticft.agent.failure_news`); returns its address and port."""
+        store = dist.TCPStore(master_addr, 0, is_master=True, multi_tenant=True,
+                              wait_for_workers=False)
+        self._stores = [*self._stores[-1:], store]
+        return master_addr, store.port
+
+    def adopt(self, master_addr: str, master_port: int, world_size: int) -> Generation:
+        """Tells the survivors the next generation the nodes agreed on: an agent's store (this
+        agent's or another node's), every rank a client of it."""
+        self.generation += 1
+        generation = Generation(self.generation, master_addr, master_port, world_size)
+        generation.write(self.directory)
+        self.published = generation
+        return generation
+
     def publish_round(self, master_addr: str, master_port: int, world_size: int,
                       agent_store: bool, env: Mapping[str, Mapping[str, str]] | None = None
                       ) -> Generation:
@@ -182,6 +199,10 @@ class InProcessCoordinator:
                 return None
             records[local_rank] = record
         return records
+
+    def joined_by(self, local_rank: int, pid: int | None) -> bool:
+        """Whether that worker joined the current generation's group (it had formed)."""
+        return self._record("joined", local_rank, pid, self.generation) is not None
 
     def joined(self, pids: Mapping[int, int | None]) -> bool:
         """Whether every worker has its ``joined`` record of the current generation."""

@@ -41,11 +41,18 @@ A communication error raised by a worker that is itself alive and waiting (every
 ``failed`` in the current generation, none exited) is recovered the same way with no process
 replaced: all of them regroup.
 
-**Across nodes** that is how another node's failure looks here, a lost node's too: the agent
-joins the next rendezvous round with its workers still running (a warm standby takes the lost
-node's place there, with its ranks) and publishes that round's worker address as the next
-generation (``InProcessCoordinator.publish_round``; the survivor of rank 0 hosts the store,
-as torch's ``env://`` would). The other nodes' new workers meet the survivors there. A round
+**Across nodes** every node hears of the failure at once and only the failed rank gets a new
+process (:mod:`elasticft.agent.failure_news`): the agent that knows first ends the generation
+in the job's shared store, every other agent writes its node's interrupt notice as soon as it
+sees that, and the agents agree there on the next generation, over the same world, on a store
+one of them hosts (``InProcessCoordinator.host_store`` and ``adopt``); the failed worker's node
+starts just that worker's replacement, its other workers regroup as survivors. A node lost with
+its agent never joins that agreement: then the agents join the next rendezvous round with their
+workers still running (a warm standby takes the lost node's place there, with its ranks) and
+publish that round's worker address as the next generation
+(``InProcessCoordinator.publish_round``; the survivor of rank 0 hosts the store, as torch's
+``env://`` would; a node with a failed worker restarts its workers in that round). The other
+nodes' new workers meet the survivors there. A round
 that gives this node's workers other ranks or another world (a node lost with no standby, a
 node that joins: :meth:`InProcessRecovery.grow`) is a *reshape*:
 :func:`elasticft.agent.reshape.decide` says whether the survivors renumber and go on in process
@@ -64,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -73,6 +81,7 @@ from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import Action
 from elasticft.agent import placement, reshape
+from elasticft.agent.failure_news import FailureNews
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.agent.placement import died_of_device_fault
 from elasticft.agent.recovery_timing import Recovery, phases
@@ -89,26 +98,39 @@ from elasticft.recovery.protocol import Generation, worker_file
 logger = logging.getLogger(__name__)
 
 
+CHAINED_LIMIT = 2
+"""In-process recoveries begun in a row before one completes: a failure during the last of them
+(the third failure) restarts the group instead."""
+
+
 def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: int,
-            replaceable: str | None, shared_store: bool = False) -> str | None:
+            replaceable: str | None, shared_store: bool = False, across_nodes: bool = False,
+            chained: int = 0) -> str | None:
     """Why this failure cannot be recovered in process (None: it can); pure.
 
     ``failed``: local workers that failed (crashed, hung, or raised while the others did not);
     ``replaceable``: why torch's process context cannot replace one worker, or None;
     ``shared_store``: the rounds' workers share one agent store (``share_tcp_store``), which
-    keeps the old group's keys.
+    keeps the old group's keys; ``across_nodes``: the nodes share a store where they agree on
+    a generation with only the failed ranks new (:mod:`elasticft.agent.failure_news`);
+    ``chained``: recoveries begun since the last one that completed (a failure during one of
+    them begins the next, across nodes, up to :data:`CHAINED_LIMIT`).
     """
     if not armed:
         return "the workers do not all run under elasticft.recovery.inprocess"
-    if recovering:
+    if recovering and not (across_nodes and nodes != 1):
         return "a failure during an in-process recovery"
-    if nodes != 1 and failed:
+    if recovering and chained >= CHAINED_LIMIT:
+        return (f"a failure during in-process recovery {chained} in a row (at most "
+                f"{CHAINED_LIMIT} before one completes)")
+    if nodes != 1 and failed and not across_nodes:
         return (f"a worker of this node failed in a job of {nodes} nodes (across nodes only the "
-                f"nodes whose workers all survived regroup in process)")
+                f"nodes whose workers all survived regroup in process, as the job's nodes "
+                f"share no store)")
     if nodes != 1 and shared_store:
         return ("the rounds' workers share the agent's store (share_tcp_store), which keeps the "
                 "old group's keys")
-    if failed >= workers:
+    if failed >= workers and not (nodes != 1 and across_nodes):  # other nodes' survive
         return "no worker survived"
     return replaceable
 
@@ -159,8 +181,12 @@ class InProcessRecovery:
     shutdown_timeout: float = dataclasses.field(kw_only=True)
     attempt_env: str = dataclasses.field(kw_only=True)
     """The worker variable that numbers the attempts (the agent's)."""
+    news: FailureNews | None = dataclasses.field(default=None, kw_only=True)
+    """The news of ended generations across the job's nodes (None: one node only)."""
     armed_pids: dict[int, int | None] = dataclasses.field(default_factory=dict, init=False)
     """The workers (local rank → pid) last seen all armed."""
+    chained: int = dataclasses.field(default=0, init=False)
+    """Recoveries begun since the last one completed (or since the workers started)."""
     _times: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
     _killed: dict[int, str] = dataclasses.field(default_factory=dict, init=False)
     """The survivors this recovery killed past their limit (local rank → why)."""
@@ -180,6 +206,7 @@ class InProcessRecovery:
         self.coordinator.reset()
         self.armed_pids = {}
         self._killed = {}
+        self.chained = 0
 
     def on_workers_stopped(self) -> None:
         self.spare.stop()
@@ -192,7 +219,13 @@ class InProcessRecovery:
                         recovering=self.recovering)
 
     def close(self) -> None:
+        if self.news is not None:
+            self.news.close()
         self.coordinator.close()
+
+    def _across_nodes(self) -> bool:
+        return (self._group().group_world_size > 1 and self.news is not None
+                and self.news.available)
 
     # -- what the agent asks at a monitor tick -------------------------------------------------
 
@@ -251,6 +284,7 @@ class InProcessRecovery:
             armed=self.all_armed(), nodes=group.group_world_size,
             recovering=self.recovering, failed=len(replace), workers=len(pids),
             shared_store=torch_compat.workers_use_agent_store(self._group()),
+            across_nodes=self._across_nodes(), chained=self.chained,
             replaceable=torch_compat.replace_worker_unavailable(self._context()))
         if why is None and replace:
             why = self._unplaceable(replace, self._device_faults(failures))
@@ -302,6 +336,9 @@ class InProcessRecovery:
         local_ranks = [by_global[r] for r in exited if r in by_global]
         if not local_ranks or any(lr in recovery.replaced for lr in local_ranks):
             return False  # a replacement that failed: the restart
+        if any(self.coordinator.joined_by(by_global[r], exited[r].pid)
+               for r in exited if r in by_global):
+            return False  # its group had formed: a replacement cannot join it (a new failure)
         records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
                    for lr in local_ranks}
         faults = {lr: died_of_device_fault(str(records[lr].get("why", "")))
@@ -345,6 +382,10 @@ class InProcessRecovery:
     def progress(self, group: GroupInfo, armed: bool) -> Detection | None:
         """Completes a recovery under way, or reports one that is overdue; sees workers that all
         caught a communication error with none exited (a regroup with no replacement)."""
+        heard = self.news.heard() if self.news is not None and (armed or self.recovering) \
+            else None
+        if heard is not None:  # another node ended the generation: this one's are survivors
+            return self._recover_heard(*heard)
         recovery = self.coordinator.recovery
         pids = self.worker_pids()
         if recovery is not None:
@@ -352,7 +393,13 @@ class InProcessRecovery:
             if records is not None:
                 self.coordinator.recovery = None
                 self.coordinator.completed += 1
+                self.chained = 0
                 timings = phases(recovery, records)
+                times = recovery.times  # across nodes: the agents' own waits
+                for phase, start, end in (("agree_s", "agree", "agreed"),
+                                          ("rendezvous_s", "rendezvous", "rendezvoused")):
+                    if start in times and end in times:
+                        timings[phase] = round(times[end] - times[start], 4)
                 logger.warning("in-process recovery of generation %d done: %s",
                                recovery.generation, timings)
                 self.events.emit("recover_in_process", attempt=self.agent.attempt(),
@@ -406,6 +453,20 @@ class InProcessRecovery:
                              reason=overrun.reason, **overrun.evidence)
             procs.kill([torch_compat.worker_process(self._context(), overrun.local_rank)])
 
+    def _recover_heard(self, record: Any, at: float) -> Detection | None:
+        """Another node ended the generation (:class:`~elasticft.agent.failure_news.Ended`,
+        heard at ``at``): this node's workers regroup with the others (a recovery under way
+        here is superseded, up to :data:`CHAINED_LIMIT` in a row)."""
+        cause = f"node {record.node} ended generation: {record.cause}"
+        if self.recovering and self.chained >= CHAINED_LIMIT:
+            return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                             f"{cause}, during in-process recovery {self.chained} in a row")
+        failed = self._recover(cause, (), at, in_round=False, across=True)
+        if failed is None:
+            return None
+        return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
+                         f"in-process recovery of node {record.node}'s failure failed: {failed}")
+
     # -- a recovery ------------------------------------------------------------------------------
 
     def may_grow(self) -> bool:
@@ -429,24 +490,41 @@ class InProcessRecovery:
                 ) -> str | None:
         """Replaces the failed workers and publishes the next generation; returns why that
         failed (the agent then restarts the group through its restart path), or None."""
+        across = self._across_nodes()
         return self._recover(action.reason, failures, seen_at,
-                             in_round=self._group().group_world_size > 1)
+                             in_round=self._group().group_world_size > 1 and not across,
+                             across=across)
 
     def _recover(self, cause: str, failures: Sequence[FailureRecord], seen_at: float, *,
-                 in_round: bool, at_step: bool = False) -> str | None:
-        decided_at = time.time()
+                 in_round: bool, at_step: bool = False, across: bool = False) -> str | None:
+        decided_at, decided_mono = time.time(), time.monotonic()
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
         replaced: dict[int, int] = {}
         self._times = {}
+        if self.coordinator.recovery is not None:  # a failure during it: the next one begins
+            logger.warning("in-process recovery of generation %d superseded: %s",
+                           self.coordinator.generation, cause)
+            self.coordinator.recovery = None
+        self.chained += 1
         try:
             self.coordinator.interrupt(at_step=at_step)
         except OSError as e:  # the survivors then leave when their collectives raise
             logger.warning("could not write the interrupt notice: %s", e)
-        if in_round:  # another node's worker failed, or nodes join
+        if in_round:  # nodes join (or no store the nodes share)
             generation = self._next_round_generation(pids)
             if generation is None:
                 return None
+        elif across:  # the nodes agree on the next generation in the job's shared store
+            try:
+                agreed = self._agree_across_nodes(pids, replace, cause,
+                                                   self._device_faults(failures))
+            except Exception as e:  # anything: the restart starts from the same snapshots
+                logger.exception("could not agree on the next generation across nodes")
+                return f"{type(e).__name__}: {e}"
+            if agreed is None:
+                return None
+            generation, replaced = agreed
         else:
             try:
                 generation, replaced = self._replace_in_process(
@@ -459,7 +537,7 @@ class InProcessRecovery:
             generation.generation - 1, published_at, at_step)
         self.coordinator.recovery = Recovery(
             generation.generation, cause, seen_at, decided_at, published_at, replaced,
-            time.monotonic() + self.coordinator.join_limit_s, times=self._times,
+            decided_mono + self.coordinator.join_limit_s, times=self._times,
             notified_at=notified_at, at_step=notice_at_step)
         self._killed = {}
         self.armed_pids = {}
@@ -479,18 +557,50 @@ class InProcessRecovery:
         workers = self._group().workers
         return {str(workers[local_rank].global_rank): pid for local_rank, pid in by_local.items()}
 
-    def _replace_in_process(self, replace: list[int], faults: Mapping[int, bool]
+    def _agree_across_nodes(self, pids: dict[int, int | None], replace: list[int], cause: str,
+                            faults: Mapping[int, bool]
+                            ) -> tuple[Generation, dict[int, int]] | None:
+        """Ends the generation on every node, agrees with the other agents on the next one
+        (:mod:`elasticft.agent.failure_news`) and replaces this node's failed workers there;
+        returns it and their pids. When a node is lost the agents take the next rendezvous
+        round instead (None when this node's workers restarted in it)."""
+        assert self.news is not None
+        news = self.news
+        self._times["agree"] = time.time()
+        news.publish_ended(cause)
+        spec = self._group().spec
+        addr = getattr(spec, "local_addr", None) or socket.getfqdn()
+        agreed = news.agree(lambda: self.coordinator.host_store(addr))
+        news.done()
+        self._times["agreed"] = time.time()
+        if agreed.round:
+            logger.warning("no generation across nodes: %s", agreed.reason)
+            if replace:  # this node's failed workers restart in the round, with the others
+                self.agent.rendezvous()
+                self.agent.restart_in_round(f"{cause}; {agreed.reason}")
+                return None
+            generation = self._next_round_generation(pids)
+            return None if generation is None else (generation, {})
+        world = self._group().workers[0].world_size
+        logger.warning("generation across nodes on node %s's store %s:%d (%s)", agreed.host,
+                       agreed.master_addr, agreed.master_port, agreed.reason)
+        return self._replace_in_process(replace, faults, lambda: self.coordinator.adopt(
+            agreed.master_addr, agreed.master_port, world))
+
+    def _replace_in_process(self, replace: list[int], faults: Mapping[int, bool],
+                            publish: Callable[[], Generation] | None = None
                             ) -> tuple[Generation, dict[int, int]]:
-        """Kills the failed local workers, publishes the next generation on a store of this
-        agent's and starts their replacements at once, each on the GPU
-        :func:`elasticft.agent.placement.replacement_gpu` allows (``faults``: local ranks
+        """Kills the failed local workers, publishes the next generation (``publish``; by
+        default on a store of this agent's) and starts their replacements at once, each on the
+        GPU :func:`elasticft.agent.placement.replacement_gpu` allows (``faults``: local ranks
         whose worker died of a device fault); returns it and their pids."""
         context, group = self._context(), self._group()
         times = self._times
 
         def publish_and_start() -> tuple[Generation, dict[int, int]]:
             world = group.workers[0].world_size
-            generation = self.coordinator.publish(group.master_addr or "127.0.0.1", world)
+            generation = (publish() if publish is not None else
+                          self.coordinator.publish(group.master_addr or "127.0.0.1", world))
             attempt = self.agent.next_attempt()
 
             def env_of(env: Any) -> dict[str, str]:
@@ -529,7 +639,9 @@ class InProcessRecovery:
         before = [(w.global_rank, w.world_size) for w in wg.workers]
         old_layout = plan_worker.layout(self.agent.round_env(wg.workers[0].local_rank))
         self.agent.next_attempt()
+        self._times["rendezvous"] = time.time()
         self.agent.rendezvous()
+        self._times["rendezvoused"] = time.time()
         wg = self._group()
         for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
             worker.id = pids.get(worker.local_rank)

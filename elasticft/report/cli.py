@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticft import extras
-from elasticft.events import read_events, sdc_line, snapshots_skipped_line
+from elasticft.events import failures_heard_lines, read_events, sdc_line, snapshots_skipped_line
 from elasticft.report import whatif
 from elasticft.report.eventsonly import format_summary, summarize
 from elasticft.report.tor import ReportError, StepsUnknown, analyze, format_report
@@ -42,8 +42,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
         summary = summarize(events, str(e))
         skipped, line = snapshots_skipped_line(events)
         sdc, sdc_text = sdc_line(events)
-        return _print(args, summary.to_json() | {"snapshots_skipped": skipped, "sdc": sdc},
-                      f"{format_summary(summary)}\n  {line}\n  {sdc_text}",
+        heard, heard_text = failures_heard_lines(events)
+        return _print(args, summary.to_json() | {"snapshots_skipped": skipped, "sdc": sdc,
+                                                 "failures_heard": heard},
+                      f"{format_summary(summary)}\n  {line}\n  {sdc_text}\n  {heard_text}",
                       f"no timeline drawn: {summary.why_no_tor}")
     except ReportError as e:
         raise CliError(f"{run_dir}: {e}") from None
@@ -53,8 +55,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
         plot_timeline(analysis, args.plot)
     skipped, line = snapshots_skipped_line(events)
     sdc, sdc_text = sdc_line(events)
-    return _print(args, analysis.to_json() | {"snapshots_skipped": skipped, "sdc": sdc},
-                  f"{format_report(analysis)}\n\n  {line}\n  {sdc_text}",
+    heard, heard_text = failures_heard_lines(events)
+    return _print(args, analysis.to_json() | {"snapshots_skipped": skipped, "sdc": sdc,
+                                              "failures_heard": heard},
+                  f"{format_report(analysis)}\n\n  {line}\n  {sdc_text}\n  {heard_text}",
                   f"timeline: {args.plot}")
 
 

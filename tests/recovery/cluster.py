@@ -76,7 +76,8 @@ class Job:
     def __init__(self, tmp: Path, env: dict[str, str], endpoint: str, job_id: str,
                  script: Path, steps: int, step_time: float = 0.15,
                  extra_agent: list[str] | None = None, extra_train: list[str] | None = None,
-                 extra_tuning: dict[str, object] | None = None) -> None:
+                 extra_tuning: dict[str, object] | None = None, nproc_per_node: int = 1
+                 ) -> None:
         self.tmp = tmp
         # One thread per worker, as torchrun sets for several workers per node: the reference
         # runs 2 workers on one node, and thread counts change float reduction order.
@@ -94,6 +95,7 @@ class Job:
         self.extra_agent = extra_agent or []
         self.tuning = {**AGENT_TUNING, **(extra_tuning or {})}
         self.nodes: dict[str, Node] = {}
+        self.nproc_per_node = nproc_per_node
 
     def start(self, name: str, nnodes: str = "2:2", local_addr: str = "127.0.0.1",
               prefix: list[str] | None = None, env: dict[str, str] | None = None,
@@ -101,7 +103,7 @@ class Job:
         run_dir = self.tmp / f"run-{name}"
         log = self.tmp / f"{name}.log"
         cmd = [*(prefix or []), *tuned_run(self.tuning), "--nnodes", nnodes,
-               "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
+               "--nproc-per-node", str(self.nproc_per_node), "--rdzv-backend", "etcd-v3",
                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id,
                "--rdzv-conf", rdzv_conf, "--local-addr", local_addr, "--node-id", name,
                "--run-dir", str(run_dir), *AGENT_FLAGS, *self.extra_agent,
@@ -173,10 +175,12 @@ def losses_of(path: Path) -> Losses:
     return Losses(values, logged)
 
 
-def reference_losses(tmp: Path, env: dict[str, str], script: Path, steps: int) -> Losses:
-    """An uninterrupted run of ``script`` on 2 workers (the world size of the faulty runs)."""
+def reference_losses(tmp: Path, env: dict[str, str], script: Path, steps: int, nproc: int = 2
+                     ) -> Losses:
+    """An uninterrupted run of ``script`` on ``nproc`` workers (the world size of the faulty
+    runs)."""
     loss_log = tmp / "loss.log"
-    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
            "--run-dir", str(tmp / "run"), str(script), "--steps", str(steps),
            "--batch-size", "4", "--loss-log", str(loss_log)]
     if script == PLAIN:

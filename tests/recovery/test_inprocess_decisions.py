@@ -65,7 +65,13 @@ BASE = {"armed": True, "nodes": 1, "recovering": False, "failed": 1, "workers": 
     ({}, None),
     ({"failed": 0}, None),  # every worker raised and waits: all regroup, none replaced
     ({"armed": False}, "do not all run under elasticft.recovery.inprocess"),
-    ({"nodes": 2}, "failed in a job of 2 nodes"),  # this node's worker: a restart
+    ({"nodes": 2}, "failed in a job of 2 nodes"),  # this node's worker, no shared store
+    ({"nodes": 2, "across_nodes": True}, None),  # only the failed rank new, every node agrees
+    ({"nodes": 2, "across_nodes": True, "failed": 2}, None),  # the other nodes' survive
+    # A failure during a recovery across nodes begins the next one; the third restarts.
+    ({"nodes": 2, "across_nodes": True, "recovering": True, "chained": 1}, None),
+    ({"nodes": 2, "across_nodes": True, "recovering": True, "chained": 2}, "2 in a row"),
+    ({"recovering": True, "chained": 1, "across_nodes": True}, "during an in-process recovery"),
     ({"nodes": 2, "failed": 0}, None),  # another node's: a new round, this node regroups
     ({"nodes": 2, "failed": 0, "shared_store": True}, "share_tcp_store"),
     ({"shared_store": True}, None),  # one node: the generation's store is a fresh one
