@@ -58,7 +58,9 @@ from elasticft.preemption.notices import (
     CloudWatcher,
     Notice,
     cloud_sources,
+    clouds_of,
     in_kubernetes,
+    read_dmi,
 )
 from elasticft.steps import read_rank_steps
 
@@ -310,8 +312,13 @@ class PreemptionAddOn(AddOn[PreemptionHandler]):
             min_nodes=int(getattr(launch, "min_nodes", 1) or 1),
             node_id=context.options.agent.node_id or "",
         )
+        named = config.preempt_notices != "auto"  # a URL: that server answers for all
+        providers = ("aws", "gcp", "azure") if named else clouds_of(read_dmi())
+        if not providers:
+            logger.debug("preemption notices: not a cloud machine (by its DMI); no metadata "
+                         "endpoint asked")
         handler.watcher = CloudWatcher(
-            cloud_sources(*config.urls()),
+            cloud_sources(*config.urls(), providers=providers),
             handler.notify, poll_s=config.preempt_poll_s,
             probe_timeout_s=config.preempt_probe_timeout_s)
         handler.watcher.start()

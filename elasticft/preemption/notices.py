@@ -21,7 +21,10 @@ the provider, whether the machine goes away (``termination``) or is only at risk
 (``rebalance``), and the deadline as wall-clock time. The endpoints are polled by
 :class:`CloudWatcher`, one background thread per provider: a provider whose endpoint does not
 answer its first, short probe is not polled again, and when none answers the agent says so in
-one DEBUG line. Nothing here delays the launch, which never waits for a probe.
+one DEBUG line. Nothing here delays the launch, which never waits for a probe. With
+``--preempt-notices auto`` an endpoint is asked only on its own cloud, as the machine's firmware
+names it (:func:`clouds_of`, from ``/sys/class/dmi/id``): elsewhere no request leaves the
+machine; a URL given to ``--preempt-notices`` is asked for every provider.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Literal
 
 logger = logging.getLogger(__name__)
@@ -273,8 +277,44 @@ class AzureSource(Source):
         return parse_azure_scheduled_events(answer.status, answer.body, now, self.vm_name)
 
 
-def cloud_sources(aws_url: str, gcp_url: str, azure_url: str) -> list[Source]:
-    return [AwsSource(aws_url), GcpSource(gcp_url), AzureSource(azure_url)]
+def cloud_sources(aws_url: str, gcp_url: str, azure_url: str,
+                  providers: Sequence[Provider] = ("aws", "gcp", "azure")) -> list[Source]:
+    """The sources of ``providers``, each at its base URL."""
+    every = [AwsSource(aws_url), GcpSource(gcp_url), AzureSource(azure_url)]
+    return [source for source in every if source.provider in providers]
+
+
+DMI_DIR = Path("/sys/class/dmi/id")
+"""Where Linux shows the firmware's description of the machine (SMBIOS, readable by anyone)."""
+DMI_FIELDS = ("sys_vendor", "bios_vendor", "board_vendor", "product_name", "chassis_asset_tag")
+AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
+"""The chassis asset tag of every Azure virtual machine."""
+
+
+def clouds_of(dmi: Mapping[str, str]) -> tuple[Provider, ...]:
+    """The clouds whose virtual machines these DMI fields describe (pure).
+
+    A metadata endpoint is asked only on its own cloud: elsewhere its link-local address (or
+    name) leads nowhere, and a probe of it would be traffic to an address no one here owns.
+    """
+    said = " ".join(dmi.get(field, "") for field in DMI_FIELDS).lower()
+    found: list[Provider] = []
+    if "amazon" in said:  # "Amazon EC2" on Nitro machines, "Amazon" in the BIOS of older ones
+        found.append("aws")
+    if "google" in said:  # "Google", "Google Compute Engine"
+        found.append("gcp")
+    if dmi.get("chassis_asset_tag", "").strip() == AZURE_ASSET_TAG:
+        found.append("azure")
+    return tuple(found)
+
+
+def read_dmi(directory: Path = DMI_DIR) -> dict[str, str]:
+    """The DMI fields :func:`clouds_of` reads (missing ones left out)."""
+    found = {}
+    for field in DMI_FIELDS:
+        with contextlib.suppress(OSError):
+            found[field] = (directory / field).read_text(errors="replace").strip()
+    return found
 
 
 class CloudWatcher:

@@ -9,6 +9,7 @@ import json
 import logging
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -17,11 +18,13 @@ from elasticft.preemption.notices import (
     CloudWatcher,
     Notice,
     cloud_sources,
+    clouds_of,
     in_kubernetes,
     parse_aws_instance_action,
     parse_aws_rebalance,
     parse_azure_scheduled_events,
     parse_gcp_preempted,
+    read_dmi,
 )
 from tests.agent.test_launch import wait_until
 from tests.preemption.metadata import MetadataServer
@@ -175,3 +178,26 @@ def test_a_bad_notices_value_names_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"--preempt-notices='sometimes' is not valid; give "
                        r"auto, off or a metadata server's URL"):
         parse_notices("sometimes")
+
+
+@pytest.mark.parametrize(("dmi", "clouds"), [
+    ({"sys_vendor": "Amazon EC2", "product_name": "p5.48xlarge"}, ("aws",)),
+    ({"sys_vendor": "Xen", "bios_vendor": "Amazon EC2"}, ("aws",)),  # an older Xen instance
+    ({"sys_vendor": "Google", "product_name": "Google Compute Engine"}, ("gcp",)),
+    ({"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine",
+      "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77"}, ("azure",)),
+    ({"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine"}, ()),  # Hyper-V
+    ({"sys_vendor": "Dell Inc.", "product_name": "PowerEdge XE9680"}, ()),
+    ({"sys_vendor": "QEMU", "product_name": "Standard PC"}, ()),
+    ({}, ()),  # no DMI (a container without /sys/class/dmi)
+], ids=["aws-nitro", "aws-xen", "gcp", "azure", "hyper-v", "bare-metal", "qemu", "none"])
+def test_a_metadata_endpoint_is_asked_only_on_its_own_cloud(
+        dmi: dict[str, str], clouds: tuple[str, ...]) -> None:
+    assert clouds_of(dmi) == clouds
+
+
+def test_the_dmi_fields_are_read_from_files_and_missing_ones_left_out(tmp_path: Path) -> None:
+    (tmp_path / "sys_vendor").write_text("Amazon EC2\n")
+    assert read_dmi(tmp_path) == {"sys_vendor": "Amazon EC2"}
+    assert cloud_sources("http://a", "http://g", "http://z", providers=("aws",))[0].provider \
+        == "aws"
