@@ -61,6 +61,7 @@ ENTRYPOINTS: dict[str, list[str]] = {
     "plan": ["--", str(PRINT_ARGV)],
     "recovery": [str(PRINT_ARGV)],
     "slurm": ["--no-p", sys.executable, str(PRINT_ARGV)],
+    "preempt": ["--no-python", sys.executable, str(PRINT_ARGV)],
 }
 # Before the script, as torchrun users write them: abbreviations torchrun accepts, =value forms.
 LAUNCHER_OPTIONS = ["--stand", "--nproc-per=1", "--max-r", "0", "--monitor-i", "0.2", "--no-warm"]
@@ -143,4 +144,5 @@ def test_every_option_of_the_launcher_is_in_a_family() -> None:
     families = {family_of(option) for option in launcher()._option_string_actions}
     assert families == set(ENTRYPOINTS)
     assert {"--ckpt", "--plan", "--log", "--max", "--hang", "--diag", "--recovery", "--slurm",
-            "--rdzv", "--nproc"} <= {word for name in ENTRYPOINTS for word in family_words(name)}
+            "--preempt", "--rdzv", "--nproc"} <= {
+                word for name in ENTRYPOINTS for word in family_words(name)}
