@@ -18,7 +18,7 @@ without a restart:
   recovered in process on it, and the policy's restart or eviction decides instead, with that
   reason in the event log.
 
-:class:`GpuUse` is the node's state; the decisions (:func:`spare_gpu`,
+:class:`GpuUse` is the node's state; the decisions (:func:`spare_gpu`, :func:`unplaced`,
 :func:`replacement_gpu`) and its changes (:func:`taken`, :func:`restarted`) are pure
 functions of it. On a node without GPUs everything is allowed and nothing is tracked.
 """
@@ -142,3 +142,26 @@ def restarted(use: GpuUse, local_rank: int, device_fault: bool = False) -> GpuUs
     if local_rank < len(use.gpus):
         workers[local_rank] = use.gpus[local_rank]
     return dataclasses.replace(use, workers=workers, faulty=frozenset(faulty))
+
+
+def device_faults(failures: Iterable[tuple[int, str]]) -> dict[int, bool]:
+    """Local rank → whether its worker died of a fault of its GPU, from what each of its
+    failures says (``(local rank, text)``: the error, the message, its ``left`` record)."""
+    faults: dict[int, bool] = {}
+    for local_rank, text in failures:
+        faults[local_rank] = faults.get(local_rank, False) or died_of_device_fault(text)
+    return faults
+
+
+def unplaced(use: GpuUse, replace: Sequence[int], faults: Mapping[int, bool],
+             spare_takes: int | None = None) -> tuple[int, str] | None:
+    """The first of ``replace`` whose replacement has no GPU to start on (its worker's faulted,
+    or another rank's worker uses the one its environment names), with why, or None; the rank
+    the ready spare takes (``spare_takes``) needs none."""
+    for local_rank in replace:
+        if local_rank == spare_takes:
+            continue
+        where = replacement_gpu(use, local_rank, faults.get(local_rank, False))
+        if where.gpu is None:
+            return local_rank, where.reason
+    return None
