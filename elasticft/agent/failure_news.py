@@ -49,14 +49,14 @@ from typing import Any, Literal
 
 from elasticft.addon.api import run_ending_errors
 from elasticft.events import EventLog
-from elasticft.recovery.roundstore import (
+from elasticft.rendezvous import liveness
+from elasticft.rendezvous.roundstore import (
     INTERRUPTIBLE_WAKE_S,
     WATCH_WAKE_S,
     interrupter,
     own_connection,
     text,
 )
-from elasticft.rendezvous import liveness
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class FailureNews:
 
     def close(self) -> None:
         """Stops the watcher and waits for it to leave its store call (a thread must not be in
-        one when the interpreter exits: :data:`~elasticft.recovery.roundstore.WATCH_WAKE_S`)."""
+        one when the interpreter exits: :data:`~elasticft.rendezvous.roundstore.WATCH_WAKE_S`)."""
         thread = self._stop_watcher()
         if thread is not None:
             thread.join(WATCH_WAKE_S + 1.0)

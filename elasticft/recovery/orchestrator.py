@@ -83,7 +83,8 @@ from elasticft.ckpt.service import CheckpointAddOn, CheckpointService
 from elasticft.config import RecoveryConfig
 from elasticft.events import EventLog
 from elasticft.recovery.roster import EtcdRoster, Roster
-from elasticft.recovery.roundstore import (
+from elasticft.rendezvous.quarantine import machine_name
+from elasticft.rendezvous.roundstore import (
     INTERRUPTIBLE_WAKE_S,
     JIT_DONE_KEY,
     JIT_REQUEST_KEY,
@@ -95,7 +96,6 @@ from elasticft.recovery.roundstore import (
     text,
     wait_key,
 )
-from elasticft.rendezvous.quarantine import machine_name
 
 logger = logging.getLogger(__name__)
 
