@@ -2,7 +2,8 @@
 
     bash bench/gpu_check.sh            (installs elasticft into the machine's torch, then this)
     python bench/gpu_check.py [--dry-run] [--torchrun-hang-s 90]
-                              [--parts ops,overhead,hang,ckpt,recovery,inprocess,persist,tests]
+                              [--parts ops,overhead,hang,ckpt,recovery,inprocess,torchtitan,
+                                       persist,tests]
 
 With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the script):
 
@@ -29,6 +30,8 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    that takes the killed rank; before them bench/inprocess_abort_gpu.py, the device health
    check synchronizing the rank's device from its helper thread, an NCCL group aborted with a
    kernel pending, and a new group's collective (what one GPU allows);
+   (``torchtitan``) bench/torchtitan_gpu.py: torchtitan's debug model, rank 1 SIGKILLed, the
+   restart mode against its ``main`` re-entered in process (2 GPUs, ``TORCHTITAN_DIR``);
 6. (``persist``) bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and
    through the page cache, against the machine's disk;
 7. the test suite's ``gpu``-marked tests (pytest must be installed).
@@ -62,6 +65,7 @@ CKPT_BENCH = ROOT / "bench" / "ckpt_gpu.py"
 RECOVERY_BENCH = ROOT / "bench" / "recovery_large.py"
 ABORT_BENCH = ROOT / "bench" / "inprocess_abort_gpu.py"
 PERSIST_BENCH = ROOT / "bench" / "persist.py"
+TITAN_BENCH = ROOT / "bench" / "torchtitan_gpu.py"
 RUN_LIMIT_S = 300
 
 
@@ -412,6 +416,15 @@ def check_persist(rows: list[tuple[str, str]]) -> None:
     rows.extend(("  persist", line[:160]) for line in text.strip().splitlines()[-3:])
 
 
+def check_torchtitan(rows: list[tuple[str, str]]) -> None:
+    """bench/torchtitan_gpu.py: torchtitan's debug model, rank 1 SIGKILLed, the restart mode
+    against its entry re-entered in process (needs 2 GPUs, torchtitan and a checkout of it in
+    ``TORCHTITAN_DIR``; else its one line says what is missing)."""
+    code, text = run([sys.executable, str(TITAN_BENCH)], child_env(), limit_s=1300)
+    rows.append(("torchtitan debug model (bench/torchtitan_gpu.py)", f"exit {code}"))
+    rows.extend(("  torchtitan", line[:200]) for line in text.strip().splitlines()[-4:])
+
+
 def check_gpu_tests(rows: list[tuple[str, str]]) -> None:
     """The test suite's ``gpu``-marked tests (the CUDA path of the checkpoint memory tier)."""
     # Only the files with gpu tests: the others import extras this machine may not have.
@@ -433,6 +446,7 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
         py_compile.compile(str(part), doraise=True)
     py_compile.compile(str(ABORT_BENCH), doraise=True)
     py_compile.compile(str(PERSIST_BENCH), doraise=True)
+    py_compile.compile(str(TITAN_BENCH), doraise=True)
     shim = shim_library()
     launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
     broken: list[str] = []
@@ -455,6 +469,13 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
         inprocess += f"; bench/inprocess_abort_gpu.py: {said}"
         if code != 0:
             broken.append(f"bench/inprocess_abort_gpu.py --dry-run exit {code}")
+    if parts is not None and "torchtitan" in parts:
+        code, text = run([sys.executable, str(TITAN_BENCH), "--dry-run"], child_env(),
+                         limit_s=120)
+        said = text.strip().splitlines()[-1] if text.strip() else "no output"
+        inprocess += "; " + said.removesuffix("; nothing measured")
+        if code != 0:
+            broken.append(f"bench/torchtitan_gpu.py --dry-run exit {code}")
     print(f"gpu_check: dry run, {reason}: shim {'built' if shim else 'NOT BUILT'}, worker script "
           f"and bench/ckpt_gpu.py compile, launchers {launchers[0]!r} and {launchers[1]!r}"
           f"{inprocess}; nothing measured")
@@ -462,7 +483,7 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
 
 
 PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "recovery", "inprocess",
-         "persist", "tests")
+         "torchtitan", "persist", "tests")
 CPU_PARTS = ("gloo", "restart", "persist")
 """Parts that need no GPU: asked for alone (``--parts gloo,restart``), they run on a CPU machine
 too (gloo)."""
@@ -508,6 +529,7 @@ def main() -> int:
                   "restart": lambda: check_restart(tmp, rows),
                   "ckpt": lambda: check_ckpt(rows), "recovery": lambda: check_recovery(rows),
                   "inprocess": lambda: check_inprocess(rows),
+                  "torchtitan": lambda: check_torchtitan(rows),
                   "persist": lambda: check_persist(rows),
                   "tests": lambda: check_gpu_tests(rows)}
         shown = 0

@@ -33,7 +33,7 @@ def test_an_unknown_part_is_a_usage_error_that_names_the_choices():
                            "ops,bogus"], capture_output=True, text=True, timeout=50)
     assert done.returncode == 2
     assert ("unknown --parts ['bogus']; choose from ops, overhead, gloo, hang, restart, ckpt, "
-            "recovery, inprocess, persist, tests") in done.stderr
+            "recovery, inprocess, torchtitan, persist, tests") in done.stderr
 
 
 @pytest.mark.timeout(120)
@@ -53,3 +53,17 @@ def test_the_inprocess_part_dry_runs_its_parts_without_cuda_and_checks_the_torch
                            "_abort_process_group in "), said
     assert "(table cleared), a new group's all_reduce right in " in said
     assert said.endswith("; nothing measured"), said
+
+
+@pytest.mark.timeout(120)
+def test_the_torchtitan_part_dry_runs_without_cuda_or_torchtitan_and_says_what_is_missing():
+    done = subprocess.run(["bash", str(SCRIPT), "--parts", "torchtitan"], capture_output=True,
+                          text=True, timeout=100,
+                          env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
+                               "TORCHTITAN_DIR": ""})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: dry run, no CUDA device"), lines
+    said = lines[0].split("bench/torchtitan_gpu.py: dry run, ", 1)[1]
+    assert said.startswith("lacks 2 CUDA devices (torch "), said
+    assert "--titan-dir: a torchtitan checkout" in said and said.endswith("; nothing measured")
