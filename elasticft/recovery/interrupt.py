@@ -43,9 +43,10 @@ asynchronous exception.
 **The end is over before the recovery starts.** The monitor ends the groups while the main thread
 may already be leaving (its collective raised by itself, or by the first connection the monitor
 shut down). :meth:`Monitor.left` waits until an end under way is over: the survivor's teardown and
-regroup never run beside it. Beside them the end would shut down connections of the next
-generation (the teardown closes the old sockets and the regroup's new ones reuse their descriptor
-numbers, which the end listed before it shut them down) and abort a group the teardown destroys.
+regroup never run beside it. Beside them the end would abort the next generation's group (it
+aborts whatever torch's table holds at that moment) and race the teardown over the old ones. (A
+socket whose descriptor number the regroup reused is safe either way: the end checks each
+recorded socket's inode before it shuts it down.)
 
 **No step committed after the end.** A collective the end interrupts need not raise: an aborted
 NCCL kernel returns, and the buffer it leaves holds a partial sum. The main thread can then go on
