@@ -101,3 +101,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Path, int]
             return self[key]
 
     return Lazy()
+
+
+@pytest.fixture
+def group_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[dist.TCPStore]:
+    """A gloo default group of one rank on a store of its own, as a survivor's (an ``env://``
+    group's key prefix; its port as ``MASTER_PORT``), destroyed after the test if still there."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                            world_size=1)
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    yield store
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from elasticft.agent.generations import InProcessCoordinator
 from elasticft.ckpt import Checkpointer, WorkerSettings, capture
@@ -154,17 +153,6 @@ def test_another_threads_section_does_not_defer_the_main_threads_interrupt(
         release.set()
         other.join(10)
         monitor.stop()
-
-
-@pytest.fixture
-def group_of_one(monkeypatch: pytest.MonkeyPatch):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
-                            world_size=1)
-    monkeypatch.setenv("MASTER_PORT", str(store.port))
-    yield store
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)

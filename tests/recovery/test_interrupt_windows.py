@@ -33,17 +33,6 @@ GLOO_CLOSED = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.
                "This is typically caused by a remote worker crashing.")
 
 
-@pytest.fixture
-def group_of_one(monkeypatch: pytest.MonkeyPatch):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
-                            world_size=1)
-    monkeypatch.setenv("MASTER_PORT", str(store.port))
-    yield store
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _agent(directory: Path, coordinator: InProcessCoordinator) -> threading.Thread:
     """The agent's side: publishes the next generation once the survivor reports its failure."""
     failed = worker_file(directory, "failed", 0)
