@@ -23,7 +23,7 @@ and with a staging buffer on the device (``gpu_staging_bytes``), when the GPU ha
 
 bench/gpu_check.sh runs it. Without CUDA it says so and exits 0. ``--device cpu`` runs the same
 code on the CPU (no floor, no staging), so that the script is known to work before GPU time is
-spent on it (``tests/ckpt/test_ckpt_gpu_bench.py``). The table also goes to
+spent on it (``tests/bench/test_ckpt_gpu_bench.py``). The table also goes to
 ``$OUT/ckpt_gpu.json`` when ``OUT`` is set. Not a test: the numbers are the machine's.
 """
 

@@ -29,7 +29,7 @@ torch checks that state after its next kernel launch and would otherwise raise a
 into training.
 
 The CUDA primitives sit behind :class:`CudaBackend`, so the ordering this module decides can be
-checked, call by call, on a machine without a GPU (``tests/ckpt/test_device_copy.py``).
+checked, call by call, on a machine without a GPU (``tests/ckpt/memory/test_device_copy.py``).
 """
 
 from __future__ import annotations

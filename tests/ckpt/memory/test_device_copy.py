@@ -3,8 +3,8 @@
 :class:`~elasticft.ckpt.memory.device.DeviceCopier` decides which copies go when, on which stream,
 and what training waits for. Here its backend is a recording stand-in whose "device" is the CPU:
 streams and events write what they are asked to do into a trace, copies run at once on real
-tensors. The tables below fix the trace of each case; ``tests/ckpt/test_ckpt_cuda.py`` (marked
-``gpu``) runs the same code on CUDA, where the ordering is enforced by the device.
+tensors. The tables below fix the trace of each case; ``tests/ckpt/memory/test_ckpt_cuda.py``
+(marked ``gpu``) runs the same code on CUDA, where the ordering is enforced by the device.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from elasticft.ckpt import Checkpointer, WorkerSettings
 from elasticft.ckpt.api import CheckpointError
 from elasticft.ckpt.backup.peer import PeerClient
 from elasticft.ckpt.persisting import durable, rejected
+from tests.ckpt.backup.test_peer import persisted, server  # noqa: F401  (fixtures)
 from tests.ckpt.helpers import unique_prefix
-from tests.ckpt.test_peer import persisted, server  # noqa: F401  (fixtures)
 
 RECORD = {"after": 4, "at": 100.0, "steps": [6, 8], "reason": "sdc"}
 

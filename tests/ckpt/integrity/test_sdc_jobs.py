@@ -20,9 +20,7 @@ from elasticft.ckpt.persisting import durable, rejected
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from elasticft.events import EventLog, read_events
-from tests.conftest import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT, free_port
 
 # The training every worker below shares: after the optimizer step of step FLIP_STEP, rank
 # FLIP_RANK flips mantissa bit 16 of one weight (what a device that computes a wrong value leaves

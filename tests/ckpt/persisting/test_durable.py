@@ -28,8 +28,8 @@ from elasticft.ckpt.persisting import diskfile, durable
 from elasticft.ckpt.snapshot import flatten, tensor_view
 from elasticft.cli import main as cli_main
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
@@ -253,7 +253,7 @@ def test_shard_blobs_load_without_zip_checksums_and_torch_setting_is_restored(
         from pathlib import Path
         import torch
         from elasticft.ckpt.persisting import durable
-        from tests.ckpt.test_durable import slot_snapshot
+        from tests.ckpt.persisting.test_durable import slot_snapshot
         for setting in (True, False):
             torch.serialization.set_crc32_options(setting)
             durable.write_rank_shard(Path({str(tmp_path / "own")!r}),

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from elasticft.ckpt.persisting import durable
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("dist_job.py")
 
 

@@ -21,8 +21,7 @@ from elasticft.ckpt.memory.shm import MemoryTier, SlotSet
 from elasticft.ckpt.memory.slotformat import COMPLETE, WRITING
 from elasticft.ckpt.memory.slotmaker import SlotMaker
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT
 
 
 @pytest.fixture
