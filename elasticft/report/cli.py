@@ -40,12 +40,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
             raise CliError(f"{run_dir}: no run_start event in the event log; is this a run "
                            "directory?") from None
         summary = summarize(events, str(e))
-        skipped, line = snapshots_skipped_line(events)
-        sdc, sdc_text = sdc_line(events)
-        heard, heard_text = failures_heard_lines(events)
-        return _print(args, summary.to_json() | {"snapshots_skipped": skipped, "sdc": sdc,
-                                                 "failures_heard": heard},
-                      f"{format_summary(summary)}\n  {line}\n  {sdc_text}\n  {heard_text}",
+        return _print(args, events, summary.to_json(), format_summary(summary),
                       f"no timeline drawn: {summary.why_no_tor}")
     except ReportError as e:
         raise CliError(f"{run_dir}: {e}") from None
@@ -53,17 +48,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
         from elasticft.report.plot import plot_timeline
 
         plot_timeline(analysis, args.plot)
-    skipped, line = snapshots_skipped_line(events)
-    sdc, sdc_text = sdc_line(events)
-    heard, heard_text = failures_heard_lines(events)
-    return _print(args, analysis.to_json() | {"snapshots_skipped": skipped, "sdc": sdc,
-                                              "failures_heard": heard},
-                  f"{format_report(analysis)}\n\n  {line}\n  {sdc_text}\n  {heard_text}",
+    return _print(args, events, analysis.to_json(), f"{format_report(analysis)}\n",
                   f"timeline: {args.plot}")
 
 
-def _print(args: argparse.Namespace, as_json: Any, text: str, plot_line: str) -> int:
-    """The report as JSON (``--json``) or as text, with a line about the ``--plot`` asked for."""
+def _print(args: argparse.Namespace, events: list[dict[str, Any]], report: dict[str, Any],
+           report_text: str, plot_line: str) -> int:
+    """The report and the event log's lines on skipped snapshots, silent data corruption and
+    failures heard, as JSON (``--json``) or as text, with a line about the ``--plot`` asked
+    for."""
+    skipped, skipped_text = snapshots_skipped_line(events)
+    sdc, sdc_text = sdc_line(events)
+    heard, heard_text = failures_heard_lines(events)
+    as_json = report | {"snapshots_skipped": skipped, "sdc": sdc, "failures_heard": heard}
+    text = f"{report_text}\n  {skipped_text}\n  {sdc_text}\n  {heard_text}"
     if args.json:
         print(json.dumps(as_json, indent=2))
     else:
