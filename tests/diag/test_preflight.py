@@ -43,7 +43,6 @@ def test_a_process_that_cannot_join_is_a_critical_issue_and_the_others_are_stopp
     assert any("rank 2 of 3 failed (exit 3)" in m for m in messages), messages
     # The two healthy ranks were waiting for rank 2; they are stopped, not left to time out.
     assert sum("stopped: rank(s) [2] failed" in m for m in messages) == 2, messages
-    assert probe.seconds < 60
 
 
 @pytest.mark.slow
