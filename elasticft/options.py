@@ -5,7 +5,7 @@ subsystem. This module derives from those declarations the spec of every option
 (:func:`option_specs`), adds them to a parser (:func:`add_options`), converts and checks values
 from each source (:func:`convert`), and merges the sources with the precedence CLI flag >
 ``ELASTICFT_*`` env > YAML file > default (:func:`resolve`, :func:`from_namespace`). A value
-that cannot be used raises :class:`~elasticft.config.ConfigError` in one line.
+that cannot be used raises :class:`~elasticft.optionvalues.ConfigError` in one line.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "elasticft.config", "elasticft.options", "elasticft.command_line",
               "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
               "elasticft.jsonfile", "elasticft.devicehealth", "elasticft.cli",
-              "elasticft.removed_options")),
+              "elasticft.removed_options", "elasticft.optionvalues")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm", "elasticft.preemption")),

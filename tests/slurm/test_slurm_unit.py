@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from elasticft.addon.api import GroupInfo, StopRun, WorkerInfo
-from elasticft.config import ConfigError, SlurmConfig, SlurmSignal, parse_signal_name
+from elasticft.config import ConfigError, SlurmConfig, SlurmSignal
 from elasticft.events import read_events
+from elasticft.optionvalues import parse_signal_name
 from elasticft.run import build_parser
 from elasticft.slurm import (
     SlurmEnv,
