@@ -81,3 +81,17 @@ def test_the_large_recovery_bench_runs_both_elasticft_modes_on_two_ranks() -> No
     assert "rank 0 ran in 1 process(es)" in survivors["elasticft-inprocess"], lines
     assert "rank 0 ran in 2 process(es)" in survivors["elasticft-run"], lines
     assert "in-process phases" in survivors["elasticft-inprocess"], lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_large_recovery_bench_runs_its_spare_mode_on_the_cpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "recovery_large.py"), "--device", "cpu", "--gb",
+         "0.02", "--nproc", "2", "--limit-s", "150", "--launchers", "elasticft-spare"],
+        capture_output=True, text=True, timeout=380,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    survivor = next(line for line in done.stdout.splitlines() if "rank 0 ran in" in line)
+    assert "rank 0 ran in 1 process(es)" in survivor, done.stdout
+    assert "the spare that took the rank was ready" in survivor, done.stdout

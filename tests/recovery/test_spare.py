@@ -60,22 +60,3 @@ def test_the_spare_takes_the_killed_rank_and_the_losses_are_exact(
     assert run["pids"][0] == run["pids"][0][:1]  # rank 0 never left its process
     assert run["pids"][1] == [killed["pid"], killed["spare"]]  # the spare became rank 1
     assert run["losses"] == reference  # bitwise on CPU (losses logged with repr)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_the_large_recovery_bench_runs_its_spare_mode_on_the_cpu() -> None:
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "recovery_large.py"), "--device", "cpu", "--gb",
-         "0.02", "--nproc", "2", "--limit-s", "150", "--launchers", "elasticft-spare"],
-        capture_output=True, text=True, timeout=380,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    survivor = next(line for line in done.stdout.splitlines() if "rank 0 ran in" in line)
-    assert "rank 0 ran in 1 process(es)" in survivor, done.stdout
-    assert "the spare that took the rank was ready" in survivor, done.stdout
