@@ -65,8 +65,11 @@ class _InProcessFit:
     strategy's ``setup`` made the objects of this entry, a snapshot at every training batch,
     and the data position. Mixed into a Lightning strategy, before it."""
 
-    recovery: FitRecovery
     _sampler: _SkipOnce | None = None
+
+    def __init__(self, *args: Any, recovery: FitRecovery | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recovery = recovery if recovery is not None else FitRecovery("Lightning")
 
     def kept_modules(self, model: Any) -> tuple[Any, ...]:
         """The modules kept through a regroup with their device meshes (none for DDP)."""
@@ -138,10 +141,6 @@ class InProcessDDPStrategy(_InProcessFit, DDPStrategy):
 
     strategy_name = "elasticft_ddp"
 
-    def __init__(self, *args: Any, recovery: FitRecovery | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.recovery = recovery if recovery is not None else FitRecovery("Lightning")
-
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         assert self.cluster_environment is not None and self._launcher is not None
@@ -162,10 +161,6 @@ class InProcessModelParallelStrategy(_InProcessFit, ModelParallelStrategy):
     """
 
     strategy_name = "elasticft_model_parallel"
-
-    def __init__(self, *args: Any, recovery: FitRecovery | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.recovery = recovery if recovery is not None else FitRecovery("Lightning")
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()

@@ -123,9 +123,10 @@ class _Recovered:
         self.dataloader = dataloader
         self.recovery = FitRecovery("torchtitan", InProcess(modules=model_parts))
         trainer_train = trainer.train  # the class's method, bound
-        facts = TrainerFacts(
+        self.problems = trainer_problems(TrainerFacts(
             model_parts=len(model_parts), optimizers=len(getattr(optimizers, "optimizers", [])),
-            seed=trainer.config.debug.seed)
+            seed=trainer.config.debug.seed))
+        """Why this trainer cannot be recovered in process; then nothing is snapshotted."""
 
         def entry() -> Any:
             if self.recovery.entries > 1:
@@ -133,9 +134,8 @@ class _Recovered:
             return trainer_train()
 
         def train() -> Any:
-            problems = trainer_problems(facts)
-            if problems and self.recovery.inprocess.settings.directory is not None:
-                raise EntryRuleBroken(problems[0])
+            if self.problems and self.recovery.inprocess.settings.directory is not None:
+                raise EntryRuleBroken(self.problems[0])
             return self.recovery.run(entry)
 
         trainer.train = train  # main() calls trainer.train(): entered again after a regroup
@@ -153,13 +153,15 @@ class _Recovered:
         trainer.fwd_bwd_fn = wrap_with_cuda_graph(trainer._forward_backward_body)
 
     def save(self, step: int) -> None:
+        if self.problems:
+            return
         self.recovery.save(step, self.model_parts[0], self.optimizers.optimizers[0],
                            {"torchtitan": encode_position(
                                self.trainer.state_dict(), self.lr_schedulers.state_dict(),
                                self.dataloader.state_dict() if self.dataloader else None)})
 
     def restore(self) -> bool:
-        if not self.recovery.resuming:
+        if self.problems or not self.recovery.resuming:
             return False
         restored = self.recovery.restore(self.model_parts[0], self.optimizers.optimizers[0])
         if restored is None:

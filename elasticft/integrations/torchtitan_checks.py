@@ -66,8 +66,8 @@ def trainer_problems(facts: TrainerFacts) -> list[str]:
                         "override.imports or use torchtitan's checkpoint manager")
     if facts.model_parts != 1:
         problems.append(f"in-process recovery of torchtitan keeps one model part, not "
-                        f"{facts.model_parts}: pipeline parallelism restarts the workers "
-                        "(set parallelism.pipeline_parallel_degree to 1)")
+                        f"{facts.model_parts}: drop {ENABLE_TARGET} from override.imports "
+                        "under pipeline parallelism")
     elif facts.optimizers != 1:
         problems.append(f"in-process recovery of torchtitan restores one optimizer, not "
                         f"{facts.optimizers}")

@@ -39,12 +39,12 @@ def test_enabled_by_the_one_override_target(imports: list, expected: bool) -> No
 @pytest.mark.parametrize(("facts", "expected"), [
     (TrainerFacts(model_parts=1, optimizers=1, seed=42), []),
     (TrainerFacts(model_parts=2, optimizers=2, seed=42),
-     ["keeps one model part, not 2: pipeline parallelism"]),
+     ["keeps one model part, not 2: drop elasticft.integrations.torchtitan.inprocess"]),
     (TrainerFacts(model_parts=1, optimizers=2, seed=42), ["restores one optimizer, not 2"]),
     (TrainerFacts(model_parts=1, optimizers=1, seed=None), ["set debug.seed"]),
     (TrainerFacts(1, 1, 0, checkpoint_manager="S3CheckpointManager"),
      ["extends its CheckpointManager, not S3CheckpointManager"]),
-    (TrainerFacts(3, 3, None, "Other"), ["not Other", "pipeline parallelism", "debug.seed"]),
+    (TrainerFacts(3, 3, None, "Other"), ["not Other", "under pipeline parallelism", "debug.seed"]),
 ], ids=["fits", "pipeline", "optimizers", "no-seed", "other-manager", "all"])
 def test_trainer_problems(facts: TrainerFacts, expected: list[str]) -> None:
     problems = trainer_problems(facts)
