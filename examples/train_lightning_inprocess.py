@@ -11,7 +11,8 @@ the snapshot of step N, in the first attempt (the others redo step N). ``--resta
 with Lightning's own DDP strategy instead (the restart mode, for comparison).
 ``--model-parallel`` shards the model with FSDP2 (``fully_shard`` in ``configure_model``) under
 ``InProcessModelParallelStrategy`` (Lightning's ``ModelParallelStrategy`` with
-``--restart-mode``). Rank 0 writes the final (whole) parameters to ``--params-out``; every rank
+``--restart-mode``), or tensor parallel over every rank with ``--tensor-parallel`` too. Rank 0
+writes the final (whole) parameters to ``--params-out``; every rank
 appends ``rank pid step`` lines to ``--pid-log``.
 """
 
@@ -39,13 +40,26 @@ class Regression(L.LightningModule):
         self.lr = lr
 
     def configure_model(self) -> None:
-        """FSDP2 over the data-parallel ranks under a model-parallel strategy; called on every
-        fit, so a module already sharded is left as it is."""
+        """Under a model-parallel strategy: tensor parallel over its tensor-parallel ranks,
+        FSDP2 over its data-parallel ones. Called on every fit, so a module already
+        parallelized is left as it is."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
-        mesh = self.device_mesh if isinstance(self.trainer.strategy, ModelParallelStrategy) \
-            else None
-        if mesh is not None and not isinstance(self.net, FSDPModule):
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy) \
+                or isinstance(self.net, FSDPModule) or isinstance(self.net[0].weight, DTensor):
+            return
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() > 1:
+            parallelize_module(self.net, mesh["tensor_parallel"],
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                               src_data_rank=None)
+        if mesh["data_parallel"].size() > 1:
             fully_shard(self.net, mesh=mesh["data_parallel"])
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -93,6 +107,8 @@ def main() -> None:
                         help="Lightning's own strategy: the restart mode, for comparison")
     parser.add_argument("--model-parallel", action="store_true",
                         help="FSDP2 under the model-parallel strategy instead of DDP")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="with --model-parallel: tensor parallel over every rank, not FSDP2")
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -104,9 +120,10 @@ def main() -> None:
                                    save_top_k=-1)] if args.checkpoint_dir else []
     if args.model_parallel:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        tensor = ranks if args.tensor_parallel else 1
         strategy: L.pytorch.strategies.Strategy = (
             ModelParallelStrategy if args.restart_mode else InProcessModelParallelStrategy)(
-            data_parallel_size=ranks, tensor_parallel_size=1)
+            data_parallel_size=ranks // tensor, tensor_parallel_size=tensor)
     else:
         strategy = (DDPStrategy(process_group_backend="gloo") if args.restart_mode
                     else InProcessDDPStrategy(process_group_backend="gloo"))
