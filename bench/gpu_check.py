@@ -30,8 +30,9 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    that takes the killed rank; before them bench/inprocess_abort_gpu.py, the device health
    check synchronizing the rank's device from its helper thread, an NCCL group aborted with a
    kernel pending, and a new group's collective (what one GPU allows);
-   (``torchtitan``) bench/torchtitan_gpu.py: torchtitan's debug model, rank 1 SIGKILLed, the
-   restart mode against its ``main`` re-entered in process (2 GPUs, ``TORCHTITAN_DIR``);
+   (``torchtitan``) bench/torchtitan_gpu.py: torchtitan's debug model under FSDP2 and under
+   tensor parallel, rank 1 SIGKILLed, the restart mode against elasticft's torchtitan
+   integration (2 GPUs, ``TORCHTITAN_DIR``);
 6. (``persist``) bench/persist.py: a 4 GB persist beside a training loop, with ``O_DIRECT`` and
    through the page cache, against the machine's disk;
 7. the test suite's ``gpu``-marked tests (pytest must be installed).
@@ -417,12 +418,13 @@ def check_persist(rows: list[tuple[str, str]]) -> None:
 
 
 def check_torchtitan(rows: list[tuple[str, str]]) -> None:
-    """bench/torchtitan_gpu.py: torchtitan's debug model, rank 1 SIGKILLed, the restart mode
-    against its entry re-entered in process (needs 2 GPUs, torchtitan and a checkout of it in
-    ``TORCHTITAN_DIR``; else its one line says what is missing)."""
-    code, text = run([sys.executable, str(TITAN_BENCH)], child_env(), limit_s=1300)
+    """bench/torchtitan_gpu.py: torchtitan's debug model under FSDP2 and tensor parallel,
+    rank 1 SIGKILLed, the restart mode against elasticft's torchtitan integration (needs 2
+    GPUs, torchtitan and a checkout of it in ``TORCHTITAN_DIR``; else its one line says what is
+    missing)."""
+    code, text = run([sys.executable, str(TITAN_BENCH)], child_env(), limit_s=2400)
     rows.append(("torchtitan debug model (bench/torchtitan_gpu.py)", f"exit {code}"))
-    rows.extend(("  torchtitan", line[:200]) for line in text.strip().splitlines()[-4:])
+    rows.extend(("  torchtitan", line[:240]) for line in text.strip().splitlines()[-5:])
 
 
 def check_gpu_tests(rows: list[tuple[str, str]]) -> None:

@@ -14,6 +14,7 @@ GPU health (NVML)         nvidia-ml-py        ``elasticft[gpu]``
 Lightning in process      lightning           ``elasticft[lightning]``
 HF Trainer in process     transformers,       ``elasticft[hf]``
                           accelerate
+torchtitan in process     torchtitan          ``elasticft[torchtitan]``
 ========================  ==================  ========================================
 
 py-spy and nvidia-ml-py are also base dependencies, because the features that use them are on

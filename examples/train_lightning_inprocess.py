@@ -8,9 +8,12 @@ The only elasticft line is ``strategy=InProcessDDPStrategy()``. A tiny regressio
 seeded dataset, Adam with a step scheduler, over two epochs. Faults for tests and demos:
 ``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at the start of optimizer step N+1, before
 the snapshot of step N, in the first attempt (the others redo step N). ``--restart-mode`` trains
-with Lightning's own DDP strategy instead (the restart mode, for comparison). Rank 0 writes the
-final parameters to ``--params-out``; every rank appends ``rank pid step`` lines to
-``--pid-log``.
+with Lightning's own DDP strategy instead (the restart mode, for comparison).
+``--model-parallel`` shards the model with FSDP2 (``fully_shard`` in ``configure_model``) under
+``InProcessModelParallelStrategy`` (Lightning's ``ModelParallelStrategy`` with
+``--restart-mode``), or tensor parallel over every rank with ``--tensor-parallel`` too. Rank 0
+writes the final (whole) parameters to ``--params-out``; every rank
+appends ``rank pid step`` lines to ``--pid-log``.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from elasticft.integrations.lightning import InProcessDDPStrategy
+from elasticft.integrations.lightning import InProcessDDPStrategy, InProcessModelParallelStrategy
 
 
 class Regression(L.LightningModule):
@@ -35,6 +38,29 @@ class Regression(L.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
                                        torch.nn.Linear(32, 1))
         self.lr = lr
+
+    def configure_model(self) -> None:
+        """Under a model-parallel strategy: tensor parallel over its tensor-parallel ranks,
+        FSDP2 over its data-parallel ones. Called on every fit, so a module already
+        parallelized is left as it is."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy) \
+                or isinstance(self.net, FSDPModule) or isinstance(self.net[0].weight, DTensor):
+            return
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() > 1:
+            parallelize_module(self.net, mesh["tensor_parallel"],
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                               src_data_rank=None)
+        if mesh["data_parallel"].size() > 1:
+            fully_shard(self.net, mesh=mesh["data_parallel"])
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -78,7 +104,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=Path,
                         help="Lightning's own ModelCheckpoint every 3 steps into this directory")
     parser.add_argument("--restart-mode", action="store_true",
-                        help="Lightning's own DDPStrategy: the restart mode, for comparison")
+                        help="Lightning's own strategy: the restart mode, for comparison")
+    parser.add_argument("--model-parallel", action="store_true",
+                        help="FSDP2 under the model-parallel strategy instead of DDP")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="with --model-parallel: tensor parallel over every rank, not FSDP2")
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -88,20 +118,29 @@ def main() -> None:
     model = Regression(args.lr)
     checkpoints = [ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=3,
                                    save_top_k=-1)] if args.checkpoint_dir else []
-    strategy = (DDPStrategy(process_group_backend="gloo") if args.restart_mode
-                else InProcessDDPStrategy(process_group_backend="gloo"))
+    if args.model_parallel:
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        tensor = ranks if args.tensor_parallel else 1
+        strategy: L.pytorch.strategies.Strategy = (
+            ModelParallelStrategy if args.restart_mode else InProcessModelParallelStrategy)(
+            data_parallel_size=ranks // tensor, tensor_parallel_size=tensor)
+    else:
+        strategy = (DDPStrategy(process_group_backend="gloo") if args.restart_mode
+                    else InProcessDDPStrategy(process_group_backend="gloo"))
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         num_nodes=1, strategy=strategy, max_epochs=args.epochs, logger=False,
                         enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Faults(args), *checkpoints])
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
+    # Whole tensors: a sharded parameter is gathered (a collective, on every rank).
+    params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+              for k, v in model.state_dict().items()}
     if trainer.global_rank == 0:
         recoveries = getattr(getattr(strategy, "recovery", None), "recoveries", 0)
         print(f"finished {trainer.global_step} steps; {recoveries} in-process recoveries in "
               "this process", flush=True)
         if args.params_out:
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-                       args.params_out)
+            torch.save(params, args.params_out)
 
 
 if __name__ == "__main__":

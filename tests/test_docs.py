@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.timeout(60)
 
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 HEADING = re.compile(r"#{1,6} (.+)")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", flags=re.S | re.M)
@@ -40,6 +40,7 @@ OTHER_TOOLS_FLAGS = {
     "--no-deps",  # pip install
     "--signal", "--requeue", "--time", "--ntasks-per-node",  # sbatch, srun
     "--log-line-prefix-template",  # torchrun of releases newer than this environment's torch
+    "--override", "--debug", "--training", "--parallelism",  # torchtitan.train (--section.key)
 }
 OPTION_ABBREVIATIONS = {"--ckpt", "--plan", "--log", "--nproc-per", "--re"}
 """Words docs/launcher.md names as abbreviations of the launcher's options (how they read before

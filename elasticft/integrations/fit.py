@@ -28,8 +28,9 @@ What the script must not do is checked when recovery arms, before the first entr
 (:func:`entry_problems`, pure, on :class:`EntryFacts`): a collective on the default group
 before the entry (a replacement process runs the script from its start and must meet the
 survivors at the entry's first collective), process groups made outside the entry (they are not
-made again after a regroup), or a backend that cannot be regrouped. Each problem is one line,
-raised as :class:`EntryRuleBroken`.
+made again after a regroup; those of the kept sharded modules' device meshes are, and
+:class:`~elasticft.recovery.meshes.KeptModules` counts them), or a backend that cannot be
+regrouped. Each problem is one line, raised as :class:`EntryRuleBroken`.
 """
 
 from __future__ import annotations
@@ -76,13 +77,17 @@ class EntryFacts:
     """Collectives issued on the default group so far (its sequence number), None where the
     backend does not count them."""
     framework: str = "the framework"
+    kept_meshes: bool = False
+    """The groups made before the entry are those of the kept sharded modules' device meshes,
+    made again after a regroup and counted by
+    :class:`~elasticft.recovery.meshes.KeptModules` when it arms, not here."""
 
     @classmethod
-    def now(cls, launched: bool, framework: str) -> EntryFacts:
+    def now(cls, launched: bool, framework: str, kept_meshes: bool = False) -> EntryFacts:
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(launched, False, framework=framework)
+            return cls(launched, False, framework=framework, kept_meshes=kept_meshes)
         return cls(launched, True, str(dist.get_backend()), dist.get_pg_count(),
-                   _collectives_so_far(), framework)
+                   _collectives_so_far(), framework, kept_meshes)
 
 
 def _collectives_so_far() -> int | None:
@@ -105,7 +110,7 @@ def entry_problems(facts: EntryFacts) -> list[str]:
     if facts.backend is not None and facts.backend.lower() not in REGROUPABLE_BACKENDS:
         problems.append(f"the process group's backend {facts.backend!r} cannot be regrouped "
                         f"in process; use one of {', '.join(REGROUPABLE_BACKENDS)}")
-    if facts.groups > 1:
+    if facts.groups > 1 and not facts.kept_meshes:
         problems.append(f"{facts.groups - 1} process group(s) besides the default one exist "
                         f"before {facts.framework}'s entry; they are not made again after a "
                         "regroup: make them inside the training (e.g. in a setup hook)")
@@ -144,7 +149,7 @@ class FitRecovery:
     def check(self) -> None:
         """:func:`entry_problems` of this process now; :class:`EntryRuleBroken` for the first."""
         problems = entry_problems(EntryFacts.now(self.inprocess.settings.directory is not None,
-                                                 self.framework))
+                                                 self.framework, bool(self.inprocess.modules)))
         if problems:
             raise EntryRuleBroken(problems[0])
 

@@ -19,8 +19,9 @@ files are never read for it (the Trainer's ``_load_from_checkpoint`` is skipped 
 directory only). A snapshot is taken at every ``on_step_end``; the Trainer's own checkpoints
 (``save_steps``) are written and resumed as without elasticft.
 
-Limits: DDP (one process per rank; FSDP and DeepSpeed are not supported yet), one optimizer,
-no gradient scaler state (fp16 AMP) carried.
+Limits: DDP (one process per rank), one optimizer, no gradient scaler state (fp16 AMP)
+carried. FSDP and DeepSpeed are refused in one line, untested: FSDP does not run on a CPU
+(Accelerate enables it only for accelerator kinds; ``fsdp=True`` under gloo trains unsharded).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""In-process recovery for Lightning: a DDP strategy whose ``trainer.fit`` is entered again in
-the same process after a peer failed.
+"""In-process recovery for Lightning: a DDP strategy and a model-parallel (FSDP2, tensor
+parallel) strategy whose ``trainer.fit`` is entered again in the same process after a peer
+failed.
 
-``Trainer(strategy=InProcessDDPStrategy())`` under ``elasticft-run``. Lightning calls a
-strategy's launcher with its fit function; where the processes are made outside Lightning (the
-launcher's variables), this strategy's launcher runs that function under
+``Trainer(strategy=InProcessDDPStrategy())`` or ``InProcessModelParallelStrategy(...)`` under
+``elasticft-run``. Lightning calls a strategy's launcher with its fit function; where the
+processes are made outside Lightning (the launcher's variables), these strategies' launcher
+runs that function under
 :class:`~elasticft.integrations.fit.FitRecovery`, so a survivor's ``trainer.fit`` is entered
 again after its regroup, the exception never reaching Lightning's own handling.
 
@@ -14,8 +16,14 @@ Lightning itself, since ``_init_dist_connection`` returns when ``torch.distribut
 initialized; after a regroup the default group is the survivor's new one, which Lightning
 finds initialized the same way.
 
+The model-parallel strategy makes its device mesh once too, in the same call, and keeps it: the
+LightningModule, sharded by the user's ``configure_model`` in the first entry, is the
+:class:`~elasticft.recovery.inprocess.InProcess` module kept through a regroup, whose mesh's
+groups are made again in place (:mod:`elasticft.recovery.meshes`); ``configure_model``, called
+on every entry, leaves the sharded module as it is (Lightning asks it to be idempotent).
+
 On every entry Lightning makes again the DDP wrapper (around the same LightningModule), the
-optimizer and its schedulers. Once they exist (:meth:`InProcessDDPStrategy.setup`) the newest
+optimizer and its schedulers. Once they exist (the strategy's ``setup``) the newest
 step every rank holds is copied into the module and that optimizer in place, and the
 framework's position is loaded from the snapshot's extras: the fit loop's counters (through
 ``fit_loop.load_state_dict``, Lightning's own resume path, which also makes
@@ -26,7 +34,8 @@ optimizer step is complete there).
 
 Limits: one optimizer, automatic optimization, no gradient accumulation over several batches; a
 training loader of a ``torch.utils.data`` sampler; callbacks' own states are kept in memory as
-they are on the survivor (not rolled back); the DDP strategy (FSDP is not supported yet).
+they are on the survivor (not rolled back). Lightning's ``FSDPStrategy`` (FSDP1) has no
+in-process counterpart: FSDP2 goes through the model-parallel strategy.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ LIGHTNING = (("lightning", "lightning"),)
 
 require(LIGHTNING, "in-process recovery for Lightning", "lightning")
 
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 from lightning.pytorch.strategies.launchers.launcher import _Launcher  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
@@ -51,25 +60,20 @@ FIT_ARGS = ("model", "train_dataloaders", "val_dataloaders", "datamodule", "ckpt
 """``Trainer._fit_impl``'s positional parameters, as ``Trainer.fit`` passes them."""
 
 
-class InProcessDDPStrategy(DDPStrategy):
-    """Lightning's DDP strategy, whose ``fit`` a peer failure costs a roll-back in process.
+class _InProcessFit:
+    """What the in-process strategies add to Lightning's: the newest step restored once the
+    strategy's ``setup`` made the objects of this entry, a snapshot at every training batch,
+    and the data position. Mixed into a Lightning strategy, before it."""
 
-    Takes DDPStrategy's arguments; ``recovery`` is for tests and for checkpoint options
-    (``FitRecovery("lightning", ckpt_dir=...)``).
-    """
-
-    strategy_name = "elasticft_ddp"
+    _sampler: _SkipOnce | None = None
 
     def __init__(self, *args: Any, recovery: FitRecovery | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recovery = recovery if recovery is not None else FitRecovery("Lightning")
-        self._sampler: _SkipOnce | None = None
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        assert self.cluster_environment is not None and self._launcher is not None
-        if self.cluster_environment.creates_processes_externally:  # by elasticft-run
-            self._launcher = _InProcessLauncher(self, self._launcher)
+    def kept_modules(self, model: Any) -> tuple[Any, ...]:
+        """The modules kept through a regroup with their device meshes (none for DDP)."""
+        return ()
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)  # the DDP wrapper, the optimizers, the schedulers
@@ -128,6 +132,52 @@ class InProcessDDPStrategy(DDPStrategy):
         self.recovery.step_done(self.lightning_module.trainer.global_step)
 
 
+class InProcessDDPStrategy(_InProcessFit, DDPStrategy):
+    """Lightning's DDP strategy, whose ``fit`` a peer failure costs a roll-back in process.
+
+    Takes DDPStrategy's arguments; ``recovery`` is for tests and for checkpoint options
+    (``FitRecovery("lightning", ckpt_dir=...)``).
+    """
+
+    strategy_name = "elasticft_ddp"
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self.cluster_environment is not None and self._launcher is not None
+        if self.cluster_environment.creates_processes_externally:  # by elasticft-run
+            self._launcher = _InProcessLauncher(self, self._launcher)
+
+
+class InProcessModelParallelStrategy(_InProcessFit, ModelParallelStrategy):
+    """Lightning's model-parallel strategy (FSDP2's ``fully_shard`` and tensor parallel,
+    applied in ``configure_model``), whose ``fit`` a peer failure costs a roll-back in process,
+    the survivors keeping their sharded module.
+
+    Takes ModelParallelStrategy's arguments and ``recovery``. The device mesh is made once,
+    before recovery arms, and kept: after a regroup its groups are made again in place
+    (:mod:`elasticft.recovery.meshes`). ``configure_model`` runs on every entry, on the module
+    it sharded before: it must leave an already sharded module as it is, as Lightning asks
+    of it anyway.
+    """
+
+    strategy_name = "elasticft_model_parallel"
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:  # by elasticft-run
+            self._launcher = _InProcessLauncher(self, None)
+
+    def setup_environment(self) -> None:
+        if self._device_mesh is None:
+            super().setup_environment()
+        else:  # a later entry: the kept mesh, not a new one with new groups
+            self.lightning_module._device_mesh = self._device_mesh
+
+    def kept_modules(self, model: Any) -> tuple[Any, ...]:
+        return (model,)
+
+
 class _SkipOnce:
     """A sampler that leaves out its first ``batches`` batches once, then is the sampler it
     wraps (``set_epoch`` passes through)."""
@@ -159,23 +209,31 @@ class _InProcessLauncher(_Launcher):
     """Lightning's launcher, whose function runs under recovery: the process group is made
     once, recovery arms, and the function is entered again after each regroup."""
 
-    def __init__(self, strategy: InProcessDDPStrategy, inner: _Launcher) -> None:
+    def __init__(self, strategy: InProcessDDPStrategy | InProcessModelParallelStrategy,
+                 inner: _Launcher | None) -> None:
         self.strategy = strategy
         self.inner = inner
+        """The strategy's own launcher; None where Lightning has none (the function is called)."""
 
     @property
     def is_interactive_compatible(self) -> bool:
-        return self.inner.is_interactive_compatible
+        return self.inner.is_interactive_compatible if self.inner is not None else True
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None,
                **kwargs: Any) -> Any:
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # validate, test, predict
+            if self.inner is None:
+                return function(*args, **kwargs)
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
+        if self.inner is None:
+            return self._recovered(function, *args, **kwargs)
         return self.inner.launch(self._recovered, function, *args, trainer=trainer, **kwargs)
 
     def _recovered(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.strategy.setup_environment()  # Lightning's own init_process_group, made once
         recovery = self.strategy.recovery
+        # The sharded module is known only now; InProcess reads its modules when it arms.
+        recovery.inprocess.modules = self.strategy.kept_modules(args[0] if args else None)
 
         def entry() -> Any:
             call = dict(zip(FIT_ARGS, args, strict=False))
@@ -186,4 +244,5 @@ class _InProcessLauncher(_Launcher):
         return recovery.run(entry)
 
     def kill(self, signum: Any) -> None:
-        self.inner.kill(signum)
+        if self.inner is not None:
+            self.inner.kill(signum)

@@ -28,8 +28,10 @@ ARMED = EntryFacts(launched=True, group_initialized=True, backend="gloo", groups
     (EntryFacts(True, True, "gloo", 1, None, "Lightning"), []),  # a backend that does not count
     (EntryFacts(True, True, "ucc", 2, 1, "Lightning"),
      ["backend 'ucc'", "1 process group(s)", "1 collective(s)"]),
+    # torchtitan's device meshes: their groups are counted by KeptModules when it arms
+    (EntryFacts(True, True, "nccl", 4, 0, "torchtitan", kept_meshes=True), []),
 ], ids=["armed", "not-launched", "no-group", "backend", "groups", "collectives",
-        "uncounted", "all-three"])
+        "uncounted", "all-three", "kept-meshes"])
 def test_entry_problems(facts: EntryFacts, expected: list[str]) -> None:
     problems = entry_problems(facts)
     assert len(problems) == len(expected), problems
