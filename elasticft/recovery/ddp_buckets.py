@@ -66,10 +66,7 @@ class BucketLayouts:
     """The rebuilt bucket layouts of the DDPs made while in-process recovery is armed, by
     :data:`Signature`, given to the DDPs of later generations (:meth:`arm`)."""
 
-    def __init__(self, may_carry: Callable[[], bool]) -> None:
-        self.may_carry = may_carry
-        """Whether any rank may remember a layout (a generation after the first): only then do
-        a DDP's ranks gather theirs when it is made."""
+    def __init__(self) -> None:
         self.rebuilt: dict[Signature, Layout] = {}
 
     def arm(self) -> Callable[[], None]:
@@ -105,9 +102,9 @@ class BucketLayouts:
         return undo
 
     def agreed(self, signature: Signature, group: Any) -> Layout | None:
-        """The layout the first rank of ``group`` that remembers one for ``signature`` has."""
-        if not self.may_carry():
-            return None
+        """The layout the first rank of ``group`` that remembers one for ``signature`` has.
+        Every rank gathers, in every generation: a rank cannot tell from its own generation
+        whether another remembers one (a standby's new workers start in the first)."""
         import torch.distributed as dist
 
         mine = self.rebuilt.get(signature)

@@ -195,7 +195,7 @@ class InProcess:
         self.device = ArmedDevice()
         """The rank's device and NVML's baseline for it, taken when recovery arms."""
         self.monitor: Monitor | None = None
-        self.bucket_layouts = BucketLayouts(lambda: self.generation > 0)
+        self.bucket_layouts = BucketLayouts()
         """The DDPs' rebuilt bucket layouts, carried to the DDPs of the next generation."""
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:

@@ -49,8 +49,7 @@ def test_the_rebuilt_layout_is_read_from_ddps_logging_data(
 
 def test_a_ddp_of_a_later_generation_starts_with_the_rebuilt_layout(
         group_of_one: dist.TCPStore) -> None:
-    generation = [0]
-    layouts = BucketLayouts(lambda: generation[0] > 0)
+    layouts = BucketLayouts()
     unarm = layouts.arm()
     try:
         first = DistributedDataParallel(_net(), bucket_cap_mb=SMALL)
@@ -58,7 +57,7 @@ def test_a_ddp_of_a_later_generation_starts_with_the_rebuilt_layout(
         rebuilt = [_step(first) for _ in range(4)][-1]
         assert rebuilt != guess  # the backward's order, in several buckets
         assert layouts.rebuilt, "the rebuilt layout was remembered"
-        generation[0] = 1  # the next generation: the function re-wraps the module
+        # the next generation: the function re-wraps the module
         again = DistributedDataParallel(first.module, bucket_cap_mb=SMALL)
         assert _step(again) == rebuilt
         assert _step(again) == rebuilt  # and its own rebuild keeps it
