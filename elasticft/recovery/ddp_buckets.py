@@ -22,9 +22,10 @@ While :meth:`~elasticft.recovery.inprocess.InProcess.run` is armed, :class:`Buck
 remembers each DDP's rebuilt layout (the rank's parameter indices per bucket and the buckets'
 sizes, from DDP's own logging data, once its rebuild is logged) under the shapes of its
 parameters. A DDP made in a later generation starts with that layout instead of the guess: its
-ranks gather what each remembers for their parameters' shapes (a replacement, a new process,
-remembers nothing; the survivors hold the layout every rank had) and the first that has one
-gives it to all. Its first step then sums as the uninterrupted run's step did, and its own
+ranks gather what each remembers for their parameters' shapes, in every generation (one small
+all-gather per DDP made: a replacement, a new process, remembers nothing, nor does a standby's
+new worker; the survivors hold the layout every rank had), and the first that has one gives it
+to all. Its first step then sums as the uninterrupted run's step did, and its own
 rebuild after that step, from the same backward order, lays the buckets out the same way again.
 The script does nothing for it. A DDP whose rebuild was not yet logged when its generation ended
 (a failure in its first three steps) leaves nothing to carry: the next one starts with torch's
@@ -34,12 +35,9 @@ guess, as without this module.
 from __future__ import annotations
 
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 Signature = tuple[tuple[tuple[int, ...], str], ...]
 """The shapes and dtypes of a DDP's parameters, in its order: which DDP a layout was for."""
@@ -62,6 +60,31 @@ def rebuilt_layout(logging_data: dict[str, Any]) -> Layout | None:
             [int(size) for size in str(sizes).split(",")])
 
 
+def encode(layout: Layout | None, count: int) -> list[int]:
+    """``layout`` of ``count`` parameters as ``2 + 3 * count`` integers, the same length on
+    every rank: whether there is one, the number of buckets, then (each padded to ``count``)
+    the buckets' lengths, their sizes, and the parameter indices bucket after bucket."""
+    if layout is None:
+        return [0] * (2 + 3 * count)
+    buckets, sizes = layout
+
+    def padded(values: list[int]) -> list[int]:
+        return values + [0] * (count - len(values))
+
+    return [1, len(buckets), *padded([len(b) for b in buckets]), *padded(sizes),
+            *padded([i for bucket in buckets for i in bucket])]
+
+
+def decode(row: Sequence[int], count: int) -> Layout | None:
+    """What :func:`encode` made."""
+    if not row[0]:
+        return None
+    number = row[1]
+    lengths, sizes = row[2:2 + number], row[2 + count:2 + count + number]
+    indices = iter(row[2 + 2 * count:])
+    return [[next(indices) for _ in range(length)] for length in lengths], list(sizes)
+
+
 class BucketLayouts:
     """The rebuilt bucket layouts of the DDPs made while in-process recovery is armed, by
     :data:`Signature`, given to the DDPs of later generations (:meth:`arm`)."""
@@ -82,8 +105,7 @@ class BucketLayouts:
         @functools.wraps(set_up)
         def carried_set_up(ddp: Any, parameters: Sequence[Any], *args: Any,
                            **kwargs: Any) -> Any:
-            signature = signature_of(parameters)
-            carried = layouts.agreed(signature, ddp.process_group)
+            carried = layouts.agreed(parameters, ddp.process_group)
             if carried is not None:  # DDP reverses the buckets it is given: hand them reversed
                 dist._compute_bucket_assignment_by_size = lambda *_a, **_k: (
                     carried[0][::-1], carried[1][::-1])
@@ -91,7 +113,7 @@ class BucketLayouts:
                 made = set_up(ddp, parameters, *args, **kwargs)
             finally:
                 dist._compute_bucket_assignment_by_size = assign
-            layouts.remember_when_rebuilt(ddp, signature)
+            layouts.remember_when_rebuilt(ddp, signature_of(parameters))
             return made
 
         DistributedDataParallel._ddp_init_helper = carried_set_up  # type: ignore[method-assign]
@@ -101,16 +123,22 @@ class BucketLayouts:
 
         return undo
 
-    def agreed(self, signature: Signature, group: Any) -> Layout | None:
-        """The layout the first rank of ``group`` that remembers one for ``signature`` has.
+    def agreed(self, parameters: Sequence[Any], group: Any) -> Layout | None:
+        """The layout the first rank of ``group`` that remembers one for ``parameters`` has.
         Every rank gathers, in every generation: a rank cannot tell from its own generation
-        whether another remembers one (a standby's new workers start in the first)."""
+        whether another remembers one (a standby's new workers start in the first). The
+        layouts travel as tensors on the parameters' device, as DDP's own checks do."""
+        import torch
         import torch.distributed as dist
 
-        mine = self.rebuilt.get(signature)
-        everyone: list[Layout | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        return next((layout for layout in everyone if layout is not None), None)
+        count = len(parameters)
+        device = parameters[0].device if count else torch.device("cpu")
+        mine = torch.tensor(encode(self.rebuilt.get(signature_of(parameters)), count),
+                            dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        return next((layout for row in torch.stack(everyone).tolist()
+                     if (layout := decode(row, count)) is not None), None)
 
     def remember_when_rebuilt(self, ddp: Any, signature: Signature) -> None:
         """Reads ``ddp``'s rebuilt layout at the first forward after its rebuild was logged."""

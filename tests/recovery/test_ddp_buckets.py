@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticft.recovery.ddp_buckets import BucketLayouts, rebuilt_layout
+from elasticft.recovery.ddp_buckets import BucketLayouts, decode, encode, rebuilt_layout
 
 SMALL = 100 / 2 ** 20
 """A bucket cap (MiB) of 100 bytes: the model's gradients take several buckets."""
@@ -65,3 +65,16 @@ def test_a_ddp_of_a_later_generation_starts_with_the_rebuilt_layout(
         unarm()
     plain = DistributedDataParallel(first.module, bucket_cap_mb=SMALL)
     assert _step(plain) == guess  # unarmed: torch's guess again
+
+
+@pytest.mark.parametrize(("layout", "count"), [
+    (([[5, 4, 3], [2], [1, 0]], [104, 256, 160]), 6),
+    (([[1, 0]], [40]), 2),
+    (None, 3),
+    (([], []), 0),
+])
+def test_a_layout_travels_as_integers_of_one_length_for_any_layout(
+        layout: tuple | None, count: int) -> None:
+    row = encode(layout, count)
+    assert len(row) == 2 + 3 * count
+    assert decode(row, count) == layout
