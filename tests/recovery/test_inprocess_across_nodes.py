@@ -2,9 +2,11 @@
 agents as two nodes of 2 workers each, gloo): a worker of one node dies, every node hears of it
 through the job's store at once, the nodes agree there on the next generation, and the dead
 worker's node starts just its replacement. Every other worker, on both nodes, keeps its process
-and the losses are an uninterrupted 4-worker run's: bit for bit up to the failure, and within
-a few units in the last place after it (:func:`_close_after_the_fault`); also when the dead
-worker's sockets stay open (nothing raises in any survivor: only the news interrupts them)."""
+and the losses are an uninterrupted 4-worker run's, bit for bit (the DDP made again starts with
+the buckets of the one before it: :mod:`elasticft.recovery.ddp_buckets`); also when the dead
+worker's sockets stay open (nothing raises in any survivor: only the news interrupts them). A
+node lost with its agent sends the others to the next rendezvous round, which waits on a thread
+while the agent watches its workers: a survivor killed there is replaced in that round."""
 
 from __future__ import annotations
 
@@ -204,3 +206,46 @@ def test_a_lost_node_is_replaced_by_the_standby_and_the_other_nodes_workers_keep
     assert len(done) == 1 and done[0]["replaced"] == {}, job.outputs()
     assert "rendezvous_s" in done[0]["phases"], done[0]["phases"]
     assert job.nodes[standby].events("workers_started")[-1]["world_size"] == 4
+
+
+@pytest.mark.timeout(300)
+def test_a_survivor_killed_while_the_next_round_waits_is_replaced_in_it(
+        etcd_server: EtcdServer, make_job, reference4: Losses,  # noqa: F811
+        tmp_path: Path) -> None:
+    """Node b's agent and workers SIGKILLed with no standby: node a's agent waits in the next
+    round with its workers running, watching them. Its rank 1 is SIGKILLed there: the agent
+    sees it at once (``survivor_died_in_round``) and, when a node comes to the round, replaces
+    just that rank in the round's generation; rank 0 keeps its process."""
+    pid_log = tmp_path / "pids.log"
+    job = make_job(etcd_server.endpoint, INPROCESS, steps=LONG, step_time=0.25,
+                   nproc_per_node=2, extra_train=["--pid-log", str(pid_log)])
+    job.start("a")
+    job.start("b")
+    job.wait_for("a and b in one round", lambda: len(job.events("workers_started")) >= 2)
+    job.wait_step(CRASH_AT)
+    survivor, _ = chaos.leader_agent(etcd_server.endpoint, job.job_id)
+    lost = next(n for n in job.nodes if n != survivor)
+    node = job.nodes[survivor]
+    chaos.kill_node(job.tmp, lost)
+    waiting = job.wait_for("the survivor's agent in the next round",
+                           lambda: node.events("next_round"), timeout=60)[0]
+    assert waiting["survivors"] == [0, 1] and waiting["limit_s"] > 0, waiting
+    victim = int(node.events("workers_started")[0]["pids"]["1"])
+    os.kill(victim, signal.SIGKILL)
+    died = job.wait_for("its death seen while the round waits",
+                        lambda: node.events("survivor_died_in_round"), timeout=30)[0]
+    assert (died["rank"], died["pid"]) == (1, victim), died
+    assert not node.events("rendezvous")[1:], "the round closed before a node came"
+    job.start("c")
+    for name in (survivor, "c"):
+        code = job.nodes[name].wait(180)
+        assert code == 0, f"node {name} exited {code}\n{job.outputs()}"
+    _bit_exact(losses_of(job.loss_log), reference4, LONG)
+    pids = pids_by_rank(pid_log)
+    assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 2, 2: 2, 3: 2}, pids
+    assert not node.events("restart"), job.outputs()
+    assert len(node.events("workers_started")) == 1, job.outputs()
+    done = node.events("recover_in_process")
+    assert len(done) == 1 and done[0]["replaced"].keys() == {"1"}, job.outputs()
+    assert "rendezvous_s" in done[0]["phases"], done[0]["phases"]
+    assert done[0]["limits"] == {"rendezvous_s": waiting["limit_s"]}, done[0]
