@@ -84,6 +84,20 @@ def _reads(cls: type, attribute: str, *methods: str) -> bool:
     return all(f"self.{attribute}" in inspect.getsource(getattr(cls, m)) for m in methods)
 
 
+def _ddp_buckets_carried() -> bool:
+    """DDP's bucket set-up as recovery/ddp_buckets.py wraps it (the logger's keys, which live
+    in C++, are read by a real DDP in tests/recovery/test_ddp_buckets.py)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    set_up = inspect.getsource(DistributedDataParallel._ddp_init_helper)
+    return (list(_parameters(DistributedDataParallel._ddp_init_helper))[:2]
+            == ["self", "parameters"]
+            and "dist._compute_bucket_assignment_by_size(" in set_up
+            and "list(reversed(bucket_indices))" in set_up
+            and "list(reversed(per_bucket_size_limits))" in set_up
+            and callable(getattr(DistributedDataParallel, "_get_ddp_logging_data", None)))
+
+
 def _dcp_init_step() -> bool:
     """``get_state_dict`` steps a fresh optimizer once, lr 0, zero grads (steps.is_init_step)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -288,6 +302,12 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "Tensor._version counts in-place writes (elasticft.steps.must_read)": lambda: (
         (t := torch.zeros(1))._version + 1 == t.add_(1)._version),
     "DCP get_state_dict's optimizer init step (lr 0, zero grads)": _dcp_init_step,
+    # recovery/ddp_buckets.py: a DDP re-made after an in-process recovery starts with the
+    # rebuilt buckets its predecessor's logger reported.
+    "DistributedDataParallel._ddp_init_helper(parameters, ...) hands the Reducer "
+    "reversed(dist._compute_bucket_assignment_by_size(...)), called by name; "
+    "_get_ddp_logging_data()":
+        _ddp_buckets_carried,
 }
 """What elasticft assumes about torch's private API, by name; each check is True on a torch that
 has it (tests/test_torch_compat.py)."""

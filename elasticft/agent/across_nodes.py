@@ -7,7 +7,9 @@ sees that, and the agents agree there on the next generation, over the same worl
 one of them hosts (``InProcessCoordinator.host_store`` and ``adopt``); the failed worker's node
 starts just that worker's replacement, its other workers regroup as survivors. A node lost with
 its agent never joins that agreement: then the agents join the next rendezvous round with their
-workers still running (a warm standby takes the lost node's place there, with its ranks) and
+workers still running and watched (on a thread: :mod:`elasticft.agent.next_round`; a survivor
+that dies meanwhile is replaced in that round; a warm standby takes the lost node's place there,
+with its ranks) and
 publish that round's worker address as the next generation
 (``InProcessCoordinator.publish_round``; the survivor of rank 0 hosts the store, as torch's
 ``env://`` would; a node with a failed worker restarts its workers in that round). The other
@@ -35,7 +37,7 @@ from typing import Any
 from elasticft import torch_compat
 from elasticft.addon.api import Detection
 from elasticft.addon.classify import FailureClass
-from elasticft.agent import reshape
+from elasticft.agent import next_round, reshape
 from elasticft.plan import worker as plan_worker
 from elasticft.plan.api import Layout, PlanError
 from elasticft.recovery.protocol import Generation
@@ -77,8 +79,7 @@ class AcrossNodes:
                 self.agent.rendezvous()
                 self.agent.restart_in_round(f"{cause}; {agreed.reason}")
                 return None
-            generation = self._next_round_generation(pids)
-            return None if generation is None else (generation, {})
+            return self._next_round_generation(pids)
         world = self._group().workers[0].world_size
         logger.warning("generation across nodes on node %s's store %s:%d (%s)", agreed.host,
                        agreed.master_addr, agreed.master_port, agreed.reason)
@@ -99,26 +100,40 @@ class AcrossNodes:
         return Detection(FailureClass.INFRASTRUCTURE, (), "inprocess",
                          f"in-process recovery of node {record.node}'s failure failed: {failed}")
 
-    def _next_round_generation(self, pids: dict[int, int | None]) -> Generation | None:
+    def _next_round_generation(self, pids: dict[int, int | None]
+                               ) -> tuple[Generation, dict[int, int]] | None:
         """A job of several nodes: a new rendezvous round with no worker stopped (a standby
-        takes the lost node's place there), published as the survivors' next generation. A
-        round that renumbers this node's ranks restarts its workers in that round, through the
-        agent's restart path (None)."""
+        takes the lost node's place there), published as the survivors' next generation; a
+        survivor that died while the round waited (:mod:`elasticft.agent.next_round`) is
+        replaced there. Returns it and the replacements' pids. A round that renumbers this
+        node's ranks restarts its workers in that round, through the agent's restart path
+        (None)."""
         wg = self._group()
         before = [(w.global_rank, w.world_size) for w in wg.workers]
         old_layout = plan_worker.layout(self.agent.round_env(wg.workers[0].local_rank))
         self.agent.next_attempt()
         self._times["rendezvous"] = time.time()
-        self.agent.rendezvous()
+        died = self._join_round_watching(wg, pids)
         self._times["rendezvoused"] = time.time()
         wg = self._group()
         for worker in wg.workers:  # the same processes: torch's monitor compares ids and pids
             worker.id = pids.get(worker.local_rank)
         after = [(w.global_rank, w.world_size) for w in wg.workers]
         if after == before:
-            return self.coordinator.publish_round(
-                wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
-                torch_compat.workers_use_agent_store(wg))
+            def publish() -> Generation:
+                return self.coordinator.publish_round(
+                    wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
+                    torch_compat.workers_use_agent_store(wg))
+
+            if died:  # replaced in the round's generation, as a failed rank is
+                return self._replace_in_process(died, {}, publish)
+            return publish(), {}
+        if died:
+            cause = (f"local rank(s) {died} died while the round waited and round "
+                     f"{self.agent.round()} renumbers this node's workers: they restart")
+            logger.warning("no in-process regroup: %s", cause)
+            self.agent.restart_in_round(cause)
+            return None
         envs = {w.local_rank: self.agent.round_env(w.local_rank) for w in wg.workers}
         facts = self._reshape_facts(pids, before, after, old_layout, envs)
         decision = reshape.decide(facts)
@@ -130,12 +145,42 @@ class AcrossNodes:
             return self.coordinator.publish_round(
                 wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
                 torch_compat.workers_use_agent_store(wg),
-                env={str(lr): env for lr, env in envs.items()})
+                env={str(lr): env for lr, env in envs.items()}), {}
         cause = (f"round {self.agent.round()} gives this node's workers (rank, world size) "
                  f"{after}, not {before}: they restart ({decision.reason})")
         logger.warning("no in-process regroup: %s", cause)
         self.agent.restart_in_round(cause)
         return None
+
+    def _join_round_watching(self, wg: Any, pids: Mapping[int, int | None]) -> list[int]:
+        """Joins the next round on a thread while this node's survivors are watched and the
+        round's limit (the recovery's join limit) is kept (:func:`next_round.join_watching`);
+        returns the local ranks that died meanwhile."""
+        limit_s = self.coordinator.join_limit_s
+        self._times["rendezvous_limit_s"] = limit_s
+        attempt, round_ = self.agent.attempt(), self.agent.round() + 1
+        ranks = {w.local_rank: w.global_rank for w in wg.workers}  # the round rewrites them
+        self.events.emit("next_round", attempt=attempt, round=round_, limit_s=limit_s,
+                         survivors=[ranks[lr] for lr in pids])
+
+        def died(local_rank: int, waited_s: float) -> None:
+            rank = ranks[local_rank]
+            logger.warning("local rank %d (rank %d, pid %s) died while the next rendezvous "
+                           "round waited (%.1f s): it is replaced there", local_rank, rank,
+                           pids.get(local_rank), waited_s)
+            self.events.emit("survivor_died_in_round", attempt=attempt, round=round_,
+                             rank=rank, pid=pids.get(local_rank), waited_s=round(waited_s, 3))
+
+        def overran(overrun: next_round.RoundOverrun) -> None:
+            logger.warning("%s", overrun.reason)
+            self.events.emit("round_overrun", attempt=attempt, round=round_,
+                             reason=overrun.reason, **overrun.evidence)
+
+        watch = next_round.join_watching(
+            self.agent.rendezvous, [lr for lr, pid in pids.items() if pid is not None],
+            self._dead_workers, limit_s=limit_s, interval_s=wg.spec.monitor_interval,
+            on_death=died, on_overrun=overran)
+        return sorted(watch.died)
 
     def _reshape_facts(self, pids: Mapping[int, int | None], before: list[tuple[int, int]],
                        after: list[tuple[int, int]], old_layout: Layout,

@@ -370,6 +370,8 @@ class InProcessRecovery(AcrossNodes):
                                           ("rendezvous_s", "rendezvous", "rendezvoused")):
                     if start in times and end in times:
                         timings[phase] = round(times[end] - times[start], 4)
+                limits = {"rendezvous_s": times["rendezvous_limit_s"]} \
+                    if "rendezvous_limit_s" in times else {}
                 logger.warning("in-process recovery of generation %d done: %s",
                                recovery.generation, timings)
                 self.events.emit("recover_in_process", attempt=self.agent.attempt(),
@@ -378,7 +380,7 @@ class InProcessRecovery(AcrossNodes):
                                  replaced=self._by_global_rank(recovery.replaced),
                                  spare=self._by_global_rank(
                                      self.spare.taken.get(recovery.generation, {})),
-                                 phases=timings)
+                                 phases=timings, limits=limits)
                 return None
             self._kill_overruns(recovery, pids)
             if self.coordinator.overdue(time.monotonic(), pids):
@@ -468,9 +470,10 @@ class InProcessRecovery(AcrossNodes):
         except OSError as e:  # the survivors then leave when their collectives raise
             logger.warning("could not write the interrupt notice: %s", e)
         if in_round:  # nodes join (or no store the nodes share)
-            generation = self._next_round_generation(pids)
-            if generation is None:
+            joined = self._next_round_generation(pids)
+            if joined is None:
                 return None
+            generation, replaced = joined
         elif across:  # the nodes agree on the next generation in the job's shared store
             try:
                 agreed = self._agree_across_nodes(pids, replace, cause,

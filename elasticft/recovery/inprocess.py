@@ -73,6 +73,7 @@ from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.diag import groupsockets
 from elasticft.jsonfile import read_json, write_json
+from elasticft.recovery.ddp_buckets import BucketLayouts
 from elasticft.recovery.groups import ArmedGroup, GroupOps, regroup, tear_down
 from elasticft.recovery.health import ArmedDevice, within
 from elasticft.recovery.interrupt import Monitor, PeerInterrupted
@@ -194,6 +195,8 @@ class InProcess:
         self.device = ArmedDevice()
         """The rank's device and NVML's baseline for it, taken when recovery arms."""
         self.monitor: Monitor | None = None
+        self.bucket_layouts = BucketLayouts()
+        """The DDPs' rebuilt bucket layouts, carried to the DDPs of the next generation."""
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         directory = self.settings.directory
@@ -250,6 +253,7 @@ class InProcess:
                 self._phases.update(imported=_IMPORTED_AT, started=_started_at())
             self._write("joined", self._phases)
             self._report_first_step()
+        unarm_buckets = self.bucket_layouts.arm()  # a re-made DDP sums as the one before it
         try:
             while True:
                 returned, outcome = self._call(fn, args, kwargs)
@@ -267,6 +271,7 @@ class InProcess:
             self._resume_hook.remove()
             for hook in self._gate_hooks:
                 hook.remove()
+            unarm_buckets()
 
     def step_done(self) -> None:
         """Tells the agent that a training step after the latest (re-)entry is over. Steps of a
