@@ -370,3 +370,13 @@ def classify_exit(
     if info is not None:
         return from_exception("stderr", info)
     return FailureRecord(**base, failure_class=FailureClass.UNKNOWN)
+
+
+def without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecord, ...]:
+    """Drops workers the agent itself stopped (SIGTERM) after another worker failed first.
+
+    torch closes the surviving workers as soon as one fails and reports them as failed too; they
+    are consequences, not causes. When every worker was stopped by a signal, they all stay.
+    """
+    causes = tuple(r for r in records if r.failure_class is not FailureClass.STOP_REQUESTED)
+    return causes or records
