@@ -46,7 +46,12 @@ import re
 from collections.abc import Iterable
 from typing import TypedDict
 
-from elasticft.addon.classify import UNRESTARTABLE_EXCEPTIONS, FailureClass, FailureRecord
+from elasticft.addon.classify import (
+    UNRESTARTABLE_EXCEPTIONS,
+    FailureClass,
+    FailureRecord,
+    device_evidence,
+)
 from elasticft.decision import Decision
 
 
@@ -239,15 +244,6 @@ def root_cause(failures: tuple[FailureRecord, ...]) -> FailureRecord:
                                         reports_a_peer_gone(f), f.rank))
 
 
-# Messages of device and host faults: evidence against the node itself, unlike a connection
-# error, which usually only reports a peer's death.
-_DEVICE_FAULT = re.compile(
-    r"cuda|nccl|cudnn|cublas|ecc|xid|device-side|uncorrectable|illegal memory|bus error|"
-    r"nvlink|hardware",
-    re.IGNORECASE,
-)
-
-
 def is_node_offence(failure: FailureRecord) -> bool:
     """Whether ``failure`` counts against the node its rank ran on.
 
@@ -261,8 +257,8 @@ def is_node_offence(failure: FailureRecord) -> bool:
         return True
     if cls is FailureClass.HANG:
         return "culprit: rank" in (failure.message or "")
-    if cls is FailureClass.INFRASTRUCTURE:
-        return bool(_DEVICE_FAULT.search(f"{failure.exception or ''} {failure.message or ''}"))
+    if cls is FailureClass.INFRASTRUCTURE:  # a device error, not a connection's
+        return device_evidence(f"{failure.exception or ''} {failure.message or ''}")
     return False
 
 

@@ -63,13 +63,12 @@ from typing import Any
 
 from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
-from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.classify import FailureClass, FailureRecord, device_fault
 from elasticft.addon.policy import Action, Change, ChangeFacts
 from elasticft.agent import placement
 from elasticft.agent.across_nodes import CHAINED_LIMIT, AcrossNodes
 from elasticft.agent.failure_news import FailureNews
 from elasticft.agent.generations import InProcessCoordinator
-from elasticft.agent.placement import died_of_device_fault
 from elasticft.agent.recovery_timing import Recovery, phases
 from elasticft.agent.replace import replace_after_kill, start_replacements
 from elasticft.agent.spare_keeper import SpareKeeper
@@ -322,7 +321,7 @@ class InProcessRecovery(AcrossNodes):
         """The ``left`` records of these local ranks, and whether each names a device fault."""
         records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
                    for lr in local_ranks}
-        return records, {lr: died_of_device_fault(str(records[lr].get("why", "")))
+        return records, {lr: device_fault(str(records[lr].get("why", "")))
                          for lr in local_ranks}
 
     def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
