@@ -44,7 +44,7 @@ import dataclasses
 import enum
 import re
 from collections.abc import Iterable
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 from elasticft.addon.classify import (
     UNRESTARTABLE_EXCEPTIONS,
@@ -448,15 +448,11 @@ def _repeat_stop(left: int, flag: str, budget: int, what: str) -> Action:
     )
 
 
-class Change(str, enum.Enum):
-    """A change of membership under running workers."""
-
-    JOIN = "join"
-    """Nodes wait to join the running group (a standby came back)."""
-    RESHAPE = "reshape"
-    """A new rendezvous round gives this node's running workers other ranks or another world."""
-    LEAVER = "leaver"
-    """A survivor exited while its recovery's new group was still forming."""
+Change = Literal["join", "reshape", "leaver"]
+"""A change of membership under running workers: nodes wait to join the running group (a
+standby came back); a new rendezvous round gives this node's running workers other ranks or
+another world (a reshape); a survivor exited while its recovery's new group was still forming
+(a leaver)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,7 +477,7 @@ def decide_change(facts: ChangeFacts) -> Action:
     recovery already counted. A leaver that cannot be replaced is a failure of that recovery:
     the answer is a restart, which the failure decision (:func:`decide`) then counts, or
     turns into a stop."""
-    if facts.change is Change.JOIN:
+    if facts.change == "join":
         if facts.in_process:
             return Action(ActionKind.REGROUP_IN_PROCESS,
                           f"membership change: {facts.what}; the workers regroup in process "
@@ -490,7 +486,7 @@ def decide_change(facts: ChangeFacts) -> Action:
                       f"membership change: {facts.what}"
                       + (f"; no regroup in process ({facts.why_not})" if facts.why_not else ""),
                       counted=False)
-    if facts.change is Change.RESHAPE:
+    if facts.change == "reshape":
         if facts.in_process:
             return Action(ActionKind.REGROUP_IN_PROCESS,
                           f"reshape in process: {facts.what}: {facts.why_not}", counted=False)

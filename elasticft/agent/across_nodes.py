@@ -36,7 +36,7 @@ from typing import Any
 from elasticft import torch_compat
 from elasticft.addon.api import Detection
 from elasticft.addon.classify import FailureClass
-from elasticft.addon.policy import ActionKind, Change, ChangeFacts, decide_change
+from elasticft.addon.policy import ActionKind, ChangeFacts, decide_change
 from elasticft.agent import reshape
 from elasticft.plan import worker as plan_worker
 from elasticft.plan.api import Layout, PlanError
@@ -125,7 +125,7 @@ class AcrossNodes:
         facts = self._reshape_facts(pids, before, after, old_layout, envs)
         layouts = reshape.decide(facts)  # whether the new layout holds every survivor's state
         action = decide_change(ChangeFacts(
-            Change.RESHAPE, f"round {self.agent.round()} gives this node's workers (rank, world "
+            "reshape", f"round {self.agent.round()} gives this node's workers (rank, world "
             f"size) {after}, not {before}", layouts.in_process, layouts.reason))
         in_process = action.kind is ActionKind.REGROUP_IN_PROCESS
         self.events.emit("reshape", attempt=self.agent.attempt(), round=self.agent.round(),

@@ -44,7 +44,6 @@ from elasticft.addon.classify import FailureRecord, classify_exit, without_colla
 from elasticft.addon.policy import (
     Action,
     ActionKind,
-    Change,
     ChangeFacts,
     FailureFacts,
     FailureSignature,
@@ -475,14 +474,14 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         """The policy's answer to a change of membership, logged and in the event log."""
         action = decide_change(facts)
         logger.warning("decision: %s (%s)", action.kind.value, action.reason)
-        self.events.emit("membership", change=facts.change.value, action=action.kind.value,
+        self.events.emit("membership", change=facts.change, action=action.kind.value,
                          reason=action.reason, attempt=self._attempt)
         return action
 
     def _join(self, waiting: int) -> None:
         """Nodes wait to join: a regroup in process with them, or a restart, as decided."""
         why_not = self.in_process.growth_blocker()
-        action = self._decide_change(ChangeFacts(Change.JOIN, f"{waiting} node(s) waiting",
+        action = self._decide_change(ChangeFacts("join", f"{waiting} node(s) waiting",
                                                  why_not is None, why_not or ""))
         cause = action.reason
         if action.kind is ActionKind.REGROUP_IN_PROCESS:

@@ -64,7 +64,7 @@ from typing import Any
 from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
 from elasticft.addon.classify import FailureClass, FailureRecord, device_fault
-from elasticft.addon.policy import Action, Change, ChangeFacts
+from elasticft.addon.policy import Action, ChangeFacts
 from elasticft.agent import placement
 from elasticft.agent.across_nodes import CHAINED_LIMIT, AcrossNodes
 from elasticft.agent.failure_news import FailureNews
@@ -314,7 +314,7 @@ class InProcessRecovery(AcrossNodes):
         else:
             why_not = self._unplaceable(local_ranks, self._left_faults(local_ranks)[1],
                                         spare_takes=False)
-        return ChangeFacts(Change.LEAVER, what, why_not is None, why_not or "")
+        return ChangeFacts("leaver", what, why_not is None, why_not or "")
 
     def _left_faults(self, local_ranks: Sequence[int]
                      ) -> tuple[dict[int, dict[str, Any]], dict[int, bool]]:

@@ -11,7 +11,6 @@ import pytest
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import (
     ActionKind,
-    Change,
     ChangeFacts,
     CheckpointSource,
     FailureFacts,
@@ -224,22 +223,22 @@ def test_failure_signature(record: FailureRecord, signature: tuple[str, str, str
 # Changes of membership: every one answered by a regroup in process or a restart, none spending
 # a restart (a leaver's failed replacement is a failure, which the failure decision counts).
 @pytest.mark.parametrize(("facts", "kind", "counted", "said"), [
-    (ChangeFacts(Change.JOIN, "1 node(s) waiting", True), ActionKind.REGROUP_IN_PROCESS, False,
+    (ChangeFacts("join", "1 node(s) waiting", True), ActionKind.REGROUP_IN_PROCESS, False,
      "membership change: 1 node(s) waiting; the workers regroup in process"),
-    (ChangeFacts(Change.JOIN, "2 node(s) waiting", False, "a recovery is under way"),
+    (ChangeFacts("join", "2 node(s) waiting", False, "a recovery is under way"),
      ActionKind.RESTART_IN_PLACE, False,
      "membership change: 2 node(s) waiting; no regroup in process (a recovery is under way)"),
-    (ChangeFacts(Change.RESHAPE, "ranks [(2, 4)] become [(0, 2)]", True,
+    (ChangeFacts("reshape", "ranks [(2, 4)] become [(0, 2)]", True,
                  "TP1 x DP4 -> TP1 x DP2: every survivor keeps its TP shard"),
      ActionKind.REGROUP_IN_PROCESS, False, "reshape in process: ranks [(2, 4)] become [(0, 2)]: "
      "TP1 x DP4 -> TP1 x DP2: every survivor keeps its TP shard"),
-    (ChangeFacts(Change.RESHAPE, "ranks [(2, 4)] become [(0, 2)]", False,
+    (ChangeFacts("reshape", "ranks [(2, 4)] become [(0, 2)]", False,
                  "the state is sharded over DP (FSDP2)"),
      ActionKind.RESTART_IN_PLACE, False,
      "ranks [(2, 4)] become [(0, 2)]: they restart (the state is sharded over DP (FSDP2))"),
-    (ChangeFacts(Change.LEAVER, "local rank(s) [1] left the recovery of generation 2", True),
+    (ChangeFacts("leaver", "local rank(s) [1] left the recovery of generation 2", True),
      ActionKind.REGROUP_IN_PROCESS, False, "its replacement joins the same generation"),
-    (ChangeFacts(Change.LEAVER, "local rank(s) [1] left the recovery of generation 2", False,
+    (ChangeFacts("leaver", "local rank(s) [1] left the recovery of generation 2", False,
                  "its group had formed: a replacement cannot join it"),
      ActionKind.RESTART_IN_PLACE, True, "a failure of the recovery under way"),
 ], ids=["join", "join-blocked", "reshape-holds", "reshape-cannot-hold", "leaver",
