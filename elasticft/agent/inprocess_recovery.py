@@ -396,7 +396,7 @@ class InProcessRecovery(AcrossNodes):
                                  phases=timings)
                 return None
             self._kill_overruns(recovery, pids)
-            if self.coordinator.overdue(time.monotonic(), pids):
+            if self.coordinator.overdue(time.time(), pids):
                 what = (f"its first step not done within {recovery.first_step_s:.0f} s of "
                         f"the regroup" if recovery.joined_at is not None else
                         f"not regrouped within {self.coordinator.join_limit_s:.0f} s")
@@ -472,7 +472,8 @@ class InProcessRecovery(AcrossNodes):
 
     def _recover(self, cause: str, failures: Sequence[FailureRecord], seen_at: float, *,
                  in_round: bool, at_step: bool = False, across: bool = False) -> str | None:
-        decided_at, decided_mono = time.time(), time.monotonic()
+        decided_at = time.time()
+        self.coordinator.regroup_by = decided_at + self.coordinator.join_limit_s
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
         replaced: dict[int, int] = {}
@@ -512,7 +513,7 @@ class InProcessRecovery(AcrossNodes):
             generation.generation - 1, published_at, at_step)
         self.coordinator.recovery = Recovery(
             generation.generation, cause, seen_at, decided_at, published_at, replaced,
-            decided_mono + self.coordinator.join_limit_s, times=self._times,
+            self.coordinator.regroup_by, times=self._times,
             notified_at=notified_at, at_step=notice_at_step)
         self._killed = {}
         self.armed_pids = {}

@@ -329,8 +329,10 @@ class InProcess:
             old_rank, rank = rank, int(changed.get("RANK", rank))
             logger.warning("reshape: rank %d of %d goes on as rank %d of %d", old_rank, world,
                            rank, generation.world_size)
-        regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
-                self.group.settings)
+        # The regroup ends by the agent's deadline for it, when the generation tells it.
+        left_s = (generation.regroup_by - time.time() if generation.regroup_by
+                  else deadline - time.monotonic())
+        regroup(backend, rank, generation, max(left_s, 1.0), self.ops, self.group.settings)
         self.group = self.group.moved(rank, generation.world_size)
         regrouped_at = time.time()
         if changed:
