@@ -106,6 +106,45 @@ INFRA_PATTERN = re.compile(
     r"device-side assert|unhandled system error|peer closed|TCPStore|DistStore",
     re.IGNORECASE,
 )
+DEVICE_FAULT = re.compile(
+    r"cuda error|cuda failure|device-side|illegal memory|illegal address|ecc|uncorrectable|"
+    r"\bxid\b|launch failure|device failed the health check|device is lost|fallen off the bus",
+    re.IGNORECASE)
+"""The one list of device faults: messages that say a GPU itself is unfit (its memory, its bus,
+its health check). A worker that died of one gets no replacement on that GPU. Two judges read
+more into a failure than the GPU's own fault, each for a reason of its own:
+:func:`process_unusable` (what a process may not go on after) and :func:`device_evidence`
+(what counts against a node)."""
+
+_CUDA_STATE = re.compile(r"cuda|out ?of ?memory", re.IGNORECASE)
+"""Beyond a device fault, what may leave a process's CUDA state unusable or full: any CUDA
+error (CUDA's errors are "sticky": the context is lost; NCCL's "unhandled cuda error" is one),
+and running out of memory (the GPU stays usable, the process's allocations do not)."""
+
+_DEVICE_LIBRARIES = re.compile(r"cuda|nccl|cudnn|cublas|bus error|nvlink|hardware",
+                               re.IGNORECASE)
+"""Beyond a device fault, the node's device libraries and links failing: evidence against the
+node, though an NCCL error is often only the echo of a peer's death."""
+
+
+def device_fault(text: str) -> bool:
+    """Whether ``text`` (an exception and its message, a worker's reason for leaving) names a
+    fault of the GPU itself (pure)."""
+    return bool(DEVICE_FAULT.search(text))
+
+
+def process_unusable(text: str) -> bool:
+    """Whether the process that failed with ``text`` cannot go on in its process: a device
+    fault, any CUDA error or running out of memory (pure); only a new process goes on."""
+    return device_fault(text) or bool(_CUDA_STATE.search(text))
+
+
+def device_evidence(text: str) -> bool:
+    """Whether ``text`` is evidence against the node's devices: a device fault, or its CUDA,
+    NCCL or interconnect failing (pure)."""
+    return device_fault(text) or bool(_DEVICE_LIBRARIES.search(text))
+
+
 _EXC_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(Error|Exception|Interrupt|Interrupted|Exit|"
                        r"Warning|StateMismatch)|"
                        r"[A-Za-z_][\w.]*Error)(: (?P<msg>.*))?$")
@@ -370,3 +409,37 @@ def classify_exit(
     if info is not None:
         return from_exception("stderr", info)
     return FailureRecord(**base, failure_class=FailureClass.UNKNOWN)
+
+
+def without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecord, ...]:
+    """Drops workers the agent itself stopped (SIGTERM) after another worker failed first.
+
+    torch closes the surviving workers as soon as one fails and reports them as failed too; they
+    are consequences, not causes. When every worker was stopped by a signal, they all stay.
+    """
+    causes = tuple(r for r in records if r.failure_class is not FailureClass.STOP_REQUESTED)
+    return causes or records
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is the communication layer's report of a failed peer or link, which
+    a regroup repairs (pure): the one judge of "a peer failed", for the workers
+    (:mod:`elasticft.recovery.inprocess`) as for the agent.
+
+    An infrastructure error by :func:`classify_exception` (torch's ``DistError`` family,
+    connection errors, gloo's and NCCL's messages), anywhere in the chain of causes, unless one
+    of them leaves the process unusable (:func:`process_unusable`).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    found = False
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        message = str(current)
+        if process_unusable(f"{type(current).__name__} {message}"):
+            return False
+        if any(classify_exception(ExceptionInfo(cls.__name__, message, None))
+               is FailureClass.INFRASTRUCTURE for cls in type(current).__mro__):
+            found = True
+        current = current.__cause__ or current.__context__
+    return found

@@ -23,6 +23,19 @@ step resets the wait.
 
 A failure that says the job cannot go on as launched (:data:`UNRESTARTABLE_EXCEPTIONS`: the
 checkpoint does not fit the model) stops the run at once, whatever restarts are left.
+
+The policy also says where the next attempt resumes from (:func:`checkpoint_source`): the
+survivors of an in-process recovery keep their state and restore their own snapshot, anything
+else takes a just-in-time checkpoint when every shard has a healthy replica to ask. The
+checkpoint is taken after the decision, by what it says, never before it.
+
+**Changes of membership** are not failures, and the same module decides them
+(:func:`decide_change`, :class:`ChangeFacts`): a node asking to join the running workers, a
+new rendezvous round that renumbers them (a *reshape*, whose layout either holds every
+survivor's state or does not: :mod:`elasticft.agent.reshape` judges the layouts), and a
+survivor that leaves while its recovery's group is still forming. Each is answered by a
+regroup in process or a restart, with its reason; neither spends a restart (the action says so:
+:attr:`Action.counted`), and the agent counts what it spends from the action alone.
 """
 
 from __future__ import annotations
@@ -31,9 +44,14 @@ import dataclasses
 import enum
 import re
 from collections.abc import Iterable
-from typing import TypedDict
+from typing import Literal, TypedDict
 
-from elasticft.addon.classify import UNRESTARTABLE_EXCEPTIONS, FailureClass, FailureRecord
+from elasticft.addon.classify import (
+    UNRESTARTABLE_EXCEPTIONS,
+    FailureClass,
+    FailureRecord,
+    device_evidence,
+)
 from elasticft.decision import Decision
 
 
@@ -57,6 +75,10 @@ class ActionKind(str, enum.Enum):
     """This node leaves the job (blacklisted); the others re-rendezvous without it."""
     STOP = "stop"
     """Stop the job; the launcher exits non-zero with the reason."""
+    REGROUP_IN_PROCESS = "regroup_in_process"
+    """A change of membership the running workers absorb: they regroup in process with the
+    nodes that join, renumber in a reshaped round, or take a leaver's replacement in the same
+    generation (:func:`decide_change`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +95,22 @@ class Action(Decision[ActionKind]):
     fails_again: bool = False
     """A stop whose cause would come back on any new attempt (a user-code error, a failure that
     repeated before the first step): a scheduler must not resubmit it either."""
+    counted: bool = True
+    """A restart or in-process recovery spends one of the run's restarts (--max-restarts, or
+    --restart-on-user-error with :attr:`consumes_user_error_restart`); a change of membership
+    spends none."""
+
+    @property
+    def spends_restart(self) -> bool:
+        """Whether the agent counts this action against a restart budget."""
+        return self.counted and self.kind in (ActionKind.RESTART_IN_PLACE,
+                                              ActionKind.RECOVER_IN_PROCESS)
+
+    @property
+    def takes_jit(self) -> bool:
+        """Whether the healthy replicas take a just-in-time checkpoint now, before the next
+        attempt (the action's :attr:`checkpoint`)."""
+        return self.checkpoint is CheckpointSource.JIT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +141,12 @@ class FailureFacts:
     in_process: bool = False
     """The survivors can regroup in their processes (every worker runs under
     ``elasticft.recovery.inprocess``, one node, no recovery already under way)."""
+    nodes: int = 1
+    """Nodes in the round."""
+    offending_here: bool = False
+    """A rank of this node caused this failure (:func:`is_node_offence`): across nodes its
+    survivors' state is not all that is needed, so the node's replicas are asked for a
+    just-in-time checkpoint even when the recovery is in process."""
     step_completed: bool | None = None
     """A training step completed in this attempt (None: unknown, no step records are kept)."""
     previous_failure: FailureSignature | None = None
@@ -130,6 +174,7 @@ class KnownFacts(TypedDict, total=False):
     repeat_offender_limit: int
     replicas_intact: bool
     jit_available: bool
+    offending_here: bool
     step_completed: bool | None
 
 
@@ -199,15 +244,6 @@ def root_cause(failures: tuple[FailureRecord, ...]) -> FailureRecord:
                                         reports_a_peer_gone(f), f.rank))
 
 
-# Messages of device and host faults: evidence against the node itself, unlike a connection
-# error, which usually only reports a peer's death.
-_DEVICE_FAULT = re.compile(
-    r"cuda|nccl|cudnn|cublas|ecc|xid|device-side|uncorrectable|illegal memory|bus error|"
-    r"nvlink|hardware",
-    re.IGNORECASE,
-)
-
-
 def is_node_offence(failure: FailureRecord) -> bool:
     """Whether ``failure`` counts against the node its rank ran on.
 
@@ -221,8 +257,8 @@ def is_node_offence(failure: FailureRecord) -> bool:
         return True
     if cls is FailureClass.HANG:
         return "culprit: rank" in (failure.message or "")
-    if cls is FailureClass.INFRASTRUCTURE:
-        return bool(_DEVICE_FAULT.search(f"{failure.exception or ''} {failure.message or ''}"))
+    if cls is FailureClass.INFRASTRUCTURE:  # a device error, not a connection's
+        return device_evidence(f"{failure.exception or ''} {failure.message or ''}")
     return False
 
 
@@ -249,13 +285,18 @@ def replicas_intact(
     return True
 
 
-def checkpoint_source(facts: FailureFacts) -> CheckpointSource:
+def checkpoint_source(facts: FailureFacts,
+                      kind: ActionKind = ActionKind.RESTART_IN_PLACE) -> CheckpointSource:
     """Just in time when a healthy replica of every shard can be asked, else the snapshot.
 
     Never just in time after a divergence: the replicas' weights hold the NaN too (DDP averaged
-    it into every rank's gradients).
+    it into every rank's gradients). Never for an in-process recovery (``kind``) on one node,
+    or of another node's failure: the survivors keep their state and restore their own newest
+    snapshot after the copy in flight, so there is nothing to ask them for.
     """
     if facts.failures and root_cause(facts.failures).failure_class is FailureClass.NUMERIC:
+        return CheckpointSource.SNAPSHOT
+    if kind is ActionKind.RECOVER_IN_PROCESS and (facts.nodes <= 1 or not facts.offending_here):
         return CheckpointSource.SNAPSHOT
     if facts.replicas_intact and facts.jit_available:
         return CheckpointSource.JIT
@@ -325,7 +366,7 @@ def backoff_delay(repeats: int, first_s: float, max_s: float, jitter: float) -> 
 
 def decide(facts: FailureFacts) -> Action:
     action = _decide(facts)
-    return dataclasses.replace(action, checkpoint=checkpoint_source(facts))
+    return dataclasses.replace(action, checkpoint=checkpoint_source(facts, action.kind))
 
 
 def _decide(facts: FailureFacts) -> Action:
@@ -405,6 +446,58 @@ def _repeat_stop(left: int, flag: str, budget: int, what: str) -> Action:
         exit_code=1,
         fails_again=True,
     )
+
+
+Change = Literal["join", "reshape", "leaver"]
+"""A change of membership under running workers: nodes wait to join the running group (a
+standby came back); a new rendezvous round gives this node's running workers other ranks or
+another world (a reshape); a survivor exited while its recovery's new group was still forming
+(a leaver)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChangeFacts:
+    """What the agent knows when the membership changes under running workers."""
+
+    change: Change
+    what: str
+    """The change in words (``2 node(s) waiting``, the ranks before and after, who left)."""
+    in_process: bool
+    """The workers can absorb it in their processes: for a join, every worker is armed and
+    follows a layout change with no recovery under way; for a reshape, the new layout holds
+    every survivor's state; for a leaver, its replacement can still join the forming group."""
+    why_not: str = ""
+    """Why they cannot (when ``in_process`` is False); for a reshape, the layouts' verdict
+    either way."""
+
+
+def decide_change(facts: ChangeFacts) -> Action:
+    """A regroup in process, or a restart, for a change of membership (pure). Neither spends a
+    restart: a join or a reshape is no failure, and a leaver's replacement belongs to the
+    recovery already counted. A leaver that cannot be replaced is a failure of that recovery:
+    the answer is a restart, which the failure decision (:func:`decide`) then counts, or
+    turns into a stop."""
+    if facts.change == "join":
+        if facts.in_process:
+            return Action(ActionKind.REGROUP_IN_PROCESS,
+                          f"membership change: {facts.what}; the workers regroup in process "
+                          "with the new node(s)", counted=False)
+        return Action(ActionKind.RESTART_IN_PLACE,
+                      f"membership change: {facts.what}"
+                      + (f"; no regroup in process ({facts.why_not})" if facts.why_not else ""),
+                      counted=False)
+    if facts.change == "reshape":
+        if facts.in_process:
+            return Action(ActionKind.REGROUP_IN_PROCESS,
+                          f"reshape in process: {facts.what}: {facts.why_not}", counted=False)
+        return Action(ActionKind.RESTART_IN_PLACE,
+                      f"{facts.what}: they restart ({facts.why_not})", counted=False)
+    if facts.in_process:
+        return Action(ActionKind.REGROUP_IN_PROCESS,
+                      f"{facts.what}; its replacement joins the same generation", counted=False)
+    return Action(ActionKind.RESTART_IN_PLACE,
+                  f"{facts.what}; no replacement in the same generation ({facts.why_not}): "
+                  "a failure of the recovery under way")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,10 @@ publish that round's worker address as the next generation
 nodes' new workers meet the survivors there. A round that gives this node's workers other
 ranks or another world (a node lost with no standby, a node that joins:
 :meth:`~elasticft.agent.inprocess_recovery.InProcessRecovery.grow`) is a *reshape*:
-:func:`elasticft.agent.reshape.decide` says whether the survivors renumber and go on in process
-(the generation then carries each local rank's new variables) or restart in that round, and
-why (a ``reshape`` event).
+:func:`elasticft.agent.reshape.decide` judges whether the new layout holds every survivor's
+state, and the policy (:func:`elasticft.addon.policy.decide_change`) decides from that whether
+the survivors renumber and go on in process (the generation then carries each local rank's new
+variables) or restart in that round, and why (a ``reshape`` event).
 
 :class:`AcrossNodes` is that part of
 :class:`~elasticft.agent.inprocess_recovery.InProcessRecovery` (its base): the agreement on the
@@ -37,6 +38,7 @@ from typing import Any
 from elasticft import torch_compat
 from elasticft.addon.api import Detection
 from elasticft.addon.classify import FailureClass
+from elasticft.addon.policy import ActionKind, ChangeFacts, decide_change
 from elasticft.agent import next_round, reshape
 from elasticft.plan import worker as plan_worker
 from elasticft.plan.api import Layout, PlanError
@@ -136,20 +138,21 @@ class AcrossNodes:
             return None
         envs = {w.local_rank: self.agent.round_env(w.local_rank) for w in wg.workers}
         facts = self._reshape_facts(pids, before, after, old_layout, envs)
-        decision = reshape.decide(facts)
+        layouts = reshape.decide(facts)  # whether the new layout holds every survivor's state
+        action = decide_change(ChangeFacts(
+            "reshape", f"round {self.agent.round()} gives this node's workers (rank, world "
+            f"size) {after}, not {before}", layouts.in_process, layouts.reason))
+        in_process = action.kind is ActionKind.REGROUP_IN_PROCESS
         self.events.emit("reshape", attempt=self.agent.attempt(), round=self.agent.round(),
-                         in_process=decision.in_process, reason=decision.reason,
-                         **facts.evidence())
-        if decision.in_process:
-            logger.warning("reshape in process: %s", decision.reason)
+                         in_process=in_process, reason=layouts.reason,
+                         action=action.kind.value, decision=action.reason, **facts.evidence())
+        logger.warning("decision: %s (%s)", action.kind.value, action.reason)
+        if in_process:
             return self.coordinator.publish_round(
                 wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
                 torch_compat.workers_use_agent_store(wg),
                 env={str(lr): env for lr, env in envs.items()}), {}
-        cause = (f"round {self.agent.round()} gives this node's workers (rank, world size) "
-                 f"{after}, not {before}: they restart ({decision.reason})")
-        logger.warning("no in-process regroup: %s", cause)
-        self.agent.restart_in_round(cause)
+        self.agent.restart_in_round(action.reason)
         return None
 
     def _join_round_watching(self, wg: Any, pids: Mapping[int, int | None]) -> list[int]:

@@ -4,8 +4,9 @@ collaborators.
 It overrides only torch's hooks. The run loop (``_invoke_run``) is torch's loop with the
 restart branch replaced: every failure is classified (:mod:`elasticft.addon.classify`), the
 pure policy (:mod:`elasticft.addon.policy`) decides, and the decision and its reason go to the
-log and the event log. It also fixes what torch 2.13 gets wrong on restart: restarts honour
-``--shutdown-timeout`` and a group that ends unhealthy is reported as failed, never as success.
+log and the event log, as do a change of membership's (nodes join, a survivor leaves a
+recovery); restarts are counted from the decisions alone. It also fixes torch 2.13's restart:
+restarts honour ``--shutdown-timeout``, and a group that ends unhealthy fails, never succeeds.
 One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
 agent wraps that step to let the collaborators act on the survivors first
 (:func:`~elasticft.agent.replace.notify_before_survivors_stopped`). When the workers recover in
@@ -39,15 +40,17 @@ from elasticft.addon.api import (
     prepend_paths,
     run_ending_errors,
 )
-from elasticft.addon.classify import FailureClass, FailureRecord, classify_exit
+from elasticft.addon.classify import FailureRecord, classify_exit, without_collateral
 from elasticft.addon.policy import (
     Action,
     ActionKind,
+    ChangeFacts,
     FailureFacts,
     FailureSignature,
     comm_repeats,
     comm_signature,
     decide,
+    decide_change,
     root_cause,
 )
 from elasticft.agent import console, lifeline
@@ -323,13 +326,13 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         recovery = self.in_process
         ending = ending_exits(self._pcontext, self._worker_group.workers)
-        if ending and not recovery.replace_leavers(ending):
+        if ending and not self._absorb_leavers(ending):
             return RunResult(state=WorkerState.FAILED, failures=ending)
         armed = recovery.all_armed()  # once a tick: for a plain script, a file that is not there
         if armed or recovery.recovering:
             # Before torch's poll, which would stop the survivors on seeing the failure.
             exited = failed_exits(self._pcontext, self._worker_group.workers)
-            if exited and not recovery.replace_leavers(exited):
+            if exited and not self._absorb_leavers(exited):
                 return RunResult(state=WorkerState.FAILED, failures=exited)
         result = super()._monitor_workers(worker_group)
         if result.state != WorkerState.HEALTHY:
@@ -399,15 +402,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             if state == WorkerState.HEALTHY:
                 waiting = spec.rdzv_handler.num_nodes_waiting()
                 if waiting > 0:
-                    # Membership changes are not failures and do not use up restarts.
-                    cause = f"membership change: {waiting} node(s) waiting"
-                    if self.in_process.may_grow():
-                        failed = self.in_process.grow(cause)
-                        if failed is None:
-                            continue
-                        cause = f"{cause}; the growth in process failed: {failed}"
-                    logger.info("%d node(s) waiting to join; restarting the worker group", waiting)
-                    self._restart(cause=cause, counted=False)
+                    self._join(waiting)
                 continue
             raise RuntimeError(f"[{role}] worker group in unexpected state {state.name}")
 
@@ -429,15 +424,11 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._each_collaborator("on_failure", lambda c: c.on_failure(group, failures))
         spec = self._worker_group.spec
         facts = FailureFacts(
-            failures=failures,
-            restarts_used=spec.max_restarts - self._remaining_restarts,
-            max_restarts=spec.max_restarts,
+            failures, spec.max_restarts - self._remaining_restarts, spec.max_restarts,
             user_error_restarts_used=self._user_error_restarts,
             restart_on_user_error=self.options.agent.restart_on_user_error,
-            node_suspect=suspect,
-            can_evict=False,
-            previous_failure=self._previous_failure,
-        )
+            node_suspect=suspect, nodes=group.group_world_size,
+            previous_failure=self._previous_failure)
         for extra in self._each_collaborator("failure_facts",
                                              lambda c: c.failure_facts(group, failures)):
             facts = dataclasses.replace(facts, **(extra or {}))
@@ -471,12 +462,41 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         if self._pcontext is not None:  # a recovered failure's tracebacks: worker logs only
             console.run_goes_on(self._pcontext, action.kind in (
                 ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS))
-        if action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS):
+        if action.spends_restart:  # what the run spends, counted from the decision alone
+            self.restarts += 1
             if action.consumes_user_error_restart:
                 self._user_error_restarts += 1
             else:
                 self._remaining_restarts -= 1
         return action
+
+    def _decide_change(self, facts: ChangeFacts) -> Action:
+        """The policy's answer to a change of membership, logged and in the event log."""
+        action = decide_change(facts)
+        logger.warning("decision: %s (%s)", action.kind.value, action.reason)
+        self.events.emit("membership", change=facts.change, action=action.kind.value,
+                         reason=action.reason, attempt=self._attempt)
+        return action
+
+    def _join(self, waiting: int) -> None:
+        """Nodes wait to join: a regroup in process with them, or a restart, as decided."""
+        why_not = self.in_process.growth_blocker()
+        action = self._decide_change(ChangeFacts("join", f"{waiting} node(s) waiting",
+                                                 why_not is None, why_not or ""))
+        cause = action.reason
+        if action.kind is ActionKind.REGROUP_IN_PROCESS:
+            if (failed := self.in_process.grow(cause)) is None:
+                return
+            cause = f"{cause}; the growth in process failed: {failed}"
+        self._restart(cause=cause, counted=False)
+
+    def _absorb_leavers(self, exited: dict[int, ProcessFailure]) -> bool:
+        """Leavers of a forming recovery replaced as decided (False: a failure, to decide)."""
+        facts = self.in_process.leavers(exited)
+        if facts is None:
+            return False
+        return (self._decide_change(facts).kind is ActionKind.REGROUP_IN_PROCESS
+                and self.in_process.replace_leavers(exited))
 
     def _classify(self, run_result: RunResult) -> tuple[FailureRecord, ...]:
         stderrs = dict(self._pcontext.stderrs) if self._pcontext is not None else {}
@@ -494,7 +514,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                     stderr_file=stderrs.get(local_rank),
                 )
             )
-        return _without_collateral(tuple(records))
+        return without_collateral(tuple(records))
 
     def _wait_before_restart(self, action: Action) -> None:
         """The policy's wait before a restart (a communication fault that repeated before the
@@ -503,7 +523,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             return
         logger.warning("waiting %.2f s before restart %d: the same communication fault before "
                        "the first step %d times in a row; its cause may need time to clear",
-                       action.wait_s, self.restarts + 1, self._comm_repeats + 1)
+                       action.wait_s, self.restarts, self._comm_repeats + 1)
         self.events.emit("backoff", attempt=self._attempt, wait_s=round(action.wait_s, 3),
                          repeats=self._comm_repeats, reason=action.reason)
         time.sleep(action.wait_s)
@@ -513,9 +533,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         workers take their checkpoint), then the workers stopped and started again, after a new
         rendezvous round (``in_round``: in the round just joined)."""
         self._attempt += 1
-        if counted:
-            self.restarts += 1
-        else:  # the attempts around a membership change are not "in a row"
+        if not counted:  # the attempts around a membership change are not "in a row"
             self._previous_failure = None
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)
         group = self.group_info()
@@ -533,7 +551,6 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
 
         def next_attempt() -> int:
             self._attempt += 1
-            self.restarts += 1
             return self._attempt
 
         def workers_changed() -> None:
@@ -575,19 +592,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         if not failures:
             for record in self.failures[-len(self._worker_group.workers):] or ():
                 failures[record.rank] = ProcessFailure(
-                    local_rank=max(record.local_rank, 0),
-                    pid=record.pid,
-                    exitcode=record.exitcode or 1,
-                    error_file="",
-                )
+                    local_rank=max(record.local_rank, 0), pid=record.pid,
+                    exitcode=record.exitcode or 1, error_file="")
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
-
-def _without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecord, ...]:
-    """Drops workers the agent itself stopped (SIGTERM) after another worker failed first.
-
-    torch closes the surviving workers as soon as one fails and reports them as failed too; they
-    are consequences, not causes. When every worker was stopped by a signal, they all stay.
-    """
-    causes = tuple(r for r in records if r.failure_class is not FailureClass.STOP_REQUESTED)
-    return causes or records

@@ -51,6 +51,9 @@ class InProcessCoordinator:
         self.generation = 0
         self.recovery: Recovery | None = None
         self.published: Generation | None = None
+        self.regroup_by = 0.0
+        """The deadline of the recovery under way (wall clock), told to the workers in each
+        generation it publishes."""
         """The latest generation on a store of this agent's (None after a new round's)."""
         self.completed = 0
         self.notified: tuple[int, float, bool] | None = None
@@ -140,7 +143,8 @@ class InProcessCoordinator:
                               wait_for_workers=False)
         self._stores = [*self._stores[-1:], store]  # the previous generation's may be in use
         self.generation += 1
-        generation = Generation(self.generation, master_addr, store.port, world_size)
+        generation = Generation(self.generation, master_addr, store.port, world_size,
+                                regroup_by=self.regroup_by)
         generation.write(self.directory)
         self.published = generation
         return generation
@@ -157,7 +161,8 @@ class InProcessCoordinator:
         """Tells the survivors the next generation the nodes agreed on: an agent's store (this
         agent's or another node's), every rank a client of it."""
         self.generation += 1
-        generation = Generation(self.generation, master_addr, master_port, world_size)
+        generation = Generation(self.generation, master_addr, master_port, world_size,
+                                regroup_by=self.regroup_by)
         generation.write(self.directory)
         self.published = generation
         return generation
@@ -169,7 +174,7 @@ class InProcessCoordinator:
         on other nodes meet them there); ``env``: a reshape's variables per local rank."""
         self.generation += 1
         generation = Generation(self.generation, master_addr, master_port, world_size,
-                                agent_store, dict(env or {}))
+                                agent_store, dict(env or {}), self.regroup_by)
         generation.write(self.directory)
         self.published = None
         return generation

@@ -63,13 +63,12 @@ from typing import Any
 
 from elasticft import procs, torch_compat
 from elasticft.addon.api import Detection, GroupInfo
-from elasticft.addon.classify import FailureClass, FailureRecord
-from elasticft.addon.policy import Action
+from elasticft.addon.classify import FailureClass, FailureRecord, device_fault
+from elasticft.addon.policy import Action, ChangeFacts
 from elasticft.agent import placement
 from elasticft.agent.across_nodes import CHAINED_LIMIT, AcrossNodes
 from elasticft.agent.failure_news import FailureNews
 from elasticft.agent.generations import InProcessCoordinator
-from elasticft.agent.placement import died_of_device_fault
 from elasticft.agent.recovery_timing import Recovery, phases
 from elasticft.agent.replace import replace_after_kill, start_replacements
 from elasticft.agent.spare_keeper import SpareKeeper
@@ -292,32 +291,48 @@ class InProcessRecovery(AcrossNodes):
                          rank=self._group().workers[local_rank].global_rank, reason=reason)
         return f"no GPU for a replacement: {reason}"
 
-    def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
-        """Workers that exited while a recovery on this agent's store is still forming its
-        group (a survivor whose teardown overran the hard limit, or whose device failed its
-        check, or that the agent killed past its limit) are replaced in that same generation;
-        returns whether all were."""
+    def leavers(self, exited: Mapping[int, Any]) -> ChangeFacts | None:
+        """What the policy (:func:`~elasticft.addon.policy.decide_change`) sees of workers that
+        exited while a recovery on this agent's store is still forming its group (a survivor
+        whose teardown overran the hard limit, or whose device failed its check, or that the
+        agent killed past its limit): whether their replacements can join that same
+        generation. None when no recovery's group is forming (their exit is a failure)."""
         recovery, generation = self.coordinator.recovery, self.coordinator.published
         if (recovery is None or generation is None or recovery.joined_at is not None
                 or generation.generation != recovery.generation):
-            return False
+            return None
+        by_global = {w.global_rank: w.local_rank for w in self._group().workers}
+        local_ranks = [by_global[r] for r in exited if r in by_global]
+        what = f"local rank(s) {local_ranks} left the recovery of generation " \
+               f"{recovery.generation}"
+        why_not = None
+        if not local_ranks or any(lr in recovery.replaced for lr in local_ranks):
+            why_not = "a replacement failed"
+        elif any(self.coordinator.joined_by(by_global[r], exited[r].pid)
+                 for r in exited if r in by_global):
+            why_not = "its group had formed: a replacement cannot join it"
+        else:
+            why_not = self._unplaceable(local_ranks, self._left_faults(local_ranks)[1],
+                                        spare_takes=False)
+        return ChangeFacts("leaver", what, why_not is None, why_not or "")
+
+    def _left_faults(self, local_ranks: Sequence[int]
+                     ) -> tuple[dict[int, dict[str, Any]], dict[int, bool]]:
+        """The ``left`` records of these local ranks, and whether each names a device fault."""
+        records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
+                   for lr in local_ranks}
+        return records, {lr: device_fault(str(records[lr].get("why", "")))
+                         for lr in local_ranks}
+
+    def replace_leavers(self, exited: Mapping[int, Any]) -> bool:
+        """Replaces the workers that left a forming recovery (:meth:`leavers`, once the policy
+        decided so) in that same generation; returns whether all were."""
+        recovery, generation = self.coordinator.recovery, self.coordinator.published
+        assert recovery is not None and generation is not None  # leavers()
         context, group = self._context(), self._group()
         by_global = {w.global_rank: w.local_rank for w in group.workers}
         local_ranks = [by_global[r] for r in exited if r in by_global]
-        if not local_ranks or any(lr in recovery.replaced for lr in local_ranks):
-            return False  # a replacement that failed: the restart
-        if any(self.coordinator.joined_by(by_global[r], exited[r].pid)
-               for r in exited if r in by_global):
-            return False  # its group had formed: a replacement cannot join it (a new failure)
-        records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
-                   for lr in local_ranks}
-        faults = {lr: died_of_device_fault(str(records[lr].get("why", "")))
-                  for lr in local_ranks}
-        if (why_not := self._unplaceable(local_ranks, faults, spare_takes=False)
-                ) is not None:
-            logger.warning("workers %s left the recovery of generation %d: %s; restarting",
-                           local_ranks, recovery.generation, why_not)
-            return False
+        records, faults = self._left_faults(local_ranks)
         for local_rank in local_ranks:
             self.spare.place_replacement(context, local_rank, faults[local_rank])
         attempt = self.agent.attempt()
@@ -383,7 +398,7 @@ class InProcessRecovery(AcrossNodes):
                                  phases=timings, limits=limits)
                 return None
             self._kill_overruns(recovery, pids)
-            if self.coordinator.overdue(time.monotonic(), pids):
+            if self.coordinator.overdue(time.time(), pids):
                 what = (f"its first step not done within {recovery.first_step_s:.0f} s of "
                         f"the regroup" if recovery.joined_at is not None else
                         f"not regrouped within {self.coordinator.join_limit_s:.0f} s")
@@ -427,14 +442,18 @@ class InProcessRecovery(AcrossNodes):
 
     # -- a recovery ------------------------------------------------------------------------------
 
-    def may_grow(self) -> bool:
-        """Whether nodes waiting to join may join the running workers in process: every
-        worker armed and following a layout change, no recovery under way."""
-        if self.recovering or not self.all_armed():
-            return False
+    def growth_blocker(self) -> str | None:
+        """Why nodes waiting to join cannot join the running workers in process (None: they
+        can: every worker armed and following a layout change, no recovery under way)."""
+        if self.recovering:
+            return "a recovery is under way"
+        if not self.all_armed():
+            return "not every worker runs under InProcess"
         pids = self.worker_pids()
-        return all(self.coordinator.armed_record(lr, pid).get("follows_layout")
-                   for lr, pid in pids.items())
+        if not all(self.coordinator.armed_record(lr, pid).get("follows_layout")
+                   for lr, pid in pids.items()):
+            return "the script does not follow a layout change (InProcess(follows_layout=True))"
+        return None
 
     def grow(self, cause: str) -> str | None:
         """Nodes wait to join (a standby came back): the workers are interrupted at once, the
@@ -455,7 +474,8 @@ class InProcessRecovery(AcrossNodes):
 
     def _recover(self, cause: str, failures: Sequence[FailureRecord], seen_at: float, *,
                  in_round: bool, at_step: bool = False, across: bool = False) -> str | None:
-        decided_at, decided_mono = time.time(), time.monotonic()
+        decided_at = time.time()
+        self.coordinator.regroup_by = decided_at + self.coordinator.join_limit_s
         pids = self.worker_pids()
         replace = self._to_replace(pids, failures)
         replaced: dict[int, int] = {}
@@ -496,7 +516,7 @@ class InProcessRecovery(AcrossNodes):
             generation.generation - 1, published_at, at_step)
         self.coordinator.recovery = Recovery(
             generation.generation, cause, seen_at, decided_at, published_at, replaced,
-            decided_mono + self.coordinator.join_limit_s, times=self._times,
+            self.coordinator.regroup_by, times=self._times,
             notified_at=notified_at, at_step=notice_at_step)
         self._killed = {}
         self.armed_pids = {}

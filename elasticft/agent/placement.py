@@ -26,23 +26,9 @@ functions of it. On a node without GPUs everything is allowed and nothing is tra
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Mapping, Sequence
 
-_DEVICE_FAULT = re.compile(
-    r"cuda error|cuda failure|device-side|illegal memory|illegal address|ecc|uncorrectable|"
-    r"\bxid\b|launch failure|device failed the health check|device is lost|fallen off the bus",
-    re.IGNORECASE)
-"""Messages that say the GPU itself is unfit. Narrower than the policy's evidence against a
-node (:mod:`elasticft.addon.policy`), which counts NCCL errors too (usually a peer's death),
-and than a worker's own test for an error a regroup does not repair, which counts running out of
-memory (the GPU stays usable)."""
-
-
-def died_of_device_fault(text: str) -> bool:
-    """Whether a worker's failure (its exception and message, or the reason it left) names a
-    fault of its GPU (pure)."""
-    return bool(_DEVICE_FAULT.search(text))
+from elasticft.addon.classify import device_fault
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +135,7 @@ def device_faults(failures: Iterable[tuple[int, str]]) -> dict[int, bool]:
     failures says (``(local rank, text)``: the error, the message, its ``left`` record)."""
     faults: dict[int, bool] = {}
     for local_rank, text in failures:
-        faults[local_rank] = faults.get(local_rank, False) or died_of_device_fault(text)
+        faults[local_rank] = faults.get(local_rank, False) or device_fault(text)
     return faults
 
 

@@ -38,10 +38,11 @@ class Recovery:
     replaced: dict[int, int]
     """Local rank → pid of its replacement."""
     deadline: float
-    """Monotonic time by which every worker must have joined the new group (teardown and
-    regroup); the first step then has its own limit (:func:`first_step_limit`)."""
+    """Wall clock by which every worker must have joined the new group (teardown and regroup),
+    the one deadline of the phase: the generation tells it to the survivors; the first step
+    then has its own limit (:func:`first_step_limit`)."""
     joined_at: float | None = None
-    """Monotonic time when the agent saw every worker in the new group."""
+    """Wall clock when the agent saw every worker in the new group."""
     first_step_s: float = 0.0
     """The first step's limit, set then."""
     times: dict[str, float] = dataclasses.field(default_factory=dict)

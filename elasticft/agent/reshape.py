@@ -1,6 +1,7 @@
 """A reshape: a rendezvous round that changes the world under running workers (a node lost with
-no standby to take its place, so the job shrinks), and the decision whether its survivors go on
-in process or restart.
+no standby to take its place, so the job shrinks), and the judgement whether the new layout
+holds every survivor's state; the policy (:func:`elasticft.addon.policy.decide_change`) turns
+that into a regroup in process or a restart.
 
 **When the survivors can stay.** The planner lays ranks out TP fastest, then DP
 (:class:`elasticft.plan.api.Layout`), so a TP group is a run of consecutive ranks, and with
@@ -14,7 +15,7 @@ shape (:meth:`elasticft.recovery.meshes.KeptModules.reshape`) and keep the globa
 gradient accumulation the planner chose.
 
 **When they cannot** (:func:`decide`, pure, with the reason in the event log's ``reshape``
-event and in the restart's cause): the script does not re-read its layout at each entry
+event and in the policy's restart cause): the script does not re-read its layout at each entry
 (``InProcess(follows_layout=True)``); the planner has no layout for what is left; the TP or
 PP degree changes (each shard would have to be cut again: DCP does that, in new processes);
 a TP group spans nodes (a lost node takes part of one, and the survivors would change places);

@@ -430,15 +430,23 @@ class CheckpointService(AgentCollaborator):
         """Readies the flush of the newest complete snapshot and returns at once (see
         :mod:`elasticft.ckpt.persisting.flush`)."""
         self._count_skips(group)
+        self._ready_flush(group)
+
+    def _ready_flush(self, group: GroupInfo) -> None:
         if not self.config.ckpt_flush_on_failure or \
                 self.fingerprints.restore_at_most is not None:
             return  # the newest steps are after the corruption: nothing worth a flush
         step = self.newest_common_step(group)  # headers only: microseconds
         if step is None or step <= self.persister.persisted:
             return
-        self._flush.start(step, group)
+        if self._flush.waiting():
+            self._flush.newer(step)
+        else:
+            self._flush.start(step, group)
 
     def on_decision(self, group: GroupInfo, action: Action) -> None:
+        if action.takes_jit:  # taken by the recovery orchestrator's on_decision, just before
+            self._ready_flush(group)
         restarting = action.kind in (ActionKind.RESTART_IN_PLACE, ActionKind.RECOVER_IN_PROCESS)
         if restarting and self._flush.waiting():
             # The restarted workers restore from memory and take a step first; the flush follows.

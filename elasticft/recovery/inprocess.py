@@ -2,7 +2,8 @@
 their process.
 
 A training function wrapped by :meth:`InProcess.run` is re-entered in the same process after a
-peer fails. When it raises an error of the communication layer (:func:`peer_failure`: gloo's
+peer fails. When it raises an error of the communication layer (the failure classifier's
+:func:`~elasticft.addon.classify.peer_failure`, the one judge of a failed peer: gloo's
 "connection closed by peer" when another rank died, a ``DistError``, a connection reset), the
 survivor
 
@@ -68,7 +69,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from elasticft.addon.classify import ExceptionInfo, FailureClass, classify_exception
+from elasticft.addon.classify import peer_failure, process_unusable
 from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.diag import groupsockets
@@ -107,42 +108,6 @@ def _started_at() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
-
-# Device faults: the CUDA context of this process may be unusable after one (CUDA's
-# "sticky" errors: an illegal address, a device-side assert, an ECC error, a launch failure),
-# so only a new process can go on; NCCL's "unhandled cuda error" is one of them.
-_DEVICE_FAULT = ("cuda", "device-side", "illegal memory", "illegal address", "ecc error",
-                 "uncorrectable", "xid", "launch failure", "outofmemory", "out of memory")
-
-
-def _device_fault(error: BaseException) -> bool:
-    text = f"{type(error).__name__} {error}".lower()
-    return any(fault in text for fault in _DEVICE_FAULT)
-
-
-def peer_failure(error: BaseException) -> bool:
-    """Whether ``error`` is the communication layer's report of a failed peer or link, which
-    a regroup repairs (pure).
-
-    An infrastructure error by :func:`elasticft.addon.classify.classify_exception` (torch's
-    ``DistError`` family, connection errors, gloo's and NCCL's messages), anywhere in the chain
-    of causes, unless it names a device fault.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    found = False
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        message = str(current)
-        names = {cls.__name__ for cls in type(current).__mro__}
-        if any(fault in f"{type(current).__name__} {message}".lower()
-               for fault in _DEVICE_FAULT):
-            return False
-        if any(classify_exception(ExceptionInfo(name, message, None))
-               is FailureClass.INFRASTRUCTURE for name in names):
-            found = True
-        current = current.__cause__ or current.__context__
-    return found
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,7 +304,8 @@ class InProcess:
         interrupted = self.monitor is not None and self.monitor.interrupted
         return (isinstance(error, (Exception, PeerInterrupted)) and self.group is not None
                 and (peer_failure(error) or isinstance(error, PeerInterrupted)
-                     or (interrupted and not _device_fault(error))))
+                     or (interrupted
+                         and not process_unusable(f"{type(error).__name__} {error}"))))
 
     def _recover(self, error: BaseException) -> None:
         settings = self.settings
@@ -368,8 +334,10 @@ class InProcess:
             old_rank, rank = rank, int(changed.get("RANK", rank))
             logger.warning("reshape: rank %d of %d goes on as rank %d of %d", old_rank, world,
                            rank, generation.world_size)
-        regroup(backend, rank, generation, max(deadline - time.monotonic(), 1.0), self.ops,
-                self.group.settings)
+        # The regroup ends by the agent's deadline for it, when the generation tells it.
+        left_s = (generation.regroup_by - time.time() if generation.regroup_by
+                  else deadline - time.monotonic())
+        regroup(backend, rank, generation, max(left_s, 1.0), self.ops, self.group.settings)
         self.group = self.group.moved(rank, generation.world_size)
         regrouped_at = time.time()
         if changed:

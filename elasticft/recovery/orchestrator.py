@@ -4,21 +4,22 @@ membership into hierarchical recovery.
 When a worker fails or diagnostics report a hang, the agent calls, in order, every
 collaborator's ``on_failure``, then ``failure_facts``, then the pure policy
 (:func:`elasticft.addon.policy.decide`), then ``on_decision``. The orchestrator sits before the
-checkpoint service, so on a failure it
+checkpoint service, so on a failure and its decision it
 
 1. **counts the offence** against this node when its own rank caused it
    (:func:`~elasticft.addon.policy.is_node_offence`: a crash by signal, a hang this node's
    monitor localised, a rank that stayed slow, a device error);
-2. **asks for a just-in-time checkpoint** when every data-parallel shard still has a healthy
-   replica (:func:`~elasticft.addon.policy.replicas_intact`) and a healthy local worker can be
-   asked: through the checkpoint control channel (:mod:`elasticft.ckpt.control`), whose watcher
-   thread answers while the worker's main thread waits in the broken collective, it completes
-   the snapshot of the last completed step in shared memory; the checkpoint service's flush,
-   which runs next, persists it. Otherwise the next attempt resumes from the newest complete
-   snapshot (memory, peer, disk: the worker's loader picks the fastest);
-3. hands the policy its facts: offences, the repeat-offender limit, whether the job can go on
+2. hands the policy its facts: offences, the repeat-offender limit, whether the job can go on
    without this node (``can_evict``: more nodes than ``--nnodes`` minimum, or a standby waits),
-   whether replicas are intact and JIT is possible;
+   whether replicas are intact and JIT is possible, whether this node's ranks caused it;
+3. **takes the just-in-time checkpoint the decision chose** (:attr:`Action.checkpoint
+   <elasticft.addon.policy.Action.checkpoint>`: every data-parallel shard still has a healthy
+   replica, :func:`~elasticft.addon.policy.replicas_intact`, one can be asked, and no survivor
+   stays in process): through the checkpoint control channel (:mod:`elasticft.ckpt.control`),
+   whose watcher thread answers while the worker's main thread waits in the broken collective,
+   it completes the snapshot of the last completed step in shared memory; the checkpoint
+   service's flush, released next, persists it. Otherwise the next attempt resumes from the
+   newest complete snapshot (memory, peer, disk: the worker's loader picks the fastest);
 4. on an eviction (suspect hardware: failed health check, repeat offender), **blacklists this
    node's machine with the evidence** (its host name for a per-process id) before the launcher
    lets it leave without closing the rendezvous; the remaining nodes and a standby
@@ -71,9 +72,7 @@ from elasticft.addon.policy import (
     ActionKind,
     CheckpointSource,
     DepartedNode,
-    FailureFacts,
     KnownFacts,
-    checkpoint_source,
     is_node_offence,
     judge_departed,
     replicas_intact,
@@ -108,6 +107,21 @@ class _RoundJit:
     ranks: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """What the orchestrator saw of a failure, until the decision chooses its checkpoint."""
+
+    offending: set[int]
+    """This node's ranks that caused it."""
+    intact: bool
+    healthy: list[Any]
+    """This node's workers that can be asked for a just-in-time checkpoint."""
+    control: Path | None
+    remote: bool
+    """The other nodes' replicas can be asked through the round's store."""
+    what: str
+
+
 @dataclasses.dataclass(eq=False)
 class RecoveryOrchestrator(AgentCollaborator):
     """Just-in-time checkpoints, offence counting, eviction and blacklisting for one node."""
@@ -131,6 +145,8 @@ class RecoveryOrchestrator(AgentCollaborator):
         self._group: GroupInfo | None = None
         self._round_nodes: dict[int, tuple[str, ...]] = {}
         self._facts: KnownFacts = {}
+        self._failure: _Failure | None = None
+        """What ``on_failure`` saw, for the checkpoint the decision then chooses."""
         self._threads: list[threading.Thread] = []
         self._jit_lock = threading.Lock()
         self._round_jit: dict[int, _RoundJit] = {}
@@ -275,28 +291,36 @@ class RecoveryOrchestrator(AgentCollaborator):
         # The other nodes' replicas can be asked through the round's store.
         remote = intact and uses_api and group.group_world_size > 1 and \
             self._round_store is not None
-        facts: KnownFacts = {
+        self._facts = {
             "node_offences": self.offences,
             "repeat_offender_limit": self.config.recovery_repeat_offender,
             "replicas_intact": intact,
             "jit_available": control is not None and uses_api and (bool(healthy) or remote),
+            "offending_here": bool(offending),
             "can_evict": self._can_evict(group),
         }
-        self._facts = facts
-        probe = FailureFacts(failures, 0, 0, replicas_intact=intact,
-                             jit_available=facts["jit_available"])
-        source = checkpoint_source(probe)
-        what = "; ".join(f.summary() for f in failures[:3])
-        if group.in_process and (group.group_world_size <= 1 or not offending):
+        self._failure = _Failure(offending, intact, healthy, control, remote,
+                                 "; ".join(f.summary() for f in failures[:3]))
+
+    def _recovery_checkpoint(self, group: GroupInfo, action: Action) -> None:
+        """The checkpoint the decision chose (:attr:`Action.checkpoint`), taken now: a
+        just-in-time checkpoint of this node's healthy replicas (and a request to the other
+        nodes'), or none (the newest complete snapshot, with why)."""
+        failure, self._failure = self._failure, None
+        if failure is None:
+            return
+        offending = sorted(failure.offending)
+        if action.kind is ActionKind.RECOVER_IN_PROCESS and not action.takes_jit:
             # The survivors stay and restore their newest snapshot themselves, after finishing
             # the copy in flight (Checkpointer.restore): nothing to ask them for (across nodes:
             # another node's failure, which this node's workers all survived).
             self._emit("recovery_checkpoint", source=CheckpointSource.SNAPSHOT.value,
-                       reason="in-process recovery", offending_ranks=sorted(offending))
-        elif source is CheckpointSource.JIT and control is not None:
-            asked = remote and self._broadcast_jit(group, what)
-            if healthy:
-                self._shared_jit(group, control, healthy, f"on node {self.node_id}: {what}")
+                       reason="in-process recovery", offending_ranks=offending)
+        elif action.takes_jit and failure.control is not None:
+            asked = failure.remote and self._broadcast_jit(group, failure.what)
+            if failure.healthy:
+                self._shared_jit(group, failure.control, failure.healthy,
+                                 f"on node {self.node_id}: {failure.what}")
             if asked:
                 # While a local worker still exists (a hang: stopped or stuck), the replicas
                 # elsewhere wait in the collective with it; stopping it would end that wait,
@@ -310,17 +334,17 @@ class RecoveryOrchestrator(AgentCollaborator):
                     thread.start()
                     self._threads.append(thread)
         else:
-            why = ("a shard lost every replica" if not intact else
-                   "no healthy worker on this node to ask" if not healthy else
-                   "the workers keep no elasticft snapshot" if control is not None else
+            why = ("a shard lost every replica" if not failure.intact else
+                   "no healthy worker on this node to ask" if not failure.healthy else
+                   "the workers keep no elasticft snapshot" if failure.control is not None else
                    "no checkpoint service")
-            if control is not None and intact and healthy:
+            if failure.control is not None and failure.intact and failure.healthy:
                 logger.info("the script resumes from its own checkpoint, if it keeps one "
                             "(its workers keep no elasticft snapshot)")
             else:
                 logger.info("resuming from the newest complete snapshot: %s", why)
-            self._emit("recovery_checkpoint", source=source.value, reason=why,
-                       offending_ranks=sorted(offending))
+            self._emit("recovery_checkpoint", source=action.checkpoint.value, reason=why,
+                       offending_ranks=offending)
 
     def _uses_api(self, group: GroupInfo) -> bool:
         """Whether the workers snapshot through the Checkpointer (and so run the control thread
@@ -500,7 +524,7 @@ class RecoveryOrchestrator(AgentCollaborator):
             record = self._round_jit.get(group.round)
             if record is not None:
                 record.done.wait(self.config.recovery_jit_timeout_s + 1.0)
-            return  # a failure of this node: on_failure already chose the checkpoint
+            return  # a failure of this node: the decision already chose the checkpoint
         self._node_jit(group, cause)
 
     def failure_facts(self, group: GroupInfo, failures: tuple[FailureRecord, ...]
@@ -508,6 +532,7 @@ class RecoveryOrchestrator(AgentCollaborator):
         return self._facts
 
     def on_decision(self, group: GroupInfo, action: Action) -> None:
+        self._recovery_checkpoint(group, action)
         self._emit("recovery", action=action.kind.value, checkpoint=action.checkpoint.value,
                    reason=action.reason, offences=self.offences)
         if action.kind is not ActionKind.EVICT_NODE:

@@ -90,6 +90,11 @@ class Generation:
     """A reshape (:mod:`elasticft.agent.reshape`): the variables that change for each local
     rank (``RANK``, ``WORLD_SIZE``, the layout's...), which the survivor sets before it regroups
     with its new rank; empty: every rank and the layout stay."""
+    regroup_by: float = 0.0
+    """Wall clock by which every worker must be in the new group: the agent's deadline for the
+    recovery's regroup (:attr:`elasticft.agent.recovery_timing.Recovery.deadline`), which the
+    survivor's regroup keeps too, so both bound the phase on the agent's clock (0: none
+    given, the survivor's own timeout)."""
 
     @classmethod
     def read(cls, directory: Path) -> Generation | None:
@@ -100,7 +105,8 @@ class Generation:
                 int(record["master_port"]), int(record["world_size"]),
                 bool(record.get("agent_store", True)),
                 {str(lr): {str(k): str(v) for k, v in env.items()}
-                 for lr, env in dict(record.get("env") or {}).items()})
+                 for lr, env in dict(record.get("env") or {}).items()},
+                float(record.get("regroup_by") or 0.0))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 

@@ -1,7 +1,8 @@
 """The pure recovery policy (:mod:`elasticft.addon.policy`), exhaustively over small cases:
 failure classes and budgets, the root cause, repeated failures, what counts against a node and
-evicts it, replicas, the checkpoint source, the leader's verdict on departed nodes, and a diverged
-loss."""
+evicts it, replicas, the checkpoint source, the leader's verdict on departed nodes, a diverged
+loss, its answers to changes of membership (growth, reshape, a leaving survivor) and the choice
+of the just-in-time checkpoint."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from elasticft.addon.api import Detection, GroupInfo, WorkerInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
 from elasticft.addon.policy import (
     ActionKind,
+    ChangeFacts,
     CheckpointSource,
     DepartedNode,
     FailureFacts,
     FailureSignature,
     checkpoint_source,
     decide,
+    decide_change,
     is_node_offence,
     judge_departed,
     replicas_intact,
@@ -358,3 +361,72 @@ def test_a_nan_loss_without_restarts_left_stops():
     facts = _facts(FailureClass.NUMERIC)
     spent = FailureFacts(facts.failures, restarts_used=3, max_restarts=3)
     assert decide(spent).kind is ActionKind.STOP
+# Changes of membership: every one answered by a regroup in process or a restart, none spending
+# a restart (a leaver's failed replacement is a failure, which the failure decision counts).
+@pytest.mark.parametrize(("facts", "kind", "counted", "said"), [
+    (ChangeFacts("join", "1 node(s) waiting", True), ActionKind.REGROUP_IN_PROCESS, False,
+     "membership change: 1 node(s) waiting; the workers regroup in process"),
+    (ChangeFacts("join", "2 node(s) waiting", False, "a recovery is under way"),
+     ActionKind.RESTART_IN_PLACE, False,
+     "membership change: 2 node(s) waiting; no regroup in process (a recovery is under way)"),
+    (ChangeFacts("reshape", "ranks [(2, 4)] become [(0, 2)]", True,
+                 "TP1 x DP4 -> TP1 x DP2: every survivor keeps its TP shard"),
+     ActionKind.REGROUP_IN_PROCESS, False, "reshape in process: ranks [(2, 4)] become [(0, 2)]: "
+     "TP1 x DP4 -> TP1 x DP2: every survivor keeps its TP shard"),
+    (ChangeFacts("reshape", "ranks [(2, 4)] become [(0, 2)]", False,
+                 "the state is sharded over DP (FSDP2)"),
+     ActionKind.RESTART_IN_PLACE, False,
+     "ranks [(2, 4)] become [(0, 2)]: they restart (the state is sharded over DP (FSDP2))"),
+    (ChangeFacts("leaver", "local rank(s) [1] left the recovery of generation 2", True),
+     ActionKind.REGROUP_IN_PROCESS, False, "its replacement joins the same generation"),
+    (ChangeFacts("leaver", "local rank(s) [1] left the recovery of generation 2", False,
+                 "its group had formed: a replacement cannot join it"),
+     ActionKind.RESTART_IN_PLACE, True, "a failure of the recovery under way"),
+], ids=["join", "join-blocked", "reshape-holds", "reshape-cannot-hold", "leaver",
+        "leaver-unreplaceable"])
+def test_a_change_of_membership_is_decided_with_its_reason(
+        facts: ChangeFacts, kind: ActionKind, counted: bool, said: str) -> None:
+    action = decide_change(facts)
+    assert action.kind is kind
+    assert said in action.reason
+    assert action.spends_restart is counted
+    assert not action.takes_jit  # the running workers keep their state
+
+
+def test_a_failure_spends_a_restart_and_a_stop_does_not() -> None:
+    crash = (failure(0, FailureClass.SIGNAL_CRASH),)
+    assert decide(FailureFacts(crash, restarts_used=0, max_restarts=1)).spends_restart
+    assert decide(FailureFacts(crash, restarts_used=0, max_restarts=1,
+                               in_process=True)).spends_restart
+    assert not decide(FailureFacts(crash, restarts_used=1, max_restarts=1)).spends_restart
+
+
+# The just-in-time checkpoint: taken after the decision, by what it decided.
+@pytest.mark.parametrize(("cls", "in_process", "nodes", "offending_here", "intact", "kind",
+                          "source"), [
+    (FailureClass.SIGNAL_CRASH, False, 1, True, True, ActionKind.RESTART_IN_PLACE,
+     CheckpointSource.JIT),
+    (FailureClass.SIGNAL_CRASH, False, 1, True, False, ActionKind.RESTART_IN_PLACE,
+     CheckpointSource.SNAPSHOT),  # a shard lost every replica
+    (FailureClass.SIGNAL_CRASH, True, 1, True, True, ActionKind.RECOVER_IN_PROCESS,
+     CheckpointSource.SNAPSHOT),  # the survivors keep their state, restore their own snapshot
+    (FailureClass.SIGNAL_CRASH, True, 2, False, True, ActionKind.RECOVER_IN_PROCESS,
+     CheckpointSource.SNAPSHOT),  # another node's failure: this node's workers all survived
+    (FailureClass.SIGNAL_CRASH, True, 2, True, True, ActionKind.RECOVER_IN_PROCESS,
+     CheckpointSource.JIT),  # this node's rank failed: its replicas are asked, across nodes
+    (FailureClass.USER_CODE, True, 1, False, True, ActionKind.STOP,
+     CheckpointSource.JIT),  # not recovered in process: the replicas' state is saved
+    (FailureClass.NUMERIC, True, 1, False, True, ActionKind.RESTART_IN_PLACE,
+     CheckpointSource.SNAPSHOT),  # every replica holds the NaN
+], ids=["restart", "restart-no-replica", "in-process", "in-process-other-node",
+        "in-process-this-node-across-nodes", "stop", "divergence"])
+def test_the_decision_chooses_the_just_in_time_checkpoint(
+        cls: FailureClass, in_process: bool, nodes: int, offending_here: bool, intact: bool,
+        kind: ActionKind, source: CheckpointSource) -> None:
+    action = decide(FailureFacts((failure(0, cls),), restarts_used=0, max_restarts=3,
+                                 in_process=in_process, nodes=nodes,
+                                 offending_here=offending_here, replicas_intact=intact,
+                                 jit_available=True))
+    assert action.kind is kind
+    assert action.checkpoint is source
+    assert action.takes_jit is (source is CheckpointSource.JIT)

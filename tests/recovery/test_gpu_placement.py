@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticft.addon.classify import device_fault
 from elasticft.agent.placement import (
     GpuUse,
-    died_of_device_fault,
     replacement_gpu,
     restarted,
     spare_gpu,
@@ -104,7 +104,7 @@ def test_the_node_state_follows_a_take_and_a_restart() -> None:
     ("ValueError bad batch", False),
 ])
 def test_which_failures_name_a_fault_of_the_gpu(text: str, fault: bool) -> None:
-    assert died_of_device_fault(text) is fault
+    assert device_fault(text) is fault
 
 
 @pytest.mark.slow

@@ -57,6 +57,15 @@ def _recovered_in_process(run: dict, replaced: list[int]) -> dict:
     assert sorted(int(r) for r in done[0]["replaced"]) == replaced
     assert {"detect_s", "abort_s", "regroup_s", "restore_s", "redo_s", "total_s"} <= set(
         done[0]["phases"])
+    # The walk to the first step: the failure, one decision, then only what it decided (the
+    # survivors keep their state: no JIT checkpoint), counted from that decision alone.
+    walk = [e["kind"] for e in run["events"] if e["kind"] in (
+        "failure", "decision", "jit_checkpoint", "worker_replaced", "recover_in_process")]
+    assert walk[walk.index("decision"):] == [
+        "decision", "worker_replaced", "recover_in_process"], walk
+    (decision,) = [e for e in run["events"] if e["kind"] == "decision"]
+    assert (decision["action"], decision["checkpoint"]) == ("recover_in_process", "snapshot")
+    assert [e["restarts"] for e in run["events"] if e["kind"] == "run_end"] == [1]
     return done[0]
 
 

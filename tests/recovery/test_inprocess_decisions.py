@@ -427,3 +427,21 @@ def test_a_generation_carries_each_local_ranks_new_variables_whole(tmp_path: Pat
     assert reshaped.env_of(1) == {"RANK": "1"} and reshaped.env_of(5) == {}
     Generation(4, "10.0.0.1", 29500, 2).write(tmp_path)
     assert Generation.read(tmp_path).env == {}
+
+
+@pytest.mark.timeout(10)
+def test_every_generation_tells_the_workers_the_agents_deadline_of_the_regroup(
+        tmp_path: Path) -> None:
+    coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0, teardown_limit_s=2.0)
+    coordinator.reset()
+    try:
+        assert Generation(1, "127.0.0.1", 1, 2).regroup_by == 0.0  # none told: its own timeout
+        coordinator.regroup_by = 1000.0 + coordinator.join_limit_s  # the recovery's deadline
+        published = coordinator.publish("127.0.0.1", 2)
+        adopted = coordinator.adopt("10.0.0.1", 29500, 2)
+        round_ = coordinator.publish_round("10.0.0.1", 29500, 2, False, {"0": {"RANK": "0"}})
+        for generation in (published, adopted, round_):
+            assert generation.regroup_by == 1007.0
+        assert Generation.read(coordinator.directory) == round_  # what the survivor reads
+    finally:
+        coordinator.close()

@@ -228,6 +228,7 @@ def test_fsdp2_sharded_over_dp_cannot_shrink_in_process_and_restarts_with_the_re
         assert [e["in_process"] for e in reshapes] == [False], job.outputs()
         assert reshapes[0]["sharded_over"] == ["dp"]
         assert "sharded over DP (FSDP2)" in reshapes[0]["reason"], reshapes
+        assert reshapes[0]["action"] == "restart_in_place", reshapes  # the policy's answer
         restarts = job.events(survivor, "restart")
         assert len(restarts) == 1 and "sharded over DP (FSDP2)" in restarts[0]["cause"], \
             restarts
@@ -265,6 +266,10 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
 
     reshapes = job.events("a", "reshape")
     assert [e["in_process"] for e in reshapes] == [True], job.outputs()
+    # Both the join and the reshape it brought were the policy's answers.
+    assert [(e["change"], e["action"]) for e in job.events("a", "membership")] == [
+        ("join", "regroup_in_process")], job.outputs()
+    assert reshapes[0]["action"] == "regroup_in_process", reshapes
     assert reshapes[0]["world"] == [2, 4] and reshapes[0]["new"] == \
         "TP2xPP1xDP2 (grad accum 1)", reshapes
     assert not job.events("a", "restart"), job.outputs()

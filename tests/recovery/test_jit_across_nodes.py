@@ -18,6 +18,7 @@ import pytest
 
 from elasticft.addon.api import GroupInfo, WorkerInfo
 from elasticft.addon.classify import FailureClass, FailureRecord
+from elasticft.addon.policy import FailureFacts, decide
 from elasticft.ckpt.control import ControlWatcher
 from elasticft.config import RecoveryConfig
 from elasticft.events import read_events
@@ -79,8 +80,15 @@ def test_failure_on_one_node_makes_the_other_node_take_its_jit_checkpoint(tmp_pa
         a.on_rendezvous(group_of(tmp_path, "a", 0, 3, None), store)
         a.on_workers_started(group_a)
         b.on_rendezvous(group_b, round_store(3))
+        # As in the agent: the failure, its facts, the policy's decision, then the checkpoint
+        # the decision chose.
         b.on_failure(group_b, (crash(1),))
-        assert b.failure_facts(group_b, ())["jit_available"] is True
+        known = b.failure_facts(group_b, ())
+        assert known["jit_available"] is True
+        action = decide(FailureFacts((crash(1),), 0, 3, nodes=2, **known))
+        assert action.takes_jit, action
+        assert not asked, "a JIT checkpoint taken before the decision"
+        b.on_decision(group_b, action)
         assert answered.wait(10), "node a's worker was never asked"
         store.wait(["elasticft/recovery/jit/done/0"], timedelta(seconds=10))
         report = json.loads(store.get("elasticft/recovery/jit/done/0"))

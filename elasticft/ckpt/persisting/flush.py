@@ -63,12 +63,20 @@ class FailureFlush:
                 previous.join()  # an earlier failure's flush; persists are serial anyway
             self._go.wait()
             diskfile.background_priority()
+            step = self._step  # a newer one when the decision took a just-in-time checkpoint
+            assert step is not None
             if persister.persist(step, group, cause="flush"):
                 logger.info("flushed the step %d snapshot to disk (%.2f s after the failure)",
                             persister.persisted, time.monotonic() - started)
 
         self._thread = threading.Thread(target=flush, name="elasticft-ckpt-flush", daemon=True)
         self._thread.start()
+
+    def newer(self, step: int) -> None:
+        """A newer complete step appeared while the flush waits for the decision (the
+        just-in-time checkpoint it chose): the flush writes that one instead."""
+        if self.waiting() and self._step is not None and step > self._step:
+            self._step = step
 
     def waiting(self) -> bool:
         """Whether a flush waits for the decision."""
