@@ -52,7 +52,7 @@ class ActionKind(str, enum.Enum):
     """Stop this node's workers and start them again (a new rendezvous round)."""
     RECOVER_IN_PROCESS = "recover_in_process"
     """Replace only the failed workers; the others regroup and roll back in their processes
-    (:mod:`elasticft.agent.inprocess_recovery`). Counted against --max-restarts like a restart."""
+    (:mod:`elasticft.inprocess.agent_side`). Counted against --max-restarts like a restart."""
     EVICT_NODE = "evict_node"
     """This node leaves the job (blacklisted); the others re-rendezvous without it."""
     STOP = "stop"
@@ -102,7 +102,7 @@ class FailureFacts:
     channel exists)."""
     in_process: bool = False
     """The survivors can regroup in their processes (every worker runs under
-    ``elasticft.recovery.inprocess``, one node, no recovery already under way)."""
+    ``elasticft.inprocess.worker``, one node, no recovery already under way)."""
     step_completed: bool | None = None
     """A training step completed in this attempt (None: unknown, no step records are kept)."""
     previous_failure: FailureSignature | None = None

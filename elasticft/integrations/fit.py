@@ -6,7 +6,7 @@ A framework (Lightning, Hugging Face Trainer) builds on every entry into its tra
 position: its DDP wrapper, its optimizer and scheduler objects, its loops' counters and its
 data position. The model objects and their tensors are built by the user before the entry and
 outlive it. :class:`FitRecovery` runs the entry under
-:class:`~elasticft.recovery.inprocess.InProcess`, so a survivor of a peer failure calls the same
+:class:`~elasticft.inprocess.worker.InProcess`, so a survivor of a peer failure calls the same
 entry again after its regroup, and gives the framework's integration the two halves it needs:
 
 * every optimizer step, :meth:`FitRecovery.save` snapshots the live model and the optimizer the
@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elasticft.recovery.inprocess import InProcess
+from elasticft.inprocess import InProcess
 from elasticft.steps import StepRecorder
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 REGROUPABLE_BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
-"""Backends a survivor regroups (:mod:`elasticft.recovery.groups`)."""
+"""Backends a survivor regroups (:mod:`elasticft.inprocess.groups`)."""
 
 
 class EntryRuleBroken(RuntimeError):

@@ -1,0 +1,113 @@
+"""The in-process protocol between an agent and its workers: what the agent tells a worker in
+its environment, and the records the two write for each other in the agent's in-process
+directory of the node.
+
+The environment (:class:`InProcessSettings`, read in one place): the directory, the generation
+a process starts in, the regroup timeout and the teardown's hard limit. The records, each a JSON
+file written whole (:func:`elasticft.jsonfile.write_json`) so a reader never sees half of one:
+
+* ``generation.json`` (:class:`Generation`), the agent's: the next generation's store and size;
+* ``armed``, ``failed``, ``torn``, ``joined``, ``resumed`` and ``left`` (:func:`worker_file`), a
+  worker's: where it stands in a recovery.
+
+Both sides (:mod:`elasticft.inprocess.worker`, :mod:`elasticft.inprocess.spare` and the agent's
+:mod:`elasticft.inprocess.agent_side`) read and write them through this module, which imports no
+other part of recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from elasticft.jsonfile import read_json, write_json
+
+DIR_ENV = "ELASTICFT_INPROCESS_DIR"
+GENERATION_ENV = "ELASTICFT_INPROCESS_GEN"
+TIMEOUT_ENV = "ELASTICFT_INPROCESS_TIMEOUT"
+TEARDOWN_ENV = "ELASTICFT_INPROCESS_TEARDOWN_LIMIT"
+WORKER_ENV = frozenset({DIR_ENV, GENERATION_ENV, TIMEOUT_ENV, TEARDOWN_ENV})
+"""Worker variables the agent sets for in-process recovery."""
+
+STEP_WAIT_S = 10.0
+"""How long a survivor told to stop at its next step boundary (the notice's ``at_step``) may
+take to reach one before its monitor ends its groups anyway; the agent's limits add it."""
+
+GENERATION_FILE = "generation.json"
+@dataclasses.dataclass(frozen=True)
+class InProcessSettings:
+    """One worker's view of in-process recovery, read from the environment in one place."""
+
+    directory: Path | None = None
+    """The agent's in-process directory of this node (None: no agent, no recovery)."""
+    generation: int = 0
+    """The generation this process started in (above 0: a replacement)."""
+    local_rank: int = 0
+    timeout_s: float = 60.0
+    """Longest wait for the agent's next generation and for the regrouped process group."""
+    teardown_limit_s: float = 30.0
+    """Hard limit of the teardown (abort, synchronize, release) and of the device's health
+    check: a survivor that overruns it leaves, and the agent replaces it."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> InProcessSettings:
+        env = os.environ if env is None else env
+        directory = env.get(DIR_ENV)
+        return cls(
+            directory=Path(directory) if directory else None,
+            generation=int(env.get(GENERATION_ENV, "0") or 0),
+            local_rank=int(env.get("LOCAL_RANK", "0") or 0),
+            timeout_s=float(env.get(TIMEOUT_ENV, "60") or 60),
+            teardown_limit_s=float(env.get(TEARDOWN_ENV, "30") or 30),
+        )
+
+
+
+def worker_file(directory: Path, kind: str, local_rank: int) -> Path:
+    """``armed`` (the worker recovers in process), ``failed`` (it caught a peer failure and
+    waits for the next generation), ``torn`` (its teardown and health check are over: it
+    waits for the generation, or regroups), ``joined`` (it is in the generation's group),
+    ``resumed`` (its first optimizer step in that generation is over), ``left`` (its own
+    limit ended it: it exits for a replacement)."""
+    return directory / f"{kind}-l{local_rank}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The agent's answer to a failure: the new group's store and its members."""
+
+    generation: int
+    master_addr: str
+    master_port: int
+    world_size: int
+    agent_store: bool = True
+    """The store is an agent's (every rank connects as a client); False: rank 0 hosts it, as
+    torch's ``env://`` rendezvous makes it (a new rendezvous round's own address)."""
+    env: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    """A reshape (:mod:`elasticft.inprocess.reshape`): the variables that change for each local
+    rank (``RANK``, ``WORLD_SIZE``, the layout's...), which the survivor sets before it regroups
+    with its new rank; empty: every rank and the layout stay."""
+
+    @classmethod
+    def read(cls, directory: Path) -> Generation | None:
+        record = read_json(directory / GENERATION_FILE)
+        try:
+            return None if record is None else cls(
+                int(record["generation"]), str(record["master_addr"]),
+                int(record["master_port"]), int(record["world_size"]),
+                bool(record.get("agent_store", True)),
+                {str(lr): {str(k): str(v) for k, v in env.items()}
+                 for lr, env in dict(record.get("env") or {}).items()})
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def env_of(self, local_rank: int) -> Mapping[str, str]:
+        """The variables that change for ``local_rank`` in this generation (none: the same)."""
+        return self.env.get(str(local_rank), {})
+
+    def write(self, directory: Path) -> None:
+        record = {**dataclasses.asdict(self), "env": {k: dict(v) for k, v in self.env.items()}}
+        write_json(directory / GENERATION_FILE, {**record, "time": time.time()})
