@@ -55,12 +55,14 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
+DEVELOPMENT_DOC = PACKAGE.parent / "docs" / "development.md"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
@@ -245,3 +247,27 @@ def test_the_import_reader_sees_deferred_and_relative_imports(tmp_path: Path) ->
                       "    import elasticft.steps\n")
     modules = {"elasticft.procs", "elasticft.unnamed", "elasticft.report.cli", "elasticft.steps"}
     assert imports_of("elasticft.example", module, modules) == modules
+
+
+def documented_layers(text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The numbered layer list of docs/development.md (pure): each layer's name and the
+    modules it names in backquotes, as ``elasticft.<name>`` (\"the package itself\":
+    ``elasticft``)."""
+    start = text.index("Modules sit in layers")
+    layers: list[tuple[str, list[str]]] = []
+    for line in text[start:].splitlines()[1:]:
+        if numbered := re.match(r"\d+\. ([^:(]+?)(?: \([^)]*\))?: (.*)", line):
+            layers.append((numbered[1], []))
+            line = numbered[2]
+        elif not layers or not line.startswith("   "):
+            if layers:
+                break
+            continue
+        layers[-1][1].extend(f"elasticft.{name}" for name in re.findall(r"`([\w.]+)`", line))
+        if "the package itself" in line:
+            layers[-1][1].append("elasticft")
+    return [(name, tuple(modules)) for name, modules in layers]
+
+
+def test_the_development_page_lists_these_layers() -> None:
+    assert documented_layers(DEVELOPMENT_DOC.read_text()) == LAYERS

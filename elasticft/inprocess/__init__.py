@@ -8,8 +8,8 @@ the newest step every rank holds from memory. The package holds both halves and 
 **The worker's half** (imported by the training script, ``from elasticft.inprocess import
 InProcess``):
 
-- ``worker``: :class:`InProcess`, the loop that re-enters the function, and the judge of a peer's
-  failure (``peer_failure``);
+- ``worker``: :class:`InProcess`, the loop that re-enters the function (``run`` for one
+  call), and the judge of a peer's failure (``peer_failure``);
 - ``interrupt``: the monitor that interrupts a survivor blocked in a collective
   (:class:`PeerInterrupted`) and the commit gate of a step that ended after its generation;
 - ``groups``: the process groups' teardown and regroup (:class:`GroupOps`, the seam tests replace);
@@ -48,13 +48,15 @@ if TYPE_CHECKING:
     from elasticft.inprocess.interrupt import PeerInterrupted
     from elasticft.inprocess.meshes import KeptModules
     from elasticft.inprocess.spare import take_rank
-    from elasticft.inprocess.worker import InProcess, peer_failure
+    from elasticft.inprocess.worker import InProcess, peer_failure, run
 
-__all__ = ["GroupOps", "InProcess", "KeptModules", "PeerInterrupted", "peer_failure", "take_rank"]
+__all__ = ["GroupOps", "InProcess", "KeptModules", "PeerInterrupted", "peer_failure", "run",
+           "take_rank"]
 
 __getattr__ = lazy_getattr(__name__, {
     "InProcess": "elasticft.inprocess.worker",
     "peer_failure": "elasticft.inprocess.worker",
+    "run": "elasticft.inprocess.worker",
     "PeerInterrupted": "elasticft.inprocess.interrupt",
     "GroupOps": "elasticft.inprocess.groups",
     "KeptModules": "elasticft.inprocess.meshes",
