@@ -20,7 +20,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elasticft.inprocess.interrupt import INTERRUPT_FILE
 from elasticft.inprocess.protocol import (
     DIR_ENV,
     GENERATION_ENV,
@@ -28,6 +27,7 @@ from elasticft.inprocess.protocol import (
     TEARDOWN_ENV,
     TIMEOUT_ENV,
     Generation,
+    InterruptNotice,
     worker_file,
 )
 from elasticft.inprocess.recovery_timing import (
@@ -37,7 +37,7 @@ from elasticft.inprocess.recovery_timing import (
     first_step_limit,
     overruns,
 )
-from elasticft.jsonfile import read_json, write_json
+from elasticft.jsonfile import read_json
 
 
 class InProcessCoordinator:
@@ -130,8 +130,7 @@ class InProcessCoordinator:
             return
         self._interrupted = self.generation
         now = time.time()
-        write_json(self.directory / INTERRUPT_FILE, {"ended": self.generation,
-                                                     "time": now, "at_step": at_step})
+        InterruptNotice(self.generation, at_step, now).write(self.directory)
         self.notified = (self.generation, now, at_step)
 
     def publish(self, master_addr: str, world_size: int) -> Generation:

@@ -78,11 +78,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from elasticft.inprocess.protocol import STEP_WAIT_S
+from elasticft.inprocess.protocol import (
+    GENERATION_FILE,
+    INTERRUPT_FILE,
+    STEP_WAIT_S,
+    Generation,
+    InterruptNotice,
+    Read,
+)
 
 logger = logging.getLogger(__name__)
-
-INTERRUPT_FILE = "interrupt.json"
 
 
 class PeerInterrupted(BaseException):
@@ -103,24 +108,18 @@ def commit_refusal(taken_in: int, ended: int) -> str | None:
     return None
 
 
-def notice(directory: Path, read: Callable[[Path], dict | None]) -> int:
+def notice(directory: Path, read: Read) -> int:
     """The newest generation the agent's files say is over (-1: none)."""
-    ended = -1
-    record = read(directory / INTERRUPT_FILE)
-    if record is not None and isinstance(record.get("ended"), int):
-        ended = record["ended"]
-    published = read(directory / "generation.json")
-    if published is not None and isinstance(published.get("generation"), int):
-        ended = max(ended, published["generation"] - 1)
-    return ended
+    interrupt = InterruptNotice.read(directory, read)
+    published = Generation.read(directory, read)
+    return max(interrupt.ended if interrupt is not None else -1,
+               published.generation - 1 if published is not None else -1)
 
 
-def soft(directory: Path, read: Callable[[Path], dict | None]) -> int:
+def soft(directory: Path, read: Read) -> int:
     """The newest generation the interrupt notice ends at a step boundary (-1: none)."""
-    record = read(directory / INTERRUPT_FILE)
-    if record is not None and record.get("at_step") and isinstance(record.get("ended"), int):
-        return int(record["ended"])
-    return -1
+    interrupt = InterruptNotice.read(directory, read)
+    return interrupt.ended if interrupt is not None and interrupt.at_step else -1
 
 
 def _raise_in(thread_id: int, error: type[BaseException] | None) -> None:
@@ -131,7 +130,7 @@ def _raise_in(thread_id: int, error: type[BaseException] | None) -> None:
 class Monitor:
     """The thread that interrupts this worker's main thread when its generation ends."""
 
-    def __init__(self, directory: Path, read: Callable[[Path], dict | None],
+    def __init__(self, directory: Path, read: Read,
                  end: Callable[[], str], poll_s: float = 0.005, grace_s: float = 0.5,
                  step_wait_s: float = STEP_WAIT_S) -> None:
         self.directory = directory
@@ -257,7 +256,7 @@ class Monitor:
     def _ended(self) -> int:
         """:func:`notice`, read again only when one of the two files changed (a stat per poll)."""
         stamp = []
-        for name in (INTERRUPT_FILE, "generation.json"):
+        for name in (INTERRUPT_FILE, GENERATION_FILE):
             try:
                 st = os.stat(self.directory / name)
                 stamp.append((st.st_mtime_ns, st.st_size, st.st_ino))

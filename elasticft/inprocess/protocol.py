@@ -6,13 +6,17 @@ The environment (:class:`InProcessSettings`, read in one place): the directory, 
 a process starts in, the regroup timeout and the teardown's hard limit. The records, each a JSON
 file written whole (:func:`elasticft.jsonfile.write_json`) so a reader never sees half of one:
 
+* ``interrupt.json`` (:class:`InterruptNotice`), the agent's: the generation that is over;
 * ``generation.json`` (:class:`Generation`), the agent's: the next generation's store and size;
 * ``armed``, ``failed``, ``torn``, ``joined``, ``resumed`` and ``left`` (:func:`worker_file`), a
-  worker's: where it stands in a recovery.
+  worker's: where it stands in a recovery;
+* ``spare-<n>.json`` (:class:`SpareReady`), a spare's: its set-up is over and it waits, and
+  ``assign-<n>.json`` (:class:`Assignment`), the agent's: the rank it takes.
 
-Both sides (:mod:`elasticft.inprocess.worker`, :mod:`elasticft.inprocess.spare` and the agent's
-:mod:`elasticft.inprocess.agent_side`) read and write them through this module, which imports no
-other part of recovery.
+Each typed record has its one writer (``write``) and its one reader (``read``; a missing, torn
+or foreign file reads as None). Both sides (:mod:`elasticft.inprocess.worker`,
+:mod:`elasticft.inprocess.spare` and the agent's :mod:`elasticft.inprocess.agent_side`) read and
+write them through this module, which imports no other part of in-process recovery.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from elasticft.jsonfile import read_json, write_json
 
@@ -37,6 +42,11 @@ STEP_WAIT_S = 10.0
 take to reach one before its monitor ends its groups anyway; the agent's limits add it."""
 
 GENERATION_FILE = "generation.json"
+INTERRUPT_FILE = "interrupt.json"
+
+Read = Callable[[Path], "dict[str, Any] | None"]
+"""How a record's file is read: :func:`elasticft.jsonfile.read_json` (None: none there)."""
+
 @dataclasses.dataclass(frozen=True)
 class InProcessSettings:
     """One worker's view of in-process recovery, read from the environment in one place."""
@@ -92,8 +102,11 @@ class Generation:
     with its new rank; empty: every rank and the layout stay."""
 
     @classmethod
-    def read(cls, directory: Path) -> Generation | None:
-        record = read_json(directory / GENERATION_FILE)
+    def read(cls, directory: Path, read: Read = read_json) -> Generation | None:
+        return cls.from_record(read(directory / GENERATION_FILE))
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any] | None) -> Generation | None:
         try:
             return None if record is None else cls(
                 int(record["generation"]), str(record["master_addr"]),
@@ -108,6 +121,89 @@ class Generation:
         """The variables that change for ``local_rank`` in this generation (none: the same)."""
         return self.env.get(str(local_rank), {})
 
+    def record(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "env": {k: dict(v) for k, v in self.env.items()}}
+
     def write(self, directory: Path) -> None:
-        record = {**dataclasses.asdict(self), "env": {k: dict(v) for k, v in self.env.items()}}
-        write_json(directory / GENERATION_FILE, {**record, "time": time.time()})
+        write_json(directory / GENERATION_FILE, {**self.record(), "time": time.time()})
+
+
+@dataclasses.dataclass(frozen=True)
+class InterruptNotice:
+    """The agent's interrupt notice: generation ``ended`` is over
+    (:mod:`elasticft.inprocess.interrupt`)."""
+
+    ended: int
+    at_step: bool = False
+    """No peer failed (nodes join): each survivor stops at its next step boundary, and its
+    groups are ended only if it reaches none within :data:`STEP_WAIT_S`."""
+    time: float = 0.0
+    """When the agent wrote it (wall clock)."""
+
+    def write(self, directory: Path) -> None:
+        write_json(directory / INTERRUPT_FILE, dataclasses.asdict(self))
+
+    @classmethod
+    def read(cls, directory: Path, read: Read = read_json) -> InterruptNotice | None:
+        record = read(directory / INTERRUPT_FILE)
+        if record is None or type(record.get("ended")) is not int:
+            return None
+        return cls(record["ended"], bool(record.get("at_step")), float(record.get("time", 0.0)))
+
+
+def ready_file(directory: Path, spare: str) -> Path:
+    """Written by the spare once its set-up is over and it waits for a rank."""
+    return directory / f"spare-{spare}.json"
+
+
+def assignment_file(directory: Path, spare: str) -> Path:
+    return directory / f"assign-{spare}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpareReady:
+    """A spare's word that its set-up is over and it waits for a rank."""
+
+    pid: int
+    ready: float
+    """When its set-up ended (wall clock)."""
+
+    def write(self, directory: Path, spare: str) -> None:
+        write_json(ready_file(directory, spare), dataclasses.asdict(self))
+
+    @classmethod
+    def read(cls, directory: Path, spare: str) -> SpareReady | None:
+        record = read_json(ready_file(directory, spare))
+        try:
+            return None if record is None else cls(int(record["pid"]), float(record["ready"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """The agent's order to a spare: become ``local_rank`` with ``env`` in ``generation``."""
+
+    generation: Generation
+    local_rank: int
+    env: dict[str, str]
+
+    def write(self, directory: Path, spare: str) -> None:
+        """Written whole and readable by this user only: the environment holds the rank's
+        checkpoint peer secret."""
+        write_json(assignment_file(directory, spare),
+                   {"generation": self.generation.record(),
+                    "local_rank": self.local_rank, "env": self.env, "time": time.time()},
+                   private=True, parents=False)
+
+    @classmethod
+    def read(cls, directory: Path, spare: str) -> Assignment | None:
+        record = read_json(assignment_file(directory, spare))
+        try:
+            generation = None if record is None else Generation.from_record(
+                record["generation"])
+            return None if record is None or generation is None else cls(
+                generation, int(record["local_rank"]),
+                {str(k): str(v) for k, v in record["env"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None

@@ -8,8 +8,8 @@ store, none of the ranks' checkpoint memory or diagnostics files), so the script
 the way a worker does: the model built, the optimizer made, its memory touched. At
 :meth:`~elasticft.inprocess.worker.InProcess.run` it stops and waits (:func:`take_rank`),
 before the training function. When a rank fails, the agent **assigns** the spare that rank
-instead of starting a new process (:class:`Assignment`: the failed worker's environment and the
-new generation), and the spare
+instead of starting a new process (:class:`~elasticft.inprocess.protocol.Assignment`: the failed
+worker's environment and the new generation), and the spare
 
 1. tears its private process group down,
 2. takes the rank's identity: its environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -33,13 +33,11 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch.distributed as dist
 
 from elasticft.inprocess.groups import GroupOps, GroupSettings, regroup
-from elasticft.inprocess.protocol import Generation, InProcessSettings
-from elasticft.jsonfile import read_json, write_json
+from elasticft.inprocess.protocol import Assignment, InProcessSettings, SpareReady
 
 logger = logging.getLogger(__name__)
 
@@ -54,42 +52,6 @@ def is_spare(env: Mapping[str, str] | None = None) -> bool:
     return bool((os.environ if env is None else env).get(SPARE_ENV))
 
 
-def ready_file(directory: Path, spare: str) -> Path:
-    """Written by the spare once its set-up is over and it waits for a rank."""
-    return directory / f"spare-{spare}.json"
-
-
-def assignment_file(directory: Path, spare: str) -> Path:
-    return directory / f"assign-{spare}.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class Assignment:
-    """The agent's order to a spare: become ``local_rank`` with ``env`` in ``generation``."""
-
-    generation: Generation
-    local_rank: int
-    env: dict[str, str]
-
-    def write(self, directory: Path, spare: str) -> None:
-        """Written whole and readable by this user only: the environment holds the rank's
-        checkpoint peer secret."""
-        write_json(assignment_file(directory, spare),
-                   {"generation": dataclasses.asdict(self.generation),
-                    "local_rank": self.local_rank, "env": self.env, "time": time.time()},
-                   private=True, parents=False)
-
-    @classmethod
-    def read(cls, directory: Path, spare: str) -> Assignment | None:
-        record = read_json(assignment_file(directory, spare))
-        try:
-            return None if record is None else cls(
-                Generation(**record["generation"]), int(record["local_rank"]),
-                {str(k): str(v) for k, v in record["env"].items()})
-        except (KeyError, TypeError, ValueError):
-            return None
-
-
 def take_rank(settings: InProcessSettings, ops: GroupOps, poll_s: float = 0.005
               ) -> InProcessSettings:
     """Waits for the agent's assignment, then becomes that rank (see the module's docstring);
@@ -99,7 +61,7 @@ def take_rank(settings: InProcessSettings, ops: GroupOps, poll_s: float = 0.005
     from elasticft.ckpt.checkpointer import Checkpointer
 
     checkpointers = Checkpointer.instances()  # those the set-up made
-    write_json(ready_file(settings.directory, spare), {"pid": os.getpid(), "ready": time.time()})
+    SpareReady(os.getpid(), time.time()).write(settings.directory, spare)
     logger.info("spare %s ready; waiting for a rank", spare)
     assignment = Assignment.read(settings.directory, spare)
     while assignment is None:

@@ -10,10 +10,10 @@ cold, with the environment of :func:`spare_env` (a one-member world of its own).
 is :mod:`elasticft.inprocess.spare`.
 
 When a rank fails and the agent recovers in process, :meth:`SpareKeeper.take` gives the spare
-the failed local rank (:func:`pick`): it writes the :class:`~elasticft.inprocess.spare.Assignment`
-(the failed worker's environment for the new generation) and puts the spare's process in torch's
-process context in that worker's place; no process is started. The next monitor tick starts a
-new spare. A spare that is not ready (its set-up still runs) or has exited is not used: the rank
+the failed local rank (:func:`pick`): it writes the spare's
+:class:`~elasticft.inprocess.protocol.Assignment` (the failed worker's environment for the new
+generation) and puts the spare's process in torch's process context in that worker's place; no
+process is started. The next monitor tick starts a new spare. A spare that is not ready (its set-up still runs) or has exited is not used: the rank
 gets a replacement process as without a spare. A spare that exits while it waits is replaced,
 up to :data:`FAILED_LIMIT` times per attempt (:func:`next_move`); it never stops the job.
 
@@ -50,9 +50,8 @@ from elasticft.events import EventLog
 from elasticft.inprocess import placement
 from elasticft.inprocess.placement import GpuUse, Placement, spare_gpu
 from elasticft.inprocess.ports import EnvOf, WorkerOps
-from elasticft.inprocess.protocol import Generation
-from elasticft.inprocess.spare import SPARE_ENV, Assignment, ready_file
-from elasticft.jsonfile import read_json
+from elasticft.inprocess.protocol import Assignment, Generation, SpareReady, ready_file
+from elasticft.inprocess.spare import SPARE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +215,8 @@ class SpareKeeper:
         """Whether the running spare has finished its set-up and waits for a rank."""
         if self.handler is None:
             return False
-        record = read_json(ready_file(self.directory, str(self.number)))
-        return record is not None and record.get("pid") == self.handler.proc.pid
+        ready = SpareReady.read(self.directory, str(self.number))
+        return ready is not None and ready.pid == self.handler.proc.pid
 
     def _start(self, context: Any, workers: WorkerOps, gpu: str = "", *, warm: bool) -> None:
         self.number += 1

@@ -371,7 +371,8 @@ def test_a_recovery_is_overdue_by_its_phase(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_the_interrupt_notice_ends_one_generation_and_a_full_start_clears_it(
         tmp_path: Path) -> None:
-    from elasticft.inprocess.interrupt import INTERRUPT_FILE, notice
+    from elasticft.inprocess.interrupt import notice
+    from elasticft.inprocess.protocol import INTERRUPT_FILE
     from elasticft.jsonfile import read_json
 
     coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
@@ -396,7 +397,7 @@ def test_a_new_agent_starts_its_workers_in_a_directory_cleared_of_a_dead_agents_
     workers' records and a spare's assignment: the next agent's first start clears them, so
     its workers (generation 0) are not told that their generation is over."""
     from elasticft.inprocess.interrupt import notice
-    from elasticft.inprocess.spare import Assignment
+    from elasticft.inprocess.protocol import Assignment
     from elasticft.jsonfile import read_json
 
     dead = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)

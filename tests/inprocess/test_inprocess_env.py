@@ -12,8 +12,9 @@ import pytest
 
 from elasticft.devicehealth import ArmedDevice, CudaCalls, NvmlAnswers, RankDevice
 from elasticft.inprocess.device import within
-from elasticft.inprocess.interrupt import INTERRUPT_FILE, Monitor, PeerInterrupted
+from elasticft.inprocess.interrupt import Monitor, PeerInterrupted
 from elasticft.inprocess.ncclenv import abort_warning, worker_env
+from elasticft.inprocess.protocol import INTERRUPT_FILE
 from elasticft.jsonfile import read_json, write_json
 
 

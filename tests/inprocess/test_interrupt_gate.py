@@ -21,8 +21,8 @@ from elasticft.ckpt import Checkpointer, WorkerSettings, capture
 from elasticft.inprocess import InProcess
 from elasticft.inprocess.generations import InProcessCoordinator
 from elasticft.inprocess.groups import GroupOps
-from elasticft.inprocess.interrupt import INTERRUPT_FILE, Monitor, PeerInterrupted, commit_refusal
-from elasticft.inprocess.protocol import InProcessSettings, worker_file
+from elasticft.inprocess.interrupt import Monitor, PeerInterrupted, commit_refusal
+from elasticft.inprocess.protocol import INTERRUPT_FILE, InProcessSettings, worker_file
 from elasticft.jsonfile import read_json, write_json
 from tests.ckpt.helpers import remove_segments, unique_prefix
 

@@ -25,8 +25,8 @@ from elasticft.diag import groupsockets
 from elasticft.inprocess import InProcess
 from elasticft.inprocess.generations import InProcessCoordinator
 from elasticft.inprocess.groups import GroupOps, destroy_registered, end_groups
-from elasticft.inprocess.interrupt import INTERRUPT_FILE, PeerInterrupted, _raise_in
-from elasticft.inprocess.protocol import InProcessSettings, worker_file
+from elasticft.inprocess.interrupt import PeerInterrupted, _raise_in
+from elasticft.inprocess.protocol import INTERRUPT_FILE, InProcessSettings, worker_file
 from elasticft.jsonfile import write_json
 
 GLOO_CLOSED = ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:912. "

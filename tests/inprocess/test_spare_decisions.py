@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from elasticft.ckpt.settings import ENV_CONTROL, ENV_SHM
-from elasticft.inprocess.protocol import Generation
-from elasticft.inprocess.spare import Assignment, is_spare
+from elasticft.inprocess.protocol import Assignment, Generation
+from elasticft.inprocess.spare import is_spare
 from elasticft.inprocess.spare_keeper import (
     FAILED_LIMIT,
     SpareMove,
