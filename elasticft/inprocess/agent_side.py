@@ -75,10 +75,9 @@ from elasticft.inprocess.failure_news import FailureNews
 from elasticft.inprocess.generations import InProcessCoordinator
 from elasticft.inprocess.placement import died_of_device_fault
 from elasticft.inprocess.ports import AgentSide
-from elasticft.inprocess.protocol import Generation, worker_file
+from elasticft.inprocess.protocol import Generation, WorkerRecord
 from elasticft.inprocess.recovery_timing import Recovery, phases
 from elasticft.inprocess.spare_keeper import SpareKeeper
-from elasticft.jsonfile import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +286,8 @@ class InProcessRecovery(AcrossNodes):
         if any(self.coordinator.joined_by(by_global[r], exited[r].pid)
                for r in exited if r in by_global):
             return False  # its group had formed: a replacement cannot join it (a new failure)
-        records = {lr: read_json(worker_file(self.coordinator.directory, "left", lr)) or {}
+        records = {lr: record.facts if (record := WorkerRecord.read(
+                       self.coordinator.directory, "left", lr)) is not None else {}
                    for lr in local_ranks}
         faults = {lr: died_of_device_fault(str(records[lr].get("why", "")))
                   for lr in local_ranks}

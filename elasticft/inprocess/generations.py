@@ -28,7 +28,7 @@ from elasticft.inprocess.protocol import (
     TIMEOUT_ENV,
     Generation,
     InterruptNotice,
-    worker_file,
+    WorkerRecord,
 )
 from elasticft.inprocess.recovery_timing import (
     Overrun,
@@ -37,7 +37,6 @@ from elasticft.inprocess.recovery_timing import (
     first_step_limit,
     overruns,
 )
-from elasticft.jsonfile import read_json
 
 
 class InProcessCoordinator:
@@ -89,12 +88,10 @@ class InProcessCoordinator:
 
     def _record(self, kind: str, local_rank: int, pid: int | None,
                 generation: int | None = None) -> dict[str, Any] | None:
-        record = read_json(worker_file(self.directory, kind, local_rank))
-        if record is None or pid is None or record.get("pid") != pid:
+        record = WorkerRecord.read(self.directory, kind, local_rank)
+        if record is None or not record.of(pid, generation):
             return None
-        if generation is not None and record.get("generation") != generation:
-            return None
-        return record
+        return {**record.facts, "pid": record.pid, "generation": record.generation}
 
     def armed(self, pids: Mapping[int, int | None]) -> bool:
         """Whether every worker (local rank → pid) runs under ``InProcess``."""

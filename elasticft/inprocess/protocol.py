@@ -8,8 +8,8 @@ file written whole (:func:`elasticft.jsonfile.write_json`) so a reader never see
 
 * ``interrupt.json`` (:class:`InterruptNotice`), the agent's: the generation that is over;
 * ``generation.json`` (:class:`Generation`), the agent's: the next generation's store and size;
-* ``armed``, ``failed``, ``torn``, ``joined``, ``resumed`` and ``left`` (:func:`worker_file`), a
-  worker's: where it stands in a recovery;
+* ``armed``, ``failed``, ``torn``, ``joined``, ``resumed`` and ``left`` (:class:`WorkerRecord`,
+  :func:`worker_file`), a worker's: where it stands in a recovery;
 * ``spare-<n>.json`` (:class:`SpareReady`), a spare's: its set-up is over and it waits, and
   ``assign-<n>.json`` (:class:`Assignment`), the agent's: the rank it takes.
 
@@ -83,6 +83,39 @@ def worker_file(directory: Path, kind: str, local_rank: int) -> Path:
     ``resumed`` (its first optimizer step in that generation is over), ``left`` (its own
     limit ended it: it exits for a replacement)."""
     return directory / f"{kind}-l{local_rank}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRecord:
+    """A worker's word of where it stands in a recovery: its ``kind`` (:func:`worker_file`),
+    the process that wrote it and the generation it was in, with what that kind carries."""
+
+    kind: str
+    local_rank: int
+    pid: int
+    generation: int
+    facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """What the kind carries: ``armed`` what the worker follows (``follows_layout``,
+    ``sharded_over``); ``failed`` when and why (``failed``, ``cause``); ``left`` why
+    (``why``); the others the times of the recovery's phases."""
+
+    def write(self, directory: Path) -> None:
+        write_json(worker_file(directory, self.kind, self.local_rank),
+                   {**self.facts, "pid": self.pid, "generation": self.generation})
+
+    @classmethod
+    def read(cls, directory: Path, kind: str, local_rank: int) -> WorkerRecord | None:
+        record = read_json(worker_file(directory, kind, local_rank))
+        if record is None or type(record.get("pid")) is not int:
+            return None
+        facts = {k: v for k, v in record.items() if k not in ("pid", "generation")}
+        generation = record.get("generation")
+        return cls(kind, local_rank, record["pid"],
+                   generation if type(generation) is int else -1, facts)
+
+    def of(self, pid: int | None, generation: int | None = None) -> bool:
+        """Whether process ``pid`` wrote it (in ``generation``, when one is given)."""
+        return pid == self.pid and (generation is None or generation == self.generation)
 
 
 @dataclasses.dataclass(frozen=True)

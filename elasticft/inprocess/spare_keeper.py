@@ -13,9 +13,10 @@ When a rank fails and the agent recovers in process, :meth:`SpareKeeper.take` gi
 the failed local rank (:func:`pick`): it writes the spare's
 :class:`~elasticft.inprocess.protocol.Assignment` (the failed worker's environment for the new
 generation) and puts the spare's process in torch's process context in that worker's place; no
-process is started. The next monitor tick starts a new spare. A spare that is not ready (its set-up still runs) or has exited is not used: the rank
-gets a replacement process as without a spare. A spare that exits while it waits is replaced,
-up to :data:`FAILED_LIMIT` times per attempt (:func:`next_move`); it never stops the job.
+process is started. The next monitor tick starts a new spare. A spare that is not ready (its
+set-up still runs) or has exited is not used: the rank gets a replacement process as without a
+spare. A spare that exits while it waits is replaced, up to :data:`FAILED_LIMIT` times per
+attempt (:func:`next_move`); it never stops the job.
 
 Cost: a second copy of one rank's memory on the node (host memory on CPU).
 

@@ -80,9 +80,9 @@ from elasticft.inprocess.ncclenv import abort_warning, nccl_version
 from elasticft.inprocess.protocol import (
     Generation,
     InProcessSettings,
-    worker_file,
+    WorkerRecord,
 )
-from elasticft.jsonfile import read_json, write_json
+from elasticft.jsonfile import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -477,8 +477,8 @@ class InProcess:
     def _write(self, kind: str, record: Mapping[str, Any]) -> None:
         assert self.settings.directory is not None
         try:
-            write_json(worker_file(self.settings.directory, kind, self.settings.local_rank),
-                       {**record, "pid": os.getpid(), "generation": self.generation})
+            WorkerRecord(kind, self.settings.local_rank, os.getpid(), self.generation,
+                         record).write(self.settings.directory)
         except OSError as e:  # the agent then falls back to a restart after its timeout
             logger.warning("could not write the in-process %s record: %s", kind, e)
 
