@@ -10,7 +10,7 @@ GPUs it is not device 0, the device a bare thread is on):
    current device, read there, must be the rank's (a bare thread's is printed beside it);
 2. a long kernel (``torch.cuda._sleep``) is queued on the current stream and an
    ``all_reduce`` behind it, so the collective is pending when the monitor's path ends the
-   groups (:func:`elasticft.recovery.groups.end_groups`, NCCL's ``_abort_process_group``);
+   groups (:func:`elasticft.inprocess.groups.end_groups`, NCCL's ``_abort_process_group``);
    the abort must return within the limit; twice;
 3. a new group forms and its ``all_reduce`` gives the right sum.
 
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from elasticft.devicehealth import ArmedDevice, CudaCalls, known_answer, within
-from elasticft.recovery.groups import end_groups
-from elasticft.recovery.ncclenv import abort_warning, nccl_version
+from elasticft.inprocess.groups import end_groups
+from elasticft.inprocess.ncclenv import abort_warning, nccl_version
 
 
 def new_group(backend: str, device: torch.device | None, limit_s: float) -> float:

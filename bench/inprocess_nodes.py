@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from jobenv import clean_job_env  # noqa: E402  (bench/, beside this script)
 
-from tests.recovery.cluster import Job, losses_of  # noqa: E402
+from tests.cluster import Job, losses_of  # noqa: E402
 from tests.servers import EtcdServer  # noqa: E402
 
 INPROCESS = ROOT / "examples" / "train_inprocess.py"

@@ -14,7 +14,7 @@ Runs: the plain torchrun script (``examples/train_plain.py``, torch.save every
 agent persists snapshots to disk at the same cadence as the plain script's torch.save
 (``--persist-every``, default ``--ckpt-every``). Faults:
 and the in-process example (``examples/train_inprocess.py``, the same training under
-``elasticft.recovery.inprocess.InProcess``: the survivor keeps its process), also with
+``elasticft.inprocess.worker.InProcess``: the survivor keeps its process), also with
 ``--recovery-inprocess-spare`` (launcher ``elasticft-run+spare``: a pre-started spare takes the
 failed rank). Faults:
 ``kill`` (SIGKILL of rank 1) and ``hang`` (SIGSTOP of rank 1; torchrun waits for gloo's

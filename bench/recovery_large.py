@@ -8,7 +8,7 @@ on ``--device`` (4.8 GB on CUDA by default, the size of docs/benchmarks.md's H10
 --max-restarts 1`` the same script uses ``torch.save``/``torch.load`` at the same cadence. With
 ``--nproc 2`` or more the workers form a gloo (CUDA: NCCL) group and all-reduce one number per
 step, the collective a survivor meets a dead peer in; the launcher ``elasticft-inprocess`` is
-``elasticft-run`` with the loop under ``elasticft.recovery.inprocess.InProcess``: the survivors
+``elasticft-run`` with the loop under ``elasticft.inprocess.worker.InProcess``: the survivors
 keep their processes, and ``elasticft-spare`` is that with ``--recovery-inprocess-spare``: a
 pre-started spare (its model built, its AdamW state made by one step of its own) takes the
 killed rank; its workers wait for the spare to be ready before their first step, so the kill

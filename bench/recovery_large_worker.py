@@ -204,7 +204,7 @@ def _init_group(args: argparse.Namespace, device: str) -> None:
 
 def _wait_for_spare(timeout_s: float = 600.0) -> None:
     """Waits until this node's spare has finished its set-up (before the first step)."""
-    from elasticft.recovery.protocol import InProcessSettings
+    from elasticft.inprocess.protocol import InProcessSettings
 
     directory = InProcessSettings.from_env().directory
     deadline = time.monotonic() + timeout_s
@@ -214,7 +214,7 @@ def _wait_for_spare(timeout_s: float = 600.0) -> None:
 
 
 def _is_spare() -> bool:
-    from elasticft.recovery.spare import is_spare
+    from elasticft.inprocess.spare import is_spare
 
     return is_spare()
 
@@ -294,7 +294,7 @@ def worker(args: argparse.Namespace) -> int:
         return start
 
     if args.mode in ("inprocess", "spare"):
-        from elasticft.recovery.inprocess import InProcess
+        from elasticft.inprocess import InProcess
 
         start = InProcess(modules=[model] if args.fsdp else []).run(train)
     else:

@@ -49,7 +49,7 @@ LAYOUTS = {"fsdp": ["--parallelism.data_parallel_shard_degree", "-1"],
                   "--parallelism.tensor_parallel_degree", "-1"]}
 """torchtitan's flags per layout; -1 (all ranks) is filled in with the rank count."""
 REFUSAL = "is not made again in process"
-"""What :mod:`elasticft.recovery.meshes` logs when it cannot keep the modules in process."""
+"""What :mod:`elasticft.inprocess.meshes` logs when it cannot keep the modules in process."""
 
 
 def titan_args(mode: str, layout: str, nproc: int, steps: int, ckpt_interval: int,

@@ -4,7 +4,7 @@ Four places ask whether a machine's hardware is fit: the pre-flight and periodic
 (:mod:`elasticft.diag.health`), a node's admission to the rendezvous
 (:mod:`elasticft.rendezvous.health`), the node health that settles a split between two replicas
 (:mod:`elasticft.ckpt.integrity.nodehealth`) and a survivor's rejoin after an in-process
-recovery (:mod:`elasticft.recovery.health`). Each asks the same few questions, answered here
+recovery (:mod:`elasticft.inprocess.device`). Each asks the same few questions, answered here
 once, each as a :class:`HealthVerdict` (fit or not, why, and the evidence for the event log):
 
 * **a known answer** (:func:`known_answer`): a float64 matmul whose exact result is known, on

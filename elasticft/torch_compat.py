@@ -292,7 +292,7 @@ def wrap_poll(context: Any, wrapper: Callable[[Callable[[], Any]], Callable[[], 
 REPLACE_WORKER_PARTS = ("subprocess_handlers", "envs", "args", "entrypoint", "stdouts",
                         "stderrs", "error_files", "_running_local_ranks", "_failures")
 """What replacing one worker of a running ``SubprocessContext`` reads and updates (in-process
-recovery, :mod:`elasticft.agent.inprocess_recovery`)."""
+recovery, :mod:`elasticft.inprocess.agent_side`)."""
 
 
 def replace_worker_unavailable(context: Any) -> str | None:

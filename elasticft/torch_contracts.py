@@ -85,8 +85,8 @@ def _reads(cls: type, attribute: str, *methods: str) -> bool:
 
 
 def _ddp_buckets_carried() -> bool:
-    """DDP's bucket set-up as recovery/ddp_buckets.py wraps it (the logger's keys, which live
-    in C++, are read by a real DDP in tests/recovery/test_ddp_buckets.py)."""
+    """DDP's bucket set-up as inprocess/ddp_buckets.py wraps it (the logger's keys, which live
+    in C++, are read by a real DDP in tests/inprocess/test_ddp_buckets.py)."""
     from torch.nn.parallel import DistributedDataParallel
 
     set_up = inspect.getsource(DistributedDataParallel._ddp_init_helper)
@@ -111,7 +111,7 @@ def _dcp_init_step() -> bool:
 
 
 def _mesh_remade_by_name() -> bool:
-    """recovery/meshes.py: a mesh keeps its groups' names and resolves them at each use, so
+    """inprocess/meshes.py: a mesh keeps its groups' names and resolves them at each use, so
     groups made again in the same order (torch resets its counter with the default group)
     are found again; a root mesh caches its groups in ``_pg_registry``."""
     from torch.distributed import distributed_c10d as c10d
@@ -132,7 +132,7 @@ def _mesh_remade_by_name() -> bool:
 
 
 def _fsdp_groups_repointable() -> bool:
-    """recovery/meshes.py: where FSDP2 keeps process groups itself (its mesh infos), how its
+    """inprocess/meshes.py: where FSDP2 keeps process groups itself (its mesh infos), how its
     parameter groups and parameters reach them, and its reset after an aborted step."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_state
@@ -235,18 +235,18 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
         for part in REPLACE_WORKER_PARTS),
     "torch.distributed.distributed_c10d._abort_process_group(group)": lambda: list(
         _parameters(torch.distributed.distributed_c10d._abort_process_group)) == ["group"],
-    # recovery/groups.py: the default group's abort ends every group and clears torch's table,
+    # inprocess/groups.py: the default group's abort ends every group and clears torch's table,
     # after which the recovery reads nothing of it (ArmedGroup, destroy_registered).
     "_abort_process_group(WORLD) clears the table (_update_default_pg(None), pg_map.clear())":
         lambda: all(part in inspect.getsource(
             torch.distributed.distributed_c10d._abort_process_group)
             for part in ("_update_default_pg(None)", "pg_map.clear()")),
-    # recovery/groups.py: every group ended from the monitor thread; the script's settings.
+    # inprocess/groups.py: every group ended from the monitor thread; the script's settings.
     "_get_default_group(), ProcessGroup.abort(), _get_backend(d).options._timeout, "
     "bound_device_id": lambda: _has(torch.distributed.distributed_c10d, "_get_default_group")
         and _has(torch.distributed.ProcessGroup, "abort", "_get_backend", "bound_device_id")
         and hasattr(torch.distributed.ProcessGroupGloo._Options, "_timeout"),
-    # recovery/meshes.py: the sharded modules a survivor keeps through a regroup.
+    # inprocess/meshes.py: the sharded modules a survivor keeps through a regroup.
     "DeviceMesh._init_process_groups(layout, rank_map, mesh_dim_names, backend_override), "
     "_dim_group_names, _layout, _rank_map, _mesh_dim_names, _pg_registry, _flatten_mapping, "
     "_get_root_mesh(); _world.group_count reset by destroy_process_group; "
@@ -302,7 +302,7 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "Tensor._version counts in-place writes (elasticft.steps.must_read)": lambda: (
         (t := torch.zeros(1))._version + 1 == t.add_(1)._version),
     "DCP get_state_dict's optimizer init step (lr 0, zero grads)": _dcp_init_step,
-    # recovery/ddp_buckets.py: a DDP re-made after an in-process recovery starts with the
+    # inprocess/ddp_buckets.py: a DDP re-made after an in-process recovery starts with the
     # rebuilt buckets its predecessor's logger reported.
     "DistributedDataParallel._ddp_init_helper(parameters, ...) hands the Reducer "
     "reversed(dist._compute_bucket_assignment_by_size(...)), called by name; "

@@ -219,7 +219,7 @@ def train_in_process(args: argparse.Namespace, layout: Layout, model: nn.Module,
     back in place (the model, its shards and the optimizer state stay; the mesh's groups are
     made again for the new generation, since ``model`` is given to ``InProcess``)."""
     from elasticft.ckpt import Checkpointer, StateCapture
-    from elasticft.recovery.inprocess import InProcess
+    from elasticft.inprocess import InProcess
 
     ckpt = Checkpointer.from_env(optimizers=[optimizer])
     snapshot = StateCapture(model, optimizer)

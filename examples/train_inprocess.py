@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_plain import VOCAB, TinyGPT, batch, record_step, setup_device
 
 from elasticft.ckpt import Checkpointer, StateCapture
-from elasticft.recovery.inprocess import GroupOps, InProcess
+from elasticft.inprocess import GroupOps, InProcess
 
 
 def keep_sockets(pid_file: Path | None) -> None:

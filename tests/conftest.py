@@ -1,8 +1,10 @@
-"""Shared test fixtures: paths, a clean environment for launched jobs, free ports."""
+"""Shared test fixtures: paths, a clean environment for launched jobs, free ports, and the
+uninterrupted reference runs the recovery and in-process tests compare losses with."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -10,11 +12,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
+from filelock import FileLock
 
 from tests.servers import EtcdServer, echo_server, etcd_cluster, etcd_server  # noqa: F401
+
+if TYPE_CHECKING:
+    from tests.cluster import Losses
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -155,3 +162,56 @@ def wait_or_explain(proc: subprocess.Popen, timeout: float, output: Callable[[],
     except subprocess.TimeoutExpired:
         raise AssertionError(f"{proc.args[:2]} still running after {timeout} s\n"
                              + python_stacks(proc.pid) + "\n" + output()) from None
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]
+              ) -> Any:
+    """``make()``'s result (JSON), made once per test run: pytest-xdist's workers share it
+    through a file in the run's common temporary directory; the first to need it makes it,
+    under a lock, and the others read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's, above each worker's own
+    path = root / f"{name}.json"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            path.write_text(json.dumps(make()))
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Path, int], Losses]:
+    """Uninterrupted runs of the node-fault tests, one per example script, each made once per
+    test run (:func:`made_once`); ``reference[script, steps]`` is an uninterrupted
+    ``steps``-step run's losses.
+
+    A step's loss does not depend on ``--steps`` (no schedule looks at the total), so the
+    first N steps of one LONG-step run are the losses of an uninterrupted N-step run: one
+    reference run per script serves every run length up to LONG."""
+    from tests.cluster import Losses, reference_losses
+    from tests.recovery.test_faults import LONG
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ELASTICFT_", "PET_", "TORCHELASTIC_", "SLURM_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    full: dict[Path, Losses] = {}
+
+    def run(script: Path) -> dict[str, dict[int, Any]]:
+        losses = reference_losses(tmp_path_factory.mktemp(script.stem), env, script, LONG)
+        return {"values": losses.values, "logged": losses.logged}
+
+    class Lazy(dict):
+        def __missing__(self, key: tuple[Path, int]) -> Losses:
+            script, steps = key
+            assert steps <= LONG, f"reference runs have {LONG} steps, not {steps}"
+            if script not in full:
+                made = made_once(tmp_path_factory, f"reference-{script.stem}",
+                                 lambda: run(script))
+                full[script] = Losses({int(s): v for s, v in made["values"].items()},
+                                      {int(s): n for s, n in made["logged"].items()})
+            whole = full[script]
+            self[key] = Losses({s: v for s, v in whole.values.items() if s <= steps},
+                               {s: n for s, n in whole.logged.items() if s <= steps})
+            return self[key]
+
+    return Lazy()

@@ -23,26 +23,27 @@ those under ``TYPE_CHECKING``. From the bottom up:
    (``plan``), the etcd rendezvous (``rendezvous``), Slurm (``slurm``) and preemption notices
    (``preemption``). Each stands alone:
    none imports another (checked below), so each can be read, tested and changed by itself.
-4. **worker recovery**: the workers' side of in-process recovery (``recovery.inprocess`` and
-   its spare, ``recovery.spare``, with the pieces both use: the records and settings shared with
-   the agent, ``recovery.protocol``, the process groups, ``recovery.groups``, and the sharded
-   modules a survivor keeps, ``recovery.meshes``), which
-   re-enters the training function and rebinds the subsystems' worker APIs to a new rank; the
-   agent drives it. Above it, the **framework integrations** (``integrations``: Lightning,
-   the Hugging Face Trainer) wrap a framework's entry point in it.
+4. **in-process recovery** (``inprocess``): both halves of it in one package. The workers'
+   half (``inprocess.worker``, the spare's ``inprocess.spare``, the groups, meshes, monitor and
+   device check) re-enters the training function and rebinds the subsystems' worker APIs to a
+   new rank; the agent's half (``inprocess.agent_side`` and the generations, spare keeper and
+   agreement across nodes it holds) reaches the agent only through the ports it is handed
+   (``inprocess.ports``), so it imports nothing of the agent. Above it, the **framework
+   integrations** (``integrations``: Lightning, the Hugging Face Trainer) wrap a framework's
+   entry point in it.
 5. **orchestration**: the agent (``agent``, with its warm pool and the order of its add-ons)
-   gathers the subsystems' worker environments and collaborators, and plugs them in through the
-   add-on interface; recovery (``recovery``) coordinates checkpoints across a rendezvous.
-   Neither imports the other.
+   gathers the subsystems' worker environments and collaborators, plugs them in through the
+   add-on interface and holds in-process recovery, implementing its ports; hierarchical
+   recovery (``recovery``) coordinates checkpoints across a rendezvous. Neither imports the
+   other.
 6. **tools**: what reads a run, or acts on one, from outside: ``report`` (including
    ``elasticft status``) and ``chaos``.
 7. **entry points**: ``launcher`` (builds the agent and its collaborators from the options),
    ``run`` (``elasticft-run``), ``worker`` (``elasticft.init``) and the package itself, whose
    lazy names reach all of them.
 
-A module may import its own layer and the ones below. Each layer is named by its packages (the
-worker-side modules of recovery aside), so the folders show the layers. A new module has to be
-placed here before its test passes.
+A module may import its own layer and the ones below. Each layer is named by its packages, so
+the folders show the layers. A new module has to be placed here before its test passes.
 
 No two modules import each other, directly or round a longer circle, inside a package or across
 them: the same imports count (module level and deferred alike), so a circle cannot be hidden by
@@ -54,29 +55,27 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "elasticft"
+DEVELOPMENT_DOC = PACKAGE.parent / "docs" / "development.md"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("elasticft.events", "elasticft.procs", "elasticft.torch_compat",
               "elasticft.torch_contracts", "elasticft.unnamed", "elasticft.extras",
-              "elasticft.config", "elasticft.options", "elasticft.command_line",
+              "elasticft.config", "elasticft.optionvalues", "elasticft.options",
+              "elasticft.command_line",
               "elasticft.steps", "elasticft.logs", "elasticft.lazy", "elasticft.decision",
               "elasticft.jsonfile", "elasticft.devicehealth", "elasticft.cli",
-              "elasticft.removed_options", "elasticft.optionvalues")),
+              "elasticft.removed_options")),
     ("add-on interface", ("elasticft.addon",)),
     ("subsystems", ("elasticft.ckpt", "elasticft.diag", "elasticft.plan", "elasticft.rendezvous",
                     "elasticft.slurm", "elasticft.preemption")),
-    # The workers' side of in-process recovery drives the subsystems' worker APIs (a spare
-    # rebinds the checkpointers and diagnostics of the rank it takes); the agent drives it.
-    ("worker recovery", ("elasticft.recovery.inprocess", "elasticft.recovery.spare",
-                          "elasticft.recovery.groups", "elasticft.recovery.interrupt",
-                          "elasticft.recovery.health", "elasticft.recovery.ncclenv",
-                          "elasticft.recovery.protocol", "elasticft.recovery.meshes")),
+    ("in-process recovery", ("elasticft.inprocess",)),
     ("framework integrations", ("elasticft.integrations",)),
     ("orchestration", ("elasticft.agent", "elasticft.recovery")),
     ("tools", ("elasticft.report", "elasticft.chaos")),
@@ -249,3 +248,27 @@ def test_the_import_reader_sees_deferred_and_relative_imports(tmp_path: Path) ->
                       "    import elasticft.steps\n")
     modules = {"elasticft.procs", "elasticft.unnamed", "elasticft.report.cli", "elasticft.steps"}
     assert imports_of("elasticft.example", module, modules) == modules
+
+
+def documented_layers(text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The numbered layer list of docs/development.md (pure): each layer's name and the
+    modules it names in backquotes, as ``elasticft.<name>`` (\"the package itself\":
+    ``elasticft``)."""
+    start = text.index("Modules sit in layers")
+    layers: list[tuple[str, list[str]]] = []
+    for line in text[start:].splitlines()[1:]:
+        if numbered := re.match(r"\d+\. ([^:(]+?)(?: \([^)]*\))?: (.*)", line):
+            layers.append((numbered[1], []))
+            line = numbered[2]
+        elif not layers or not line.startswith("   "):
+            if layers:
+                break
+            continue
+        layers[-1][1].extend(f"elasticft.{name}" for name in re.findall(r"`([\w.]+)`", line))
+        if "the package itself" in line:
+            layers[-1][1].append("elasticft")
+    return [(name, tuple(modules)) for name, modules in layers]
+
+
+def test_the_development_page_lists_these_layers() -> None:
+    assert documented_layers(DEVELOPMENT_DOC.read_text()) == LAYERS

@@ -47,7 +47,7 @@ class GroupInfo:
     master_addr: str = ""
     master_port: int = 0
     in_process: bool = False
-    """Every worker recovers in process (:mod:`elasticft.recovery.inprocess`): the survivors
+    """Every worker recovers in process (:mod:`elasticft.inprocess.worker`): the survivors
     keep their processes and restore their own newest snapshot after a failure."""
 
 

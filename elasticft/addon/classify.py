@@ -424,7 +424,7 @@ def without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecor
 def peer_failure(error: BaseException) -> bool:
     """Whether ``error`` is the communication layer's report of a failed peer or link, which
     a regroup repairs (pure): the one judge of "a peer failed", for the workers
-    (:mod:`elasticft.recovery.inprocess`) as for the agent.
+    (:mod:`elasticft.inprocess.worker`) as for the agent.
 
     An infrastructure error by :func:`classify_exception` (torch's ``DistError`` family,
     connection errors, gloo's and NCCL's messages), anywhere in the chain of causes, unless one

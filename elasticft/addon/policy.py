@@ -32,7 +32,7 @@ checkpoint is taken after the decision, by what it says, never before it.
 **Changes of membership** are not failures, and the same module decides them
 (:func:`decide_change`, :class:`ChangeFacts`): a node asking to join the running workers, a
 new rendezvous round that renumbers them (a *reshape*, whose layout either holds every
-survivor's state or does not: :mod:`elasticft.agent.reshape` judges the layouts), and a
+survivor's state or does not: :mod:`elasticft.inprocess.reshape` judges the layouts), and a
 survivor that leaves while its recovery's group is still forming. Each is answered by a
 regroup in process or a restart, with its reason; neither spends a restart (the action says so:
 :attr:`Action.counted`), and the agent counts what it spends from the action alone.
@@ -70,7 +70,7 @@ class ActionKind(str, enum.Enum):
     """Stop this node's workers and start them again (a new rendezvous round)."""
     RECOVER_IN_PROCESS = "recover_in_process"
     """Replace only the failed workers; the others regroup and roll back in their processes
-    (:mod:`elasticft.agent.inprocess_recovery`). Counted against --max-restarts like a restart."""
+    (:mod:`elasticft.inprocess.agent_side`). Counted against --max-restarts like a restart."""
     EVICT_NODE = "evict_node"
     """This node leaves the job (blacklisted); the others re-rendezvous without it."""
     STOP = "stop"
@@ -140,7 +140,7 @@ class FailureFacts:
     channel exists)."""
     in_process: bool = False
     """The survivors can regroup in their processes (every worker runs under
-    ``elasticft.recovery.inprocess``, one node, no recovery already under way)."""
+    ``elasticft.inprocess.worker``, one node, no recovery already under way)."""
     nodes: int = 1
     """Nodes in the round."""
     offending_here: bool = False

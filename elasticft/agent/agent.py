@@ -10,7 +10,7 @@ restarts honour ``--shutdown-timeout``, and a group that ends unhealthy fails, n
 One thing torch offers no hook for: when a worker fails, torch stops the others at once, so the
 agent wraps that step to let the collaborators act on the survivors first
 (:func:`~elasticft.agent.replace.notify_before_survivors_stopped`). When the workers recover in
-process (:mod:`elasticft.agent.inprocess_recovery`, an object the agent holds), the agent sees a
+process (:mod:`elasticft.inprocess.agent_side`, an object the agent holds), the agent sees a
 failed worker before torch does (:func:`~elasticft.agent.replace.failed_exits`) and replaces
 only that one.
 """
@@ -54,21 +54,25 @@ from elasticft.addon.policy import (
     root_cause,
 )
 from elasticft.agent import console, lifeline
-from elasticft.agent.failure_news import FailureNews
-from elasticft.agent.generations import InProcessCoordinator
-from elasticft.agent.inprocess_recovery import AgentSide, InProcessRecovery
-from elasticft.agent.replace import ending_exits, failed_exits, notify_before_survivors_stopped
-from elasticft.agent.spare_keeper import SpareKeeper, node_gpus
+from elasticft.agent.replace import (
+    ContextWorkers,
+    ending_exits,
+    failed_exits,
+    notify_before_survivors_stopped,
+)
 from elasticft.agent.warmpool import WarmPool, WarmStartMixin
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
 from elasticft.diag.health import GPU_DEVICE_GLOB, gpu_devices_present
 from elasticft.events import EventLog
+from elasticft.inprocess import ncclenv, protocol, spare
+from elasticft.inprocess.agent_side import InProcessRecovery
+from elasticft.inprocess.failure_news import FailureNews
+from elasticft.inprocess.generations import InProcessCoordinator
+from elasticft.inprocess.ports import AgentSide
+from elasticft.inprocess.spare_keeper import SpareKeeper, node_gpus
 from elasticft.plan import worker as plan_worker
-from elasticft.recovery import ncclenv
-from elasticft.recovery import protocol as inprocess_protocol
-from elasticft.recovery import spare as spare_worker
 from elasticft.torch_compat import (
     LocalElasticAgent,
     LogsSpecs,
@@ -92,7 +96,7 @@ WORKER_ENV = frozenset({RUN_DIR_ENV, NODE_ID_ENV, ROUND_ENV, ATTEMPT_ENV, lifeli
 
 WORKER_ENV_NAMES = (
     WORKER_ENV | ckpt_settings.WORKER_ENV | diag_workerenv.WORKER_ENV | plan_worker.WORKER_ENV
-    | steps.WORKER_ENV | inprocess_protocol.WORKER_ENV | spare_worker.WORKER_ENV
+    | steps.WORKER_ENV | protocol.WORKER_ENV | spare.WORKER_ENV
 )
 """Every worker variable elasticft adds to torch's (documented in the README), each owned by the
 subsystem that sets or reads it: the agent's own, the checkpoint tiers, the diagnostics rings and
@@ -166,7 +170,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             events, self._agent_side(), shutdown_timeout=shutdown_timeout,
             attempt_env=ATTEMPT_ENV,
             news=FailureNews(events, node_id, lambda _ended: generations.interrupt()))
-        """In-process recovery (:mod:`elasticft.agent.inprocess_recovery`)."""
+        """In-process recovery (:mod:`elasticft.inprocess.agent_side`)."""
         self._decided: tuple[FailureRecord, ...] = ()
         self._seen_at = 0.0
 
@@ -227,10 +231,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             master_addr=worker_group.master_addr,
             master_port=worker_group.master_port,
         )
-        if self.in_process.news is not None:
-            self.in_process.news.on_rendezvous(
-                self._store, self._round, worker_group.group_world_size,
-                worker_group.group_rank or 0, worker_group.spec.local_addr or socket.getfqdn())
+        self.in_process.on_rendezvous(
+            self._store, self._round, worker_group.group_world_size,
+            worker_group.group_rank or 0, worker_group.spec.local_addr or socket.getfqdn())
         group = self.group_info()
         self._each_collaborator("on_rendezvous", lambda c: c.on_rendezvous(group, self._store))
 
@@ -269,7 +272,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         # Only a node with GPUs runs NCCL: elsewhere the workers' environment stays torchrun's.
         if not gpu_devices_present():
             return {}
-        return ncclenv.worker_env(os.environ, self.in_process.coordinator.teardown_limit_s)
+        return ncclenv.worker_env(os.environ, self.in_process.teardown_limit_s)
 
     def worker_pythonpath(self, existing: str | None) -> str | None:
         """The workers' ``PYTHONPATH``: what the collaborators declare first
@@ -576,7 +579,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         return AgentSide(
             round_env=round_env,
             context=lambda: self._pcontext, worker_group=lambda: self._worker_group,
-            warm_pool=lambda: self.warm_pool, attempt=lambda: self._attempt,
+            workers=ContextWorkers(lambda: self._pcontext, lambda: self._worker_group,
+                                   lambda: self.warm_pool),
+            attempt=lambda: self._attempt,
             next_attempt=next_attempt, round=lambda: self._round,
             group_info=self.group_info, rendezvous=lambda: self._rendezvous(self._worker_group),
             restart_in_round=lambda cause: self._restart(cause, counted=False, in_round=True),

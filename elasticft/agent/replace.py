@@ -6,6 +6,9 @@ them (:func:`replace_after_kill`, with :func:`elasticft.procs.kill` and
 :func:`~elasticft.procs.reap`: on a node with GPUs after they are gone, since a dead
 process's device memory is released only at its end), and starts their replacements in the same
 context, from the warm pool when there is one (:func:`start_replacements`).
+:class:`ContextWorkers` offers them to in-process recovery as its
+:class:`~elasticft.inprocess.ports.WorkerOps`, and records each new process in torch's worker
+group, which only the agent edits.
 
 Two hooks into torch's watch of the workers keep the survivors alive long enough to act: a
 worker that is dying with a failing status is seen before ``waitpid`` answers
@@ -16,6 +19,7 @@ failed one, first lets the agent's collaborators act on the survivors
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -24,6 +28,7 @@ from typing import Any, TypeVar
 
 from elasticft import procs, torch_compat
 from elasticft.agent.warmpool import WarmPool, WarmSubprocessContext, WarmSubprocessHandler
+from elasticft.inprocess.spare_keeper import SPARE_LOCAL_RANK
 from elasticft.procs import kill, reap
 
 _R = TypeVar("_R")
@@ -151,3 +156,59 @@ def replace_after_kill(procs: Sequence[Any], timeout_s: float, reap_first: bool,
     finally:
         if procs:
             threading.Thread(target=reap_all, name="elasticft-reap", daemon=True).start()
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextWorkers:
+    """The agent's workers in torch's process context, as in-process recovery changes them
+    (its :class:`~elasticft.inprocess.ports.WorkerOps`)."""
+
+    context: Callable[[], Any]
+    """torch's process context of the workers, now."""
+    worker_group: Callable[[], Any]
+    """torch's ``WorkerGroup``, now."""
+    warm_pool: Callable[[], WarmPool | None]
+    """The agent's warm interpreters, now (None: cold starts)."""
+
+    def start_replacements(self, local_ranks: Sequence[int],
+                           env_of: Callable[[Mapping[str, str]], dict[str, str]]
+                           ) -> dict[int, int]:
+        return start_replacements(self.context(), local_ranks, self.warm_pool(), env_of)
+
+    def hand_over(self, local_rank: int, env: Mapping[str, str], spare: Any) -> int:
+        # In torch's context first: from there on a restart ends it like any worker.
+        torch_compat.replace_worker(self.context(), local_rank, dict(env), lambda **_: spare)
+        return spare.proc.pid
+
+    def record_pids(self, pids: Mapping[int, int | None]) -> None:
+        workers = self.worker_group().workers
+        for local_rank, pid in pids.items():  # torch's monitor compares ids and pids
+            workers[local_rank].id = pid
+
+    def kill(self, local_ranks: Sequence[int]) -> None:
+        kill(self._processes(local_ranks))
+
+    def kill_then(self, local_ranks: Sequence[int], timeout_s: float, reap_first: bool,
+                  then: Callable[[], _R], reaped: Callable[[float], None] | None = None) -> _R:
+        return replace_after_kill(self._processes(local_ranks), timeout_s, reap_first, then,
+                                  reaped)
+
+    def warm_spare(self) -> bool | None:
+        pool = self.warm_pool()
+        warm = pool.interpreters().get(SPARE_LOCAL_RANK) if pool is not None else None
+        return None if warm is None else warm.ready(0)
+
+    def start_spare(self, env: dict[str, str], outputs: Mapping[str, str], *, warm: bool
+                    ) -> Any:
+        context, pool = self.context(), self.warm_pool() if warm else None
+        handler = WarmSubprocessHandler(pool, **torch_compat.subprocess_handler_kwargs(
+            entrypoint=context.entrypoint, args=context.args[SPARE_LOCAL_RANK], env=env,
+            stdout=outputs.get("stdout"), stderr=outputs.get("stderr"),
+            local_rank_id=SPARE_LOCAL_RANK, numa_options=None))
+        if pool is not None and handler.launch is not None:
+            pool.refill(SPARE_LOCAL_RANK, *handler.launch)
+        return handler
+
+    def _processes(self, local_ranks: Sequence[int]) -> list[Any]:
+        context = self.context()
+        return [torch_compat.worker_process(context, lr) for lr in local_ranks]

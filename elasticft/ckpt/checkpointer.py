@@ -142,7 +142,7 @@ class Checkpointer:
 
     def renumber(self, rank: int, world_size: int) -> None:
         """This process goes on as ``rank`` of ``world_size`` in the same memory, after a
-        reshape renumbered it in process (:mod:`elasticft.agent.reshape`): the next saves are
+        reshape renumbered it in process (:mod:`elasticft.inprocess.reshape`): the next saves are
         written as the new rank, and the snapshots written as the old one still count as this
         rank's own (they hold the same state) for the restore that follows."""
         if self._closed or (rank, world_size) == (self.rank, self.world_size):

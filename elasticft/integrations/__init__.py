@@ -1,6 +1,6 @@
 """In-process recovery inside the training frameworks people train with.
 
-A framework's training loop cannot be put inside :meth:`elasticft.recovery.inprocess.InProcess.run`
+A framework's training loop cannot be put inside :meth:`elasticft.inprocess.worker.InProcess.run`
 by its users; its entry point can. Each module here wraps one framework's entry point
 (:mod:`elasticft.integrations.lightning`: strategies for ``lightning.Trainer``;
 :mod:`elasticft.integrations.hf`: a wrapper of ``transformers.Trainer.train``;

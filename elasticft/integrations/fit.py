@@ -6,7 +6,7 @@ A framework (Lightning, Hugging Face Trainer) builds on every entry into its tra
 position: its DDP wrapper, its optimizer and scheduler objects, its loops' counters and its
 data position. The model objects and their tensors are built by the user before the entry and
 outlive it. :class:`FitRecovery` runs the entry under
-:class:`~elasticft.recovery.inprocess.InProcess`, so a survivor of a peer failure calls the same
+:class:`~elasticft.inprocess.worker.InProcess`, so a survivor of a peer failure calls the same
 entry again after its regroup, and gives the framework's integration the two halves it needs:
 
 * every optimizer step, :meth:`FitRecovery.save` snapshots the live model and the optimizer the
@@ -29,7 +29,7 @@ What the script must not do is checked when recovery arms, before the first entr
 before the entry (a replacement process runs the script from its start and must meet the
 survivors at the entry's first collective), process groups made outside the entry (they are not
 made again after a regroup; those of the kept sharded modules' device meshes are, and
-:class:`~elasticft.recovery.meshes.KeptModules` counts them), or a backend that cannot be
+:class:`~elasticft.inprocess.meshes.KeptModules` counts them), or a backend that cannot be
 regrouped. Each problem is one line, raised as :class:`EntryRuleBroken`.
 """
 
@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elasticft.recovery.inprocess import InProcess
+from elasticft.inprocess import InProcess
 from elasticft.steps import StepRecorder
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 REGROUPABLE_BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
-"""Backends a survivor regroups (:mod:`elasticft.recovery.groups`)."""
+"""Backends a survivor regroups (:mod:`elasticft.inprocess.groups`)."""
 
 
 class EntryRuleBroken(RuntimeError):
@@ -80,7 +80,7 @@ class EntryFacts:
     kept_meshes: bool = False
     """The groups made before the entry are those of the kept sharded modules' device meshes,
     made again after a regroup and counted by
-    :class:`~elasticft.recovery.meshes.KeptModules` when it arms, not here."""
+    :class:`~elasticft.inprocess.meshes.KeptModules` when it arms, not here."""
 
     @classmethod
     def now(cls, launched: bool, framework: str, kept_meshes: bool = False) -> EntryFacts:

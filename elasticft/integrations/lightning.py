@@ -18,8 +18,8 @@ finds initialized the same way.
 
 The model-parallel strategy makes its device mesh once too, in the same call, and keeps it: the
 LightningModule, sharded by the user's ``configure_model`` in the first entry, is the
-:class:`~elasticft.recovery.inprocess.InProcess` module kept through a regroup, whose mesh's
-groups are made again in place (:mod:`elasticft.recovery.meshes`); ``configure_model``, called
+:class:`~elasticft.inprocess.worker.InProcess` module kept through a regroup, whose mesh's
+groups are made again in place (:mod:`elasticft.inprocess.meshes`); ``configure_model``, called
 on every entry, leaves the sharded module as it is (Lightning asks it to be idempotent).
 
 On every entry Lightning makes again the DDP wrapper (around the same LightningModule), the
@@ -155,7 +155,7 @@ class InProcessModelParallelStrategy(_InProcessFit, ModelParallelStrategy):
 
     Takes ModelParallelStrategy's arguments and ``recovery``. The device mesh is made once,
     before recovery arms, and kept: after a regroup its groups are made again in place
-    (:mod:`elasticft.recovery.meshes`). ``configure_model`` runs on every entry, on the module
+    (:mod:`elasticft.inprocess.meshes`). ``configure_model`` runs on every entry, on the module
     it sharded before: it must leave an already sharded module as it is, as Lightning asks
     of it anyway.
     """

@@ -16,9 +16,9 @@ torchtitan's own DCP manager with two additions:
   meshes, the FSDP2 and tensor-parallel model, its optimizers and schedulers, and the data
   loader exist), it arms recovery: the trainer's ``train`` runs under
   :class:`~elasticft.integrations.fit.FitRecovery` with the model parts as the
-  :class:`~elasticft.recovery.inprocess.InProcess` modules kept through a regroup, so their
+  :class:`~elasticft.inprocess.worker.InProcess` modules kept through a regroup, so their
   device meshes' groups are made again and FSDP2 pointed at them
-  (:mod:`elasticft.recovery.meshes`);
+  (:mod:`elasticft.inprocess.meshes`);
 * ``train()`` opens with the manager's ``load`` and closes each step with its ``save``: ``save``
   also snapshots the model part and its optimizer into elasticft's memory with torchtitan's
   position (step, tokens seen, the schedule's ``last_epoch``, the data loader's state), and
@@ -48,6 +48,7 @@ import logging
 from typing import Any
 
 from elasticft.extras import require
+from elasticft.inprocess.worker import InProcess
 from elasticft.integrations.fit import EntryRuleBroken, FitRecovery
 from elasticft.integrations.torchtitan_checks import (
     SUPPORTED_CHECKPOINT,
@@ -56,7 +57,6 @@ from elasticft.integrations.torchtitan_checks import (
     encode_position,
     trainer_problems,
 )
-from elasticft.recovery.inprocess import InProcess
 
 TORCHTITAN = (("torchtitan", "torchtitan"),)
 

@@ -176,9 +176,9 @@ def traceback_through(*frames: Path | str, error: str = "RuntimeError: size mism
     # A survivor that leaves with in-process recovery's interrupt (a BaseException, raised in
     # elasticft's hook, with or without a message): its peer's failure, not its own.
     (("/job/train.py", ELASTICFT_DIR / "recovery" / "inprocess.py"),
-     "elasticft.recovery.interrupt.PeerInterrupted: not committed: generation 0 ended",
+     "elasticft.inprocess.interrupt.PeerInterrupted: not committed: generation 0 ended",
      FailureClass.INFRASTRUCTURE, "/job/train.py:10"),
-    (("/job/train.py",), "elasticft.recovery.interrupt.PeerInterrupted",
+    (("/job/train.py",), "elasticft.inprocess.interrupt.PeerInterrupted",
      FailureClass.INFRASTRUCTURE, "/job/train.py:10"),
     # The user's call into torch: the user's frame, the user's class.
     (("/job/train.py", TORCH_DIR / "nn" / "module.py"), "TypeError: bad argument",

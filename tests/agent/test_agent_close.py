@@ -14,8 +14,8 @@ from elasticft import torch_compat
 from elasticft.agent.agent import ElasticftAgent
 from elasticft.config import ElasticftConfig
 from elasticft.events import EventLog
+from elasticft.inprocess.protocol import Generation, worker_file
 from elasticft.jsonfile import write_json
-from elasticft.recovery.protocol import Generation, worker_file
 
 
 def _agent(tmp_path: Path) -> ElasticftAgent:

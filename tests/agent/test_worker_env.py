@@ -11,8 +11,8 @@ from elasticft import run, steps
 from elasticft.agent import agent
 from elasticft.ckpt import settings as ckpt_settings
 from elasticft.diag import workerenv
+from elasticft.inprocess import protocol, spare
 from elasticft.plan import worker as plan_worker
-from elasticft.recovery import protocol, spare
 
 OWNERS = {
     "agent": agent.WORKER_ENV,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from elasticft.diag import groupsockets as sockets
 from elasticft.diag.groupsockets import GroupSockets, TcpSocket, made_by_group, still_recorded
-from elasticft.recovery.groups import destroy_registered, end_groups
+from elasticft.inprocess.groups import destroy_registered, end_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 EST, LISTEN = "01", "0A"

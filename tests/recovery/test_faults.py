@@ -23,7 +23,7 @@ from elasticft.events import read_events
 from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import Blacklist, read_status
 from elasticft.rendezvous.quarantine import Quarantine
-from tests.recovery.cluster import (
+from tests.cluster import (
     AGENT_FLAGS,
     AGENT_TUNING,
     API,

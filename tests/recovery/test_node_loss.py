@@ -16,7 +16,7 @@ from elasticft import chaos
 from elasticft.rendezvous.etcd import EtcdSettings, Keys, LazyClient
 from elasticft.rendezvous.membership import MemberRecord
 from elasticft.rendezvous.quarantine import Quarantine
-from tests.recovery.cluster import API, PLAIN, Job, losses_of
+from tests.cluster import API, PLAIN, Job, losses_of
 from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
     LONG,
     before_fault,

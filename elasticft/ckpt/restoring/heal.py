@@ -1,7 +1,7 @@
 """Healing from a live replica: a rank that holds no snapshot gets its state from a
 data-parallel replica's memory, over the replicas' process group.
 
-A job that grows in process (:mod:`elasticft.agent.reshape`: a standby arrives, TP2 x DP1
+A job that grows in process (:mod:`elasticft.inprocess.reshape`: a standby arrives, TP2 x DP1
 goes back to TP2 x DP2) has new ranks with nothing in memory beside survivors that hold every
 step they trained. The ranks of one data-parallel group hold the same state (the same TP shard,
 replicated), so the newest step that *some* member of *every* group holds is enough: in each

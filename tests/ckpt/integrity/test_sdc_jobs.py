@@ -431,7 +431,7 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     fingerprint agreed; the new node from the survivor's memory) and the steps after it are
     redone: the losses are an uninterrupted run's, bit for bit, and the report counts the steps
     redone."""
-    from tests.recovery.cluster import Job, losses_of
+    from tests.cluster import Job, losses_of
     from tests.recovery.test_faults import blacklist_of, standbys
 
     steps = 16

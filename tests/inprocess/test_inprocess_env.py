@@ -1,0 +1,132 @@
+"""What in-process recovery asks of NCCL and of the device, by tables (pure parts), the
+bounded call the teardown and the health check run under, and the monitor that frees a
+survivor's main thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticft.devicehealth import ArmedDevice, CudaCalls, NvmlAnswers, RankDevice
+from elasticft.inprocess.device import within
+from elasticft.inprocess.interrupt import Monitor, PeerInterrupted
+from elasticft.inprocess.ncclenv import abort_warning, worker_env
+from elasticft.inprocess.protocol import INTERRUPT_FILE
+from elasticft.jsonfile import read_json, write_json
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("environ", "limit", "expected"), [
+    # the watchdog handles nothing: elasticft's abort is the only one (torch's documentation of
+    # _abort_process_group asks for it)
+    ({}, 30.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}),
+    ({}, 200.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                 "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "860"}),
+    # what the user set stays theirs
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_NVLS_ENABLE": "1"}, 30.0,
+     {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}),
+])
+def test_the_workers_nccl_environment(environ: dict, limit: float, expected: dict) -> None:
+    assert worker_env(environ, limit) == expected
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("version", "warns"), [
+    (None, False), ((2, 21, 5), False), ((2, 28, 2), False), ((2, 28, 3), True),
+    ((2, 28, 8), True), ((2, 28, 9), False), ((2, 29, 1), False), ((2, 28), False),
+])
+def test_nccl_versions_whose_abort_is_broken_are_named(version: tuple | None,
+                                                      warns: bool) -> None:
+    warning = abort_warning(version)
+    assert (warning is not None) is warns
+    if warns:
+        assert "2.28.3-2.28.8" in warning and "2.28.9" in warning
+
+
+@pytest.mark.timeout(30)
+def test_a_bounded_call_returns_its_error_or_gives_up_at_the_limit() -> None:
+    assert within(lambda: None, 5.0) == (True, None)
+    finished, error = within(lambda: 1 / 0, 5.0)
+    assert finished and isinstance(error, ZeroDivisionError)
+    never = threading.Event()
+    assert within(never.wait, 0.2) == (False, None)  # a call that never returns
+    never.set()
+
+
+class PerThreadDevice:
+    """CUDA's current device as torch keeps it: per thread, device 0 in a new thread. It stands
+    in for ``torch.cuda.set_device``/``current_device``/``synchronize`` where no GPU is; what
+    each thread synchronized is recorded as (thread, its current device, the device asked)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self.synchronized: list[tuple[str, int, int]] = []
+
+    def set_device(self, index: int) -> None:
+        self._local.index = index
+
+    def current_device(self) -> int:
+        return getattr(self._local, "index", 0)
+
+    def synchronize(self, index: int) -> None:
+        self.synchronized.append((threading.current_thread().name, self.current_device(), index))
+
+    def calls(self) -> CudaCalls:
+        return CudaCalls(self.set_device, self.current_device, self.synchronize)
+
+
+@pytest.mark.timeout(30)
+def test_the_bounded_call_runs_on_the_ranks_device_not_device_0() -> None:
+    cuda = PerThreadDevice()
+    cuda.set_device(3)  # the main thread's, as the script set it
+    seen: list[int] = []
+    assert within(lambda: seen.append(cuda.current_device()), 5.0, cuda=cuda.calls()) == (
+        True, None)
+    assert seen == [0]  # a bare helper thread is on device 0: what the check must not use
+    assert within(lambda: seen.append(cuda.current_device()), 5.0, 3, cuda.calls()) == (
+        True, None)
+    assert seen == [0, 3] and cuda.current_device() == 3
+
+
+@pytest.mark.timeout(30)
+def test_the_rejoin_check_synchronizes_the_armed_device_from_its_helper_thread() -> None:
+    """The survivor's check (:meth:`ArmedDevice.check`, what ``device_health`` runs) on rank
+    device 2 with NVML's baseline taken when it armed: the CUDA branch, with the per-thread
+    device calls above in place of torch's."""
+    cuda = PerThreadDevice()
+    armed = ArmedDevice(RankDevice(2, "00000000:3B:00.0"), NvmlAnswers(uncorrectable_ecc=4))
+    verdict = armed.check(5.0, cuda.calls(), lambda device: NvmlAnswers(uncorrectable_ecc=4))
+    assert verdict.ok, verdict.detail
+    assert cuda.synchronized == [("elasticft-bounded", 2, 2)]
+    assert verdict.evidence["thread_device"] == 2
+    verdict = armed.check(5.0, cuda.calls(), lambda device: NvmlAnswers(uncorrectable_ecc=5))
+    assert not verdict.ok
+    assert verdict.detail == ("NVML: GPU 2 (00000000:3B:00.0): 1 uncorrectable ECC error(s) "
+                              "since the job started (5 since the driver loaded)")
+
+
+@pytest.mark.timeout(60)
+def test_the_monitor_ends_the_groups_and_frees_a_busy_main_thread(tmp_path: Path) -> None:
+    """The agent's notice: the monitor calls ``end`` once, then raises ``PeerInterrupted`` into
+    the main thread, which here runs Python code and would never leave by itself."""
+    ended: list[float] = []
+    monitor = Monitor(tmp_path, read_json, lambda: ended.append(time.time()) or "test",
+                      grace_s=0.05)
+    monitor.start()
+    write_json(tmp_path / INTERRUPT_FILE, {"ended": 0})
+    time.sleep(0.1)
+    assert not ended  # outside the training function nothing is ended or raised
+    monitor.entering(0)
+    with pytest.raises(PeerInterrupted):
+        while True:  # a busy loop: only the asynchronous exception ends it
+            pass
+    assert monitor.left(5.0)
+    assert len(ended) == 1 and monitor.interrupted and monitor.how == "test"
+    monitor.entering(1)  # generation 1: the notice for 0 no longer applies
+    time.sleep(0.2)
+    assert len(ended) == 1 and not monitor.interrupted
+    monitor.stop()

@@ -1,0 +1,147 @@
+"""The sharded modules a survivor keeps through a regroup (``inprocess.meshes``), on real torch
+objects in a gloo world of one rank: FSDP2 over tensor parallel and HSDP, a step cut short,
+the groups re-pointed, the shards kept in place, and what the checks refuse. Several ranks, a
+SIGKILL and a replacement: tests/inprocess/test_inprocess_sharded.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from elasticft.inprocess.meshes import KeptModules, RebindError, device_meshes, fsdp_modules
+
+
+def _init() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _regroup() -> None:
+    """What a survivor's recovery does to its default group: destroyed, made again."""
+    dist.destroy_process_group()
+    _init()
+
+
+@pytest.fixture
+def world() -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("this process already has a default group")
+    _init()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _model(kind: str = "fsdp-tp") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """FSDP2 over dp outside TP over tp on a (dp, tp) mesh; or HSDP: FSDP2 over a
+    (replicate, shard) mesh, whose mesh infos also hold a replicate group."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    if kind == "fsdp-tp":
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                           src_data_rank=None)
+    shard_over = mesh["dp"] if kind == "fsdp-tp" else mesh
+    fully_shard(model[0], mesh=shard_over)
+    fully_shard(model, mesh=shard_over)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _unsharded(model: nn.Module) -> list[str]:
+    """The parameters FSDP2 has unsharded: a plain tensor, or a TP DTensor on the tp mesh
+    alone, where a sharded one lies on the (dp, tp) or (replicate, shard) mesh."""
+    return [name for name, p in model.named_parameters()
+            if not isinstance(p, DTensor) or p.device_mesh.ndim != 2]
+
+
+def _groups(model: nn.Module) -> list[Any]:
+    state = fsdp_modules([model])[0]._get_fsdp_state()
+    return [state._fsdp_param_groups[0].mesh_info.shard_process_group]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("kind", "references"), [("fsdp-tp", 2), ("hsdp", 4)])
+def test_fsdp2_is_pointed_at_the_new_groups_and_trains_on_bit_exact(
+        world: None, kind: str, references: int) -> None:
+    model, optim = _model(kind)
+    twin, twin_optim = _model(kind)  # never regrouped: what the kept model must match
+    kept = KeptModules.arm([model])
+    assert len(device_meshes([model])) == 1 and len(fsdp_modules([model])) == 2
+    assert [_step(model, optim, s) for s in (1, 2)] == [_step(twin, twin_optim, s)
+                                                        for s in (1, 2)]
+    shards = {name: p.to_local().data_ptr() for name, p in model.named_parameters()}
+    moments = [s["exp_avg"].to_local().data_ptr() for s in optim.state.values()]
+    model(torch.randn(4, 8))  # a step cut short: the root's parameters are left unsharded
+    assert _unsharded(model)
+    old = _groups(model)
+
+    _regroup()
+    assert kept.rebind() == f"1 meshes, {references} FSDP2 group references"
+
+    live = dist.distributed_c10d._get_default_group()
+    assert _groups(model) == [live] and old != [live]
+    if kind == "hsdp":
+        state = fsdp_modules([model])[0]._get_fsdp_state()
+        assert state._fsdp_param_groups[0].mesh_info.replicate_process_group is live
+    assert not _unsharded(model)  # FSDP2's reset put the sharded parameters back
+    assert {name: p.to_local().data_ptr() for name, p in model.named_parameters()} == shards
+    assert [s["exp_avg"].to_local().data_ptr() for s in optim.state.values()] == moments
+    assert [_step(model, optim, s) for s in (3, 4)] == [_step(twin, twin_optim, s)
+                                                        for s in (3, 4)]
+
+
+@pytest.mark.timeout(120)
+def test_a_group_made_outside_the_meshes_in_the_set_up_refuses_the_rebind(world: None
+                                                                         ) -> None:
+    model, _ = _model()
+    dist.new_group([0])  # a replacement's set-up makes it; the survivor cannot know of it
+    kept = KeptModules.arm([model])
+    _regroup()
+    with pytest.raises(RebindError, match="the set-up made 2 process groups and the kept "
+                       "modules' device meshes 1: make other groups inside the training"):
+        kept.rebind()
+
+
+@pytest.mark.timeout(120)
+def test_a_group_fsdp2_keeps_where_the_rebind_does_not_look_is_named(world: None) -> None:
+    model, _ = _model()
+    state = fsdp_modules([model])[0]._get_fsdp_state()
+    # What a torch that keeps a group in a new place looks like to the rebind.
+    state._fsdp_param_groups[0].comm_ctx.some_group = dist.distributed_c10d._get_default_group()
+    kept = KeptModules.arm([model])
+    _regroup()
+    with pytest.raises(RebindError, match=r"old generation at "
+                       r"param_group\[0\]\.comm_ctx\.some_group"):
+        kept.rebind()
+
+
+@pytest.mark.timeout(120)
+def test_a_flattened_mesh_is_named_when_recovery_arms_and_refuses_the_rebind(
+        world: None, caplog: pytest.LogCaptureFixture) -> None:
+    model, _ = _model()
+    mesh = fsdp_modules([model])[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
+    mesh._get_root_mesh()["dp", "tp"]._flatten("dp_tp")
+    kept = KeptModules.arm([model])  # the job goes on; a failure will restart it
+    assert "a flattened device mesh (dp_tp) is not made again in process" in caplog.text
+    _regroup()
+    with pytest.raises(RebindError, match="flattened device mesh"):
+        kept.rebind()
