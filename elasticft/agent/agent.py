@@ -507,16 +507,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         records = []
         for rank, failure in sorted(run_result.failures.items()):
             local_rank = failure.local_rank if rank not in by_rank else by_rank[rank].local_rank
-            records.append(
-                classify_exit(
-                    rank,
-                    local_rank,
-                    failure.pid,
-                    failure.exitcode,
-                    error_file=failure.error_file,
-                    stderr_file=stderrs.get(local_rank),
-                )
-            )
+            records.append(classify_exit(rank, local_rank, failure.pid, failure.exitcode,
+                                         error_file=failure.error_file,
+                                         stderr_file=stderrs.get(local_rank)))
         return without_collateral(tuple(records))
 
     def _wait_before_restart(self, action: Action) -> None:
