@@ -120,6 +120,8 @@ def build(args: argparse.Namespace, layout: Layout) -> tuple[nn.Module, Any, Any
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    if args.loss_mesh:  # as torchtitan averages its loss: over every rank, one flattened group
+        mesh["dp", "tp"]._flatten("loss")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False)
     return model, optimizer, mesh
 
@@ -149,8 +151,12 @@ def train_step(step: int, model: nn.Module, optimizer: Any, mesh: Any,
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(grad, group=dp_group)
                 grad.div_(layout.dp)
-        dist.all_reduce(loss_sum, group=dp_group)
+        if not args.loss_mesh:
+            dist.all_reduce(loss_sum, group=dp_group)
     optimizer.step()
+    if args.loss_mesh:  # every tp rank holds its replica's loss: the mean over all is the same
+        dist.all_reduce(loss_sum, group=mesh["loss"].get_group())
+        return loss_sum.item() / (layout.dp * layout.tp * layout.grad_accum)
     return loss_sum.item() / (layout.dp * layout.grad_accum)
 
 
@@ -185,6 +191,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--fsdp", action="store_true",
                         help="shard over DP with FSDP2 (fully_shard) instead of replicating")
+    parser.add_argument("--loss-mesh", action="store_true",
+                        help="average the loss over a flattened (dp, tp) mesh, as torchtitan does")
     parser.add_argument("--inprocess", action="store_true",
                         help="recover in process (InProcess) with memory snapshots every step")
     parser.add_argument("--crash-at-step", type=int, default=-1,

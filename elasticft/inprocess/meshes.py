@@ -27,8 +27,9 @@ root puts it back to idle with the sharded parameters registered, and the restor
 overwrites the shards in place.
 
 **What the checks refuse** (:class:`RebindError`, the job then restarts): a set-up that made
-groups the meshes do not account for (``new_group`` before ``InProcess.run``), a flattened mesh,
-or a replay whose names differ from the old ones.
+groups the meshes do not account for (``new_group`` before ``InProcess.run``), or a replay whose
+names differ from the old ones; a reshape also refuses a flattened mesh (``_flatten``), which a
+regroup into the same world makes again after its root's groups.
 """
 
 from __future__ import annotations
@@ -117,41 +118,32 @@ class KeptModules:
     modules: tuple[nn.Module, ...]
     set_up_groups: int
     """torch's group counter when recovery armed: how many named groups the set-up made."""
-    refused: str | None = None
-    """Why these modules cannot be kept (a recovery then restarts), found when armed."""
 
     @classmethod
     def arm(cls, modules: Sequence[nn.Module]) -> KeptModules:
-        """Records the set-up's groups, and what would keep a recovery from remaking them
-        (logged now; the recovery raises it)."""
-        refused = None
-        for mesh in device_meshes(modules):
-            if mesh._flatten_mapping:
-                refused = (f"a flattened device mesh ({', '.join(sorted(mesh._flatten_mapping))})"
-                           " is not made again in process: a failure restarts the job (use "
-                           "meshes without _flatten for in-process recovery)")
-                logger.warning("%s", refused)
-        return cls(tuple(modules), _group_count(), refused)
+        """Records how many groups the set-up made."""
+        return cls(tuple(modules), _group_count())
 
     def rebind(self) -> str:
         """After the regroup: the meshes' groups made again, FSDP2 pointed at them, its
         iteration state reset. Returns a summary for the log; raises :class:`RebindError`."""
-        if self.refused is not None:
-            raise RebindError(self.refused)
         for module in fsdp_modules(self.modules):
             state = module._get_fsdp_state()  # type: ignore[operator]
             if state._is_root:
                 module.reset_iter_state()  # type: ignore[operator]
         meshes = device_meshes(self.modules)
         for mesh in meshes:
-            names = mesh.__class__._init_process_groups(
-                mesh._layout, mesh._rank_map, mesh._mesh_dim_names,
-                ((None, None),) * len(mesh._layout))
-            if list(names) != list(mesh._dim_group_names):
-                raise RebindError(
-                    f"the device mesh {mesh.mesh_dim_names or ''} made again has the groups "
-                    f"{list(names)}, not {list(mesh._dim_group_names)}: the set-up made its "
-                    "groups in another order")
+            # The root's groups, then those of the meshes flattened from it, in the order the
+            # set-up flattened them (``_flatten`` makes one group each, after the root's).
+            for made in (mesh, *mesh._flatten_mapping.values()):
+                names = made.__class__._init_process_groups(
+                    made._layout, made._rank_map, made._mesh_dim_names,
+                    ((None, None),) * len(made._layout))
+                if list(names) != list(made._dim_group_names):
+                    raise RebindError(
+                        f"the device mesh {made.mesh_dim_names or ''} made again has the "
+                        f"groups {list(names)}, not {list(made._dim_group_names)}: the set-up "
+                        "made its groups in another order")
             mesh._pg_registry = {name: _resolve(name) for name in mesh._pg_registry}
         if _group_count() != self.set_up_groups:
             raise RebindError(
@@ -193,13 +185,14 @@ class KeptModules:
         optimizer state stay where they are. Raises :class:`RebindError`."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if self.refused is not None:
-            raise RebindError(self.refused)
         if fsdp_modules(self.modules):
             raise RebindError("FSDP2 shards the kept modules over their mesh: a new world cuts "
                               "every shard again, which only a restart does")
         held = _held_meshes(self.modules)
         roots = device_meshes(self.modules)
+        if flattened := [name for root in roots for name in root._flatten_mapping]:
+            raise RebindError(f"a flattened device mesh ({', '.join(sorted(flattened))}) does "
+                              "not take a new shape in place: a reshape restarts the job")
         for root in roots:
             names = tuple(root.mesh_dim_names or ())
             unknown = [n for n in names if n not in sizes]

@@ -37,8 +37,8 @@ Checked when recovery arms, each one line
 :func:`~elasticft.integrations.fit.entry_problems`): one model part (no pipeline parallel),
 one optimizer, a fixed ``debug.seed`` (else the trainer broadcasts one while it is built),
 torchtitan's own checkpoint manager, a regroupable backend, no collective on the default group
-before ``train()``. A device mesh torch cannot make again in process (a flattened one) is
-found when recovery arms and logged; a failure then restarts the workers.
+before ``train()``. The mesh torchtitan flattens for its loss is made again with the others
+(:mod:`elasticft.inprocess.meshes`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """In-process recovery of sharded models end to end: ``examples/train_3d.py --fsdp --inprocess``
 under a real ``elasticft-run --standalone`` (gloo, a real SIGKILL). FSDP2 on 2 ranks, and FSDP2
-outside DTensor tensor parallelism on a (dp 2, tp 2) mesh of 4 ranks. Rank 1 is killed once step
+outside DTensor tensor parallelism on a (dp 2, tp 2) mesh of 4 ranks, and the same with the loss
+averaged over a mesh flattened from it. Rank 1 is killed once step
 4 is saved; the survivors keep their processes, their modules and shards, make their mesh's
 groups again and re-point FSDP2 at them; a replacement restores rank 1's shard from the
 agent's memory; the losses are an uninterrupted run's, bit for bit."""
@@ -41,15 +42,17 @@ def _run(tmp: Path, name: str, env: dict[str, str], nproc: int, layout: str,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("nproc", "layout", "references"), [
-    (2, "1,1,2", 3),  # FSDP2 over dp 2: the three fully_shard calls' shard groups
-    (4, "2,1,2", 3),  # FSDP2 over dp 2 outside TP over tp 2
-], ids=["fsdp2", "fsdp2-tp"])
+@pytest.mark.parametrize(("nproc", "layout", "references", "extra"), [
+    (2, "1,1,2", 3, ()),  # FSDP2 over dp 2: the three fully_shard calls' shard groups
+    (4, "2,1,2", 3, ()),  # FSDP2 over dp 2 outside TP over tp 2
+    # and the loss averaged over a flattened (dp, tp) mesh, as torchtitan's loss_mesh
+    (4, "2,1,2", 3, ("--loss-mesh",)),
+], ids=["fsdp2", "fsdp2-tp", "fsdp2-tp-flattened"])
 def test_survivors_keep_their_sharded_modules_and_the_losses_are_exact(
         tmp_path: Path, job_env: dict[str, str], nproc: int, layout: str,
-        references: int) -> None:
-    reference = _run(tmp_path, "reference", job_env, nproc, layout)
-    run = _run(tmp_path, "fault", job_env, nproc, layout, "--fault-rank", "1",
+        references: int, extra: tuple[str, ...]) -> None:
+    reference = _run(tmp_path, "reference", job_env, nproc, layout, *extra)
+    run = _run(tmp_path, "fault", job_env, nproc, layout, *extra, "--fault-rank", "1",
                "--crash-at-step", str(CRASH_AT))
     kinds = [e["kind"] for e in run["events"]]
     assert "restart" not in kinds, run["text"][-5000:]

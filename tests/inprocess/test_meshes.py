@@ -135,13 +135,18 @@ def test_a_group_fsdp2_keeps_where_the_rebind_does_not_look_is_named(world: None
 
 
 @pytest.mark.timeout(120)
-def test_a_flattened_mesh_is_named_when_recovery_arms_and_refuses_the_rebind(
-        world: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_flattened_mesh_is_made_again_after_its_roots_groups_and_refuses_a_reshape(
+        world: None) -> None:
     model, _ = _model()
-    mesh = fsdp_modules([model])[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
-    mesh._get_root_mesh()["dp", "tp"]._flatten("dp_tp")
-    kept = KeptModules.arm([model])  # the job goes on; a failure will restart it
-    assert "a flattened device mesh (dp_tp) is not made again in process" in caplog.text
+    (root,) = device_meshes([model])
+    flat = root["dp", "tp"]._flatten("dp_tp")  # as torchtitan's loss_mesh, after the set-up's
+    kept = KeptModules.arm([model])
+    old = flat.get_group()
+
     _regroup()
-    with pytest.raises(RebindError, match="flattened device mesh"):
-        kept.rebind()
+    assert kept.rebind().startswith("1 meshes, ")
+    group = flat.get_group()
+    assert group is not old
+    assert dist.distributed_c10d._resolve_process_group(group.group_name) is group
+    with pytest.raises(RebindError, match=r"flattened device mesh \(dp_tp\)"):
+        kept.reshape({"dp": 1, "tp": 1})
