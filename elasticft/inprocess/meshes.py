@@ -185,14 +185,14 @@ class KeptModules:
         optimizer state stay where they are. Raises :class:`RebindError`."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if fsdp_modules(self.modules):
-            raise RebindError("FSDP2 shards the kept modules over their mesh: a new world cuts "
-                              "every shard again, which only a restart does")
-        held = _held_meshes(self.modules)
         roots = device_meshes(self.modules)
         if flattened := [name for root in roots for name in root._flatten_mapping]:
             raise RebindError(f"a flattened device mesh ({', '.join(sorted(flattened))}) does "
                               "not take a new shape in place: a reshape restarts the job")
+        if fsdp_modules(self.modules):
+            raise RebindError("FSDP2 shards the kept modules over their mesh: a new world cuts "
+                              "every shard again, which only a restart does")
+        held = _held_meshes(self.modules)
         for root in roots:
             names = tuple(root.mesh_dim_names or ())
             unknown = [n for n in names if n not in sizes]
