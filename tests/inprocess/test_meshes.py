@@ -139,7 +139,8 @@ def test_a_flattened_mesh_is_made_again_after_its_roots_groups_and_refuses_a_res
         world: None) -> None:
     model, _ = _model()
     mesh = fsdp_modules([model])[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
-    flat = mesh._get_root_mesh()["dp", "tp"]._flatten("dp_tp")  # as torchtitan's loss_mesh, after the set-up's
+    # flattened after the set-up's groups, as torchtitan's loss_mesh
+    flat = mesh._get_root_mesh()["dp", "tp"]._flatten("dp_tp")
     kept = KeptModules.arm([model])
     old = flat.get_group()
 
