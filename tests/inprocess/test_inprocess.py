@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.events import read_events
-from tests.conftest import BIN, EXAMPLES, clean_job_env, pids_by_rank
-from tests.conftest import made_once
+from tests.conftest import BIN, EXAMPLES, clean_job_env, made_once, pids_by_rank
 
 STEPS = 10
 
