@@ -49,6 +49,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elasticft import torch_compat
 from elasticft.rendezvous import liveness
 from elasticft.rendezvous.admission import OUTAGE_LOG_EVERY_S, Admission
 from elasticft.rendezvous.etcd import (
@@ -80,17 +81,6 @@ from elasticft.rendezvous.protocol import (
 )
 from elasticft.rendezvous.rounds import RoundStore
 from elasticft.rendezvous.store import EtcdStore
-from elasticft.torch_compat import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousTimeout,
-    RendezvousTimeoutError,
-    bootstrap_store_info,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +100,7 @@ with the lease refresh every TTL/3 (5 s) the rendezvous costs a running node 0.7
 a second."""
 
 
-class NodeBlacklistedError(RendezvousError):
+class NodeBlacklistedError(torch_compat.RendezvousError):
     """This node is on the blacklist; ``reason`` says why."""
 
     def __init__(self, message: str, reason: str) -> None:
@@ -118,7 +108,7 @@ class NodeBlacklistedError(RendezvousError):
         self.reason = reason
 
 
-class NodeUnhealthyError(RendezvousError):
+class NodeUnhealthyError(torch_compat.RendezvousError):
     """This node failed its pre-join health check."""
 
 
@@ -155,7 +145,7 @@ class EtcdParts:
     connect_timeout_s: float
 
 
-class EtcdRendezvousHandler(RendezvousHandler):
+class EtcdRendezvousHandler(torch_compat.RendezvousHandler):
     """torch's ``RendezvousHandler`` over etcd v3: rounds, blacklist, standbys and a leader."""
 
     def __init__(
@@ -164,7 +154,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         min_nodes: int,
         max_nodes: int,
         addr: str,
-        timeout: RendezvousTimeout,
+        timeout: torch_compat.RendezvousTimeout,
         store: EtcdStore,
         parts: EtcdParts,
         rejoin_timeout: timedelta = timedelta(seconds=60),
@@ -244,7 +234,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def use_agent_store(self) -> bool:
         return os.getenv(DISABLE_SHARED_STORE_ENV, "0") != "1"
 
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous(self) -> torch_compat.RendezvousInfo:
         m = self._parts
         started = time.monotonic()
         join_deadline = started + self.timeout.join.total_seconds()
@@ -277,7 +267,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 round_, participants = self._join_and_wait(started, join_deadline, last_round,
                                                            dump_record(member))
                 break
-            except RendezvousConnectionError as e:
+            except torch_compat.RendezvousConnectionError as e:
                 if time.monotonic() >= join_deadline:
                     raise
                 if lease_lost(e):
@@ -296,9 +286,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         store = dist.PrefixStore(self._parts.keys.round_store(round_), self._store)
         while True:
             try:
-                info = RendezvousInfo(store, rank, world_size, self._store_info(rank, store))
+                info = torch_compat.RendezvousInfo(
+                    store, rank, world_size, self._store_info(rank, store))
                 break
-            except RendezvousConnectionError as e:
+            except torch_compat.RendezvousConnectionError as e:
                 # The round is closed; only the workers' address is missing: retry just that.
                 if time.monotonic() >= join_deadline:
                     raise
@@ -322,7 +313,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._waiting_checked = now
             try:
                 view = self._rounds.running_view(self._round)
-            except RendezvousConnectionError as e:
+            except torch_compat.RendezvousConnectionError as e:
                 # Nobody can join through an unreachable etcd; the workers keep training.
                 if now - self._last_outage_log >= OUTAGE_LOG_EVERY_S:
                     self._last_outage_log = now
@@ -344,7 +335,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         try:
             self.set_closed()
             closed = True
-        except RendezvousConnectionError as e:
+        except torch_compat.RendezvousConnectionError as e:
             logger.warning("could not close the rendezvous: %s", e)
             closed = False
         self.leave()
@@ -375,7 +366,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         announced, next_probe = -1, 0.0
         while True:
             if self._left:
-                raise RendezvousClosedError(f"node {m.node_id} left rendezvous {self._run_id}")
+                raise torch_compat.RendezvousClosedError(
+                    f"node {m.node_id} left rendezvous {self._run_id}")
             lease = m.publisher.lease()
             view = self._rounds.poll(round_, lease, coordinating)
             now = time.monotonic()
@@ -425,13 +417,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 continue
             if move is MoveKind.TIMEOUT:
                 self._rounds.leave(round_)
-                raise RendezvousTimeoutError(f"rendezvous {self._run_id}: {decision.reason}")
+                raise torch_compat.RendezvousTimeoutError(
+                    f"rendezvous {self._run_id}: {decision.reason}")
             if move is MoveKind.CLOSED:
                 self._rounds.leave(round_)
                 if standby:
-                    raise RendezvousGracefulExitError(
+                    raise torch_compat.RendezvousGracefulExitError(
                         f"rendezvous {self._run_id} is closed; standby {m.node_id} leaves")
-                raise RendezvousClosedError(f"rendezvous {self._run_id} is closed")
+                raise torch_compat.RendezvousClosedError(f"rendezvous {self._run_id} is closed")
             if decision.announce and announced != round_:
                 logger.info("node %s keeps round %d open: %s", m.node_id, round_, decision.reason)
                 announced = round_
@@ -468,14 +461,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         them: a free port on rank 0 per round, or (``share_tcp_store=1``) the port of a TCPStore
         this agent hosts for the workers."""
         if not self.use_agent_store:
-            return bootstrap_store_info(rank, store, self.addr)
+            return torch_compat.bootstrap_store_info(rank, store, self.addr)
         if self._bootstrap is None or (rank == 0 and self._shared_tcp_store is None):
             server_port = 0
             if rank == 0:
                 self._shared_tcp_store = dist.TCPStore(
                     host_name=self.addr, port=0, is_master=True, multi_tenant=True)
                 server_port = self._shared_tcp_store.port
-            self._bootstrap = bootstrap_store_info(rank, store, self.addr, server_port)
+            self._bootstrap = torch_compat.bootstrap_store_info(rank, store, self.addr, server_port)
         return self._bootstrap
 
     # -- helpers ----------------------------------------------------------------------------
@@ -521,5 +514,5 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 m.client.put(m.keys.round, dump_record(record))
             logger.info("node %s leads round %d (%d nodes)", m.node_id, view.round,
                         view.group_world_size)
-        except RendezvousConnectionError as e:
+        except torch_compat.RendezvousConnectionError as e:
             logger.warning("could not publish round %d membership: %s", view.round, e)
