@@ -52,7 +52,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 """The table's columns, in the order of a recovery."""
 
-WIDTH = 9
+WIDTH = 11
 
 
 def phase_cells(row: Mapping[str, Any]) -> list[float | None]:
