@@ -45,7 +45,13 @@ committed one loaded after the restart); the spare does not take part:
     python bench/recovery_large.py --device cpu --gb 1 --nproc 2 --fsdp \
         --launchers torchrun,elasticft-run,elasticft-inprocess
 
-The last lines compare kill -> first step of each mode with the restart mode's and torchrun's.
+``--tp`` is the same with the model tensor parallel instead (``parallelize_module``: the
+layers split by column and by row in turn over a 1-D mesh of the ranks), kept and
+checkpointed the same ways.
+
+Then the phase table: a row per launcher, a column per phase of its recovery, ``-`` where
+the mode has none (:mod:`recovery_large_phases` says what each column is). The last lines
+compare kill -> first step of each mode with the restart mode's and torchrun's.
 The worker is :mod:`recovery_large_worker` (its FSDP2 parts :mod:`recovery_large_fsdp`), one
 launcher's run and its figures :mod:`recovery_large_measure`.
 
@@ -67,6 +73,7 @@ from typing import Any
 
 from fresh_memory import page_reporting  # bench/ is the path when run as a script
 from recovery_large_measure import MODES, WORKER_SPEC, measure
+from recovery_large_phases import phase_table
 
 
 def _fmt(value: Any, unit: str = "s") -> str:
@@ -115,8 +122,12 @@ def main() -> int:
                         help=f"any of {', '.join(MODES)}")
     parser.add_argument("--nproc", type=int, default=1,
                         help="workers (the in-process modes need 2 or more: a survivor)")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="shard the model with FSDP2 over the ranks (--gb per rank)")
+    sharding = parser.add_mutually_exclusive_group()
+    sharding.add_argument("--fsdp", action="store_true",
+                          help="shard the model with FSDP2 over the ranks (--gb per rank)")
+    sharding.add_argument("--tp", action="store_true",
+                          help="split the model's layers tensor-parallel over the ranks "
+                          "(--gb per rank)")
     if os.environ.get(WORKER_SPEC):
         from recovery_large_worker import worker
 
@@ -137,12 +148,14 @@ def main() -> int:
     if in_process and args.nproc < 2:
         parser.error(f"--launchers {','.join(sorted(in_process))} needs --nproc 2 or more (a "
                      "survivor that keeps its process)")
-    if args.fsdp and ("elasticft-spare" in args.launchers.split(",") or args.nproc < 2):
-        parser.error("--fsdp runs torchrun, elasticft-run and elasticft-inprocess on --nproc 2 "
-                     "or more")
+    if (args.fsdp or args.tp) and ("elasticft-spare" in args.launchers.split(",")
+                                   or args.nproc < 2):
+        parser.error(f"--{'fsdp' if args.fsdp else 'tp'} runs torchrun, elasticft-run and "
+                     "elasticft-inprocess on --nproc 2 or more")
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"recovery_large: no CUDA device (torch {torch.__version__}); nothing measured")
         return 0
+    load_at_start = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory(prefix="recovery_large_") as tmp_name:
         for name in args.launchers.split(","):
@@ -151,11 +164,13 @@ def main() -> int:
     where = (torch.cuda.get_device_name(0) if args.device == "cuda"
              else f"CPU ({platform.machine()}, {os.cpu_count()} cores)")
     print(f"recovery_large: {where}, torch {torch.__version__}, {when}; {args.gb} GB of state, "
-          f"{args.nproc} rank(s){' (FSDP2)' if args.fsdp else ''}, a save every {args.every} "
+          f"{args.nproc} rank(s){' (FSDP2)' if args.fsdp else ' (TP)' if args.tp else ''}, "
+          f"a save every {args.every} "
           f"step(s), SIGKILL of the last rank two "
           f"steps after save "
           f"{args.kill_after_saves}; free page reporting: {page_reporting()} (new memory costs "
-          f"more where it is on: bench/fresh_memory.py)")
+          f"more where it is on: bench/fresh_memory.py); load average (1 min) "
+          f"{load_at_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     print(f"{'launcher':<14} {'kill->step':>10} {'kill->fail':>10} {'fail->dec':>10} "
           f"{'restore':>9} {'resumed':>8} {'last save':>9} {'landed':>7}  saves: first (run 1 | "
           f"restarted), later median")
@@ -222,6 +237,10 @@ def main() -> int:
                   f"{r['floor_fresh_parallel_s']:.3f} s into fresh memory on every core as a "
                   f"restore copies ({r['restore_s'] / r['floor_fresh_parallel_s']:.2f}x); "
                   f"target <= 2x; restore() alone {r['restore_call_s']:.3f} s")
+    print("phases (s): kill -> the job's first step, a column per phase, '-' where the mode "
+          "has none (bench/recovery_large_phases.py says what each is)")
+    for line in phase_table(rows):
+        print(line)
     print_ratios(rows)
     for r in rows:
         if "stderr_tail" in r:

@@ -1,10 +1,12 @@
-"""The FSDP2 mode of bench/recovery_large.py (``--fsdp``): the worker's MLP sharded over all
-ranks, and torchrun's checkpoints of it.
+"""The sharded modes of bench/recovery_large.py: FSDP2 (``--fsdp``) and tensor parallel
+(``--tp``), the worker's MLP sharded over all ranks, and torchrun's checkpoints of it.
 
 :func:`build` makes the model on the meta device and applies ``fully_shard`` to each layer and
 to the root over the whole world, then makes and initialises only this rank's shards,
-torchtitan's way (no collective: a replacement's set-up meets none). Under torchrun the sharded
-model is checkpointed the way a torchrun user does (:class:`DcpFiles`):
+torchtitan's way (no collective: a replacement's set-up meets none). :func:`build_tp` does the
+same with ``parallelize_module`` over a 1-D mesh of the ranks: the layers split by column and
+by row in turn, so each pair of layers meets in one all-reduce (Megatron's MLP). Under torchrun
+either sharded model is checkpointed the way a torchrun user does (:class:`DcpFiles`):
 torch.distributed.checkpoint of ``get_state_dict(model, optimizer)`` into a directory per step,
 committed by rank 0 after every rank has written its part; a restart loads the newest committed
 step into its fresh shards. Under elasticft the worker's documented API
@@ -38,6 +40,38 @@ def build(width: int, layers: int, device: str) -> Any:
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(int(os.environ.get("RANK", "0")))
+    bound = 1 / math.sqrt(width)  # nn.Linear's own range
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().uniform_(-bound, bound, generator=generator)
+    return model
+
+
+def build_tp(width: int, layers: int, device: str) -> Any:
+    """The MLP of ``layers`` square layers (an even number), tensor parallel over all ranks:
+    built on the meta device, the even layers ``ColwiseParallel`` and the odd ones
+    ``RowwiseParallel`` over a 1-D mesh of the world, then only this rank's shards made and
+    initialised (``src_data_rank=None``: no rank sends its weights, no collective is made)."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                      for _ in range(layers + layers % 2)])
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    plan = {str(index): ColwiseParallel() if index % 2 == 0 else RowwiseParallel()
+            for index in range(len(model))}
+    parallelize_module(model, mesh, plan, src_data_rank=None)
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(int(os.environ.get("RANK", "0")))
     bound = 1 / math.sqrt(width)  # nn.Linear's own range

@@ -62,7 +62,8 @@ def _run(name: str, args: argparse.Namespace, tmp: Path
     # The worker's settings go by environment: the launchers parse options that would clash.
     spec = {"mode": mode, "log": str(log), "device": args.device, "gb": args.gb,
             "every": args.every, "steps": args.steps, "batch": args.batch,
-            "ckpt_file": str(tmp / "torch_ckpt.pt"), "nproc": args.nproc, "fsdp": args.fsdp}
+            "ckpt_file": str(tmp / "torch_ckpt.pt"), "nproc": args.nproc, "fsdp": args.fsdp,
+            "tp": args.tp}
     worker_args = [str(SCRIPT)]
     nproc = str(args.nproc)
     if mode != "torch":
@@ -166,6 +167,11 @@ def _row(name: str, args: argparse.Namespace, tmp: Path, killed_at: float | None
         row["survivor_first_step_s"] = later[0]["step_s"] if later else None
         row["survivor_median_step_s"] = statistics.median(
             [r["step_s"] for r in steps0[1:]]) if len(steps0) > 1 else None
+    # The new worker's process start, from its own start-up: torchrun's restart counts from
+    # the kill (no event log says when it decided), elasticft-run's from its decision, below.
+    started_after = built_after["t"] - built_after["startup_s"] if built_after else None
+    if mode == "torch" and started_after is not None and killed_at is not None:
+        row["restart_s"] = started_after - killed_at
     if None not in (row["kill_to_first_step_s"], row["startup_s"], row["first_step_s"]):
         row["launcher_share_s"] = (row["kill_to_first_step_s"] - row["startup_s"]
                                    - row["first_step_s"])
@@ -182,6 +188,8 @@ def _row(name: str, args: argparse.Namespace, tmp: Path, killed_at: float | None
             row["kill_to_failure_s"] = failure["time"] - killed_at
         if failure is not None and decision is not None:
             row["failure_to_decision_s"] = decision["time"] - failure["time"]
+            if mode == "elasticft" and started_after is not None:
+                row["restart_s"] = started_after - decision["time"]
         row["in_process"] = next((e["phases"] for e in events
                                   if e["kind"] == "recover_in_process"), None)
     if mode != "torch":  # the workers' own account of an in-process recovery

@@ -1,14 +1,15 @@
 """The worker of bench/recovery_large.py: what each rank runs under the launcher being measured.
 
 It trains an MLP whose parameters and AdamW state come to ``--gb`` GB (per rank; with
-``--fsdp`` the model is sharded over the ranks by :mod:`recovery_large_fsdp`) and logs what the
-driver reads, one JSON line per record in the shared log: ``built`` (the script's start-up),
-``start`` (the step it resumed from, the restore's time), ``step`` (its time and where that
-time went), ``save`` and ``landed`` (a snapshot's call and its copy), and after training the
-copy ``floor`` of a restarted worker. Under ``elasticft-run`` it checkpoints with the
-documented API (``Checkpointer.from_env``, ``StateCapture``, ``restore``); under torchrun the
-way a torchrun user does (:class:`TorchFiles`: torch.save of every rank's state; DCP for a
-sharded model). In the in-process modes the training loop runs under ``InProcess``.
+``--fsdp`` or ``--tp`` the model is sharded over the ranks by :mod:`recovery_large_fsdp`) and
+logs what the driver reads, one JSON line per record in the shared log: ``built`` (the
+script's start-up), ``start`` (the step it resumed from, the restore's time), ``step`` (its
+time and where that time went), ``save`` and ``landed`` (a snapshot's call and its copy), and
+after training the copy ``floor`` of a restarted worker. Under ``elasticft-run`` it
+checkpoints with the documented API (``Checkpointer.from_env``, ``StateCapture``,
+``restore``); under torchrun the way a torchrun user does (:class:`TorchFiles`: torch.save of
+every rank's state; DCP for a sharded model). In the in-process modes the training loop runs
+under ``InProcess``.
 """
 
 from __future__ import annotations
@@ -227,10 +228,11 @@ def worker(args: argparse.Namespace) -> int:
     device = args.device
     width = 8192 if args.gb >= 1 else 512
     # AdamW: parameters + two moments, fp32: 12 bytes per parameter.
-    layers = max(1, round(args.gb * (args.nproc if args.fsdp else 1) * 1e9 / 12
+    sharded = args.fsdp or args.tp
+    layers = max(1, round(args.gb * (args.nproc if sharded else 1) * 1e9 / 12
                           / (width * width)))
     torch.manual_seed(0)
-    model = None if args.fsdp else torch.nn.Sequential(*[
+    model = None if sharded else torch.nn.Sequential(*[
         torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
     batch = torch.randn(args.batch, width, device=device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -239,7 +241,7 @@ def worker(args: argparse.Namespace) -> int:
     if grouped:
         _init_group(args, device)
     if model is None:  # sharded over the group
-        model = fsdp.build(width, layers, device)
+        model = (fsdp.build_tp if args.tp else fsdp.build)(width, layers, device)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
 
     def sync() -> None:
@@ -253,7 +255,7 @@ def worker(args: argparse.Namespace) -> int:
         ckpt = Checkpointer.from_env(optimizers=[optim])
         snapshot = StateCapture(model, optim)
     else:
-        files: Any = (fsdp.DcpFiles(Path(args.ckpt_file).parent / "dcp") if args.fsdp
+        files: Any = (fsdp.DcpFiles(Path(args.ckpt_file).parent / "dcp") if sharded
                       else TorchFiles(args.ckpt_file, grouped))
     if spare:  # the state a first step makes, in memory it touches; the restore overwrites it
         model(batch).pow(2).mean().backward()
@@ -296,7 +298,7 @@ def worker(args: argparse.Namespace) -> int:
     if args.mode in ("inprocess", "spare"):
         from elasticft.inprocess import InProcess
 
-        start = InProcess(modules=[model] if args.fsdp else []).run(train)
+        start = InProcess(modules=[model] if sharded else []).run(train)
     else:
         start = train()
     if args.mode != "torch":

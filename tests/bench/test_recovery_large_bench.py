@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -49,6 +50,54 @@ def test_the_large_recovery_bench_runs_fsdp2_under_torchrun_from_dcp() -> None:
     assert "rank 0 ran in 2 process(es)" in survivors, lines
 
 
+PHASE_HEADERS = ["detect", "decide", "out", "abort", "reap", "fork", "restart", "start-up",
+                 "join", "regroup", "restore", "redo", "1st step", "total", "kill->step"]
+
+
+def measured_phases(cells: list[str]) -> list[str]:
+    """The columns of a phase-table row that hold a figure (not "-")."""
+    return [column for column, cell in zip(PHASE_HEADERS, cells, strict=True) if cell != "-"]
+
+
+@pytest.mark.parametrize(("row", "measured"), [
+    # torchrun: no event log, so no detection or decision of its own; its restart counts
+    # from the kill.
+    ({"launcher": "torchrun", "restart_s": 2.0, "startup_s": 1.5, "restore_s": 0.2,
+      "first_step_s": 0.3, "kill_to_first_step_s": 4.1},
+     ["restart", "start-up", "restore", "1st step", "kill->step"]),
+    ({"launcher": "elasticft-run", "kill_to_failure_s": 0.1, "failure_to_decision_s": 0.01,
+      "restart_s": 0.4, "startup_s": 1.5, "restore_s": 0.2, "first_step_s": 0.3,
+      "kill_to_first_step_s": 2.6},
+     ["detect", "decide", "restart", "start-up", "restore", "1st step", "kill->step"]),
+    # In process: the agent's phases, none of the restart mode's own even where the row has
+    # them (the worker's restore and first step are the replacement's, within the phases).
+    ({"launcher": "elasticft-inprocess", "kill_to_failure_s": 0.1, "restore_s": 0.3,
+      "first_step_s": 0.3, "startup_s": 1.0, "kill_to_first_step_s": 0.8,
+      "in_process": {"detect_s": 0.0, "survivors_out_s": 0.1, "abort_s": 0.01, "reap_s": 0.1,
+                     "fork_s": 0.02, "start_s": 0.2, "join_s": 0.08, "regroup_s": 0.3,
+                     "restore_s": 0.2, "redo_s": 0.27, "total_s": 0.78}},
+     ["detect", "decide", "out", "abort", "reap", "fork", "start-up", "join", "regroup",
+      "restore", "redo", "total", "kill->step"]),
+    # The spare: no fork; and a phase the event left out is not measured.
+    ({"launcher": "elasticft-spare", "kill_to_first_step_s": 0.6,
+      "in_process": {"detect_s": 0.0, "survivors_out_s": 0.03, "reap_s": 0.01,
+                     "regroup_s": 0.04, "restore_redo_s": 0.48, "total_s": 0.52}},
+     ["decide", "out", "reap", "regroup", "total", "kill->step"]),
+    # A run that measured nothing (the launcher failed) has a row of dashes.
+    ({"launcher": "elasticft-run"}, []),
+])
+def test_a_modes_phase_row_has_its_own_phases_and_dashes_elsewhere(
+        row: dict[str, Any], measured: list[str]) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from recovery_large_phases import phase_table
+
+    header, line = phase_table([row])
+    assert header.split()[0] == "launcher" and line.split()[0] == row["launcher"]
+    cells = line.split()[1:]
+    assert len(cells) == len(PHASE_HEADERS)
+    assert measured_phases(cells) == measured
+
+
 def test_the_gpu_check_has_a_recovery_part() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_check
@@ -81,6 +130,22 @@ def test_the_large_recovery_bench_runs_both_elasticft_modes_on_two_ranks() -> No
     assert "rank 0 ran in 1 process(es)" in survivors["elasticft-inprocess"], lines
     assert "rank 0 ran in 2 process(es)" in survivors["elasticft-run"], lines
     assert "in-process phases" in survivors["elasticft-inprocess"], lines
+    # The phase table: its columns in a recovery's order, a row per launcher in the run's
+    # order; the restart mode has its own phases and none of the in-process ones, and the
+    # in-process mode the reverse (presence and order only: the seconds are the machine's).
+    header = lines.index(next(line for line in lines if line.startswith("phases (s):"))) + 1
+    assert lines[header].split() == ["launcher", "detect", "decide", "out", "abort", "reap",
+                                     "fork", "restart", "start-up", "join", "regroup",
+                                     "restore", "redo", "1st", "step", "total",
+                                     "kill->step"], lines
+    table = {line.split()[0]: line.split()[1:] for line in lines[header + 1:header + 3]}
+    assert list(table) == ["elasticft-run", "elasticft-inprocess"], lines
+    measured = {name: measured_phases(cells) for name, cells in table.items()}
+    assert measured["elasticft-run"] == ["detect", "decide", "restart", "start-up", "restore",
+                                         "1st step", "kill->step"], lines
+    assert {"out", "reap", "regroup", "total", "kill->step"} <= set(
+        measured["elasticft-inprocess"]), lines
+    assert not {"restart", "1st step"} & set(measured["elasticft-inprocess"]), lines
 
 
 @pytest.mark.slow
