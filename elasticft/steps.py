@@ -272,10 +272,13 @@ def last_recorded_step(path: Path) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
+    """One line of a rank's step file: the step it finished, and when."""
+
     time: float
     step: int
     rank: int
     ckpt_s: float = 0.0
+    """Seconds the step spent in its checkpoint call (0: none, or not said)."""
     counted: bool = False
     """An automatic record numbered by counting optimizer calls (rollbacks not visible)."""
     automatic: bool = False

@@ -40,9 +40,12 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class HealthIssue:
+    """One check's finding about this node."""
+
     check: str
     message: str
     critical: bool
+    """The agent treats the node as suspect (the policy may evict it); else only reported."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -193,6 +193,8 @@ def create_anonymous_ring(directory: Path, rank: int, source: str,
 
 @dataclasses.dataclass(frozen=True)
 class Record:
+    """One record of a ring, its fields in the layout's order (see the module docstring)."""
+
     seq: int
     comm: int
     nbytes: int
