@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    parser.add_argument("--step-time-at-step", type=int, default=-1,
+                        help="spend --step-time after this step only (default: after every step)")
     parser.add_argument("--loss-log", type=Path, help="rank 0 appends 'step loss' lines here")
     parser.add_argument("--pid-log", type=Path, help="every rank appends 'rank pid step' here")
     parser.add_argument("--fault-rank", type=int, default=1)
@@ -273,7 +275,7 @@ def main() -> None:
         if faults["armed"] and done == args.hang_at_step:
             request.wait()
             os.kill(os.getpid(), signal.SIGSTOP)
-        if args.step_time:
+        if args.step_time and args.step_time_at_step in (-1, done):
             time.sleep(args.step_time)
 
     recovery.run(train)

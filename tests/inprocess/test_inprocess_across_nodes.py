@@ -22,9 +22,19 @@ import pytest
 
 from elasticft import chaos
 from elasticft.events import read_events
+from elasticft.report.status import recoveries
+from elasticft.report.tor import analyze
+from elasticft.steps import read_steps
 from tests.cluster import Job, Losses, losses_of, reference_losses
 from tests.conftest import BIN, EXAMPLES, made_once, pids_by_rank
-from tests.recovery.test_faults import LONG, STEPS, make_job, with_standby  # noqa: F401
+from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
+    LONG,
+    STEPS,
+    blacklist_of,
+    make_job,
+    quarantine_of,
+    with_standby,
+)
 from tests.servers import EtcdServer
 
 pytestmark = pytest.mark.slow
@@ -110,6 +120,9 @@ def _check_only_the_failed_rank_replaced(job: Job, reference: Losses, pid_log: P
 def test_a_worker_killed_on_one_node_only_its_rank_gets_a_new_process(
         etcd_server: EtcdServer, make_job, reference4: Losses,  # noqa: F811
         tmp_path: Path) -> None:
+    """With 4 ranks a gradient's sum depends on where it lies in DDP's buckets: the losses
+    after the recovery are exact because the DDP made again starts with the rebuilt buckets of
+    the one before it."""
     pid_log = tmp_path / "pids.log"
     job = make_job(etcd_server.endpoint, INPROCESS, steps=STEPS, nproc_per_node=2,
                    extra_train=["--pid-log", str(pid_log), "--fault-rank", str(FAILED_RANK),
@@ -184,7 +197,9 @@ def test_a_lost_node_is_replaced_by_the_standby_and_the_other_nodes_workers_keep
         etcd_server: EtcdServer, make_job, reference4: Losses,  # noqa: F811
         tmp_path: Path) -> None:
     """Node b's agent and workers SIGKILLed with a standby waiting: the survivor's 2 workers keep
-    their processes and regroup with the standby's in the next round."""
+    their processes and regroup with the standby's in the next round; the standby's workers,
+    holding nothing, get the step from the survivor's node. The recovery is counted by
+    ``elasticft status`` and ``elasticft report``."""
     pid_log = tmp_path / "pids.log"
     job = make_job(etcd_server.endpoint, INPROCESS, steps=LONG, step_time=0.25,
                    nproc_per_node=2, extra_train=["--pid-log", str(pid_log)])
@@ -195,16 +210,37 @@ def test_a_lost_node_is_replaced_by_the_standby_and_the_other_nodes_workers_keep
     for name in (survivor, standby):
         code = job.nodes[name].wait(180)
         assert code == 0, f"node {name} exited {code}\n{job.outputs()}"
-    _bit_exact(losses_of(job.loss_log), reference4, LONG)
+    losses = losses_of(job.loss_log)
+    _bit_exact(losses, reference4, LONG)
+    assert losses.recomputed <= 1
     pids = pids_by_rank(pid_log)
     assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 1, 2: 2, 3: 2}, pids
+    # The lost node was evicted by the leader and quarantined, not blacklisted.
+    evictions = [e for e in job.events("eviction") if e["evicted"] == lost]
+    assert evictions and evictions[0]["by"] == "leader", job.events("eviction")
+    reason = quarantine_of(etcd_server.endpoint, job.job_id).get(lost, "")
+    assert reason.startswith("node disappeared"), reason
+    assert lost not in blacklist_of(etcd_server.endpoint)
     node = job.nodes[survivor]
     assert not node.events("restart"), job.outputs()
     assert len(node.events("workers_started")) == 1, job.outputs()
+    assert [e["action"] for e in node.events("decision")] == ["recover_in_process"]
     done = node.events("recover_in_process")
     assert len(done) == 1 and done[0]["replaced"] == {}, job.outputs()
-    assert "rendezvous_s" in done[0]["phases"], done[0]["phases"]
+    assert {"detect_s", "abort_s", "regroup_s", "restore_s", "redo_s", "total_s",
+            "agree_s", "rendezvous_s"} <= set(done[0]["phases"]), done[0]["phases"]
+    assert "1 in-process recoveries in this process" in node.output()
     assert job.nodes[standby].events("workers_started")[-1]["world_size"] == 4
+    # The standby's workers held nothing: the survivor's node served them the step from the
+    # replica in its workers' memory, over the peer channel.
+    restored = job.nodes[standby].events("restore")
+    assert restored and restored[-1]["source"] in ("peer", "replica", "node"), restored
+    # Counted by `elasticft status` and `elasticft report` over the job's run directories.
+    found, restarts = recoveries(job.tmp)
+    assert len(found) == 1 and restarts == 0
+    analysis = analyze(read_events(job.tmp), read_steps(job.tmp))
+    assert [f.action for f in analysis.faults] == ["recover_in_process"]
+    assert analysis.faults[0].in_process == done[0]["phases"]
 
 
 @pytest.mark.timeout(300)

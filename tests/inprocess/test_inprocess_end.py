@@ -32,14 +32,15 @@ def reference(inprocess_reference: dict[int, str]) -> dict[int, str]:
 @pytest.mark.timeout(600)
 def test_the_survivor_ends_its_groups_as_on_nccl_and_keeps_its_process(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
-    """Rank 1 is SIGKILLed while the survivor runs Python after its step (``--step-time``):
+    """Rank 1 is SIGKILLed while the survivor runs Python after its step 6 (``--step-time``):
     the agent's notice makes the survivor's monitor end its two groups with torch's abort (the
     calls an NCCL job makes), which leaves torch with no group, and then interrupts the main
     thread. Its recovery reads nothing of torch's table: it keeps its process and goes on
     bit-exact. (Where the survivor's collective raised first, its teardown makes the same
     calls.)"""
     run = _run(tmp_path, "abort", job_env, "--fault-rank", "1", "--crash-at-step", "6",
-               "--crash-mode", "after-save", "--extra-group", "--step-time", "3")
+               "--crash-mode", "after-save", "--extra-group", "--step-time", "3",
+               "--step-time-at-step", "6")
     _recovered_in_process(run, [1])
     assert ABORTED_LIVE_GROUPS in run["text"], run["text"][-5000:]
     assert len(run["pids"][0]) == 1, run["pids"]  # the survivor kept its process
