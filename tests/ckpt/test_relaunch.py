@@ -128,27 +128,6 @@ def _agent_line(text: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(450)
-def test_a_relaunch_without_ckpt_dir_resumes_in_the_same_run_directory(
-        tmp_path: Path, job_env: dict[str, str]) -> None:
-    command = [*_command(), TRAIN, "--steps", "6", "--layers", "1"]
-    first = _launch(tmp_path, job_env, command)
-    assert _trained(first) == list(range(1, 7))
-    assert "no checkpoint to resume from" in _agent_line(first)
-    (run_dir,) = (tmp_path / "elasticft-runs").iterdir()
-    assert run_dir.name.startswith("train_elasticft-")
-    assert f"run directory {run_dir}" in first  # said at the start, not only at the end
-
-    second = _launch(tmp_path, job_env, command)
-    assert _trained(second) == [], "the job was done: nothing to train again"
-    assert "resumed from step 6 (source=local)" in second
-    assert _agent_line(second).endswith(
-        f"resumed from step 6 in {run_dir / 'ckpt'} (local checkpoint directory)")
-    assert "(a relaunch: 1 earlier agent(s) of this job ran there)" in second
-    assert list((tmp_path / "elasticft-runs").iterdir()) == [run_dir]
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_a_relaunch_with_the_scripts_ckpt_dir_resumes_from_it_and_fresh_starts_over(
         tmp_path: Path, job_env: dict[str, str]) -> None:
@@ -199,11 +178,25 @@ def _launch_failing(cwd: Path, env: dict[str, str], command: list[str]) -> str:
 def test_a_relaunch_told_to_train_longer_resumes_another_model_stops_and_fresh_starts_over(
         tmp_path: Path, job_env: dict[str, str]) -> None:
     """The most common relaunch: the same job with other arguments, in the same directory,
-    with default options (the script leaves its checkpoints to elasticft-run)."""
-    first = _launch(tmp_path, job_env, [*_command(), TRAIN, "--steps", "20", "--layers", "1"])
+    with default options (the script leaves its checkpoints to elasticft-run). First the same
+    command again, whose job was done: it resumes in the same run directory and trains
+    nothing."""
+    command = [*_command(), TRAIN, "--steps", "20", "--layers", "1"]
+    first = _launch(tmp_path, job_env, command)
     assert _trained(first) == list(range(1, 21))
+    assert "no checkpoint to resume from" in _agent_line(first)
     (run_dir,) = (tmp_path / "elasticft-runs").iterdir()
+    assert run_dir.name.startswith("train_elasticft-")
+    assert f"run directory {run_dir}" in first  # said at the start, not only at the end
     run_id = run_dir.name
+
+    again = _launch(tmp_path, job_env, command)
+    assert _trained(again) == [], "the job was done: nothing to train again"
+    assert "resumed from step 20 (source=local)" in again
+    assert _agent_line(again).endswith(
+        f"resumed from step 20 in {run_dir / 'ckpt'} (local checkpoint directory)")
+    assert "(a relaunch: 1 earlier agent(s) of this job ran there)" in again
+    assert list((tmp_path / "elasticft-runs").iterdir()) == [run_dir]
 
     longer = _launch(tmp_path, job_env, [*_command(), TRAIN, "--steps", "30", "--layers", "1"])
     assert list((tmp_path / "elasticft-runs").iterdir()) == [run_dir], "the same job's home"

@@ -45,9 +45,11 @@ def _losses(path: Path) -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """The losses of an uninterrupted run (no notice source answers it)."""
+    """The losses of an uninterrupted run (no notice source answers it). Its steps do not wait:
+    the step time is a sleep, which leaves the losses as they are."""
     cwd = tmp_path_factory.mktemp("reference")
-    out = subprocess.run([*_command(_closed_port_url()), "--loss-log", str(cwd / "loss")],
+    out = subprocess.run([*_command(_closed_port_url()), "--loss-log", str(cwd / "loss"),
+                          "--step-time", "0"],
                          env=clean_job_env(), cwd=cwd, capture_output=True, text=True,
                          timeout=300)
     text = out.stdout + out.stderr

@@ -6,6 +6,7 @@ node's membership on evidence (its control endpoint refuses), not after its leas
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -18,6 +19,7 @@ from elasticft.rendezvous.membership import MemberRecord
 from elasticft.rendezvous.quarantine import Quarantine
 from tests.cluster import API, PLAIN, Job, losses_of
 from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
+    FAULT_AFTER,
     LONG,
     before_fault,
     check_replaced,
@@ -65,6 +67,10 @@ def start_with_standby(job: Job) -> str:
 @pytest.mark.timeout(300)
 def test_a_standby_replaces_a_node_killed_with_all_its_processes(
         etcd_server: EtcdServer, make_job, reference) -> None:  # noqa: F811
+    """The worker-API example: the node that is not the leader is killed, the standby takes
+    its place and its worker restores the newest step from the leader's node (the healthy
+    replica's memory, over the peer channel), not from a disk: at most one step is
+    recomputed."""
     job = make_job(etcd_server.endpoint, API, steps=LONG, step_time=0.25)
     standby = start_with_standby(job)
     leader, _ = chaos.leader_agent(etcd_server.endpoint, job.job_id)
@@ -73,8 +79,18 @@ def test_a_standby_replaces_a_node_killed_with_all_its_processes(
     assert len(pids) >= 2  # the agent and its worker (and the worker's warm interpreter)
     chaos.kill_node(job.tmp, lost)
     wait_gone(pids)
-    check_replaced(job, etcd_server.endpoint, lost, standby, reference[API, LONG])
+    losses = check_replaced(job, etcd_server.endpoint, lost, standby, reference[API, LONG])
     assert ended_on_evidence(job, lost), job.outputs()
+    assert losses.recomputed <= 1
+    # The standby's worker held nothing of its own: the leader's node served it the step from
+    # its worker's memory.
+    served = re.findall(r"serving step (\d+) of rank \d+ from the replica",
+                        job.nodes[leader].output())
+    resumed = re.findall(r"resumed from step (\d+) \(source=(\w+)\)",
+                         job.nodes[leader].output() + job.nodes[standby].output())
+    assert served and resumed, job.outputs()
+    assert int(resumed[-1][0]) == int(served[-1]) >= FAULT_AFTER
+    assert resumed[-1][1] in ("memory", "peer")  # rank 0's source: its memory, or a's
 
 
 @pytest.mark.timeout(300)

@@ -108,7 +108,12 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
          nodes: int = 1) -> list[dict]:
     """Runs ``world`` workers on ``nodes`` checkpoint services (agents' stand-ins in this
     process; with several, joined by a TCPStore as the round's store), ticking them as an
-    agent's monitor does; the sdc events they logged."""
+    agent's monitor does; the sdc events they logged.
+
+    A step waits 0.5 s: the services, ticked every 0.05 s, see each fingerprinted step while
+    the workers' three memory slots still hold it (for 1.5 s at least). With ``chaos_rank`` a
+    step waits 1 s, so that ``elasticft chaos``, started at step 2, flips a bit before the last
+    fingerprinted step even when its interpreter is slow to start."""
     per_node = world // nodes
     services, groups = [], []
     stores: list = []
@@ -138,7 +143,8 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
                            RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
                            WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
-                           FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="1.0",
+                           FLIP_RANK=str(flip_rank), FLIP_STEP="3",
+                           STEP_S="0.5" if chaos_rank is None else "1.0",
                            STEPS="6" if chaos_rank is None else "9")
                 procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
                                               cwd=ROOT))
