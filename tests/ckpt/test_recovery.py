@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from elasticft.ckpt.persisting import durable
+from tests.cluster import losses_of
 from tests.conftest import BIN, EXAMPLES
 
 STEPS = 10
@@ -28,10 +29,7 @@ def _run(tmp: Path, name: str, env: dict[str, str], *extra: str) -> tuple[str, d
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=tmp)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    by_step: dict[int, str] = {}
-    for line in losses.read_text().splitlines():
-        step, value = line.split()
-        by_step[int(step)] = value  # a step redone after the restart overwrites its first try
+    by_step = losses_of(losses).values  # a step redone keeps its last try
     return text, by_step
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.events import read_events
+from tests.cluster import losses_of
 from tests.conftest import BIN, EXAMPLES, pids_by_rank
 
 STEPS = 10
@@ -32,10 +33,7 @@ def _run(tmp: Path, name: str, env: dict[str, str], *extra: str,
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
-    by_step: dict[int, str] = {}
-    for line in losses.read_text().splitlines():
-        step, value = line.split()
-        by_step[int(step)] = value  # a step redone after the recovery overwrites its first try
+    by_step = losses_of(losses).values  # a step redone keeps its last try
     return {"text": text, "losses": by_step, "pids": pids_by_rank(pids),
             "events": read_events(tmp / name)}
 
