@@ -29,8 +29,12 @@ from tests.preemption.test_notices import _closed_port_url
 pytestmark = pytest.mark.slow
 
 STEPS = 50
+# The first launch's steps last a second, so that a notice (and before it the rebalance save)
+# lands mid-training even on a loaded machine; the relaunch and the reference do not wait (the
+# step time is a sleep, which leaves the losses as they are).
 TRAIN = [str(EXAMPLES / "train_elasticft.py"), "--steps", str(STEPS), "--layers", "1",
-         "--dim", "32", "--step-time", "0.2"]
+         "--dim", "32", "--step-time", "1"]
+NO_WAIT = ("--step-time", "0")
 
 
 def _command(notices: str, *extra: str) -> list[str]:
@@ -45,11 +49,10 @@ def _losses(path: Path) -> dict[int, str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """The losses of an uninterrupted run (no notice source answers it). Its steps do not wait:
-    the step time is a sleep, which leaves the losses as they are."""
+    """The losses of an uninterrupted run (no notice source answers it)."""
     cwd = tmp_path_factory.mktemp("reference")
     out = subprocess.run([*_command(_closed_port_url()), "--loss-log", str(cwd / "loss"),
-                          "--step-time", "0"],
+                          *NO_WAIT],
                          env=clean_job_env(), cwd=cwd, capture_output=True, text=True,
                          timeout=300)
     text = out.stdout + out.stderr
@@ -98,7 +101,8 @@ def _preempted_then_resumed(cwd: Path, command: list[str], env: dict[str, str],
     assert trained < STEPS, "the notice came after the end of training"
 
     new_machine()
-    second = subprocess.run([*command, "--loss-log", str(cwd / "loss-2")], env=env, cwd=cwd,
+    second = subprocess.run([*command, "--loss-log", str(cwd / "loss-2"), *NO_WAIT],
+                            env=env, cwd=cwd,
                             capture_output=True, text=True, timeout=300)
     text = second.stdout + second.stderr
     assert second.returncode == 0, text[-4000:]
