@@ -57,6 +57,7 @@ def _run_case(case: dict) -> int:
         sys.stderr.flush()
         os._exit(code)
 
+
 if __name__ == "__main__":
     cases_file = Path(sys.argv[1])
     codes = [_run_case(case) for case in json.loads(cases_file.read_text())]
