@@ -55,9 +55,11 @@ def test_the_scripts_own_tcp_clients_live_through_a_recovery(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str],
         echo_server: tuple[str, int]) -> None:
     """Every rank holds, from before ``run()``, a client of a TCPStore and a connection to an
-    echo server (both hosted here). Rank 1 hands its sockets to a child and is SIGKILLed, so
-    the survivor's collective waits until the end of its groups shuts their connections down;
-    its own clients still answer afterwards."""
+    echo server (both hosted here). Rank 1 hands its sockets to a child outside the job and is
+    SIGKILLed: its connections stay open, so the survivor's collective would wait for ever. The
+    agent's notice makes the survivor end its own connections (the end of its groups shuts them
+    down) and recover in process; its own clients still answer afterwards. (This test also
+    carries the checks of a collective that never raises.)"""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     keeper, clients = tmp_path / "keeper.pid", tmp_path / "clients.log"
@@ -66,7 +68,10 @@ def test_the_scripts_own_tcp_clients_live_through_a_recovery(
                    "--crash-mode", "keep-sockets", "--keeper-pid", str(keeper), "--extra-group",
                    "--own-store", str(store.port), "--own-echo", str(echo_server[1]),
                    "--own-clients-log", str(clients))
-        _recovered_in_process(run, [1])
+        done = _recovered_in_process(run, [1])
+        assert "survivors_out_s" in done["phases"]
+        assert "generation 0 ended by the agent" in run["text"], run["text"][-5000:]
+        os.kill(int(keeper.read_text()), 0)  # the sockets' holder lived through the recovery
         ended = re.search(r"process groups ended \((.*)\) in", run["text"])
         assert ended is not None, run["text"][-5000:]  # the monitor ended the groups
         shut = re.search(r"shutdown\((\d+) of (\d+) recorded group sockets\)", ended.group(1))
@@ -75,7 +80,8 @@ def test_the_scripts_own_tcp_clients_live_through_a_recovery(
         # The survivor (one recovery) and the replacement: their own clients still work.
         assert sorted(clients.read_text().splitlines()) == ["0 ok 1", "1 ok 0"], \
             clients.read_text()
-        assert len(run["pids"][0]) == 1, run["pids"]
+        assert len(run["pids"][0]) == 1, run["pids"]  # the survivor kept its process
+        assert len(run["pids"][1]) == 2, run["pids"]
         assert run["losses"] == reference
     finally:
         if keeper.exists():

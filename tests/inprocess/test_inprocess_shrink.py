@@ -137,34 +137,19 @@ def _launch(tmp: Path, env: dict[str, str], nproc: int, name: str, *train: str) 
     return done.stdout + done.stderr
 
 
-def _start_reference(tmp: Path, env: dict[str, str], nproc: int, steps: int
-                     ) -> subprocess.Popen[str]:
-    """The reference's first part, beside the elastic job: the layout before the change on one
-    node, a DCP checkpoint of every step (``ref-ckpt``), its losses in ``ref.jsonl``."""
-    return subprocess.Popen(
-        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
-         "--run-dir", str(tmp / "run-ref"), *PLAN, str(TRAINER), "--steps", str(steps),
-         "--ckpt-dir", str(tmp / "ref-ckpt"), "--loss-log", str(tmp / "ref.jsonl")],
-        env={**env, "OMP_NUM_THREADS": "1"}, cwd=tmp, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(reference: subprocess.Popen[str]) -> None:
-    out, _ = reference.communicate(timeout=240)
-    assert reference.returncode == 0, out[-4000:]
-
-
-def _reference_losses(tmp: Path, env: dict[str, str], nproc: int, steps: int, start: int
-                      ) -> dict[int, float]:
-    """The reference's losses: its first part's to ``start``, then those of a restart on
-    ``nproc`` ranks (the layout after the change) from step ``start``'s checkpoint."""
-    restart_ckpt = tmp / "restart-ckpt"
-    restart_ckpt.mkdir()
-    (restart_ckpt / f"step_{start:06d}").symlink_to(tmp / "ref-ckpt" / f"step_{start:06d}")
-    restart_log = tmp / "restart.jsonl"
-    _launch(tmp, env, nproc, "restart", "--steps", str(steps), "--ckpt-dir",
-            str(restart_ckpt), "--ckpt-every", str(steps), "--loss-log", str(restart_log))
-    want = {s: e["loss"] for s, e in _final(tmp / "ref.jsonl").items() if s <= start}
+def _reference_losses(tmp: Path, env: dict[str, str], nproc: tuple[int, int], steps: int,
+                      start: int) -> dict[int, float]:
+    """The reference's losses, run once the step the elastic job resumed from is known: the
+    layout before the change on one node (``nproc[0]`` ranks) to ``start``, with a DCP checkpoint
+    of that step, then a restart on ``nproc[1]`` ranks (the layout after the change) from it to
+    ``steps``. A step's loss does not depend on ``--steps`` (a constant learning rate, each
+    step's batch seeded by the step), so the first part stops at ``start`` and saves only it."""
+    ckpt, ref_log, restart_log = tmp / "ref-ckpt", tmp / "ref.jsonl", tmp / "restart.jsonl"
+    _launch(tmp, env, nproc[0], "ref", "--steps", str(start), "--ckpt-dir", str(ckpt),
+            "--ckpt-every", str(start), "--loss-log", str(ref_log))
+    _launch(tmp, env, nproc[1], "restart", "--steps", str(steps), "--ckpt-dir", str(ckpt),
+            "--ckpt-every", str(steps), "--loss-log", str(restart_log))
+    want = {s: e["loss"] for s, e in _final(ref_log).items()}
     want.update({s: e["loss"] for s, e in _final(restart_log).items()})
     return want
 
@@ -183,16 +168,10 @@ def _assert_losses(job: TwoNodes, steps: int, start: int, layout: tuple[int, int
 @pytest.mark.timeout(420)
 def test_a_node_lost_without_standby_shrinks_in_process_to_tp2_dp1(
         etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path) -> None:
-    # The reference's first part (TP2 x DP2, a DCP checkpoint of every step) runs beside the
-    # elastic job; it is restarted into TP2 x DP1 once the step the shrink resumed from is known.
-    reference = _start_reference(tmp_path, job_env, 4, STEPS)
     job = TwoNodes(tmp_path, job_env, etcd_server.endpoint)
     try:
         survivor, before = _run_to_node_loss(job)
-        _finish(reference)
     finally:
-        if reference.poll() is None:
-            reference.kill()
         job.close()
 
     text = job.output(survivor)
@@ -213,9 +192,9 @@ def test_a_node_lost_without_standby_shrinks_in_process_to_tp2_dp1(
     assert len(resumed) == 1 and resumed[0] >= KILL_AFTER - 1, text[-4000:]
     start = resumed[0]
 
-    # The reference restarts into TP2 x DP1 (accumulation 2) from the same step's checkpoint.
+    # The reference: TP2 x DP2 to that step, restarted into TP2 x DP1 (accumulation 2) from it.
     _assert_losses(job, STEPS, start, (2, 1, 2),
-                   _reference_losses(tmp_path, job_env, 2, STEPS, start))
+                   _reference_losses(tmp_path, job_env, (4, 2), STEPS, start))
 
 
 @pytest.mark.timeout(420)
@@ -243,9 +222,6 @@ def test_fsdp2_sharded_over_dp_cannot_shrink_in_process_and_restarts_with_the_re
 @pytest.mark.timeout(420)
 def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
         etcd_server: EtcdServer, job_env: dict[str, str], tmp_path: Path) -> None:
-    # The reference's first part: TP2 x DP1 (accumulation 2) on one node, a DCP checkpoint of
-    # every step; restarted into TP2 x DP2 from the step the growth resumed from.
-    reference = _start_reference(tmp_path, job_env, 2, GROW_STEPS)
     job = TwoNodes(tmp_path, job_env, etcd_server.endpoint, steps=GROW_STEPS)
     try:
         job.start("a")
@@ -258,10 +234,7 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
         job.start("b")  # the node comes back: it waits to join the running job
         for name in ("a", "b"):
             assert wait_or_explain(job.agents[name], 240, job.outputs) == 0, job.outputs()
-        _finish(reference)
     finally:
-        if reference.poll() is None:
-            reference.kill()
         job.close()
 
     reshapes = job.events("a", "reshape")
@@ -292,5 +265,6 @@ def test_a_node_that_arrives_later_grows_tp2_dp1_back_to_tp2_dp2_in_process(
     redone = len(got_lines) - len({e["step"] for e in got_lines})
     assert redone <= 1, got_lines
 
+    # The reference: TP2 x DP1 (accumulation 2) to that step, restarted into TP2 x DP2 from it.
     _assert_losses(job, GROW_STEPS, start, (2, 2, 1),
-                   _reference_losses(tmp_path, job_env, 4, GROW_STEPS, start))
+                   _reference_losses(tmp_path, job_env, (2, 4), GROW_STEPS, start))
