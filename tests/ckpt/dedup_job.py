@@ -6,7 +6,10 @@
   writes the state after step 3 to DIR/expected.pt; rank 1 then SIGKILLs itself.
 * ``restore``: a new model (other seed) restores in place; writes what it found to
   DIR/restore-<rank>.pt and DIR/restore-<rank>.json.
-* ``load``: :meth:`Checkpointer.load` (not in place) of the newest step, into the same files.
+* ``load``: :meth:`Checkpointer.load` (not in place) of the newest step, into DIR/load-<rank>.pt
+  and DIR/load-<rank>.json.
+* ``restore+load``: both, one after the other in the same processes (a new model and
+  checkpointer each), so one launch reads shared memory both ways.
 """
 
 from __future__ import annotations
@@ -69,6 +72,14 @@ def main() -> None:
         if rank_i == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(0)
+    for each in mode.split("+"):
+        read_back(each, settings, root, rank)
+    dist.destroy_process_group()
+
+
+def read_back(mode: str, settings: WorkerSettings, root: Path, rank: str) -> None:
+    """A new model (another seed) gets the newest step by ``restore`` or ``load``; what it got is
+    written to DIR/<mode>-<rank>.pt and .json."""
     model, optim = build(1)
     ckpt = Checkpointer(settings, optimizers=[optim], dedup_replicas=True)
     if mode == "restore":
@@ -86,8 +97,7 @@ def main() -> None:
     (root / f"{mode}-{rank}.json").write_text(json.dumps(
         {"step": step, "extra": extra, "source": ckpt.last_source, "committed": committed}))
     ckpt.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks done with this checkpointer before the next one starts
 
 
 if __name__ == "__main__":

@@ -93,16 +93,15 @@ def test_deduplicated_snapshots_restore_exactly_after_a_sigkill(tmp_path: Path, 
               for r, m in enumerate(manifests) for i in m["items"] if i["kind"] == "tensor"}
     assert set(owners.values()) == {0, 1}
 
-    # From shared memory: rank 1 died, its segment did not.
-    _run("restore", tmp_path, token, job_env)
+    # From shared memory: rank 1 died, its segment did not. In place (restore), then not in
+    # place (load(): the replicas are reassembled into new tensors), in the same processes.
+    _run("restore+load", tmp_path, token, job_env)
     for rank in (0, 1):
         info = json.loads((tmp_path / f"restore-{rank}.json").read_text())
         assert info == {"step": STEPS, "extra": {"step": STEPS}, "source": "memory",
                         "committed": [STEPS]}
         _assert_same(torch.load(tmp_path / f"restore-{rank}.pt", weights_only=True), expected)
 
-    # Not in place (load()): the replicas are reassembled into new tensors.
-    _run("load", tmp_path, token, job_env)
     for rank in (0, 1):
         info = json.loads((tmp_path / f"load-{rank}.json").read_text())
         assert (info["step"], info["extra"], info["source"]) == (STEPS, {"step": STEPS}, "memory")
