@@ -43,11 +43,23 @@ def no_elasticft_variables_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.delenv(name)
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """In the ``serial`` phase, a test file that never writes ``pytest.mark.serial`` is not
+    imported at all: the phase runs a dozen tests, and collecting the other files (torch's
+    distributed packages, DCP, every parametrization) would take it longer than they do."""
+    if (os.environ.get("TEST_PHASE") == "serial" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and "pytest.mark.serial" not in collection_path.read_text()):
+        return True
+    return None  # pytest's own rules (--ignore, collect_ignore) decide
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` run where CUDA is; elsewhere they show as skipped, with the reason.
 
     ``TEST_PHASE`` (set by scripts/test.sh) splits a run in two: ``parallel`` leaves out the
-    tests marked ``serial``, ``serial`` keeps only them; unset, every test runs. Whole files
+    tests marked ``serial``, ``serial`` keeps only them (a file's tests are marked in the file
+    itself, see :func:`pytest_ignore_collect`); unset, every test runs. Whole files
     are then ordered longest first (:func:`longest_files_first`).
     """
     phase = os.environ.get("TEST_PHASE")

@@ -4,14 +4,24 @@ rank 0 wrote, the event log and the report's faults."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from elasticft.events import read_events
 from tests.conftest import BIN, EXAMPLES, pids_by_rank
+
+
+def needs_modules(extra: str, *modules: str) -> pytest.MarkDecorator:
+    """Skips a test module whose framework is not installed, found without importing it: the
+    frameworks take seconds to import, and every pytest process collects every file."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}: "
+                              f"pip install -e '.[{extra}]'")
 
 
 def run_job(tmp: Path, script: str, name: str, env: dict[str, str], *extra: str) -> dict:

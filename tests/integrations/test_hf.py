@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.jobs import assert_recovered_in_process, run_job
+from tests.integrations.jobs import assert_recovered_in_process, needs_modules, run_job
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+pytestmark = needs_modules("hf", "transformers", "accelerate")
 
 SCRIPT = "train_hf_inprocess.py"
 

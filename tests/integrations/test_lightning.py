@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.jobs import assert_recovered_in_process, run_job
+from tests.integrations.jobs import assert_recovered_in_process, needs_modules, run_job
 
-pytest.importorskip("lightning")
+pytestmark = needs_modules("lightning", "lightning")
 
 SCRIPT = "train_lightning_inprocess.py"
 
