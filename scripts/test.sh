@@ -13,6 +13,10 @@
 # Exit status: non-zero when either run fails; each run's status is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode is cached (in the checkout's gitignored __pycache__): a shell that turns it off would
+# have each of the run's pytest processes rewrite and compile every test module again (~3.5 s CPU
+# each) and each launched interpreter compile what it imports from the checkout.
+unset PYTHONDONTWRITEBYTECODE
 COMPAT_TORCH=${ELASTICFT_COMPAT_TORCH:-2.14.1}
 TEST_WORKERS=${TEST_WORKERS:-3}
 bash scripts/setup.sh
