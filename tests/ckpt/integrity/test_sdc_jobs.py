@@ -164,31 +164,6 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_a_bit_flipped_in_one_of_four_ddp_ranks_is_named_within_one_interval(
-        tmp_path: Path, job_env) -> None:
-    events = _run(tmp_path, job_env, world=4, flip_rank=2)
-    assert events, "no sdc event"
-    first = events[0]
-    # Flipped after step 3's optimizer step; fingerprints every 2 steps: step 4 is the first.
-    assert first["kind"] == "sdc_suspect"
-    assert (first["step"], first["ranks"], first["nodes"]) == (4, [2], ["n0"])
-    assert first["items"] == ["model.0.weight"]
-    assert first["agreed_step"] == 2   # the newest step every fingerprint agreed: a clean restore
-    digests = {fp["rank"]: fp["digest"] for fp in first["fingerprints"]}
-    assert sorted(digests) == [0, 1, 2, 3]
-    assert len({digests[0], digests[1], digests[3]}) == 1 and digests[2] != digests[0]
-    assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [2] for e in events)
-    status = subprocess.run([str(Path(sys.executable).parent / "elasticft"), "status",
-                             "--run-dir", str(tmp_path / "events")],
-                            capture_output=True, text=True, timeout=60)
-    assert status.returncode == 0, status.stderr
-    assert (f"silent data corruption: {len(events)} suspect, 0 undecidable (last: step "
-            in status.stdout)
-    assert "rank(s) [2] on ['n0']" in status.stdout
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_hsdp_compares_the_replicate_dimension_not_the_shard_dimension(
         tmp_path: Path, job_env) -> None:
@@ -249,9 +224,11 @@ def test_two_replicas_on_two_nodes_are_decided_by_the_nodes_health(
 @pytest.mark.timeout(300)
 def test_elasticft_run_names_the_rank_elasticft_chaos_flipped(tmp_path: Path, job_env) -> None:
     """The whole path: elasticft-run with --ckpt-fingerprint-every, `elasticft chaos bitflip`
-    on a live rank (it says which parameter it flipped before which save), the event naming
-    that rank and parameter at the first fingerprinted step after the flip, `elasticft status`
-    and `elasticft report`."""
+    on a live rank of four (it says which parameter it flipped before which save), the event
+    naming that rank, its node and parameter at the first fingerprinted step after the flip
+    with every rank's digest and the newest agreed step, `elasticft status` (its line and
+    --json) and `elasticft report`. One node's four DDP ranks compared: the service path of
+    one node without an agent stays the HSDP test's."""
     script = tmp_path / "train.py"
     script.write_text(_WORKER.replace(
         "time.sleep(float(os.environ[\"STEP_S\"]))",
@@ -285,8 +262,24 @@ def test_elasticft_run_names_the_rank_elasticft_chaos_flipped(tmp_path: Path, jo
     events = [e for e in read_events(run_dir) if e["kind"].startswith("sdc_")]
     assert events, run.stderr[-3000:]
     assert all(e["kind"] == "sdc_suspect" and e["ranks"] == [3] for e in events)
-    assert events[0]["step"] == flipped + flipped % 2   # the first fingerprinted step (every 2)
-    assert events[0]["items"] == ["model.0.weight"]
+    first = events[0]
+    step = first["step"]
+    assert step == flipped + flipped % 2   # the first fingerprinted step (every 2)
+    assert first["items"] == ["model.0.weight"]
+    (node,) = first["nodes"]
+    # The newest step every fingerprint agreed, a clean restore: the fingerprinted step before,
+    # or the one before it where a loaded machine's agent looked only after the memory slots
+    # had moved past it.
+    assert first["agreed_step"] in (step - 2, step - 4) and first["agreed_step"] > 0, first
+    digests = {fp["rank"]: fp["digest"] for fp in first["fingerprints"]}
+    assert sorted(digests) == [0, 1, 2, 3]
+    assert len({digests[0], digests[1], digests[2]}) == 1 and digests[3] != digests[0]
+    said = subprocess.run([str(bin_dir / "elasticft"), "status", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert said.returncode == 0, said.stderr
+    assert (f"silent data corruption: {len(events)} suspect, 0 undecidable (last: step "
+            in said.stdout), said.stdout
+    assert f"rank(s) [3] on ['{node}']" in said.stdout, said.stdout
     status = subprocess.run([str(bin_dir / "elasticft"), "status", "--run-dir", str(run_dir),
                              "--json"], capture_output=True, text=True, timeout=60)
     assert json.loads(status.stdout)["sdc"] == {"suspect": len(events), "undecidable": 0,
