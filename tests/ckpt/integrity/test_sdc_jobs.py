@@ -3,9 +3,12 @@ service: a bit flipped in one rank's parameters is named from the snapshots' fin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -103,6 +106,43 @@ _HSDP_WORKER = textwrap.dedent("""
 """) + _LOOP
 
 
+# Starts one job's workers from one interpreter that imported torch and elasticft.ckpt once:
+# it forks a child per environment (argv[2], JSON), the child runs the worker's code (argv[1])
+# under it, and it exits 0 once every child has exited 0. A fresh interpreter per worker would
+# import torch each time (about 2 s of CPU); elasticft-run's warm template forks its workers the
+# same way. Nothing here has started a thread before the fork.
+_FORKER = textwrap.dedent("""
+    import json, os, sys, traceback
+    import torch, torch.distributed.checkpoint.state_dict, torch.distributed.fsdp
+    import torch.nn.parallel
+    import elasticft.ckpt
+    script, envs = sys.argv[1], json.loads(sys.argv[2])
+    children = []
+    for env in envs:
+        pid = os.fork()
+        if pid:
+            children.append(pid)
+            continue
+        code = 1
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            exec(compile(script, "<worker>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    print("worker exit codes:", codes, file=sys.stderr, flush=True)
+    sys.exit(0 if codes == [0] * len(codes) else 1)
+""")
+
+
 def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
          every: int = 2, script: str = _WORKER, nodes: int = 1) -> list[dict]:
     """Runs ``world`` workers on ``nodes`` checkpoint services (agents' stand-ins in this
@@ -129,35 +169,38 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
                                 run_dir=tmp_path if nodes == 1 else tmp_path / f"n{n}",
                                 round=0, group_rank=n, group_world_size=nodes, restart_count=0,
                                 workers=workers))
-    procs = []
+    job: subprocess.Popen | None = None
     port = free_port()
     try:
+        envs = []
         for service, group in zip(services, groups, strict=True):
             service.on_rendezvous(group, stores[group.group_rank] if stores else None)
             service.on_workers_started(group)
-            for worker in group.workers:
-                env = dict(job_env, **service.worker_env(group, worker),
-                           RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
-                           WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
-                           FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="0.5", STEPS="6")
-                procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
-                                              cwd=ROOT))
+            envs += [dict(job_env, **service.worker_env(group, worker),
+                          RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
+                          WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
+                          FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="0.5", STEPS="6")
+                     for worker in group.workers]
+        job = subprocess.Popen([sys.executable, "-c", _FORKER, script, json.dumps(envs)],
+                               env=dict(job_env, PYTHONPATH=str(ROOT)), cwd=ROOT,
+                               start_new_session=True)
         deadline = time.monotonic() + 150
-        while any(p.poll() is None for p in procs):
+        while job.poll() is None:
             assert time.monotonic() < deadline, "the job did not finish"
             for service, group in zip(services, groups, strict=True):
                 service.check(group)
             time.sleep(0.05)
-        assert [p.returncode for p in procs] == [0] * world
+        assert job.returncode == 0, "a worker failed (its exit codes are printed above)"
         for service, group in zip(services, groups, strict=True):
             service.check(group)
         for service in services:
             service.fingerprints.wait(30)
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        if job is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
         for service in services:
             service.close()
     return [e for e in read_events(tmp_path / "events") if e["kind"].startswith("sdc_")]
