@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,27 +31,29 @@ import pytest
 
 from elasticft.ckpt.memory import shm
 from tests.ckpt.shard_job import ROWS, TIERS
+from tests.forked import killed, start_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("shard_job.py")
 WORLD = {"plain": 2, "ddp": 2, "fsdp2": 2, "fsdp2-no-reshard": 2, "fsdp2-tp": 4, "hsdp": 4}
 """The world size each row is trained at (the 2-D rows need a 2 x 2 mesh)."""
+SHARD_JOB_IMPORTS = ("tests.ckpt.shard_job",)
+"""What the ranks import, imported once before they are forked (the job's own module: its
+imports are the heavy part)."""
 SHARDED = {"fsdp2", "fsdp2-no-reshard", "fsdp2-tp", "hsdp"}
 
 
 def _launch(world: int, tmp: Path, tasks: list[str], env: dict[str, str]) -> None:
+    """``world`` ranks of :mod:`tests.ckpt.shard_job` doing ``tasks``, forked from one
+    interpreter (:mod:`tests.forked`)."""
     init = tmp / f"init-{uuid.uuid4().hex[:8]}"
-    procs = [subprocess.Popen([sys.executable, str(JOB), str(rank), str(world), str(init),
-                               str(os.getpid()), str(tmp), *tasks], cwd=ROOT,
-                              env=dict(env, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(world)]
-    try:
-        outs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    env = dict(env, PYTHONPATH=str(ROOT))
+    ranks = [(env, [str(JOB), str(rank), str(world), str(init), str(os.getpid()), str(tmp),
+                    *tasks]) for rank in range(world)]
+    with killed(start_forked(ranks, SHARD_JOB_IMPORTS, env, ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)) as job:
+        out = job.communicate(timeout=400)[0]
+    assert job.returncode == 0, out[-6000:]
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,9 @@ service: a bit flipped in one rank's parameters is named from the snapshots' fin
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -24,6 +21,7 @@ from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from elasticft.events import EventLog, read_events
 from tests.conftest import ROOT, free_port
+from tests.forked import killed, start_forked
 
 # The training every worker below shares: after the optimizer step of step FLIP_STEP, rank
 # FLIP_RANK flips mantissa bit 16 of one weight (what a device that computes a wrong value leaves
@@ -106,46 +104,15 @@ _HSDP_WORKER = textwrap.dedent("""
 """) + _LOOP
 
 
-# Starts one job's workers from one interpreter that imported torch and elasticft.ckpt once:
-# it forks a child per environment (argv[2], JSON), the child runs the worker's code (argv[1])
-# under it, and it exits 0 once every child has exited 0. A fresh interpreter per worker would
-# import torch each time (about 2 s of CPU); elasticft-run's warm template forks its workers the
-# same way. Nothing here has started a thread before the fork.
-_FORKER = textwrap.dedent("""
-    import json, os, sys, traceback
-    import torch, torch.distributed.checkpoint.state_dict, torch.distributed.fsdp
-    import torch.nn.parallel
-    import elasticft.ckpt
-    script, envs = sys.argv[1], json.loads(sys.argv[2])
-    children = []
-    for env in envs:
-        pid = os.fork()
-        if pid:
-            children.append(pid)
-            continue
-        code = 1
-        try:
-            os.environ.clear()
-            os.environ.update(env)
-            exec(compile(script, "<worker>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
-    print("worker exit codes:", codes, file=sys.stderr, flush=True)
-    sys.exit(0 if codes == [0] * len(codes) else 1)
-""")
+# What the workers of _run import, imported once before they are forked.
+WORKER_IMPORTS = ("torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
+                  "torch.nn.parallel", "elasticft.ckpt")
 
 
 def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
          every: int = 2, script: str = _WORKER, nodes: int = 1) -> list[dict]:
-    """Runs ``world`` workers on ``nodes`` checkpoint services (agents' stand-ins in this
+    """Runs ``world`` workers (forked from one interpreter: :mod:`tests.forked`) on ``nodes``
+    checkpoint services (agents' stand-ins in this
     process; with several, joined by a TCPStore as the round's store), ticking them as an
     agent's monitor does; the sdc events they logged.
 
@@ -169,38 +136,33 @@ def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
                                 run_dir=tmp_path if nodes == 1 else tmp_path / f"n{n}",
                                 round=0, group_rank=n, group_world_size=nodes, restart_count=0,
                                 workers=workers))
-    job: subprocess.Popen | None = None
     port = free_port()
     try:
-        envs = []
+        children = []
         for service, group in zip(services, groups, strict=True):
             service.on_rendezvous(group, stores[group.group_rank] if stores else None)
             service.on_workers_started(group)
-            envs += [dict(job_env, **service.worker_env(group, worker),
-                          RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
-                          WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
-                          FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="0.5", STEPS="6")
-                     for worker in group.workers]
-        job = subprocess.Popen([sys.executable, "-c", _FORKER, script, json.dumps(envs)],
-                               env=dict(job_env, PYTHONPATH=str(ROOT)), cwd=ROOT,
-                               start_new_session=True)
-        deadline = time.monotonic() + 150
-        while job.poll() is None:
-            assert time.monotonic() < deadline, "the job did not finish"
-            for service, group in zip(services, groups, strict=True):
-                service.check(group)
-            time.sleep(0.05)
-        assert job.returncode == 0, "a worker failed (its exit codes are printed above)"
+            children += [(dict(job_env, **service.worker_env(group, worker),
+                               RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
+                               WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
+                               FLIP_RANK=str(flip_rank), FLIP_STEP="3", STEP_S="0.5",
+                               STEPS="6"), ["-c", script])
+                         for worker in group.workers]
+        job = start_forked(children, WORKER_IMPORTS, dict(job_env, PYTHONPATH=str(ROOT)), ROOT)
+        with killed(job):
+            deadline = time.monotonic() + 150
+            while job.poll() is None:
+                assert time.monotonic() < deadline, "the job did not finish"
+                for service, group in zip(services, groups, strict=True):
+                    service.check(group)
+                time.sleep(0.05)
+        assert job.returncode == 0, "a worker failed (see its output)"
         for service, group in zip(services, groups, strict=True):
             service.check(group)
         for service in services:
             service.fingerprints.wait(30)
     finally:
-        if job is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
         for service in services:
             service.close()
     return [e for e in read_events(tmp_path / "events") if e["kind"].startswith("sdc_")]
