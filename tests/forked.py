@@ -74,13 +74,17 @@ def start_forked(children: Sequence[tuple[Mapping[str, str], Sequence[str]]],
                             cwd=cwd, start_new_session=True, **popen)  # type: ignore[arg-type]
 
 
+def stop(job: subprocess.Popen) -> None:
+    """SIGKILLs ``job`` (:func:`start_forked`) and its children if still there; waits for it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+
+
 @contextlib.contextmanager
 def killed(job: subprocess.Popen) -> Iterator[subprocess.Popen]:
-    """``job`` (:func:`start_forked`), it and its children SIGKILLed on the way out if still
-    there."""
+    """``job`` (:func:`start_forked`), stopped (:func:`stop`) on the way out."""
     try:
         yield job
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        stop(job)
