@@ -22,8 +22,9 @@ import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-# argv[1]: JSON {"preload": [module, ...], "children": [{"env": {...}, "argv": [...]}, ...]}.
-# Exits 0 once every child has exited 0; prints the children's exit statuses otherwise.
+# argv[1]: JSON {"preload": [module, ...], "children": [{"env": {...}, "argv": [...]}, ...],
+# "codes": a file or null}. Exits 0 once every child has exited 0; prints the children's exit
+# statuses otherwise; writes them (JSON, as Popen.returncode gives them) to "codes" if given.
 _FORKER = textwrap.dedent("""
     import importlib, json, os, runpy, sys, traceback
     spec = json.loads(sys.argv[1])
@@ -55,6 +56,9 @@ _FORKER = textwrap.dedent("""
             sys.stderr.flush()
             os._exit(code)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    if spec["codes"]:
+        with open(spec["codes"], "w") as out:
+            json.dump(codes, out)
     if codes != [0] * len(codes):
         sys.exit(f"the forked children's exit statuses: {codes}")
 """)
@@ -62,12 +66,14 @@ _FORKER = textwrap.dedent("""
 
 def start_forked(children: Sequence[tuple[Mapping[str, str], Sequence[str]]],
                  preload: Sequence[str], env: Mapping[str, str], cwd: Path,
-                 **popen: object) -> subprocess.Popen:
+                 codes: Path | None = None, **popen: object) -> subprocess.Popen:
     """One process per ``(environment, argv)`` in ``children`` (argv as after ``python``:
     ``[SCRIPT, ARG...]`` or ``["-c", CODE, ARG...]``), forked from one interpreter (run with
     ``env`` in ``cwd``) that imported ``preload`` first. The returned process exits 0 once
-    every child has exited 0; the children are in its process group (:func:`killed`)."""
-    spec = {"preload": list(preload),
+    every child has exited 0, having written the children's exit statuses (a list, negative
+    for a signal) to ``codes`` where given; the children are in its process group
+    (:func:`killed`)."""
+    spec = {"preload": list(preload), "codes": str(codes) if codes else None,
             "children": [{"env": dict(child_env), "argv": list(argv)}
                          for child_env, argv in children]}
     return subprocess.Popen([sys.executable, "-c", _FORKER, json.dumps(spec)], env=dict(env),
