@@ -21,6 +21,7 @@ import sys
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 # argv[1]: JSON {"preload": [module, ...], "children": [{"env": {...}, "argv": [...]}, ...],
 # "codes": a file or null}. Exits 0 once every child has exited 0; prints the children's exit
@@ -66,7 +67,7 @@ _FORKER = textwrap.dedent("""
 
 def start_forked(children: Sequence[tuple[Mapping[str, str], Sequence[str]]],
                  preload: Sequence[str], env: Mapping[str, str], cwd: Path,
-                 codes: Path | None = None, **popen: object) -> subprocess.Popen:
+                 codes: Path | None = None, **popen: Any) -> subprocess.Popen:
     """One process per ``(environment, argv)`` in ``children`` (argv as after ``python``:
     ``[SCRIPT, ARG...]`` or ``["-c", CODE, ARG...]``), forked from one interpreter (run with
     ``env`` in ``cwd``) that imported ``preload`` first. The returned process exits 0 once
@@ -77,7 +78,7 @@ def start_forked(children: Sequence[tuple[Mapping[str, str], Sequence[str]]],
             "children": [{"env": dict(child_env), "argv": list(argv)}
                          for child_env, argv in children]}
     return subprocess.Popen([sys.executable, "-c", _FORKER, json.dumps(spec)], env=dict(env),
-                            cwd=cwd, start_new_session=True, **popen)  # type: ignore[arg-type]
+                            cwd=cwd, start_new_session=True, **popen)
 
 
 def stop(job: subprocess.Popen) -> None:
