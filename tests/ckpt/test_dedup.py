@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from elasticft.ckpt import WorkerSettings
 from elasticft.ckpt.memory import shm
 from elasticft.ckpt.memory.shm import SlotSet, segment_prefix
 from elasticft.ckpt.persisting import durable
+from tests.forked import killed, start_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("dedup_job.py")
@@ -31,15 +31,20 @@ STEPS = 3
 
 
 def _run(mode: str, tmp: Path, token: str, env: dict[str, str]) -> list[int]:
+    """The two ranks' exit statuses; they are forked from one interpreter (:mod:`tests.forked`)."""
     init = tmp / f"init-{mode}-{uuid.uuid4().hex[:6]}"
-    procs = [subprocess.Popen([sys.executable, str(JOB), mode, str(rank), str(init), token,
-                               str(os.getpid()), str(tmp)], cwd=ROOT,
-                              env=dict(env, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outs = [p.communicate(timeout=150)[0] for p in procs]
-    codes = [p.returncode for p in procs]
-    assert all(c in (0, -signal.SIGKILL) for c in codes), "\n".join(o[-3000:] for o in outs)
-    return codes
+    codes = tmp / f"codes-{init.name}.json"
+    env = dict(env, PYTHONPATH=str(ROOT))
+    ranks = [(env, [str(JOB), mode, str(rank), str(init), token, str(os.getpid()), str(tmp)])
+             for rank in (0, 1)]
+    with killed(start_forked(ranks, ("tests.ckpt.dedup_job",), env, ROOT, codes=codes,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)) as job:
+        out = job.communicate(timeout=150)[0]
+    assert codes.exists(), out[-6000:]
+    statuses = json.loads(codes.read_text())
+    assert all(c in (0, -signal.SIGKILL) for c in statuses), out[-6000:]
+    return statuses
 
 
 def _assert_same(actual: dict, expected: dict) -> None:

@@ -21,6 +21,7 @@ from elasticft.ckpt.persisting import durable
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
 from tests.conftest import free_port
+from tests.forked import start_forked, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,19 +51,21 @@ def test_checkpoint_now_reaches_workers_stuck_in_a_collective(tmp_path: Path, jo
     workers = tuple(WorkerInfo(local_rank=r, global_rank=r, world_size=2) for r in range(2))
     group = GroupInfo(run_id="svc-test", node_id="n0", run_dir=tmp_path, round=0, group_rank=0,
                       group_world_size=1, restart_count=0, workers=workers)
-    procs = []
     port = free_port()
+    job = None
     try:
         service.on_workers_started(group)
-        for worker in workers:
-            env = dict(job_env, **service.worker_env(group, worker), RANK=str(worker.global_rank),
-                       LOCAL_RANK=str(worker.local_rank), WORLD_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       READY=str(tmp_path / "ready"), PYTHONPATH=str(ROOT))
-            procs.append(subprocess.Popen([sys.executable, "-c", _WORKER], env=env, cwd=ROOT))
+        ranks = [(dict(job_env, **service.worker_env(group, worker),
+                       RANK=str(worker.global_rank), LOCAL_RANK=str(worker.local_rank),
+                       WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       READY=str(tmp_path / "ready"), PYTHONPATH=str(ROOT)), ["-c", _WORKER])
+                 for worker in workers]
+        # Forked from one interpreter that imported torch once (tests.forked).
+        job = start_forked(ranks, ("torch.distributed", "elasticft.ckpt"),
+                           dict(job_env, PYTHONPATH=str(ROOT)), ROOT)
         deadline = time.monotonic() + 100
         while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            assert time.monotonic() < deadline and job.poll() is None
             time.sleep(0.1)
         time.sleep(0.5)  # rank 0 is now blocked inside all_reduce
         assert service.newest_common_step(group) == 3
@@ -78,9 +81,8 @@ def test_checkpoint_now_reaches_workers_stuck_in_a_collective(tmp_path: Path, jo
         held = {p: p.stat().st_ino for p in slot_files if p.stat().st_size > 0}
         assert held, "the workers' snapshots are in the agent's unnamed files"
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        if job is not None:
+            stop(job)
         service.close()
     assert all(not p.exists() or p.stat().st_ino != ino for p, ino in held.items()), \
         "the service lets go of its memory at the end"

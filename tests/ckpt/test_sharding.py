@@ -15,16 +15,14 @@ state after step 3 equal the uninterrupted run's. The rows run on 2 ranks, the 2
 (2 x 2 meshes). Each row's durable checkpoint is then restored at another world size (2 -> 1,
 4 -> 2), resharded by ``dcp.load``, and its gathered state must equal the saved one. Last,
 the example trained with FSDP2 under ``elasticft-run`` survives a SIGKILL with every loss equal
-to an uninterrupted run's.
+to an uninterrupted run's, and that run relaunched on fewer workers resumes resharded.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,27 +31,29 @@ import pytest
 
 from elasticft.ckpt.memory import shm
 from tests.ckpt.shard_job import ROWS, TIERS
+from tests.forked import killed, start_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("shard_job.py")
 WORLD = {"plain": 2, "ddp": 2, "fsdp2": 2, "fsdp2-no-reshard": 2, "fsdp2-tp": 4, "hsdp": 4}
 """The world size each row is trained at (the 2-D rows need a 2 x 2 mesh)."""
+SHARD_JOB_IMPORTS = ("tests.ckpt.shard_job",)
+"""What the ranks import, imported once before they are forked (the job's own module: its
+imports are the heavy part)."""
 SHARDED = {"fsdp2", "fsdp2-no-reshard", "fsdp2-tp", "hsdp"}
 
 
 def _launch(world: int, tmp: Path, tasks: list[str], env: dict[str, str]) -> None:
+    """``world`` ranks of :mod:`tests.ckpt.shard_job` doing ``tasks``, forked from one
+    interpreter (:mod:`tests.forked`)."""
     init = tmp / f"init-{uuid.uuid4().hex[:8]}"
-    procs = [subprocess.Popen([sys.executable, str(JOB), str(rank), str(world), str(init),
-                               str(os.getpid()), str(tmp), *tasks], cwd=ROOT,
-                              env=dict(env, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(world)]
-    try:
-        outs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    env = dict(env, PYTHONPATH=str(ROOT))
+    ranks = [(env, [str(JOB), str(rank), str(world), str(init), str(os.getpid()), str(tmp),
+                    *tasks]) for rank in range(world)]
+    with killed(start_forked(ranks, SHARD_JOB_IMPORTS, env, ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)) as job:
+        out = job.communicate(timeout=400)[0]
+    assert job.returncode == 0, out[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +78,31 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """An uninterrupted run of examples/train_elasticft.py --fsdp2 on 2 workers, made once for
-    the module: a step's loss does not depend on ``--steps`` (no schedule looks at the total),
-    so its first N steps are the losses of any uninterrupted N-step run of the same script."""
-    from tests.ckpt.test_recovery import _run
+    the module, one step longer than the crashed run: a step's loss does not depend on
+    ``--steps`` (no schedule looks at the total), so its first N steps are the losses of any
+    uninterrupted N-step run of the same script, and its last one is what the crashed run's
+    relaunch on fewer workers takes next."""
+    from tests.ckpt.test_recovery import STEPS, _run
     from tests.conftest import clean_job_env
 
     _, losses = _run(tmp_path_factory.mktemp("fsdp2-reference"), "reference", clean_job_env(),
-                     "--fsdp2")
+                     "--fsdp2", "--steps", str(STEPS + 1))
     return losses
+
+
+@pytest.fixture(scope="module")
+def fsdp2_crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[int, str]]:
+    """examples/train_elasticft.py with --fsdp2 (fully_shard on each block and the root), a
+    snapshot every step, rank 1 SIGKILLed after its save of step 6 on 2 gloo workers, run once
+    for the module: its run directory (its last step persisted when it ended), its output and
+    its losses. One test checks the recovery, the other relaunches the run on fewer workers."""
+    from tests.ckpt.test_recovery import _run
+    from tests.conftest import clean_job_env
+
+    tmp = tmp_path_factory.mktemp("fsdp2-crash")
+    text, losses = _run(tmp, "crash", clean_job_env(), "--fsdp2", "--crash-at-step", "6",
+                        "--fault-rank", "1", "--crash-mode", "after-save")
+    return tmp / "crash", text, losses
 
 
 def _cells(table: Path, row: str, name: str) -> list[dict[str, Any]]:
@@ -156,46 +173,40 @@ def test_a_sharded_snapshot_into_an_unsharded_model_is_one_error_naming_the_tens
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_an_fsdp2_worker_sigkilled_under_elasticft_run_resumes_with_identical_losses(
-    tmp_path: Path, job_env: dict[str, str], fsdp2_reference: dict[int, str]
+    fsdp2_crashed: tuple[Path, str, dict[int, str]], fsdp2_reference: dict[int, str]
 ) -> None:
-    """examples/train_elasticft.py with --fsdp2 (fully_shard on each block and the root), a
-    snapshot every step, rank 1 SIGKILLed after its save of step 6 on 2 gloo workers."""
-    from tests.ckpt.test_recovery import _run
+    from tests.ckpt.test_recovery import STEPS
 
-    reference = fsdp2_reference
-    text, resumed = _run(tmp_path, "crash", job_env, "--fsdp2", "--crash-at-step", "6",
-                         "--fault-rank", "1", "--crash-mode", "after-save")
+    _, text, resumed = fsdp2_crashed
     assert "signal SIGKILL" in text
     assert "resumed from step 6 (source=memory)" in text, text[-4000:]
-    assert sorted(reference) == list(range(1, 11))
-    assert resumed == reference  # bitwise (losses logged with repr)
+    assert sorted(fsdp2_reference) == list(range(1, STEPS + 2))
+    # bitwise (losses logged with repr)
+    assert resumed == {step: fsdp2_reference[step] for step in range(1, STEPS + 1)}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_an_fsdp2_job_relaunched_on_fewer_workers_resumes_from_its_checkpoint_resharded(
-    tmp_path: Path, job_env: dict[str, str], fsdp2_reference: dict[int, str]
+    tmp_path: Path, job_env: dict[str, str], fsdp2_crashed: tuple[Path, str, dict[int, str]],
+    fsdp2_reference: dict[int, str]
 ) -> None:
-    """6 steps on 2 workers, then the same command on 1: the second launch resumes from step 6
-    of the first, resharded by dcp.load, and its first loss (rank 0's batch through the
-    restored parameters) is an uninterrupted 2-worker run's step 7 loss, bit for bit."""
+    """The crashed run (10 steps on 2 workers, its last step persisted when it ended) launched
+    again in its run directory on 1 worker for one more step: it resumes from step 10, resharded
+    by dcp.load, and its first loss (rank 0's batch through the restored parameters) is an
+    uninterrupted 2-worker run's step 11 loss, bit for bit."""
+    from tests.ckpt.test_recovery import STEPS
     from tests.conftest import BIN, EXAMPLES
 
-    ckpt_dir = tmp_path / "ckpt"
-
-    def launch(nproc: int, steps: int, log: Path) -> str:
-        cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
-               str(EXAMPLES / "train_elasticft.py"), "--fsdp2", "--steps", str(steps),
-               "--ckpt-dir", str(ckpt_dir), "--loss-log", str(log)]
-        out = subprocess.run(cmd, env=job_env, capture_output=True, text=True, timeout=200,
-                             cwd=tmp_path)
-        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-        return out.stdout + out.stderr
-
-    launch(2, 6, tmp_path / "first.loss")
-    text = launch(1, 7, tmp_path / "second.loss")
-    assert "resumed from step 6 (source=reshard)" in text, text[-4000:]
-    def losses(name: str) -> dict[str, str]:
-        return dict(line.split() for line in (tmp_path / name).read_text().splitlines())
-
-    assert losses("second.loss") == {"7": fsdp2_reference[7]}
+    run_dir, _, _ = fsdp2_crashed
+    log = tmp_path / "relaunch.loss"
+    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "1", "--run-dir",
+           str(run_dir), str(EXAMPLES / "train_elasticft.py"), "--fsdp2", "--steps",
+           str(STEPS + 1), "--loss-log", str(log)]
+    out = subprocess.run(cmd, env=job_env, capture_output=True, text=True, timeout=200,
+                         cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert f"resumed from step {STEPS} (source=reshard)" in text, text[-4000:]
+    losses = dict(line.split() for line in log.read_text().splitlines())
+    assert losses == {str(STEPS + 1): fsdp2_reference[STEPS + 1]}

@@ -120,13 +120,14 @@ def test_nan_loss_is_detected_and_restarted(tmp_path, job_env):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_busy_rank_and_slow_first_step_are_not_hangs(tmp_path, job_env):
-    """Default options. Rank 0 sleeps before its first step (slow data), then computes 15 s
-    outside collectives (five times the 3 s stuck-collective floor; bench/hang.py runs 40 s)
-    while rank 1 waits in the next all-reduce: neither is a hang, and the wait is reported
-    with who is waited for."""
+    """Default options. Rank 0 sleeps before its first step (slow data), then computes 9 s
+    outside collectives (three times the 3 s stuck-collective floor, so that verdicts are
+    taken for 6 s past it; a busy loop burns a core: bench/hang.py runs 40 s) while rank 1
+    waits in the next all-reduce: neither is a hang, and the wait is reported with who is
+    waited for."""
     proc, run_dir, log = _launch(
         tmp_path, job_env, [],
-        ["--steps", "20", "--first-step-sleep", "8", "--busy-at", "12", "--busy-s", "15"])
+        ["--steps", "20", "--first-step-sleep", "8", "--busy-at", "12", "--busy-s", "9"])
     assert proc.wait(timeout=200) == 0, log.read_text()[-3000:]
     assert "finished 20 steps" in log.read_text()
     events = read_events(run_dir)

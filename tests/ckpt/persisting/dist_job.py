@@ -1,4 +1,5 @@
-"""A torchrun job for the resharding test: ``save DIR`` on one world size, ``load DIR`` on another.
+"""A gloo job (env:// ranks) for the resharding test: ``save DIR`` on one world size,
+``load DIR`` on another.
 
 save: DDP model + AdamW (each replica stored once) + a DTensor sharded over all ranks,
 checkpointed by a process-owned Checkpointer that persists every step. load: ``dcp.load`` (no
