@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.extras import MissingExtra
-from tests.conftest import BIN
+from tests.conftest import BIN, ROOT
 
 WORKER = Path(__file__).parent / "agent" / "workers" / "sleep_forever.py"
 ETCD_ARGS = ["--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
@@ -39,42 +39,25 @@ runpy.run_path({script!r}, run_name="__main__")
 # exit status of RUNNER's code run in a child forked for it, as ``python -c`` would exit (an
 # exception: its traceback and 1); a case still running after 120 s is killed (-9).
 FORK_SERVER = """
-import json, os, signal, sys, time, traceback
+import json, os, signal, sys, time
 import torch.distributed.run  # what the entry points' parsers are built from
+from tests.forked import exit_as_python
 
 def run(case):
     pid = os.fork()
-    if pid:
-        deadline = time.monotonic() + 120
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return os.waitstatus_to_exitcode(status)
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-            time.sleep(0.02)
-    code = 1
-    try:
-        os.chdir(case["cwd"])
-        os.environ.clear()
-        os.environ.update(case["env"])
-        for fd, path in ((1, case["stdout"]), (2, case["stderr"])):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(target, fd)
-            os.close(target)
-        try:
-            exec(compile(case["code"], "<string>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as e:  # what the interpreter does with sys.exit(e.code)
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-            if not isinstance(e.code, int) and e.code is not None:
-                print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if not pid:
+        exit_as_python(lambda: exec(compile(case["code"], "<string>", "exec"),
+                                    {"__name__": "__main__"}),
+                       env=case["env"], cwd=case["cwd"], stdout=case["stdout"],
+                       stderr=case["stderr"])
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
 
 for line in sys.stdin:
     print(run(json.loads(line)), flush=True)
@@ -84,7 +67,7 @@ for line in sys.stdin:
 @pytest.fixture(scope="module")
 def fork_server() -> Iterator[subprocess.Popen[str]]:
     server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
     yield server
     server.stdin.close()  # the server ends after its case in progress, which ends within 120 s
     try:

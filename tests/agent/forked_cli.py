@@ -2,10 +2,10 @@
 interpreter that has imported torch once: what the console script does (``sys.exit(main())``
 with ``sys.argv`` set), with the case's own working directory, environment, stdout and stderr.
 
-``python forked_cli.py CASES.json``: CASES is a list of ``{"argv", "env", "cwd", "stdout",
-"stderr"}`` (the two streams are file paths); it writes each case's exit code, in order, to
-``CASES.json.codes``. A usage error is answered before anything starts, so the cases cannot
-disturb each other; forking them spares each a ~2 s torch import.
+``python -m tests.agent.forked_cli CASES.json`` (from the checkout's root): CASES is a list of
+``{"argv", "env", "cwd", "stdout", "stderr"}`` (the two streams are file paths); it writes each
+case's exit code, in order, to ``CASES.json.codes``. A usage error is answered before anything
+starts, so the cases cannot disturb each other; forking them spares each a ~2 s torch import.
 """
 
 from __future__ import annotations
@@ -13,49 +13,22 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch.distributed.run  # noqa: F401  (what every case's parser is built from)
 
 from elasticft.run import main
-
-
-def _exit_code(code: object) -> int:
-    """The interpreter's exit status for ``sys.exit(code)``."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
+from tests.forked import exit_as_python
 
 
 def _run_case(case: dict) -> int:
     pid = os.fork()
-    if pid:
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status)
-    code = 1  # an exception out of main(): Python prints its traceback and exits 1
-    try:
-        os.chdir(case["cwd"])
-        os.environ.clear()
-        os.environ.update(case["env"])
-        for fd, path in ((1, case["stdout"]), (2, case["stderr"])):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(target, fd)
-            os.close(target)
+    if not pid:
         sys.argv = ["elasticft-run", *case["argv"]]
-        try:
-            code = _exit_code(main())
-        except SystemExit as e:
-            code = _exit_code(e.code)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_as_python(lambda: sys.exit(main()), env=case["env"], cwd=case["cwd"],
+                       stdout=case["stdout"], stderr=case["stderr"])
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.ckpt.memory import shm
-from tests.conftest import BIN, EXAMPLES, clean_job_env
+from tests.conftest import BIN, EXAMPLES, ROOT, clean_job_env
 
 pytestmark = pytest.mark.slow  # the answers fixture: four interpreters that import torch
 SCRIPT = str(EXAMPLES / "train_plain.py")
@@ -87,8 +87,8 @@ def answers(tmp_path_factory: pytest.TempPathFactory
         cases = streams / "cases.json"
         cases.write_text(json.dumps(forked))
         running["forked"] = (subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("forked_cli.py")), str(cases)],
-            env=clean_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            [sys.executable, "-m", "tests.agent.forked_cli", str(cases)], env=clean_job_env(),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
             cases.parent)
         # One deadline for all: torch imports at once on two loaded cores take minutes.
         deadline = time.monotonic() + ANSWER_DEADLINE_S
