@@ -4,8 +4,7 @@ run as a script (``parity.py CASE``) and as a function entrypoint (``main(CASE)`
 Rank 1 fails once the group has formed: ``user_error`` raises on every attempt; ``kill``
 (SIGKILL) and ``hang`` (SIGSTOP while rank 0 waits in an all-reduce) on the first attempt
 only, so the restarted group finishes. ``repeat`` raises in elasticft-independent code before
-any step, on every attempt. ``table`` is the table's three failures in one run, one attempt
-each in the order of :data:`TABLE`, so that one launch per launcher judges them all.
+any step, on every attempt.
 """
 
 from __future__ import annotations
@@ -22,19 +21,10 @@ def load_data() -> None:
     raise RuntimeError("the data set is empty")
 
 
-TABLE = ("kill", "hang", "user_error")
-"""The failure of each attempt of a ``table`` run: the restarted ones first, the one that stops
-last."""
-
-
 def main(case: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    first = attempt == 0
-    if case == "table":
-        # Each failure on an attempt of its own: a restarted attempt fails as the first would.
-        case, first = TABLE[min(attempt, len(TABLE) - 1)], True
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     t = torch.ones(1)
     dist.all_reduce(t)
     if rank == 1 and case == "user_error":
