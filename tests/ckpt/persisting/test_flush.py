@@ -1,7 +1,6 @@
-"""End to end under elasticft-run: with ~0.5 GB of state, the flush on failure is not in front of
-the restart and waits for the restarted workers' restore and first step, and a slow persister
-(its copies slowed by the test seam) never costs a snapshot; with two memory slots, a save that
-finds no free slot is skipped, warned, counted and reported."""
+"""End to end under elasticft-run, ~0.5 GB of state: the flush on failure is not in front of the
+restart and waits for the restarted workers' restore and first step, and a slow persister (its
+copies slowed by the test seam) never costs a snapshot."""
 
 from __future__ import annotations
 
@@ -79,12 +78,11 @@ def test_with_two_slots_a_skipped_snapshot_is_warned_counted_and_reported(
     env = dict(job_env, **{COPY_DELAY_ENV: "2"})
     run_dir = tmp_path / "run"
     # Each persist holds a slot for 2 s at least, longer than a step: from the third step or so
-    # on, some saves find no free slot (8 steps: several chances on a loaded host too). The
-    # example's own small model: the seam's delay, not the state's size, keeps the slot held.
+    # on, some saves find no free slot (8 steps: several chances on a loaded host too).
     cmd = [*tuned_run({"ckpt_memory_slots": 2}), "--standalone", "--nproc-per-node", "2",
            "--run-dir", str(run_dir), "--ckpt-persist-every", "1",
            "--monitor-interval", "0.2",
-           str(EXAMPLES / "train_elasticft.py"), "--steps", "8"]
+           str(EXAMPLES / "train_elasticft.py"), "--steps", "8", *MODEL]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
