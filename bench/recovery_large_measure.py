@@ -37,9 +37,12 @@ def _launcher(name: str) -> list[str]:
 
 
 def _records(log: Path) -> list[dict[str, Any]]:
+    """The whole records of the workers' log: one still being written (or torn by the kill),
+    the text after the last newline, is not one yet."""
     if not log.exists():
         return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    whole = log.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
 def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:

@@ -414,7 +414,9 @@ def test_evict_blacklists_the_node_and_the_job_redoes_the_steps_from_the_agreed_
     job_dir.mkdir()
     script = job_dir / "train.py"
     script.write_text(_WORKER)
-    env = {**job_env, "PYTHONPATH": str(ROOT), "STEP_S": "0.5", "STEPS": str(steps),
+    # A step waits 1 s, so a memory slot holds a step for 3 s: time enough, on a loaded machine,
+    # for the agents to compare step 6 or 8 (a clean-clone run at 0.5 s compared only step 10).
+    env = {**job_env, "PYTHONPATH": str(ROOT), "STEP_S": "1.0", "STEPS": str(steps),
            "FLIP_RANK": "3", "FLIP_STEP": "5", "FLIP_ONCE": str(tmp_path / "flipped"),
            "LOSS_LOG": str(job_dir / "loss.log")}
     remote = tmp_path / "remote"
