@@ -54,10 +54,13 @@ def main() -> None:
             state = capture(model, optim, {"step": step}, rng=False)
             state["table"] = table
             ckpt.save(step, state).wait(60)
+        # Every rank waits for step 2's commit before its close(), which would end a persist
+        # still under way (a loaded machine: a rank closed before its part of step 2 was on disk).
+        deadline = time.monotonic() + 120
+        while 2 not in durable.committed_steps(root):
+            assert time.monotonic() < deadline, f"rank {rank}: step 2 not committed in 120 s"
+            time.sleep(0.05)
         if rank == 0:
-            deadline = time.monotonic() + 60
-            while 2 not in durable.committed_steps(root) and time.monotonic() < deadline:
-                time.sleep(0.05)
             torch.save({k: v for k, v in model.module.state_dict().items()}, root / "expected.pt")
         ckpt.close()
     else:
