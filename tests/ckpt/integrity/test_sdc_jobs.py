@@ -112,9 +112,8 @@ WORKER_IMPORTS = ("torch.distributed.checkpoint.state_dict", "torch.distributed.
 def _run(tmp_path: Path, job_env: dict[str, str], world: int, flip_rank: int,
          every: int = 2, script: str = _WORKER, nodes: int = 1) -> list[dict]:
     """Runs ``world`` workers (forked from one interpreter: :mod:`tests.forked`) on ``nodes``
-    checkpoint services (agents' stand-ins in this
-    process; with several, joined by a TCPStore as the round's store), ticking them as an
-    agent's monitor does; the sdc events they logged.
+    checkpoint services (agents' stand-ins in this process; with several, joined by a TCPStore
+    as the round's store), ticking them as an agent's monitor does; the sdc events they logged.
 
     A step waits 0.5 s: the services, ticked every 0.05 s, see each fingerprinted step while
     the workers' three memory slots still hold it (for 1.5 s at least)."""
