@@ -150,6 +150,15 @@ def ending_status(pid: int) -> int | None:
         return None
 
 
+def continue_stopped(pids: Sequence[int | None]) -> None:
+    """SIGCONTs each of the processes that is stopped (SIGSTOP): one ignores a SIGTERM until
+    it is continued, which would make its stop wait for the whole shutdown timeout."""
+    for pid in pids:
+        if pid and state(pid) in STOPPED_STATES:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 18)
+
+
 def kill(procs: Sequence[Any]) -> None:
     """SIGKILLs (and continues, if stopped) each ``Popen`` still running."""
     for proc in procs:

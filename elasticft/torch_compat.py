@@ -395,21 +395,26 @@ def replace_stderr_tail(context: Any, make: Callable[..., Any]) -> Any:
 # ------------------------------------------------------------------------------------------------
 # Rendezvous and checkpoint internals.
 
-def keeps_one_store(handler: Any, nodes: int | None) -> bool:
-    """torch's static rendezvous of one node: one TCP store for every round, which its
-    ``use_agent_store`` hands the workers of every attempt (the other handlers make a store, or
-    a prefix, a round). Across nodes a static rendezvous cannot restart together at all: a node
-    that restarts meets no new round of the others."""
+def agent_hosts_worker_store(handler: Any, nodes: int | None) -> bool:
+    """Whether elasticft's agent hosts the workers' ``env://`` store each round, not the
+    rendezvous handler. The handler hosts one where it shares its own (``use_agent_store``),
+    except torch's static rendezvous of one node: one store for every round, which its workers
+    of every attempt would meet in (the other handlers make a store, or a prefix, a round;
+    across nodes a static rendezvous cannot restart together at all: a node that restarts meets
+    no new round of the others). Where it shares none (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``,
+    elasticft's default) it only names a free port for the workers' rank 0 to bind, which any
+    process of the machine can take meanwhile (``EADDRINUSE``)."""
+    if not getattr(handler, "use_agent_store", False):
+        return True
     return bool(handler.get_backend() == "static") and nodes == 1
 
 
-def workers_use_agent_store(worker_group: Any) -> bool:
-    """Whether the workers' ``env://`` store is their agent's (``TORCHELASTIC_USE_AGENT_STORE``):
-    as the rendezvous handler says, except for torch's static rendezvous of one node, whose
-    workers elasticft gives a store of their own every round (:func:`keeps_one_store`)."""
-    handler = worker_group.spec.rdzv_handler
-    return (bool(getattr(handler, "use_agent_store", False))
-            and not keeps_one_store(handler, worker_group.group_world_size))
+def workers_share_one_store(worker_group: Any) -> bool:
+    """Whether every round's workers meet in the rendezvous handler's one shared store
+    (``share_tcp_store``), which keeps the old rounds' keys, rather than in a store of the
+    round's own (:func:`agent_hosts_worker_store`)."""
+    return not agent_hosts_worker_store(worker_group.spec.rdzv_handler,
+                                        worker_group.group_world_size)
 
 
 def rendezvous_round(handler: Any, default: int) -> int:
@@ -443,6 +448,18 @@ def bootstrap_store_info(
     """The workers' ``MASTER_ADDR``/``MASTER_PORT`` for a round, agreed through ``store`` (rank
     0 publishes its address and a free port, or ``server_port``), as torch's own handlers do."""
     return RendezvousStoreInfo.build(rank, store, local_addr=local_addr, server_port=server_port)
+
+
+def host_worker_store(rank: int, addr: str, store: Any) -> tuple[RendezvousStoreInfo, Any]:
+    """A round's store for the workers: node rank 0 starts it on a port the system picks and
+    publishes its address through ``store`` (:func:`bootstrap_store_info`), the others read
+    it; returns the address and the store started here (None elsewhere)."""
+    hosted = None
+    if rank == 0:
+        hosted = torch.distributed.TCPStore(addr, 0, is_master=True, multi_tenant=True,
+                                            wait_for_workers=False)
+    info = bootstrap_store_info(rank, store, addr, hosted.port if hosted else None)
+    return info, hosted
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from elasticft import steps, torch_compat
+from elasticft import procs, steps, torch_compat
 from elasticft.addon.api import (
     AgentCollaborator,
     Detection,
@@ -147,6 +147,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._user_error_restarts = 0
         self._attempt = 0
         self._round = -1
+        self._round_stores: list[dist.TCPStore] = []  # the workers' (_host_worker_store)
         self._started_at = 0.0
         self._steady_reported = False
         self._detection: Detection | None = None
@@ -220,9 +221,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         super()._rendezvous(worker_group)
         self._round = torch_compat.rendezvous_round(worker_group.spec.rdzv_handler,
                                                     self._round + 1)
-        if torch_compat.keeps_one_store(worker_group.spec.rdzv_handler,
-                                        worker_group.group_world_size):
-            self._fresh_worker_store(worker_group)
+        if torch_compat.agent_hosts_worker_store(worker_group.spec.rdzv_handler,
+                                                 worker_group.group_world_size):
+            self._host_worker_store(worker_group)
         self.events.emit(
             "rendezvous",
             round=self._round,
@@ -237,23 +238,21 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         group = self.group_info()
         self._each_collaborator("on_rendezvous", lambda c: c.on_rendezvous(group, self._store))
 
-    def _fresh_worker_store(self, worker_group: WorkerGroup) -> None:
-        """Gives this round's workers a store of their own, which their rank 0 hosts on a free
-        port (as torch's c10d rendezvous does), instead of the static rendezvous's one store:
-        every round's workers would meet there, and a restarted rank would read its peers'
-        addresses of the attempt before (gloo: "connection refused"; NCCL: the old unique id)
-        and never form its group."""
-        round_store = dist.PrefixStore(f"elasticft/worker-store/{self._round}", self._store)
-        info = torch_compat.bootstrap_store_info(
-            worker_group.group_rank or 0, round_store, worker_group.master_addr)
+    def _host_worker_store(self, worker_group: WorkerGroup) -> None:
+        """Gives this round's workers a fresh store, which the agent of node rank 0 binds on a
+        port the system picks (:func:`~elasticft.torch_compat.agent_hosts_worker_store` says
+        why); the round before's stays up, for a worker of it still reading."""
+        info, hosted = torch_compat.host_worker_store(
+            worker_group.group_rank or 0, worker_group.master_addr or "127.0.0.1",
+            dist.PrefixStore(f"elasticft/worker-store/{self._round}", self._store))
+        self._round_stores = [*self._round_stores[-1:], *([hosted] if hosted else [])]
         worker_group.master_addr, worker_group.master_port = info.master_addr, info.master_port
 
     def _set_local_rank_env(
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
     ) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
-        worker_env["TORCHELASTIC_USE_AGENT_STORE"] = str(
-            torch_compat.workers_use_agent_store(self._worker_group))
+        worker_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the handler's or this agent's
         worker_env[RUN_DIR_ENV] = str(self.run_dir)
         worker_env[NODE_ID_ENV] = self.node_id
         worker_env[ROUND_ENV] = str(self._round)
@@ -313,6 +312,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
                   timeout: int | None = None) -> None:
+        # Continued only now: an in-process recovery kills a frozen rank, never lets it run on.
+        procs.continue_stopped([w.id for w in self._worker_group.workers])
         # torch < 2.12 calls this without a timeout (its built-in 30 s): honour ours everywhere.
         torch_compat.shutdown_agent(
             self, super()._shutdown, death_sig,

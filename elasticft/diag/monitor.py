@@ -25,11 +25,8 @@ runs on its own thread so that ``check`` stays a few hundred microseconds.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import os
 import re
-import signal
 import statistics
 import threading
 import time
@@ -37,7 +34,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from elasticft import procs
 from elasticft.addon.api import (
     AddOn,
     AddOnContext,
@@ -209,14 +205,6 @@ class DiagMonitor(AgentCollaborator):
             self._health_thread = threading.Thread(target=self._health_loop, daemon=True,
                                                    name="elasticft-diag-health")
             self._health_thread.start()
-
-    def on_failure(self, group: GroupInfo, failures: tuple[Any, ...]) -> None:
-        # A stopped (SIGSTOP) worker ignores the agent's SIGTERM until it is continued, which
-        # would make every restart wait for the whole shutdown timeout.
-        for worker in group.workers:
-            if worker.pid and procs.state(worker.pid) in ("T", "t"):
-                with contextlib.suppress(OSError):
-                    os.kill(worker.pid, signal.SIGCONT)
 
     def on_workers_stopped(self, group: GroupInfo) -> None:
         # Nothing to publish until the next round (and the launcher may close the store now).

@@ -35,7 +35,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from elasticft import torch_compat
 from elasticft.addon.api import Detection
 from elasticft.addon.classify import FailureClass
 from elasticft.addon.policy import ActionKind, ChangeFacts, decide_change
@@ -124,8 +123,7 @@ class AcrossNodes:
         if after == before:
             def publish() -> Generation:
                 return self.coordinator.publish_round(
-                    wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
-                    torch_compat.workers_use_agent_store(wg))
+                    wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1])
 
             if died:  # replaced in the round's generation, as a failed rank is
                 return self._replace_in_process(died, {}, publish)
@@ -150,7 +148,6 @@ class AcrossNodes:
         if in_process:
             return self.coordinator.publish_round(
                 wg.master_addr or "127.0.0.1", wg.master_port or 0, after[0][1],
-                torch_compat.workers_use_agent_store(wg),
                 env={str(lr): env for lr, env in envs.items()}), {}
         self.agent.restart_in_round(action.reason)
         return None

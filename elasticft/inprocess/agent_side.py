@@ -234,7 +234,7 @@ class InProcessRecovery(AcrossNodes):
         why = blocker(
             armed=self.all_armed(), nodes=group.group_world_size,
             recovering=self.recovering, failed=len(replace), workers=len(pids),
-            shared_store=torch_compat.workers_use_agent_store(self._group()),
+            shared_store=torch_compat.workers_share_one_store(self._group()),
             across_nodes=self._across_nodes(), chained=self.chained,
             replaceable=torch_compat.replace_worker_unavailable(self._context()))
         if why is None and replace:

@@ -164,13 +164,13 @@ class InProcessCoordinator:
         return generation
 
     def publish_round(self, master_addr: str, master_port: int, world_size: int,
-                      agent_store: bool, env: Mapping[str, Mapping[str, str]] | None = None
-                      ) -> Generation:
-        """Tells the survivors the workers' store of a new rendezvous round (whose new workers
-        on other nodes meet them there); ``env``: a reshape's variables per local rank."""
+                      env: Mapping[str, Mapping[str, str]] | None = None) -> Generation:
+        """Tells the survivors the workers' store of a new rendezvous round, an agent's (whose
+        new workers on other nodes meet them there); ``env``: a reshape's variables per local
+        rank."""
         self.generation += 1
         generation = Generation(self.generation, master_addr, master_port, world_size,
-                                agent_store, dict(env or {}), self.regroup_by)
+                                dict(env or {}), self.regroup_by)
         generation.write(self.directory)
         self.published = None
         return generation

@@ -231,15 +231,13 @@ def tear_down(backend: str, ops: GroupOps, device: int | None = None) -> str:
 def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
             ops: GroupOps, settings: GroupSettings | None = None) -> None:
     """Joins the generation's group (same backend, rank and world size, and the ``timeout``,
-    ``device_id`` and ``pg_options`` the script gave its own group: ``settings``); rank 0 hosts
-    the store when no agent does, and waits there for the others as torch's ``env://`` store
-    does."""
+    ``device_id`` and ``pg_options`` the script gave its own group: ``settings``), in the
+    store an agent hosts, every rank a client of it."""
     os.environ["MASTER_ADDR"] = generation.master_addr
     os.environ["MASTER_PORT"] = str(generation.master_port)
-    hosts = not generation.agent_store and rank == 0
     store = dist.TCPStore(generation.master_addr, generation.master_port,
-                          world_size=generation.world_size, is_master=hosts,
-                          timeout=timedelta(seconds=timeout_s), multi_tenant=hosts)
+                          world_size=generation.world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
     kwargs = settings.init_kwargs() if settings is not None else {}
     ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
              world_size=generation.world_size, **kwargs)

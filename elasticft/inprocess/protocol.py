@@ -126,9 +126,6 @@ class Generation:
     master_addr: str
     master_port: int
     world_size: int
-    agent_store: bool = True
-    """The store is an agent's (every rank connects as a client); False: rank 0 hosts it, as
-    torch's ``env://`` rendezvous makes it (a new rendezvous round's own address)."""
     env: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
     """A reshape (:mod:`elasticft.inprocess.reshape`): the variables that change for each local
     rank (``RANK``, ``WORLD_SIZE``, the layout's...), which the survivor sets before it regroups
@@ -149,7 +146,6 @@ class Generation:
             return None if record is None else cls(
                 int(record["generation"]), str(record["master_addr"]),
                 int(record["master_port"]), int(record["world_size"]),
-                bool(record.get("agent_store", True)),
                 {str(lr): {str(k): str(v) for k, v in env.items()}
                  for lr, env in dict(record.get("env") or {}).items()},
                 float(record.get("regroup_by") or 0.0))

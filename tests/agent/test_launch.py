@@ -89,10 +89,10 @@ def test_worker_environment_matches_torchrun(tmp_path: Path, job_env: dict[str, 
         differing = {k for k in plain if plain[k] != ours[k]} - run_specific - {"PYTHONPATH"}
         if "PYTHONPATH" in plain:  # the launching environment had one: kept, after the bootstrap
             assert ours["PYTHONPATH"].endswith(os.pathsep + plain["PYTHONPATH"]), ours["PYTHONPATH"]
-        # By design: each attempt's rank 0 hosts a fresh store instead of the agent's shared
-        # one, which keeps stale gloo addresses across restarts (pytorch#135712).
-        assert differing == {"TORCHELASTIC_USE_AGENT_STORE"}, differing
-        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        # The store is an agent's under both (elasticft's a fresh one each round instead of
+        # the handler's shared one, which keeps stale gloo addresses: pytorch#135712).
+        assert differing == set(), differing
+        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                     "ROLE_RANK", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"):
             assert plain[key] == ours[key], key

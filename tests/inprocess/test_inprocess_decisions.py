@@ -185,23 +185,20 @@ def test_a_published_generation_is_a_live_store_the_workers_read(tmp_path: Path)
 
 
 @pytest.mark.timeout(60)
-def test_a_new_rounds_generation_is_hosted_by_rank_0_as_env_init_would(tmp_path: Path) -> None:
-    """A generation of a new rendezvous round (no agent store): the survivor of rank 0 hosts
-    the round's store on the published port, where the other nodes' new workers connect."""
+def test_a_new_rounds_generation_is_joined_in_the_agents_store(tmp_path: Path) -> None:
+    """A generation of a new rendezvous round: the round's store is the one an agent hosts
+    (:meth:`ElasticftAgent._host_worker_store`), where the other nodes' new workers connect;
+    the survivor joins it as a client, its rank 0 too."""
     coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
     coordinator.reset()
-    probe = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    port = probe.port
-    del probe  # a free port, as the rendezvous hands out
-    generation = coordinator.publish_round("127.0.0.1", port, world_size=1, agent_store=False)
+    round_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    generation = coordinator.publish_round("127.0.0.1", round_store.port, world_size=1)
     assert Generation.read(coordinator.directory) == generation
-    assert not generation.agent_store and generation.generation == 1
+    assert generation.generation == 1
     try:
         groups.regroup("gloo", 0, generation, 10.0, GroupOps())
         assert dist.get_world_size() == 1
-        client = dist.TCPStore("127.0.0.1", port, is_master=False)
-        client.set("k", "v")
-        assert client.get("k") == b"v"
+        assert round_store.num_keys() > 0  # the group's keys went to the agent's store
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -420,7 +417,7 @@ def test_a_new_agent_starts_its_workers_in_a_directory_cleared_of_a_dead_agents_
 def test_a_generation_carries_each_local_ranks_new_variables_whole(tmp_path: Path) -> None:
     from elasticft.inprocess.protocol import Generation
 
-    reshaped = Generation(3, "10.0.0.1", 29500, 2, False,
+    reshaped = Generation(3, "10.0.0.1", 29500, 2,
                           {"0": {"RANK": "0", "ELASTICFT_DP": "1"}, "1": {"RANK": "1"}})
     reshaped.write(tmp_path)
     assert Generation.read(tmp_path) == reshaped
@@ -439,7 +436,7 @@ def test_every_generation_tells_the_workers_the_agents_deadline_of_the_regroup(
         coordinator.regroup_by = 1000.0 + coordinator.join_limit_s  # the recovery's deadline
         published = coordinator.publish("127.0.0.1", 2)
         adopted = coordinator.adopt("10.0.0.1", 29500, 2)
-        round_ = coordinator.publish_round("10.0.0.1", 29500, 2, False, {"0": {"RANK": "0"}})
+        round_ = coordinator.publish_round("10.0.0.1", 29500, 2, {"0": {"RANK": "0"}})
         for generation in (published, adopted, round_):
             assert generation.regroup_by == 1007.0
         assert Generation.read(coordinator.directory) == round_  # what the survivor reads
