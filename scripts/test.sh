@@ -4,11 +4,10 @@
 # Extra arguments go to the full suite's pytest runs, e.g. `scripts/test.sh -m "not slow"`.
 # ELASTICFT_COMPAT_TORCH picks the second release (default 2.14.1, from the local pip index);
 # set it to "none" to leave that run out (it is then reported as left out, never passed).
-# TEST_WORKERS sets how many pytest-xdist workers share the full suite's run (default 3; each
+# TEST_WORKERS sets how many pytest-xdist workers share the full suite's run (default 4; each
 # takes whole test files; 0 runs everything in one process). The multi-process tests wait on real
-# processes part of the time, so three at a time keep 2 cores busy (four finish sooner, but their
-# load makes a few timing-bound tests fail now and then); the smoke subset on the second torch
-# runs beside them (one worker), and the tests marked `serial` run alone at the end. (Not an
+# processes part of the time, so four at a time keep 2 cores busy; the smoke subset on the second
+# torch runs beside them (one worker), and the tests marked `serial` run alone at the end. (Not an
 # ELASTICFT_* variable: elasticft-run refuses ELASTICFT_* names it does not know, and the tests
 # launch it.)
 # Exit status: non-zero when either run fails; each run's status is printed at the end.
@@ -19,7 +18,7 @@ cd "$(dirname "$0")/.."
 # each) and each launched interpreter compile what it imports from the checkout.
 unset PYTHONDONTWRITEBYTECODE
 COMPAT_TORCH=${ELASTICFT_COMPAT_TORCH:-2.14.1}
-TEST_WORKERS=${TEST_WORKERS:-3}
+TEST_WORKERS=${TEST_WORKERS:-4}
 bash scripts/setup.sh
 bash scripts/install-servers.sh
 .venv/bin/ruff check elasticft tests bench examples scripts
