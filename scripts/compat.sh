@@ -49,8 +49,12 @@ fi
 stamp=$VENV/.elasticft-installed
 installed_from="$ROOT $(cat pyproject.toml setup.py elasticft/diag/shim/* | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$installed_from" ]; then
-  # What a user does: install elasticft into an environment that already has its torch.
+  # What a user does: install elasticft into an environment that already has its torch. One
+  # editable install of the checkout at a time (scripts/setup.sh's may run beside this one).
+  exec 7<"$ROOT/setup.py"
+  flock 7
   pip_here install -q -e "$ROOT[dev]" 2>&1 | quiet
+  flock -u 7
   echo "$installed_from" > "$stamp"
 fi
 found=$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.__version__)')  # e.g. 2.14.1+cpu

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Installs the real servers the test suite runs against (etcd, Slurm, munge) when absent.
 set -euo pipefail
+# One install at a time (apt's lock): scripts/test.sh and scripts/compat.sh may both call this
+# at once; the second then finds the servers there.
+exec 8<"$0"
+flock 8
 missing=()
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)

@@ -21,7 +21,12 @@ if ! .venv/bin/python -c "import torch, elasticft, nvidia.nccl, xdist" 2>/dev/nu
    || [ pyproject.toml -nt .venv/.elasticft-installed ] || [ setup.py -nt .venv/.elasticft-installed ]; then
   quietly .venv/bin/python -m pip install --upgrade pip || true
   quietly .venv/bin/python -m pip install "torch==2.13.0" || true
+  # One editable install of this checkout at a time: scripts/compat.sh makes its own beside
+  # this one (scripts/test.sh starts both at once), and each may build the shim in place.
+  exec 7<setup.py
+  flock 7
   quietly .venv/bin/python -m pip install -e ".[dev]" || true
+  flock -u 7
   .venv/bin/python -c "import torch, elasticft" || { echo "setup: installing elasticft failed" >&2; exit 1; }
   touch .venv/.elasticft-installed
 fi

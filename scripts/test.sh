@@ -19,18 +19,22 @@ cd "$(dirname "$0")/.."
 unset PYTHONDONTWRITEBYTECODE
 COMPAT_TORCH=${ELASTICFT_COMPAT_TORCH:-2.14.1}
 TEST_WORKERS=${TEST_WORKERS:-4}
-bash scripts/setup.sh
-bash scripts/install-servers.sh
-.venv/bin/ruff check elasticft tests bench examples scripts
-set +e
-# The smoke subset on the second torch runs beside the full suite's parallel phase, its output
-# kept until that phase is over; both are over before the serial phase starts.
+# The smoke subset on the second torch starts first: its environment's install uses the core
+# that this one's (single-threaded pip) leaves idle, and its tests run beside the full suite's
+# parallel phase. Its output is kept until that phase is over; both are over before the serial
+# phase starts.
 compat_log=$(mktemp)
-trap 'rm -f "$compat_log"' EXIT
+compat_pid=""
+# A setup that fails ends the smoke run it started too.
+trap 'rm -f "$compat_log"; [ -z "$compat_pid" ] || pkill -P "$compat_pid"; [ -z "$compat_pid" ] || kill "$compat_pid" 2>/dev/null; true' EXIT
 if [ "$COMPAT_TORCH" != "none" ]; then
   TEST_WORKERS=1 bash scripts/compat.sh "$COMPAT_TORCH" >"$compat_log" 2>&1 &
   compat_pid=$!
 fi
+bash scripts/setup.sh
+bash scripts/install-servers.sh
+.venv/bin/ruff check elasticft tests bench examples scripts
+set +e
 # Files go to the workers longest first (tests/conftest.py orders them; xdist must not reorder).
 TEST_PHASE=parallel .venv/bin/python -m pytest -p no:cacheprovider -q --durations=25 \
   -n "$TEST_WORKERS" --dist loadfile --no-loadscope-reorder "$@"
@@ -41,6 +45,7 @@ if [ "$COMPAT_TORCH" = "none" ]; then
 else
   wait "$compat_pid"
   compat_status=$?
+  compat_pid=""
   compat="exit $compat_status"
   cat "$compat_log"
 fi

@@ -34,7 +34,8 @@ def _run(tmp: Path, name: str, env: dict[str, str], *extra: str,
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     by_step = losses_of(losses).values  # a step redone keeps its last try
-    return {"text": text, "losses": by_step, "pids": pids_by_rank(pids),
+    steps = [tuple(int(v) for v in line.split()) for line in pids.read_text().splitlines()]
+    return {"text": text, "losses": by_step, "pids": pids_by_rank(pids), "steps": steps,
             "events": read_events(tmp / name)}
 
 
@@ -84,6 +85,9 @@ def test_survivors_keep_their_process_and_the_losses_are_exact(
     assert len(run["pids"][1]) == 1 + len(replaced), run["pids"]
     assert "1 in-process recoveries in this process" in run["text"]
     assert run["losses"] == reference  # bitwise on CPU (losses logged with repr)
+    if "--hang-at-step" in fault:  # the frozen rank is killed, never continued to train on
+        frozen = run["pids"][1][0]
+        assert max(step for _, pid, step in run["steps"] if pid == frozen) == 6, run["steps"]
 
 
 @pytest.mark.slow
