@@ -450,14 +450,18 @@ def bootstrap_store_info(
     return RendezvousStoreInfo.build(rank, store, local_addr=local_addr, server_port=server_port)
 
 
+def serve_store(addr: str) -> Any:
+    """A TCPStore server of this process on a port the system picks, bound from the start (a
+    port only chosen, to be bound later, can be taken meanwhile), for any number of clients."""
+    return torch.distributed.TCPStore(addr, 0, is_master=True, multi_tenant=True,
+                                      wait_for_workers=False)
+
+
 def host_worker_store(rank: int, addr: str, store: Any) -> tuple[RendezvousStoreInfo, Any]:
-    """A round's store for the workers: node rank 0 starts it on a port the system picks and
+    """A round's store for the workers: node rank 0 starts it (:func:`serve_store`) and
     publishes its address through ``store`` (:func:`bootstrap_store_info`), the others read
     it; returns the address and the store started here (None elsewhere)."""
-    hosted = None
-    if rank == 0:
-        hosted = torch.distributed.TCPStore(addr, 0, is_master=True, multi_tenant=True,
-                                            wait_for_workers=False)
+    hosted = serve_store(addr) if rank == 0 else None
     info = bootstrap_store_info(rank, store, addr, hosted.port if hosted else None)
     return info, hosted
 

@@ -26,7 +26,7 @@ TEST_WORKERS=${TEST_WORKERS:-4}
 compat_log=$(mktemp)
 compat_pid=""
 # A setup that fails ends the smoke run it started too.
-trap 'rm -f "$compat_log"; [ -z "$compat_pid" ] || pkill -P "$compat_pid"; [ -z "$compat_pid" ] || kill "$compat_pid" 2>/dev/null; true' EXIT
+trap 'rm -f "$compat_log"; if [ -n "$compat_pid" ]; then pkill -P "$compat_pid"; kill "$compat_pid"; fi 2>/dev/null; true' EXIT
 if [ "$COMPAT_TORCH" != "none" ]; then
   TEST_WORKERS=1 bash scripts/compat.sh "$COMPAT_TORCH" >"$compat_log" 2>&1 &
   compat_pid=$!

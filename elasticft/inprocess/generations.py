@@ -18,8 +18,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from elasticft import torch_compat
 from elasticft.inprocess.protocol import (
     DIR_ENV,
     GENERATION_ENV,
@@ -135,8 +134,7 @@ class InProcessCoordinator:
 
     def publish(self, master_addr: str, world_size: int) -> Generation:
         """Starts the next generation's store and tells the survivors where it is."""
-        store = dist.TCPStore(master_addr, 0, is_master=True, multi_tenant=True,
-                              wait_for_workers=False)
+        store = torch_compat.serve_store(master_addr)
         self._stores = [*self._stores[-1:], store]  # the previous generation's may be in use
         self.generation += 1
         generation = Generation(self.generation, master_addr, store.port, world_size,
@@ -148,8 +146,7 @@ class InProcessCoordinator:
     def host_store(self, master_addr: str) -> tuple[str, int]:
         """Starts a store for the next generation of a job of several nodes, which the nodes
         may agree on (:mod:`elasticft.inprocess.failure_news`); returns its address and port."""
-        store = dist.TCPStore(master_addr, 0, is_master=True, multi_tenant=True,
-                              wait_for_workers=False)
+        store = torch_compat.serve_store(master_addr)
         self._stores = [*self._stores[-1:], store]
         return master_addr, store.port
 

@@ -463,12 +463,9 @@ class EtcdRendezvousHandler(torch_compat.RendezvousHandler):
         if not self.use_agent_store:
             return torch_compat.bootstrap_store_info(rank, store, self.addr)
         if self._bootstrap is None or (rank == 0 and self._shared_tcp_store is None):
-            server_port = 0
-            if rank == 0:
-                self._shared_tcp_store = dist.TCPStore(
-                    host_name=self.addr, port=0, is_master=True, multi_tenant=True)
-                server_port = self._shared_tcp_store.port
-            self._bootstrap = torch_compat.bootstrap_store_info(rank, store, self.addr, server_port)
+            self._bootstrap, hosted = torch_compat.host_worker_store(rank, self.addr, store)
+            if hosted is not None:
+                self._shared_tcp_store = hosted
         return self._bootstrap
 
     # -- helpers ----------------------------------------------------------------------------
