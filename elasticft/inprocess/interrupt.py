@@ -127,6 +127,30 @@ def _raise_in(thread_id: int, error: type[BaseException] | None) -> None:
         ctypes.c_ulong(thread_id), ctypes.py_object(error) if error is not None else None)
 
 
+class _TakenBack(BaseException):
+    """Raised by the main thread into itself, in place of an interrupt it takes back."""
+
+
+def _take_back(thread_id: int) -> None:
+    """Takes back an asynchronous exception sent to thread ``thread_id`` and not delivered yet.
+
+    ``PyThreadState_SetAsyncExc(id, NULL)`` takes it back but leaves CPython 3.11's eval
+    breaker signalled for good (only a delivered exception clears the flag): under a profiler or
+    a tracer (cProfile, coverage) the thread's next call then loops at its first instruction
+    forever. An exception of its own, delivered here and caught, replaces the pending one and
+    clears the flag. From another thread only ``NULL`` can be sent.
+    """
+    if thread_id != threading.get_ident():
+        _raise_in(thread_id, None)
+        return
+    try:
+        _raise_in(threading.get_ident(), _TakenBack)
+        for _ in range(1_000_000):  # delivered at the loop's first backward jump
+            pass
+    except _TakenBack:
+        pass
+
+
 class Monitor:
     """The thread that interrupts this worker's main thread when its generation ends."""
 
@@ -176,7 +200,7 @@ class Monitor:
     def stop(self) -> None:
         with self._lock:
             self._state = "outside"
-            _raise_in(self._main, None)
+            _take_back(self._main)
         self._stop.set()
 
     @property
@@ -233,7 +257,7 @@ class Monitor:
         with self._lock:
             self._protected += 1
             if self._protected == 1 and self._state == "interrupting":
-                _raise_in(self._main, None)  # one sent just before: raised at the end instead
+                _take_back(self._main)  # one sent just before: raised at the end instead
         try:
             yield
         finally:
@@ -250,7 +274,7 @@ class Monitor:
         returns whether it is over."""
         with self._lock:
             self._state = "outside"
-            _raise_in(self._main, None)
+            _take_back(self._main)
         return self._quiet.wait(limit_s)
 
     def _ended(self) -> int:

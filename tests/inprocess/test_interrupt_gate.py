@@ -221,3 +221,39 @@ def test_a_step_after_the_interrupt_is_refused_and_the_survivor_recovers(
         ckpt.close()
         coordinator.close()
         remove_segments(prefix)
+
+
+_PROFILED_AFTER_LEAVING = """
+import cProfile, sys, tempfile
+from pathlib import Path
+from elasticft.inprocess.interrupt import Monitor
+from elasticft.jsonfile import read_json
+
+monitor = Monitor(Path(tempfile.mkdtemp()), read_json, lambda: "test")
+monitor.start()
+monitor.entering(0)
+assert monitor.left(5.0)
+with monitor.protected():
+    pass
+monitor.stop()
+profile = cProfile.Profile()
+profile.enable()
+sum(len(str(n)) for n in range(1000))
+profile.disable()
+print("profiled", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_profiled_survivor_runs_on_after_leaving_the_training_function() -> None:
+    """Leaving the training function takes back any interrupt sent to the main thread; the way
+    it is taken back must leave the interpreter as it was: under CPython 3.11 a ``NULL``
+    asynchronous exception keeps the eval breaker signalled, and a profiled call (cProfile,
+    coverage, a debugger) then loops at its first instruction for ever."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _PROFILED_AFTER_LEAVING], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "profiled"
