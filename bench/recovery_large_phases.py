@@ -19,7 +19,7 @@ The in-process modes (``elasticft-inprocess``, ``elasticft-spare``) keep the sur
 start one replacement; their columns are the phases of the agent's ``recover_in_process`` event
 (:func:`elasticft.inprocess.recovery_timing.phases`): ``out`` (survivors out of their training
 call), ``abort``, ``reap``, ``fork``, ``start-up`` (the replacement's, from its fork to its
-import of elasticft's recovery; the spare, started before the failure, has none), ``join``,
+``InProcess()``; the spare, started before the failure, has none), ``join``,
 ``regroup`` (decision → every worker in the new group: it spans reap, fork, start-up and join),
 ``restore`` and ``redo`` (the step in flight, done again), and ``total`` (failure seen → the
 last first step). The in-process phases overlap (the survivors restore while the replacement

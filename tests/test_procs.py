@@ -81,3 +81,30 @@ def test_a_process_start_time_is_to_the_tick_not_to_the_second():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_kill_cuts_one_wait_short_and_only_one() -> None:
+    """The agent's wait between polls returns with the pid killed by a signal; the same death,
+    not yet reaped, does not cut the next wait short (the agent would spin), and neither does a
+    running process or one that exited with a status (maybe a victim of the other's failure)."""
+    watch = procs.ExitWatch()
+    running = subprocess.Popen(["sleep", "60"])
+    dying = subprocess.Popen(["sleep", "60"])
+    failing = subprocess.Popen(["sh", "-c", "exit 3"])
+    try:
+        assert _wait_state(failing.pid, {"Z"}) == "Z"
+        watched = [running.pid, dying.pid, failing.pid]
+        assert watch.wait(watched, 0.1) == set()
+        dying.kill()
+        killed: set[int] = set()
+        deadline = time.monotonic() + 30
+        while not killed and time.monotonic() < deadline:
+            killed = watch.wait(watched, 1.0)
+        assert killed == {dying.pid}
+        assert procs.state(dying.pid) == "Z"  # not reaped: it still reads as exited
+        assert watch.wait(watched, 0.05) == set()
+    finally:
+        watch.close()
+        for child in (running, dying, failing):
+            child.kill()
+            child.wait()

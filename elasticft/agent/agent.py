@@ -174,6 +174,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         """In-process recovery (:mod:`elasticft.inprocess.agent_side`)."""
         self._decided: tuple[FailureRecord, ...] = ()
         self._seen_at = 0.0
+        self._exits = procs.ExitWatch()  # the monitor interval, cut short by a worker's exit
 
     # ------------------------------------------------------------------------------------------
     # What the collaborators see.
@@ -366,12 +367,14 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             return super().run(role)
         finally:
             self.in_process.close()
+            self._exits.close()
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)
         while True:
-            time.sleep(spec.monitor_interval)
+            pids = self._pcontext.pids().values() if self._pcontext is not None else ()
+            self._exits.wait(pids, spec.monitor_interval)
             run_result = self._monitor_workers(self._worker_group)
             state = run_result.state
             self._worker_group.state = state

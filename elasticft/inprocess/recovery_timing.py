@@ -147,9 +147,8 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
     its training call; abort: the slowest survivor's teardown of its groups; reap: decision →
     the failed processes gone; fork: the replacements' processes started; start: a
     replacement's start-up (its process start, or the fork for a pre-started interpreter →
-    the script's import of elasticft's recovery, torch's import included); join: from there
-    to its ``InProcess.run`` (its ``init_process_group``, which meets the survivors, and its
-    set-up); regroup: decision →
+    the script's ``InProcess()``: its imports, its model, its ``init_process_group``, which
+    meets the survivors); join: from there to its ``InProcess.run`` armed; regroup: decision →
     the last worker in the new group; restore: from there to the last worker's end of its
     restore (``restored``, in the records of the workers that report one); redo: from there to
     the last worker's first step (the step in flight at the failure, done again); where no
@@ -174,9 +173,9 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
     if "fork" in times and "forked" in times:
         out["fork_s"] = times["forked"] - times["fork"]
     # A warm interpreter started long before the failure: its start-up counts from the fork.
-    starts = [(float(r["imported"]) - max(float(r["started"]), times.get("fork", 0.0)),
-               float(r["joined"]) - float(r["imported"])) for r in records.values()
-              if {"started", "imported", "joined"} <= r.keys()]
+    starts = [(float(r["reached"]) - max(float(r["started"]), times.get("fork", 0.0)),
+               float(r["joined"]) - float(r["reached"])) for r in records.values()
+              if {"started", "reached", "joined"} <= r.keys()]
     if starts:
         out["start_s"] = max(s for s, _ in starts)
         out["join_s"] = max(j for _, j in starts)

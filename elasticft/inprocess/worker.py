@@ -93,9 +93,6 @@ LEAVE_EXIT_CODE = 86
 it leaves for a replacement (the agent replaces it in the same recovery)."""
 
 _T = TypeVar("_T")
-_IMPORTED_AT = time.time()
-"""When the script imported this module: a replacement's start-up up to here is its
-interpreter's and torch's (the ``start`` phase of a recovery)."""
 
 
 def _started_at() -> float:
@@ -128,6 +125,10 @@ class InProcess:
     def __init__(self, settings: InProcessSettings | None = None,
                  ops: GroupOps | None = None, modules: Sequence[Any] = (),
                  follows_layout: bool = False) -> None:
+        self._reached = time.time()
+        """When the script reached its recovery: a replacement's start-up up to here is its
+        interpreter's, its imports, its model and its group (the ``start`` phase of a recovery;
+        not the import of this module, which a warm interpreter did before the fork)."""
         self.settings = settings if settings is not None else InProcessSettings.from_env()
         self.ops = ops if ops is not None else GroupOps.for_torch()
         self.follows_layout = follows_layout
@@ -215,7 +216,7 @@ class InProcess:
             now = time.time()
             self._phases = {"joined": now}
             if not was_spare:  # a new process: its start-up is part of the recovery
-                self._phases.update(imported=_IMPORTED_AT, started=_started_at())
+                self._phases.update(reached=self._reached, started=_started_at())
             self._write("joined", self._phases)
             self._report_first_step()
         unarm_buckets = self.bucket_layouts.arm()  # a re-made DDP sums as the one before it

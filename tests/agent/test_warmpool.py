@@ -473,7 +473,7 @@ def test_a_three_worker_launch_imports_torch_once(tmp_path: Path, job_env: dict[
     started = [e["warm_local_ranks"] for e in read_events(run) if e["kind"] == "workers_started"]
     assert started == [[0, 1, 2], [0, 1, 2]]
     log = (tmp_path / "stderr-three.txt").read_text()
-    spawned = re.findall(r"warm template (\d+) started \(imports torch,torch._dynamo\)", log)
+    spawned = re.findall(r"warm template (\d+) started \(imports torch,torch._dynamo,", log)
     forked = re.findall(r"local rank (\d): worker (\d+) forked from warm template (\d+)", log)
     assert len(spawned) == 1, log[-3000:]
     assert sorted(int(rank) for rank, _, _ in forked) == [0, 0, 1, 1, 2, 2]

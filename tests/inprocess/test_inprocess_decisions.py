@@ -115,7 +115,7 @@ def test_the_policy_recovers_in_process_what_a_replacement_repairs(
 
 _SURVIVOR = {"failed": 100.02, "aborted": 100.03, "joined": 100.6, "resumed": 100.8}
 # the replacement: no abort of its own; its process started, imported, joined
-_REPLACEMENT = {"started": 100.09, "imported": 100.4, "joined": 100.7, "resumed": 100.9}
+_REPLACEMENT = {"started": 100.09, "reached": 100.4, "joined": 100.7, "resumed": 100.9}
 _BEFORE = {"detect_s": 0.05, "survivors_out_s": 0.02, "abort_s": 0.01, "reap_s": 0.25,
            "fork_s": 0.02, "start_s": 0.31, "join_s": 0.3, "regroup_s": 0.65}
 
