@@ -52,7 +52,7 @@ def _recovered_in_process(run: dict, replaced: list[int]) -> dict:
     assert "restart" not in kinds, run["text"][-5000:]
     done = [e for e in run["events"] if e["kind"] == "recover_in_process"]
     assert len(done) == 1, run["text"][-5000:]
-    assert sorted(int(r) for r in done[0]["replaced"]) == replaced
+    assert sorted(int(r) for r in done[0]["replaced"]) == replaced, run["text"][-8000:]
     assert {"detect_s", "abort_s", "regroup_s", "restore_s", "redo_s", "total_s"} <= set(
         done[0]["phases"])
     # The walk to the first step: the failure, one decision, then only what it decided (the
