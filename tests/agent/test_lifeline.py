@@ -84,7 +84,9 @@ def test_the_workers_of_a_sigkilled_agent_die_with_it(
         env={**job_env, "ELASTICFT_WARM_START": warm}, cwd=tmp_path,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        wait_until(lambda: len(list(out.iterdir())) == 2, 90, "both workers to start")
+        # A file exists before its pid is written in it.
+        wait_until(lambda: sum(1 for p in out.iterdir() if p.read_text()) == 2, 90,
+                   "both workers to start")
         workers = [int(p.read_text()) for p in out.iterdir()]
         assert all(procs.exists(pid) for pid in workers)
         agent.kill()  # the agent alone: its workers are in sessions of their own
@@ -96,6 +98,6 @@ def test_the_workers_of_a_sigkilled_agent_die_with_it(
             agent.kill()
             agent.wait()
         for path in out.iterdir():
-            pid = int(path.read_text())
-            if procs.exists(pid):
+            pid = int(path.read_text() or 0)
+            if pid and procs.exists(pid):
                 os.killpg(pid, signal.SIGKILL)
