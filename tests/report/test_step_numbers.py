@@ -158,7 +158,8 @@ def test_dcp_restoring_script_killed_after_step_17_counts_40_steps_and_the_redo(
 def test_in_process_recovery_counts_30_steps_with_the_redone_step_as_rollback(
         tmp_path, job_env):
     """Rank 1 is killed after step 12, before its snapshot of it: rank 0 keeps its process,
-    restores step 11 (the newest every rank holds) in place and does step 12 again. Its
+    restores step 11 (the newest every rank holds) in place and does step 12 again (unless its
+    own step 12 was refused before it finished). Its
     automatic records follow the restored optimizer count, so the redo is rollback, not a 31st
     step."""
     run_dir, pids = tmp_path / "run", tmp_path / "pids"
@@ -179,7 +180,9 @@ def test_in_process_recovery_counts_30_steps_with_the_redone_step_as_rollback(
     done = [int(step) for _, _, step in rank0]
     redone = len(done) - len(set(done))
     assert sorted(set(done)) == list(range(1, 31))
-    assert redone == 1, done
+    # At most the step in flight: none when the interrupt refused rank 0's optimizer step of
+    # step 12 before it finished (the kill is seen within milliseconds).
+    assert redone <= 1, done
     data, text = report_of(run_dir)
     assert data["step_source"] == "optimizer"
     assert (data["last_step"], data["steps_done"]) == (30, 30)
