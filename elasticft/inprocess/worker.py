@@ -146,7 +146,8 @@ class InProcess:
         self._phases: dict[str, float] = {}
         self._resume_hook: Any = None
         self._gate_hooks: list[Any] = []
-        """The optimizer-step pre-hook and the checkpointers' commit gate, while armed."""
+        """The optimizer-step pre-hook, the checkpointers' commit gate and start keeper, while
+        armed."""
         self._awaiting: int | None = None
         """The generation whose first step is still to be reported."""
         self._steps: list[float] = []
@@ -210,6 +211,10 @@ class InProcess:
             self.monitor = monitor
             monitor.start()
             self._gate_hooks.append(Checkpointer.register_commit_gate(monitor))
+        # Until its first step, a restore that finds nothing snapshots the start: the roll-back
+        # of a peer failure before the first checkpoint.
+        self._gate_hooks.append(Checkpointer.register_start_keeper(
+            lambda: self._first_step_s is None))
         self._write("armed", {"follows_layout": self.follows_layout,
                               "sharded_over": self._kept.sharded_over() if self._kept else []})
         if self.generation > 0:  # a replacement: the script's own init joined the generation

@@ -210,10 +210,10 @@ class FitRecovery:
         return None if int(agreed.item()) < 0 else int(agreed.item())
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: Mapping[str, Any]) -> None:
+             extra: Mapping[str, Any], *, record: bool = True) -> None:
         """Snapshots ``model`` and ``optimizer`` after optimizer step ``step`` (the count of
         steps done) with the framework's position ``extra`` (JSON values), and records the
-        step for the report."""
+        step for the report (``record=False``: :meth:`step_done` recorded it when it ended)."""
         from elasticft.ckpt import StateCapture
 
         checkpointer = self.checkpointer(optimizer)
@@ -222,19 +222,29 @@ class FitRecovery:
             self._captured = (id(model), id(optimizer))
         checkpointer.save(step, self._capture(extra={**extra, "step": step}))
         self._saved = True
-        self._steps.record(step)
+        if record:
+            self._steps.record(step)
 
     def step_done(self, step: int) -> None:
-        """Records a step that is not snapshotted (the last one) for the report."""
+        """Records a step for the report, when it ends (a framework that snapshots it later,
+        or not at all: the last one)."""
         self._steps.record(step)
 
-    def restore(self, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer) -> tuple[int, dict[str, Any]] | None:
+    def keep_start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Snapshots the state training starts from (:meth:`Checkpointer.save_start
+        <elasticft.ckpt.Checkpointer.save_start>`), for a framework whose first entry has
+        nothing to restore: a peer failing before the first snapshot then rolls the survivors
+        back to it, and :meth:`restore` puts it back and returns None."""
+        self.checkpointer(optimizer).save_start(model, optimizer)
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                keep_start: bool = True) -> tuple[int, dict[str, Any]] | None:
         """Copies the newest step every rank holds into ``model`` and ``optimizer`` (the ones
-        this entry made); returns (step, the framework's extras), None when there is none.
-        Collective: every rank calls it at the same point of the entry."""
-        restored = self.checkpointer(optimizer).restore(model, optimizer)
-        if restored is None:
+        this entry made); returns (step, the framework's extras), None when there is none, or
+        when it put back the start (:meth:`keep_start`; ``keep_start=False``: not snapshotted
+        here). Collective: every rank calls it at the same point of the entry."""
+        restored = self.checkpointer(optimizer).restore(model, optimizer, keep_start=keep_start)
+        if restored is None:  # nothing saved yet, or the start put back
             return None
         self.restored_step = restored[0]
         logger.warning("%s entry %d resumes from step %d (source=%s)", self.framework,

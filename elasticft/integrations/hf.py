@@ -85,7 +85,7 @@ class _Entry:
             trainer._created_lr_scheduler = False
         self.resume_step = self.recovery.newest_common_step() if self.recovery.resuming \
             else None
-        if self.resume_step is None:
+        if not self.resume_step:  # nothing in memory, or the start (step 0): a fresh start
             return trainer.train(**self.kwargs)
         with tempfile.TemporaryDirectory(prefix="elasticft-resume-") as directory:
             # What the Trainer reads to resume: the step, and the settings it compares.
@@ -115,10 +115,12 @@ class _Entry:
         just made, with its scheduler and state."""
         trainer = self.trainer
         restored = self.recovery.restore(trainer.model, _torch_optimizer(trainer.optimizer))
-        if restored is None or restored[0] != self.resume_step:
+        if (restored[0] if restored else 0) != self.resume_step:
             raise EntryRuleBroken(f"elasticft's memory restored step "
                                   f"{restored[0] if restored else None}, not the step "
                                   f"{self.resume_step} the Trainer resumed at")
+        if restored is None:  # the start, put back into the model (the entry made the rest)
+            return
         extra = restored[1]["hf"]
         if trainer.lr_scheduler is not None and extra.get("scheduler") is not None:
             trainer.lr_scheduler.load_state_dict(json.loads(extra["scheduler"]))
@@ -142,8 +144,12 @@ class _Snapshots(TrainerCallback):
         self.entry = entry
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.entry.resume_step is not None:
-            self.entry.restore()
+        entry = self.entry
+        if entry.resume_step is not None:
+            entry.restore()
+        elif entry.recovery.resuming:  # the first entry: its start is the roll-back target
+            entry.recovery.keep_start(entry.trainer.model,
+                                      _torch_optimizer(entry.trainer.optimizer))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.entry.trainer

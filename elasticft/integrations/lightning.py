@@ -30,7 +30,9 @@ framework's position is loaded from the snapshot's extras: the fit loop's counte
 ``trainer.global_step`` right), the schedulers' states, and the data position, which Lightning
 cannot resume for a plain ``DataLoader``: the training sampler skips the batches of the epoch
 already done, once. A snapshot is taken at the start of every training batch (the previous
-optimizer step is complete there).
+optimizer step is complete there); the step is recorded for the report when its optimizer step
+ends. The state at the first batch (after Lightning's own load of a ``ckpt_path``) is the
+start a failure before the first snapshot rolls back to.
 
 Limits: one optimizer, automatic optimization, no gradient accumulation over several batches; a
 training loader of a ``torch.utils.data`` sampler; callbacks' own states are kept in memory as
@@ -70,6 +72,9 @@ class _InProcessFit:
     def __init__(self, *args: Any, recovery: FitRecovery | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recovery = recovery if recovery is not None else FitRecovery("Lightning")
+        self._loop_at_start: str | None = None
+        """The fit loop's state at the first entry that restored nothing (its counters at the
+        start), for an entry that rolls back to the start."""
 
     def kept_modules(self, model: Any) -> tuple[Any, ...]:
         """The modules kept through a regroup with their device meshes (none for DDP)."""
@@ -82,8 +87,14 @@ class _InProcessFit:
         if len(self.optimizers) != 1:
             raise EntryRuleBroken(f"in-process recovery of Lightning takes one optimizer, not "
                                   f"{len(self.optimizers)}")
-        restored = self.recovery.restore(self.lightning_module, self.optimizers[0])
-        if restored is None:
+        # The start is snapshotted at the first batch, after Lightning's own load (ckpt_path).
+        restored = self.recovery.restore(self.lightning_module, self.optimizers[0],
+                                         keep_start=False)
+        if restored is None:  # nothing saved yet, or the start put back: so are the counters
+            if self._loop_at_start is None:
+                self._loop_at_start = json.dumps(trainer.fit_loop.state_dict())
+            else:
+                trainer.fit_loop.load_state_dict(json.loads(self._loop_at_start))
             return
         extra = restored[1]["lightning"]
         for config, state in zip(trainer.lr_scheduler_configs, extra["schedulers"], strict=True):
@@ -118,18 +129,25 @@ class _InProcessFit:
         super().on_train_batch_start(batch, batch_idx)
         trainer = self.lightning_module.trainer
         step = trainer.global_step
-        if step == 0 or step == self.recovery.restored_step:
+        if step == 0:  # the start, once Lightning loaded its own checkpoint if it had one
+            self.recovery.keep_start(self.lightning_module, self.optimizers[0])
+            return
+        if step == self.recovery.restored_step:
             return  # nothing new since the entry
         self.recovery.save(step, self.lightning_module, self.optimizers[0], {"lightning": {
             # JSON strings: a snapshot keeps leaves (not empty containers) under str keys.
             "fit_loop": json.dumps(trainer.fit_loop.state_dict()),
             "schedulers": [json.dumps(c.scheduler.state_dict())
                            for c in trainer.lr_scheduler_configs],
-        }})
+        }}, record=False)
 
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self.recovery.step_done(self.lightning_module.trainer.global_step)
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's optimizer step, recorded for the report as it ends: its snapshot waits
+        for the next batch, and a step a failure then rolls back still counts as done once."""
+        done = super().optimizer_step(*args, **kwargs)
+        # Lightning counts the step (trainer.global_step) once this returns.
+        self.recovery.step_done(self.lightning_module.trainer.global_step + 1)
+        return done
 
 
 class InProcessDDPStrategy(_InProcessFit, DDPStrategy):

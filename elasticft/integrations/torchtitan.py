@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from elasticft.extras import require
@@ -127,6 +128,9 @@ class _Recovered:
             model_parts=len(model_parts), optimizers=len(getattr(optimizers, "optimizers", [])),
             seed=trainer.config.debug.seed))
         """Why this trainer cannot be recovered in process; then nothing is snapshotted."""
+        self._start: dict[str, str | None] | None = None
+        """The position at the first entry that restored nothing, for an entry that rolls
+        back to the start."""
 
         def entry() -> Any:
             if self.recovery.entries > 1:
@@ -156,20 +160,30 @@ class _Recovered:
         if self.problems:
             return
         self.recovery.save(step, self.model_parts[0], self.optimizers.optimizers[0],
-                           {"torchtitan": encode_position(
-                               self.trainer.state_dict(), self.lr_schedulers.state_dict(),
-                               self.dataloader.state_dict() if self.dataloader else None)})
+                           {"torchtitan": self._position()})
 
     def restore(self) -> bool:
         if self.problems or not self.recovery.resuming:
             return False
         restored = self.recovery.restore(self.model_parts[0], self.optimizers.optimizers[0])
-        if restored is None:
-            return False
-        train_state, schedulers, dataloader = decode_position(restored[1]["torchtitan"])
+        if restored is None:  # nothing saved yet, or the start put back: so is the position
+            if self._start is None:
+                self._start = self._position()
+            else:
+                self._load_position(self._start)
+            return False  # torchtitan's own checkpoint, if it has one, loads over the start
+        self._load_position(restored[1]["torchtitan"])
+        logger.warning("torchtitan resumes at step %d from elasticft's memory", restored[0])
+        return True
+
+    def _position(self) -> dict[str, str | None]:
+        """The trainer's step, the schedulers' and the data loader's states, as JSON."""
+        return encode_position(self.trainer.state_dict(), self.lr_schedulers.state_dict(),
+                               self.dataloader.state_dict() if self.dataloader else None)
+
+    def _load_position(self, position: Mapping[str, Any]) -> None:
+        train_state, schedulers, dataloader = decode_position(position)
         self.trainer.load_state_dict(train_state)
         self.lr_schedulers.load_state_dict(schedulers)
         if dataloader is not None and self.dataloader is not None:
             self.dataloader.load_state_dict(dataloader)
-        logger.warning("torchtitan resumes at step %d from elasticft's memory", restored[0])
-        return True

@@ -71,11 +71,14 @@ def _recovered_in_process(run: dict, replaced: list[int]) -> dict:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("fault", "replaced"), [
     (("--crash-at-step", "6", "--crash-mode", "after-save"), [1]),  # SIGKILL
+    # before any step was saved: the survivor rolls back to the state it started from
+    (("--crash-at-step", "1", "--crash-mode", "before-save"), [1]),
     (("--hang-at-step", "6"), [1]),  # SIGSTOP: the hang verdict, then the frozen rank killed
     (("--infra-error-at-step", "6"), []),  # rank 1 raises a connection error and stays
     # rank 1 reports `failed`, then dies: no survivor, it is replaced in the same recovery
     (("--infra-error-at-step", "6", "--exit-after-failed"), [1]),
-], ids=["sigkill", "sigstop", "infra-error", "dies-after-failed"])
+], ids=["sigkill", "sigkill-before-the-first-save", "sigstop", "infra-error",
+         "dies-after-failed"])
 def test_survivors_keep_their_process_and_the_losses_are_exact(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str],
         fault: tuple[str, ...], replaced: list[int]) -> None:

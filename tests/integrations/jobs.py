@@ -46,7 +46,9 @@ def assert_recovered_in_process(run: dict, reference: dict) -> None:
     """Rank 1 was replaced in process, rank 0 kept its process, the run took the reference's
     steps to the reference's parameters bit for bit, and the report counts the steps rank 0
     finished and did again: at most the one in flight (none when the interrupt refused its
-    optimizer step before it finished)."""
+    optimizer step before it finished). The report counts a step as done when the framework
+    records it, the script's log when its callback runs: an interrupt landing between the two
+    (a loaded machine) makes them differ by that step, so each is bounded on its own."""
     kinds = [e["kind"] for e in run["events"]]
     assert "restart" not in kinds, run["text"][-5000:]
     assert kinds.count("recover_in_process") == 1, run["text"][-5000:]
@@ -62,4 +64,4 @@ def assert_recovered_in_process(run: dict, reference: dict) -> None:
     done = run["survivor_steps"]
     redone = len(done) - len(set(done))
     assert fault["action"] == "recover_in_process", fault
-    assert fault["rollback_steps"] == redone <= 1, (fault, done)
+    assert fault["rollback_steps"] <= 1 and redone <= 1, (fault, done)

@@ -37,3 +37,17 @@ def test_a_killed_rank_costs_the_survivor_a_rollback_not_its_process(
     saved = sorted(int(p.name.split("step=")[1].removesuffix(".ckpt"))
                    for p in (tmp_path / "own").iterdir())
     assert saved == list(range(3, run["report"]["last_step"] + 1, 3)), saved
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_killed_before_the_first_snapshot_rolls_the_survivor_back_to_the_start(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    """Killed at the start of its second batch, before the snapshot of its first step (taken
+    there, after the callbacks): the survivor's model had taken the step, and only the start's
+    snapshot (step 0) puts it back."""
+    reference = run_job(tmp_path, SCRIPT, "reference", job_env)
+    run = run_job(tmp_path, SCRIPT, "fault", job_env, "--crash-at-step", "1")
+    assert_recovered_in_process(run, reference)
+    assert "resumed from step 0 in shared memory" in run["text"], run["text"][-5000:]
+    assert "entry 2 resumes" not in run["text"]

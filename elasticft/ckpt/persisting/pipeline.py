@@ -196,8 +196,10 @@ class PendingCommits:
 class PersistThread:
     """The background thread a persister writes on, at low priority, one job at a time.
 
-    At most one job waits: a persister that is still writing skips the steps in between.
-    While ``waiting()`` says commits wait for other writers, ``retry`` runs every ``retry_s``.
+    At most one job waits, the newest offered: a persister that is still writing skips the
+    steps in between, never the newest (every rank then writes the last step it was offered,
+    and the shared directory's commit of it completes). While ``waiting()`` says commits wait
+    for other writers, ``retry`` runs every ``retry_s``.
     """
 
     def __init__(self, retry: Callable[[], None], waiting: Callable[[], bool],
@@ -207,6 +209,7 @@ class PersistThread:
         self._retry_s = retry_s
         self._jobs: queue.Queue[Callable[[], object] | None] = queue.Queue()
         self._busy = threading.Event()
+        self._offering = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="elasticft-ckpt-persist",
                                         daemon=True)
         self._thread.start()
@@ -217,8 +220,14 @@ class PersistThread:
         return self._busy.is_set()
 
     def offer(self, job: Callable[[], object]) -> None:
-        """Queues ``job`` unless one already waits."""
-        if self._jobs.empty():
+        """Queues ``job`` in place of one still waiting (a newer step supersedes it)."""
+        with self._offering:
+            try:
+                if self._jobs.get_nowait() is None:  # closing: the stop stays, nothing more
+                    self._jobs.put(None)
+                    return
+            except queue.Empty:
+                pass
             self._busy.set()
             self._jobs.put(job)
 

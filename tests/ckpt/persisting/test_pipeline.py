@@ -4,6 +4,7 @@ disk, and which rank's shard a replica in memory stands in for."""
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +57,38 @@ def test_the_persist_thread_retries_waiting_commits_until_they_land(tmp_path: Pa
             time.sleep(0.05)
     finally:
         thread.close(timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_newer_step_takes_the_place_of_one_still_waiting_never_the_other_way(
+        tmp_path: Path) -> None:
+    """Steps 2 and 3 are offered while step 1 is being written: 2 waits, and 3 takes its place,
+    so the newest step offered is the last one written (a rank that skipped it would leave its
+    commit incomplete for ever)."""
+    commits = pipeline.PendingCommits(keep=2)
+    thread = pipeline.PersistThread(commits.commit, commits.waiting, retry_s=0.05)
+    writing, release = threading.Event(), threading.Event()
+    written: list[int] = []
+
+    def persist(step: int) -> None:
+        writing.set()
+        release.wait(30)
+        written.append(step)
+
+    try:
+        thread.offer(lambda: persist(1))
+        assert writing.wait(30)
+        thread.offer(lambda: persist(2))
+        thread.offer(lambda: persist(3))
+        release.set()
+        deadline = time.monotonic() + 30
+        while thread.busy:
+            assert time.monotonic() < deadline, written
+            time.sleep(0.01)
+    finally:
+        release.set()
+        thread.close(timeout_s=10)
+    assert written == [1, 3]
 
 
 @pytest.mark.parametrize(
