@@ -125,14 +125,20 @@ def process_groups() -> list[Any]:
     return [*others, default]
 
 
+_ended: list[Any] = []
+"""The groups :func:`abort_groups` took out of torch's table, held until :func:`release_ended`."""
+
+
 def abort_groups() -> str:
     """Aborts every process group in torch's table through torch
     (``_abort_process_group``), the others first and the default group last: its abort aborts
     what is left and clears torch's table (``dist.is_initialized()`` is False after it). The
     same calls on every backend: on NCCL they end the communicators' kernels without waiting
     for a dead peer; gloo's abort returns at once and leaves a pending wait in place
-    (:func:`end_groups` ends it). Returns what was done, for the log."""
+    (:func:`end_groups` ends it). The groups are held here until :func:`release_ended`.
+    Returns what was done, for the log."""
     groups = process_groups()
+    _ended.extend(groups)
     abort = dist.distributed_c10d._abort_process_group
     aborted = 0
     for group in groups:
@@ -144,6 +150,23 @@ def abort_groups() -> str:
     initialized = dist.is_available() and dist.is_initialized()
     return f"abort({aborted} of {len(groups)} groups, default last; is_initialized() " \
            f"{initialized} after)"
+
+
+def release_ended() -> int:
+    """Lets go of the groups :func:`abort_groups` ended; returns how many it held. Called once
+    the failed call's frames are cleared, so that this handle is a group's last holder.
+
+    torch's handle of a group releases the GIL while it destroys the group; a DDP's reducer,
+    the other holder of a script's group, does not. A gloo group's destructor joins its worker
+    threads, and a worker thread freeing a finished collective takes the GIL (its thread-local
+    state holds a Python object): destroyed by the reducer, with the GIL held, the two wait on
+    each other for ever (seen on torch 2.13, a survivor stuck in ``~ProcessGroupGloo`` under
+    ``~Reducer`` until the agent killed it)."""
+    held = 0
+    while _ended:
+        _ended.pop()  # the group dies here, if nothing else holds it
+        held += 1
+    return held
 
 
 def end_groups(backend: str, waiting: Callable[[], bool] = lambda: True) -> str:
@@ -222,6 +245,7 @@ def tear_down(backend: str, ops: GroupOps, device: int | None = None) -> str:
     if ops.abort is not None:
         how = ops.abort() or "abort"
     ops.destroy()
+    release_ended()
     if ("nccl" in backend.lower() and ops.abort is not None
             and torch.cuda.is_available() and torch.cuda.is_initialized()):
         torch.cuda.synchronize(device)  # the rank's: this may run in a helper thread

@@ -75,7 +75,13 @@ from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.diag import groupsockets
 from elasticft.inprocess.ddp_buckets import BucketLayouts
 from elasticft.inprocess.device import ArmedDevice, within
-from elasticft.inprocess.groups import ArmedGroup, GroupOps, regroup, tear_down
+from elasticft.inprocess.groups import (
+    ArmedGroup,
+    GroupOps,
+    regroup,
+    release_ended,
+    tear_down,
+)
 from elasticft.inprocess.interrupt import Monitor, PeerInterrupted
 from elasticft.inprocess.meshes import KeptModules, RebindError, device_meshes
 from elasticft.inprocess.ncclenv import abort_warning, nccl_version
@@ -476,6 +482,7 @@ def _release(error: BaseException) -> None:
         traceback.clear_frames(current.__traceback__)
         current = current.__cause__ or current.__context__
     gc.collect()
+    release_ended()  # the groups the monitor ended: their last holder, without the GIL
 
 
 def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:

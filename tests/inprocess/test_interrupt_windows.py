@@ -194,3 +194,28 @@ def test_a_notice_at_the_step_boundary_ends_nothing_until_the_boundary_or_its_li
         assert monitor.left(5.0) and monitor.interrupted
     finally:
         monitor.stop()
+
+
+@pytest.mark.timeout(60)
+def test_the_ended_groups_are_held_past_the_reducer_and_let_go_after(group_of_one) -> None:
+    """A DDP's reducer, which destroys a group with the GIL held (a deadlock with a gloo worker
+    thread that needs it), is never a group's last holder: :func:`end_groups` holds every
+    group it ended until :func:`release_ended`, whose handle destroys it without the GIL."""
+    import gc
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elasticft.inprocess import groups
+
+    default = dist.distributed_c10d._get_default_group()
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+    ddp(torch.randn(2, 4)).sum().backward()
+    end_groups("gloo", lambda: False)
+    assert not dist.is_initialized()  # torch's table let go of it
+    assert any(group is default for group in groups._ended)
+    del ddp, default
+    gc.collect()
+    assert groups._ended  # still held once the reducer is gone
+    assert groups.release_ended() >= 1
+    assert not groups._ended
