@@ -483,8 +483,8 @@ class WarmStartMixin:
         )
         try:
             context.start()
-        except Exception:
-            context.close()
+        except Exception:  # a SIGTERM during the start too: stopped within --shutdown-timeout
+            context.close(timeout=getattr(self, "_shutdown_timeout", 30))
             raise
         self._pcontext = context
         self.warm_ranks = tuple(context.warm_ranks())

@@ -480,7 +480,7 @@ class Checkpointer:
         if restored is None:
             if keep_start:
                 self.save_start(model, optimizer)
-        elif restored is not None and restored[1].get(START_EXTRA):
+        elif restored[1].get(START_EXTRA):
             logger.info("rolled back to the state training started from (step 0)")
             return None  # the start, put back: the script starts from the beginning
         return restored

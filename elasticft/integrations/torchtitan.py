@@ -177,7 +177,7 @@ class _Recovered:
         return True
 
     def _position(self) -> dict[str, str | None]:
-        """The trainer's step, the schedulers' and the data loader's states, as JSON."""
+        """The trainer's step, the schedulers' and the data loader's states, as extras."""
         return encode_position(self.trainer.state_dict(), self.lr_schedulers.state_dict(),
                                self.dataloader.state_dict() if self.dataloader else None)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from elasticft.diag import groupsockets as sockets
 from elasticft.diag.groupsockets import GroupSockets, TcpSocket, made_by_group, still_recorded
+from elasticft.inprocess import groups
 from elasticft.inprocess.groups import destroy_registered, end_groups
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +127,8 @@ def test_a_gloo_groups_record_holds_its_connection_and_none_of_the_scripts(
     only (not the store it is made on, which this process hosts, nor the script's own client);
     the end aborts the group through torch, clears torch's table and shuts that connection
     down, and the script's client still works. When the main thread's call returned by itself
-    (``waiting`` False), nothing is shut down."""
+    (``waiting`` False), nothing is shut down. The ended group is held until
+    :func:`~elasticft.inprocess.groups.release_ended`, and freed then."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     own = socket.create_connection(echo_server)
@@ -154,7 +156,8 @@ def test_a_gloo_groups_record_holds_its_connection_and_none_of_the_scripts(
             assert still_recorded(made, open_now) == made  # open, and not shut down
             states = {s.fd: s.state for s in sockets.snapshot().values()}
             assert [states.get(s.fd) for s in made] == ["01"] * len(made)  # still established
-        del held  # freed: gloo closes the connection it still has open
+        del held
+        groups.release_ended()  # as the recovery does: freed, gloo closes what it still has open
         assert not still_recorded(made, {s.fd: s.inode for s in sockets.snapshot().values()})
     finally:
         destroy_registered()
