@@ -113,9 +113,13 @@ def test_a_survivor_whose_gpu_failed_gets_no_replacement_on_it_and_the_workers_r
         tmp_path: Path, job_env: dict[str, str], inprocess_reference: dict[int, str]) -> None:
     run = _run(tmp_path, "faulty", {**job_env, "CUDA_VISIBLE_DEVICES": "0,1"},
                "--fault-rank", "1", "--infra-error-at-step", "6", "--sick-device",
-               launch=("--recovery-inprocess-teardown-limit-s", "3"))
+               # a bound only (the sick device makes rank 1 leave at once), kept clear of a
+               # loaded machine's teardown, which would make it a rank that overran instead
+               launch=("--recovery-inprocess-teardown-limit-s", "10"))
     events = run["events"]
-    (unplaced,) = [e for e in events if e["kind"] == "replacement_unplaced"]
+    unplaced_events = [e for e in events if e["kind"] == "replacement_unplaced"]
+    assert len(unplaced_events) == 1, run["text"][-8000:]
+    (unplaced,) = unplaced_events
     assert unplaced["rank"] == 1 and "GPU 1" in unplaced["reason"], unplaced
     assert "died of a device fault" in unplaced["reason"], unplaced
     assert not [e for e in events if e["kind"] == "survivor_replaced"], run["text"][-5000:]
