@@ -347,8 +347,12 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     steps = "8"
     _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps, STEP_S="0")  # no need to wait
     remote = ["--ckpt-remote-dir", str(tmp_path / "remote"), "--ckpt-keep", "100"]
+    # Steps of 1 s: the watch reads step 3's first results while step 3 is still in memory
+    # (two slots rotate beside the pinned agreed step); a loaded machine's watch missed them
+    # once at 0.5 s, and nothing was left to decide by.
     _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps,
-                         FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"))
+                         FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"),
+                         STEP_S="1.0")
     events = read_events(run_dir)
     sdc = [e for e in events if e["kind"].startswith("sdc_")]
     kinds = [(e["kind"], e.get("step"), e.get("ranks")) for e in sdc]
