@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from elasticft.ckpt import start_snapshot
 from elasticft.ckpt.api import CheckpointError, CommitGate, StateMismatch
 from elasticft.ckpt.control import (
     ControlWatcher,
@@ -65,10 +66,6 @@ from elasticft.ckpt.snapshot import (
 )
 
 logger = logging.getLogger(__name__)
-
-START_EXTRA = "elasticft.start"
-"""The extra that marks the snapshot of the state training started from
-(:meth:`Checkpointer.save_start`)."""
 _Loaded = TypeVar("_Loaded", bound=tuple)
 
 
@@ -103,20 +100,6 @@ class Checkpointer:
         know where the script keeps its checkpointers, nor when it makes them."""
         handle = RemovableHandle(Checkpointer._commit_gates)
         Checkpointer._commit_gates[handle.id] = gate
-        return handle
-
-    _start_keepers: ClassVar[OrderedDict[int, Callable[[], bool]]] = OrderedDict()
-    """While one of these says the process has not trained yet, a restore that finds nothing
-    snapshots the start (:meth:`register_start_keeper`)."""
-
-    @classmethod
-    def register_start_keeper(cls, untrained: Callable[[], bool]) -> RemovableHandle:
-        """Makes a :meth:`restore` that finds nothing snapshot the state training starts from,
-        as step 0, while ``untrained()`` holds (:meth:`save_start`). In-process recovery's,
-        until the process's first step: its survivors then have a state to roll back to when a
-        peer fails before the first checkpoint. Process-wide, as the commit gates are."""
-        handle = RemovableHandle(Checkpointer._start_keepers)
-        Checkpointer._start_keepers[handle.id] = untrained
         return handle
 
     @classmethod
@@ -480,32 +463,20 @@ class Checkpointer:
         if restored is None:
             if keep_start:
                 self.save_start(model, optimizer)
-        elif restored[1].get(START_EXTRA):
+        elif start_snapshot.is_start(restored[1]):
             logger.info("rolled back to the state training started from (step 0)")
             return None  # the start, put back: the script starts from the beginning
         return restored
 
     def save_start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                    ) -> SaveRequest | None:
-        """Snapshots the state training starts from as step 0 under in-process recovery,
-        before the process's first step; None when it is not taken. :meth:`restore` calls it
-        when it finds nothing; a script or framework that does not restore at its start calls
-        it there.
-
-        A survivor keeps its process and its tensors: when a peer fails before the job's first
-        checkpoint, its restore finds nothing and it would train on from the steps it took,
-        while the replacement starts over. Step 0 is that roll-back: :meth:`restore` copies it
-        back and returns None, as at the start, and the replacement starts from it too. It
-        takes a slot of the memory tier's rotation like any step (no memory of its own once two
-        saves have followed); the agent's periodic persist skips it (a flush after a crash may
-        write it, and a relaunch then starts from it). Taken only before the process's first
-        step (:meth:`register_start_keeper`): after it, the state is no longer the start.
-        """
-        from elasticft.ckpt.restoring.state import capture
-
-        if not any(untrained() for untrained in list(Checkpointer._start_keepers.values())):
+        """Snapshots the state training starts from as step 0
+        (:mod:`elasticft.ckpt.start_snapshot`) while in-process recovery's keeper says the
+        process has not trained yet; None when not taken. :meth:`restore` calls it when it
+        finds nothing; a framework that does not restore at its start calls it there."""
+        if not start_snapshot.wanted():
             return None
-        request = self.save(0, capture(model, optimizer, extra={START_EXTRA: True}))
+        request = self.save(0, start_snapshot.state(model, optimizer))
         if request.status == "failed":
             logger.warning("no snapshot of the starting state (%s): a peer failing before the "
                            "first checkpoint leaves the survivors' steps in place", request.error)

@@ -194,7 +194,7 @@ class InProcess:
             register_optimizer_step_pre_hook,
         )
 
-        from elasticft.ckpt import Checkpointer
+        from elasticft.ckpt import Checkpointer, start_snapshot
 
         self._entered = time.time()
         self._resume_hook = register_optimizer_step_post_hook(self._on_step)
@@ -219,8 +219,8 @@ class InProcess:
             self._gate_hooks.append(Checkpointer.register_commit_gate(monitor))
         # Until its first step, a restore that finds nothing snapshots the start: the roll-back
         # of a peer failure before the first checkpoint.
-        self._gate_hooks.append(Checkpointer.register_start_keeper(
-            lambda: self._first_step_s is None))
+        self._gate_hooks.append(
+            start_snapshot.register_keeper(lambda: self._first_step_s is None))
         self._write("armed", {"follows_layout": self.follows_layout,
                               "sharded_over": self._kept.sharded_over() if self._kept else []})
         if self.generation > 0:  # a replacement: the script's own init joined the generation

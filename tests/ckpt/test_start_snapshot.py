@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticft.ckpt import Checkpointer, WorkerSettings, capture
+from elasticft.ckpt import Checkpointer, WorkerSettings, capture, start_snapshot
 from tests.ckpt.helpers import remove_segments, trained_model, unique_prefix
 
 
@@ -48,7 +48,7 @@ def test_a_survivor_rolls_back_to_the_start_when_nothing_was_saved(
         prefix: str, keeper: bool | None, saved_step: int | None, second_restore: int | None,
         rolled_back: bool) -> None:
     model, optim = trained_model(steps=0)
-    handle = Checkpointer.register_start_keeper(lambda: keeper) if keeper is not None else None
+    handle = start_snapshot.register_keeper(lambda: keeper) if keeper is not None else None
     kept = bool(keeper)  # the start is snapshotted
     settings = WorkerSettings(shm_slots=prefix, agent_owned=True, slots=3)
     try:
