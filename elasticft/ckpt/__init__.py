@@ -26,8 +26,9 @@ Where a snapshot goes, room by room:
 Beside the rooms: ``api`` (the tiers, :class:`~elasticft.ckpt.api.TierLevel`, and the errors),
 ``snapshot`` (a state's layout), ``hostcopy`` (bytes copied at memory speed), ``settings`` (a
 worker's settings), ``control`` (the agent's "checkpoint now" channel to its workers),
-``checkpointer`` (the worker's door: ``save``, ``load``, ``restore``), ``service`` (the
-agent's door: its collaborator) and ``commands`` (``elasticft ckpt``).
+``checkpointer`` (the worker's door: ``save``, ``load``, ``restore``), ``start_snapshot``
+(the state training starts from, kept under in-process recovery), ``service`` (the agent's
+door: its collaborator) and ``commands`` (``elasticft ckpt``).
 """
 
 from __future__ import annotations
