@@ -407,9 +407,26 @@ class SlurmHandler(AgentCollaborator):
             return False, str(e)
         text = " ".join(cmd)
         if done.returncode != 0:
-            return False, f"`{text}` exited {done.returncode}: {done.stderr.strip()}"
+            failed = f"`{text}` exited {done.returncode}: {done.stderr.strip()}"
+            restarts = self._restarts() if self.config.slurm_requeue == "scontrol" else None
+            if restarts is None or restarts <= self.slurm.restart_count:
+                return False, failed
+            # Slurm answers a requeue by ending the allocation: its SIGTERM reaches every
+            # process of the job, scontrol too when it has not exited yet (exit -15). The
+            # job's restart count says whether the requeue was done.
+            logger.warning("%s, but job %s shows Restarts=%d: it was requeued", failed,
+                           self.slurm.job_id, restarts)
+            return True, f"`{text}` (ended by Slurm's SIGTERM; Restarts={restarts})"
         logger.warning("requeued: `%s` %s", text, done.stdout.strip())
         return True, f"`{text}`" + (f" -> job {done.stdout.strip()}" if done.stdout.strip() else "")
+
+    def _restarts(self) -> int | None:
+        """How many times Slurm has requeued this job, as it says now (None: unknown)."""
+        try:
+            shown = self.runner(["scontrol", "-o", "show", "job", self.slurm.job_id], 30)
+            return int(job_fields(shown.stdout)["Restarts"]) if shown.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, KeyError, ValueError):
+            return None
 
     # -- cancel ---------------------------------------------------------------------------------
 

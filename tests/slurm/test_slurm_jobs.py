@@ -8,6 +8,7 @@ signal comes 10-40 s into the job.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -70,14 +71,31 @@ def job_output(root: Path, name: str, job_id: str) -> str:
     return path.read_text(errors="replace") if path.exists() else "(no output)"
 
 
+SCONTROL_OUTLIVED_BY_THE_REQUEUE = """#!/bin/bash
+# scontrol as a loaded machine may run it: the requeue is done, and Slurm's SIGTERM to every
+# process of the job (the requeue ends the allocation) comes before this one has exited.
+{real} "$@" || exit $?
+if [ "$1" = requeue ]; then sleep 30; fi
+"""
+
+
+@pytest.mark.parametrize("scontrol", ["exits", "ended-by-the-requeue"])
 @pytest.mark.timeout(420)
-def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp_path):
-    root = slurm_cluster.root / "timelimit"
+def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp_path, scontrol):
+    root = slurm_cluster.root / f"timelimit-{scontrol}"
     root.mkdir()
     ckpt, loss, run_dir = root / "ckpt" / "latest.pt", root / "loss.txt", root / "run"
+    first_run_env = "export STEP_TIME=0.4"
+    if scontrol == "ended-by-the-requeue":
+        shim = root / "bin"
+        shim.mkdir()
+        real = shutil.which("scontrol", path=slurm_cluster.env()["PATH"])
+        (shim / "scontrol").write_text(SCONTROL_OUTLIVED_BY_THE_REQUEUE.format(real=real))
+        (shim / "scontrol").chmod(0o755)
+        first_run_env += f"; export PATH={shim}:$PATH"
     script = write_job(
         root, "tl", ["--time=1", "--signal=B:USR1@50"], ["--slurm-signal", "B:USR1@50"], [],
-        first_run_env="export STEP_TIME=0.4", ckpt=ckpt, loss=loss, run_dir=run_dir,
+        first_run_env=first_run_env, ckpt=ckpt, loss=loss, run_dir=run_dir,
     )
     job = submit(slurm_cluster, script, job_env)
 
@@ -100,6 +118,7 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp
     assert checkpoint["durable"] is True, checkpoint
     requeue = next(e for e in events if e["kind"] == "slurm_requeue")
     assert requeue["ok"] is True and requeue["how"] == "scontrol", requeue
+    assert ("ended by Slurm's SIGTERM" in requeue["detail"]) is (scontrol != "exits"), requeue
     saved = [line for line in out.splitlines() if "SIGUSR1: saved step" in line]
     assert len(saved) == 1, out
     saved_step = int(saved[0].split("saved step ")[1].split(",")[0])

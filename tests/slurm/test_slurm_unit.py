@@ -104,14 +104,17 @@ def test_signal_names_and_scontrol_parsing():
 class Recorder:
     """Stands in for scontrol/sbatch: records the command, answers like Slurm would."""
 
-    def __init__(self, show: str = "", returncode: int = 0) -> None:
+    def __init__(self, show: str = "", returncode: int = 0, show_returncode: int | None = None
+                 ) -> None:
         self.calls: list[list[str]] = []
         self.show, self.returncode = show, returncode
+        self.show_returncode = returncode if show_returncode is None else show_returncode
 
     def __call__(self, cmd, timeout):
         self.calls.append(list(cmd))
-        out = self.show if cmd[:2] == ["scontrol", "-o"] else "77\n"
-        return subprocess.CompletedProcess(cmd, self.returncode, out, "denied")
+        if cmd[:2] == ["scontrol", "-o"]:
+            return subprocess.CompletedProcess(cmd, self.show_returncode, self.show, "")
+        return subprocess.CompletedProcess(cmd, self.returncode, "77\n", "denied")
 
 
 def test_sbatch_resubmission_uses_the_jobs_script_and_workdir():
@@ -228,6 +231,39 @@ def test_failed_requeue_is_a_failure_and_checkpoint_service_is_preferred(workers
     assert service.asked and service.asked[0][0] == "slurm time limit"
     assert procs[0].poll() is None  # the service saved; no signal was forwarded
     handler.close()
+
+
+# SLURM_RESTART_COUNT is 1 in slurm_env(): Restarts=2 is this requeue's.
+@pytest.mark.parametrize(
+    ("returncode", "show", "show_returncode", "state"),
+    [
+        pytest.param(-15, "JobId=42 JobState=REQUEUED Restarts=2", 0, "requeued",
+                     id="scontrol-ended-by-the-requeue's-SIGTERM"),
+        pytest.param(-15, "JobId=42 JobState=RUNNING Restarts=1", 0, "failed",
+                     id="ended-and-not-requeued"),
+        pytest.param(1, "JobId=42 JobState=RUNNING Restarts=1", 0, "failed",
+                     id="refused"),
+        pytest.param(-15, "", 1, "failed", id="ended-and-the-job-unknown"),
+        pytest.param(-15, "JobId=42 JobState=REQUEUED", 0, "failed", id="no-restart-count"),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_a_requeue_whose_scontrol_fails_counts_only_when_the_job_shows_it(
+        workers, tmp_path, returncode, show, show_returncode, state):
+    procs = workers("saves", n=1)
+    runner = Recorder(show=show, returncode=returncode, show_returncode=show_returncode)
+    handler = SlurmHandler(SlurmConfig(), SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
+                           runner=runner)
+    group = group_of(procs, tmp_path)
+    handler.on_workers_started(group)
+    handler._on_signal(signal.SIGUSR1, None)
+    with pytest.raises(StopRun) as stop:
+        handler.check(group)
+    assert stop.value.state == state
+    assert runner.calls == [["scontrol", "requeue", "42"], ["scontrol", "-o", "show", "job", "42"]]
+    handler.close()
+    event = next(e for e in read_events(tmp_path) if e["kind"] == "slurm_requeue")
+    assert event["ok"] is (state == "requeued")
 
 
 @pytest.mark.timeout(60)
