@@ -216,7 +216,8 @@ class SlurmConfig:
     slurm_requeue: Literal["scontrol", "sbatch", "off"] = option(
         "scontrol",
         "How the job continues after a time-limit checkpoint: `scontrol requeue $SLURM_JOB_ID` "
-        "(same job id; needs requeue allowed), a new `sbatch` of the job's script, or off.",
+        "(same job id; needs requeue allowed), a new `sbatch` of the job's script (submitted "
+        "by the first node), or off.",
     )
     slurm_resubmit_script: Path | None = tuning(
         None,

@@ -399,6 +399,9 @@ class SlurmHandler(AgentCollaborator):
         raise StopRun("requeued", f"{reason}; requeued ({detail})", exit_code=0)
 
     def _requeue(self) -> tuple[bool, str]:
+        if self.config.slurm_requeue == "sbatch" and self.slurm.node_rank != 0:
+            # Every node's launcher gets the signal; a new job is submitted once.
+            return True, "the job's first node resubmits it (sbatch)"
         try:
             cmd = requeue_command(self.config.slurm_requeue, self.slurm,
                                   self.config.slurm_resubmit_script, self.runner)
@@ -412,11 +415,12 @@ class SlurmHandler(AgentCollaborator):
             if restarts is None or restarts <= self.slurm.restart_count:
                 return False, failed
             # Slurm answers a requeue by ending the allocation: its SIGTERM reaches every
-            # process of the job, scontrol too when it has not exited yet (exit -15). The
-            # job's restart count says whether the requeue was done.
+            # process of the job, scontrol too when it has not exited yet (exit -15); on several
+            # nodes another node's agent may have requeued it first. The job's restart count
+            # says whether it was requeued.
             logger.warning("%s, but job %s shows Restarts=%d: it was requeued", failed,
                            self.slurm.job_id, restarts)
-            return True, f"`{text}` (ended by Slurm's SIGTERM; Restarts={restarts})"
+            return True, f"`{text}` exited {done.returncode}, yet Restarts={restarts}: requeued"
         logger.warning("requeued: `%s` %s", text, done.stdout.strip())
         return True, f"`{text}`" + (f" -> job {done.stdout.strip()}" if done.stdout.strip() else "")
 

@@ -266,6 +266,26 @@ def test_a_requeue_whose_scontrol_fails_counts_only_when_the_job_shows_it(
     assert event["ok"] is (state == "requeued")
 
 
+@pytest.mark.parametrize(("procid", "submits"), [("0", True), ("2", False)])
+@pytest.mark.timeout(60)
+def test_only_the_first_node_resubmits_the_job_by_sbatch(workers, tmp_path, procid, submits):
+    procs = workers("saves", n=1)
+    runner = Recorder(show="JobId=42 Command=/jobs/train.sh WorkDir=/scratch/me")
+    handler = SlurmHandler(SlurmConfig(slurm_requeue="sbatch"),
+                           SlurmEnv.from_env(slurm_env(SLURM_PROCID=procid)),
+                           event_dir=tmp_path, runner=runner)
+    group = group_of(procs, tmp_path)
+    handler.on_workers_started(group)
+    handler._on_signal(signal.SIGUSR1, None)
+    with pytest.raises(StopRun) as stop:
+        handler.check(group)
+    assert (stop.value.state, stop.value.exit_code) == ("requeued", 0)
+    sbatch = [c for c in runner.calls if c[0] == "sbatch"]
+    assert sbatch == ([["sbatch", "--parsable", "--chdir=/scratch/me", "/jobs/train.sh"]]
+                      if submits else [])
+    handler.close()
+
+
 @pytest.mark.timeout(60)
 def test_checkpoint_service_without_snapshot_falls_back_to_forwarding(workers, tmp_path):
     class EmptyService:
