@@ -9,9 +9,11 @@ gets one answer here, inside the launcher, so the training script does not have 
   now: through the checkpoint service's "checkpoint now and wait for the ack" when the job uses
   the worker API, otherwise by forwarding the signal to every worker (a plain script saves on it
   and exits; see ``examples/train_plain.py``). It waits until the checkpoint is durable (the ack,
-  or every worker has exited), requeues the job (``scontrol requeue $SLURM_JOB_ID`` or a new
-  ``sbatch`` of the job's script) and ends the run with state ``requeued`` and exit code 0. The
-  next allocation starts the same command, which resumes from that checkpoint.
+  or every worker has exited), requeues the job (``scontrol requeue $SLURM_JOB_ID``, or a new
+  ``sbatch`` of the job's script from the first node) and ends the run with state ``requeued``
+  and exit code 0. The next allocation starts the same command, which resumes from that
+  checkpoint. Whether a ``scontrol requeue`` that failed was done anyway (Slurm's SIGTERM ends
+  it with the allocation; another node requeued first) is read from the job's restart count.
 * **scancel** (SIGTERM to every process of the job). torch's handler stops the workers and the
   launcher exits with 143. This module only logs it as a cancel and records it; it saves first
   only with ``--slurm-save-on-cancel``, and never resubmits.
