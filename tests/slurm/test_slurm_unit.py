@@ -168,6 +168,16 @@ def group_of(procs, run_dir: Path) -> GroupInfo:
                                    for i, p in enumerate(procs)))
 
 
+def stopped_by_the_time_limit(handler: SlurmHandler, procs, run_dir: Path) -> StopRun:
+    """What the handler's next check raises once the time-limit signal has come."""
+    group = group_of(procs, run_dir)
+    handler.on_workers_started(group)
+    handler._on_signal(signal.SIGUSR1, None)
+    with pytest.raises(StopRun) as stop:
+        handler.check(group)
+    return stop.value
+
+
 @pytest.mark.timeout(60)
 def test_time_limit_forwards_waits_for_saves_and_requeues(workers, tmp_path):
     procs = workers("saves")
@@ -196,12 +206,8 @@ def test_time_limit_with_workers_that_ignore_it_still_requeues_but_says_so(worke
     config = SlurmConfig(slurm_signal=SlurmSignal(lead_time=timedelta(seconds=2)))
     handler = SlurmHandler(config, SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
                            runner=runner)
-    group = group_of(procs, tmp_path)
-    handler.on_workers_started(group)
-    handler._on_signal(signal.SIGUSR1, None)
-    with pytest.raises(StopRun) as stop:
-        handler.check(group)
-    assert "NOT confirmed" in stop.value.reason and stop.value.state == "requeued"
+    stop = stopped_by_the_time_limit(handler, procs, tmp_path)
+    assert "NOT confirmed" in stop.reason and stop.state == "requeued"
     handler.close()
     event = next(e for e in read_events(tmp_path) if e["kind"] == "slurm_checkpoint")
     assert event["durable"] is False and "still running" in event["how"]
@@ -221,13 +227,9 @@ def test_failed_requeue_is_a_failure_and_checkpoint_service_is_preferred(workers
     procs = workers("ignores", n=1)
     handler = SlurmHandler(SlurmConfig(), SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
                            checkpointer=service, runner=Recorder(returncode=1))
-    group = group_of(procs, tmp_path)
-    handler.on_workers_started(group)
-    handler._on_signal(signal.SIGUSR1, None)
-    with pytest.raises(StopRun) as stop:
-        handler.check(group)
-    assert stop.value.state == "failed" and stop.value.exit_code == 1
-    assert "requeue failed" in stop.value.reason and "denied" in stop.value.reason
+    stop = stopped_by_the_time_limit(handler, procs, tmp_path)
+    assert stop.state == "failed" and stop.exit_code == 1
+    assert "requeue failed" in stop.reason and "denied" in stop.reason
     assert service.asked and service.asked[0][0] == "slurm time limit"
     assert procs[0].poll() is None  # the service saved; no signal was forwarded
     handler.close()
@@ -254,12 +256,8 @@ def test_a_requeue_whose_scontrol_fails_counts_only_when_the_job_shows_it(
     runner = Recorder(show=show, returncode=returncode, show_returncode=show_returncode)
     handler = SlurmHandler(SlurmConfig(), SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
                            runner=runner)
-    group = group_of(procs, tmp_path)
-    handler.on_workers_started(group)
-    handler._on_signal(signal.SIGUSR1, None)
-    with pytest.raises(StopRun) as stop:
-        handler.check(group)
-    assert stop.value.state == state
+    stop = stopped_by_the_time_limit(handler, procs, tmp_path)
+    assert stop.state == state
     assert runner.calls == [["scontrol", "requeue", "42"], ["scontrol", "-o", "show", "job", "42"]]
     handler.close()
     event = next(e for e in read_events(tmp_path) if e["kind"] == "slurm_requeue")
@@ -274,12 +272,8 @@ def test_only_the_first_node_resubmits_the_job_by_sbatch(workers, tmp_path, proc
     handler = SlurmHandler(SlurmConfig(slurm_requeue="sbatch"),
                            SlurmEnv.from_env(slurm_env(SLURM_PROCID=procid)),
                            event_dir=tmp_path, runner=runner)
-    group = group_of(procs, tmp_path)
-    handler.on_workers_started(group)
-    handler._on_signal(signal.SIGUSR1, None)
-    with pytest.raises(StopRun) as stop:
-        handler.check(group)
-    assert (stop.value.state, stop.value.exit_code) == ("requeued", 0)
+    stop = stopped_by_the_time_limit(handler, procs, tmp_path)
+    assert (stop.state, stop.exit_code) == ("requeued", 0)
     sbatch = [c for c in runner.calls if c[0] == "sbatch"]
     assert sbatch == ([["sbatch", "--parsable", "--chdir=/scratch/me", "/jobs/train.sh"]]
                       if submits else [])
@@ -295,10 +289,6 @@ def test_checkpoint_service_without_snapshot_falls_back_to_forwarding(workers, t
     procs = workers("saves")
     handler = SlurmHandler(SlurmConfig(), SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
                            checkpointer=EmptyService(), runner=Recorder())
-    group = group_of(procs, tmp_path)
-    handler.on_workers_started(group)
-    handler._on_signal(signal.SIGUSR1, None)
-    with pytest.raises(StopRun) as stop:
-        handler.check(group)
-    assert stop.value.state == "requeued" and "saved and exited" in stop.value.reason
+    stop = stopped_by_the_time_limit(handler, procs, tmp_path)
+    assert stop.state == "requeued" and "saved and exited" in stop.reason
     handler.close()
