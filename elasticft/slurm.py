@@ -12,8 +12,10 @@ gets one answer here, inside the launcher, so the training script does not have 
   or every worker has exited), requeues the job (``scontrol requeue $SLURM_JOB_ID``, or a new
   ``sbatch`` of the job's script from the first node) and ends the run with state ``requeued``
   and exit code 0. The next allocation starts the same command, which resumes from that
-  checkpoint. Whether a ``scontrol requeue`` that failed was done anyway (Slurm's SIGTERM ends
-  it with the allocation; another node requeued first) is read from the job's restart count.
+  checkpoint. A requeue ends the whole allocation, so on several nodes only the round's first
+  node requeues, once every node has said in the round's store that its save is over. Whether a
+  ``scontrol requeue`` that failed was done anyway (Slurm's SIGTERM ended scontrol with the
+  allocation) is read from the job's restart count.
 * **scancel** (SIGTERM to every process of the job). torch's handler stops the workers and the
   launcher exits with 143. This module only logs it as a cancel and records it; it saves first
   only with ``--slurm-save-on-cancel``, and never resubmits.
@@ -62,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 # Fraction of the signal's lead time the checkpoint may take; the rest is for the requeue.
 SAVE_SHARE_OF_LEAD_TIME = 0.8
+# How long past its own save deadline the first node waits for the others' saves.
+REQUEUE_WAIT_S = 5.0
 DEFAULT_C10D_PORT = 29400
 
 
@@ -308,6 +312,8 @@ class SlurmHandler(AgentCollaborator):
         self._saver = SaveBeforeExit(self.checkpointer, self.clock, self.poll_interval)
         self.outcome: str | None = None
         """What ended the run from Slurm's side: requeued, cancelled (None while running)."""
+        self._store: Any = None
+        """The rendezvous round's store: the nodes' saves meet there before the requeue."""
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -335,6 +341,9 @@ class SlurmHandler(AgentCollaborator):
             self._events.emit(kind, job_id=self.slurm.job_id, **payload)
 
     # -- hooks ----------------------------------------------------------------------------------
+
+    def on_rendezvous(self, group: GroupInfo, store: Any) -> None:
+        self._store = store
 
     def on_workers_started(self, group: GroupInfo) -> None:
         if self.event_dir is None:
@@ -393,6 +402,12 @@ class SlurmHandler(AgentCollaborator):
             self.outcome = "stopped"
             self._emit("slurm_requeue", how="off", ok=False)
             raise StopRun("time_limit", reason + "; requeue is off", exit_code=0)
+        if not self._leads_requeue(group, durable, deadline + REQUEUE_WAIT_S):
+            self.outcome = "requeued"
+            self._emit("slurm_requeue", how=self.config.slurm_requeue, ok=True,
+                       detail="left to the round's first node")
+            raise StopRun("requeued", f"{reason}; the round's first node requeues the job",
+                          exit_code=0)
         ok, detail = self._requeue()
         self.outcome = "requeued" if ok else "requeue_failed"
         self._emit("slurm_requeue", how=self.config.slurm_requeue, ok=ok, detail=detail)
@@ -400,10 +415,35 @@ class SlurmHandler(AgentCollaborator):
             raise StopRun("failed", f"{reason}; requeue failed: {detail}", exit_code=1)
         raise StopRun("requeued", f"{reason}; requeued ({detail})", exit_code=0)
 
+    def _leads_requeue(self, group: GroupInfo, durable: bool, wait_until: float) -> bool:
+        """Whether this node requeues the job. Slurm ends the whole allocation at the first
+        requeue, so on several nodes only the round's first node requeues, once every node has
+        said its save is over (or at ``wait_until``): a node still saving is not cut short.
+        Without the round's store each node requeues for itself: a second ``scontrol
+        requeue`` is judged by the job's restart count, but a second ``sbatch`` would be a
+        second job, so that one is the allocation's first node's alone."""
+        on_its_own = self.config.slurm_requeue != "sbatch" or self.slurm.node_rank == 0
+        if self._store is None or group.group_world_size < 2:
+            return on_its_own
+        keys = [_saved_key(group.round, r) for r in range(group.group_world_size)]
+        try:
+            self._store.set(keys[group.group_rank], "durable" if durable else "not confirmed")
+            if group.group_rank != 0:
+                return False
+            while not self._store.check(keys) and self.clock() < wait_until:
+                time.sleep(self.poll_interval)
+            missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
+        except Exception as e:  # the store is gone with its host: requeue from here
+            logger.warning("the nodes' saves could not meet in the round's store (%s: %s); "
+                           "each node requeues on its own", type(e).__name__, e)
+            return on_its_own
+        self._emit("slurm_nodes_saved", nodes=group.group_world_size, missing=missing)
+        if missing:
+            logger.error("node ranks %s did not say their save was over by the deadline; "
+                         "requeueing all the same", missing)
+        return True
+
     def _requeue(self) -> tuple[bool, str]:
-        if self.config.slurm_requeue == "sbatch" and self.slurm.node_rank != 0:
-            # Every node's launcher gets the signal; a new job is submitted once.
-            return True, "the job's first node resubmits it (sbatch)"
         try:
             cmd = requeue_command(self.config.slurm_requeue, self.slurm,
                                   self.config.slurm_resubmit_script, self.runner)
@@ -485,3 +525,7 @@ class SlurmAddOn(AddOn[SlurmHandler]):
         )
         handler.install()
         return handler
+
+
+def _saved_key(round_: int, group_rank: int) -> str:
+    return f"elasticft.slurm.{round_}.saved.{group_rank}"

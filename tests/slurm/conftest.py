@@ -1,9 +1,11 @@
-"""A real single-node Slurm cluster for tests: munged, slurmctld and slurmd started as root.
+"""A real two-node Slurm cluster for tests: munged, slurmctld and a slurmd per node, as root.
 
 Everything lives in a temporary directory: a generated munge key and socket, slurm.conf and
 cgroup.conf, state and spool directories, logs. The daemons listen on free loopback ports, so
-the cluster never touches the machine's own Slurm or munge. Client commands reach it through
-``SLURM_CONF`` (see :meth:`SlurmCluster.env`). Teardown stops the daemons by their pids.
+the cluster never touches the machine's own Slurm or munge. Both nodes are this host (a slurmd
+each, on ports of their own): a job of one node runs on either, a job of two on both. Client
+commands reach it through ``SLURM_CONF`` (see :meth:`SlurmCluster.env`). Teardown stops the
+daemons by their pids.
 
 The binaries come from Debian's ``slurm-wlm`` and ``munge`` packages; when they are missing
 the fixture fails with the install command instead of skipping.
@@ -25,12 +27,12 @@ import pytest
 from tests.conftest import free_port
 
 REQUIRED = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo")
-NODE = "eftest1"
+NODES = ("eftest1", "eftest2")
 PARTITION = "debug"
 
 
 class SlurmCluster:
-    """One controller and one compute node on 127.0.0.1, configured in ``root``."""
+    """One controller and two compute nodes on 127.0.0.1, configured in ``root``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -38,7 +40,7 @@ class SlurmCluster:
         self.munge_socket = root / "munge" / "munge.socket"
         self.procs: dict[str, subprocess.Popen] = {}
         self.ctld_port = free_port()
-        self.slurmd_port = free_port()
+        self.slurmd_ports = {node: free_port() for node in NODES}
 
     # ------------------------------------------------------------------------------------------
 
@@ -99,18 +101,17 @@ class SlurmCluster:
                     "SlurmUser=root",
                     "SlurmdUser=root",
                     f"SlurmctldPort={self.ctld_port}",
-                    f"SlurmdPort={self.slurmd_port}",
                     "AuthType=auth/munge",
                     "CredType=cred/munge",
                     # A requeued job may start again only after its credential expires
                     # (default 120 s); keep that short for the tests.
                     f"AuthInfo=socket={self.munge_socket},cred_expire=10",
                     f"StateSaveLocation={r / 'state'}",
-                    f"SlurmdSpoolDir={r / 'spool'}",
+                    f"SlurmdSpoolDir={r / 'spool' / '%n'}",
                     f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}",
-                    f"SlurmdPidFile={r / 'run' / 'slurmd.pid'}",
+                    f"SlurmdPidFile={r / 'run' / 'slurmd-%n.pid'}",
                     f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-                    f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
                     f"PlugStackConfig={r / 'plugstack.conf'}",
                     "SlurmctldDebug=info",
                     "SlurmdDebug=info",
@@ -134,10 +135,11 @@ class SlurmCluster:
                     "InactiveLimit=0",
                     "SlurmdTimeout=60",
                     "MessageTimeout=20",
-                    f"NodeName={NODE} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} "
-                    "RealMemory=1000 State=UNKNOWN",
-                    f"PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime=INFINITE "
-                    "State=UP",
+                    *(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 "
+                      f"Port={port} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
+                      for node, port in self.slurmd_ports.items()),
+                    f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES "
+                    "MaxTime=INFINITE State=UP",
                     "",
                 ]
             )
@@ -159,8 +161,9 @@ class SlurmCluster:
         self._wait(lambda: self.munge_socket.exists(), 20, "munged socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait(lambda: self._ok("scontrol", "ping"), 60, "slurmctld to answer ping")
-        self._spawn("slurmd", ["slurmd", "-D", "-N", NODE, "-f", str(self.conf)])
-        self._wait(self._node_idle, 90, f"node {NODE} to become idle")
+        for node in NODES:
+            self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+        self._wait(self._nodes_idle, 90, f"nodes {', '.join(NODES)} to become idle")
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "w")  # noqa: SIM115 - kept for the daemon
@@ -175,12 +178,12 @@ class SlurmCluster:
         except subprocess.TimeoutExpired:
             return False
 
-    def _node_idle(self) -> bool:
+    def _nodes_idle(self) -> bool:
         try:
             out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
         except subprocess.TimeoutExpired:
             return False
-        return out.strip().startswith("idle")
+        return out.split() == ["idle"] * len(NODES)
 
     def _wait(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -197,14 +200,14 @@ class SlurmCluster:
             time.sleep(0.5)
         raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}; "
                            f"slurmctld log: {self.log_tail('slurmctld.log')}\n"
-                           f"slurmd log: {self.log_tail('slurmd.log')}")
+                           f"slurmd log: {self.log_tail(f'slurmd-{NODES[0]}.log')}")
 
     def stop(self) -> None:
         # Cancel what is left so slurmd does not leave job processes behind, then stop the
         # daemons in reverse order of start.
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             self._ok("scancel", "--full", f"--partition={PARTITION}")
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in (*(f"slurmd-{node}" for node in NODES), "slurmctld", "munged"):
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue

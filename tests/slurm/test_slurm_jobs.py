@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from elasticft.events import read_events
-from tests.conftest import BIN, EXAMPLES
+from tests.conftest import BIN, EXAMPLES, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,10 @@ STEPS = 160
 
 def write_job(root: Path, name: str, sbatch: list[str], run_args: list[str],
               script_args: list[str], first_run_env: str = "", *,
-              ckpt: Path, loss: Path, run_dir: Path) -> Path:
+              ckpt: Path, loss: Path, run_dir: Path, nproc_per_node: int = 2,
+              launch: str = "exec") -> Path:
+    """A batch script that runs ``train_plain.py`` under elasticft-run (``launch``: ``exec``
+    in the batch shell, or ``exec srun`` for a launcher per node)."""
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch)]
     lines += [
         f"#SBATCH --output={root / (name + '-%j.out')}",
@@ -35,7 +38,8 @@ def write_job(root: Path, name: str, sbatch: list[str], run_args: list[str],
         # The first allocation trains slowly so that the time limit comes first; a requeued
         # one runs at full speed (as on a machine that is not shared).
         f'if [ -z "$SLURM_RESTART_COUNT" ]; then {first_run_env or ":"}; fi',
-        f"exec {BIN / 'elasticft-run'} --nproc-per-node 2 --monitor-interval 0.2 "
+        f"{launch} {BIN / 'elasticft-run'} --nproc-per-node {nproc_per_node} "
+        "--monitor-interval 0.2 "
         f"--run-dir {run_dir} {' '.join(run_args)} {EXAMPLES / 'train_plain.py'} "
         f"--ckpt-dir {ckpt.parent} --loss-log {loss} --ckpt-every 100000 "
         f"{' '.join(script_args)} --steps {STEPS} --step-time ${{STEP_TIME:-0}}",
@@ -129,6 +133,50 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp
     assert loss_steps(loss) == list(range(1, STEPS + 1)), out
     allocations = [e for e in events if e["kind"] == "slurm_allocation"]
     assert [e["restart_count"] for e in allocations] == [0, 1]
+    assert torch_step(ckpt) == STEPS
+
+
+@pytest.mark.timeout(420)
+def test_a_job_of_two_nodes_requeues_once_and_every_node_ends_requeued(
+        slurm_cluster, job_env, tmp_path):
+    root = slurm_cluster.root / "timelimit-two-nodes"
+    root.mkdir()
+    ckpt, loss, run_dir = root / "ckpt" / "latest.pt", root / "loss.txt", root / "run"
+    # A launcher per node (srun), each signalled by Slurm (no B:); node rank and node count
+    # come from the allocation, the address is given (the test nodes' names do not resolve).
+    script = write_job(
+        root, "tl2", ["--nodes=2", "--ntasks-per-node=1", "--time=1", "--signal=USR1@50"],
+        ["--slurm-signal", "USR1@50", "--master-addr", "127.0.0.1", "--master-port",
+         str(free_port())], [],
+        first_run_env="export STEP_TIME=0.4", ckpt=ckpt, loss=loss, run_dir=run_dir,
+        nproc_per_node=1, launch="exec srun --kill-on-bad-exit=0",
+    )
+    job = submit(slurm_cluster, script, job_env)
+    restarted = lambda: int(slurm_cluster.job_field(job, "Restarts") or 0) >= 1  # noqa: E731
+    slurm_cluster.wait_job(job, restarted, 150, "a requeue")
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+    slurm_cluster.wait_job(
+        job, lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED", 200, "completion"
+    )
+    out = job_output(root, "tl2", job)
+    assert slurm_cluster.job_field(job, "Restarts") == "1", out
+
+    events = read_events(run_dir)
+    ends = sorted((e["time"], e["state"], e["exit_code"]) for e in events
+                  if e["kind"] == "run_end")
+    assert [(state, code) for _, state, code in ends] == [
+        ("requeued", 0), ("requeued", 0), ("succeeded", 0), ("succeeded", 0)], out
+    # One node requeued, once the other had said its save was over; the other left it to it.
+    requeues = [e for e in events if e["kind"] == "slurm_requeue"]
+    assert len(requeues) == 2 and all(e["ok"] for e in requeues), requeues
+    assert [e["detail"] for e in requeues].count("left to the round's first node") == 1
+    met = [e for e in events if e["kind"] == "slurm_nodes_saved"]
+    assert [(e["nodes"], e["missing"]) for e in met] == [(2, [])], met
+    saved = [line for line in out.splitlines() if "SIGUSR1: saved step" in line]
+    assert len(saved) == 1, out
+    saved_step = int(saved[0].split("saved step ")[1].split(",")[0])
+    assert f"resumed from step {saved_step}" in out, out
+    assert loss_steps(loss) == list(range(1, STEPS + 1)), out
     assert torch_step(ckpt) == STEPS
 
 

@@ -3,6 +3,7 @@ sequence against real worker processes (with a recorded stand-in for scontrol)."
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -278,6 +279,49 @@ def test_only_the_first_node_resubmits_the_job_by_sbatch(workers, tmp_path, proc
     assert sbatch == ([["sbatch", "--parsable", "--chdir=/scratch/me", "/jobs/train.sh"]]
                       if submits else [])
     handler.close()
+
+
+class GoneStore:
+    """A round's store whose host has exited."""
+
+    def set(self, key, value):
+        raise RuntimeError("Connection reset by peer")
+
+
+@pytest.mark.parametrize(
+    ("group_rank", "others_saved", "store", "requeues", "missing"),
+    [
+        pytest.param(0, True, "hash", True, [], id="first-node-after-every-save"),
+        pytest.param(0, False, "hash", True, [1], id="first-node-at-the-deadline"),
+        pytest.param(1, True, "hash", False, None, id="another-node-leaves-it"),
+        pytest.param(1, False, "gone", True, None, id="no-store-each-on-its-own"),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_on_two_nodes_the_first_requeues_once_every_save_is_over(
+        workers, tmp_path, group_rank, others_saved, store, requeues, missing):
+    from torch.distributed import HashStore
+
+    procs = workers("saves", n=1)
+    runner = Recorder()
+    config = SlurmConfig(slurm_signal=SlurmSignal(lead_time=timedelta(seconds=2)))
+    handler = SlurmHandler(config, SlurmEnv.from_env(slurm_env()), event_dir=tmp_path,
+                           runner=runner)
+    group = dataclasses.replace(group_of(procs, tmp_path), group_rank=group_rank,
+                                group_world_size=2)
+    round_store = HashStore() if store == "hash" else GoneStore()
+    if others_saved and store == "hash":
+        round_store.set(f"elasticft.slurm.0.saved.{1 - group_rank}", "durable")
+    handler.on_rendezvous(group, round_store)
+    handler.on_workers_started(group)
+    handler._on_signal(signal.SIGUSR1, None)
+    with pytest.raises(StopRun) as stop:
+        handler.check(group)
+    assert (stop.value.state, stop.value.exit_code) == ("requeued", 0)
+    assert (["scontrol", "requeue", "42"] in runner.calls) is requeues
+    handler.close()
+    met = [e["missing"] for e in read_events(tmp_path) if e["kind"] == "slurm_nodes_saved"]
+    assert met == ([] if missing is None else [missing])
 
 
 @pytest.mark.timeout(60)
