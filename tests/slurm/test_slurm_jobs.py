@@ -75,6 +75,20 @@ def job_output(root: Path, name: str, job_id: str) -> str:
     return path.read_text(errors="replace") if path.exists() else "(no output)"
 
 
+def requeued_once_then_completed(cluster, job: str, root: Path, name: str) -> str:
+    """Waits for the job's requeue, lets its next allocation finish, and returns the output of
+    both once Slurm says it requeued the job exactly once."""
+    restarted = lambda: int(cluster.job_field(job, "Restarts") or 0) >= 1  # noqa: E731
+    cluster.wait_job(job, restarted, 150, "a requeue")
+    # The next allocation gets room to finish (its own time limit would signal it again).
+    cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+    cluster.wait_job(job, lambda: cluster.job_field(job, "JobState") == "COMPLETED", 200,
+                     "completion")
+    out = job_output(root, name, job)
+    assert cluster.job_field(job, "Restarts") == "1", out
+    return out
+
+
 SCONTROL_OUTLIVED_BY_THE_REQUEUE = """#!/bin/bash
 # scontrol as a loaded machine may run it: the requeue is done, and Slurm's SIGTERM to every
 # process of the job (the requeue ends the allocation) comes before this one has exited.
@@ -101,17 +115,8 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp
         root, "tl", ["--time=1", "--signal=B:USR1@50"], ["--slurm-signal", "B:USR1@50"], [],
         first_run_env=first_run_env, ckpt=ckpt, loss=loss, run_dir=run_dir,
     )
-    job = submit(slurm_cluster, script, job_env)
-
-    restarted = lambda: int(slurm_cluster.job_field(job, "Restarts") or 0) >= 1  # noqa: E731
-    slurm_cluster.wait_job(job, restarted, 150, "a requeue")
-    # The next allocation gets room to finish (its own time limit would signal it again).
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
-    slurm_cluster.wait_job(
-        job, lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED", 200, "completion"
-    )
-    out = job_output(root, "tl", job)
-    assert slurm_cluster.job_field(job, "Restarts") == "1", out
+    out = requeued_once_then_completed(slurm_cluster, submit(slurm_cluster, script, job_env),
+                                       root, "tl")
 
     # First allocation: signalled, saved step K, requeued, exited 0 as "requeued".
     events = read_events(run_dir)
@@ -151,15 +156,8 @@ def test_a_job_of_two_nodes_requeues_once_and_every_node_ends_requeued(
         first_run_env="export STEP_TIME=0.4", ckpt=ckpt, loss=loss, run_dir=run_dir,
         nproc_per_node=1, launch="exec srun --kill-on-bad-exit=0",
     )
-    job = submit(slurm_cluster, script, job_env)
-    restarted = lambda: int(slurm_cluster.job_field(job, "Restarts") or 0) >= 1  # noqa: E731
-    slurm_cluster.wait_job(job, restarted, 150, "a requeue")
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
-    slurm_cluster.wait_job(
-        job, lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED", 200, "completion"
-    )
-    out = job_output(root, "tl2", job)
-    assert slurm_cluster.job_field(job, "Restarts") == "1", out
+    out = requeued_once_then_completed(slurm_cluster, submit(slurm_cluster, script, job_env),
+                                       root, "tl2")
 
     events = read_events(run_dir)
     ends = sorted((e["time"], e["state"], e["exit_code"]) for e in events
