@@ -54,6 +54,7 @@ from elasticft.addon.api import (
     AgentCollaborator,
     GroupInfo,
     StopRun,
+    run_ending_errors,
 )
 from elasticft.addon.policy import Action, ActionKind
 from elasticft.addon.savenow import CheckpointNow, SaveBeforeExit
@@ -433,7 +434,9 @@ class SlurmHandler(AgentCollaborator):
             while not self._store.check(keys) and self.clock() < wait_until:
                 time.sleep(self.poll_interval)
             missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
-        except Exception as e:  # the store is gone with its host: requeue from here
+        except run_ending_errors():
+            raise
+        except Exception as e:  # the store went with its host
             logger.warning("the nodes' saves could not meet in the round's store (%s: %s); "
                            "each node requeues on its own", type(e).__name__, e)
             return on_its_own
