@@ -1,9 +1,11 @@
 """elasticft-run inside real Slurm batch jobs: time limit -> checkpoint -> requeue -> resume,
 scancel -> prompt exit without a checkpoint, a user-code error -> non-zero exit, no resubmit.
 
-The cluster is the real single-node Slurm of ``conftest.py``. Jobs use the smallest time limit
-Slurm has (one minute) with ``--signal=B:USR1@50``; Slurm checks time limits every 30 s, so the
-signal comes 10-40 s into the job.
+The cluster is the real two-node Slurm of ``conftest.py``. Jobs use the smallest time limit
+Slurm has (one minute) with ``--signal=B:USR1@20``. slurmctld checks time limits every 30 s
+and signals a job whose end is within the lead time plus those 30 s, so the signal comes 10-40 s
+into the job, after the launcher has installed its handler (with ``@50`` it could come in the
+first second, and end the batch shell before ``exec``).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, job_env, tmp
         (shim / "scontrol").chmod(0o755)
         first_run_env += f"; export PATH={shim}:$PATH"
     script = write_job(
-        root, "tl", ["--time=1", "--signal=B:USR1@50"], ["--slurm-signal", "B:USR1@50"], [],
+        root, "tl", ["--time=1", "--signal=B:USR1@20"], ["--slurm-signal", "B:USR1@20"], [],
         first_run_env=first_run_env, ckpt=ckpt, loss=loss, run_dir=run_dir,
     )
     out = requeued_once_then_completed(slurm_cluster, submit(slurm_cluster, script, job_env),
@@ -150,8 +152,8 @@ def test_a_job_of_two_nodes_requeues_once_and_every_node_ends_requeued(
     # A launcher per node (srun), each signalled by Slurm (no B:); node rank and node count
     # come from the allocation, the address is given (the test nodes' names do not resolve).
     script = write_job(
-        root, "tl2", ["--nodes=2", "--ntasks-per-node=1", "--time=1", "--signal=USR1@50"],
-        ["--slurm-signal", "USR1@50", "--master-addr", "127.0.0.1", "--master-port",
+        root, "tl2", ["--nodes=2", "--ntasks-per-node=1", "--time=1", "--signal=USR1@20"],
+        ["--slurm-signal", "USR1@20", "--master-addr", "127.0.0.1", "--master-port",
          str(free_port())], [],
         first_run_env="export STEP_TIME=0.4", ckpt=ckpt, loss=loss, run_dir=run_dir,
         nproc_per_node=1, launch="exec srun --kill-on-bad-exit=0",
