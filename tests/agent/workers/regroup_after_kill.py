@@ -1,6 +1,8 @@
 """A gloo group of the launch's ranks; on the first attempt the last rank SIGKILLs itself once
-the group has formed. On the restart rank 0 arrives last, so a rank that reads a stale address
-of the attempt before connects to it first. Prints ``grouped <attempt> <rank>``."""
+every rank has printed that the group formed (a barrier after the print: the agent sees the kill
+within milliseconds and stops the others, which could otherwise come before rank 0's print). On
+the restart rank 0 arrives last, so a rank that reads a stale address of the attempt before
+connects to it first. Prints ``grouped <attempt> <rank>``."""
 
 import os
 import signal
@@ -16,7 +18,9 @@ if attempt > 0 and rank == 0:
 dist.init_process_group("gloo")
 dist.all_reduce(torch.ones(1))
 print(f"grouped {attempt} {rank}", flush=True)
+dist.barrier()
 if attempt == 0 and rank == world - 1:
     os.kill(os.getpid(), signal.SIGKILL)
-dist.barrier() if attempt > 0 else time.sleep(1.0)
+if attempt == 0:
+    time.sleep(1.0)
 dist.destroy_process_group()
