@@ -235,6 +235,17 @@ def main(argv: Sequence[str] | None = None, *,
          tune: Callable[[ElasticftConfig], ElasticftConfig] | None = None) -> int:
     """``elasticft-run``. ``tune`` lets a launcher built on this one (a custom agent, a test)
     set tuning constants, which no flag, variable or YAML key reaches, on the parsed options."""
+    # Before torch is imported (seconds, a minute from a shared file system): a Slurm
+    # time-limit signal that comes meanwhile is kept for the handler, not the end of the job.
+    slurm.hold_time_limit_signals(os.environ)
+    try:
+        return _main(argv, tune)
+    finally:
+        slurm.release_held_signals()  # nothing took the hold over (no Slurm add-on)
+
+
+def _main(argv: Sequence[str] | None,
+          tune: Callable[[ElasticftConfig], ElasticftConfig] | None) -> int:
     if argv is None:  # the console script
         procs.skip_final_collection()
     logs.configure(os.environ.get("LOGLEVEL", "INFO"))

@@ -16,6 +16,11 @@ gets one answer here, inside the launcher, so the training script does not have 
   node requeues, once every node has said in the round's store that its save is over. Whether a
   ``scontrol requeue`` that failed was done anyway (Slurm's SIGTERM ended scontrol with the
   allocation) is read from the job's restart count.
+  The signal can come before the handler exists (a requeued job whose time is almost spent,
+  a torch import that takes a minute from a shared file system): from the launcher's first
+  line (:func:`hold_time_limit_signals`, before torch is imported) SIGUSR1 and SIGUSR2 are only
+  recorded, and the handler takes over what came meanwhile; a held signal that is not the
+  job's time-limit signal is delivered again then, as it would have been.
 * **scancel** (SIGTERM to every process of the job). torch's handler stops the workers and the
   launcher exits with 143. This module only logs it as a cancel and records it; it saves first
   only with ``--slurm-save-on-cancel``, and never resubmits.
@@ -68,6 +73,53 @@ SAVE_SHARE_OF_LEAD_TIME = 0.8
 # How long past its own save deadline the first node waits for the others' saves.
 REQUEUE_WAIT_S = 5.0
 DEFAULT_C10D_PORT = 29400
+
+
+# ----------------------------------------------------------------------------------------------
+# The time-limit signal before the handler exists.
+
+HELD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+"""The signals a job's ``--signal`` names in practice; both would end the launcher unhandled."""
+_held_since: dict[signal.Signals, float | None] = {}
+"""Each held signal and when it first came (``time.monotonic``; None: not yet)."""
+
+
+def hold_time_limit_signals(env: Mapping[str, str]) -> None:
+    """In a Slurm job, records :data:`HELD_SIGNALS` instead of dying of them until
+    :func:`release_held_signals` (call first thing, on the main thread; a signal whose handler
+    is not the default one is left alone)."""
+    if not (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")) \
+            or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in HELD_SIGNALS:
+        if sig not in _held_since and signal.getsignal(sig) is signal.SIG_DFL:
+            _held_since[sig] = None
+            signal.signal(sig, _record_held)
+
+
+def _record_held(signum: int, frame: Any) -> None:
+    sig = signal.Signals(signum)
+    if _held_since.get(sig, 0.0) is None:
+        _held_since[sig] = time.monotonic()
+
+
+def release_held_signals(keep: signal.Signals | None = None) -> float | None:
+    """Ends the hold. Returns how long ago ``keep`` came (None: it did not come), whose handler
+    the caller installs; every other held signal gets its default action back, and one that came
+    is sent again now (it ends the launcher, as it would have when it came)."""
+    came: float | None = None
+    for sig, at in list(_held_since.items()):
+        del _held_since[sig]
+        if sig == keep:
+            came = None if at is None else time.monotonic() - at
+            continue
+        if signal.getsignal(sig) is _record_held:
+            signal.signal(sig, signal.SIG_DFL)
+            if at is not None:
+                logger.warning("%s came during start-up and is not the time-limit signal; "
+                               "it ends the launcher now", sig.name)
+                os.kill(os.getpid(), sig)
+    return came
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,6 +378,12 @@ class SlurmHandler(AgentCollaborator):
             self.slurm.job_id, self.slurm.restart_count, ",".join(self.slurm.nodes),
             self.signal.name, self.config.slurm_signal.lead_time.total_seconds(),
         )
+        ago = release_held_signals(keep=self.signal)
+        if ago is not None:
+            logger.warning("%s came %.1fs ago, while the launcher started: the time-limit "
+                           "checkpoint comes as soon as the workers run", self.signal.name, ago)
+            self._signalled_at = self.clock() - ago
+            self._signal_seen.set()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Runs between bytecodes of the agent's main thread: record only, act in check().
@@ -387,7 +445,8 @@ class SlurmHandler(AgentCollaborator):
             "Slurm time limit in about %gs (%s): checkpointing, then requeue (%s)",
             lead, self.signal.name, self.config.slurm_requeue,
         )
-        self._emit("slurm_time_limit", signal=self.signal.name, lead_time_s=lead)
+        self._emit("slurm_time_limit", signal=self.signal.name, lead_time_s=lead,
+                   signalled_s_ago=round(self.clock() - signalled, 3))
         started = self.clock()
         durable, how = self._saver.save(group, deadline, self.signal, "slurm time limit")
         save_s = self.clock() - started
@@ -517,6 +576,7 @@ class SlurmAddOn(AddOn[SlurmHandler]):
         options = context.options
         slurm = detect(options.slurm, context.env)
         if slurm is None:
+            release_held_signals()
             return None
         checkpoints = built["ckpt"]
         handler = SlurmHandler(
