@@ -88,8 +88,7 @@ def hold_time_limit_signals(env: Mapping[str, str]) -> None:
     """In a Slurm job, records :data:`HELD_SIGNALS` instead of dying of them until
     :func:`release_held_signals` (call first thing, on the main thread; a signal whose handler
     is not the default one is left alone)."""
-    if not (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")) \
-            or threading.current_thread() is not threading.main_thread():
+    if SlurmEnv.from_env(env) is None or threading.current_thread() is not threading.main_thread():
         return
     for sig in HELD_SIGNALS:
         if sig not in _held_since and signal.getsignal(sig) is signal.SIG_DFL:
@@ -99,7 +98,7 @@ def hold_time_limit_signals(env: Mapping[str, str]) -> None:
 
 def _record_held(signum: int, frame: Any) -> None:
     sig = signal.Signals(signum)
-    if _held_since.get(sig, 0.0) is None:
+    if sig in _held_since and _held_since[sig] is None:  # the first time it came counts
         _held_since[sig] = time.monotonic()
 
 
