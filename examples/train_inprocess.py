@@ -18,7 +18,10 @@ Faults for tests and demos, injected once by --fault-rank in the first attempt:
 it to complete, before-save kills before it, so the others redo step N; keep-sockets waits too,
 and first forks a child outside the job that keeps the rank's sockets open, so the survivors'
 collective never fails by itself: the child writes its pid to --keeper-pid and lives 300 s),
---hang-at-step N (SIGSTOP), --infra-error-at-step N (raises a connection error before step N;
+--hang-at-step N (SIGSTOP), --crash-again-after-recovery (a process that recovered in process,
+once it redid --crash-at-step's optimizer step and the agent logged the recovery done, SIGKILLs
+itself before that step's save: a fault each roll-back in the same processes brings back,
+which only a restart of every rank clears), --infra-error-at-step N (raises a connection error before step N;
 with --exit-after-failed the rank then exits right after reporting it, before its teardown; with
 --stuck-teardown its teardown never returns; with --sick-device its device fails the health
 check), and --replacement-fails (a replacement process exits at once, which makes the agent fall
@@ -121,6 +124,7 @@ def main() -> None:
     parser.add_argument("--crash-mode",
                         choices=("mid-save", "after-save", "before-save", "keep-sockets"),
                         default="mid-save")
+    parser.add_argument("--crash-again-after-recovery", action="store_true")
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--infra-error-at-step", type=int, default=-1)
     parser.add_argument("--manual-sgd", action="store_true",
@@ -258,6 +262,12 @@ def main() -> None:
                 f.write(f"{rank} {os.getpid()} {done}\n")
         if faults["armed"] and done == args.crash_at_step \
                 and args.crash_mode == "before-save":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.crash_again_after_recovery and recovery.recoveries and done == args.crash_at_step:
+            run_dir = Path(os.environ["ELASTICFT_RUN_DIR"])
+            while not any('"kind":"recover_in_process"' in events.read_text()
+                          for events in run_dir.glob("events-*.jsonl")):
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         request = ckpt.save(done, snapshot(extra={"step": done}))
         if not args.no_step_records:

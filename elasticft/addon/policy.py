@@ -15,6 +15,11 @@ and this one fails the same way (:class:`FailureSignature`: class, exception typ
 innermost frame of the user's code) before its first step too, a restart would only fail again,
 so the run stops and says which restarts it leaves unused.
 
+Nor is a failure that comes back after an in-process recovery before the job passed the step
+of the failure it answered (:func:`in_process_repeat`): the survivors kept something the
+roll-back did not (a framework's callback, a counter of the script's), so the next recovery is a
+restart of every rank, not another in-process try that would meet the same fault.
+
 A communication fault is left out of that rule: its cause (a peer's network, a storage server,
 a port still held) may clear by itself, but it needs time to. When one repeats identically
 before the first step (:func:`comm_repeats`), the restart waits first (:func:`backoff_delay`:
@@ -161,6 +166,12 @@ class FailureFacts:
     """The longest wait (``restart_backoff_max_s``)."""
     jitter: float = 0.0
     """A number in [0, 1) drawn by the agent: its share of :data:`BACKOFF_JITTER`."""
+    newest_step: int | None = None
+    """The newest step in the workers' step records when this failure came (None: no records
+    are kept)."""
+    in_process_failed_at: int | None = None
+    """When the attempt that failed is an in-process recovery's: the newest step of the
+    failure that recovery answered (None: the attempt began with a start or a restart)."""
 
 
 class KnownFacts(TypedDict, total=False):
@@ -176,6 +187,7 @@ class KnownFacts(TypedDict, total=False):
     jit_available: bool
     offending_here: bool
     step_completed: bool | None
+    newest_step: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,6 +331,21 @@ IN_PROCESS_CLASSES = frozenset({FailureClass.SIGNAL_CRASH, FailureClass.HANG,
 (every replica holds the NaN), not a stop request, not a slow rank (it would stay slow)."""
 
 
+def in_process_repeat(facts: FailureFacts) -> str | None:
+    """Why another in-process recovery would burn a restart on the same fault, or None.
+
+    A failure that comes back after an in-process recovery without the job passing the step of
+    the failure that recovery answered is not a new surprise: the survivors' state (a callback's,
+    a framework's counter, anything the restore does not roll back) may be what brings it back,
+    and another roll-back in the same processes would meet it again. A restart of every rank
+    starts every process the same way; the run is not left to spend every restart on it."""
+    before, now = facts.in_process_failed_at, facts.newest_step
+    if before is None or now is None or now > before:
+        return None
+    return (f"the failure came again at step {now} after an in-process recovery from a failure "
+            f"at step {before}")
+
+
 def repeated(facts: FailureFacts) -> FailureSignature | None:
     """The signature of this failure when it repeats the previous attempt's, both before their
     first step; None otherwise (also when no step records say whether a step completed)."""
@@ -417,7 +444,8 @@ def _decide(facts: FailureFacts) -> Action:
             f"used): {what}",
             exit_code=1,
         )
-    if facts.in_process and cause.failure_class in IN_PROCESS_CLASSES:
+    again = in_process_repeat(facts)
+    if facts.in_process and cause.failure_class in IN_PROCESS_CLASSES and again is None:
         return Action(
             ActionKind.RECOVER_IN_PROCESS,
             f"{cause.failure_class.value}, in-process recovery {facts.restarts_used + 1} of "
@@ -430,6 +458,8 @@ def _decide(facts: FailureFacts) -> Action:
     waiting = (f" after a wait of {wait:.2f} s (the same communication fault before the first "
                f"step {facts.comm_repeats + 1} times in a row: time for its cause to clear)"
                if wait > 0 else "")
+    if facts.in_process and again is not None:
+        waiting += f" of every rank, not in process ({again})"
     return Action(
         ActionKind.RESTART_IN_PLACE,
         f"{cause.failure_class.value}, restart {facts.restarts_used + 1} of "

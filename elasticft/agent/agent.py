@@ -154,6 +154,9 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         self._previous_failure: FailureSignature | None = None
         """The last attempt's failure, when that attempt completed no step (the policy's
         ``FailureFacts.previous_failure``)."""
+        self._in_process_failed_at: int | None = None
+        """While the workers run an in-process recovery's generation: the newest step of the
+        failure it answered (the policy's ``FailureFacts.in_process_failed_at``)."""
         self._previous_comm: FailureSignature | None = None
         self._comm_repeats = 0
         """The last attempt's communication fault before its first step, and how many attempts
@@ -435,7 +438,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             user_error_restarts_used=self._user_error_restarts,
             restart_on_user_error=self.options.agent.restart_on_user_error,
             node_suspect=suspect, nodes=group.group_world_size,
-            previous_failure=self._previous_failure)
+            previous_failure=self._previous_failure,
+            in_process_failed_at=self._in_process_failed_at)
         for extra in self._each_collaborator("failure_facts",
                                              lambda c: c.failure_facts(group, failures)):
             facts = dataclasses.replace(facts, **(extra or {}))
@@ -457,12 +461,15 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         action = decide(facts)
         signature = FailureSignature.of(root_cause(failures)) if failures else None
         self._previous_failure = signature if facts.step_completed is False else None
+        self._in_process_failed_at = (facts.newest_step if action.kind is
+                                      ActionKind.RECOVER_IN_PROCESS else None)
         log = logger.error if action.kind is ActionKind.STOP else logger.warning
         log("decision: %s (%s)", action.kind.value, action.reason)
         self.events.emit(
             "decision", action=action.kind.value, reason=action.reason, attempt=self._attempt,
             checkpoint=action.checkpoint.value, step_completed=facts.step_completed,
             signature=signature.to_json() if signature else None,
+            newest_step=facts.newest_step, in_process_failed_at=facts.in_process_failed_at,
             previous_failure=(facts.previous_failure.to_json() if facts.previous_failure
                               else None))
         self._each_collaborator("on_decision", lambda c: c.on_decision(group, action))
@@ -533,6 +540,7 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         workers take their checkpoint), then the workers stopped and started again, after a new
         rendezvous round (``in_round``: in the round just joined)."""
         self._attempt += 1
+        self._in_process_failed_at = None  # every worker starts again
         if not counted:  # the attempts around a membership change are not "in a row"
             self._previous_failure = None
         self.events.emit("restart", attempt=self._attempt, cause=cause, counted=counted)

@@ -6,12 +6,14 @@ optimizer-step recorder once torch is imported; :mod:`elasticft.diag.autoinstall
 
 The records are also how the agent knows whether an attempt completed a step: the files'
 sizes when its workers started against their sizes when it failed (the policy's
-``FailureFacts.step_completed``; a failure that repeats before the first step stops the run).
+``FailureFacts.step_completed``; a failure that repeats before the first step stops the run),
+and where the job is when it fails (``FailureFacts.newest_step``: a failure that comes back at
+the same step after an in-process recovery is answered by a restart).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -19,7 +21,13 @@ from elasticft.addon.api import AddOn, AddOnContext, AgentCollaborator, GroupInf
 from elasticft.addon.classify import FailureRecord
 from elasticft.addon.policy import KnownFacts
 from elasticft.diag.workerenv import bootstrap_dir
-from elasticft.steps import STEP_LOG_ENV, STEPS_DIR, step_log_path
+from elasticft.steps import (
+    AUTO_SUFFIX,
+    STEP_LOG_ENV,
+    STEPS_DIR,
+    last_recorded_step,
+    step_log_path,
+)
 
 
 class StepLogEnv(AgentCollaborator):
@@ -44,7 +52,20 @@ class StepLogEnv(AgentCollaborator):
                       ) -> KnownFacts:
         now = record_sizes(Path(group.run_dir))
         grown = any(size > self._sizes_at_start.get(path, 0) for path, size in now.items())
-        return {"step_completed": grown}
+        return {"step_completed": grown, "newest_step": newest_step(now)}
+
+
+def newest_step(files: Iterable[Path]) -> int | None:
+    """The newest step the ranks' step-record files end with (None: no file has a record). A
+    step redone after a roll-back is written again, so a file's last record is where its rank
+    is now, not the furthest it ever got."""
+    files = set(files)
+    # A rank's explicit records when it writes any (as the report reads them), else its
+    # automatic ones: the two may number steps differently.
+    read = [path for path in files if not path.name.endswith(f"{AUTO_SUFFIX}.jsonl")
+            or path.with_name(path.name.replace(f"{AUTO_SUFFIX}.jsonl", ".jsonl")) not in files]
+    steps = [last_recorded_step(path) for path in read]
+    return max(steps) if any(steps) else None
 
 
 def record_sizes(run_dir: Path) -> dict[Path, int]:

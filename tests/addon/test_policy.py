@@ -430,3 +430,32 @@ def test_the_decision_chooses_the_just_in_time_checkpoint(
     assert action.kind is kind
     assert action.checkpoint is source
     assert action.takes_jit is (source is CheckpointSource.JIT)
+
+
+# A failure that comes back after an in-process recovery before the job passed the failure's
+# step: the next recovery restarts every rank (another roll-back in the same processes would
+# meet what the survivors kept); one past it is a new failure, recovered in process again.
+@pytest.mark.parametrize(("failed_at", "newest", "kind", "said"), [
+    (None, 20, ActionKind.RECOVER_IN_PROCESS, "in-process recovery 2 of --max-restarts 3"),
+    (20, None, ActionKind.RECOVER_IN_PROCESS, "in-process recovery 2 of --max-restarts 3"),
+    (20, 21, ActionKind.RECOVER_IN_PROCESS, "in-process recovery 2 of --max-restarts 3"),
+    (20, 20, ActionKind.RESTART_IN_PLACE,
+     "restart 2 of --max-restarts 3 of every rank, not in process (the failure came again at "
+     "step 20 after an in-process recovery from a failure at step 20)"),
+    (20, 19, ActionKind.RESTART_IN_PLACE, "came again at step 19"),
+], ids=["first", "no-records", "past-it", "same-step", "before-it"])
+def test_a_failure_that_comes_back_after_an_in_process_recovery_restarts_every_rank(
+        failed_at: int | None, newest: int | None, kind: ActionKind, said: str) -> None:
+    hang = (failure(1, FailureClass.HANG),)
+    action = decide(FailureFacts(hang, restarts_used=1, max_restarts=3, in_process=True,
+                                 newest_step=newest, in_process_failed_at=failed_at))
+    assert action.kind is kind
+    assert said in action.reason
+    assert action.spends_restart
+
+
+def test_an_in_process_repeat_with_no_restart_left_stops() -> None:
+    action = decide(FailureFacts((failure(1, FailureClass.HANG),), restarts_used=3,
+                                 max_restarts=3, in_process=True, newest_step=20,
+                                 in_process_failed_at=20))
+    assert action.kind is ActionKind.STOP

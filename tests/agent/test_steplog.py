@@ -1,5 +1,5 @@
-"""Whether an attempt completed a step, from its workers' step records (the policy's
-``FailureFacts.step_completed``)."""
+"""Whether an attempt completed a step, and where the job is, from its workers' step records (the
+policy's ``FailureFacts.step_completed`` and ``newest_step``)."""
 
 from __future__ import annotations
 
@@ -42,4 +42,28 @@ def test_a_step_counts_when_a_record_was_written_during_the_attempt(
     write(before)
     collaborator.on_workers_started(info)
     write(during)
-    assert collaborator.failure_facts(info, ()) == {"step_completed": stepped}
+    assert collaborator.failure_facts(info, ())["step_completed"] is stepped
+
+
+@pytest.mark.parametrize(("records", "newest"), [
+    ({}, None),
+    ({(0, "explicit"): [1, 2, 3], (1, "explicit"): [1, 2]}, 3),
+    ({(0, "explicit"): [18, 19, 20, 19]}, 19),           # a roll-back: where the rank is now
+    ({(0, "auto"): [40, 41]}, 41),                       # no explicit records: the automatic
+    ({(0, "explicit"): [5], (0, "auto"): [40]}, 5),      # the explicit records win
+    ({(0, "explicit"): [5], (1, "auto"): [6]}, 6),       # per rank
+])
+def test_the_newest_step_is_where_the_ranks_records_end(
+        tmp_path: Path, records: dict[tuple[int, str], list[int]], newest: int | None) -> None:
+    collaborator = StepLogEnv()
+    info = group(tmp_path)
+    for worker in info.workers:
+        collaborator.worker_env(info, worker)
+    collaborator.on_workers_started(info)
+    for (rank, kind), steps in records.items():
+        path = step_log_path(tmp_path, rank)
+        recorder = StepRecorder(auto_step_path(path) if kind == "auto" else path)
+        for step in steps:
+            recorder.record(step)
+        recorder.close()
+    assert collaborator.failure_facts(info, ())["newest_step"] == newest
