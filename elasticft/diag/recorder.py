@@ -160,7 +160,11 @@ class Recorder:
         self._heartbeat: threading.Thread | None = None
         self._originals: dict[str, Callable[..., Any]] = {}
         self._hook_handles: list[Any] = []
-        self._ddp_seen: set[int] = set()
+        self._ddp_seen: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The DDP models already looked at (weakly: a DDP made after another was freed may
+        get its ``id``)."""
+        self._autoattach: Any = None
+        """The module forward pre-hook that attaches the bucket hook, while armed."""
         self._failed_once = False
         self.nccl_check: InterceptionCheck | None = None
         """Set when the NCCL shim's self-check found it active. Once it has seen torch's NCCL
@@ -411,7 +415,7 @@ class Recorder:
             self.end(seq)
 
     def ddp_comm_hook(self, process_group: Any) -> Callable[[Any, Any], Any]:
-        """A DDP comm hook equal to DDP's default all-reduce hook, timed per bucket."""
+        """A DDP comm hook equal to DDP's default all-reduce, bit for bit, timed per bucket."""
         import torch.distributed as dist
 
         all_reduce = self._originals.get("all_reduce", dist.all_reduce)
@@ -419,12 +423,16 @@ class Recorder:
         key = self.comm_key(group)
         recorder = self
         bucket_op = int(Op.DDP_BUCKET)
-        world = group.size()
+        inverse = 1.0 / group.size()
 
         def timed_allreduce_hook(state: Any, bucket: Any) -> Any:
             tensor = bucket.buffer()
             seq = recorder.begin(bucket_op, key, tensor.nbytes, bucket.index())
-            tensor.div_(world)
+            # DDP's own path multiplies each gradient by the inverse of the world size (its
+            # reducer's ``mul_out``): so does this, for the same bits. A division differs from it
+            # in the last bit where the size is no power of two, and a job whose DDPs mix the
+            # two (a re-made DDP, a new rank's) sums differently from one that does not.
+            tensor.mul_(inverse)
             fut = all_reduce(tensor, group=group, async_op=True).get_future()
 
             def done(f: Any) -> Any:
@@ -444,9 +452,9 @@ class Recorder:
     def attach_ddp(self, model: Any) -> bool:
         """Registers the timed hook on a DDP model unless it already has a comm hook, or its
         group is on NCCL and the shim is seen to time NCCL (DDP's own C++ hook stays)."""
-        if id(model) in self._ddp_seen:
+        if model in self._ddp_seen:
             return False
-        self._ddp_seen.add(id(model))
+        self._ddp_seen.add(model)
         if getattr(model, "_comm_hooks", None):
             logger.info("DDP model already has a comm hook; its buckets are not timed")
             return False
@@ -472,29 +480,44 @@ class Recorder:
     def install_ddp_autoattach(self) -> None:
         """Attaches the bucket hook to every DDP model at its first forward (unmodified scripts).
 
-        The global forward pre-hook is removed at the first optimizer step: every DDP model has
+        The global forward pre-hook is removed at the next optimizer step: every DDP model has
         normally run forward by then, and the hook must not tax every module call afterwards.
+        A DDP made later (the one an in-process recovery's re-entry makes) needs it again:
+        :meth:`rearm_ddp_autoattach`.
         """
-        from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.nn.parallel import DistributedDataParallel
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        def remove_after_the_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            # Only the forward hook: torch is iterating over the step hooks right now, and
+            # removing one of them would break that loop for the hooks registered after it.
+            if self._autoattach is not None:
+                self._autoattach.remove()
+                self._autoattach = None
+
+        self.rearm_ddp_autoattach()
+        self._hook_handles.append(register_optimizer_step_post_hook(remove_after_the_step))
+
+    def rearm_ddp_autoattach(self) -> None:
+        """Attaches the bucket hook to the DDP models that run forward before the next optimizer
+        step. Every DDP of a job must sum the same way: the hook divides each bucket before its
+        all-reduce, DDP's own path multiplies each gradient by the inverse while copying it in,
+        and the two differ in the last bit. A re-made DDP left on DDP's path beside a new rank's
+        hooked one would sum differently from the run before the failure."""
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self._autoattach is not None:
+            return
+
         def on_forward(module: Any, args: Any) -> None:
-            if isinstance(module, DistributedDataParallel) and id(module) not in self._ddp_seen:
+            if isinstance(module, DistributedDataParallel) and module not in self._ddp_seen:
                 try:
                     self.attach_ddp(module)
                 except Exception:
                     logger.warning("could not time DDP buckets", exc_info=True)
 
-        forward_handle = register_module_forward_pre_hook(on_forward)
-
-        def remove_after_first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            # Only the forward hook: torch is iterating over the step hooks right now, and
-            # removing one of them would break that loop for the hooks registered after it.
-            forward_handle.remove()
-
-        step_handle = register_optimizer_step_post_hook(remove_after_first_step)
-        self._hook_handles.extend([forward_handle, step_handle])
+        self._autoattach = register_module_forward_pre_hook(on_forward)
+        self._hook_handles.append(self._autoattach)
 
     def close(self) -> None:
         self._stop.set()

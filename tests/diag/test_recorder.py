@@ -97,3 +97,46 @@ def test_the_recorder_keeps_no_process_group_alive_after_destroy(tmp_path):
     _header, records = RingReader(ring_path(tmp_path, 0, "py")).poll()
     reduces = [r for r in records if r.op == Op.ALL_REDUCE]
     assert len(reduces) == 3 and all(r.comm != 0 for r in reduces)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_timed_ddp_hook_sums_as_ddp_does_with_three_ranks(tmp_path):
+    """Each rank's gradients under the timed hook equal DDP's own path bit for bit with 3 gloo
+    ranks: a world size that is no power of two, where dividing each bucket by it and
+    multiplying each gradient by its inverse (DDP's reducer) differ in the last bit. A job whose
+    DDPs mix the two (a DDP re-made after an in-process recovery beside a new rank's) summed
+    differently from the run before its failure."""
+    script = textwrap.dedent("""
+        import socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+        from pathlib import Path
+        from elasticft.diag.recorder import Recorder
+
+        def rank_main(rank, port, ring_dir):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=3)
+            torch.manual_seed(0)
+            base = torch.nn.Linear(64, 32)
+            grads = []
+            for hooked in (False, True):
+                m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 32))
+                m.module.load_state_dict(base.state_dict())
+                if hooked:
+                    Recorder.open(Path(ring_dir) / f"rank-{rank}.py.ring", rank).attach_ddp(m)
+                torch.manual_seed(1 + rank)
+                m(torch.randn(8, 64)).pow(2).sum().backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+            differ = sum(int((a != b).sum()) for a, b in zip(*grads))
+            assert differ == 0, f"rank {rank}: {differ} gradient elements differ"
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+            probe.close()
+            mp.spawn(rank_main, args=(port, sys.argv[1]), nprocs=3)
+    """)
+    (tmp_path / "three.py").write_text(script)
+    subprocess.run([sys.executable, str(tmp_path / "three.py"), str(tmp_path)], check=True,
+                   timeout=280, cwd=Path(__file__).resolve().parents[2])

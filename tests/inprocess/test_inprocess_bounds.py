@@ -125,3 +125,18 @@ def test_a_survivor_that_holds_the_gil_is_killed_after_the_limit_and_replaced(
     assert len(run["pids"][0]) == 1, run["pids"]  # rank 0 kept its process
     assert len(run["pids"][1]) == 2 and len(run["pids"][2]) == 2, run["pids"]
     assert run["losses"] == reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_three_ranks_recovered_in_process_have_an_uninterrupted_runs_losses(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
+    """Two survivors and a replacement: the survivors' re-made DDPs sum their buckets as the
+    replacement's new one and the uninterrupted run's do (the recorder's bucket hook on every
+    DDP of every generation), so 3 ranks are bit-exact."""
+    run = _run(tmp_path, "three", job_env, "--fault-rank", "2", "--crash-at-step", "6",
+               "--crash-mode", "after-save", nproc=3)
+    (done,) = [e for e in run["events"] if e["kind"] == "recover_in_process"]
+    assert sorted(int(r) for r in done["replaced"]) == [2], done
+    assert len(run["pids"][0]) == 1 and len(run["pids"][1]) == 1, run["pids"]
+    assert run["losses"] == reference
