@@ -87,7 +87,7 @@ from elasticft.ckpt.control import (
     restore_line,
 )
 from elasticft.ckpt.integrity.nodehealth import NodeHealth
-from elasticft.ckpt.integrity.sdcwatch import FingerprintWatch
+from elasticft.ckpt.integrity.sdcwatch import LAG_ENV, FingerprintWatch, evidence_slots
 from elasticft.ckpt.memory import shm
 from elasticft.ckpt.memory.nodeslots import NodeSlots
 from elasticft.ckpt.memory.shm import SlotSet
@@ -124,6 +124,7 @@ class CheckpointService(AgentCollaborator):
         layout: tuple[int, int, int] | None = None,
         fresh: bool = False,
         copy_delay_s: float = 0.0,
+        sdc_watch_lag: int = 0,
     ) -> None:
         self.config = config
         self.fresh_launch = f"{os.getpid()}-{time.time_ns()}" if fresh else None
@@ -135,8 +136,8 @@ class CheckpointService(AgentCollaborator):
         self._local_addr = local_addr
         self._group: GroupInfo | None = None
         self.places = NodePlaces(config.ckpt_dir)
-        self.slots = NodeSlots(config.ckpt_memory_slots, config.ckpt_memory_cap_mb << 20,
-                               shm_dir)
+        self.slots = NodeSlots(config.ckpt_memory_slots + evidence_slots(config),
+                               config.ckpt_memory_cap_mb << 20, shm_dir)
         self._secret = config.ckpt_peer_secret
         self._peer_server: PeerServer | None = None
         self._backup_addr: str | None = None
@@ -156,7 +157,8 @@ class CheckpointService(AgentCollaborator):
         self.replicas = Replicas(self.slots, layout, lambda: self._group,
                                  self.places.default_root)
         self.fingerprints = FingerprintWatch(self.slots, config.ckpt_fingerprint_every, layout,
-                                             self._group_event, config.ckpt_sdc_action)
+                                             self._group_event, config.ckpt_sdc_action,
+                                             lag_steps=sdc_watch_lag)
         self._rollback_counted = -1
         """The attempt (restart count) whose restore after a rollback was counted."""
         self._health: NodeHealth | None = None
@@ -559,4 +561,5 @@ class CheckpointAddOn:
         return CheckpointService(options.ckpt, local_addr=context.launch.local_addr,
                                  events=context.events, event_dir=options.agent.event_dir,
                                  layout=layout, fresh=options.agent.fresh,
-                                 copy_delay_s=float(context.env.get(COPY_DELAY_ENV) or 0))
+                                 copy_delay_s=float(context.env.get(COPY_DELAY_ENV) or 0),
+                                 sdc_watch_lag=int(context.env.get(LAG_ENV) or 0))

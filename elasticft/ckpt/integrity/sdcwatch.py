@@ -23,8 +23,18 @@ Under ``ckpt_sdc_action`` ``evict`` the watch also acts
 * **The agreed step stays in memory.** Every node holds a shared lock on each local worker's
   slot of the newest agreed step (a second open file of its own, so no other reader's unlock
   frees it): the workers' writer never overwrites a slot being read, so that step survives
-  any number of later saves (one slot of the three is taken by it). The leader publishes the
+  any number of later saves (one of the slots is taken by it). The leader publishes the
   step (``elasticft.sdc.<round>.agreed``); the others pin it when they read it.
+* **So do the first results after it.** A decision by recomputation compares the first
+  divergent step's results with the same step computed again, and finds that step in memory
+  (:meth:`FingerprintWatch._first_divergence`). The memory tier rotates its slots with every
+  save, and a watch that runs late (a loaded host) would find it gone. So every node also holds
+  its workers' slots of the step after the newest agreed one, in a slot the service adds to
+  ``ckpt_memory_slots`` for it (:func:`evidence_slots`), from the tick at which every local
+  worker has written it until a newer step agrees (the hold moves to the step after that one)
+  or the workers restart after a rollback (the undecided finding keeps the digests). With
+  ``ckpt_fingerprint_every`` 2 that is every step a divergence first seen at a compared step
+  can have begun at but the compared step itself, whose fingerprints the finding holds.
 * **A verdict** (``elasticft.sdc.<round>.verdict``, or at once in a one-node job) gives every
   node the newest step the next attempt may restore (:attr:`restore_at_most`, handed to the
   workers, :data:`elasticft.ckpt.settings.ENV_RESTORE_AT_MOST`) and makes the watch return a
@@ -32,7 +42,9 @@ Under ``ckpt_sdc_action`` ``evict`` the watch also acts
   policy evicts it when the job can go on without it, else restarts it), a restart elsewhere.
 * **After the restart** only snapshots the new attempt wrote are fingerprinted; an undecided
   step that comes round again is decided by
-  :func:`~elasticft.ckpt.integrity.sdc.decide_by_recomputation`, else by the nodes' health.
+  :func:`~elasticft.ckpt.integrity.sdc.decide_by_recomputation`, else by the nodes' health;
+  a step computed again that names nobody is an ``sdc_undecidable`` event too. Both carry the
+  first results' digests (``first_results``) beside the recomputed fingerprints.
 
 Every node publishes its health (:attr:`health`, :mod:`elasticft.ckpt.integrity.nodehealth`)
 with its fingerprints: a split between replicas on two nodes is decided by it
@@ -41,11 +53,12 @@ with its fingerprints: a split between replicas on two nodes is decided by it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elasticft.addon.api import Detection, GroupInfo
@@ -65,15 +78,36 @@ from elasticft.ckpt.integrity.sdc import (
 from elasticft.ckpt.memory.nodeslots import NodeSlots
 from elasticft.ckpt.memory.slot import Slot
 from elasticft.ckpt.memory.slotformat import COMPLETE
+from elasticft.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
+
+LAG_ENV = "EFT_TEST_SDC_WATCH_LAG_STEPS"
+"""Test seam: after reading a step's fingerprints, the watch compares them and acts only once
+the workers hold a step this many steps newer (at most :data:`LAG_LIMIT_S`, or until the watch
+closes), as the thread of an agent on a loaded host does when it runs late: the memory slots
+have rotated meanwhile. Not an ``ELASTICFT_`` name: those are options, and an unknown one is
+refused."""
+LAG_LIMIT_S = 60.0
+
+EVIDENCE_NEEDS_SLOTS = 4
+"""The memory slots per worker that holding the evidence needs: the agreed step's, the
+evidence's, the newest snapshot's and one to write the next into."""
+
+
+def evidence_slots(config: CheckpointConfig) -> int:
+    """The memory slots per worker the service adds to ``ckpt_memory_slots`` for the watch to
+    hold the first results after the agreed step (see the module's docstring): one under
+    ``ckpt_sdc_action`` evict, else none."""
+    return int(config.ckpt_sdc_action == "evict" and config.ckpt_fingerprint_every > 0)
 
 
 class FingerprintWatch:
     """Fingerprints due steps on a thread of its own and reports what the comparison finds."""
 
     def __init__(self, slots: NodeSlots, every: int, layout: tuple[int, int, int] | None,
-                 emit: Callable[..., None], action: str = "report") -> None:
+                 emit: Callable[..., None], action: str = "report", lag_steps: int = 0
+                 ) -> None:
         self.slots = slots
         self.every = every
         self.layout = layout
@@ -88,6 +122,13 @@ class FingerprintWatch:
         self.pinned_step: int | None = None
         self._agreed_seen: int | None = None
         self._pins: list[Slot] = []
+        self.evidence_step: int | None = None
+        """The step after the agreed one whose first results this node holds (see the module's
+        docstring), or None."""
+        self._evidence: list[Slot] = []
+        self._evidence_lock = threading.Lock()
+        """Held while the evidence changes hands (the agent's thread and the check's)."""
+        self._evidence_warned = False
         self._detection: Detection | None = None
         self._halted = False
         """A verdict was applied: nothing more is checked until the workers restart."""
@@ -118,6 +159,8 @@ class FingerprintWatch:
         """Each node's health as published with the step being compared."""
         self._node_of: dict[int, str] = {}
         """Each rank's node, for the step being compared."""
+        self.lag_steps = lag_steps
+        """See :data:`LAG_ENV` (0: none)."""
 
     def tick(self, group: GroupInfo) -> None:
         """Starts the check of the next due step every local worker holds, unless one runs."""
@@ -126,6 +169,7 @@ class FingerprintWatch:
             return
         if not alone and self.action == "evict":
             self._poll(group)
+        self._hold_evidence(group)
         if (self._thread is not None and self._thread.is_alive()) or self._halted:
             return
         due = [s for s in self._fresh_steps(group)
@@ -153,11 +197,16 @@ class FingerprintWatch:
     def restarted(self, group: GroupInfo, started_at: float) -> None:
         """A new attempt's workers started: a halted watch resumes with their snapshots."""
         with self._lock:
-            if self._halted or self.restore_at_most is not None:
+            rolled_back = self._halted or self.restore_at_most is not None
+            if rolled_back:
                 self._since = started_at
                 self._checked = -1
             self._halted = False
             self._detection = None
+        if rolled_back:
+            # The previous attempt's first results were read (the undecided finding holds
+            # their digests) or are of no use any more: the new attempt's take their place.
+            self._release_evidence()
 
     def detection(self) -> Detection | None:
         """What a verdict asks of the agent (once), else None."""
@@ -199,6 +248,7 @@ class FingerprintWatch:
         self._closing.set()
         self.wait(timeout_s)
         self._unpin()
+        self._release_evidence()
 
     def fingerprints(self, group: GroupInfo, step: int) -> list[Fingerprint]:
         """Each local worker's fingerprint of ``step`` (those whose snapshot still holds it)."""
@@ -221,6 +271,7 @@ class FingerprintWatch:
         try:
             started = time.monotonic()
             fps = self.fingerprints(group, step)
+            self._lag(group, step)
             nodes = {w.global_rank: group.node_id for w in group.workers}
             self._health = {group.node_id: self._own_health()}
             if self.store is not None and group.group_world_size > 1:
@@ -238,19 +289,31 @@ class FingerprintWatch:
                 self.agreed_step = step
                 self._agreed(group, step)
             response: Response | None = None
+            # The first results of a set computed again, reported with its findings.
+            first_of: dict[str, Mapping[int, str]] = {}
             undecided = self._recompute.pop(step, None)
             if undecided is not None:
+                first_of[undecided.replica_set] = undecided.digests
                 self._recomputed.add(step)
                 decided = decide_by_recomputation(undecided, digests)
                 if decided.kind is Verdict.UNDECIDABLE:
                     decided = decide_by_health(decided, self._healthy())
                 if decided.kind is Verdict.SUSPECT:
-                    self._report(decided, fps)
+                    self._report(decided, fps, first=undecided.digests)
                     response = respond(decided, self.action, self.agreed_step, True)
+                elif not any(f.replica_set == decided.replica_set and f.kind is not Verdict.AGREE
+                             for f in findings):
+                    # Said, not left silent: the rollback named nobody (a set that still
+                    # differs is reported below, with its first results).
+                    self._report(dataclasses.replace(decided, reason=(
+                        f"replicas {list(decided.suspects)} computed step {step} again: the "
+                        "results do not tell which first result was wrong (every side's "
+                        "changed, or none did, or one is missing); still undecidable")),
+                        fps, first=undecided.digests)
             for finding in findings:
                 if finding.kind is Verdict.AGREE:
                     continue
-                self._report(finding, fps)
+                self._report(finding, fps, first=first_of.get(finding.replica_set))
                 if finding.kind is Verdict.UNDECIDABLE:
                     again = ({f.rank: f.digest for f in self.fingerprints(group, step)}
                              if self._local(finding, group) else {})
@@ -264,12 +327,23 @@ class FingerprintWatch:
                 if answer.kind is Remedy.RECOMPUTE:
                     first = self._first_divergence(group, finding, nodes) or finding
                     self._recompute[first.step] = first
+                    answer = respond(first, self.action, self.agreed_step, False)  # its step
                 if response is None or response.kind is Remedy.NONE:
                     response = answer
             if response is not None and response.kind is not Remedy.NONE:
                 self._decide(group, step, response)
         except Exception:  # a diagnosis must never take the agent down
             logger.exception("fingerprint check of step %d failed", step)
+
+    def _lag(self, group: GroupInfo, step: int) -> None:
+        """The test seam :data:`LAG_ENV`: waits until the workers hold a step ``lag_steps``
+        newer than ``step``."""
+        if self.lag_steps <= 0:
+            return
+        deadline = time.monotonic() + LAG_LIMIT_S
+        while (max(self._fresh_steps(group), default=-1) < step + self.lag_steps
+               and time.monotonic() < deadline and not self._closing.wait(0.02)):
+            pass
 
     # -- acting on a finding (ckpt_sdc_action evict) -------------------------------------------
 
@@ -383,12 +457,33 @@ class FingerprintWatch:
 
     def _pin(self, group: GroupInfo, step: int) -> None:
         """Holds every local worker's slot of ``step`` (see the module's docstring)."""
+        pins = self._hold(group, step, self._since)
+        if pins is None:
+            return
+        with self._lock:
+            old, self._pins, self.pinned_step = self._pins, pins, step
+            if self.restore_at_most is not None and (self.newest_before is None
+                                                     or step > self.newest_before):
+                logger.info("step %d agrees after the redone steps: restores are free again",
+                            step)
+                self.restore_at_most = self.newest_before = None
+        for p in old:
+            p.close()
+        self._hold_evidence(group)
+
+    def _hold(self, group: GroupInfo, step: int, since: float) -> list[Slot] | None:
+        """A shared lock on every local worker's newest slot of ``step`` completed at ``since``
+        or later (this attempt's), each through an open file of its own (so no other reader's
+        unlock frees it); None, holding nothing, when a worker's slot no longer holds it (or
+        does not yet)."""
         pins: list[Slot] = []
         for worker in group.workers:
             slots = self.slots.slot_set(worker.local_rank)
             pin = None
-            for index, header in slots.complete().items():
-                if header.step != step or header.rank != worker.global_rank:
+            for index, header in sorted(slots.complete().items(),
+                                        key=lambda ih: -ih[1].generation):
+                if (header.step != step or header.rank != worker.global_rank
+                        or header.completed_at < since):
                     continue
                 slot = slots.get(index)
                 pin = Slot.open_existing(slot.path) if slot is not None else None
@@ -397,24 +492,62 @@ class FingerprintWatch:
                     pin = None
                 if pin is not None:
                     held = pin.header()
-                    if held is None or held.state != COMPLETE or held.step != step:
+                    if (held is None or held.state != COMPLETE or held.step != step
+                            or held.completed_at < since):
                         pin.close()
                         pin = None
                 break
             if pin is None:
                 for p in pins:
                     p.close()
-                logger.debug("step %d no longer held by local rank %d: not pinned", step,
+                logger.debug("step %d not held by local rank %d: not pinned", step,
                              worker.local_rank)
-                return
+                return None
             pins.append(pin)
-        with self._lock:
-            old, self._pins, self.pinned_step = self._pins, pins, step
-            if self.restore_at_most is not None and (self.newest_before is None
-                                                     or step > self.newest_before):
-                logger.info("step %d agrees after the redone steps: restores are free again",
-                            step)
-                self.restore_at_most = self.newest_before = None
+        return pins
+
+    def _hold_evidence(self, group: GroupInfo) -> None:
+        """Under ``evict``, holds the first results of the step after the newest agreed one as
+        soon as every local worker has written them, until a newer step agrees (the evidence
+        then moves to the step after it) or the workers restart: the first divergent step a
+        recomputation needs (:meth:`_first_divergence`) is then still there, however late the
+        comparison runs. Called on every tick and when a step is pinned."""
+        base = max((s for s in (self.agreed_step, self.pinned_step) if s is not None),
+                   default=None)
+        if self.action != "evict" or base is None or self._halted:
+            return
+        step = base + 1
+        if self.evidence_step == step or step not in self._fresh_steps(group):
+            return
+        with self._evidence_lock:
+            if self.evidence_step == step:
+                return
+            pins = self._hold(group, step, self._since)
+            if pins is None:
+                return
+            usable = min(self.slots.usable(self.slots.slot_set(w.local_rank), pin)
+                         for w, pin in zip(group.workers, pins, strict=True))
+            if usable < EVIDENCE_NEEDS_SLOTS:
+                # Two held slots would leave the writer only the newest snapshot's: every
+                # later save would be skipped until a newer step agrees, which it cannot.
+                for p in pins:
+                    p.close()
+                if not self._evidence_warned:
+                    self._evidence_warned = True
+                    logger.warning(
+                        "the memory cap leaves %d memory slots per worker, fewer than the %d "
+                        "that holding the step after the agreed one takes: a decision by "
+                        "recomputation may find that step gone (raise --ckpt-memory-cap-mb)",
+                        usable, EVIDENCE_NEEDS_SLOTS)
+                return
+            old, self._evidence, self.evidence_step = self._evidence, pins, step
+        logger.debug("holding step %d's first results (the step after the agreed one)", step)
+        for p in old:
+            p.close()
+
+    def _release_evidence(self) -> None:
+        with self._evidence_lock:
+            old, self._evidence, self.evidence_step = self._evidence, [], None
         for p in old:
             p.close()
 
@@ -471,7 +604,10 @@ class FingerprintWatch:
                     self._deletes = False
         return gathered, nodes
 
-    def _report(self, finding: Finding, fps: list[Fingerprint]) -> None:
+    def _report(self, finding: Finding, fps: list[Fingerprint],
+                first: Mapping[int, str] | None = None) -> None:
+        """Logs ``finding`` as an event with its evidence: the set's fingerprints, and for a
+        step computed again, ``first``, the first results' digests (``first_results``)."""
         self.findings.append(finding)
         evidence: list[dict[str, Any]] = [f.to_json() for f in fps
                                           if f.rank in finding.digests]
@@ -482,11 +618,14 @@ class FingerprintWatch:
         set_nodes = sorted({self._node_of.get(r, "?") for r in finding.digests})
         health = {n: {"ok": self._health[n][0], "detail": self._health[n][1]}
                   for n in set_nodes if n in self._health}
+        more: dict[str, Any] = {}
+        if first is not None:
+            more["first_results"] = {str(r): d for r, d in sorted(first.items())}
         self._emit(kind, step=finding.step, ranks=list(finding.suspects),
                    nodes=list(finding.nodes), reason=finding.reason,
                    decided_by=finding.decided_by or None, health=health,
                    items=list(finding.items)[:20], agreed_step=self.agreed_step,
-                   fingerprints=evidence)
+                   fingerprints=evidence, **more)
 
 
 def _key(round_: int, step: int, group_rank: int) -> str:

@@ -16,6 +16,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from elasticft.addon.api import GroupInfo, WorkerInfo
+from elasticft.ckpt.integrity.sdcwatch import LAG_ENV
 from elasticft.ckpt.persisting import durable, rejected
 from elasticft.ckpt.service import CheckpointService
 from elasticft.config import CheckpointConfig
@@ -347,9 +348,8 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     steps = "8"
     _launch(tmp_path, job_env, "reference", 2, [], STEPS=steps, STEP_S="0")  # no need to wait
     remote = ["--ckpt-remote-dir", str(tmp_path / "remote"), "--ckpt-keep", "100"]
-    # Steps of 1 s: the watch reads step 3's first results while step 3 is still in memory
-    # (two slots rotate beside the pinned agreed step); a loaded machine's watch missed them
-    # once at 0.5 s, and nothing was left to decide by.
+    # Steps of 1 s. Step 3's first results stay in memory until the watch reads them, however
+    # late (the next test makes it late).
     _, run_dir = _launch(tmp_path, job_env, "faulty", 2, SDC_EVICT + remote, STEPS=steps,
                          FLIP_RANK="1", FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"),
                          STEP_S="1.0")
@@ -393,6 +393,41 @@ def test_two_replicas_are_reported_undecidable_then_decided_by_recomputation(
     assert again["step"] <= 2 or (
         again["step"] > newest and durable.committed_steps(tmp_path / "remote")[again["step"]][
             "committed_at"] > rejection["time"]), (again, rejection)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_late_watch_still_decides_by_recomputation_from_the_held_first_results(
+        tmp_path: Path, job_env) -> None:
+    """The previous test with the agent's watch made late (the seam LAG_ENV): it compares a
+    step's fingerprints only once the workers hold a step two newer, so the memory slots have
+    rotated twice past it, as on a loaded host. Step 3's first results, the evidence the
+    recomputation needs, must still be there: rank 1 is named by recomputation all the same."""
+    _, run_dir = _launch(tmp_path, job_env, "late", 2, SDC_EVICT, STEPS="12", FLIP_RANK="1",
+                         FLIP_STEP="3", FLIP_ONCE=str(tmp_path / "flipped"),
+                         **{LAG_ENV: "2"})
+    events = read_events(run_dir)
+    sdc = [e for e in events if e["kind"].startswith("sdc_")]
+    kinds = [(e["kind"], e.get("step"), e.get("ranks")) for e in sdc]
+    first = sdc[0]
+    # Step 4, or step 6 where a loaded host's agent started the check after step 4 had gone.
+    assert (first["kind"], first["ranks"]) == ("sdc_undecidable", [0, 1]), kinds
+    assert first["step"] in (4, 6) and first["agreed_step"] == 2, first
+    response = next(e for e in sdc if e["kind"] == "sdc_response")
+    assert (response["remedy"], response["restore_at_most"]) == ("recompute", 2), response
+    assert "computing step 3 again" in response["reason"], response
+    decided = [e for e in sdc if e["kind"] == "sdc_suspect"]
+    assert decided, kinds
+    suspect = decided[0]
+    assert (suspect["step"], suspect["ranks"], suspect["decided_by"]) == \
+        (3, [1], "recomputation"), suspect
+    # The evidence: both ranks' first results of step 3, read from the held snapshots after
+    # the slots had rotated past them, and the recomputed ones; rank 0's are equal.
+    again = {fp["rank"]: fp["digest"] for fp in suspect["fingerprints"]}
+    assert suspect["first_results"]["0"] == again[0] == again[1] != \
+        suspect["first_results"]["1"], suspect
+    restores = [e["step"] for e in events if e["kind"] == "restore"]
+    assert restores == [None, 2], restores
 
 
 @pytest.mark.slow
