@@ -18,10 +18,12 @@ Faults for tests and demos, injected once by --fault-rank in the first attempt:
 it to complete, before-save kills before it, so the others redo step N; keep-sockets waits too,
 and first forks a child outside the job that keeps the rank's sockets open, so the survivors'
 collective never fails by itself: the child writes its pid to --keeper-pid and lives 300 s),
---hang-at-step N (SIGSTOP), --crash-again-after-recovery (a process that recovered in process,
-once it redid --crash-at-step's optimizer step and the agent logged the recovery done, SIGKILLs
-itself before that step's save: a fault each roll-back in the same processes brings back,
-which only a restart of every rank clears), --infra-error-at-step N (raises a connection error before step N;
+--hang-at-step N (SIGSTOP), --corrupt-restore (the failed rank's replacement changes one bit of
+a parameter after its restore, as a torn copy would), --crash-again-after-recovery (a process
+that recovered in process, once it redid --crash-at-step's optimizer step and the agent logged
+the recovery done, SIGKILLs itself before that step's save: a fault each roll-back in the same
+processes brings back, which only a restart of every rank clears),
+--infra-error-at-step N (raises a connection error before step N;
 with --exit-after-failed the rank then exits right after reporting it, before its teardown; with
 --stuck-teardown its teardown never returns; with --sick-device its device fails the health
 check), and --replacement-fails (a replacement process exits at once, which makes the agent fall
@@ -125,6 +127,7 @@ def main() -> None:
                         choices=("mid-save", "after-save", "before-save", "keep-sockets"),
                         default="mid-save")
     parser.add_argument("--crash-again-after-recovery", action="store_true")
+    parser.add_argument("--corrupt-restore", action="store_true")
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--infra-error-at-step", type=int, default=-1)
     parser.add_argument("--manual-sgd", action="store_true",
@@ -156,6 +159,8 @@ def main() -> None:
     if args.replacement_fails and os.environ.get("ELASTICFT_INPROCESS_GEN", "0") != "0" \
             and os.environ.get("ELASTICFT_ATTEMPT") == os.environ.get("ELASTICFT_INPROCESS_GEN"):
         sys.exit("injected: the replacement fails to start")
+    replacement = os.environ.get("ELASTICFT_INPROCESS_GEN", "0") != "0" \
+        and os.environ.get("ELASTICFT_ATTEMPT") == os.environ.get("ELASTICFT_INPROCESS_GEN")
     device = setup_device()  # init_process_group; no collective before InProcess().run
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -209,6 +214,10 @@ def main() -> None:
         extra = dist.new_group() if args.extra_group else None
         start = 0
         restored = ckpt.restore(net, optim)  # in place, into the live tensors
+        if args.corrupt_restore and replacement and rank == args.fault_rank:
+            with torch.no_grad():  # injected: one bit of one parameter, as a torn copy
+                first = next(net.parameters()).view(-1)
+                first[:1] = first[:1].view(torch.int32).bitwise_xor(1).view(first.dtype)
         if restored is not None:
             start, _ = restored
             if rank == 0:

@@ -92,9 +92,11 @@ class BucketLayouts:
     def __init__(self) -> None:
         self.rebuilt: dict[Signature, Layout] = {}
 
-    def arm(self) -> Callable[[], None]:
+    def arm(self, on_made: Callable[[Any, Sequence[Any]], None] | None = None
+            ) -> Callable[[], None]:
         """Wraps DDP's bucket set-up so that it starts with a carried layout and remembers its
-        rebuilt one, until the returned function is called."""
+        rebuilt one, until the returned function is called. ``on_made(ddp, parameters)`` hears
+        of each DDP made meanwhile, with the parameters it synchronises."""
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
@@ -114,6 +116,8 @@ class BucketLayouts:
             finally:
                 dist._compute_bucket_assignment_by_size = assign
             layouts.remember_when_rebuilt(ddp, signature_of(parameters))
+            if on_made is not None:
+                on_made(ddp, parameters)
             return made
 
         DistributedDataParallel._ddp_init_helper = carried_set_up  # type: ignore[method-assign]

@@ -20,12 +20,13 @@ survivor
 4. **regroups**: ``init_process_group`` on that store, with the same backend, rank and world
    size; the replacement's own unchanged ``init_process_group()`` (``env://``, its
    ``MASTER_PORT`` is the new store's) meets it there,
-5. **re-enters the function**, which restores the newest step every rank holds into the live
-   tensors (:meth:`elasticft.ckpt.Checkpointer.restore`, an in-place copy from the agent's
-   memory: no new allocation) and continues from there. Its ``resumed`` record, at the first
-   step, carries when that restore ended (``restored``: the checkpointer's report of it, or
-   :meth:`InProcess.restore_done` for a script that restores by itself), so the agent tells
-   the restore from the redone step.
+5. **re-enters the function**, with no gradient on the parameters of the optimizers that
+   stepped here (the step the failure cut short left its own), which restores the newest step
+   every rank holds into the live tensors (:meth:`elasticft.ckpt.Checkpointer.restore`, an
+   in-place copy from the agent's memory: no new allocation) and continues from there. Its
+   ``resumed`` record, at the first step, carries when that restore ended (``restored``: the
+   checkpointer's report of it, or :meth:`InProcess.restore_done` for a script that restores
+   by itself), so the agent tells the restore from the redone step.
 
 Everything built outside the function stays alive: the model, the optimizer and its state
 tensors, the data, compiled graphs. What is bound to a process group is built inside it, since
@@ -65,6 +66,7 @@ import logging
 import os
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,6 +75,8 @@ from elasticft.addon.classify import peer_failure, process_unusable
 from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.diag import groupsockets
+from elasticft.diag import recorder as diag_recorder
+from elasticft.inprocess.certify import Replicated, certify
 from elasticft.inprocess.ddp_buckets import BucketLayouts
 from elasticft.inprocess.device import ArmedDevice, within
 from elasticft.inprocess.groups import (
@@ -170,6 +174,14 @@ class InProcess:
         self.monitor: Monitor | None = None
         self.bucket_layouts = BucketLayouts()
         """The DDPs' rebuilt bucket layouts, carried to the DDPs of the next generation."""
+        self._replicated: list[Replicated] = []
+        """The DDPs made since the latest (re-)entry, whose replicas certify their restore at
+        the generation's first step (:mod:`elasticft.inprocess.certify`)."""
+        self._certified = 0
+        """The latest generation whose restore was certified."""
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The ``torch.optim`` optimizers that stepped in this process, whose gradients a
+        re-entry drops (:meth:`_forget_gradients`)."""
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         directory = self.settings.directory
@@ -230,7 +242,9 @@ class InProcess:
                 self._phases.update(reached=self._reached, started=_started_at())
             self._write("joined", self._phases)
             self._report_first_step()
-        unarm_buckets = self.bucket_layouts.arm()  # a re-made DDP sums as the one before it
+        unarm_buckets = self.bucket_layouts.arm(  # a re-made DDP sums as the one before it
+            lambda ddp, parameters: self._replicated.append(
+                Replicated(tuple(parameters), ddp.process_group)))
         try:
             while True:
                 returned, outcome = self._call(fn, args, kwargs)
@@ -241,6 +255,7 @@ class InProcess:
                 if self.monitor is not None:  # the teardown's abort ends the groups too
                     self.monitor.generation_over(self.generation)
                 self._recover(outcome)
+                self._forget_gradients()
                 self._report_first_step()
         finally:
             if self.monitor is not None:
@@ -274,12 +289,19 @@ class InProcess:
         with self.monitor.protected():
             yield
 
-    def _before_step(self, *_: Any) -> None:
+    def _before_step(self, *args: Any) -> None:
         """Before every optimizer step (and at :meth:`step_done`): a step of a generation whose
         groups were ended is refused, whatever its collectives returned."""
+        if args:  # torch's pre-hook: (optimizer, args, kwargs)
+            self._optimizers.add(args[0])
         if self.monitor is not None and (refused := self.monitor.refusal(self.generation)):
             logger.warning("step refused in generation %d: %s", self.generation, refused)
             raise refused
+        if self.generation > self._certified and self._awaiting == self.generation:
+            # The generation's first step, before it changes anything: the replicas agree on
+            # what they restored, or every worker restarts.
+            self._certified = self.generation
+            certify(self._replicated, list(self._optimizers), self.generation)
 
     def restore_done(self) -> None:
         """Tells the agent that this entry's restore is over, for a script that restores without
@@ -364,6 +386,25 @@ class InProcess:
                        "%.3f s)", rank, self.generation, how, aborted_at - failed_at,
                        regrouped_at - aborted_at, rebound, self._phases["joined"] - regrouped_at)
         self._write("joined", self._phases)
+        self._replicated.clear()  # the old generation's DDPs; the re-entry makes new ones
+        if (recorder := diag_recorder.installed()) is not None:
+            # The re-made DDP sums as the one before it and as the replacement's new one do
+            # (the recorder's bucket hook; with 3 or more ranks DDP's own path differs in the
+            # last bit).
+            recorder.rearm_ddp_autoattach()
+
+    def _forget_gradients(self) -> None:
+        """Before a re-entry: the gradients of the optimizers that stepped here and of the kept
+        modules are set to None, as at a step boundary in a fresh process (the replacement's).
+        They are the step the failure cut short, which a loop that zeroes them after its step
+        or accumulates micro-batches would add to the redone step's. ``Checkpointer.restore``
+        drops the restored model's too; this is for a script that restores by other means."""
+        for optimizer in list(self._optimizers):
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
 
     def _reshape(self, rank: int, world_size: int) -> str:
         """After a regroup into a reshaped world: the kept modules' meshes take the new

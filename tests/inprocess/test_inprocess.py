@@ -158,6 +158,24 @@ def test_a_failure_that_comes_back_after_an_in_process_recovery_restarts_every_r
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_replacement_that_restored_another_state_restarts_every_rank(
+        tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
+    """The replacement flips one bit of a parameter after its restore (a torn copy): at the
+    generation's first step the replicas' digests differ, every rank raises RestoreDiverged
+    before the step changes anything, and the agent restarts every worker; the run ends
+    exact."""
+    run = _run(tmp_path, "diverged", job_env, "--fault-rank", "1", "--crash-at-step", "6",
+               "--crash-mode", "after-save", "--corrupt-restore")
+    decisions = [e for e in run["events"] if e["kind"] == "decision"]
+    assert [d["action"] for d in decisions] == ["recover_in_process", "restart_in_place"], \
+        run["text"][-5000:]
+    assert "restored different states: rank(s) [1] differ from rank 0" in run["text"]
+    assert len(run["pids"][0]) == 2  # the restart started every worker again
+    assert run["losses"] == reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_recovery_that_cannot_publish_restarts_through_the_agents_path_after_a_checkpoint(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
     """The agent cannot publish the next generation (a directory stands where its file goes):
