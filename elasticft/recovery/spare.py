@@ -1,0 +1,6 @@
+"""Moved to :mod:`elasticft.inprocess.spare`: its names import from here too."""
+
+from elasticft.lazy import moved_getattr
+
+__getattr__ = moved_getattr(__name__, "elasticft.inprocess.spare",
+                            {"is_spare", "take_rank"})
