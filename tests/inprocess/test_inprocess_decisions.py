@@ -313,6 +313,53 @@ def test_a_survivor_waits_for_the_next_generation_and_rejoins_it(
 
 
 @pytest.mark.timeout(60)
+def test_a_reentry_finds_no_gradient_of_the_step_the_failure_cut_short(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A survivor whose optimizer stepped, then failed after a backward (a loop that zeroes the
+    gradients after its step holds them until then): the function is entered again with every
+    gradient None, as a fresh process has them, though the script restores by itself."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                            world_size=1)
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    directory = tmp_path / "ip"
+    recovery = InProcess(InProcessSettings(directory=directory, timeout_s=30))
+    coordinator = InProcessCoordinator(directory, timeout_s=30)
+    coordinator.reset()
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    grads_at_entry = []
+
+    def train() -> None:
+        grads_at_entry.append(param.grad)
+        if len(grads_at_entry) == 1:
+            param.sum().backward()
+            optimizer.step()
+            param.sum().backward()  # the next step's backward: then the peer fails
+            threading.Thread(target=_publish_once_failed, args=(coordinator, directory),
+                             daemon=True).start()
+            raise RuntimeError(GLOO_CLOSED)
+        recovery.restore_done()
+
+    try:
+        recovery.run(train)
+        assert grads_at_entry == [None, None] and recovery.recoveries == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        coordinator.close()
+
+
+def _publish_once_failed(coordinator: InProcessCoordinator, directory: Path) -> None:
+    """The agent's side: publishes the next generation once rank 0 reported its failure."""
+    failed = worker_file(directory, "failed", 0)
+    deadline = time.monotonic() + 20
+    while not failed.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    coordinator.publish("127.0.0.1", world_size=1)
+
+
+@pytest.mark.timeout(60)
 def test_no_generation_in_time_raises_for_the_agents_restart(tmp_path: Path) -> None:
     """A survivor whose agent publishes nothing (it decided a full restart, or it is another
     node's failure) gives up after its timeout with the original error as the cause."""

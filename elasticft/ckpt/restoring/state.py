@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -40,9 +41,10 @@ from elasticft.ckpt.snapshot import (
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states: torch CPU (and CUDA) and Python's Mersenne Twister words as
-    tensors (a checkpoint copies tensors; 625 ints as JSON cost the save a walk and an encoding
-    every step), Python's version and Gaussian carry as JSON values."""
+    """This process's RNG states: torch CPU (and CUDA), Python's and numpy's global Mersenne
+    Twisters. Their words go as tensors (a checkpoint copies tensors; 625 ints as JSON cost the
+    save a walk and an encoding every step), the rest (versions, positions, Gaussian carries)
+    as JSON values."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -50,6 +52,9 @@ def rng_state() -> dict[str, Any]:
     }
     if _cuda_rng_in_use():
         state["cuda"] = torch.cuda.get_rng_state()
+    if (numpy := _numpy_state()) is not None:
+        words, rest = numpy
+        state["numpy"] = {"state": words, **rest}  # numpy made the array for this call
     return state
 
 
@@ -57,11 +62,40 @@ def _python_words(internal: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(internal, dtype=torch.int64)
 
 
+def _numpy_state() -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """numpy's global RNG (``np.random.seed``, ``np.random.normal``...): its 624 key words as a
+    tensor that views numpy's copy of them (uint32 read as int32, no conversion), and its
+    position and Gaussian carry; None where numpy is not imported (torch imports it where it is
+    installed), or its global generator is not a Mersenne Twister."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return None
+    state = numpy.random.get_state(legacy=True)
+    if not isinstance(state, tuple) or state[0] != "MT19937":
+        return None
+    _, keys, pos, has_gauss, gauss = state
+    words = torch.from_numpy(keys.view(numpy.int32))
+    return words, {"pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def _set_numpy_state(state: Mapping[str, Any]) -> None:
+    try:
+        import numpy
+    except ImportError:  # a snapshot of a process that had numpy, restored in one without
+        return
+    words = state["state"]
+    keys = (words.numpy() if isinstance(words, torch.Tensor)
+            else numpy.asarray(words, dtype=numpy.int32)).view(numpy.uint32)
+    numpy.random.set_state(("MT19937", keys, state["pos"], state["has_gauss"], state["gauss"]))
+
+
 def _cuda_rng_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Puts back what :func:`rng_state` took; a generator the snapshot does not hold (numpy's,
+    in snapshots of earlier versions) is left as it is."""
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -72,6 +106,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         if isinstance(words, torch.Tensor):
             words = words.tolist()
         random.setstate((py["version"], tuple(words), py["gauss"]))
+    if "numpy" in state:
+        _set_numpy_state(state["numpy"])
 
 
 def capture(
@@ -161,7 +197,8 @@ class StateCapture:
         ``torch.get_rng_state()`` returns a new tensor each time; a new object would make every
         save take the checkpointer's slower path for a changed state (a walk and a re-placement
         instead of a compare). The save copies these small tensors before it returns. Python's
-        words are converted only when they changed: most training steps never use ``random``.
+        words are converted only when they changed: most training steps never use ``random``;
+        numpy's are a view of the copy ``get_state`` makes, copied into their buffer.
         """
         version, internal, gauss = random.getstate()
         if internal != self._python_words_seen:
@@ -173,6 +210,9 @@ class StateCapture:
         }
         if _cuda_rng_in_use():
             state["cuda"] = self._stable("cuda", torch.cuda.get_rng_state())
+        if (numpy := _numpy_state()) is not None:
+            words, rest = numpy
+            state["numpy"] = {"state": self._stable("numpy", words), **rest}
         return state
 
     def _stable(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -245,7 +285,26 @@ def restore(
                                      options=StateDictOptions(strict=False))
     if "rng" in state:
         set_rng_state(state["rng"])
+    forget_gradients(model, optimizer)
     return dict(state.get("extra", {}))
+
+
+def forget_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Sets the gradients of ``model``'s and ``optimizer``'s parameters to None.
+
+    A snapshot holds no gradients: the step it puts back is a step boundary, where a process
+    that restores it fresh (a replacement, a restart) has none. A survivor of in-process
+    recovery still holds those of the step its failure cut short (the backward was done or
+    under way, the update was not), and a loop that zeroes them only after its step (nanoGPT's
+    ``step(); zero_grad()``) or accumulates micro-batches under DDP's ``no_sync`` would add
+    them to the redone step's. So every restore leaves the gradients as a fresh process has
+    them, whatever the script does next."""
+    for param in model.parameters():
+        param.grad = None
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
 
 
 def _copied_tree(value: Any) -> Any:
@@ -442,4 +501,5 @@ class LiveState:
         rest = unflatten({"items": side}, payload, copy=True)
         if "rng" in rest:
             set_rng_state(rest["rng"])
+        forget_gradients(self.model, self.optimizer)  # as restore() does
         return dict(rest.get("extra", {}))

@@ -1,0 +1,182 @@
+"""A plain DDP training loop as users write one, recovered in process: the worker of
+test_conformance_loops.py. It imports only ``InProcess``, ``Checkpointer`` and ``StateCapture``
+from elasticft; everything else is torch, numpy and Python as a user's script has it.
+
+The patterns, each a flag, any of them together:
+
+--zero-grad before|after   ``optim.zero_grad(set_to_none=True)`` before the backward, or after
+                           ``optim.step()`` (nanoGPT's order)
+--accum N                  N micro-batches per step, all but the last under DDP's ``no_sync``
+--clip                     ``clip_grad_norm_`` before the step
+--warmup                   a ``LambdaLR`` warm-up, its state saved in the checkpoint's extras
+--dropout                  an ``nn.Dropout`` (torch's RNG)
+--augment                  noise from torch's, numpy's and Python's RNGs added to each input
+--loader                   a ``DataLoader`` over a ``DistributedSampler`` that shuffles, with
+                           ``set_epoch``, ``num_workers=0``, positioned at the restored step
+
+The fault, in the first attempt on --fault-rank only: a SIGKILL at --crash-at-step N, where
+--crash-mode says: ``after-save`` once the save of step N is complete and the others are in
+step N+1's collectives, ``right-after-save`` at once after ``save()`` returns, ``before-save``
+before the save (the others redo step N), ``mid-step`` in step N's backward of its last
+micro-batch (after the first ones). Every rank appends ``rank step loss`` (``repr``) to
+--loss-log and ``rank pid step`` to --pid-log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from elasticft.ckpt import Checkpointer, StateCapture
+from elasticft.inprocess import InProcess
+
+SAMPLES, FEATURES, CLASSES = 128, 16, 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank, per micro-batch")
+    parser.add_argument("--zero-grad", choices=("before", "after"), default="before")
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--clip", action="store_true")
+    parser.add_argument("--warmup", action="store_true")
+    parser.add_argument("--dropout", action="store_true")
+    parser.add_argument("--augment", action="store_true")
+    parser.add_argument("--loader", action="store_true")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--crash-at-step", type=int, default=-1)
+    parser.add_argument("--crash-mode", default="after-save",
+                        choices=("after-save", "right-after-save", "before-save", "mid-step"))
+    parser.add_argument("--loss-log", type=Path, required=True)
+    parser.add_argument("--pid-log", type=Path, required=True)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")  # no collective before InProcess().run
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same initial model on every rank
+    net = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(),
+                        nn.Dropout(0.3) if args.dropout else nn.Identity(),
+                        nn.Linear(32, CLASSES))
+    optim = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 5)) \
+        if args.warmup else None
+    sched_at_start = sched.state_dict() if sched is not None else None
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    snapshot = StateCapture(net, optim)
+    torch.manual_seed(1000 + rank)  # each rank its own dropout and augmentation
+    np.random.seed(2000 + rank)
+    random.seed(3000 + rank)
+
+    data = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(SAMPLES, FEATURES, generator=data),
+                            torch.randint(0, CLASSES, (SAMPLES,), generator=data))
+    per_step = args.batch_size * args.accum
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    # A generator of its own: a DataLoader draws its iterator's base seed from torch's global
+    # RNG unless given one, and the iterator made again at the restored step would draw where
+    # an uninterrupted run does not (one draw more, so other dropout masks).
+    loader = DataLoader(dataset, batch_size=per_step, sampler=sampler, num_workers=0,
+                        drop_last=True, generator=torch.Generator())
+    first_attempt = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
+    armed = first_attempt and rank == args.fault_rank
+
+    def batches(start: int):
+        """The batches of steps ``start`` on: the position follows the restored step."""
+        if not args.loader:
+            for step in range(start, args.steps):
+                at = [(step * world * per_step + rank * per_step + i) % SAMPLES
+                      for i in range(per_step)]
+                yield step, dataset[at]
+            return
+        epoch, skip = divmod(start, len(loader))
+        step = start
+        while step < args.steps:
+            sampler.set_epoch(epoch)
+            for i, batch in enumerate(loader):
+                if i < skip:
+                    continue
+                yield step, batch
+                step += 1
+                if step == args.steps:
+                    return
+            epoch, skip = epoch + 1, 0
+
+    def augment(x: torch.Tensor) -> torch.Tensor:
+        if not args.augment:
+            return x
+        noise = torch.from_numpy(np.random.normal(0.0, 0.1, x.shape).astype(np.float32))
+        return x * (1 + 0.1 * random.random()) + 0.1 * torch.randn_like(x) + noise
+
+    def kill() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def train() -> None:
+        model = DistributedDataParallel(net)  # bound to this generation's group
+        restored = ckpt.restore(net, optim)
+        start, extra = restored if restored is not None else (0, {"sched": sched_at_start})
+        if sched is not None:
+            sched.load_state_dict(extra["sched"])
+        for step, (x, y) in batches(start):
+            done = step + 1
+            crash_here = armed and done == args.crash_at_step
+            if args.zero_grad == "before":
+                optim.zero_grad(set_to_none=True)
+            total = 0.0
+            for i, (xm, ym) in enumerate(zip(x.chunk(args.accum), y.chunk(args.accum),
+                                             strict=True)):
+                last = i == args.accum - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    loss = F.cross_entropy(model(augment(xm)), ym) / args.accum
+                    if crash_here and last and args.crash_mode == "mid-step":
+                        time.sleep(0.5)  # the others are in this backward's all-reduce
+                        kill()
+                    loss.backward()
+                total += loss.item()
+            if args.clip:
+                nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            optim.step()
+            if sched is not None:
+                sched.step()
+            if args.zero_grad == "after":
+                optim.zero_grad(set_to_none=True)
+            with open(args.loss_log, "a") as f:
+                f.write(f"{rank} {done} {total!r}\n")
+            with open(args.pid_log, "a") as f:
+                f.write(f"{rank} {os.getpid()} {done}\n")
+            if crash_here and args.crash_mode == "before-save":
+                kill()
+            request = ckpt.save(done, snapshot(extra={
+                "sched": sched.state_dict() if sched is not None else None}))
+            if crash_here and args.crash_mode == "right-after-save":
+                kill()
+            if crash_here and args.crash_mode == "after-save":
+                request.wait()
+                time.sleep(0.5)  # the others wait in the next step's all-reduce
+                kill()
+
+    recovery = InProcess()
+    recovery.run(train)
+    ckpt.close()
+    dist.barrier()
+    if rank == 0:
+        print(f"finished {args.steps} steps; {recovery.recoveries} in-process recoveries in "
+              f"this process", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
