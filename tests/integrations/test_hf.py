@@ -34,9 +34,59 @@ def test_a_killed_rank_costs_the_survivor_a_rollback_not_its_process(
 def test_a_rank_killed_before_the_first_snapshot_rolls_the_survivor_back_to_the_start(
         tmp_path: Path, job_env: dict[str, str]) -> None:
     """Killed after its first optimizer step, before that step's snapshot: the survivor's model
-    had taken the step, and only the start's snapshot (step 0) puts it back."""
-    reference = run_job(tmp_path, SCRIPT, "reference", job_env)
-    run = run_job(tmp_path, SCRIPT, "fault", job_env, "--crash-at-step", "1")
+    had taken the step, and only the start's snapshot (step 0) puts it back, with the RNG. The
+    GPT-2's dropout and accelerate's unseeded sampler draw from it: the survivor's new data
+    loader seeds its generator before the restore, which puts back the first epoch's too."""
+    gpt2 = ("--model", "gpt2", "--shuffle-from-torch-rng")
+    reference = run_job(tmp_path, SCRIPT, "reference", job_env, *gpt2)
+    run = run_job(tmp_path, SCRIPT, "fault", job_env, *gpt2, "--crash-at-step", "1")
     assert_recovered_in_process(run, reference)
     assert "resumed from step 0 in shared memory" in run["text"], run["text"][-5000:]
     assert "entry 2 resumes" not in run["text"]
+
+
+GPT2 = ("--model", "gpt2", "--epochs", "3")
+"""A one-layer GPT-2 at GPT2Config's default dropout: 18 steps of 6 per epoch, every one
+drawing from torch's RNG."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dropout_after_a_recovery_draws_what_an_uninterrupted_run_draws(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    """Killed mid-epoch: the survivor and the replacement redo step 8 with the RNG the
+    uninterrupted run had there, not the one the resumed data loader left (it draws its seeds
+    while skipping the batches done) nor the replacement's freshly seeded one."""
+    reference = run_job(tmp_path, SCRIPT, "reference", job_env, *GPT2)
+    run = run_job(tmp_path, SCRIPT, "fault", job_env, *GPT2, "--crash-at-step", "8")
+    assert_recovered_in_process(run, reference)
+    assert "Trainer entry 2 resumes from step 7" in run["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_accumulation_warmup_callbacks_and_a_save_roll_back_exactly(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    """Two batches per step, a warmup, a callback with its own state, an evaluation and the
+    Trainer's checkpoints every 3 steps, the epoch's order drawn from a generator that advances
+    every epoch (accelerate's unseeded sampler); rank 1 killed at the end of step 7, right
+    after the evaluation and save of step 6, the last of an epoch: the run resumes at the next
+    epoch's start from step 6 (its save done on every rank) and ends as the uninterrupted run,
+    the callback's counts included."""
+    extra = ("--grad-accum", "2", "--epochs", "4", "--warmup-steps", "4", "--count-steps",
+             "--save-steps", "3", "--eval-steps", "3", "--shuffle-from-torch-rng")
+    reference = run_job(tmp_path, SCRIPT, "reference", job_env, "--model", "gpt2", *extra,
+                        "--output-dir", str(tmp_path / "own-reference"))
+    run = run_job(tmp_path, SCRIPT, "fault", job_env, "--model", "gpt2", *extra,
+                  "--crash-at-step", "7", "--output-dir", str(tmp_path / "own"))
+    assert_recovered_in_process(run, reference)
+    assert "Trainer entry 2 resumes from step 6" in run["text"]
+    counts = sorted(line for line in reference["text"].splitlines() if " counted " in line)
+    assert [line.split("] ")[-1] for line in counts] == [
+        "rank 0 counted 12 step begins, 12 step ends",
+        "rank 1 counted 12 step begins, 12 step ends"], counts
+    assert sorted(line for line in run["text"].splitlines() if " counted " in line) == counts
+    saved = {p.name: sorted(f.name for f in p.glob("rng_state_*.pth"))
+             for p in (tmp_path / "own").iterdir()}
+    assert saved == {f"checkpoint-{step}": ["rng_state_0.pth", "rng_state_1.pth"]
+                     for step in (3, 6, 9, 12)}
