@@ -5,39 +5,50 @@ others a roll-back, not their processes.
         examples/train_lightning_inprocess.py
 
 The only elasticft line is ``strategy=InProcessDDPStrategy()``. A tiny regression model on a
-seeded dataset, Adam with a step scheduler, over two epochs. Faults for tests and demos:
-``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at the start of optimizer step N+1, before
-the snapshot of step N, in the first attempt (the others redo step N). ``--restart-mode`` trains
-with Lightning's own DDP strategy instead (the restart mode, for comparison).
+seeded dataset, Adam with a step scheduler, over two epochs, and a callback with a state of its
+own (a count of batches, in Lightning's ``state_dict``). Faults for tests and demos:
+``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at the end of optimizer step N, after its
+callbacks (so after ``ModelCheckpoint`` wrote step N) and before the snapshot of step N, in the
+first attempt (the others redo step N). ``--restart-mode`` trains with Lightning's own DDP
+strategy instead (the restart mode, for comparison). ``--pytorch-lightning`` imports the
+standalone ``pytorch_lightning`` package instead of ``lightning.pytorch``; the script is the same.
 ``--model-parallel`` shards the model with FSDP2 (``fully_shard`` in ``configure_model``) under
 ``InProcessModelParallelStrategy`` (Lightning's ``ModelParallelStrategy`` with
 ``--restart-mode``), or tensor parallel over every rank with ``--tensor-parallel`` too. Rank 0
-writes the final (whole) parameters to ``--params-out``; every rank
+writes the final (whole) parameters and its callback's count to ``--params-out``; every rank
 appends ``rank pid step`` lines to ``--pid-log``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
+import sys
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from elasticft.integrations.lightning import InProcessDDPStrategy, InProcessModelParallelStrategy
 
+# One script for both packages (a user's script imports one of them).
+L = importlib.import_module(
+    "pytorch_lightning" if "--pytorch-lightning" in sys.argv else "lightning.pytorch")
+ModelCheckpoint = L.callbacks.ModelCheckpoint
+DDPStrategy, ModelParallelStrategy = L.strategies.DDPStrategy, L.strategies.ModelParallelStrategy
+
 
 class Regression(L.LightningModule):
-    def __init__(self, lr: float) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
-                                       torch.nn.Linear(32, 1))
-        self.lr = lr
+        # --dropout draws from torch's RNG, which a roll-back must put back too.
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32),
+            torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Dropout(args.dropout)),
+            torch.nn.Linear(32, 1))
+        self.args = args
 
     def configure_model(self) -> None:
         """Under a model-parallel strategy: tensor parallel over its tensor-parallel ranks,
@@ -66,25 +77,37 @@ class Regression(L.LightningModule):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        """The fault: after the callbacks' hooks of step N (a checkpoint of it written), before
+        its snapshot (at the next batch's start)."""
+        first = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and \
+            os.environ.get("ELASTICFT_INPROCESS_GEN", "0") == "0"
+        if first and self.trainer.global_rank == self.args.fault_rank \
+                and self.trainer.global_step == self.args.crash_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def configure_optimizers(self) -> dict:
-        optim = torch.optim.Adam(self.parameters(), lr=self.lr)
+        optim = torch.optim.Adam(self.parameters(), lr=self.args.lr)
         sched = torch.optim.lr_scheduler.StepLR(optim, step_size=4, gamma=0.5)
         return {"optimizer": optim, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class Faults(L.Callback):
-    """Kills a rank at a step, and logs each rank's process at each step."""
+class Batches(L.Callback):
+    """Counts the batches started, a state of its own that Lightning checkpoints."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.started = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"started": self.started}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.started = state_dict["started"]
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: object,
                              batch_idx: int) -> None:
-        first = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and \
-            os.environ.get("ELASTICFT_INPROCESS_GEN", "0") == "0"
-        if first and trainer.global_rank == self.args.fault_rank \
-                and trainer.global_step == self.args.crash_at_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.started += 1
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: object,
                            batch: object, batch_idx: int) -> None:
@@ -101,8 +124,13 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--pid-log", type=Path)
     parser.add_argument("--params-out", type=Path)
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--checkpoint-dir", type=Path,
-                        help="Lightning's own ModelCheckpoint every 3 steps into this directory")
+                        help="Lightning's own ModelCheckpoint into this directory")
+    parser.add_argument("--checkpoint-every", type=int, default=3, help="steps")
+    parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint's save_last")
+    parser.add_argument("--pytorch-lightning", action="store_true",
+                        help="import pytorch_lightning, not lightning.pytorch (read at import)")
     parser.add_argument("--restart-mode", action="store_true",
                         help="Lightning's own strategy: the restart mode, for comparison")
     parser.add_argument("--model-parallel", action="store_true",
@@ -115,13 +143,16 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(48, 8, generator=generator)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
-    model = Regression(args.lr)
-    checkpoints = [ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=3,
-                                   save_top_k=-1)] if args.checkpoint_dir else []
+    model = Regression(args)
+    batches = Batches(args)
+    checkpoints = [ModelCheckpoint(dirpath=args.checkpoint_dir,
+                                   every_n_train_steps=args.checkpoint_every,
+                                   save_top_k=-1, save_last=args.save_last or None)
+                   ] if args.checkpoint_dir else []
     if args.model_parallel:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
         tensor = ranks if args.tensor_parallel else 1
-        strategy: L.pytorch.strategies.Strategy = (
+        strategy: L.strategies.Strategy = (
             ModelParallelStrategy if args.restart_mode else InProcessModelParallelStrategy)(
             data_parallel_size=ranks // tensor, tensor_parallel_size=tensor)
     else:
@@ -130,11 +161,12 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         num_nodes=1, strategy=strategy, max_epochs=args.epochs, logger=False,
                         enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Faults(args), *checkpoints])
+                        enable_model_summary=False, callbacks=[batches, *checkpoints])
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
     # Whole tensors: a sharded parameter is gathered (a collective, on every rank).
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
               for k, v in model.state_dict().items()}
+    params["batches_started"] = torch.tensor(batches.started)
     if trainer.global_rank == 0:
         recoveries = getattr(getattr(strategy, "recovery", None), "recoveries", 0)
         print(f"finished {trainer.global_step} steps; {recoveries} in-process recoveries in "

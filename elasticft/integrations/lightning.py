@@ -9,6 +9,13 @@ runs that function under
 :class:`~elasticft.integrations.fit.FitRecovery`, so a survivor's ``trainer.fit`` is entered
 again after its regroup, the exception never reaching Lightning's own handling.
 
+Lightning comes as two packages of the same code whose classes are not each other's: the
+unified ``lightning`` (``lightning.pytorch``) and the standalone ``pytorch_lightning``. A
+``Trainer`` takes only a strategy of its own package, so the strategies are made for each
+package from one implementation (:func:`strategies`), and the names a script imports,
+:class:`InProcessDDPStrategy` and :class:`InProcessModelParallelStrategy`, make the one of the
+package the script imported (:func:`package_in_use`).
+
 The process group is made once, by the launcher, before recovery arms: the strategy's own
 ``setup_environment`` (Lightning's ``_init_dist_connection`` with the backend Lightning chose,
 from the launcher's variables). Every later ``init_process_group`` of ``fit`` is skipped by
@@ -27,39 +34,81 @@ optimizer and its schedulers. Once they exist (the strategy's ``setup``) the new
 step every rank holds is copied into the module and that optimizer in place, and the
 framework's position is loaded from the snapshot's extras: the fit loop's counters (through
 ``fit_loop.load_state_dict``, Lightning's own resume path, which also makes
-``trainer.global_step`` right), the schedulers' states, and the data position, which Lightning
-cannot resume for a plain ``DataLoader``: the training sampler skips the batches of the epoch
-already done, once. A snapshot is taken at the start of every training batch (the previous
-optimizer step is complete there); the step is recorded for the report when its optimizer step
-ends. The state at the first batch (after Lightning's own load of a ``ckpt_path``) is the
-start a failure before the first snapshot rolls back to.
+``trainer.global_step`` right), the schedulers' states, the callbacks' states, and the data
+position, which Lightning cannot resume for a plain ``DataLoader``: the training sampler skips
+the batches of the epoch already done, once.
+
+The callbacks' states are what Lightning puts in its checkpoints' ``"callbacks"`` entry (each
+callback's ``state_dict()`` under its ``state_key``, put back with ``load_state_dict``), and
+for ``ModelCheckpoint`` the few fields outside it on which its decision to write rests
+(:data:`DECISION_FIELDS`). The survivor's callbacks are rolled back with the step and the
+replacement's new ones are given the same states, so every rank decides alike whether to write
+a checkpoint: a write is a sequence of collectives (the file's existence broadcast, barriers),
+and a survivor that had written the step it redoes would otherwise skip what a new process
+writes, each waiting in another collective.
+
+A snapshot is taken at the start of every training batch (the previous optimizer step is
+complete there) by a callback placed first, before any other callback's hook of that batch, so
+a step redone runs every hook of it once more from the same states; the step is recorded for the
+report when its optimizer step ends. The state at the first batch (after Lightning's own load
+of a ``ckpt_path``) is the start a failure before the first snapshot rolls back to. The RNG
+states the restore put back are put back again at the first batch: the training loader's new
+iterator draws its seed from torch's RNG between the two.
 
 Limits: one optimizer, automatic optimization, no gradient accumulation over several batches; a
-training loader of a ``torch.utils.data`` sampler; callbacks' own states are kept in memory as
-they are on the survivor (not rolled back). Lightning's ``FSDPStrategy`` (FSDP1) has no
+training loader of a ``torch.utils.data`` sampler. Lightning's ``FSDPStrategy`` (FSDP1) has no
 in-process counterpart: FSDP2 goes through the model-parallel strategy.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import importlib
+import importlib.util
+import io
 import json
-from collections.abc import Callable, Iterator
-from typing import Any
+import sys
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, NamedTuple
 
-from elasticft.extras import require
+import torch
+
+from elasticft.extras import MissingExtra
 from elasticft.integrations.fit import EntryRuleBroken, FitRecovery
 
-LIGHTNING = (("lightning", "lightning"),)
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+"""The Lightning packages the strategies are made for, the documented one first."""
 
-require(LIGHTNING, "in-process recovery for Lightning", "lightning")
-
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from lightning.pytorch.strategies.launchers.launcher import _Launcher  # noqa: E402
-from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
+if all(importlib.util.find_spec(p.split(".")[0]) is None for p in PACKAGES):
+    raise MissingExtra("in-process recovery for Lightning", "lightning", "lightning")
 
 FIT_ARGS = ("model", "train_dataloaders", "val_dataloaders", "datamodule", "ckpt_path",
             "weights_only")
 """``Trainer._fit_impl``'s positional parameters, as ``Trainer.fit`` passes them."""
+
+FITTING = "fit"
+"""``TrainerFn.FITTING`` (a ``str`` enum) of either package."""
+
+DECISION_FIELDS = ("_last_global_step_saved", "_last_checkpoint_saved",
+                   "_defer_save_until_validation")
+"""``ModelCheckpoint``'s fields outside its ``state_dict`` that its decision to write rests on
+(Lightning 2.5-2.6): the step it last wrote (it skips a step it wrote), the file it last wrote
+(``save_last`` writes at the end when there is none), a write put off until validation. Rolled
+back with the step like its ``state_dict``; a callback without them has nothing more taken."""
+
+
+def package_in_use(imported: Collection[str], installed: Callable[[str], bool]) -> str:
+    """The Lightning package a script uses (pure): the one it imported, ``lightning.pytorch``
+    where it imported both, else the first installed."""
+    found = [p for p in PACKAGES if p in imported]
+    if found:
+        return found[0]
+    return next((p for p in PACKAGES if installed(p.split(".")[0])), PACKAGES[0])
+
+
+def _installed(top: str) -> bool:
+    return importlib.util.find_spec(top) is not None
 
 
 class _InProcessFit:
@@ -68,6 +117,10 @@ class _InProcessFit:
     and the data position. Mixed into a Lightning strategy, before it."""
 
     _sampler: _SkipOnce | None = None
+    _snapshots_class: type
+    """The package's callback that calls :meth:`_at_batch_start` (set by :func:`strategies`)."""
+    _launcher_class: type
+    """The package's :class:`_InProcessLauncher` (set by :func:`strategies`)."""
 
     def __init__(self, *args: Any, recovery: FitRecovery | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -75,6 +128,11 @@ class _InProcessFit:
         self._loop_at_start: str | None = None
         """The fit loop's state at the first entry that restored nothing (its counters at the
         start), for an entry that rolls back to the start."""
+        self._callbacks_at_start: str | None = None
+        """The callbacks' states at that entry (:func:`callback_states`), likewise."""
+        self._rng_to_put_back: dict[str, Any] | None = None
+        """The RNG states the restore of this entry put back, again at its first batch."""
+        self._snapshots = self._snapshots_class(self)
 
     def kept_modules(self, model: Any) -> tuple[Any, ...]:
         """The modules kept through a regroup with their device meshes (none for DDP)."""
@@ -82,7 +140,12 @@ class _InProcessFit:
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)  # the DDP wrapper, the optimizers, the schedulers
-        if trainer.state.fn != TrainerFn.FITTING or not self.recovery.resuming:
+        if trainer.state.fn != FITTING:
+            return
+        if trainer.callbacks[:1] != [self._snapshots]:  # first, before every other's hook
+            trainer.callbacks = [self._snapshots,
+                                 *(c for c in trainer.callbacks if c is not self._snapshots)]
+        if not self.recovery.resuming:
             return
         if len(self.optimizers) != 1:
             raise EntryRuleBroken(f"in-process recovery of Lightning takes one optimizer, not "
@@ -90,16 +153,24 @@ class _InProcessFit:
         # The start is snapshotted at the first batch, after Lightning's own load (ckpt_path).
         restored = self.recovery.restore(self.lightning_module, self.optimizers[0],
                                          keep_start=False)
+        callbacks = [c for c in trainer.callbacks if c is not self._snapshots]
         if restored is None:  # nothing saved yet, or the start put back: so are the counters
             if self._loop_at_start is None:
                 self._loop_at_start = json.dumps(trainer.fit_loop.state_dict())
+                self._callbacks_at_start = callback_states(callbacks)
             else:
                 trainer.fit_loop.load_state_dict(json.loads(self._loop_at_start))
+                assert self._callbacks_at_start is not None
+                load_callback_states(callbacks, self._callbacks_at_start)
+            if self.recovery.entries > 1 or self.recovery.inprocess.generation > 0:
+                self._rng_to_put_back = _rng_state()  # the start's, just put back
             return
         extra = restored[1]["lightning"]
         for config, state in zip(trainer.lr_scheduler_configs, extra["schedulers"], strict=True):
             config.scheduler.load_state_dict(json.loads(state))
         trainer.fit_loop.load_state_dict(json.loads(extra["fit_loop"]))
+        load_callback_states(callbacks, extra["callbacks"])
+        self._rng_to_put_back = _rng_state()
         # The batches of this epoch done by the restored step (its counters, now loaded).
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
         self._skip_batches(trainer.train_dataloader, done)
@@ -125,20 +196,26 @@ class _InProcessFit:
         self._sampler = _SkipOnce(inner, batches, batch_sampler.batch_size)
         batch_sampler.sampler = self._sampler
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        trainer = self.lightning_module.trainer
+    def _at_batch_start(self, trainer: Any) -> None:
+        """A training batch starts, before any callback's hook of it: the RNG put back after
+        a restore, then the snapshot of the step before it."""
+        if self._rng_to_put_back is not None:
+            _set_rng_state(self._rng_to_put_back)
+            self._rng_to_put_back = None
         step = trainer.global_step
+        module, optimizer = self.lightning_module, self.optimizers[0]
         if step == 0:  # the start, once Lightning loaded its own checkpoint if it had one
-            self.recovery.keep_start(self.lightning_module, self.optimizers[0])
+            self.recovery.keep_start(module, optimizer)
             return
         if step == self.recovery.restored_step:
             return  # nothing new since the entry
-        self.recovery.save(step, self.lightning_module, self.optimizers[0], {"lightning": {
+        self.recovery.save(step, module, optimizer, {"lightning": {
             # JSON strings: a snapshot keeps leaves (not empty containers) under str keys.
             "fit_loop": json.dumps(trainer.fit_loop.state_dict()),
             "schedulers": [json.dumps(c.scheduler.state_dict())
                            for c in trainer.lr_scheduler_configs],
+            "callbacks": callback_states(c for c in trainer.callbacks
+                                         if c is not self._snapshots),
         }}, record=False)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -150,7 +227,7 @@ class _InProcessFit:
         return done
 
 
-class InProcessDDPStrategy(_InProcessFit, DDPStrategy):
+class _InProcessDDP(_InProcessFit):
     """Lightning's DDP strategy, whose ``fit`` a peer failure costs a roll-back in process.
 
     Takes DDPStrategy's arguments; ``recovery`` is for tests and for checkpoint options
@@ -163,10 +240,10 @@ class InProcessDDPStrategy(_InProcessFit, DDPStrategy):
         super()._configure_launcher()
         assert self.cluster_environment is not None and self._launcher is not None
         if self.cluster_environment.creates_processes_externally:  # by elasticft-run
-            self._launcher = _InProcessLauncher(self, self._launcher)
+            self._launcher = self._launcher_class(self, self._launcher)
 
 
-class InProcessModelParallelStrategy(_InProcessFit, ModelParallelStrategy):
+class _InProcessModelParallel(_InProcessFit):
     """Lightning's model-parallel strategy (FSDP2's ``fully_shard`` and tensor parallel,
     applied in ``configure_model``), whose ``fit`` a peer failure costs a roll-back in process,
     the survivors keeping their sharded module.
@@ -184,7 +261,7 @@ class InProcessModelParallelStrategy(_InProcessFit, ModelParallelStrategy):
         super()._configure_launcher()
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:  # by elasticft-run
-            self._launcher = _InProcessLauncher(self, None)
+            self._launcher = self._launcher_class(self, None)
 
     def setup_environment(self) -> None:
         if self._device_mesh is None:
@@ -194,6 +271,49 @@ class InProcessModelParallelStrategy(_InProcessFit, ModelParallelStrategy):
 
     def kept_modules(self, model: Any) -> tuple[Any, ...]:
         return (model,)
+
+
+def callback_states(callbacks: Any) -> str:
+    """What Lightning's checkpoint keeps of ``callbacks`` (each one's non-empty
+    ``state_dict()`` under its ``state_key``) and their :data:`DECISION_FIELDS`, as one JSON
+    string: ``torch.save``'s bytes in base64, as Lightning writes them (a state may hold
+    tensors and other objects a snapshot's JSON does not)."""
+    states = {}
+    for callback in callbacks:
+        state = callback.state_dict()
+        fields = {name: vars(callback)[name] for name in DECISION_FIELDS if name in vars(callback)}
+        if state or fields:
+            states[callback.state_key] = {"state": state, "fields": fields}
+    buffer = io.BytesIO()
+    torch.save(states, buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def load_callback_states(callbacks: Any, encoded: str) -> None:
+    """Puts :func:`callback_states`'s ``encoded`` back into ``callbacks``, each by its
+    ``state_key`` (``load_state_dict``, as Lightning's resume does, then the fields)."""
+    # This job's own bytes, from its memory: they hold what the callbacks' states hold.
+    states = torch.load(io.BytesIO(base64.b64decode(encoded)), weights_only=False)
+    for callback in callbacks:
+        taken = states.get(callback.state_key)
+        if taken is None:
+            continue
+        if taken["state"]:
+            callback.load_state_dict(taken["state"])
+        for name, value in taken["fields"].items():
+            setattr(callback, name, value)
+
+
+def _rng_state() -> dict[str, Any]:
+    from elasticft.ckpt.restoring.state import rng_state
+
+    return rng_state()
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from elasticft.ckpt.restoring.state import set_rng_state
+
+    set_rng_state(state)
 
 
 class _SkipOnce:
@@ -223,12 +343,25 @@ class _SkipOnce:
                 yield item
 
 
-class _InProcessLauncher(_Launcher):
-    """Lightning's launcher, whose function runs under recovery: the process group is made
-    once, recovery arms, and the function is entered again after each regroup."""
+class _Snapshots:
+    """The callback that takes the snapshot at a training batch's start, placed first in
+    ``trainer.callbacks`` by the strategy's ``setup`` (its state is empty: Lightning's
+    checkpoints do not hold it). Mixed into the package's ``Callback``."""
 
-    def __init__(self, strategy: InProcessDDPStrategy | InProcessModelParallelStrategy,
-                 inner: _Launcher | None) -> None:
+    def __init__(self, strategy: _InProcessFit) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        self.strategy._at_batch_start(trainer)
+
+
+class _InProcessLauncher:
+    """Lightning's launcher, whose function runs under recovery: the process group is made
+    once, recovery arms, and the function is entered again after each regroup. Mixed into
+    the package's ``_Launcher``."""
+
+    def __init__(self, strategy: Any, inner: Any) -> None:
         self.strategy = strategy
         self.inner = inner
         """The strategy's own launcher; None where Lightning has none (the function is called)."""
@@ -239,7 +372,7 @@ class _InProcessLauncher(_Launcher):
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None,
                **kwargs: Any) -> Any:
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # validate, test, predict
+        if trainer is None or trainer.state.fn != FITTING:  # validate, test, predict
             if self.inner is None:
                 return function(*args, **kwargs)
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
@@ -264,3 +397,77 @@ class _InProcessLauncher(_Launcher):
     def kill(self, signum: Any) -> None:
         if self.inner is not None:
             self.inner.kill(signum)
+
+
+class Strategies(NamedTuple):
+    """The in-process strategies made for one Lightning package."""
+
+    ddp: type
+    model_parallel: type
+
+
+@functools.cache
+def strategies(package: str) -> Strategies:
+    """The in-process strategies of ``package`` (one of :data:`PACKAGES`, imported here):
+    subclasses of its ``DDPStrategy`` and ``ModelParallelStrategy``, made once per package."""
+    if package not in PACKAGES:
+        raise ValueError(f"Lightning package {package!r}: use one of {', '.join(PACKAGES)}")
+    lightning = importlib.import_module(package)
+    base_launcher = importlib.import_module(f"{package}.strategies.launchers.launcher")._Launcher
+    launcher = type("_InProcessLauncher", (_InProcessLauncher, base_launcher),
+                    {"__module__": __name__, "__doc__": _InProcessLauncher.__doc__})
+    snapshots = type("_Snapshots", (_Snapshots, lightning.Callback),
+                     {"__module__": __name__, "__doc__": _Snapshots.__doc__})
+    made = {}
+    for name, mixin, base in (("InProcessDDPStrategy", _InProcessDDP,
+                               lightning.strategies.DDPStrategy),
+                              ("InProcessModelParallelStrategy", _InProcessModelParallel,
+                               lightning.strategies.ModelParallelStrategy)):
+        made[name] = type(name, (mixin, base), {
+            "__module__": __name__, "__doc__": mixin.__doc__, "__qualname__": name,
+            "_launcher_class": launcher, "_snapshots_class": snapshots})
+    return Strategies(made["InProcessDDPStrategy"], made["InProcessModelParallelStrategy"])
+
+
+class _OfThePackageInUse(type):
+    """The type of the names a script imports: calling one makes the strategy of the Lightning
+    package the script imported (``package=`` names it), and ``isinstance`` holds for either
+    package's. ``.of(package)`` is the class itself, to subclass."""
+
+    _kind: str
+
+    def __call__(cls, *args: Any, package: str | None = None, **kwargs: Any) -> Any:
+        chosen = package or package_in_use(sys.modules, _installed)
+        return cls.of(chosen)(*args, **kwargs)
+
+    def of(cls, package: str) -> type:
+        return getattr(strategies(package), cls._kind)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return any(isinstance(instance, cls.of(p)) for p in PACKAGES if p in sys.modules)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return any(issubclass(subclass, cls.of(p)) for p in PACKAGES if p in sys.modules)
+
+
+class InProcessDDPStrategy(metaclass=_OfThePackageInUse):
+    """Lightning's DDP strategy, whose ``fit`` a peer failure costs a roll-back in process.
+
+    Takes DDPStrategy's arguments; ``recovery`` is for tests and for checkpoint options
+    (``FitRecovery("lightning", ckpt_dir=...)``); ``package`` names the Lightning package where
+    a script imported both (``"pytorch_lightning"``; else the one it imported).
+    """
+
+    _kind = "ddp"
+
+
+class InProcessModelParallelStrategy(metaclass=_OfThePackageInUse):
+    """Lightning's model-parallel strategy (FSDP2's ``fully_shard`` and tensor parallel,
+    applied in ``configure_model``), whose ``fit`` a peer failure costs a roll-back in process,
+    the survivors keeping their sharded module.
+
+    Takes ModelParallelStrategy's arguments, ``recovery`` and ``package`` (as
+    :class:`InProcessDDPStrategy`).
+    """
+
+    _kind = "model_parallel"

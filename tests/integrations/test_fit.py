@@ -47,6 +47,8 @@ def test_a_missing_framework_is_one_line_naming_the_extra(
         monkeypatch: pytest.MonkeyPatch, module: str, package: str, extra: str,
         feature: str) -> None:
     monkeypatch.setitem(sys.modules, package, None)  # import fails as if not installed
+    if package == "lightning":  # the standalone pytorch_lightning would serve instead
+        monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
     monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(MissingExtra) as raised:
         importlib.import_module(module)

@@ -2,14 +2,19 @@
 (``InProcessDDPStrategy``), and with FSDP2 and with tensor parallel
 (``InProcessModelParallelStrategy``, the survivor keeping its sharded module): rank 1 SIGKILLed
 mid-training, rank 0 keeps its process, and the run ends with an uninterrupted run's steps and
-parameters, bit for bit."""
+parameters, bit for bit, and with its callback's own count of batches. Lightning's
+``ModelCheckpoint`` decides on every rank alike after a roll-back (its state rolled back with
+the step), with ``lightning.pytorch`` and with the standalone ``pytorch_lightning``."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
+from elasticft.integrations.lightning import package_in_use
+from tests.conftest import clean_job_env
 from tests.integrations.jobs import assert_recovered_in_process, needs_modules, run_job
 
 pytestmark = needs_modules("lightning", "lightning")
@@ -51,3 +56,84 @@ def test_a_rank_killed_before_the_first_snapshot_rolls_the_survivor_back_to_the_
     assert_recovered_in_process(run, reference)
     assert "resumed from step 0 in shared memory" in run["text"], run["text"][-5000:]
     assert "entry 2 resumes" not in run["text"]
+
+
+CHECKPOINTED = ("--epochs", "4", "--checkpoint-every", "5", "--save-last", "--dropout", "0.25")
+"""24 steps with dropout, ModelCheckpoint every 5 steps with save_last and save_top_k=-1."""
+
+
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The steps of Lightning's checkpoints in ``directory`` (a step written again after a
+    roll-back is named ``...-v1`` by Lightning, and counted once)."""
+    return sorted({int(p.name.split("step=")[1].split("-")[0].removesuffix(".ckpt"))
+                   for p in directory.glob("*step=*.ckpt")})
+
+
+@pytest.fixture(scope="module")
+def checkpointed_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted run with ``CHECKPOINTED``, shared by the tests that compare to it."""
+    tmp = tmp_path_factory.mktemp("checkpointed")
+    run = run_job(tmp, SCRIPT, "reference", clean_job_env(), *CHECKPOINTED, "--checkpoint-dir",
+                  str(tmp / "own"))
+    assert checkpoint_steps(tmp / "own") == [5, 10, 15, 20], list((tmp / "own").iterdir())
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("package", "crash"), [
+    ("lightning.pytorch", 10), ("lightning.pytorch", 7), ("pytorch_lightning", 10),
+], ids=["at-a-checkpoint-step", "before-one", "pytorch_lightning"])
+def test_model_checkpoint_every_5_steps_decides_alike_on_every_rank_after_a_rollback(
+        tmp_path: Path, job_env: dict[str, str], checkpointed_reference: dict, crash: int,
+        package: str) -> None:
+    """Rank 1 killed at the end of step ``crash``, after its callbacks (at step 10: after
+    ModelCheckpoint wrote step 10) and before its snapshot: the survivor and the replacement
+    redo it from step ``crash - 1`` with the callbacks' states of that step (the survivor's
+    ModelCheckpoint had saved step 10, the replacement's is new), so both save at step 10 (or
+    both not) and at every later checkpoint step, where they waited in different collectives
+    before. Dropout draws from the RNG the roll-back puts back. The standalone
+    ``pytorch_lightning`` takes the same strategy, imported from the same place."""
+    if importlib.util.find_spec(package.split(".")[0]) is None:
+        pytest.skip(f"needs {package}")
+    extra = ("--pytorch-lightning",) if package == "pytorch_lightning" else ()
+    own = tmp_path / "own"
+    run = run_job(tmp_path, SCRIPT, "fault", job_env, *CHECKPOINTED, *extra, "--crash-at-step",
+                  str(crash), "--checkpoint-dir", str(own))
+    assert_recovered_in_process(run, checkpointed_reference)  # the count of batches included
+    assert f"Lightning entry 2 resumes from step {crash - 1}" in run["text"], run["text"][-5000:]
+    assert checkpoint_steps(own) == [5, 10, 15, 20], list(own.iterdir())
+    assert (own / "last.ckpt").exists()
+
+
+@pytest.mark.parametrize(("imported", "installed", "expected"), [
+    ({"lightning.pytorch"}, {"lightning", "pytorch_lightning"}, "lightning.pytorch"),
+    ({"pytorch_lightning"}, {"lightning", "pytorch_lightning"}, "pytorch_lightning"),
+    ({"lightning.pytorch", "pytorch_lightning"}, {"lightning"}, "lightning.pytorch"),
+    (set(), {"pytorch_lightning"}, "pytorch_lightning"),
+    (set(), {"lightning", "pytorch_lightning"}, "lightning.pytorch"),
+], ids=["unified", "standalone", "both-imported", "standalone-installed", "none-imported"])
+def test_the_strategy_is_made_for_the_package_the_script_imported(
+        imported: set[str], installed: set[str], expected: str) -> None:
+    assert package_in_use(imported, installed.__contains__) == expected
+
+
+def test_a_model_checkpoint_is_rolled_back_with_its_decision(tmp_path: Path) -> None:
+    """What a snapshot takes of a ModelCheckpoint that wrote step 10 puts a new one (the
+    replacement's) in the same state, its decision to skip step 10 included."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from elasticft.integrations.lightning import callback_states, load_callback_states
+
+    def checkpoint() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1,
+                               save_last=True)
+
+    wrote = checkpoint()
+    wrote._last_global_step_saved, wrote._last_checkpoint_saved = 10, str(tmp_path / "a.ckpt")
+    wrote.best_model_path = wrote.last_model_path = str(tmp_path / "last.ckpt")
+    new = checkpoint()
+    load_callback_states([new], callback_states([wrote]))
+    assert new.state_dict() == wrote.state_dict()
+    assert new._last_global_step_saved == 10
+    assert new._last_checkpoint_saved == str(tmp_path / "a.ckpt")
