@@ -346,6 +346,23 @@ class ArmedDevice:
         device = capture_rank_device(bound)
         return cls(device, nvml(device) if device is not None else None)
 
+    def at_failure(self, bound: torch.device | None,
+                   capture: Callable[[torch.device | None], RankDevice | None]
+                   = capture_rank_device) -> ArmedDevice:
+        """The rank's device as a failure finds it, read on the caller's thread (the main
+        thread, where the script set its device). A group bound to its device (``bound``, NCCL's
+        ``device_id``) names it for good. Otherwise the device at arming may be none (CUDA not
+        yet in use: a model moved to its GPU inside the training function) or another one (the
+        script's ``set_device`` came later): the synchronize and the health check then ran on
+        no device, or made a context on GPU 0. A device other than the armed one has no NVML
+        baseline: its ECC counts are judged without one."""
+        if bound is not None:
+            return self
+        now = capture(None)
+        if now is None or (self.device is not None and now.index == self.device.index):
+            return self
+        return ArmedDevice(now, None)
+
     @property
     def index(self) -> int | None:
         return None if self.device is None else self.device.index

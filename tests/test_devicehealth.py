@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from elasticft.devicehealth import (
+    ArmedDevice,
     CudaCalls,
     NvmlAnswers,
     RankDevice,
@@ -87,6 +88,28 @@ def test_an_unfit_gpu_is_told_why(answers: NvmlAnswers, baseline: NvmlAnswers | 
 def test_which_device_a_rank_uses(bound: torch.device | None, cuda_in_use: bool, current: int,
                                   expected: int | None) -> None:
     assert rank_device_index(bound, cuda_in_use, lambda: current) == expected
+
+
+ARMED_ON_1 = ArmedDevice(RankDevice(1, "00000000:3B:00.0"), NvmlAnswers(uncorrectable_ecc=2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("armed", "bound", "now", "expected"), [
+    # CUDA not in use when recovery armed (the model went to its GPU inside the function):
+    # the failure finds the rank's device, with no NVML baseline
+    (ArmedDevice(), None, RankDevice(3), ArmedDevice(RankDevice(3), None)),
+    # the script set its device after arming: the device it uses now
+    (ARMED_ON_1, None, RankDevice(2), ArmedDevice(RankDevice(2), None)),
+    (ARMED_ON_1, None, RankDevice(1), ARMED_ON_1),  # the same device keeps its baseline
+    (ARMED_ON_1, None, None, ARMED_ON_1),  # CUDA not initialised now: the armed one
+    (ArmedDevice(), None, None, ArmedDevice()),  # gloo on CPU
+    # a group bound to its device (NCCL's device_id) names it for good
+    (ARMED_ON_1, torch.device("cuda", 1), RankDevice(0), ARMED_ON_1),
+])
+def test_the_ranks_device_is_the_one_the_failure_finds(
+        armed: ArmedDevice, bound: torch.device | None, now: RankDevice | None,
+        expected: ArmedDevice) -> None:
+    assert armed.at_failure(bound, capture=lambda _bound: now) == expected
 
 
 @pytest.mark.parametrize(("properties", "bus_id", "uuid"), [

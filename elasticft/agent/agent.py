@@ -272,10 +272,10 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
             worker_env["PYTHONPATH"] = path
 
     def startup_env(self) -> dict[str, str]:
-        # Only a node with GPUs runs NCCL: elsewhere the workers' environment stays torchrun's.
-        if not gpu_devices_present():
-            return {}
-        return ncclenv.worker_env(os.environ, self.in_process.teardown_limit_s)
+        # Only a node with GPUs runs NCCL, and only a job under InProcess wants its settings:
+        # elsewhere the workers' environment stays torchrun's.
+        return ncclenv.worker_env(os.environ, self.in_process.teardown_limit_s,
+                                  gpus=gpu_devices_present(), in_process=self.in_process.in_use)
 
     def worker_pythonpath(self, existing: str | None) -> str | None:
         """The workers' ``PYTHONPATH``: what the collaborators declare first

@@ -411,8 +411,11 @@ class WarmStartMixin:
                 or spec.numa_options is not None or torch_compat.warm_start_unavailable()):
             return
         # torch's LocalElasticAgent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING (the
-        # agent's, else 1); startup_env overrides it on a GPU node. Without it here, every first
-        # start found a mismatch and imported torch again in a second interpreter.
+        # agent's, else 1); startup_env overrides it on a GPU node of a job whose workers armed
+        # InProcess (none yet before the first start: the first start matches, a later one
+        # that gets the in-process settings starts cold once and refills the pool). Without it
+        # here, every first start found a mismatch and imported torch again in a second
+        # interpreter.
         env = {**os.environ, NCCL_ERROR_HANDLING: os.environ.get(NCCL_ERROR_HANDLING, "1"),
                **self.startup_env()}
         if (path := self.worker_pythonpath(os.environ.get("PYTHONPATH"))) is not None:

@@ -1,5 +1,5 @@
-"""In-process recovery (``--recovery-inprocess``): a peer's failure costs the survivors a
-roll-back, not their process.
+"""In-process recovery (``InProcess().run(train)`` under ``elasticft-run``): a peer's failure
+costs the survivors a roll-back, not their process.
 
 A survivor keeps its process, tears down its process groups, regroups with the failed rank's
 replacement on the agent's next *generation* and re-enters its training function, which restores

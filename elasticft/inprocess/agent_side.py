@@ -113,6 +113,30 @@ def blocker(*, armed: bool, nodes: int, recovering: bool, failed: int, workers: 
     return replaceable
 
 
+def leaver_blocker(*, replacement_left: bool, formed: bool, began_regroup: bool
+                   ) -> str | None:
+    """Why a worker that left a forming recovery cannot be replaced in that same generation
+    (None: it can); pure.
+
+    ``replacement_left``: the leaver is a replacement of this recovery; ``formed``: a leaver
+    joined the generation's group, which had formed; ``began_regroup``: a leaver wrote its
+    ``torn`` record (its groups were aborted, then it waited for the generation and joined its
+    store), so its half of ``init_process_group`` (its address under its rank, NCCL's
+    bootstrap with the root) may be in the generation's store, where a replacement of the same
+    rank meets it and the group does not form until the recovery is overdue. Such a leaver
+    needs a generation on a fresh store; until the survivors can leave a regroup under way for
+    it, the answer is a restart now rather than one when the recovery is overdue.
+    """
+    if replacement_left:
+        return "a replacement failed"
+    if formed:
+        return "its group had formed: a replacement cannot join it"
+    if began_regroup:
+        return ("it had begun the regroup (its torn record): what it left in the generation's "
+                "store keeps a replacement of its rank from forming the group")
+    return None
+
+
 @dataclasses.dataclass(eq=False)
 class InProcessRecovery(AcrossNodes):
     """In-process recovery as the agent carries it out (the steps in this module's docstring):
@@ -129,6 +153,10 @@ class InProcessRecovery(AcrossNodes):
     """The news of ended generations across the job's nodes (None: one node only)."""
     armed_pids: dict[int, int | None] = dataclasses.field(default_factory=dict, init=False)
     """The workers (local rank → pid) last seen all armed."""
+    in_use: bool = dataclasses.field(default=False, init=False)
+    """Whether this job's workers ever armed in-process recovery (for this agent's life): the
+    job runs under ``InProcess``, and its later starts get the in-process NCCL settings
+    (:func:`elasticft.inprocess.ncclenv.worker_env`)."""
     chained: int = dataclasses.field(default=0, init=False)
     """Recoveries begun since the last one completed (or since the workers started)."""
     _times: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
@@ -224,6 +252,7 @@ class InProcessRecovery(AcrossNodes):
             return True
         if self.coordinator.armed(pids):
             self.armed_pids = pids
+            self.in_use = True
             return True
         return False
 
@@ -282,13 +311,13 @@ class InProcessRecovery(AcrossNodes):
         local_ranks = [by_global[r] for r in exited if r in by_global]
         what = f"local rank(s) {local_ranks} left the recovery of generation " \
                f"{recovery.generation}"
-        why_not = None
-        if not local_ranks or any(lr in recovery.replaced for lr in local_ranks):
-            why_not = "a replacement failed"
-        elif any(self.coordinator.joined_by(by_global[r], exited[r].pid)
-                 for r in exited if r in by_global):
-            why_not = "its group had formed: a replacement cannot join it"
-        else:
+        leaving = [(by_global[r], exited[r].pid) for r in exited if r in by_global]
+        why_not = leaver_blocker(
+            replacement_left=not local_ranks or any(lr in recovery.replaced
+                                                    for lr in local_ranks),
+            formed=any(self.coordinator.joined_by(lr, pid) for lr, pid in leaving),
+            began_regroup=any(self.coordinator.torn_by(lr, pid) for lr, pid in leaving))
+        if why_not is None:
             why_not = self._unplaceable(local_ranks, self._left_faults(local_ranks)[1],
                                         spare_takes=False)
         return ChangeFacts("leaver", what, why_not is None, why_not or "")

@@ -202,6 +202,11 @@ class InProcessCoordinator:
         """Whether that worker joined the current generation's group (it had formed)."""
         return self._record("joined", local_rank, pid, self.generation) is not None
 
+    def torn_by(self, local_rank: int, pid: int | None) -> bool:
+        """Whether that worker tore its groups down for the current generation (its ``torn``
+        record of the generation that ended): it went on to wait for it and join its store."""
+        return self._record("torn", local_rank, pid, self.generation - 1) is not None
+
     def joined(self, pids: Mapping[int, int | None]) -> bool:
         """Whether every worker has its ``joined`` record of the current generation."""
         return all(self._record("joined", lr, pid, self.generation) is not None

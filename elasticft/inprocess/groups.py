@@ -14,17 +14,23 @@ an abort of the default group clears.
 
 **Ending every group** (:func:`end_groups`): one sequence of calls on every backend, so the
 code a GPU job runs is the code the CPU tests run. Every group in torch's table (the default
-group, ``new_group`` groups, a ``DeviceMesh``'s groups) is aborted through torch's
-``_abort_process_group``, the default group last, whose abort clears the table
-(:func:`abort_groups`). What differs per backend is only what makes a pending wait return. On
-NCCL the abort ends the communicators' kernels without waiting for the dead peer. Gloo's abort
-returns at once and leaves a pending collective waiting (measured on torch 2.13: an
-``allreduce`` with a silent peer returned only when that peer's process ended); its wait is on
-the group's TCP connections, so the survivor shuts down its own ends of the connections those
-groups made, recorded when they were made (:mod:`elasticft.diag.groupsockets`): gloo's receive
-sees end of file and the collective raises "connection closed", which the recovery handles like
-any peer failure. The script's other connections are left alone. ``end_groups`` is the one
-place where torch's revocation of a group in place can take over once a release has it.
+group, ``new_group`` groups, a ``DeviceMesh``'s groups) is aborted at once, a thread per group
+(:func:`abort_groups`): with TP and DP, HSDP or a pipeline, one communicator's
+``ncclCommAbort`` can wait (a device-wide synchronisation) behind another communicator's kernel
+that still waits for the dead peer, and that kernel ends only when its own abort begins
+(NVIDIA/nccl#1013, pytorch#119797); one abort after another would wait for ever. Once every
+abort returned, torch's ``_abort_process_group`` of the default group clears torch's table.
+What differs per backend is only what makes a pending wait return, decided per group from its
+own backends (:func:`waits_on_gloo`: a ``new_group(backend="gloo")`` of an NCCL job, a
+``"cpu:gloo,cuda:nccl"`` default group, a default group made with no backend). On NCCL the
+abort ends the communicators' kernels without waiting for the dead peer. Gloo's abort returns
+at once and leaves a pending collective waiting (measured on torch 2.13: an ``allreduce`` with
+a silent peer returned only when that peer's process ended); its wait is on the group's TCP
+connections, so the survivor shuts down its own ends of the connections those groups made,
+recorded when they were made (:mod:`elasticft.diag.groupsockets`): gloo's receive sees end of
+file and the collective raises "connection closed", which the recovery handles like any peer
+failure. The script's other connections are left alone. ``end_groups`` is the one place where
+torch's revocation of a group in place can take over once a release has it.
 
 **Tearing down and regrouping** (:class:`GroupOps`, :func:`tear_down`, :func:`regroup`): torch's
 functions behind one seam the tests replace; the regroup joins the next generation's store
@@ -34,9 +40,12 @@ functions behind one seam the tests replace; the regroup joins the next generati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -64,7 +73,9 @@ class GroupSettings:
         if not (dist.is_available() and dist.is_initialized()):
             return cls()
         group = dist.distributed_c10d._get_default_group()
-        backend_name = str(dist.get_backend()).lower()
+        # The configuration, not get_backend(): a group made with no backend says "undefined"
+        # there and "cpu:gloo,cuda:nccl" here.
+        backend_name = backend_config(group).lower()
         device_id = getattr(group, "bound_device_id", None)
         timeout = options = None
         for device_type in ("cuda", "cpu"):
@@ -128,28 +139,125 @@ def process_groups() -> list[Any]:
 _ended: list[Any] = []
 """The groups :func:`abort_groups` took out of torch's table, held until :func:`release_ended`."""
 
+ABORT_LIMIT_S = 30.0
+"""How long :func:`abort_groups` waits for the groups' aborts unless told (the default of
+``--recovery-inprocess-teardown-limit-s``; the worker passes its own)."""
 
-def abort_groups() -> str:
-    """Aborts every process group in torch's table through torch
-    (``_abort_process_group``), the others first and the default group last: its abort aborts
-    what is left and clears torch's table (``dist.is_initialized()`` is False after it). The
-    same calls on every backend: on NCCL they end the communicators' kernels without waiting
-    for a dead peer; gloo's abort returns at once and leaves a pending wait in place
-    (:func:`end_groups` ends it). The groups are held here until :func:`release_ended`.
-    Returns what was done, for the log."""
-    groups = process_groups()
-    _ended.extend(groups)
-    abort = dist.distributed_c10d._abort_process_group
-    aborted = 0
-    for group in groups:
+
+def waits_on_gloo(configs: Iterable[str]) -> bool:
+    """Whether any of these groups' backends is gloo, whose abort leaves a pending wait in place
+    (pure). ``configs`` are torch's backend configurations of the groups
+    (``dist.get_backend_config(group)``: ``"cpu:gloo"``, ``"cuda:nccl"``,
+    ``"cpu:gloo,cuda:nccl"``; a default group made with no backend reads ``"cpu:gloo"`` or
+    ``"cpu:gloo,cuda:nccl"`` there, while ``get_backend()`` says ``"undefined"``). Decided per
+    group, not from the default group's backend string: an NCCL job's
+    ``new_group(backend="gloo")`` waits on its sockets too."""
+    return any("gloo" in config.lower() for config in configs)
+
+
+def backend_config(group: Any) -> str:
+    """torch's backend configuration of ``group`` (``""`` when torch has none for it)."""
+    try:
+        return str(dist.get_backend_config(group))
+    except Exception:  # a group torch no longer knows
+        return ""
+
+
+def abort_backends(group: Any) -> None:
+    """Aborts ``group``'s backends (``ProcessGroup.abort``: on NCCL every communicator of the
+    group, without waiting for the dead peer), leaving torch's table to :func:`abort_groups`."""
+    group.abort()
+
+
+@dataclasses.dataclass(frozen=True)
+class Aborts:
+    """What :func:`abort_concurrently` saw: how many aborts returned, failed, or still ran."""
+
+    returned: int
+    failed: int
+    running: int
+
+    @property
+    def finished(self) -> bool:
+        return self.running == 0
+
+
+def abort_concurrently(groups: Sequence[Any], abort: Callable[[Any], None],
+                       limit_s: float) -> Aborts:
+    """Calls ``abort(group)`` for every group at once, a daemon thread each, and waits until
+    every call returned or ``limit_s`` passed. A call that raises is logged and counted; one
+    that still runs at the limit is left to its thread (the caller's hard limit decides what
+    becomes of the process)."""
+    failed: list[BaseException] = []
+
+    def one(group: Any) -> None:
         try:
             abort(group)
-            aborted += 1
         except Exception as e:  # one group's abort must not keep the others alive
             logger.warning("aborting a process group failed: %s", e)
-    initialized = dist.is_available() and dist.is_initialized()
-    return f"abort({aborted} of {len(groups)} groups, default last; is_initialized() " \
-           f"{initialized} after)"
+            failed.append(e)
+
+    threads = [threading.Thread(target=one, args=(group,), daemon=True,
+                                name=f"elasticft-abort-{i}") for i, group in enumerate(groups)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + limit_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    running = sum(thread.is_alive() for thread in threads)
+    return Aborts(len(threads) - running - len(failed), len(failed), running)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """What :func:`end_all` did: the aborts, whether a group waits on gloo, and torch's table."""
+
+    groups: int
+    aborts: Aborts
+    gloo: bool
+    """Whether any of the ended groups has a gloo backend (:func:`waits_on_gloo`)."""
+    cleared: bool
+    """Whether torch's table was cleared (``dist.is_initialized()`` False after)."""
+
+    def describe(self) -> str:
+        running = (f", {self.aborts.running} still aborting at the limit"
+                   if self.aborts.running else "")
+        return (f"abort({self.aborts.returned} of {self.groups} groups at once{running}; "
+                f"is_initialized() {not self.cleared} after)")
+
+
+def end_all(abort: Callable[[Any], None] = abort_backends,
+            limit_s: float = ABORT_LIMIT_S) -> Ended:
+    """Aborts every process group in torch's table at once (:func:`abort_concurrently`, the
+    default group's backends among them), then, once every abort returned, clears torch's
+    table through torch (``_abort_process_group`` of the default group: it aborts each group
+    again inside NCCL's group semantics, where torch's ``NCCLComm::abort`` returns at once for a
+    communicator it already aborted ("Should not abort twice"), and clears the table:
+    ``dist.is_initialized()`` is False after). The default group's own abort must not wait for
+    the others (its communicator's kernel may be the one another abort waits behind), and the
+    clearing must come after them: ``_abort_process_group`` of a group deletes its entries from
+    the table while the default's iterates it. When an abort still runs at the limit the table
+    is left as it is (clearing it would wait behind that abort). The same calls on every
+    backend; the groups are held until :func:`release_ended`."""
+    groups = process_groups()
+    configs = [backend_config(group) for group in groups]
+    _ended.extend(groups)
+    aborts = abort_concurrently(groups, abort, limit_s)
+    if aborts.finished and groups and dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group(groups[-1])
+        except Exception as e:
+            logger.warning("clearing torch's table of process groups failed: %s", e)
+    cleared = not (dist.is_available() and dist.is_initialized())
+    return Ended(len(groups), aborts, waits_on_gloo(configs), cleared)
+
+
+def abort_groups(abort: Callable[[Any], None] = abort_backends,
+                 limit_s: float = ABORT_LIMIT_S) -> str:
+    """Aborts every process group (:func:`end_all`); returns what was done, for the log. On
+    NCCL the aborts end the communicators' kernels without waiting for a dead peer; gloo's
+    abort returns at once and leaves a pending wait in place (:func:`end_groups` ends it)."""
+    return end_all(abort, limit_s).describe()
 
 
 def release_ended() -> int:
@@ -169,17 +277,22 @@ def release_ended() -> int:
     return held
 
 
-def end_groups(backend: str, waiting: Callable[[], bool] = lambda: True) -> str:
+def end_groups(backend: str, waiting: Callable[[], bool] = lambda: True,
+               abort: Callable[[Any], None] = abort_backends,
+               limit_s: float = ABORT_LIMIT_S) -> str:
     """Ends every process group of this process while a call may wait in one; returns how (for
     the log). Safe from a thread other than the one blocked in a collective.
 
-    The groups are aborted the same way on every backend (:func:`abort_groups`); what makes a
+    The groups are aborted the same way on every backend (:func:`end_all`); what makes a
     pending wait return is the backend's part: on NCCL the abort itself, on gloo a shutdown of
-    the connections those groups made (:mod:`elasticft.diag.groupsockets`). Nothing is shut down
-    once ``waiting()`` says the main thread left the call by itself. This function is the one
-    seam where torch's revocation of a group in place can take over once a release has it."""
-    how = abort_groups()
-    if "gloo" not in backend.lower():
+    the connections those groups made (:mod:`elasticft.diag.groupsockets`), done when any
+    ended group has a gloo backend (:func:`waits_on_gloo`, from the groups' own backends:
+    ``backend``, the default group's as armed, is only logged). Nothing is shut down once
+    ``waiting()`` says the main thread left the call by itself. This function is the one seam
+    where torch's revocation of a group in place can take over once a release has it."""
+    ended = end_all(abort, limit_s)
+    how = ended.describe()
+    if not ended.gloo:
         return how
     recording = groupsockets.installed()
     if recording is None:
@@ -187,6 +300,7 @@ def end_groups(backend: str, waiting: Callable[[], bool] = lambda: True) -> str:
     if not waiting():
         return f"{how}+nothing shut down (the call returned by itself)"
     shut, recorded = recording.shut_down()
+    logger.debug("gloo groups of a %s job: their connections shut down", backend)
     return f"{how}+shutdown({shut} of {recorded} recorded group sockets)"
 
 
@@ -224,9 +338,13 @@ class GroupOps:
     (:func:`elasticft.inprocess.device.device_health`: the time limit, the armed device)."""
 
     @classmethod
-    def for_torch(cls) -> GroupOps:
+    def for_torch(cls, limit_s: float = ABORT_LIMIT_S) -> GroupOps:
+        """torch's functions; the groups' aborts wait at most ``limit_s`` (the teardown's hard
+        limit)."""
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        return cls(abort=abort_groups if callable(abort) else None)
+        return cls(abort=functools.partial(abort_groups, limit_s=limit_s)
+                   if callable(abort) else None,
+                   end=functools.partial(end_groups, limit_s=limit_s))
 
 
 def tear_down(backend: str, ops: GroupOps, device: int | None = None) -> str:
@@ -246,8 +364,9 @@ def tear_down(backend: str, ops: GroupOps, device: int | None = None) -> str:
         how = ops.abort() or "abort"
     ops.destroy()
     release_ended()
-    if ("nccl" in backend.lower() and ops.abort is not None
-            and torch.cuda.is_available() and torch.cuda.is_initialized()):
+    # Whatever ``backend`` says ("undefined" for a group made with no backend, an NCCL side
+    # group beside a gloo default one): a process with CUDA may hold aborted NCCL kernels.
+    if ops.abort is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)  # the rank's: this may run in a helper thread
     return how
 

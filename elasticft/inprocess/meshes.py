@@ -11,7 +11,15 @@ A replacement runs the script's set-up from its start: its ``init_device_mesh`` 
 groups 1..n in that order. The survivors, right after their regroup, make them again in the
 same order (:meth:`KeptModules.rebind`: each of the kept modules' meshes replays the creation
 of its groups, oldest mesh first). Every name then resolves to this generation's group, on
-every rank, and everything that looks groups up by name follows by itself.
+every rank, and everything that looks groups up by name follows by itself. Each dimension's
+group is made again with the backend it was made with (``init_device_mesh``'s
+``backend_override``, which a mesh does not keep): read from its live group when recovery arms
+(:func:`dim_override`), since a dimension made with a backend of its own and replayed with the
+default group's takes another path in torch (the default group itself, or ``split_group``
+instead of ``new_group``) and gets other names. Its ``pg_options`` are not carried: the options
+object torch keeps on an NCCL group also holds the communicator it was split from
+(``split_from``), the old generation's, and the script's own options cannot be told from it
+without a GPU to check; a dimension made with options of its own is made again without them.
 
 **What holds a group itself** is re-pointed, by name: FSDP2's mesh infos (the shard, the
 reduce-scatter and the replicate groups of every parameter group and parameter) and a root
@@ -36,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -48,6 +56,64 @@ GROUP_FIELDS = ("shard_process_group", "reduce_scatter_process_group",
                 "replicate_process_group")
 """The fields of FSDP2's mesh infos (``FSDPMeshInfo``, ``DDPMeshInfo``, ``HSDPMeshInfo``) that
 hold a process group itself."""
+
+
+BackendOverride = tuple[str | None, Any]
+"""One dimension's ``(backend, pg_options)``, as ``DeviceMesh._init_process_groups`` takes it."""
+
+
+def backend_spelling(config: str, expand: Callable[[str], str]) -> str:
+    """The backend string that makes a group of this configuration (pure): the backend's name
+    where that name alone expands to exactly this configuration (``"nccl"``, ``"gloo"``: what a
+    script passes, which torch's ``split_group`` path compares by name), else the configuration
+    itself (``"cpu:gloo"``). ``expand``: a name's configuration (torch's ``BackendConfig``)."""
+    names = {part.split(":", 1)[-1] for part in config.split(",") if part}
+    if len(names) == 1:
+        (name,) = names
+        if expand(name) == config:
+            return name
+    return config
+
+
+def dim_override(config: str, default_config: str, *, is_default: bool, spans_world: bool,
+                 expand: Callable[[str], str]) -> BackendOverride:
+    """The ``backend_override`` that makes one mesh dimension's group again as the set-up made
+    it (pure; no ``pg_options``: see the module). ``config``: the group's backend
+    configuration; ``default_config``: the default group's; ``is_default``: the dimension's
+    group is the default group (a dimension over the whole world with no override of its own);
+    ``spans_world``: it holds every rank, where torch reuses the default group unless an
+    override is given. A backend is named where the set-up's differs from the default group's,
+    or where torch would otherwise reuse the default group."""
+    if is_default or (config == default_config and not spans_world):
+        return (None, None)
+    return (backend_spelling(config, expand), None)
+
+
+def _expand(name: str) -> str:
+    return str(dist.distributed_c10d.BackendConfig(dist.Backend(name)))
+
+
+def _overrides(mesh: Any) -> tuple[BackendOverride, ...]:
+    """Each dimension's ``backend_override`` of ``mesh``, read from its live groups."""
+    default = dist.distributed_c10d._get_default_group()
+    default_config = str(dist.get_backend_config(default))
+    found = []
+    for dim, name in enumerate(mesh._dim_group_names):
+        if name is None:  # torch made no group for the dimension
+            found.append((None, None))
+            continue
+        group = _resolve(name)
+        found.append(dim_override(
+            str(dist.get_backend_config(group)), default_config, is_default=group is default,
+            spans_world=mesh._layout[dim].numel() == dist.get_world_size(), expand=_expand))
+    return tuple(found)
+
+
+def mesh_overrides(meshes: Iterable[Any]) -> dict[int, tuple[BackendOverride, ...]]:
+    """``id(mesh)`` → its dimensions' overrides, for the root meshes and those flattened from
+    them."""
+    return {id(made): _overrides(made)
+            for mesh in meshes for made in (mesh, *mesh._flatten_mapping.values())}
 
 
 class RebindError(RuntimeError):
@@ -118,11 +184,15 @@ class KeptModules:
     modules: tuple[nn.Module, ...]
     set_up_groups: int
     """torch's group counter when recovery armed: how many named groups the set-up made."""
+    overrides: dict[int, tuple[BackendOverride, ...]] = dataclasses.field(default_factory=dict)
+    """``id(mesh)`` → each dimension's ``(backend, None)`` as the set-up made its group
+    (:func:`mesh_overrides`); a mesh not here is made with the default group's."""
 
     @classmethod
     def arm(cls, modules: Sequence[nn.Module]) -> KeptModules:
-        """Records how many groups the set-up made."""
-        return cls(tuple(modules), _group_count())
+        """Records how many groups the set-up made, and with which backends."""
+        return cls(tuple(modules), _group_count(),
+                   mesh_overrides(device_meshes(modules)))
 
     def rebind(self) -> str:
         """After the regroup: the meshes' groups made again, FSDP2 pointed at them, its
@@ -138,7 +208,7 @@ class KeptModules:
             for made in (mesh, *mesh._flatten_mapping.values()):
                 names = made.__class__._init_process_groups(
                     made._layout, made._rank_map, made._mesh_dim_names,
-                    ((None, None),) * len(made._layout))
+                    self.overrides.get(id(made), ((None, None),) * len(made._layout)))
                 if list(names) != list(made._dim_group_names):
                     raise RebindError(
                         f"the device mesh {made.mesh_dim_names or ''} made again has the "
@@ -208,6 +278,9 @@ class KeptModules:
                     _become(mesh, new_root[dims if len(dims) > 1 else dims[0]], root)
             _become(root, new_root, None)
         self.set_up_groups = _group_count()
+        # The new meshes' groups are the default group's backend (a dimension's own backend is
+        # not carried into a new shape): the next rebind makes them so.
+        self.overrides = mesh_overrides(roots)
         shape = ", ".join(f"{n} {sizes[n]}" for n in sorted(sizes))
         return f"{len(roots)} meshes reshaped to {shape}"
 

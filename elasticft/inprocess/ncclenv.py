@@ -3,9 +3,13 @@
 elasticft ends a survivor's NCCL communicators itself (the monitor's abort, under the hard
 limit of ``--recovery-inprocess-teardown-limit-s``). torch's own watchdog must not end the
 process first, nor abort the communicators beside elasticft, and NCCL must be able to abort and
-make communicators again in one process. On a node with GPUs the agent gives every worker these
-defaults (:func:`worker_env`); a variable already set in the agent's environment is left as it
-is:
+make communicators again in one process. On a node with GPUs the agent gives these defaults to
+the workers of a job that runs under ``InProcess`` (:func:`worker_env`), and to no other job:
+they cost a job without in-process recovery NVLink SHARP's bandwidth and torch's own handling
+of a failed collective. The agent learns that a job runs under ``InProcess`` when its workers
+arm (their ``armed`` records), so the workers of the job's first start make their groups with
+torch's settings, and every start after it with these; a worker on NCCL that armed without them
+says so (:func:`missing`). A variable already set in the agent's environment is left as it is:
 
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
     as torch's documentation of ``_abort_process_group`` (the call elasticft ends a group with)
@@ -30,6 +34,17 @@ is:
     torch's heartbeat monitor ends a process whose watchdog is stuck for this long (480 s by
     default); it is set above the hard limit of the teardown, so that a slow abort is judged
     by elasticft's limit first.
+``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=250``
+    torch 2.13's watchdog, on a collective's error it sees before elasticft's abort (NCCL's
+    ``ncclRemoteError`` when the peer's connection closes), broadcasts the flight recorder's
+    dump signal and then sleeps ``4 ×`` this many milliseconds (``Watchdog::runLoop`` in
+    ``ProcessGroupNCCL.cpp``: ``sleep_for(getDumpTimeout() * 4)``, read by the
+    ``HeartbeatMonitor``'s constructor, 15 000 by default: a minute) while it holds the group's
+    ``workMetaListMutex_``, which the main thread's next collective and the group's shutdown
+    wait for; the sleep comes whatever ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says. 250 ms makes
+    it one second. The same variable bounds the heartbeat monitor's wait for a flight
+    recorder dump, so a dump slower than that is given up. Read from torch's source (the
+    variable's name and the ``* 4`` are torch's); no GPU has shown it.
 
 NCCL 2.28.3 to 2.28.8 have a known fault in ``ncclCommAbort`` (it can hang or corrupt state
 when a communicator is aborted while a kernel is pending): :func:`abort_warning` says so, and a
@@ -45,16 +60,43 @@ HEARTBEAT_FLOOR_S = 480
 _BROKEN_ABORT = ((2, 28, 3), (2, 28, 8))
 
 
-def worker_env(environ: Mapping[str, str], teardown_limit_s: float) -> dict[str, str]:
-    """The defaults above, less what ``environ`` (the agent's) already sets (pure)."""
+DUMP_WAIT_MS = 250
+"""``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``: the watchdog's sleep after an error is 4 × this."""
+
+
+def defaults(teardown_limit_s: float) -> dict[str, str]:
+    """The in-process NCCL settings above, for this hard limit of the teardown (pure)."""
     heartbeat = max(HEARTBEAT_FLOOR_S, int(4 * teardown_limit_s) + 60)
-    defaults = {
+    return {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
         "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(heartbeat),
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(DUMP_WAIT_MS),
     }
-    return {name: value for name, value in defaults.items() if name not in environ}
+
+
+def worker_env(environ: Mapping[str, str], teardown_limit_s: float, *, gpus: bool,
+               in_process: bool) -> dict[str, str]:
+    """What the agent adds to its workers' environment for NCCL (pure): the defaults above,
+    less what ``environ`` (the agent's) already sets, on a node with GPUs (``gpus``) for a job
+    that runs under ``InProcess`` (``in_process``); nothing for any other job."""
+    if not (gpus and in_process):
+        return {}
+    return {name: value for name, value in defaults(teardown_limit_s).items()
+            if name not in environ}
+
+
+def missing(environ: Mapping[str, str]) -> list[str]:
+    """The settings a survivor on NCCL needs that ``environ`` (a worker's) lacks (pure):
+    watchdog error handling other than ``0`` ends or aborts beside elasticft's abort, and
+    torch's dump wait holds the group for a minute."""
+    found = []
+    if environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") != "0":
+        found.append("TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
+    if "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC" not in environ:
+        found.append(f"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC={DUMP_WAIT_MS}")
+    return found
 
 
 def abort_warning(version: tuple[int, ...] | None) -> str | None:

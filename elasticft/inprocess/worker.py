@@ -8,10 +8,11 @@ peer fails. When it raises an error of the communication layer (the failure clas
 survivor
 
 1. **reports** it to the agent (a file in the agent's in-process directory),
-2. **aborts** its process groups, with the same calls on every backend (torch's
-   ``_abort_process_group`` on each, the default group last, which clears torch's table of
-   groups: :func:`elasticft.inprocess.groups.tear_down`); what it needs of its group it took
-   when recovery armed (:class:`elasticft.inprocess.groups.ArmedGroup`),
+2. **aborts** its process groups, with the same calls on every backend (every group's abort
+   at once, then torch's ``_abort_process_group`` of the default group, which clears torch's
+   table of groups: :func:`elasticft.inprocess.groups.tear_down`); what it needs of its group
+   it took when recovery armed (:class:`elasticft.inprocess.groups.ArmedGroup`), its device it
+   reads again at the failure,
 3. **waits for the agent's next generation**: the agent starts a replacement for the failed
    rank at once, in parallel, from its warm interpreter, and publishes a new store for the
    generation (``generation.json``: its address and port); when the failed rank was on another
@@ -82,13 +83,16 @@ from elasticft.inprocess.device import ArmedDevice, within
 from elasticft.inprocess.groups import (
     ArmedGroup,
     GroupOps,
+    backend_config,
+    process_groups,
     regroup,
     release_ended,
     tear_down,
+    waits_on_gloo,
 )
 from elasticft.inprocess.interrupt import Monitor, PeerInterrupted
 from elasticft.inprocess.meshes import KeptModules, RebindError, device_meshes
-from elasticft.inprocess.ncclenv import abort_warning, nccl_version
+from elasticft.inprocess.ncclenv import abort_warning, missing, nccl_version
 from elasticft.inprocess.protocol import (
     Generation,
     InProcessSettings,
@@ -140,7 +144,8 @@ class InProcess:
         interpreter's, its imports, its model and its group (the ``start`` phase of a recovery;
         not the import of this module, which a warm interpreter did before the fork)."""
         self.settings = settings if settings is not None else InProcessSettings.from_env()
-        self.ops = ops if ops is not None else GroupOps.for_torch()
+        self.ops = ops if ops is not None else GroupOps.for_torch(
+            self.settings.teardown_limit_s)
         self.follows_layout = follows_layout
         """The training function reads ``elasticft.layout()``, its rank and world size at each
         entry: a round that shrinks or grows the world then goes on in process when it can
@@ -180,8 +185,9 @@ class InProcess:
         self._certified = 0
         """The latest generation whose restore was certified."""
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
-        """The ``torch.optim`` optimizers that stepped in this process, whose gradients a
-        re-entry drops (:meth:`_forget_gradients`)."""
+        """The ``torch.optim`` optimizers that stepped in this generation, whose gradients a
+        re-entry drops (:meth:`_forget_gradients`) and whose state the certified restore
+        compares."""
 
     def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         directory = self.settings.directory
@@ -217,13 +223,18 @@ class InProcess:
             self._kept = KeptModules.arm(self.modules)
         if groupsockets.installed() is None:  # the bootstrap records from the script's first group
             groupsockets.install()
-            if self.group is not None and "gloo" in self.group.backend.lower():
+            if waits_on_gloo(backend_config(g) for g in process_groups()):
                 logger.warning("the sockets of the groups made before InProcess.run were not "
                                "recorded: a gloo wait on a silent peer is not ended")
         if self.group is not None:
             backend = self.group.backend
-            if "nccl" in backend.lower() and (warning := abort_warning(nccl_version())):
-                logger.warning("%s", warning)
+            if any("nccl" in backend_config(g).lower() for g in process_groups()):
+                if warning := abort_warning(nccl_version()):
+                    logger.warning("%s", warning)
+                if lacking := missing(os.environ):  # a job's first start (ncclenv's docstring)
+                    logger.warning("NCCL groups made without %s: torch's watchdog may end or "
+                                   "hold this survivor after a peer failure (the agent gives "
+                                   "them from the job's next start on)", ", ".join(lacking))
             monitor = Monitor(directory, read_json,
                               lambda: self.ops.end(backend, lambda: monitor.inside))
             self.monitor = monitor
@@ -256,6 +267,9 @@ class InProcess:
                     self.monitor.generation_over(self.generation)
                 self._recover(outcome)
                 self._forget_gradients()
+                # The optimizers of the generation to come are the ones that step in it (a
+                # framework makes a new one on each entry; the old one lives on in its hands).
+                self._optimizers = weakref.WeakSet()
                 self._report_first_step()
         finally:
             if self.monitor is not None:
@@ -353,6 +367,8 @@ class InProcess:
         assert self.group is not None  # _recoverable
         backend, rank, world = self.group.backend, self.group.rank, self.group.world_size
         _release(error)
+        # The device the teardown synchronizes and the health check judges: the rank's now.
+        self.device = self.device.at_failure(self.group.settings.device_id)
         how = self._bounded_teardown(backend)
         aborted_at = time.time()
         self._write("torn", {"aborted": aborted_at})  # the agent's limit on it ends here

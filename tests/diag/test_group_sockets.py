@@ -145,7 +145,7 @@ def test_a_gloo_groups_record_holds_its_connection_and_none_of_the_scripts(
         dist.all_reduce(torch.ones(1))
         held = dist.group.WORLD  # as a pending collective holds it: the abort frees nothing
         how = end_groups("gloo", lambda: waiting)
-        assert "abort(1 of 1 groups, default last; is_initialized() False after)" in how, how
+        assert "abort(1 of 1 groups at once; is_initialized() False after)" in how, how
         assert not dist.is_initialized()
         assert _alive(own)
         open_now = {s.fd: s.inode for s in sockets.snapshot().values()}

@@ -18,7 +18,7 @@ from elasticft.addon.policy import ActionKind, FailureFacts, decide
 from elasticft.ckpt.control import report_restored
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.inprocess import InProcess, groups, peer_failure, protocol, worker
-from elasticft.inprocess.agent_side import blocker
+from elasticft.inprocess.agent_side import blocker, leaver_blocker
 from elasticft.inprocess.generations import InProcessCoordinator
 from elasticft.inprocess.groups import GroupOps, tear_down
 from elasticft.inprocess.protocol import Generation, InProcessSettings, worker_file
@@ -89,6 +89,25 @@ def test_when_the_agent_may_recover_in_process(change: dict, why: str | None) ->
 
 def _failure(cls: FailureClass) -> FailureRecord:
     return FailureRecord(rank=1, local_rank=1, pid=101, exitcode=-9, failure_class=cls)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("facts", "why"), [
+    # a survivor that left before its teardown was over (the hard limit, its device): its
+    # replacement joins the same generation
+    ({}, None),
+    ({"replacement_left": True}, "a replacement failed"),
+    ({"formed": True}, "its group had formed"),
+    # it aborted and went on to the generation's store: what it left there keeps a replacement
+    # of its rank from forming the group until the recovery is overdue
+    ({"began_regroup": True}, "it had begun the regroup (its torn record)"),
+    ({"formed": True, "began_regroup": True}, "its group had formed"),
+])
+def test_when_a_leavers_replacement_may_join_the_same_generation(facts: dict,
+                                                                 why: str | None) -> None:
+    found = leaver_blocker(**{"replacement_left": False, "formed": False,
+                              "began_regroup": False, **facts})
+    assert (found is None) if why is None else (found is not None and found.startswith(why))
 
 
 @pytest.mark.timeout(30)

@@ -1,8 +1,9 @@
 """How a survivor ends its process groups, end to end under a real ``elasticft-run --standalone
---nproc-per-node 2`` on gloo: the calls a GPU job makes (torch's ``_abort_process_group`` on
-each live group, the default group last, which clears torch's table of groups as it does on
-NCCL) run here too, and the survivor still recovers in its own process; the gloo part, the
-shutdown of the connections the groups made, leaves the script's own TCP clients working."""
+--nproc-per-node 2`` on gloo: the calls a GPU job makes (every live group's abort at once,
+then torch's ``_abort_process_group`` of the default group, which clears torch's table of
+groups as it does on NCCL) run here too, and the survivor still recovers in its own process;
+the gloo part, the shutdown of the connections the groups made, leaves the script's own TCP
+clients working."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import torch.distributed as dist
 
 from tests.inprocess.test_inprocess import STEPS, _recovered_in_process, _run
 
-ABORTED_LIVE_GROUPS = "abort(2 of 2 groups, default last; is_initialized() False after)"
+ABORTED_LIVE_GROUPS = "abort(2 of 2 groups at once; is_initialized() False after)"
 """The survivor's log of its end of the groups: both groups (the default one and the script's
-``new_group``) aborted through torch, and torch's table cleared after the default group's."""
+``new_group``) aborted at once, and torch's table cleared after them."""
 
 
 @pytest.fixture(scope="module")

@@ -13,25 +13,46 @@ import pytest
 from elasticft.devicehealth import ArmedDevice, CudaCalls, NvmlAnswers, RankDevice
 from elasticft.inprocess.device import within
 from elasticft.inprocess.interrupt import Monitor, PeerInterrupted
-from elasticft.inprocess.ncclenv import abort_warning, worker_env
+from elasticft.inprocess.ncclenv import abort_warning, missing, worker_env
 from elasticft.inprocess.protocol import INTERRUPT_FILE
 from elasticft.jsonfile import read_json, write_json
 
+IN_PROCESS_NCCL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+                   "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480",
+                   "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250"}
+
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("environ", "limit", "expected"), [
+@pytest.mark.parametrize(("environ", "limit", "gpus", "in_process", "expected"), [
     # the watchdog handles nothing: elasticft's abort is the only one (torch's documentation of
-    # _abort_process_group asks for it)
-    ({}, 30.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
-                "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}),
-    ({}, 200.0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
-                 "NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "860"}),
+    # _abort_process_group asks for it), and its dump wait does not hold a survivor a minute
+    ({}, 30.0, True, True, IN_PROCESS_NCCL),
+    ({}, 200.0, True, True, {**IN_PROCESS_NCCL, "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "860"}),
     # what the user set stays theirs
-    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_NVLS_ENABLE": "1"}, 30.0,
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_NVLS_ENABLE": "1",
+      "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "15000"}, 30.0, True, True,
      {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}),
+    # a job that never armed InProcess keeps NVLink SHARP and torch's own error handling
+    ({}, 30.0, True, False, {}),
+    # a node without GPUs runs no NCCL
+    ({}, 30.0, False, True, {}),
+    ({}, 30.0, False, False, {}),
 ])
-def test_the_workers_nccl_environment(environ: dict, limit: float, expected: dict) -> None:
-    assert worker_env(environ, limit) == expected
+def test_the_workers_nccl_environment(environ: dict, limit: float, gpus: bool,
+                                      in_process: bool, expected: dict) -> None:
+    assert worker_env(environ, limit, gpus=gpus, in_process=in_process) == expected
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("environ", "lacking"), [
+    (IN_PROCESS_NCCL, []),
+    ({}, ["TORCH_NCCL_ASYNC_ERROR_HANDLING=0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=250"]),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100"},
+     ["TORCH_NCCL_ASYNC_ERROR_HANDLING=0"]),  # torchrun's 1: a job's first start
+])
+def test_a_survivor_names_the_nccl_settings_it_started_without(environ: dict,
+                                                                lacking: list) -> None:
+    assert missing(environ) == lacking
 
 
 @pytest.mark.timeout(30)
@@ -130,3 +151,21 @@ def test_the_monitor_ends_the_groups_and_frees_a_busy_main_thread(tmp_path: Path
     time.sleep(0.2)
     assert len(ended) == 1 and not monitor.interrupted
     monitor.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_use", [True, False])
+def test_an_agent_on_a_gpu_node_gives_the_nccl_settings_only_to_a_job_under_inprocess(
+        monkeypatch: pytest.MonkeyPatch, in_use: bool) -> None:
+    """``startup_env`` of a job whose workers never armed ``InProcess`` is empty, on a node with
+    GPUs too; once they armed (``InProcessRecovery.in_use``), every later start gets them."""
+    from types import SimpleNamespace
+
+    from elasticft.agent import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "gpu_devices_present", lambda: True)
+    for name in IN_PROCESS_NCCL:
+        monkeypatch.delenv(name, raising=False)
+    agent = SimpleNamespace(in_process=SimpleNamespace(in_use=in_use, teardown_limit_s=30.0))
+    found = agent_module.ElasticftAgent.startup_env(agent)  # type: ignore[arg-type]
+    assert found == (IN_PROCESS_NCCL if in_use else {})

@@ -17,7 +17,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from elasticft.inprocess.meshes import KeptModules, RebindError, device_meshes, fsdp_modules
+from elasticft.inprocess.meshes import (
+    KeptModules,
+    RebindError,
+    backend_spelling,
+    device_meshes,
+    dim_override,
+    fsdp_modules,
+)
 
 
 def _init() -> None:
@@ -151,3 +158,60 @@ def test_a_flattened_mesh_is_made_again_after_its_roots_groups_and_refuses_a_res
     assert dist.distributed_c10d._resolve_process_group(group.group_name) is group
     with pytest.raises(RebindError, match=r"flattened device mesh \(dp_tp\)"):
         kept.reshape({"dp": 1, "tp": 1})
+
+
+EXPANDS = {"nccl": "cuda:nccl", "gloo": "cpu:gloo,cuda:gloo"}
+"""What torch's ``BackendConfig`` makes of a backend's name."""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("config", "default", "is_default", "spans_world", "expected"), [
+    # the dimension is the default group: torch reuses it when given no override
+    ("cuda:nccl", "cuda:nccl", True, True, (None, None)),
+    # a dimension with the default group's backend, made by new_group or split_group
+    ("cuda:nccl", "cuda:nccl", False, False, (None, None)),
+    ("cpu:gloo,cuda:gloo", "cpu:gloo,cuda:gloo", False, False, (None, None)),
+    # a backend of its own, spelled as a script spells it (split_group compares names)
+    ("cpu:gloo,cuda:gloo", "cpu:gloo,cuda:nccl", False, False, ("gloo", None)),
+    ("cuda:nccl", "cpu:gloo,cuda:nccl", False, False, ("nccl", None)),
+    ("cpu:gloo", "cpu:gloo,cuda:gloo", False, True, ("cpu:gloo", None)),
+    # over the whole world but not the default group: an override made it
+    ("cuda:nccl", "cuda:nccl", False, True, ("nccl", None)),
+])
+def test_a_mesh_dimensions_backend_is_made_again_as_the_set_up_made_it(
+        config: str, default: str, is_default: bool, spans_world: bool,
+        expected: tuple) -> None:
+    assert dim_override(config, default, is_default=is_default, spans_world=spans_world,
+                        expand=EXPANDS.__getitem__) == expected
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("config", "spelled"), [
+    ("cuda:nccl", "nccl"), ("cpu:gloo,cuda:gloo", "gloo"), ("cpu:gloo", "cpu:gloo"),
+    ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
+])
+def test_a_backend_is_spelled_as_a_script_passes_it(config: str, spelled: str) -> None:
+    assert backend_spelling(config, EXPANDS.__getitem__) == spelled
+
+
+@pytest.mark.timeout(120)
+def test_a_dimension_with_a_backend_of_its_own_keeps_it_through_the_rebind(world: None) -> None:
+    """``init_device_mesh(backend_override={"tp": "cpu:gloo"})`` beside a ``"gloo"`` default
+    group: replayed with the default group's backend, the world-spanning ``tp`` dimension would
+    be the default group itself (the names ``["0", "0"]``, refused); kept, it is a group of its
+    own again, with its own backend."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"),
+                            backend_override={"tp": "cpu:gloo"})
+    model = nn.Linear(2, 2)
+    model.weight = nn.Parameter(distribute_tensor(model.weight.data, mesh,
+                                                  [Replicate(), Replicate()]))
+    kept = KeptModules.arm([model])
+    names = list(mesh._dim_group_names)
+    _regroup()
+    kept.rebind()
+    assert list(mesh._dim_group_names) == names
+    configs = [str(dist.get_backend_config(dist.distributed_c10d._resolve_process_group(n)))
+               for n in names]
+    assert configs == [str(dist.get_backend_config()), "cpu:gloo"]
