@@ -1,5 +1,5 @@
 """In-process recovery of plain training loops as users write them, a conformance matrix: a
-loop pattern of tests/inprocess/conformance_loop.py under a real ``elasticft-run --standalone
+loop pattern of bench/conformance_loop.py under a real ``elasticft-run --standalone
 --nproc-per-node 2`` (gloo), rank 1 SIGKILLed at a fault point; rank 0 keeps its process, a
 replacement takes rank 1, and both ranks' losses of every step are those of an uninterrupted run
 of the same pattern, bit for bit.
@@ -11,7 +11,7 @@ DistributedSampler) at four fault points, and the same with zero_grad before the
 Each pattern's uninterrupted run is made once, by the first cell that needs it. The causes one
 at a time are tested without processes: tests/ckpt/restoring/test_state.py (numpy's RNG, the
 gradients a restore drops) and tests/inprocess/test_inprocess_decisions.py (those a re-entry
-drops)."""
+drops). bench/conformance.py runs every pattern alone and together, at every fault point."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from elasticft.events import read_events
-from tests.conftest import BIN, pids_by_rank
+from tests.conftest import BIN, ROOT, pids_by_rank
 
-SCRIPT = Path(__file__).resolve().parent / "conformance_loop.py"
+SCRIPT = ROOT / "bench" / "conformance_loop.py"
 STEPS = 16
 CRASH_AT = 7
 

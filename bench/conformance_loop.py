@@ -1,6 +1,7 @@
 """A plain DDP training loop as users write one, recovered in process: the worker of
-test_conformance_loops.py. It imports only ``InProcess``, ``Checkpointer`` and ``StateCapture``
-from elasticft; everything else is torch, numpy and Python as a user's script has it.
+bench/conformance.py and tests/inprocess/test_conformance_loops.py. It imports only
+``InProcess``, ``Checkpointer`` and ``StateCapture`` from elasticft; everything else is torch,
+numpy and Python as a user's script has it.
 
 The patterns, each a flag, any of them together:
 
@@ -19,7 +20,8 @@ The fault, in the first attempt on --fault-rank only: a SIGKILL at --crash-at-st
 step N+1's collectives, ``right-after-save`` at once after ``save()`` returns, ``before-save``
 before the save (the others redo step N), ``mid-step`` in step N's backward of its last
 micro-batch (after the first ones). Every rank appends ``rank step loss`` (``repr``) to
---loss-log and ``rank pid step`` to --pid-log.
+--loss-log and ``rank pid step`` to --pid-log; the killed rank writes the wall-clock time of its
+SIGKILL to --kill-log, if given, just before sending it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
                         choices=("after-save", "right-after-save", "before-save", "mid-step"))
     parser.add_argument("--loss-log", type=Path, required=True)
     parser.add_argument("--pid-log", type=Path, required=True)
+    parser.add_argument("--kill-log", type=Path, help="the SIGKILL's time.time(), written first")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # no collective before InProcess().run
@@ -122,6 +125,8 @@ def main() -> None:
         return x * (1 + 0.1 * random.random()) + 0.1 * torch.randn_like(x) + noise
 
     def kill() -> None:
+        if args.kill_log is not None:
+            args.kill_log.write_text(f"{time.time()!r}\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
     def train() -> None:
