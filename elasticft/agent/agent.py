@@ -274,8 +274,11 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     def startup_env(self) -> dict[str, str]:
         # Only a node with GPUs runs NCCL, and only a job under InProcess wants its settings:
         # elsewhere the workers' environment stays torchrun's.
-        return ncclenv.worker_env(os.environ, self.in_process.teardown_limit_s,
-                                  gpus=gpu_devices_present(), in_process=self.in_process.in_use)
+        gpus = gpu_devices_present()
+        in_process = self.in_process.in_use or (gpus and ncclenv.entry_script_arms(
+            self._worker_group.spec.args))
+        return ncclenv.worker_env(os.environ, self.in_process.teardown_limit_s, gpus=gpus,
+                                  in_process=in_process)
 
     def worker_pythonpath(self, existing: str | None) -> str | None:
         """The workers' ``PYTHONPATH``: what the collaborators declare first

@@ -411,9 +411,9 @@ class WarmStartMixin:
                 or spec.numa_options is not None or torch_compat.warm_start_unavailable()):
             return
         # torch's LocalElasticAgent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING (the
-        # agent's, else 1); startup_env overrides it on a GPU node of a job whose workers armed
-        # InProcess (none yet before the first start: the first start matches, a later one
-        # that gets the in-process settings starts cold once and refills the pool). Without it
+        # agent's, else 1); startup_env overrides it on a GPU node of a job under InProcess (its
+        # script names it, or its workers armed: a later start that only then gets the
+        # in-process settings starts cold once and refills the pool). Without it
         # here, every first start found a mismatch and imported torch again in a second
         # interpreter.
         env = {**os.environ, NCCL_ERROR_HANDLING: os.environ.get(NCCL_ERROR_HANDLING, "1"),

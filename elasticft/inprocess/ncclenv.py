@@ -6,8 +6,10 @@ process first, nor abort the communicators beside elasticft, and NCCL must be ab
 make communicators again in one process. On a node with GPUs the agent gives these defaults to
 the workers of a job that runs under ``InProcess`` (:func:`worker_env`), and to no other job:
 they cost a job without in-process recovery NVLink SHARP's bandwidth and torch's own handling
-of a failed collective. The agent learns that a job runs under ``InProcess`` when its workers
-arm (their ``armed`` records), so the workers of the job's first start make their groups with
+of a failed collective. The agent knows that a job runs under ``InProcess`` from its script,
+before the first start, when the script names in-process recovery (:func:`script_arms`: it
+imports ``elasticft.inprocess`` or a framework integration), and otherwise when its workers arm
+(their ``armed`` records): the workers of such a job's first start make their groups with
 torch's settings, and every start after it with these; a worker on NCCL that armed without them
 says so (:func:`missing`). A variable already set in the agent's environment is left as it is:
 
@@ -53,7 +55,8 @@ worker on NCCL logs it when recovery arms.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 HEARTBEAT_FLOOR_S = 480
 """torch's default heartbeat timeout, kept unless the hard limit needs more."""
@@ -85,6 +88,28 @@ def worker_env(environ: Mapping[str, str], teardown_limit_s: float, *, gpus: boo
         return {}
     return {name: value for name, value in defaults(teardown_limit_s).items()
             if name not in environ}
+
+
+IN_PROCESS_MARKS = ("elasticft.inprocess", "elasticft.integrations",
+                    "elasticft.recovery.inprocess", "InProcess(")
+"""What a script that arms in-process recovery names: the package, a framework integration (the
+Lightning strategies, the Trainer's ``train``, torchtitan's), the earlier releases' module, or
+the class itself."""
+
+
+def script_arms(text: str) -> bool:
+    """Whether a training script's source names in-process recovery (pure)."""
+    return any(mark in text for mark in IN_PROCESS_MARKS)
+
+
+def entry_script_arms(args: Sequence[object]) -> bool:
+    """Whether the worker's entry script (the first argument that names a ``.py`` file)
+    names in-process recovery; False when there is none to read (``-m module``, a wrapper)."""
+    script = next((Path(str(a)) for a in args if str(a).endswith(".py")), None)
+    try:
+        return script is not None and script_arms(script.read_text(errors="replace"))
+    except OSError:
+        return False
 
 
 def missing(environ: Mapping[str, str]) -> list[str]:

@@ -154,11 +154,21 @@ def test_the_monitor_ends_the_groups_and_frees_a_busy_main_thread(tmp_path: Path
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("in_use", [True, False])
+@pytest.mark.parametrize(("in_use", "script", "given"), [
+    (True, "import torch\n", True),
+    (False, "import torch\n", False),
+    (False, "from elasticft.inprocess import InProcess\n", True),
+    (False, "from elasticft.integrations.lightning import InProcessDDPStrategy\n", True),
+    (False, None, False),  # no script to read (python -m module)
+], ids=["armed", "plain-script", "script-imports-inprocess", "script-imports-integration",
+        "no-script"])
 def test_an_agent_on_a_gpu_node_gives_the_nccl_settings_only_to_a_job_under_inprocess(
-        monkeypatch: pytest.MonkeyPatch, in_use: bool) -> None:
-    """``startup_env`` of a job whose workers never armed ``InProcess`` is empty, on a node with
-    GPUs too; once they armed (``InProcessRecovery.in_use``), every later start gets them."""
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, in_use: bool, script: str | None,
+        given: bool) -> None:
+    """``startup_env`` of a job whose workers never armed ``InProcess`` and whose script does
+    not name it is empty, on a node with GPUs too; a script that names it gets them from its
+    first start, and once the workers armed (``InProcessRecovery.in_use``) every later start
+    does."""
     from types import SimpleNamespace
 
     from elasticft.agent import agent as agent_module
@@ -166,6 +176,11 @@ def test_an_agent_on_a_gpu_node_gives_the_nccl_settings_only_to_a_job_under_inpr
     monkeypatch.setattr(agent_module, "gpu_devices_present", lambda: True)
     for name in IN_PROCESS_NCCL:
         monkeypatch.delenv(name, raising=False)
-    agent = SimpleNamespace(in_process=SimpleNamespace(in_use=in_use, teardown_limit_s=30.0))
+    args: tuple[str, ...] = ("-m", "train")
+    if script is not None:
+        (tmp_path / "train.py").write_text(script)
+        args = ("-u", str(tmp_path / "train.py"), "--steps", "3")
+    agent = SimpleNamespace(in_process=SimpleNamespace(in_use=in_use, teardown_limit_s=30.0),
+                            _worker_group=SimpleNamespace(spec=SimpleNamespace(args=args)))
     found = agent_module.ElasticftAgent.startup_env(agent)  # type: ignore[arg-type]
-    assert found == (IN_PROCESS_NCCL if in_use else {})
+    assert found == (IN_PROCESS_NCCL if given else {})
