@@ -458,8 +458,8 @@ def _decide(facts: FailureFacts) -> Action:
     waiting = (f" after a wait of {wait:.2f} s (the same communication fault before the first "
                f"step {facts.comm_repeats + 1} times in a row: time for its cause to clear)"
                if wait > 0 else "")
-    if facts.in_process and again is not None:
-        waiting += f" of every rank, not in process ({again})"
+    if facts.in_process and cause.failure_class in IN_PROCESS_CLASSES and again is not None:
+        waiting = f" of every rank, not in process ({again}){waiting}"
     return Action(
         ActionKind.RESTART_IN_PLACE,
         f"{cause.failure_class.value}, restart {facts.restarts_used + 1} of "

@@ -165,6 +165,8 @@ class Recorder:
         get its ``id``)."""
         self._autoattach: Any = None
         """The module forward pre-hook that attaches the bucket hook, while armed."""
+        self._autoattach_installed = False
+        """Whether :meth:`install_ddp_autoattach` ran (re-arming is for such a recorder only)."""
         self._failed_once = False
         self.nccl_check: InterceptionCheck | None = None
         """Set when the NCCL shim's self-check found it active. Once it has seen torch's NCCL
@@ -494,19 +496,18 @@ class Recorder:
                 self._autoattach.remove()
                 self._autoattach = None
 
+        self._autoattach_installed = True
         self.rearm_ddp_autoattach()
         self._hook_handles.append(register_optimizer_step_post_hook(remove_after_the_step))
 
     def rearm_ddp_autoattach(self) -> None:
         """Attaches the bucket hook to the DDP models that run forward before the next optimizer
-        step. Every DDP of a job must sum the same way: the hook divides each bucket before its
-        all-reduce, DDP's own path multiplies each gradient by the inverse while copying it in,
-        and the two differ in the last bit. A re-made DDP left on DDP's path beside a new rank's
-        hooked one would sum differently from the run before the failure."""
+        step (after an in-process recovery: the DDPs its re-entry makes), so that their buckets
+        are timed as the first ones were; nothing for a recorder installed without it."""
         from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.nn.parallel import DistributedDataParallel
 
-        if self._autoattach is not None:
+        if self._autoattach is not None or not self._autoattach_installed:
             return
 
         def on_forward(module: Any, args: Any) -> None:

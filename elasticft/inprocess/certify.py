@@ -53,6 +53,8 @@ def digest(tensors: Iterable[Any]) -> tuple[int, int]:
             continue
         count += 1
         flat = local.reshape(-1)
+        if flat.is_complex():  # read as its real and imaginary parts
+            flat = torch.view_as_real(flat).reshape(-1)
         bits = flat.view(getattr(torch, _BITS[flat.element_size()]))
         part = bits.sum(dtype=torch.int64)
         totals[part.device] = totals[part.device] + part if part.device in totals else part
@@ -109,12 +111,12 @@ def certify(replicated: Sequence[Replicated], optimizers: Iterable[Any], generat
     started = time.monotonic()
     optimizers = list(optimizers)
     for ddp in replicated:
-        complete, state = state_tensors(optimizers, ddp.parameters)
-        params = digest(ddp.parameters)
-        kept = digest(state)
         device = ddp.parameters[0].device if ddp.parameters else torch.device("cpu")
         if device.type == "meta":
             continue
+        complete, state = state_tensors(optimizers, ddp.parameters)
+        params = digest(ddp.parameters)
+        kept = digest(state)
         mine = torch.tensor([*params, int(complete), *kept], dtype=torch.int64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(ddp.group))]
         dist.all_gather(everyone, mine, group=ddp.group)

@@ -255,7 +255,7 @@ class InProcess:
             self._report_first_step()
         unarm_buckets = self.bucket_layouts.arm(  # a re-made DDP sums as the one before it
             lambda ddp, parameters: self._replicated.append(
-                Replicated(tuple(parameters), ddp.process_group)))
+                Replicated(tuple(parameters), ddp.process_group)) if self.generation else None)
         try:
             while True:
                 returned, outcome = self._call(fn, args, kwargs)
@@ -366,6 +366,7 @@ class InProcess:
                                **({"interrupted": interrupted_at} if interrupted_at else {})})
         assert self.group is not None  # _recoverable
         backend, rank, world = self.group.backend, self.group.rank, self.group.world_size
+        self._replicated.clear()  # the ended DDPs' groups: released in the bounded teardown
         _release(error)
         # The device the teardown synchronizes and the health check judges: the rank's now.
         self.device = self.device.at_failure(self.group.settings.device_id)
@@ -402,11 +403,9 @@ class InProcess:
                        "%.3f s)", rank, self.generation, how, aborted_at - failed_at,
                        regrouped_at - aborted_at, rebound, self._phases["joined"] - regrouped_at)
         self._write("joined", self._phases)
-        self._replicated.clear()  # the old generation's DDPs; the re-entry makes new ones
         if (recorder := diag_recorder.installed()) is not None:
-            # The re-made DDP sums as the one before it and as the replacement's new one do
-            # (the recorder's bucket hook; with 3 or more ranks DDP's own path differs in the
-            # last bit).
+            # The re-made DDP's buckets are timed as the one before it were (and are summed by
+            # the same hook as the replacement's, which gives DDP's own bits).
             recorder.rearm_ddp_autoattach()
 
     def _forget_gradients(self) -> None:
