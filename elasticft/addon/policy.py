@@ -338,9 +338,14 @@ def in_process_repeat(facts: FailureFacts) -> str | None:
     the failure that recovery answered is not a new surprise: the survivors' state (a callback's,
     a framework's counter, anything the restore does not roll back) may be what brings it back,
     and another roll-back in the same processes would meet it again. A restart of every rank
-    starts every process the same way; the run is not left to spend every restart on it."""
+    starts every process the same way; the run is not left to spend every restart on it.
+
+    A crash by a signal is left out: a process killed from outside (the OOM killer, an operator,
+    a node going) is nothing the survivors' state brings back, and a second one right after
+    the first is a second failure, which the survivors recover from in process again."""
     before, now = facts.in_process_failed_at, facts.newest_step
-    if before is None or now is None or now > before:
+    if before is None or now is None or now > before or not facts.failures \
+            or root_cause(facts.failures).failure_class is FailureClass.SIGNAL_CRASH:
         return None
     return (f"the failure came again at step {now} after an in-process recovery from a failure "
             f"at step {before}")

@@ -143,8 +143,9 @@ def test_a_replacement_that_fails_falls_back_to_a_full_restart_with_the_same_los
 def test_a_failure_that_comes_back_after_an_in_process_recovery_restarts_every_rank(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
     """Rank 1 is killed before its save of step 6; after the in-process recovery the survivor,
-    redoing step 6, is killed the same way (a fault its own kept state brings back): the next
-    recovery is a restart of every rank, not a second in-process try, and the run ends exact."""
+    redoing step 6, fails with a communication error (a fault its own kept state brings back):
+    the next recovery is a restart of every rank, not a second in-process try, and the run ends
+    exact."""
     run = _run(tmp_path, "again", job_env, "--fault-rank", "1", "--crash-at-step", "6",
                "--crash-mode", "before-save", "--crash-again-after-recovery")
     decisions = [e for e in run["events"] if e["kind"] == "decision"]
