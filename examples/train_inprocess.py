@@ -21,8 +21,8 @@ collective never fails by itself: the child writes its pid to --keeper-pid and l
 --hang-at-step N (SIGSTOP), --corrupt-restore (the failed rank's replacement changes one bit of
 a parameter after its restore, as a torn copy would), --crash-again-after-recovery (a process
 that recovered in process, once it redid --crash-at-step's optimizer step and the agent logged
-the recovery done, raises a connection error before that step's save: a fault each roll-back in
-the same processes brings back, which only a restart of every rank clears),
+the recovery done, stops itself (SIGSTOP) before that step's save: a hang each roll-back in the
+same processes brings back, which only a restart of every rank clears),
 --infra-error-at-step N (raises a connection error before step N;
 with --exit-after-failed the rank then exits right after reporting it, before its teardown; with
 --stuck-teardown its teardown never returns; with --sick-device its device fails the health
@@ -277,7 +277,7 @@ def main() -> None:
             while not any('"kind":"recover_in_process"' in events.read_text()
                           for events in run_dir.glob("events-*.jsonl")):
                 time.sleep(0.05)
-            raise ConnectionResetError("injected: the same fault again after the recovery")
+            os.kill(os.getpid(), signal.SIGSTOP)
         request = ckpt.save(done, snapshot(extra={"step": done}))
         if not args.no_step_records:
             record_step(done, 0.0)

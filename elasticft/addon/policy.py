@@ -15,8 +15,8 @@ and this one fails the same way (:class:`FailureSignature`: class, exception typ
 innermost frame of the user's code) before its first step too, a restart would only fail again,
 so the run stops and says which restarts it leaves unused.
 
-Nor is a failure that comes back after an in-process recovery before the job passed the step
-of the failure it answered (:func:`in_process_repeat`): the survivors kept something the
+Nor is a hang that comes after an in-process recovery before the job passed the step of the
+failure it answered (:func:`in_process_repeat`): the survivors kept something the
 roll-back did not (a framework's callback, a counter of the script's), so the next recovery is a
 restart of every rank, not another in-process try that would meet the same fault.
 
@@ -340,12 +340,14 @@ def in_process_repeat(facts: FailureFacts) -> str | None:
     and another roll-back in the same processes would meet it again. A restart of every rank
     starts every process the same way; the run is not left to spend every restart on it.
 
-    A crash by a signal is left out: a process killed from outside (the OOM killer, an operator,
-    a node going) is nothing the survivors' state brings back, and a second one right after
-    the first is a second failure, which the survivors recover from in process again."""
+    Only a hang counts: ranks that wait in different collectives, or one that never reaches
+    its next, is what a state the roll-back did not restore makes. A crash by a signal (a
+    process killed from outside, a node going) or a communication error (most often the echo of
+    a peer's failure) right after the first is a second failure, which the survivors recover
+    from in process again."""
     before, now = facts.in_process_failed_at, facts.newest_step
     if before is None or now is None or now > before or not facts.failures \
-            or root_cause(facts.failures).failure_class is FailureClass.SIGNAL_CRASH:
+            or root_cause(facts.failures).failure_class is not FailureClass.HANG:
         return None
     return (f"the failure came again at step {now} after an in-process recovery from a failure "
             f"at step {before}")

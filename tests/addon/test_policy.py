@@ -454,10 +454,11 @@ def test_a_failure_that_comes_back_after_an_in_process_recovery_restarts_every_r
     assert action.spends_restart
 
 
-def test_a_second_crash_by_a_signal_at_the_same_step_is_recovered_in_process_again() -> None:
-    crash = (failure(1, FailureClass.SIGNAL_CRASH),)
-    action = decide(FailureFacts(crash, restarts_used=1, max_restarts=3, in_process=True,
-                                 newest_step=20, in_process_failed_at=20))
+@pytest.mark.parametrize("cls", [FailureClass.SIGNAL_CRASH, FailureClass.INFRASTRUCTURE])
+def test_a_second_crash_or_communication_error_at_the_same_step_is_recovered_in_process_again(
+        cls: FailureClass) -> None:
+    action = decide(FailureFacts((failure(1, cls),), restarts_used=1, max_restarts=3,
+                                 in_process=True, newest_step=20, in_process_failed_at=20))
     assert action.kind is ActionKind.RECOVER_IN_PROCESS
 
 

@@ -143,15 +143,15 @@ def test_a_replacement_that_fails_falls_back_to_a_full_restart_with_the_same_los
 def test_a_failure_that_comes_back_after_an_in_process_recovery_restarts_every_rank(
         tmp_path: Path, job_env: dict[str, str], reference: dict[int, str]) -> None:
     """Rank 1 is killed before its save of step 6; after the in-process recovery the survivor,
-    redoing step 6, fails with a communication error (a fault its own kept state brings back):
-    the next recovery is a restart of every rank, not a second in-process try, and the run ends
-    exact."""
+    redoing step 6, hangs (a fault its own kept state brings back): the next recovery is a
+    restart of every rank, not a second in-process try, and the run ends exact."""
     run = _run(tmp_path, "again", job_env, "--fault-rank", "1", "--crash-at-step", "6",
                "--crash-mode", "before-save", "--crash-again-after-recovery")
     decisions = [e for e in run["events"] if e["kind"] == "decision"]
     assert [d["action"] for d in decisions] == ["recover_in_process", "restart_in_place"], \
         run["text"][-5000:]
     assert decisions[1]["in_process_failed_at"] == 6 and decisions[1]["newest_step"] == 6
+    assert decisions[1]["reason"].startswith("hang"), decisions[1]["reason"]
     assert "not in process (the failure came again at step 6" in decisions[1]["reason"]
     assert len(run["pids"][0]) == 2  # the restart started every worker again
     assert run["losses"] == reference
