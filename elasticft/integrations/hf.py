@@ -232,6 +232,10 @@ class _Snapshots(TrainerCallback):
             self.entry.recovery.step_done(state.global_step)
             self.unsaved = state.global_step
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.unsaved is not None:  # stopped before max_steps (early stopping): its last step
+            self._snapshot(state, record=False)
+
     def _snapshot(self, state: Any, *, record: bool) -> None:
         trainer = self.entry.trainer
         scheduler = trainer.lr_scheduler
