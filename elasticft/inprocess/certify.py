@@ -6,8 +6,9 @@ every step boundary; an in-process recovery puts every rank back to one such bou
 survivor from its own memory, a replacement from its node's or a peer's. A rank that restored
 another step, or bytes that are not the step's (a copy served before it was sealed, a torn
 peer transfer), would train on from a state the job never had, and every later step would carry
-the difference. So the first step of each generation is held until the replicas agree: each
-rank reduces the parameters a DDP made in that generation synchronises, and the optimizer state
+the difference. So the first optimizer step after a DDP is made (at the start, and at every
+re-entry after a recovery, which makes the DDP again) is held until its replicas agree: each
+rank reduces the parameters the DDP synchronises, and the optimizer state
 of those parameters, to a few integers (:func:`digest`: the sums of their bit patterns, exact,
 so a single flipped bit changes them), the ranks of the DDP's group gather them, and any
 difference raises :class:`RestoreDiverged` on every rank alike. That error is elasticft's own,

@@ -180,10 +180,8 @@ class InProcess:
         self.bucket_layouts = BucketLayouts()
         """The DDPs' rebuilt bucket layouts, carried to the DDPs of the next generation."""
         self._replicated: list[Replicated] = []
-        """The DDPs made since the latest (re-)entry, whose replicas certify their restore at
-        the generation's first step (:mod:`elasticft.inprocess.certify`)."""
-        self._certified = 0
-        """The latest generation whose restore was certified."""
+        """The DDPs made since the latest optimizer step, whose replicas certify their state at
+        the next one (:mod:`elasticft.inprocess.certify`)."""
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         """The ``torch.optim`` optimizers that stepped in this generation, whose gradients a
         re-entry drops (:meth:`_forget_gradients`) and whose state the certified restore
@@ -255,7 +253,7 @@ class InProcess:
             self._report_first_step()
         unarm_buckets = self.bucket_layouts.arm(  # a re-made DDP sums as the one before it
             lambda ddp, parameters: self._replicated.append(
-                Replicated(tuple(parameters), ddp.process_group)) if self.generation else None)
+                Replicated(tuple(parameters), ddp.process_group)))
         try:
             while True:
                 returned, outcome = self._call(fn, args, kwargs)
@@ -311,11 +309,14 @@ class InProcess:
         if self.monitor is not None and (refused := self.monitor.refusal(self.generation)):
             logger.warning("step refused in generation %d: %s", self.generation, refused)
             raise refused
-        if self.generation > self._certified and self._awaiting == self.generation:
-            # The generation's first step, before it changes anything: the replicas agree on
-            # what they restored, or every worker restarts.
-            self._certified = self.generation
-            certify(self._replicated, list(self._optimizers), self.generation)
+        if self._replicated:
+            # The first step after a DDP was made, before it changes anything: its replicas
+            # agree on what they restored, or every worker restarts. Every rank makes its DDPs
+            # together (their construction is collective) and steps after it, survivor,
+            # replacement and a standby's new worker alike, whatever generation each counts,
+            # so every rank of a DDP's group takes part in the check.
+            made, self._replicated = self._replicated, []
+            certify(made, list(self._optimizers), self.generation)
 
     def restore_done(self) -> None:
         """Tells the agent that this entry's restore is over, for a script that restores without
