@@ -148,12 +148,18 @@ def test_a_failure_that_comes_back_after_an_in_process_recovery_restarts_every_r
     run = _run(tmp_path, "again", job_env, "--fault-rank", "1", "--crash-at-step", "6",
                "--crash-mode", "before-save", "--crash-again-after-recovery")
     decisions = [e for e in run["events"] if e["kind"] == "decision"]
-    assert [d["action"] for d in decisions] == ["recover_in_process", "restart_in_place"], \
+    # The kill's decision may come before rank 0 recorded step 6 (the failure then counts as at
+    # step 5, and the first hang, at 6, as a new failure recovered in process again): the hang
+    # at the step of the failure a recovery answered is the one answered by a restart.
+    actions = [d["action"] for d in decisions]
+    assert actions in (["recover_in_process", "restart_in_place"],
+                       ["recover_in_process", "recover_in_process", "restart_in_place"]), \
         run["text"][-5000:]
-    assert decisions[1]["in_process_failed_at"] == 6 and decisions[1]["newest_step"] == 6
-    assert decisions[1]["reason"].startswith("hang"), decisions[1]["reason"]
-    assert "not in process (the failure came again at step 6" in decisions[1]["reason"]
-    assert len(run["pids"][0]) == 2  # the restart started every worker again
+    last = decisions[-1]
+    assert last["in_process_failed_at"] == 6 and last["newest_step"] == 6, last
+    assert last["reason"].startswith("hang"), last["reason"]
+    assert "not in process (the failure came again at step 6" in last["reason"]
+    assert len(run["pids"][0]) >= 2  # the restart started every worker again
     assert run["losses"] == reference
 
 
