@@ -415,12 +415,12 @@ class InProcess:
         They are the step the failure cut short, which a loop that zeroes them after its step
         or accumulates micro-batches would add to the redone step's. ``Checkpointer.restore``
         drops the restored model's too; this is for a script that restores by other means."""
-        for optimizer in list(self._optimizers):
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    param.grad = None
+        from elasticft.ckpt.restoring.state import drop_gradients
+
+        drop_gradients(param for optimizer in list(self._optimizers)
+                       for group in optimizer.param_groups for param in group["params"])
         for module in self.modules:
-            module.zero_grad(set_to_none=True)
+            drop_gradients(module.parameters())
 
     def _reshape(self, rank: int, world_size: int) -> str:
         """After a regroup into a reshaped world: the kept modules' meshes take the new

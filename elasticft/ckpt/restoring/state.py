@@ -299,12 +299,15 @@ def forget_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     ``step(); zero_grad()``) or accumulates micro-batches under DDP's ``no_sync`` would add
     them to the redone step's. So every restore leaves the gradients as a fresh process has
     them, whatever the script does next."""
-    for param in model.parameters():
-        param.grad = None
+    drop_gradients(model.parameters())
     if optimizer is not None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
+        drop_gradients(param for group in optimizer.param_groups for param in group["params"])
+
+
+def drop_gradients(params: Any) -> None:
+    """Sets each parameter's gradient to None (see :func:`forget_gradients`)."""
+    for param in params:
+        param.grad = None
 
 
 def _copied_tree(value: Any) -> Any:
