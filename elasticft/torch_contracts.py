@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from elasticft import torch_compat
 from elasticft.torch_compat import (
     AGENT_TAKES_SHUTDOWN_TIMEOUT,
     LAUNCH_CONFIG_FIELDS,
@@ -255,6 +256,12 @@ CONTRACTS: dict[str, Callable[[], bool]] = {
     "FSDPParamGroup.fsdp_params; mesh_info and post_forward_mesh_info of a parameter group and "
     "a parameter; FSDPMeshInfo.shard_process_group, reduce_scatter_process_group; "
     "DDPMeshInfo.replicate_process_group": _fsdp_groups_repointable,
+    # torch_compat.calling_method_name takes its place: torch's reads the stack with inspect.
+    "dynamic_rendezvous.get_method_name(depth=2) names the caller's caller":
+        lambda: torch_compat.TORCH_METHOD_NAME is not None
+        and list(_parameters(torch_compat.TORCH_METHOD_NAME)) == ["depth"]
+        and "get_method_name()" in inspect.getsource(
+            torch_compat.dynamic_rendezvous.DynamicRendezvousHandler._record),
     "SignalException.sigval": lambda: SignalException("x", signal.SIGTERM).sigval
         == signal.SIGTERM,
     "RendezvousHandler abstract methods (the etcd-v3 handler implements them)":

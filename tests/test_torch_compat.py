@@ -304,3 +304,24 @@ def test_warm_started_workers_get_torch_s_log_line_prefix(tmp_path: Path) -> Non
         lines[tool] = sorted(line for line in done.stdout.splitlines() if "hello from" in line)
     assert len(lines["torchrun"]) == 2 and lines["torchrun"][0].startswith("<"), lines
     assert lines["elasticft-run"] == lines["torchrun"]
+
+
+def test_the_rendezvous_events_name_the_method_as_torch_did() -> None:
+    """torch_compat's frame read gives the name torch's inspect.stack() gave, at any depth."""
+    assert torch_compat.TORCH_METHOD_NAME is not None
+
+    def record(depth: int) -> tuple[str, str]:
+        return (torch_compat.TORCH_METHOD_NAME(depth),
+                torch_compat.calling_method_name(depth))
+
+    def join_rendezvous(depth: int) -> tuple[str, str]:
+        return record(depth)
+
+    for depth in (0, 1, 2, 3):
+        torchs, ours = join_rendezvous(depth)
+        assert ours == torchs or (depth == 0 and (torchs, ours) == (
+            "get_method_name", "calling_method_name")), depth
+    assert join_rendezvous(2)[1] == "join_rendezvous"
+    assert torch_compat.calling_method_name(10_000) == "no_method_name"
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    assert dynamic_rendezvous.get_method_name is torch_compat.calling_method_name
