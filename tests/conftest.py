@@ -18,6 +18,15 @@ import psutil
 import pytest
 from filelock import FileLock
 
+# One intra-op thread in every process of the suite (pytest's own, and through the environment
+# every job, agent and worker it launches), as torchrun gives several workers of one node. The
+# suite's "nodes" share this machine's cores: a worker alone on its agent keeps torch's default
+# of a thread per core, and its spinning threads took the cores the other nodes' workers waited
+# for (a two-node Slurm job's workers spent 24 s of CPU on 160 steps of a tiny model, against
+# 1.5 s with one thread). Set before any test module imports torch. A test of what a user's
+# shell gives takes it out of its job's environment (test_demo.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from tests.servers import EtcdServer, echo_server, etcd_cluster, etcd_server  # noqa: F401
 
 if TYPE_CHECKING:

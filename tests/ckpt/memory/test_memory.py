@@ -73,15 +73,25 @@ def test_save_is_exact_state_after_the_step_and_double_buffered(prefix: str) -> 
 _WRITER = textwrap.dedent("""
     import os, signal, sys, torch
     from elasticft.ckpt import Checkpointer, WorkerSettings
+    from elasticft.ckpt.memory.shm import SlotSet
+    from elasticft.ckpt.memory.slotformat import WRITING
     prefix = sys.argv[1]
     big = torch.nn.Parameter(torch.full((32 << 20,), 1.0))   # 128 MB: the copy takes a while
     optim = torch.optim.SGD([big], lr=0.1)
     ckpt = Checkpointer(WorkerSettings(shm_slots=prefix, agent_owned=True), optimizers=[optim])
     ckpt.save(1, {"w": big.detach(), "extra": {"step": 1}}).wait()
-    with torch.no_grad():
-        big.fill_(2.0)
-    ckpt.save(2, {"w": big.detach(), "extra": {"step": 2}})
-    os.kill(os.getpid(), signal.SIGKILL)   # while step 2 is still being copied
+    slots = SlotSet(prefix, 2)
+    # Killed once a step's copy is seen in flight; a copy that ended unseen (this thread was
+    # not scheduled meanwhile) is followed by the next step's.
+    for step in range(2, 100):
+        with torch.no_grad():
+            big.fill_(float(step))
+        request = ckpt.save(step, {"w": big.detach(), "extra": {"step": step}})
+        while not request.done():
+            if any(h.step == step and h.state == WRITING for h in slots.headers().values()):
+                os.kill(os.getpid(), signal.SIGKILL)
+        request.wait()
+    sys.exit(3)  # no copy was ever seen in flight
 """)
 
 
@@ -114,14 +124,17 @@ def test_writer_killed_mid_save_leaves_previous_snapshot_intact(prefix: str) -> 
     assert proc.returncode == -signal.SIGKILL
     slots = SlotSet(prefix, 2)
     states = {h.step: h.state for h in slots.headers().values()}
-    assert states == {1: COMPLETE, 2: WRITING}, "step 2 must be torn, step 1 untouched"
+    torn = max(states)
+    assert states == {torn - 1: COMPLETE, torn: WRITING}, \
+        f"the newest step must be torn, the one before untouched: {states}"
     tier = MemoryTier(slots)
-    assert tier.steps(0, 1) == [1]  # the torn step is never offered
-    snapshot = tier.read(1, 0, 1)
+    assert tier.steps(0, 1) == [torn - 1]  # the torn step is never offered
+    snapshot = tier.read(torn - 1, 0, 1)
     with Checkpointer(_settings(prefix)) as ckpt:
         step, state = ckpt.load()
-    assert step == 1 and bool((state["w"] == 1.0).all()) and state["extra"] == {"step": 1}
-    assert snapshot.step == 1
+    assert step == torn - 1 and bool((state["w"] == float(torn - 1)).all())
+    assert state["extra"] == {"step": torn - 1}
+    assert snapshot.step == torn - 1
     slots.close()
 
 
