@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import clean_job_env
 from tests.integrations.jobs import assert_recovered_in_process, needs_modules, run_job
 
 pytestmark = needs_modules("hf", "transformers", "accelerate")
@@ -29,35 +30,39 @@ def test_a_killed_rank_costs_the_survivor_a_rollback_not_its_process(
         "checkpoint-12", "checkpoint-3", "checkpoint-6", "checkpoint-9"]
 
 
+GPT2 = ("--model", "gpt2", "--epochs", "3", "--shuffle-from-torch-rng")
+"""A one-layer GPT-2 at GPT2Config's default dropout: 18 steps of 6 per epoch, every one
+drawing from torch's RNG, as does the order of each epoch (accelerate's unseeded sampler)."""
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted run with ``GPT2``, shared by the tests that compare to it."""
+    return run_job(tmp_path_factory.mktemp("gpt2"), SCRIPT, "reference", clean_job_env(), *GPT2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_killed_before_the_first_snapshot_rolls_the_survivor_back_to_the_start(
-        tmp_path: Path, job_env: dict[str, str]) -> None:
+        tmp_path: Path, job_env: dict[str, str], gpt2_reference: dict) -> None:
     """Killed after its first optimizer step, before that step's snapshot: the survivor's model
     had taken the step, and only the start's snapshot (step 0) puts it back, with the RNG. The
     GPT-2's dropout and accelerate's unseeded sampler draw from it: the survivor's new data
     loader seeds its generator before the restore, which puts back the first epoch's too."""
-    gpt2 = ("--model", "gpt2", "--shuffle-from-torch-rng")
-    reference = run_job(tmp_path, SCRIPT, "reference", job_env, *gpt2)
-    run = run_job(tmp_path, SCRIPT, "fault", job_env, *gpt2, "--crash-at-step", "1")
-    assert_recovered_in_process(run, reference)
+    run = run_job(tmp_path, SCRIPT, "fault", job_env, *GPT2, "--crash-at-step", "1")
+    assert_recovered_in_process(run, gpt2_reference)
     assert "resumed from step 0 in shared memory" in run["text"], run["text"][-5000:]
     assert "entry 2 resumes" not in run["text"]
-
-
-GPT2 = ("--model", "gpt2", "--epochs", "3")
-"""A one-layer GPT-2 at GPT2Config's default dropout: 18 steps of 6 per epoch, every one
-drawing from torch's RNG."""
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dropout_after_a_recovery_draws_what_an_uninterrupted_run_draws(
-        tmp_path: Path, job_env: dict[str, str]) -> None:
+        tmp_path: Path, job_env: dict[str, str], gpt2_reference: dict) -> None:
     """Killed mid-epoch: the survivor and the replacement redo step 8 with the RNG the
     uninterrupted run had there, not the one the resumed data loader left (it draws its seeds
     while skipping the batches done) nor the replacement's freshly seeded one."""
-    reference = run_job(tmp_path, SCRIPT, "reference", job_env, *GPT2)
+    reference = gpt2_reference
     run = run_job(tmp_path, SCRIPT, "fault", job_env, *GPT2, "--crash-at-step", "8")
     assert_recovered_in_process(run, reference)
     assert "Trainer entry 2 resumes from step 7" in run["text"]

@@ -9,6 +9,7 @@ the step), with ``lightning.pytorch`` and with the standalone ``pytorch_lightnin
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,28 @@ pytestmark = needs_modules("lightning", "lightning")
 SCRIPT = "train_lightning_inprocess.py"
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """An uninterrupted run per strategy, made once for the module's tests."""
+    made: dict[tuple[str, ...], dict] = {}
+
+    def reference(*strategy: str) -> dict:
+        if strategy not in made:
+            made[strategy] = run_job(tmp_path_factory.mktemp("reference"), SCRIPT, "reference",
+                                     clean_job_env(), *strategy)
+        return made[strategy]
+    return reference
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", [(), ("--model-parallel",),
                                       ("--model-parallel", "--tensor-parallel")],
                          ids=["ddp", "fsdp2", "tensor-parallel"])
 def test_a_killed_rank_costs_the_survivor_a_rollback_not_its_process(
-        tmp_path: Path, job_env: dict[str, str], strategy: tuple[str, ...]) -> None:
-    reference = run_job(tmp_path, SCRIPT, "reference", job_env, *strategy)
+        tmp_path: Path, job_env: dict[str, str], references: Callable[..., dict],
+        strategy: tuple[str, ...]) -> None:
+    reference = references(*strategy)
     run = run_job(tmp_path, SCRIPT, "fault", job_env, *strategy, "--crash-at-step", "4",
                   "--checkpoint-dir", str(tmp_path / "own"))
     assert_recovered_in_process(run, reference)
@@ -47,11 +62,11 @@ def test_a_killed_rank_costs_the_survivor_a_rollback_not_its_process(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_killed_before_the_first_snapshot_rolls_the_survivor_back_to_the_start(
-        tmp_path: Path, job_env: dict[str, str]) -> None:
+        tmp_path: Path, job_env: dict[str, str], references: Callable[..., dict]) -> None:
     """Killed at the start of its second batch, before the snapshot of its first step (taken
     there, after the callbacks): the survivor's model had taken the step, and only the start's
     snapshot (step 0) puts it back."""
-    reference = run_job(tmp_path, SCRIPT, "reference", job_env)
+    reference = references()
     run = run_job(tmp_path, SCRIPT, "fault", job_env, "--crash-at-step", "1")
     assert_recovered_in_process(run, reference)
     assert "resumed from step 0 in shared memory" in run["text"], run["text"][-5000:]
