@@ -97,12 +97,13 @@ def at_step(*steps: int | tuple[int, str]) -> tuple[tuple[str, tuple[str, ...]],
 
 
 ALL_PLAIN = ("--zero-grad", "after", "--accum", "2", "--clip", "--warmup", "--dropout",
-             "--augment", "--loader")
+             "--augment", "--loader", "--loader-workers", "2", "--autocast")
 LIGHTNING_CHECKPOINTED = ("--epochs", "4", "--checkpoint-every", "5", "--save-last",
                           "--dropout", "0.25", "--checkpoint-dir", "{run}/own")
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("default", "plain", (), plain_faults()),
     Pattern("default", "plain", (), plain_faults(), ranks=3),
+    Pattern("default", "plain", (), plain_faults(), ranks=4),
     Pattern("zero-grad-after", "plain", ("--zero-grad", "after"), plain_faults()),
     Pattern("accum-2", "plain", ("--accum", "2"), plain_faults()),
     Pattern("clip", "plain", ("--clip",), plain_faults()),
@@ -110,6 +111,8 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("dropout", "plain", ("--dropout",), plain_faults()),
     Pattern("augment", "plain", ("--augment",), plain_faults()),
     Pattern("loader", "plain", ("--loader",), plain_faults()),
+    Pattern("loader-workers-2", "plain", ("--loader", "--loader-workers", "2"), plain_faults()),
+    Pattern("autocast-bf16", "plain", ("--autocast",), plain_faults()),
     Pattern("all", "plain", ALL_PLAIN, plain_faults()),
     Pattern("ddp", "lightning", (), at_step((1, " (before its snapshot)"), 4)),
     Pattern("ddp+dropout+checkpoint", "lightning", LIGHTNING_CHECKPOINTED,
@@ -126,7 +129,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("count-steps", "hf", ("--count-steps",), at_step(4)),
     Pattern("shuffle-from-torch-rng", "hf", ("--shuffle-from-torch-rng",), at_step(4)),
 )
-"""The matrix: each plain pattern alone and all together, the default with 3 ranks too, and
+"""The matrix: each plain pattern alone and all together, the default with 3 and 4 ranks too, and
 the framework examples' options (Lightning's ModelCheckpoint with dropout, FSDP2 and tensor
 parallel under its model-parallel strategy; the Trainer's own saves, accumulation with a
 warm-up, a GPT-2 with dropout, a callback with state, a sampler shuffled from torch's RNG)."""

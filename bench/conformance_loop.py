@@ -13,7 +13,9 @@ The patterns, each a flag, any of them together:
 --dropout                  an ``nn.Dropout`` (torch's RNG)
 --augment                  noise from torch's, numpy's and Python's RNGs added to each input
 --loader                   a ``DataLoader`` over a ``DistributedSampler`` that shuffles, with
-                           ``set_epoch``, ``num_workers=0``, positioned at the restored step
+                           ``set_epoch``, positioned at the restored step
+--loader-workers N         that ``DataLoader``'s ``num_workers`` (default 0: in the process)
+--autocast                 the forward under CPU autocast to bfloat16
 
 The fault, in the first attempt on --fault-rank only: a SIGKILL at --crash-at-step N, where
 --crash-mode says: ``after-save`` once the save of step N is complete and the others are in
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--augment", action="store_true")
     parser.add_argument("--loader", action="store_true")
+    parser.add_argument("--loader-workers", type=int, default=0)
+    parser.add_argument("--autocast", action="store_true")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-mode", default="after-save",
@@ -92,8 +96,9 @@ def main() -> None:
     # A generator of its own: a DataLoader draws its iterator's base seed from torch's global
     # RNG unless given one, and the iterator made again at the restored step would draw where
     # an uninterrupted run does not (one draw more, so other dropout masks).
-    loader = DataLoader(dataset, batch_size=per_step, sampler=sampler, num_workers=0,
-                        drop_last=True, generator=torch.Generator())
+    loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
+                        num_workers=args.loader_workers, drop_last=True,
+                        generator=torch.Generator())
     first_attempt = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
     armed = first_attempt and rank == args.fault_rank
 
@@ -144,7 +149,8 @@ def main() -> None:
             for i, (xm, ym) in enumerate(zip(x.chunk(args.accum), y.chunk(args.accum),
                                              strict=True)):
                 last = i == args.accum - 1
-                with contextlib.nullcontext() if last else model.no_sync():
+                with (contextlib.nullcontext() if last else model.no_sync(),
+                      torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast)):
                     loss = F.cross_entropy(model(augment(xm)), ym) / args.accum
                     if crash_here and last and args.crash_mode == "mid-step":
                         time.sleep(0.5)  # the others are in this backward's all-reduce

@@ -29,10 +29,11 @@ CRASH_AT = 7
 
 PATTERNS = {
     # nanoGPT's order (zero_grad after the step), 2 micro-batches under no_sync, clipping, a
-    # LambdaLR warm-up, dropout, augmentation from torch's, numpy's and Python's RNGs, and a
-    # DataLoader over a shuffling DistributedSampler
+    # LambdaLR warm-up, dropout, augmentation from torch's, numpy's and Python's RNGs, a
+    # DataLoader with 2 worker processes over a shuffling DistributedSampler, and the forward
+    # under CPU autocast to bfloat16
     "all": ("--zero-grad", "after", "--accum", "2", "--clip", "--warmup", "--dropout",
-            "--augment", "--loader"),
+            "--augment", "--loader", "--loader-workers", "2", "--autocast"),
     # the same with zero_grad before the backward and one batch per step
     "zero-grad-before": ("--zero-grad", "before", "--clip", "--warmup", "--dropout",
                          "--augment", "--loader"),
