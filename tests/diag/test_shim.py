@@ -116,7 +116,13 @@ def test_the_event_pool_is_recycled_over_many_more_calls_than_slots(built, tmp_p
     assert header is not None and header.head == total
     all_reduces = [r for r in recs if Op(r.op) is Op.ALL_REDUCE and (r.flags >> 8) == 0]
     assert len(all_reduces) > 4000
-    assert all(r.flags & FLAG_TIMED and r.complete_ns >= r.enqueue_ns for r in all_reduces)
+    # The ring keeps the newest calls, each over 4,096 calls after its slot's first use: a timed
+    # one had its slot back from the polling thread. A call that finds its slot still armed (a
+    # poller a loaded machine left behind by a whole pool) is completed at its return instead,
+    # by design: every call is completed either way.
+    assert any(r.flags & FLAG_TIMED for r in all_reduces)
+    assert all(r.flags & (FLAG_TIMED | FLAG_HOST_COMPLETION) and r.complete_ns >= r.enqueue_ns
+               for r in all_reduces)
 
 
 @pytest.mark.timeout(120)
