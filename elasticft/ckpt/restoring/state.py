@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -304,7 +304,7 @@ def forget_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
         drop_gradients(param for group in optimizer.param_groups for param in group["params"])
 
 
-def drop_gradients(params: Any) -> None:
+def drop_gradients(params: Iterable[torch.Tensor]) -> None:
     """Sets each parameter's gradient to None (see :func:`forget_gradients`)."""
     for param in params:
         param.grad = None
