@@ -16,14 +16,21 @@ The patterns, each a flag, any of them together:
                            ``set_epoch``, positioned at the restored step
 --loader-workers N         that ``DataLoader``'s ``num_workers`` (default 0: in the process)
 --autocast                 the forward under CPU autocast to bfloat16
+--ema                      an exponential moving average of the weights kept outside the
+                           optimizer (``torch.optim.swa_utils.AveragedModel``), saved in the
+                           checkpoint's extras; its parameters' sum is logged with each loss
+--compile                  the DDP model under ``torch.compile`` (inductor)
 
 The fault, in the first attempt on --fault-rank only: a SIGKILL at --crash-at-step N, where
 --crash-mode says: ``after-save`` once the save of step N is complete and the others are in
 step N+1's collectives, ``right-after-save`` at once after ``save()`` returns, ``before-save``
 before the save (the others redo step N), ``mid-step`` in step N's backward of its last
-micro-batch (after the first ones). Every rank appends ``rank step loss`` (``repr``) to
---loss-log and ``rank pid step`` to --pid-log; the killed rank writes the wall-clock time of its
-SIGKILL to --kill-log, if given, just before sending it.
+micro-batch (after the first ones), ``in-optimizer-step`` inside step N's ``optimizer.step()``
+(a step pre-hook; the other ranks are held inside theirs, so the recovery interrupts them there),
+``twice`` as ``after-save`` and then again in the replacement's first step after the recovery,
+mid-backward (a second failure right after the first recovery). Every rank appends
+``rank step loss`` (``repr``) to --loss-log and ``rank pid step`` to --pid-log; the killed rank
+writes the wall-clock time of its SIGKILL to --kill-log, if given, just before sending it.
 """
 
 from __future__ import annotations
@@ -66,7 +73,10 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-mode", default="after-save",
-                        choices=("after-save", "right-after-save", "before-save", "mid-step"))
+                        choices=("after-save", "right-after-save", "before-save", "mid-step",
+                                 "in-optimizer-step", "twice"))
+    parser.add_argument("--ema", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--loss-log", type=Path, required=True)
     parser.add_argument("--pid-log", type=Path, required=True)
     parser.add_argument("--kill-log", type=Path, help="the SIGKILL's time.time(), written first")
@@ -82,6 +92,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 5)) \
         if args.warmup else None
     sched_at_start = sched.state_dict() if sched is not None else None
+    ema = torch.optim.swa_utils.AveragedModel(
+        net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)) if args.ema else None
+    ema_at_start = {k: v.clone() for k, v in ema.state_dict().items()} if ema is not None \
+        else None
     ckpt = Checkpointer.from_env(optimizers=[optim])
     snapshot = StateCapture(net, optim)
     torch.manual_seed(1000 + rank)  # each rank its own dropout and augmentation
@@ -101,6 +115,15 @@ def main() -> None:
                         generator=torch.Generator())
     first_attempt = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
     armed = first_attempt and rank == args.fault_rank
+    crash_at_step, crash_mode = args.crash_at_step, args.crash_mode
+    if crash_mode == "twice" and not first_attempt and rank == args.fault_rank:
+        # the first replacement only (a marker beside the pid log): killed again in its first
+        # step, mid-backward
+        with contextlib.suppress(FileExistsError):
+            args.pid_log.with_suffix(".second-failure").open("x").close()
+            armed, crash_at_step, crash_mode = True, crash_at_step + 1, "mid-step"
+    if crash_mode == "twice":
+        crash_mode = "after-save"
 
     def batches(start: int):
         """The batches of steps ``start`` on: the position follows the restored step."""
@@ -134,15 +157,33 @@ def main() -> None:
             args.kill_log.write_text(f"{time.time()!r}\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def in_optimizer_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
+        if crash_mode != "in-optimizer-step":
+            return
+        if armed_step[0]:
+            kill()
+        if held_step[0] and not held_once[0]:
+            held_once[0] = True
+            time.sleep(2.0)  # the recovery interrupts this rank here, inside optimizer.step()
+
+    armed_step, held_step, held_once = [False], [False], [False]
+    optim.register_step_pre_hook(in_optimizer_step)
+
     def train() -> None:
-        model = DistributedDataParallel(net)  # bound to this generation's group
+        ddp = DistributedDataParallel(net)  # bound to this generation's group
+        model = torch.compile(ddp) if args.compile else ddp
         restored = ckpt.restore(net, optim)
-        start, extra = restored if restored is not None else (0, {"sched": sched_at_start})
+        start, extra = restored if restored is not None else (
+            0, {"sched": sched_at_start, "ema": ema_at_start})
         if sched is not None:
             sched.load_state_dict(extra["sched"])
+        if ema is not None:
+            ema.load_state_dict(extra["ema"])
         for step, (x, y) in batches(start):
             done = step + 1
-            crash_here = armed and done == args.crash_at_step
+            crash_here = armed and done == crash_at_step
+            armed_step[0] = crash_here
+            held_step[0] = first_attempt and not armed and done == crash_at_step
             if args.zero_grad == "before":
                 optim.zero_grad(set_to_none=True)
             total = 0.0
@@ -152,7 +193,7 @@ def main() -> None:
                 with (contextlib.nullcontext() if last else model.no_sync(),
                       torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast)):
                     loss = F.cross_entropy(model(augment(xm)), ym) / args.accum
-                    if crash_here and last and args.crash_mode == "mid-step":
+                    if crash_here and last and crash_mode == "mid-step":
                         time.sleep(0.5)  # the others are in this backward's all-reduce
                         kill()
                     loss.backward()
@@ -162,19 +203,24 @@ def main() -> None:
             optim.step()
             if sched is not None:
                 sched.step()
+            if ema is not None:
+                ema.update_parameters(net)
             if args.zero_grad == "after":
                 optim.zero_grad(set_to_none=True)
+            logged = repr(total) if ema is None else \
+                f"{total!r},{sum(p.double().sum().item() for p in ema.parameters())!r}"
             with open(args.loss_log, "a") as f:
-                f.write(f"{rank} {done} {total!r}\n")
+                f.write(f"{rank} {done} {logged}\n")
             with open(args.pid_log, "a") as f:
                 f.write(f"{rank} {os.getpid()} {done}\n")
-            if crash_here and args.crash_mode == "before-save":
+            if crash_here and crash_mode == "before-save":
                 kill()
             request = ckpt.save(done, snapshot(extra={
-                "sched": sched.state_dict() if sched is not None else None}))
-            if crash_here and args.crash_mode == "right-after-save":
+                "sched": sched.state_dict() if sched is not None else None,
+                "ema": ema.state_dict() if ema is not None else None}))
+            if crash_here and crash_mode == "right-after-save":
                 kill()
-            if crash_here and args.crash_mode == "after-save":
+            if crash_here and crash_mode == "after-save":
                 request.wait()
                 time.sleep(0.5)  # the others wait in the next step's all-reduce
                 kill()

@@ -6,8 +6,10 @@ of the same pattern, bit for bit.
 
 The patterns are the script's flags, combined so that few runs cover them all: every pattern
 at once (zero_grad after the step, 2 micro-batches under no_sync, clipping, a LambdaLR warm-up,
-dropout, augmentation from torch's, numpy's and Python's RNGs, a DataLoader over a shuffling
-DistributedSampler) at four fault points, and the same with zero_grad before the backward.
+dropout, augmentation from torch's, numpy's and Python's RNGs, a DataLoader with worker
+processes over a shuffling DistributedSampler, bf16 autocast, an EMA outside the optimizer) at
+five fault points and a second failure right after the recovery, and zero_grad before the
+backward under torch.compile.
 Each pattern's uninterrupted run is made once, by the first cell that needs it. The causes one
 at a time are tested without processes: tests/ckpt/restoring/test_state.py (numpy's RNG, the
 gradients a restore drops) and tests/inprocess/test_inprocess_decisions.py (those a re-entry
@@ -30,13 +32,13 @@ CRASH_AT = 7
 PATTERNS = {
     # nanoGPT's order (zero_grad after the step), 2 micro-batches under no_sync, clipping, a
     # LambdaLR warm-up, dropout, augmentation from torch's, numpy's and Python's RNGs, a
-    # DataLoader with 2 worker processes over a shuffling DistributedSampler, and the forward
-    # under CPU autocast to bfloat16
+    # DataLoader with 2 worker processes over a shuffling DistributedSampler, the forward
+    # under CPU autocast to bfloat16, and an EMA of the weights outside the optimizer
     "all": ("--zero-grad", "after", "--accum", "2", "--clip", "--warmup", "--dropout",
-            "--augment", "--loader", "--loader-workers", "2", "--autocast"),
-    # the same with zero_grad before the backward and one batch per step
-    "zero-grad-before": ("--zero-grad", "before", "--clip", "--warmup", "--dropout",
-                         "--augment", "--loader"),
+            "--augment", "--loader", "--loader-workers", "2", "--autocast", "--ema"),
+    # zero_grad before the backward, one batch per step, the model under torch.compile
+    "zero-grad-before+compile": ("--zero-grad", "before", "--clip", "--warmup", "--dropout",
+                                 "--augment", "--loader", "--compile"),
 }
 
 
@@ -82,7 +84,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     ("all", "right-after-save"),
     ("all", "before-save"),  # the step is redone
     ("all", "mid-step"),  # in the last micro-batch: the others hold the first one's gradients
-    ("zero-grad-before", "after-save"),
+    ("all", "in-optimizer-step"),  # the survivor is interrupted inside its optimizer.step()
+    ("zero-grad-before+compile", "after-save"),
 ])
 def test_a_plain_loop_recovered_in_process_has_an_uninterrupted_runs_losses(
         tmp_path: Path, job_env: dict[str, str], uninterrupted: dict[str, dict], pattern: str,
@@ -94,6 +97,27 @@ def test_a_plain_loop_recovered_in_process_has_an_uninterrupted_runs_losses(
     assert len(run["pids"][0]) == 1, run["pids"]  # rank 0 kept its process
     assert len(run["pids"][1]) == 2, run["pids"]  # rank 1 was replaced
     reference = uninterrupted[pattern]
+    differing = {key: (run["losses"].get(key), loss) for key, loss in reference.items()
+                 if run["losses"].get(key) != loss}
+    assert not differing, f"(rank, step): (after the recovery, uninterrupted) {differing}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_second_failure_right_after_the_recovery_falls_back_to_a_restart_and_stays_exact(
+        tmp_path: Path, job_env: dict[str, str], uninterrupted: dict[str, dict]) -> None:
+    """Rank 1 killed after step 7's save, then its replacement killed in its first step: the
+    second failure cuts the in-process recovery short, and the agent restarts every rank from
+    the newest step instead of trying in process again; the losses are still the
+    uninterrupted run's."""
+    run = _run(tmp_path, "fault", job_env, *PATTERNS["all"], "--fault-rank", "1",
+               "--crash-at-step", str(CRASH_AT), "--crash-mode", "twice")
+    decisions = [e for e in run["events"] if e["kind"] == "decision"]
+    assert [d["action"] for d in decisions] == ["recover_in_process", "restart_in_place"], \
+        run["text"][-5000:]
+    assert decisions[1]["in_process_failed_at"] is not None, decisions[1]
+    assert len(run["pids"][1]) >= 2, run["pids"]
+    reference = uninterrupted["all"]
     differing = {key: (run["losses"].get(key), loss) for key, loss in reference.items()
                  if run["losses"].get(key) != loss}
     assert not differing, f"(rank, step): (after the recovery, uninterrupted) {differing}"
