@@ -103,6 +103,12 @@ ALL_PLAIN = ("--zero-grad", "after", "--accum", "2", "--clip", "--warmup", "--dr
              "--augment", "--loader", "--loader-workers", "2", "--autocast", "--ema")
 LIGHTNING_CHECKPOINTED = ("--epochs", "4", "--checkpoint-every", "5", "--save-last",
                           "--dropout", "0.25", "--checkpoint-dir", "{run}/own")
+LIGHTNING_CALLBACKS = ("--epochs", "6", "--checkpoint-every", "2", "--save-last", "--dropout",
+                       "0.25", "--checkpoint-dir", "{run}/own", "--early-stopping",
+                       "--lr-monitor", "--log-dir", "{run}/csv", "--accumulate", "2")
+CHECKPOINT_WRITE = (("in the write of step 4's checkpoint (rank 0)",
+                     ("--fault-rank", "0", "--crash-at-step", "4",
+                      "--crash-in-checkpoint-write")),)
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("default", "plain", (), plain_faults()),
     Pattern("default", "plain", (), plain_faults(), ranks=3),
@@ -122,6 +128,9 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("ddp", "lightning", (), at_step((1, " (before its snapshot)"), 4)),
     Pattern("ddp+dropout+checkpoint", "lightning", LIGHTNING_CHECKPOINTED,
             at_step(7, (10, " (a ModelCheckpoint step)"))),
+    Pattern("callbacks+accumulate-2", "lightning", LIGHTNING_CALLBACKS,
+            at_step(5, (4, " (a ModelCheckpoint step)")) + CHECKPOINT_WRITE),
+    Pattern("ddp (pytorch_lightning)", "lightning", ("--pytorch-lightning",), at_step(4)),
     Pattern("fsdp2", "lightning", ("--model-parallel",), at_step(4)),
     Pattern("tensor-parallel", "lightning", ("--model-parallel", "--tensor-parallel"),
             at_step(4)),
@@ -135,8 +144,10 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("shuffle-from-torch-rng", "hf", ("--shuffle-from-torch-rng",), at_step(4)),
 )
 """The matrix: each plain pattern alone and all together, the default with 3 and 4 ranks too, and
-the framework examples' options (Lightning's ModelCheckpoint with dropout, FSDP2 and tensor
-parallel under its model-parallel strategy; the Trainer's own saves, accumulation with a
+the framework examples' options (Lightning's ModelCheckpoint with dropout; EarlyStopping,
+LearningRateMonitor and gradient accumulation with it, a fault in its checkpoint write too; the
+standalone pytorch_lightning package; FSDP2 and tensor parallel under its model-parallel
+strategy; the Trainer's own saves, accumulation with a
 warm-up, a GPT-2 with dropout, a callback with state, a sampler shuffled from torch's RNG)."""
 
 QUICK = (Pattern("default", "plain", (), plain_faults()[0:3:2]),)

@@ -9,20 +9,26 @@ seeded dataset, Adam with a step scheduler, over two epochs, and a callback with
 own (a count of batches, in Lightning's ``state_dict``). Faults for tests and demos:
 ``--crash-at-step N`` SIGKILLs ``--fault-rank`` (1) at the end of optimizer step N, after its
 callbacks (so after ``ModelCheckpoint`` wrote step N) and before the snapshot of step N, in the
-first attempt (the others redo step N). ``--restart-mode`` trains with Lightning's own DDP
-strategy instead (the restart mode, for comparison). ``--pytorch-lightning`` imports the
+first attempt (the others redo step N). With ``--crash-in-checkpoint-write`` the fault is
+instead in the write of step N's Lightning checkpoint, on the rank that writes it (rank 0;
+``--fault-rank 0``): half its bytes are written, then the SIGKILL. ``--early-stopping`` adds
+Lightning's ``EarlyStopping`` on the epoch's mean loss (patience 1), ``--lr-monitor`` a
+``LearningRateMonitor`` (with a CSV logger into ``--log-dir``), ``--accumulate N`` the Trainer's
+gradient accumulation. ``--restart-mode`` trains with Lightning's own DDP strategy instead
+(the restart mode, for comparison). ``--pytorch-lightning`` imports the
 standalone ``pytorch_lightning`` package instead of ``lightning.pytorch``; the script is the same.
 ``--model-parallel`` shards the model with FSDP2 (``fully_shard`` in ``configure_model``) under
 ``InProcessModelParallelStrategy`` (Lightning's ``ModelParallelStrategy`` with
 ``--restart-mode``), or tensor parallel over every rank with ``--tensor-parallel`` too. Rank 0
 writes the final (whole) parameters and its callback's count to ``--params-out``; every rank
-appends ``rank pid step`` lines to ``--pid-log``.
+appends a ``rank pid step`` line per optimizer step to ``--pid-log``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
 import signal
 import sys
@@ -75,7 +81,10 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.args.early_stopping:
+            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         """The fault: after the callbacks' hooks of step N (a checkpoint of it written), before
@@ -83,7 +92,8 @@ class Regression(L.LightningModule):
         first = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and \
             os.environ.get("ELASTICFT_INPROCESS_GEN", "0") == "0"
         if first and self.trainer.global_rank == self.args.fault_rank \
-                and self.trainer.global_step == self.args.crash_at_step:
+                and self.trainer.global_step == self.args.crash_at_step \
+                and not self.args.crash_in_checkpoint_write:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def configure_optimizers(self) -> dict:
@@ -98,6 +108,7 @@ class Batches(L.Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.started = 0
+        self.step_at_start = 0
 
     def state_dict(self) -> dict[str, int]:
         return {"started": self.started}
@@ -108,12 +119,39 @@ class Batches(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: object,
                              batch_idx: int) -> None:
         self.started += 1
+        self.step_at_start = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: object,
                            batch: object, batch_idx: int) -> None:
-        if self.args.pid_log:
+        # A line per optimizer step (not per batch of an accumulated one).
+        if self.args.pid_log and trainer.global_step != self.step_at_start:
             with open(self.args.pid_log, "a") as f:
                 f.write(f"{trainer.global_rank} {os.getpid()} {trainer.global_step}\n")
+
+
+class TornCheckpointIO(L.plugins.TorchCheckpointIO):
+    """Lightning's checkpoint writer, killed half-way through the write of step N's file on
+    the fault rank, in the first attempt (--crash-in-checkpoint-write)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+
+    def save_checkpoint(self, checkpoint: dict, path: str | Path,
+                        storage_options: object = None) -> None:
+        first = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and \
+            os.environ.get("ELASTICFT_INPROCESS_GEN", "0") == "0"
+        rank = int(os.environ.get("RANK", "0"))
+        if first and rank == self.args.fault_rank \
+                and checkpoint.get("global_step") == self.args.crash_at_step:
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(buffer.getvalue()[: buffer.tell() // 2])
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().save_checkpoint(checkpoint, path, storage_options)
 
 
 def main() -> None:
@@ -129,6 +167,12 @@ def main() -> None:
                         help="Lightning's own ModelCheckpoint into this directory")
     parser.add_argument("--checkpoint-every", type=int, default=3, help="steps")
     parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint's save_last")
+    parser.add_argument("--crash-in-checkpoint-write", action="store_true",
+                        help="the fault in the write of step N's Lightning checkpoint")
+    parser.add_argument("--early-stopping", action="store_true")
+    parser.add_argument("--lr-monitor", action="store_true")
+    parser.add_argument("--log-dir", type=Path, help="the CSV logger's (with --lr-monitor)")
+    parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--pytorch-lightning", action="store_true",
                         help="import pytorch_lightning, not lightning.pytorch (read at import)")
     parser.add_argument("--restart-mode", action="store_true",
@@ -149,6 +193,14 @@ def main() -> None:
                                    every_n_train_steps=args.checkpoint_every,
                                    save_top_k=-1, save_last=args.save_last or None)
                    ] if args.checkpoint_dir else []
+    if args.early_stopping:
+        checkpoints.append(L.callbacks.EarlyStopping(monitor="train_loss", patience=1,
+                                                     min_delta=0.02,
+                                                     check_on_train_epoch_end=True))
+    if args.lr_monitor:
+        checkpoints.append(L.callbacks.LearningRateMonitor(logging_interval="step"))
+    # (DDP's own checkpoint writer; the model-parallel strategy writes with DCP)
+    checkpoint_io = TornCheckpointIO(args) if args.crash_in_checkpoint_write else None
     if args.model_parallel:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
         tensor = ranks if args.tensor_parallel else 1
@@ -156,10 +208,12 @@ def main() -> None:
             ModelParallelStrategy if args.restart_mode else InProcessModelParallelStrategy)(
             data_parallel_size=ranks // tensor, tensor_parallel_size=tensor)
     else:
-        strategy = (DDPStrategy(process_group_backend="gloo") if args.restart_mode
-                    else InProcessDDPStrategy(process_group_backend="gloo"))
+        strategy = (DDPStrategy if args.restart_mode else InProcessDDPStrategy)(
+            process_group_backend="gloo", checkpoint_io=checkpoint_io)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                        num_nodes=1, strategy=strategy, max_epochs=args.epochs, logger=False,
+                        num_nodes=1, strategy=strategy, max_epochs=args.epochs,
+                        logger=L.loggers.CSVLogger(args.log_dir or ".") if args.lr_monitor
+                        else False, accumulate_grad_batches=args.accumulate,
                         enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[batches, *checkpoints])
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))

@@ -55,9 +55,14 @@ of a ``ckpt_path``) is the start a failure before the first snapshot rolls back 
 states the restore put back are put back again at the first batch: the training loader's new
 iterator draws its seed from torch's RNG between the two.
 
-Limits: one optimizer, automatic optimization, no gradient accumulation over several batches; a
-training loader of a ``torch.utils.data`` sampler. Lightning's ``FSDPStrategy`` (FSDP1) has no
-in-process counterpart: FSDP2 goes through the model-parallel strategy.
+With gradient accumulation the snapshot is taken at the first batch of each optimizer step. The
+values a module logs for the epoch (``self.log(..., on_epoch=True)``) are in the snapshot too
+(:func:`logged_results`): ``EarlyStopping`` and a monitoring ``ModelCheckpoint`` read them at the
+epoch's end.
+
+Limits: one optimizer, automatic optimization; a training loader of a ``torch.utils.data``
+sampler. Lightning's ``FSDPStrategy`` (FSDP1) has no in-process counterpart: FSDP2 goes
+through the model-parallel strategy.
 """
 
 from __future__ import annotations
@@ -132,6 +137,12 @@ class _InProcessFit:
         """The callbacks' states at that entry (:func:`callback_states`), likewise."""
         self._rng_to_put_back: dict[str, Any] | None = None
         """The RNG states the restore of this entry put back, again at its first batch."""
+        self._results_to_put_back: str | None = None
+        """The logged metrics' accumulations of the restored step, put back at the entry's
+        first batch (:func:`logged_results`)."""
+        self._snapshot_step: int | None = None
+        """The step of this entry's last snapshot: the batches of one step (gradient
+        accumulation) take one, at the first of them."""
         self._snapshots = self._snapshots_class(self)
 
     def kept_modules(self, model: Any) -> tuple[Any, ...]:
@@ -154,6 +165,7 @@ class _InProcessFit:
         restored = self.recovery.restore(self.lightning_module, self.optimizers[0],
                                          keep_start=False)
         callbacks = [c for c in trainer.callbacks if c is not self._snapshots]
+        self._snapshot_step = None
         if restored is None:  # nothing saved yet, or the start put back: so are the counters
             if self._loop_at_start is None:
                 self._loop_at_start = json.dumps(trainer.fit_loop.state_dict())
@@ -164,6 +176,7 @@ class _InProcessFit:
                 load_callback_states(callbacks, self._callbacks_at_start)
             if self.recovery.entries > 1 or self.recovery.inprocess.generation > 0:
                 self._rng_to_put_back = _rng_state()  # the start's, just put back
+                self._results_to_put_back = json.dumps({})  # nothing logged at the start
             return
         extra = restored[1]["lightning"]
         for config, state in zip(trainer.lr_scheduler_configs, extra["schedulers"], strict=True):
@@ -171,6 +184,7 @@ class _InProcessFit:
         trainer.fit_loop.load_state_dict(json.loads(extra["fit_loop"]))
         load_callback_states(callbacks, extra["callbacks"])
         self._rng_to_put_back = _rng_state()
+        self._results_to_put_back = extra.get("results")
         # The batches of this epoch done by the restored step (its counters, now loaded).
         done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
         self._skip_batches(trainer.train_dataloader, done)
@@ -202,13 +216,19 @@ class _InProcessFit:
         if self._rng_to_put_back is not None:
             _set_rng_state(self._rng_to_put_back)
             self._rng_to_put_back = None
+        results = trainer.fit_loop.epoch_loop._results
+        if self._results_to_put_back is not None:
+            # After Lightning reset them at the entry's epoch start.
+            put_back_logged_results(results, self._results_to_put_back)
+            self._results_to_put_back = None
         step = trainer.global_step
         module, optimizer = self.lightning_module, self.optimizers[0]
         if step == 0:  # the start, once Lightning loaded its own checkpoint if it had one
             self.recovery.keep_start(module, optimizer)
             return
-        if step == self.recovery.restored_step:
-            return  # nothing new since the entry
+        if step in (self.recovery.restored_step, self._snapshot_step):
+            return  # nothing new since the entry, or a later batch of an accumulated step
+        self._snapshot_step = step
         self.recovery.save(step, module, optimizer, {"lightning": {
             # JSON strings: a snapshot keeps leaves (not empty containers) under str keys.
             "fit_loop": json.dumps(trainer.fit_loop.state_dict()),
@@ -216,6 +236,7 @@ class _InProcessFit:
                            for c in trainer.lr_scheduler_configs],
             "callbacks": callback_states(c for c in trainer.callbacks
                                          if c is not self._snapshots),
+            "results": logged_results(results),
         }}, record=False)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -302,6 +323,62 @@ def load_callback_states(callbacks: Any, encoded: str) -> None:
             callback.load_state_dict(taken["state"])
         for name, value in taken["fields"].items():
             setattr(callback, name, value)
+
+
+def logged_results(results: Any) -> str:
+    """The accumulations of the values a module logged with ``self.log`` this epoch (Lightning's
+    training ``_ResultCollection``: a sum, a max, a mean's weighted sum and batch count), as one
+    JSON string: an epoch-level metric (``on_epoch=True``, what ``EarlyStopping`` and
+    ``ModelCheckpoint(monitor=...)`` read) covers every batch of the epoch, so a step redone must
+    find it as it was at that step. Lightning's checkpoints do not hold it; its own mid-epoch
+    resume starts the epoch's metrics over. ``torchmetrics.Metric`` objects logged as values
+    keep their state in the module, not here."""
+    taken = {}
+    for key, metric in results.items():
+        if not metric.is_tensor:
+            continue
+        batches = metric.cumulated_batch_size if metric.meta.is_mean_reduction else None
+        taken[key] = {"dtype": str(metric.value.dtype).removeprefix("torch."),
+                      "value": metric.value.tolist(),
+                      "batches": None if batches is None else int(batches),
+                      "updates": metric._update_count, "has_reset": metric.has_reset}
+    return json.dumps(taken)
+
+
+def put_back_logged_results(results: Any, encoded: str) -> None:
+    """Puts :func:`logged_results`'s accumulations back: into the entries there now, and into
+    each again right before its next update. Lightning resets a hook's values at its first
+    ``self.log`` of a run's first batch (it starts the epoch's metrics over on a resume), and a
+    replacement's entries are made only by that call."""
+    taken: dict[str, dict[str, Any]] = json.loads(encoded)
+    for key, metric in results.items():
+        if key in taken:
+            _load_logged(metric, taken[key])
+        elif metric.is_tensor:
+            metric.reset()  # logged only after the restored step
+    update = type(results).update_metrics
+
+    def update_metrics(key: str, value: Any, batch_size: int) -> None:
+        state = taken.pop(key, None)
+        if state is not None:
+            _load_logged(results[key], state)
+        if not taken:
+            del results.update_metrics  # Lightning's own again
+        update(results, key, value, batch_size)
+
+    if taken:
+        results.update_metrics = update_metrics
+
+
+def _load_logged(metric: Any, state: dict[str, Any]) -> None:
+    device = metric.value.device
+    metric.value = torch.tensor(state["value"], dtype=getattr(torch, state["dtype"]),
+                                device=device)
+    if state["batches"] is not None:
+        metric.cumulated_batch_size = torch.tensor(state["batches"], device=device)
+    metric._update_count = state["updates"]
+    metric.has_reset = state["has_reset"]
+    metric._computed = None
 
 
 def _rng_state() -> dict[str, Any]:

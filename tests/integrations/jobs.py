@@ -38,22 +38,24 @@ def run_job(tmp: Path, script: str, name: str, env: dict[str, str], *extra: str)
     assert report.returncode == 0, report.stderr[-3000:]
     return {"text": text, "pids": pids_by_rank(pids), "params": torch.load(params),
             "events": read_events(tmp / name), "report": json.loads(report.stdout),
-            "survivor_steps": [int(line.split()[2]) for line in pids.read_text().splitlines()
-                               if line.split()[0] == "0"]}
+            "steps": {rank: [int(line.split()[2]) for line in pids.read_text().splitlines()
+                             if line.split()[0] == str(rank)] for rank in (0, 1)}}
 
 
-def assert_recovered_in_process(run: dict, reference: dict) -> None:
-    """Rank 1 was replaced in process, rank 0 kept its process, the run took the reference's
-    steps to the reference's parameters bit for bit, and the report counts the steps rank 0
-    finished and did again: at most the one in flight (none when the interrupt refused its
-    optimizer step before it finished). The report counts a step as done when the framework
-    records it, the script's log when its callback runs: an interrupt landing between the two
-    (a loaded machine) makes them differ by that step, so each is bounded on its own."""
+def assert_recovered_in_process(run: dict, reference: dict, replaced: int = 1) -> None:
+    """Rank ``replaced`` (1) was replaced in process, the other kept its process, the run took
+    the reference's steps to the reference's parameters bit for bit, and the report counts the
+    steps the survivor finished and did again: at most the one in flight (none when the
+    interrupt refused its optimizer step before it finished). The report counts a step as done
+    when the framework records it, the script's log when its callback runs: an interrupt landing
+    between the two (a loaded machine) makes them differ by that step, so each is bounded on its
+    own."""
     kinds = [e["kind"] for e in run["events"]]
     assert "restart" not in kinds, run["text"][-5000:]
     assert kinds.count("recover_in_process") == 1, run["text"][-5000:]
-    assert len(run["pids"][0]) == 1, run["pids"]
-    assert len(run["pids"][1]) == 2, run["pids"]
+    survivor = 1 - replaced
+    assert len(run["pids"][survivor]) == 1, run["pids"]
+    assert len(run["pids"][replaced]) == 2, run["pids"]
     finished = [line for line in reference["text"].splitlines() if "finished" in line]
     assert finished and finished[0].split("finished")[1].split(";")[0] in run["text"]
     assert run["report"]["last_step"] == reference["report"]["last_step"]
@@ -61,7 +63,7 @@ def assert_recovered_in_process(run: dict, reference: dict) -> None:
     for key, value in reference["params"].items():
         assert torch.equal(run["params"][key], value), key
     (fault,) = run["report"]["faults"]
-    done = run["survivor_steps"]
+    done = run["steps"][survivor]
     redone = len(done) - len(set(done))
     assert fault["action"] == "recover_in_process", fault
     assert fault["rollback_steps"] <= 1 and redone <= 1, (fault, done)
