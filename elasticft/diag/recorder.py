@@ -164,7 +164,8 @@ class Recorder:
         """The DDP models already looked at (weakly: a DDP made after another was freed may
         get its ``id``)."""
         self._autoattach: Any = None
-        """The module forward pre-hook that attaches the bucket hook, while armed."""
+        """While armed: the handle that puts ``DistributedDataParallel.__init__`` back (a DDP
+        made while armed gets a forward pre-hook of its own that attaches the bucket hook)."""
         self._autoattach_installed = False
         """Whether :meth:`install_ddp_autoattach` ran (re-arming is for such a recorder only)."""
         self._failed_once = False
@@ -482,42 +483,53 @@ class Recorder:
     def install_ddp_autoattach(self) -> None:
         """Attaches the bucket hook to every DDP model at its first forward (unmodified scripts).
 
-        The global forward pre-hook is removed at the next optimizer step: every DDP model has
-        normally run forward by then, and the hook must not tax every module call afterwards.
-        A DDP made later (the one an in-process recovery's re-entry makes) needs it again:
+        Each DDP model made while this is armed gets a forward pre-hook of its own, which
+        attaches at its first forward (after the script's own ``register_comm_hook``, if any)
+        and removes itself. A global module hook would do the same for every module call, and
+        ``torch.compile`` warns at every call of a compiled module while one exists. Disarmed
+        at the next optimizer step: every DDP model is normally made by then. A DDP made later
+        (the one an in-process recovery's re-entry makes) needs it again:
         :meth:`rearm_ddp_autoattach`.
         """
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        def remove_after_the_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            # Only the forward hook: torch is iterating over the step hooks right now, and
-            # removing one of them would break that loop for the hooks registered after it.
+        def disarm_after_the_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             if self._autoattach is not None:
                 self._autoattach.remove()
                 self._autoattach = None
 
         self._autoattach_installed = True
         self.rearm_ddp_autoattach()
-        self._hook_handles.append(register_optimizer_step_post_hook(remove_after_the_step))
+        self._hook_handles.append(register_optimizer_step_post_hook(disarm_after_the_step))
 
     def rearm_ddp_autoattach(self) -> None:
-        """Attaches the bucket hook to the DDP models that run forward before the next optimizer
-        step (after an in-process recovery: the DDPs its re-entry makes), so that their buckets
-        are timed as the first ones were; nothing for a recorder installed without it."""
-        from torch.nn.modules.module import register_module_forward_pre_hook
+        """Attaches the bucket hook to the DDP models made before the next optimizer step
+        (after an in-process recovery: the DDPs its re-entry makes), at their first forward, so
+        that their buckets are timed as the first ones were; nothing for a recorder installed
+        without it."""
         from torch.nn.parallel import DistributedDataParallel
 
         if self._autoattach is not None or not self._autoattach_installed:
             return
+        recorder = self
+        made = DistributedDataParallel.__init__
 
-        def on_forward(module: Any, args: Any) -> None:
-            if isinstance(module, DistributedDataParallel) and module not in self._ddp_seen:
-                try:
-                    self.attach_ddp(module)
-                except Exception:
-                    logger.warning("could not time DDP buckets", exc_info=True)
+        def init_then_watch(ddp: Any, *args: Any, **kwargs: Any) -> None:
+            made(ddp, *args, **kwargs)
+            handle: Any = None
 
-        self._autoattach = register_module_forward_pre_hook(on_forward)
+            def on_first_forward(module: Any, forward_args: Any) -> None:
+                handle.remove()
+                if module not in recorder._ddp_seen:
+                    try:
+                        recorder.attach_ddp(module)
+                    except Exception:
+                        logger.warning("could not time DDP buckets", exc_info=True)
+
+            handle = ddp.register_forward_pre_hook(on_first_forward)
+
+        DistributedDataParallel.__init__ = init_then_watch  # type: ignore[method-assign]
+        self._autoattach = _PutBack(DistributedDataParallel, "__init__", made)
         self._hook_handles.append(self._autoattach)
 
     def close(self) -> None:
@@ -525,6 +537,18 @@ class Recorder:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+
+
+class _PutBack:
+    """Puts a class attribute back on :meth:`remove` (once), like a hook's handle."""
+
+    def __init__(self, owner: type, name: str, original: Any) -> None:
+        self.owner, self.name, self.original = owner, name, original
+
+    def remove(self) -> None:
+        if self.original is not None:
+            setattr(self.owner, self.name, self.original)
+            self.original = None
 
 
 # One recorder per worker process: torch's optimizer and module hooks it registers are themselves
