@@ -24,6 +24,9 @@ def test_bootstrap_records_gloo_collectives_and_steps_and_chains_site_customize(
         assert os.environ.get("SITE_RAN") == "yes", "the shadowed sitecustomize did not run"
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        # no global module hook (torch.compile warns at every call while one exists)
+        from torch.nn.modules.module import _has_any_global_hook
+        assert not _has_any_global_hook(), "a global module hook"
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
