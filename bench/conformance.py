@@ -8,9 +8,9 @@ against an uninterrupted run of the same pattern and ranks (made once per patter
 Its result is one of:
 
 * ``exact``: recovered in process (or, for a second failure during or right after that
-  recovery, by the restart it falls back to), and every rank's loss of every step (plain
-  loops), or the final parameters and the last step (frameworks), are the uninterrupted run's,
-  bit for bit;
+  recovery, by the restart it falls back to), and every rank's loss and parameters (a hash
+  of their bytes) after every step (plain loops), or the final parameters and the last step
+  (frameworks), are the uninterrupted run's, bit for bit;
 * ``refused: <line>``: the job said in one line that it does not recover this pattern in
   process, went on in the restart mode and ended with the uninterrupted run's result;
 * ``DIFFERENT at step N (rank R)`` / ``DIFFERENT: ...``: a finding;

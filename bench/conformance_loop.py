@@ -18,7 +18,7 @@ The patterns, each a flag, any of them together:
 --autocast                 the forward under CPU autocast to bfloat16
 --ema                      an exponential moving average of the weights kept outside the
                            optimizer (``torch.optim.swa_utils.AveragedModel``), saved in the
-                           checkpoint's extras; its parameters' sum is logged with each loss
+                           checkpoint's extras; a hash of its parameters is logged too
 --compile                  the DDP model under ``torch.compile`` (inductor)
 
 The fault, in the first attempt on --fault-rank only: a SIGKILL at --crash-at-step N, where
@@ -29,18 +29,21 @@ micro-batch (after the first ones), ``in-optimizer-step`` inside step N's ``opti
 (a step pre-hook; the other ranks are held inside theirs, so the recovery interrupts them there),
 ``twice`` as ``after-save`` and then again in the replacement's first step after the recovery,
 mid-backward (a second failure right after the first recovery). Every rank appends
-``rank step loss`` (``repr``) to --loss-log and ``rank pid step`` to --pid-log; the killed rank
-writes the wall-clock time of its SIGKILL to --kill-log, if given, just before sending it.
+``rank step loss,hash`` (the loss's ``repr``, a hash of the parameters' bytes after the step)
+to --loss-log and ``rank pid step`` to --pid-log; the killed rank writes the wall-clock time of
+its SIGKILL to --kill-log, if given, just before sending it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import random
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +58,14 @@ from elasticft.ckpt import Checkpointer, StateCapture
 from elasticft.inprocess import InProcess
 
 SAMPLES, FEATURES, CLASSES = 128, 16, 4
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> str:
+    """A short hash of the tensors' bytes, in their order."""
+    hashed = hashlib.sha1()
+    for tensor in tensors:
+        hashed.update(tensor.detach().contiguous().numpy().tobytes())
+    return hashed.hexdigest()[:16]
 
 
 def main() -> None:
@@ -164,7 +175,10 @@ def main() -> None:
             kill()
         if held_step[0] and not held_once[0]:
             held_once[0] = True
-            time.sleep(2.0)  # the recovery interrupts this rank here, inside optimizer.step()
+            # The recovery interrupts this rank here, inside optimizer.step(): between short
+            # sleeps, as an interrupt lands between Python's bytecodes, not inside a C call.
+            for _ in range(200):
+                time.sleep(0.01)
 
     armed_step, held_step, held_once = [False], [False], [False]
     optim.register_step_pre_hook(in_optimizer_step)
@@ -207,8 +221,10 @@ def main() -> None:
                 ema.update_parameters(net)
             if args.zero_grad == "after":
                 optim.zero_grad(set_to_none=True)
-            logged = repr(total) if ema is None else \
-                f"{total!r},{sum(p.double().sum().item() for p in ema.parameters())!r}"
+            # the parameters' bytes too: a loss can hide a difference in their last bits
+            logged = f"{total!r},{digest(net.parameters())}"
+            if ema is not None:
+                logged += f",{digest(ema.parameters())}"
             with open(args.loss_log, "a") as f:
                 f.write(f"{rank} {done} {logged}\n")
             with open(args.pid_log, "a") as f:

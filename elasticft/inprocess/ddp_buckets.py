@@ -30,13 +30,25 @@ rebuild after that step, from the same backward order, lays the buckets out the 
 The script does nothing for it. A DDP whose rebuild was not yet logged when its generation ended
 (a failure in its first three steps) leaves nothing to carry: the next one starts with torch's
 guess, as without this module.
+
+A restart ends every process, and with them what they remembered: a restart that follows an
+in-process recovery (a second failure during it, the same fault again) would start every rank's
+DDP with the guess again. So each layout is also written, once, to the node's run directory
+(``ELASTICFT_RUN_DIR``, which outlives the attempts; one small JSON file per DDP signature), and
+a rank that remembers none reads it from there before the ranks agree, in a restarted attempt
+only: a new launch over the same run directory starts as an uninterrupted run starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import os
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 Signature = tuple[tuple[tuple[int, ...], str], ...]
@@ -89,8 +101,47 @@ class BucketLayouts:
     """The rebuilt bucket layouts of the DDPs made while in-process recovery is armed, by
     :data:`Signature`, given to the DDPs of later generations (:meth:`arm`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path | None = None, read_kept: bool = False) -> None:
         self.rebuilt: dict[Signature, Layout] = {}
+        self.directory = directory
+        """Where the layouts are written for the processes of a later attempt (None: not)."""
+        self.read_kept = read_kept
+        """Whether this process is such a later attempt's, which reads them."""
+
+    @classmethod
+    def of_this_node(cls) -> BucketLayouts:
+        """Layouts kept in the run directory the agent gives its workers, if it gives one,
+        and read back in an attempt after the first (``ELASTICFT_ATTEMPT``)."""
+        run_dir = os.environ.get("ELASTICFT_RUN_DIR")
+        return cls(Path(run_dir) / "ddp-layouts" if run_dir else None,
+                   read_kept=os.environ.get("ELASTICFT_ATTEMPT", "0") != "0")
+
+    def _path(self, signature: Signature) -> Path | None:
+        if self.directory is None:
+            return None
+        return self.directory / f"{hashlib.sha1(repr(signature).encode()).hexdigest()}.json"
+
+    def _keep(self, signature: Signature, layout: Layout) -> None:
+        """Writes ``layout`` for a later attempt's processes (atomically; every rank may)."""
+        path = self._path(signature)
+        if path is None or path.exists():
+            return
+        with contextlib.suppress(OSError):  # then a restart starts with torch's guess
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps([repr(signature), layout[0], layout[1]]))
+            temporary.replace(path)
+
+    def _kept(self, signature: Signature) -> Layout | None:
+        """The layout a process of an earlier attempt wrote for ``signature``, if any."""
+        path = self._path(signature)
+        if path is None or not self.read_kept:
+            return None
+        try:
+            written, indices, sizes = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return (indices, sizes) if written == repr(signature) else None
 
     def arm(self, on_made: Callable[[Any, Sequence[Any]], None] | None = None
             ) -> Callable[[], None]:
@@ -137,8 +188,9 @@ class BucketLayouts:
 
         count = len(parameters)
         device = parameters[0].device if count else torch.device("cpu")
-        mine = torch.tensor(encode(self.rebuilt.get(signature_of(parameters)), count),
-                            dtype=torch.int64, device=device)
+        signature = signature_of(parameters)
+        remembered = self.rebuilt.get(signature) or self._kept(signature)
+        mine = torch.tensor(encode(remembered, count), dtype=torch.int64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, mine, group=group)
         return next((layout for row in torch.stack(everyone).tolist()
@@ -158,5 +210,6 @@ class BucketLayouts:
                 hook.remove()
             if layouts is not None and layout is not None:
                 layouts.rebuilt[signature] = layout
+                layouts._keep(signature, layout)
 
         hook = ddp.register_forward_pre_hook(read)

@@ -177,7 +177,7 @@ class InProcess:
         self.device = ArmedDevice()
         """The rank's device and NVML's baseline for it, taken when recovery arms."""
         self.monitor: Monitor | None = None
-        self.bucket_layouts = BucketLayouts()
+        self.bucket_layouts = BucketLayouts.of_this_node()
         """The DDPs' rebuilt bucket layouts, carried to the DDPs of the next generation."""
         self._replicated: list[Replicated] = []
         """The DDPs made since the latest optimizer step, whose replicas certify their state at

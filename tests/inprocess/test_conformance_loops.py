@@ -1,8 +1,8 @@
 """In-process recovery of plain training loops as users write them, a conformance matrix: a
 loop pattern of bench/conformance_loop.py under a real ``elasticft-run --standalone
 --nproc-per-node 2`` (gloo), rank 1 SIGKILLed at a fault point; rank 0 keeps its process, a
-replacement takes rank 1, and both ranks' losses of every step are those of an uninterrupted run
-of the same pattern, bit for bit.
+replacement takes rank 1, and both ranks' losses and parameters (a hash of their bytes) after
+every step are those of an uninterrupted run of the same pattern, bit for bit.
 
 The patterns are the script's flags, combined so that few runs cover them all: every pattern
 at once (zero_grad after the step, 2 micro-batches under no_sync, clipping, a LambdaLR warm-up,

@@ -1,9 +1,12 @@
 """DDP's rebuilt bucket layout carried to the DDP of the next generation
 (:mod:`elasticft.inprocess.ddp_buckets`), on a real gloo group of one rank. That this makes a
 re-made DDP's losses an uninterrupted run's with 4 ranks is tested end to end in
-test_inprocess.py and test_inprocess_across_nodes.py."""
+test_inprocess.py and test_inprocess_across_nodes.py; a restart after an in-process recovery
+with 3 and 4 ranks, in bench/conformance.py (``twice``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +81,28 @@ def test_a_layout_travels_as_integers_of_one_length_for_any_layout(
     row = encode(layout, count)
     assert len(row) == 2 + 3 * count
     assert decode(row, count) == layout
+
+
+@pytest.mark.parametrize(("read_kept", "starts_with"), [(True, "rebuilt"), (False, "guess")],
+                         ids=["a-restarted-attempt", "a-new-launch"])
+def test_a_restarted_process_starts_with_the_layout_an_earlier_attempt_kept(
+        group_of_one: dist.TCPStore, tmp_path: Path, read_kept: bool, starts_with: str) -> None:
+    """A restart ends every process and what it remembered: the layout is written to the
+    node's run directory, and a later attempt's new process (a new BucketLayouts) reads it
+    before its first DDP is made; a new launch over the same directory starts with torch's
+    guess, as an uninterrupted run does."""
+    earlier = BucketLayouts(tmp_path / "ddp-layouts")
+    unarm = earlier.arm()
+    try:
+        first = DistributedDataParallel(_net(), bucket_cap_mb=SMALL)
+        seen = {"guess": _step(first), "rebuilt": [_step(first) for _ in range(4)][-1]}
+    finally:
+        unarm()
+    assert seen["rebuilt"] != seen["guess"] and len(list((tmp_path / "ddp-layouts").iterdir())) == 1
+    later = BucketLayouts(tmp_path / "ddp-layouts", read_kept=read_kept)  # a new process's
+    unarm = later.arm()
+    try:
+        again = DistributedDataParallel(_net(), bucket_cap_mb=SMALL)
+        assert _step(again) == seen[starts_with]
+    finally:
+        unarm()
