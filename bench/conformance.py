@@ -106,9 +106,15 @@ LIGHTNING_CHECKPOINTED = ("--epochs", "4", "--checkpoint-every", "5", "--save-la
 LIGHTNING_CALLBACKS = ("--epochs", "6", "--checkpoint-every", "2", "--save-last", "--dropout",
                        "0.25", "--checkpoint-dir", "{run}/own", "--early-stopping",
                        "--lr-monitor", "--log-dir", "{run}/csv", "--accumulate", "2")
-CHECKPOINT_WRITE = (("in the write of step 4's checkpoint (rank 0)",
-                     ("--fault-rank", "0", "--crash-at-step", "4",
-                      "--crash-in-checkpoint-write")),)
+
+
+def in_checkpoint_write(step: int, note: str = "") -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The Lightning example's fault half-way through its write of step N's checkpoint, on
+    rank 0 (the rank that writes it)."""
+    return ((f"in the write of step {step}'s{note} checkpoint (rank 0)",
+             ("--fault-rank", "0", "--crash-at-step", str(step), "--crash-in-checkpoint-write")),)
+
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("default", "plain", (), plain_faults()),
     Pattern("default", "plain", (), plain_faults(), ranks=3),
@@ -129,7 +135,11 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("ddp+dropout+checkpoint", "lightning", LIGHTNING_CHECKPOINTED,
             at_step(7, (10, " (a ModelCheckpoint step)"))),
     Pattern("callbacks+accumulate-2", "lightning", LIGHTNING_CALLBACKS,
-            at_step(5, (4, " (a ModelCheckpoint step)")) + CHECKPOINT_WRITE),
+            at_step(5, (4, " (a ModelCheckpoint step)")) + in_checkpoint_write(4)),
+    Pattern("ddp+epoch-end-checkpoint", "lightning",
+            ("--epochs", "4", "--checkpoint-every", "0", "--save-last", "--dropout", "0.25",
+             "--checkpoint-dir", "{run}/own"),
+            at_step((6, " (an epoch's last)")) + in_checkpoint_write(6, " (epoch-end)")),
     Pattern("ddp (pytorch_lightning)", "lightning", ("--pytorch-lightning",), at_step(4)),
     Pattern("fsdp2", "lightning", ("--model-parallel",), at_step(4)),
     Pattern("tensor-parallel", "lightning", ("--model-parallel", "--tensor-parallel"),

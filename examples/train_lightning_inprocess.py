@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--checkpoint-dir", type=Path,
                         help="Lightning's own ModelCheckpoint into this directory")
-    parser.add_argument("--checkpoint-every", type=int, default=3, help="steps")
+    parser.add_argument("--checkpoint-every", type=int, default=3,
+                        help="steps; 0: at each epoch's end (ModelCheckpoint's default)")
     parser.add_argument("--save-last", action="store_true", help="ModelCheckpoint's save_last")
     parser.add_argument("--crash-in-checkpoint-write", action="store_true",
                         help="the fault in the write of step N's Lightning checkpoint")
@@ -190,7 +191,7 @@ def main() -> None:
     model = Regression(args)
     batches = Batches(args)
     checkpoints = [ModelCheckpoint(dirpath=args.checkpoint_dir,
-                                   every_n_train_steps=args.checkpoint_every,
+                                   every_n_train_steps=args.checkpoint_every or None,
                                    save_top_k=-1, save_last=args.save_last or None)
                    ] if args.checkpoint_dir else []
     if args.early_stopping:
