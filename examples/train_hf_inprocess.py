@@ -9,9 +9,11 @@ seeded tokens), the Trainer's AdamW and linear schedule, over two epochs, on CPU
 gradient accumulation, a warmup, evaluations, a callback with its own state, accelerate's
 unseeded sampler. Faults for tests and demos: ``--crash-at-step N`` SIGKILLs ``--fault-rank``
 (1) at the end of optimizer step N, before its snapshot, in the first attempt (the others redo
-it). Rank 0 writes the final parameters to ``--params-out``; every rank appends ``rank pid
-step`` lines to ``--pid-log``. ``--restart-mode`` calls ``trainer.train()`` instead (the
-restart mode, for comparison).
+it); with ``--crash-in-checkpoint-write`` it is killed instead inside the Trainer's write of
+step N's checkpoint (``--save-steps``), its model written and its optimizer not yet (rank 0,
+the rank that writes: ``--fault-rank 0``). Rank 0 writes the final parameters to
+``--params-out``; every rank appends ``rank pid step`` lines to ``--pid-log``.
+``--restart-mode`` calls ``trainer.train()`` instead (the restart mode, for comparison).
 """
 
 from __future__ import annotations
@@ -88,8 +90,26 @@ class Faults(TrainerCallback):
                 f.write(f"{self.rank} {os.getpid()} {step}\n")
         first = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and \
             os.environ.get("ELASTICFT_INPROCESS_GEN", "0") == "0"
-        if first and self.rank == self.args.fault_rank and step == self.args.crash_at_step:
+        if first and self.rank == self.args.fault_rank and step == self.args.crash_at_step \
+                and not self.args.crash_in_checkpoint_write:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_checkpoint_write(trainer: Trainer, args: argparse.Namespace) -> None:
+    """--crash-in-checkpoint-write: the fault rank is killed between the Trainer's write of
+    step N's model and of its optimizer, in the first attempt."""
+    save = trainer._save_optimizer_and_scheduler
+    rank = int(os.environ.get("RANK", "0"))
+
+    def killed_half_way(output_dir: str) -> None:
+        first = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0" and \
+            os.environ.get("ELASTICFT_INPROCESS_GEN", "0") == "0"
+        if first and rank == args.fault_rank and \
+                trainer.state.global_step == args.crash_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        save(output_dir)
+
+    trainer._save_optimizer_and_scheduler = killed_half_way  # type: ignore[method-assign]
 
 
 class Counts(TrainerCallback, ExportableState):
@@ -118,6 +138,8 @@ def main() -> None:
                         help="gpt2: a tiny GPT-2 with dropout (its RNG is rolled back too)")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
+    parser.add_argument("--crash-in-checkpoint-write", action="store_true",
+                        help="the fault inside the write of step N's checkpoint")
     parser.add_argument("--pid-log", type=Path)
     parser.add_argument("--params-out", type=Path)
     parser.add_argument("--output-dir", type=Path, default=Path("hf-output"))
@@ -153,6 +175,8 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=dataset,
                       eval_dataset=dataset if args.eval_steps else None,
                       callbacks=[Faults(args), *([Counts()] if args.count_steps else [])])
+    if args.crash_in_checkpoint_write:
+        kill_in_checkpoint_write(trainer, args)
     if args.restart_mode:
         trainer.train()
     else:
