@@ -1,10 +1,12 @@
 """bench/conformance.py works before its whole matrix (about half an hour) is spent on it: its
-quick subset, the default plain loop at two fault points, recovered in process bit for bit."""
+quick subset, the default plain loop at two fault points, recovered in process bit for bit; and
+how it judges a cell, on a table of event logs."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +31,36 @@ def test_the_conformance_bench_prints_a_row_per_cell_and_exits_0_when_each_is_ex
     assert lines[4].startswith("# 2 cells: 2 exact, 0 refused, 0 neither; took "), lines
     assert len(lines) == 5, lines
     assert "run directories kept" not in done.stdout  # removed, every cell being exact
+
+
+def _decision(action: str, failed_at: int | None = None) -> dict:
+    return {"kind": "decision", "action": action, "in_process_failed_at": failed_at}
+
+
+@pytest.mark.parametrize(("events", "losses", "result"), [
+    ([_decision("recover_in_process"), {"kind": "recover_in_process"}], "same", "exact"),
+    ([_decision("recover_in_process"), {"kind": "recover_in_process"}], "other",
+     "DIFFERENT at step 2 (rank 1; 1 (rank, step) differ)"),
+    # a second failure during the in-process recovery: the restart it falls back to
+    ([_decision("recover_in_process"), _decision("restart_in_place", failed_at=7)], "same",
+     "exact"),
+    # a restart after an in-process recovery that nothing cut short is a finding
+    ([_decision("recover_in_process"), {"kind": "recover_in_process"},
+      _decision("restart_in_place")], "same", "failed: in process, then restart: "),
+    ([_decision("restart_in_place")], "same", "failed: restarted without a refusal line: "),
+], ids=["in-process", "different", "fallback-restart", "restart-later", "restart-unrefused"])
+def test_a_cell_is_judged_by_its_recoveries_and_its_results(
+        tmp_path: Path, events: list[dict], losses: str, result: str) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import conformance
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    reference = {(0, 1): "1.0,aa", (1, 1): "1.5,bb", (0, 2): "0.9,cc", (1, 2): "1.4,dd"}
+    ran = dict(reference) if losses == "same" else {**reference, (1, 2): "1.4,de"}
+
+    def run(of: dict, happened: list[dict]) -> conformance.Run:
+        return conformance.Run(tmp_path, 0, "", happened, of, None, None)
+
+    judged = conformance.judge(run(ran, events), run(reference, []), "plain")
+    assert judged.startswith(result), judged
