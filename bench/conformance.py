@@ -25,7 +25,7 @@ started the recovery (``worker_replaced`` in process, ``workers_started`` of a r
 bench/recovery.py measures it from its loss log. The cells no CPU can run (CUDA's RNG, NCCL)
 are listed, with the command that runs them on a GPU where one exists.
 
-    .venv/bin/python bench/conformance.py              # the whole product: 17 min on 2 busy cores
+    .venv/bin/python bench/conformance.py              # the whole product: 50 min on 2 busy cores
     .venv/bin/python bench/conformance.py --quick      # 3 runs, for a test
     .venv/bin/python bench/conformance.py --only dropout,hf --markdown
 
