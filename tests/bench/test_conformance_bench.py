@@ -1,4 +1,4 @@
-"""bench/conformance.py works before its whole matrix (about half an hour) is spent on it: its
+"""bench/conformance.py works before its whole matrix (50 min on 2 busy cores) is spent on it: its
 quick subset, the default plain loop at two fault points, recovered in process bit for bit; and
 how it judges a cell, on a table of event logs."""
 
