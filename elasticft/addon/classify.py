@@ -411,6 +411,27 @@ def classify_exit(
     return FailureRecord(**base, failure_class=FailureClass.UNKNOWN)
 
 
+def own_exception_at_exit(rank: int, local_rank: int, pid: int, exitcode: int,
+                          stderr_file: str | Path | None) -> FailureRecord | None:
+    """The failure of a worker that the agent stops, or is about to stop, because a peer failed,
+    when its captured stderr already ends with an uncaught exception of its own: it was leaving
+    because of that exception, only more slowly than its peers reported it (a peer's collective
+    fails with "connection closed" the moment the worker closes its group, while its own exit
+    may take seconds: memory to free, threads to join). None when there is no such exception,
+    or when it is a communication error (the echo of another rank) or a stop.
+
+    ``exitcode``: the one it exited with (the agent's stop signal), or, for a worker still
+    running, 1, what Python exits with after an uncaught exception."""
+    info = uncaught_then_aborted(read_tail(stderr_file))
+    if info is None or classify_exception(info) in (FailureClass.INFRASTRUCTURE,
+                                                    FailureClass.STOP_REQUESTED):
+        return None
+    return FailureRecord(rank=rank, local_rank=local_rank, pid=pid, exitcode=exitcode,
+                         failure_class=classify_exception(info), exception=info.type_name,
+                         message=info.message[:500], location=info.location, source="stderr",
+                         user_frame=info.user_frame)
+
+
 def without_collateral(records: tuple[FailureRecord, ...]) -> tuple[FailureRecord, ...]:
     """Drops workers the agent itself stopped (SIGTERM) after another worker failed first.
 

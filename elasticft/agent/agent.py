@@ -40,7 +40,13 @@ from elasticft.addon.api import (
     prepend_paths,
     run_ending_errors,
 )
-from elasticft.addon.classify import FailureRecord, classify_exit, without_collateral
+from elasticft.addon.classify import (
+    FailureClass,
+    FailureRecord,
+    classify_exit,
+    own_exception_at_exit,
+    without_collateral,
+)
 from elasticft.addon.policy import (
     Action,
     ActionKind,
@@ -518,13 +524,27 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
     def _classify(self, run_result: RunResult) -> tuple[FailureRecord, ...]:
         stderrs = dict(self._pcontext.stderrs) if self._pcontext is not None else {}
         by_rank = {w.global_rank: w for w in self._worker_group.workers}
-        records = []
+        records = {}
         for rank, failure in sorted(run_result.failures.items()):
             local_rank = failure.local_rank if rank not in by_rank else by_rank[rank].local_rank
-            records.append(classify_exit(rank, local_rank, failure.pid, failure.exitcode,
-                                         error_file=failure.error_file,
-                                         stderr_file=stderrs.get(local_rank)))
-        return without_collateral(tuple(records))
+            records[rank] = classify_exit(rank, local_rank, failure.pid, failure.exitcode,
+                                          error_file=failure.error_file,
+                                          stderr_file=stderrs.get(local_rank))
+        if any(r.failure_class is not FailureClass.STOP_REQUESTED for r in records.values()):
+            # The others are stopped (or were, by torch's poll) because these failed; one may
+            # have been leaving on an exception of its own that its peers reported first.
+            for worker in self._worker_group.workers:
+                record = records.get(worker.global_rank)
+                if record is not None and record.failure_class is not \
+                        FailureClass.STOP_REQUESTED:
+                    continue
+                own = own_exception_at_exit(
+                    worker.global_rank, worker.local_rank,
+                    worker.id if record is None else record.pid,
+                    1 if record is None else record.exitcode, stderrs.get(worker.local_rank))
+                if own is not None:
+                    records[worker.global_rank] = own
+        return without_collateral(tuple(records[rank] for rank in sorted(records)))
 
     def _wait_before_restart(self, action: Action) -> None:
         """The policy's wait before a restart (a communication fault that repeated before the

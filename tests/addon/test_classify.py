@@ -13,6 +13,7 @@ from elasticft.addon.classify import (
     FailureClass,
     classify_exception,
     classify_exit,
+    own_exception_at_exit,
     parse_traceback,
 )
 
@@ -135,6 +136,27 @@ def test_an_exception_is_the_cause_of_the_abort_that_follows_it(
                            stderr_file=stderr_file(tmp_path, stderr))
     assert (record.failure_class, record.source) == (expected, source)
     assert record.signal is not None
+
+
+@pytest.mark.parametrize(
+    ("stderr", "expected"),
+    [
+        # stopped after a peer's failure, or about to be, while leaving on its own bug
+        (USER_TRACEBACK, FailureClass.USER_CODE),
+        (USER_TRACEBACK + TERMINATE, FailureClass.USER_CODE),
+        # its traceback is the echo of the peer, or was followed by more work: collateral
+        (GLOO_TRACEBACK, None),
+        (USER_TRACEBACK + "step 7 loss 0.3\n", None),
+        ("", None),
+    ],
+)
+def test_a_worker_stopped_while_leaving_on_its_own_exception_is_classed_by_it(
+        tmp_path: Path, stderr: str, expected: FailureClass | None) -> None:
+    record = own_exception_at_exit(1, 1, 7, -15, stderr_file(tmp_path, stderr))
+    assert (record.failure_class if record else None) is expected
+    if record is not None:
+        assert (record.exitcode, record.source, record.exception) == (
+            -15, "stderr", "ZeroDivisionError")
 
 
 def test_nothing_known_is_unknown(tmp_path: Path) -> None:

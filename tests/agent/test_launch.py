@@ -164,6 +164,26 @@ def test_user_code_error_stops_without_restart(tmp_path: Path, job_env: dict[str
     assert kinds.count("workers_started") == 1 and "restart" not in kinds
 
 
+@pytest.mark.timeout(120)
+def test_a_bug_whose_worker_exits_after_its_peers_report_is_still_not_restarted(
+        tmp_path: Path, job_env: dict[str, str]) -> None:
+    # Rank 1 prints its ZeroDivisionError, closes its group and lingers: rank 0 fails first (gloo's
+    # "connection closed") and the agent stops rank 1 with SIGTERM. Under load this is what a
+    # slow exit does; here it happens every time.
+    run_dir = tmp_path / "run"
+    proc = launcher(["--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
+                     "--run-dir", str(run_dir), str(HERE / "workers" / "linger_after_error.py")],
+                    job_env, tmp_path)
+    _, stderr = communicate_or_explain(proc, 90)
+    assert proc.returncode == 1, stderr[-3000:]
+    summary = stderr[stderr.index("elasticft: run"):]
+    assert "0 restart(s)" in summary, summary
+    assert "rank 1 (user_code) ZeroDivisionError: division by zero" in summary, summary
+    failures = {e["rank"]: e["failure_class"] for e in read_events(run_dir)
+                if e["kind"] == "failure"}
+    assert failures == {0: "infrastructure", 1: "user_code"}, failures
+
+
 @pytest.mark.smoke
 @pytest.mark.timeout(180)
 def test_sigterm_to_launcher_stops_workers_within_shutdown_timeout(
