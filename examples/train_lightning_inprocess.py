@@ -27,7 +27,6 @@ appends a ``rank pid step`` line per optimizer step to ``--pid-log``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import io
 import os
 import signal
@@ -39,9 +38,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from elasticft.integrations.lightning import InProcessDDPStrategy, InProcessModelParallelStrategy
 
-# One script for both packages (a user's script imports one of them).
-L = importlib.import_module(
-    "pytorch_lightning" if "--pytorch-lightning" in sys.argv else "lightning.pytorch")
+# One script for both packages (a user's script imports one of them), each imported as a
+# script imports it at its top: the warm template imports it too (the condition is on the
+# command line, which the template shares).
+if "--pytorch-lightning" in sys.argv:
+    import pytorch_lightning as L
+else:
+    import lightning.pytorch as L
 ModelCheckpoint = L.callbacks.ModelCheckpoint
 DDPStrategy, ModelParallelStrategy = L.strategies.DDPStrategy, L.strategies.ModelParallelStrategy
 

@@ -62,6 +62,7 @@ from typing import Any
 from elasticft import torch_compat
 from elasticft.agent import lifeline, warm_template
 from elasticft.agent.console import gate_tracebacks
+from elasticft.agent.preload import preload_for
 from elasticft.agent.warm_template import (
     TemplateBusy,
     WarmInterpreter,
@@ -244,7 +245,9 @@ class WarmPool:
 
     def _spawn(self, spawning: _Spawning) -> None:
         try:
-            warm = WarmInterpreter.spawn(*spawning.launch, self.preload, self.device)
+            argv, _, cwd = spawning.launch
+            preload = (*self.preload, *preload_for(argv, cwd))
+            warm = WarmInterpreter.spawn(*spawning.launch, preload, self.device)
         except Exception:  # the pool is an optimisation: never let it cost the run
             logger.warning("could not start a warm template for local ranks %s",
                            sorted(spawning.local_ranks), exc_info=True)
@@ -268,7 +271,7 @@ class WarmPool:
             warm.discard()
             return
         logger.info("warm template %d started (imports %s) for local ranks %s", warm.proc.pid,
-                    ",".join(self.preload), ranks)
+                    ",".join(preload), ranks)
         for old in {id(w): w for w in replaced if w is not None}.values():
             if old not in in_use:
                 old.discard()

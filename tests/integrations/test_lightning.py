@@ -11,6 +11,7 @@ exact, with a fault at a step's end and in the middle of Lightning's checkpoint 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from elasticft.integrations.lightning import package_in_use
-from tests.conftest import clean_job_env
+from tests.conftest import BIN, clean_job_env
 from tests.integrations.jobs import assert_recovered_in_process, needs_modules, run_job
 
 pytestmark = needs_modules("lightning", "lightning")
@@ -223,3 +224,23 @@ def test_early_stopping_lr_monitor_and_accumulation_are_rolled_back_with_the_ste
                   "--crash-at-step", "4", "--crash-in-checkpoint-write", "--checkpoint-dir",
                   str(tmp_path / "own"), "--log-dir", str(tmp_path / "csv"))
     assert_recovered_in_process(run, callbacks_reference, replaced=0)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_forked_with_lightning_imported_holds_its_own_rank(tmp_path: Path,
+                                                                    job_env: dict[str, str]
+                                                                    ) -> None:
+    # The warm template imports Lightning for a script that imports it at its top; the rank
+    # Lightning read from the template's environment is set again in each forked worker.
+    out = subprocess.run(
+        [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2", "--run-dir",
+         str(tmp_path / "run"), str(Path(__file__).parent / "workers" / "lightning_rank.py")],
+        env=job_env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    started = [line for line in text.splitlines() if "warm template" in line and "started" in line]
+    assert started and "lightning" in started[0], text[-3000:]
+    assert sum("forked from warm template" in line for line in text.splitlines()) == 2, text
+    assert sorted(line[line.index("RANK"):] for line in text.splitlines()
+                  if "rank_zero_only.rank" in line) == [
+        "RANK 0 rank_zero_only.rank 0", "RANK 1 rank_zero_only.rank 1"], text[-3000:]

@@ -153,6 +153,7 @@ def _become_worker(request, fds, preload_error):
     # torch sets such variables again where it uses them.
     os.environ.clear()
     os.environ.update(request["env"])
+    _per_attempt_fixups(os.environ)
     sys.path[:] = _without_here(sys.path)
     sys.path_importer_cache.pop(_HERE, None)
     _write_all(1, warm_output[0])
@@ -202,6 +203,50 @@ def _reseed_numpy():
         numpy.random.seed()
 
 
+def _import(importlib, entry):
+    """One preload entry: ``module``, or ``module:name`` for ``from module import name`` (the
+    name may be a lazy attribute, which only reading it imports)."""
+    module, _, name = entry.partition(":")
+    imported = importlib.import_module(module)
+    if name:
+        try:
+            getattr(imported, name)
+        except AttributeError:
+            importlib.import_module(f"{module}.{name}")
+
+
+def _device_touched():
+    """Whether an import made a CUDA context here, which no forked worker could use."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return bool(cuda is not None and cuda.is_initialized())
+
+
+def _first_rank(env, names):
+    for name in names:
+        if env.get(name) is not None:
+            return int(env[name])
+    return None
+
+
+def _per_attempt_fixups(env):
+    """What a preloaded framework read of the per-attempt variables at import, set again from
+    the worker's own (see :mod:`elasticft.agent.preload`): Lightning's and torchmetrics'
+    ``rank_zero_only.rank``, which both set, the first import winning, from the rank variables
+    (Lightning: ``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, ``JSM_NAMESPACE_RANK``;
+    torchmetrics alone: ``LOCAL_RANK``)."""
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    if rank_zero is None or not hasattr(rank_zero.rank_zero_only, "rank"):
+        return
+    lightning = any(name in sys.modules for name in (
+        "lightning.fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"))
+    if lightning:
+        rank = _first_rank(env, ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"))
+    else:
+        rank = _first_rank(env, ("LOCAL_RANK",))
+    rank_zero.rank_zero_only.rank = rank or 0
+
+
 def _warm_device():
     """The spare-forking module (:mod:`_elasticft_warm_device`, beside this file) when the agent
     asked for device preparation, with ``mode`` set on it; else None."""
@@ -244,12 +289,14 @@ def _main():
     # On this thread, the one that forks every worker: libraries keep state per importing
     # thread (MKL's allocator does), and a worker forked after an import on another thread
     # spun in MKL's first matrix product.
-    for name in preload:
+    for entry in preload:
         try:
-            importlib.import_module(name)
+            _import(importlib, entry)
         except BaseException as err:  # the script will meet it again, in a cold start
             preload_error = err
             break
+    if preload_error is None and _device_touched():
+        preload_error = RuntimeError("a preloaded import initialised CUDA")
     # What the imports made is never garbage: frozen, it is out of every collection of the
     # workers forked from here, and of their last one at exit (a second of CPU each with
     # torch). Python's advice for a process that forks without exec; it also leaves those
