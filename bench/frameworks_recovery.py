@@ -7,16 +7,20 @@ under ``elasticft-run``, SIGKILLs rank 1 at ``--crash-at-step`` (the examples' o
 with the integration (in process) and once with ``--restart-mode`` (the framework's own entry,
 which elasticft restarts), and prints for each the report's detection + repair of that fault
 (kill → the first step after it), the steps the run ended with, and the in-process / restart
-ratio.
+ratio. A third mode, ``cold-framework``, is the in-process one with the warm template kept to
+torch (the tuning constant ``warm_frameworks=False``): the replacement imports the framework
+itself, as before the template imported it. Each mode runs ``--runs`` times, the modes taking
+turns; the medians (and the range) are printed.
 
-    .venv/bin/python bench/frameworks_recovery.py              # about 3 minutes on 2 cores
-    .venv/bin/python bench/frameworks_recovery.py --frameworks lightning
+    .venv/bin/python bench/frameworks_recovery.py              # about 15 minutes on 2 cores
+    .venv/bin/python bench/frameworks_recovery.py --frameworks lightning --runs 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,10 +35,25 @@ SCRIPTS = {"lightning": ("train_lightning_inprocess.py",),
 """Each framework's example and its arguments."""
 
 
-def one_run(work: Path, framework: str, mode: str, crash_at: int) -> dict[str, object]:
+MODES = ("inprocess", "cold-framework", "restart")
+
+# elasticft-run with the warm template kept to torch: main() with that tuning constant.
+_WITHOUT_FRAMEWORKS = (
+    "import dataclasses, sys\n"
+    "from elasticft.run import main\n"
+    "def tune(options):\n"
+    "    agent = dataclasses.replace(options.agent, warm_frameworks=False)\n"
+    "    return dataclasses.replace(options, agent=agent)\n"
+    "sys.exit(main(sys.argv[1:], tune=tune))\n")
+
+
+def one_run(work: Path, framework: str, mode: str, crash_at: int, run: int
+            ) -> dict[str, object]:
     """One job with one SIGKILL; the report's fault record of it."""
-    run_dir = work / f"{framework}-{mode}"
-    cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", "2",
+    run_dir = work / f"{framework}-{mode}-{run}"
+    launcher = ([sys.executable, "-c", _WITHOUT_FRAMEWORKS] if mode == "cold-framework"
+                else [str(BIN / "elasticft-run")])
+    cmd = [*launcher, "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "3", "--run-dir", str(run_dir), "--ckpt-persist-every", "0",
            "--monitor-interval", "0.1", str(ROOT / "examples" / SCRIPTS[framework][0]),
            *SCRIPTS[framework][1:],
@@ -57,24 +76,45 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frameworks", default=",".join(SCRIPTS))
     parser.add_argument("--crash-at-step", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    print(f"{time.strftime('%Y-%m-%d %H:%M')}  kill -> first step (report: detection + repair)")
-    print(f"{'framework':15} {'mode':10} {'action':20} {'first step':>10} {'rollback':>8}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}  kill -> first step (report: detection + repair), "
+          f"{args.runs} run(s) per mode")
+    print(f"{'framework':15} {'mode':15} {'action':20} {'median':>8} {'range':>13} "
+          f"{'rollback':>8}")
+    failed = False
     with tempfile.TemporaryDirectory(prefix="elasticft-frameworks-") as tmp:
         for framework in args.frameworks.split(","):
-            results = {}
-            for mode in ("inprocess", "restart"):
-                result = one_run(Path(tmp), framework, mode, args.crash_at_step)
-                results[mode] = result
-                if "error" in result:
-                    print(f"{framework:15} {mode:10} failed:\n{result['error']}")
+            results: dict[str, list[dict[str, object]]] = {mode: [] for mode in MODES}
+            for run in range(args.runs):
+                for mode in MODES:
+                    result = one_run(Path(tmp), framework, mode, args.crash_at_step, run)
+                    if "error" in result:
+                        failed = True
+                        print(f"{framework:15} {mode:15} failed:\n{result['error']}")
+                    else:
+                        results[mode].append(result)
+            medians = {}
+            for mode in MODES:
+                done = results[mode]
+                if not done:
                     continue
-                print(f"{framework:15} {mode:10} {result['action']!s:20} "
-                      f"{result['first_step_s']:>8.2f} s {result['rollback_steps']!s:>8}")
-            inproc, restart = results["inprocess"], results["restart"]
-            if inproc.get("first_step_s") and restart.get("first_step_s"):
+                times = sorted(float(r["first_step_s"]) for r in done)  # type: ignore[arg-type]
+                medians[mode] = statistics.median(times)
+                actions = sorted({str(r["action"]) for r in done})
+                rollbacks = sorted({str(r["rollback_steps"]) for r in done})
+                print(f"{framework:15} {mode:15} {','.join(actions):20} {medians[mode]:>6.2f} s "
+                      f"{times[0]:>5.2f}-{times[-1]:.2f} s {','.join(rollbacks):>8}")
+            if medians.get("inprocess") and medians.get("restart"):
                 print(f"{framework}: in process / restart = "
-                      f"{inproc['first_step_s'] / restart['first_step_s']:.2f}")
+                      f"{medians['inprocess'] / medians['restart']:.2f}", end="")
+                if medians.get("cold-framework"):
+                    print(f"; in process / in process with the framework imported by the "
+                          f"replacement = {medians['inprocess'] / medians['cold-framework']:.2f}",
+                          end="")
+                print()
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -165,6 +165,11 @@ class AgentConfig:
         "torch once, so a restart re-imports nothing. Python workers only; off: every start is "
         "a fresh interpreter, as with torchrun.",
     )
+    warm_frameworks: bool = tuning(
+        True,
+        "With warm start, the warm interpreter also imports the training frameworks the script "
+        "imports at its top (Lightning, torchmetrics, Transformers, Accelerate), so a worker or a "
+        "replacement starts with them imported. Off: it imports torch only.")
 
 
 @dataclasses.dataclass(frozen=True)

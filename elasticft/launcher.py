@@ -360,7 +360,8 @@ def launch(
     # The rendezvous records the memberships it ends on evidence of a dead agent.
     if (set_event_sink := getattr(spec.rdzv_handler, "set_event_sink", None)) is not None:
         set_event_sink(event_log.emit)
-    warm_pool = WarmPool() if options.agent.warm_start else None
+    warm_pool = WarmPool(frameworks=options.agent.warm_frameworks) \
+        if options.agent.warm_start else None
     agent = agent_class(
         spec,
         logs_specs,

@@ -140,9 +140,12 @@ class WarmPool:
     start cold, and the next :meth:`refill` starts a single new template for them.
     """
 
-    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, device: str | None = None
-                 ) -> None:
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, device: str | None = None,
+                 frameworks: bool = True) -> None:
         self.preload = tuple(preload)
+        self.frameworks = frameworks
+        """Whether a template also imports the frameworks its script imports at its top
+        (:mod:`elasticft.agent.preload`)."""
         self.device = default_device_mode() if device is None else device
         self._lock = threading.Lock()
         self._interpreters: dict[int, WarmInterpreter] = {}
@@ -246,7 +249,7 @@ class WarmPool:
     def _spawn(self, spawning: _Spawning) -> None:
         try:
             argv, _, cwd = spawning.launch
-            preload = (*self.preload, *preload_for(argv, cwd))
+            preload = (*self.preload, *(preload_for(argv, cwd) if self.frameworks else ()))
             warm = WarmInterpreter.spawn(*spawning.launch, preload, self.device)
         except Exception:  # the pool is an optimisation: never let it cost the run
             logger.warning("could not start a warm template for local ranks %s",
