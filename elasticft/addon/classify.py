@@ -411,17 +411,32 @@ def classify_exit(
     return FailureRecord(**base, failure_class=FailureClass.UNKNOWN)
 
 
+LEAVING_WINDOW_S = 10.0
+"""How recent a worker's last stderr write must be, before its peer's failure was seen, for the
+exception it ends with to be the one it is leaving on (:func:`own_exception_at_exit`): a
+worker's exit after its traceback takes seconds; a traceback a script printed and went on
+from, long before, is no cause of this failure."""
+
+
 def own_exception_at_exit(rank: int, local_rank: int, pid: int, exitcode: int,
-                          stderr_file: str | Path | None) -> FailureRecord | None:
-    """The failure of a worker that the agent stops, or is about to stop, because a peer failed,
-    when its captured stderr already ends with an uncaught exception of its own: it was leaving
-    because of that exception, only more slowly than its peers reported it (a peer's collective
-    fails with "connection closed" the moment the worker closes its group, while its own exit
-    may take seconds: memory to free, threads to join). None when there is no such exception,
-    or when it is a communication error (the echo of another rank) or a stop.
+                          stderr_file: str | Path | None, seen_at: float
+                          ) -> FailureRecord | None:
+    """The failure of a worker that the agent stops, or is about to stop, because a peer failed
+    (``seen_at``: when, by the wall clock), when its captured stderr already ends with an
+    uncaught exception of its own, written within :data:`LEAVING_WINDOW_S` before: it was
+    leaving because of that exception, only more slowly than its peers reported it (a peer's
+    collective fails with "connection closed" the moment the worker closes its group, while its
+    own exit may take seconds: memory to free, threads to join). None when there is no such
+    exception, or when it is a communication error (the echo of another rank) or a stop.
 
     ``exitcode``: the one it exited with (the agent's stop signal), or, for a worker still
     running, 1, what Python exits with after an uncaught exception."""
+    try:
+        written = Path(stderr_file).stat().st_mtime if stderr_file else None
+    except OSError:
+        written = None
+    if written is None or written < seen_at - LEAVING_WINDOW_S:
+        return None
     info = uncaught_then_aborted(read_tail(stderr_file))
     if info is None or classify_exception(info) in (FailureClass.INFRASTRUCTURE,
                                                     FailureClass.STOP_REQUESTED):

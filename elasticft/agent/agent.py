@@ -541,7 +541,8 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
                 own = own_exception_at_exit(
                     worker.global_rank, worker.local_rank,
                     worker.id if record is None else record.pid,
-                    1 if record is None else record.exitcode, stderrs.get(worker.local_rank))
+                    1 if record is None else record.exitcode, stderrs.get(worker.local_rank),
+                    seen_at=self._seen_at)
                 if own is not None:
                     records[worker.global_rank] = own
         return without_collateral(tuple(records[rank] for rank in sorted(records)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import elasticft
 from elasticft.addon.classify import (
+    LEAVING_WINDOW_S,
     FailureClass,
     classify_exception,
     classify_exit,
@@ -139,20 +141,27 @@ def test_an_exception_is_the_cause_of_the_abort_that_follows_it(
 
 
 @pytest.mark.parametrize(
-    ("stderr", "expected"),
+    ("stderr", "written_before_s", "expected"),
     [
         # stopped after a peer's failure, or about to be, while leaving on its own bug
-        (USER_TRACEBACK, FailureClass.USER_CODE),
-        (USER_TRACEBACK + TERMINATE, FailureClass.USER_CODE),
+        (USER_TRACEBACK, 1.0, FailureClass.USER_CODE),
+        (USER_TRACEBACK + TERMINATE, 1.0, FailureClass.USER_CODE),
+        (USER_TRACEBACK, LEAVING_WINDOW_S - 1, FailureClass.USER_CODE),
+        # a traceback printed long before, which the script went on from silently
+        (USER_TRACEBACK, LEAVING_WINDOW_S + 1, None),
         # its traceback is the echo of the peer, or was followed by more work: collateral
-        (GLOO_TRACEBACK, None),
-        (USER_TRACEBACK + "step 7 loss 0.3\n", None),
-        ("", None),
+        (GLOO_TRACEBACK, 1.0, None),
+        (USER_TRACEBACK + "step 7 loss 0.3\n", 1.0, None),
+        ("", 1.0, None),
     ],
 )
 def test_a_worker_stopped_while_leaving_on_its_own_exception_is_classed_by_it(
-        tmp_path: Path, stderr: str, expected: FailureClass | None) -> None:
-    record = own_exception_at_exit(1, 1, 7, -15, stderr_file(tmp_path, stderr))
+        tmp_path: Path, stderr: str, written_before_s: float, expected: FailureClass | None
+        ) -> None:
+    path = stderr_file(tmp_path, stderr)
+    seen_at = 1_800_000_000.0
+    os.utime(path, (seen_at - written_before_s, seen_at - written_before_s))
+    record = own_exception_at_exit(1, 1, 7, -15, path, seen_at=seen_at)
     assert (record.failure_class if record else None) is expected
     if record is not None:
         assert (record.exitcode, record.source, record.exception) == (
