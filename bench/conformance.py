@@ -23,11 +23,17 @@ its time just before sending it; the framework examples kill right after a step,
 is the killed rank's last step record) to the first step record, on any rank, after the agent
 started the recovery (``worker_replaced`` in process, ``workers_started`` of a restart), as
 bench/recovery.py measures it from its loss log. The cells no CPU can run (CUDA's RNG, NCCL)
-are listed, with the command that runs them on a GPU where one exists.
+are listed, with the command that runs them on a GPU.
 
     .venv/bin/python bench/conformance.py              # the whole product: 50 min on 2 busy cores
     .venv/bin/python bench/conformance.py --quick      # 3 runs, for a test
     .venv/bin/python bench/conformance.py --only dropout,hf --markdown
+    python bench/conformance.py --device cuda --only plain   # CUDA's RNG: gloo, ranks on 1 GPU
+    python bench/conformance.py --device cuda --backend nccl --only plain   # a GPU per rank
+
+``--device cuda`` runs the plain loops' model, batches, dropout and augmentation on CUDA (so
+from CUDA's RNG; every rank on one GPU where there is one, over gloo); ``--backend nccl`` needs
+a GPU per rank. The framework examples run on CPU only.
 
 It exits 1 when a cell is neither exact nor refused; run directories are kept then (their path
 is printed), and removed otherwise unless ``--keep``.
@@ -100,7 +106,8 @@ def at_step(*steps: int | tuple[int, str]) -> tuple[tuple[str, tuple[str, ...]],
 
 
 ALL_PLAIN = ("--zero-grad", "after", "--accum", "2", "--clip", "--warmup", "--dropout",
-             "--augment", "--loader", "--loader-workers", "2", "--autocast", "--ema")
+             "--augment", "--loader", "--loader-workers", "2", "--worker-augment", "--autocast",
+             "--ema")
 LIGHTNING_CHECKPOINTED = ("--epochs", "4", "--checkpoint-every", "5", "--save-last",
                           "--dropout", "0.25", "--checkpoint-dir", "{run}/own")
 LIGHTNING_CALLBACKS = ("--epochs", "6", "--checkpoint-every", "2", "--save-last", "--dropout",
@@ -127,6 +134,12 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("augment", "plain", ("--augment",), plain_faults()),
     Pattern("loader", "plain", ("--loader",), plain_faults()),
     Pattern("loader-workers-2", "plain", ("--loader", "--loader-workers", "2"), plain_faults()),
+    Pattern("loader-workers-2+augment", "plain",
+            ("--loader", "--loader-workers", "2", "--worker-augment", "--dropout"),
+            plain_faults()),
+    Pattern("loader-own-generator+augment", "plain",
+            ("--loader", "--loader-generator", "--loader-workers", "2", "--worker-augment"),
+            plain_faults()),
     Pattern("autocast-bf16", "plain", ("--autocast",), plain_faults()),
     Pattern("ema", "plain", ("--ema",), plain_faults()),
     Pattern("compile", "plain", ("--compile", "--dropout"), plain_faults()),
@@ -134,6 +147,9 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("ddp", "lightning", (), at_step((1, " (before its snapshot)"), 4)),
     Pattern("ddp+dropout+checkpoint", "lightning", LIGHTNING_CHECKPOINTED,
             at_step(7, (10, " (a ModelCheckpoint step)"))),
+    Pattern("ddp+dropout+checkpoint+fit(ckpt_path=last)", "lightning",
+            (*LIGHTNING_CHECKPOINTED, "--resume-last"),
+            at_step(7, (10, " (a ModelCheckpoint step)")) + in_checkpoint_write(10)),
     Pattern("callbacks+accumulate-2", "lightning", LIGHTNING_CALLBACKS,
             at_step(5, (4, " (a ModelCheckpoint step)")) + in_checkpoint_write(4)),
     Pattern("ddp+epoch-end-checkpoint", "lightning",
@@ -167,11 +183,12 @@ QUICK = (Pattern("default", "plain", (), plain_faults()[0:3:2]),)
 """--quick: the default loop after a save and before one (an uninterrupted run and 2 cells)."""
 
 NOT_ON_CPU = (
-    ("dropout, augmentation on CUDA (CUDA's RNG)", "plain, lightning, hf", "each",
-     "needs a GPU: these scripts run on CPU tensors here; no GPU command runs it yet"),
-    ("each, under NCCL", "plain, lightning, hf", "each",
-     "needs a GPU: no GPU command runs this matrix yet (bash bench/gpu_check.sh --parts "
-     "inprocess times NCCL in-process recovery, not bit for bit)"),
+    ("each, on CUDA (CUDA's RNG)", "plain", "each",
+     "needs a GPU: bash bench/gpu_check.sh --parts conformance (gloo, both ranks on one GPU)"),
+    ("each, under NCCL", "plain", "each",
+     "needs 2 GPUs: bench/conformance.py --device cuda --backend nccl --only plain"),
+    ("each, on CUDA", "lightning, hf", "each",
+     "not run on a GPU: the framework examples train on CPU only"),
 )
 """(pattern, framework, fault point, why) of the cells no CPU runs."""
 
@@ -192,7 +209,9 @@ class Run:
     kill_time: float | None
 
 
-def command(pattern: Pattern, run_dir: Path, extra: tuple[str, ...]) -> list[str]:
+def command(pattern: Pattern, run_dir: Path, extra: tuple[str, ...],
+            placement: tuple[str, ...] = ()) -> list[str]:
+    """The job's command line; ``placement``: the plain loop's --device and --backend."""
     args = [a.replace("{run}", str(run_dir)) for a in (*pattern.args, *extra)]
     launch = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(pattern.ranks),
               "--max-restarts", "3", "--run-dir", str(run_dir), "--ckpt-persist-every", "0",
@@ -200,17 +219,18 @@ def command(pattern: Pattern, run_dir: Path, extra: tuple[str, ...]) -> list[str
     if pattern.framework == "plain":
         return [*launch, str(LOOP), "--steps", str(STEPS), "--loss-log",
                 str(run_dir / "loss.log"), "--pid-log", str(run_dir / "pid.log"), "--kill-log",
-                str(run_dir / "kill.log"), *args]
+                str(run_dir / "kill.log"), *placement, *args]
     script = {"lightning": "train_lightning_inprocess.py", "hf": "train_hf_inprocess.py"}
     return [*launch, str(EXAMPLES / script[pattern.framework]), "--params-out",
             str(run_dir / "params.pt"), "--pid-log", str(run_dir / "pid.log"), *args]
 
 
-def run_job(pattern: Pattern, run_dir: Path, extra: tuple[str, ...]) -> Run:
+def run_job(pattern: Pattern, run_dir: Path, extra: tuple[str, ...],
+            placement: tuple[str, ...] = ()) -> Run:
     run_dir.mkdir(parents=True)
     out = run_dir / "launcher.out"
     with out.open("wb") as log:
-        proc = subprocess.Popen(command(pattern, run_dir, extra), env=clean_job_env(),
+        proc = subprocess.Popen(command(pattern, run_dir, extra, placement), env=clean_job_env(),
                                 cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -426,24 +446,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print the table as Markdown at the end (rows go to stderr)")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the plain loops train (cuda: CUDA's RNG)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="the plain loops' process group (nccl: a GPU per rank)")
     args = parser.parse_args(argv)
     patterns = chosen(args.only, args.quick)
+    placement: tuple[str, ...] = ()
+    if (args.device, args.backend) != ("cpu", "gloo"):
+        if args.backend == "nccl" and args.device != "cuda":
+            parser.error("--backend nccl needs --device cuda")
+        if any(p.framework != "plain" for p in patterns):
+            parser.error(f"--device {args.device} --backend {args.backend}: the framework "
+                         "examples train on CPU with gloo only; add --only plain")
+        placement = ("--device", args.device, "--backend", args.backend)
     progress = sys.stderr if args.markdown else sys.stdout
 
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="elasticft-conformance-"))
     print(f"# conformance {time.strftime('%Y-%m-%d %H:%M %Z')}  {platform.node()}  "
-          f"{os.cpu_count()} cores  torch {torch_version()}  gloo  {STEPS} steps (plain loops), "
+          f"{os.cpu_count()} cores  torch {torch_version()}  {args.backend} on {args.device}  "
+          f"{STEPS} steps (plain loops), "
           f"SIGKILL of rank 1", file=progress, flush=True)
     print(text_header(), file=progress, flush=True)
     rows: list[Row] = []
     for index, pattern in enumerate(patterns):
         group = work / f"{index:02d}-{pattern.framework}-{pattern.name}-{pattern.ranks}"
-        reference = run_job(pattern, group / "reference", ())
+        reference = run_job(pattern, group / "reference", (), placement)
         problem = reference_problem(reference, pattern.framework)
         for number, (fault, extra) in enumerate(pattern.faults):
             if problem is None:
-                run = run_job(pattern, group / f"fault-{number}", extra)
+                run = run_job(pattern, group / f"fault-{number}", extra, placement)
                 result, kinds = judge(run, reference, pattern.framework), recovery_kinds(
                     run.events)
                 seconds = kill_to_first_step(run)
@@ -454,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                       kinds, first)
             rows.append(row)
             print(text_row(row), file=progress, flush=True)
-    if not args.quick and not args.only:
+    if not args.quick and not args.only and not placement:
         for name, framework, fault, why in NOT_ON_CPU:
             row = Row(name, framework, "2", fault, f"not run: {why}", "-", "-")
             rows.append(row)

@@ -13,13 +13,27 @@ The patterns, each a flag, any of them together:
 --dropout                  an ``nn.Dropout`` (torch's RNG)
 --augment                  noise from torch's, numpy's and Python's RNGs added to each input
 --loader                   a ``DataLoader`` over a ``DistributedSampler`` that shuffles, with
-                           ``set_epoch``, positioned at the restored step
+                           ``set_epoch``, positioned at the restored step by skipping the
+                           epoch's first batches; no generator of its own (torch's default: each
+                           iterator draws its workers' base seed from torch's RNG); given to
+                           ``StateCapture(loaders=...)``
+--loader-generator         that ``DataLoader`` with a seeded generator of its own (torch's
+                           reproducibility recipe: each iterator draws its seed from it)
 --loader-workers N         that ``DataLoader``'s ``num_workers`` (default 0: in the process)
+--worker-augment           noise from torch's, numpy's and Python's RNGs added to each sample in
+                           the dataset's ``__getitem__``, so in the loader's worker processes
+                           (their RNGs seeded from the iterator's base seed); needs
+                           --loader-workers (in the process, the skipped batches' draws would
+                           come from the training's own RNG: no resume by skipping is exact there)
 --autocast                 the forward under CPU autocast to bfloat16
 --ema                      an exponential moving average of the weights kept outside the
                            optimizer (``torch.optim.swa_utils.AveragedModel``), saved in the
                            checkpoint's extras; a hash of its parameters is logged too
 --compile                  the DDP model under ``torch.compile`` (inductor)
+--device cpu|cuda          where the model, the batches, dropout and torch's augmentation are
+                           (default cpu): on ``cuda`` they draw from CUDA's RNG, every rank on
+                           ``cuda:LOCAL_RANK`` modulo the GPUs there are (one GPU: all on it)
+--backend gloo|nccl        the process group's (default gloo; nccl needs a GPU per rank)
 
 The fault, in the first attempt on --fault-rank only: a SIGKILL at --crash-at-step N, where
 --crash-mode says: ``after-save`` once the save of step N is complete and the others are in
@@ -64,8 +78,17 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     """A short hash of the tensors' bytes, in their order."""
     hashed = hashlib.sha1()
     for tensor in tensors:
-        hashed.update(tensor.detach().contiguous().numpy().tobytes())
+        hashed.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return hashed.hexdigest()[:16]
+
+
+class AugmentedSamples(TensorDataset):
+    """Samples with noise drawn from torch's, numpy's and Python's RNGs as they are read."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = super().__getitem__(index)
+        noise = 0.1 * torch.randn_like(x) + float(np.random.normal(0.0, 0.1)) + random.random()
+        return x + 0.1 * noise, y
 
 
 def main() -> None:
@@ -79,7 +102,9 @@ def main() -> None:
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--augment", action="store_true")
     parser.add_argument("--loader", action="store_true")
+    parser.add_argument("--loader-generator", action="store_true")
     parser.add_argument("--loader-workers", type=int, default=0)
+    parser.add_argument("--worker-augment", action="store_true")
     parser.add_argument("--autocast", action="store_true")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
@@ -88,17 +113,25 @@ def main() -> None:
                                  "in-optimizer-step", "twice"))
     parser.add_argument("--ema", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--loss-log", type=Path, required=True)
     parser.add_argument("--pid-log", type=Path, required=True)
     parser.add_argument("--kill-log", type=Path, help="the SIGKILL's time.time(), written first")
     args = parser.parse_args()
+    if args.worker_augment and not (args.loader and args.loader_workers > 0):
+        parser.error("--worker-augment needs --loader and --loader-workers N > 0")
 
-    dist.init_process_group("gloo")  # no collective before InProcess().run
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend)  # no collective before InProcess().run
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
     net = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(),
                         nn.Dropout(0.3) if args.dropout else nn.Identity(),
-                        nn.Linear(32, CLASSES))
+                        nn.Linear(32, CLASSES)).to(device)
     optim = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 5)) \
         if args.warmup else None
@@ -107,23 +140,24 @@ def main() -> None:
         net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)) if args.ema else None
     ema_at_start = {k: v.clone() for k, v in ema.state_dict().items()} if ema is not None \
         else None
-    ckpt = Checkpointer.from_env(optimizers=[optim])
-    snapshot = StateCapture(net, optim)
     torch.manual_seed(1000 + rank)  # each rank its own dropout and augmentation
     np.random.seed(2000 + rank)
     random.seed(3000 + rank)
 
     data = torch.Generator().manual_seed(1)
-    dataset = TensorDataset(torch.randn(SAMPLES, FEATURES, generator=data),
-                            torch.randint(0, CLASSES, (SAMPLES,), generator=data))
+    samples = (torch.randn(SAMPLES, FEATURES, generator=data),
+               torch.randint(0, CLASSES, (SAMPLES,), generator=data))
+    dataset = AugmentedSamples(*samples) if args.worker_augment else TensorDataset(*samples)
     per_step = args.batch_size * args.accum
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    # A generator of its own: a DataLoader draws its iterator's base seed from torch's global
-    # RNG unless given one, and the iterator made again at the restored step would draw where
-    # an uninterrupted run does not (one draw more, so other dropout masks).
     loader = DataLoader(dataset, batch_size=per_step, sampler=sampler,
                         num_workers=args.loader_workers, drop_last=True,
-                        generator=torch.Generator())
+                        generator=torch.Generator().manual_seed(7) if args.loader_generator
+                        else None)
+    ckpt = Checkpointer.from_env(optimizers=[optim])
+    # The loader too: the iterator made again at the restored step draws its seed where the
+    # epoch's first one did, not one draw later.
+    snapshot = StateCapture(net, optim, loaders=[loader] if args.loader else ())
     first_attempt = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
     armed = first_attempt and rank == args.fault_rank
     crash_at_step, crash_mode = args.crash_at_step, args.crash_mode
@@ -142,7 +176,8 @@ def main() -> None:
             for step in range(start, args.steps):
                 at = [(step * world * per_step + rank * per_step + i) % SAMPLES
                       for i in range(per_step)]
-                yield step, dataset[at]
+                x, y = dataset[at]
+                yield step, (x.to(device), y.to(device))
             return
         epoch, skip = divmod(start, len(loader))
         step = start
@@ -151,7 +186,8 @@ def main() -> None:
             for i, batch in enumerate(loader):
                 if i < skip:
                     continue
-                yield step, batch
+                x, y = batch
+                yield step, (x.to(device), y.to(device))
                 step += 1
                 if step == args.steps:
                     return
@@ -160,7 +196,8 @@ def main() -> None:
     def augment(x: torch.Tensor) -> torch.Tensor:
         if not args.augment:
             return x
-        noise = torch.from_numpy(np.random.normal(0.0, 0.1, x.shape).astype(np.float32))
+        noise = torch.from_numpy(np.random.normal(0.0, 0.1, x.shape).astype(np.float32)).to(
+            x.device)
         return x * (1 + 0.1 * random.random()) + 0.1 * torch.randn_like(x) + noise
 
     def kill() -> None:
@@ -205,7 +242,7 @@ def main() -> None:
                                              strict=True)):
                 last = i == args.accum - 1
                 with (contextlib.nullcontext() if last else model.no_sync(),
-                      torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast)):
+                      torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast)):
                     loss = F.cross_entropy(model(augment(xm)), ym) / args.accum
                     if crash_here and last and crash_mode == "mid-step":
                         time.sleep(0.5)  # the others are in this backward's all-reduce

@@ -2,8 +2,8 @@
 
     bash bench/gpu_check.sh            (installs elasticft into the machine's torch, then this)
     python bench/gpu_check.py [--dry-run] [--torchrun-hang-s 90]
-                              [--parts ops,overhead,hang,ckpt,recovery,inprocess,torchtitan,
-                                       persist,tests]
+                              [--parts ops,overhead,hang,ckpt,recovery,inprocess,conformance,
+                                       torchtitan,persist,tests]
 
 With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the script):
 
@@ -30,6 +30,8 @@ With one GPU, NCCL runs with world size 1 (bench/gpu_check_worker.py is the scri
    that takes the killed rank; before them bench/inprocess_abort_gpu.py, the device health
    check synchronizing the rank's device from its helper thread, an NCCL group aborted with a
    kernel pending, and a new group's collective (what one GPU allows);
+   (``conformance``) bench/conformance.py's plain loops with dropout, augmentation and all
+   patterns together on CUDA (CUDA's RNG; gloo, both ranks on one GPU), each cell exact or not;
    (``torchtitan``) bench/torchtitan_gpu.py: torchtitan's debug model under FSDP2 and under
    tensor parallel, rank 1 SIGKILLed, the restart mode against elasticft's torchtitan
    integration (2 GPUs, ``TORCHTITAN_DIR``);
@@ -67,6 +69,7 @@ RECOVERY_BENCH = ROOT / "bench" / "recovery_large.py"
 ABORT_BENCH = ROOT / "bench" / "inprocess_abort_gpu.py"
 PERSIST_BENCH = ROOT / "bench" / "persist.py"
 TITAN_BENCH = ROOT / "bench" / "torchtitan_gpu.py"
+CONFORMANCE_BENCH = ROOT / "bench" / "conformance.py"
 RUN_LIMIT_S = 300
 
 
@@ -398,6 +401,17 @@ def check_inprocess(rows: list[tuple[str, str]]) -> None:
                 if line.startswith(("launcher", "torchrun", "elasticft")))
 
 
+def check_conformance(rows: list[tuple[str, str]]) -> None:
+    """bench/conformance.py on CUDA: the plain loops whose draws come from CUDA's RNG (dropout,
+    augmentation, every pattern together) at every fault point, gloo with both ranks on one GPU
+    (NCCL needs a GPU per rank)."""
+    code, text = run([sys.executable, str(CONFORMANCE_BENCH), "--device", "cuda", "--only",
+                      "dropout,augment,all"], child_env(), limit_s=900)
+    rows.append(("conformance on CUDA (bench/conformance.py --device cuda)", f"exit {code}"))
+    rows.extend(("  conformance", line[:200]) for line in text.strip().splitlines()
+                if not line.startswith("pattern"))
+
+
 def part_out(part: str) -> dict[str, str]:
     """``OUT`` for a bench that writes its table there: a folder of the part's own, so that two
     parts running the same bench keep both tables."""
@@ -449,6 +463,8 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
     py_compile.compile(str(ABORT_BENCH), doraise=True)
     py_compile.compile(str(PERSIST_BENCH), doraise=True)
     py_compile.compile(str(TITAN_BENCH), doraise=True)
+    py_compile.compile(str(CONFORMANCE_BENCH), doraise=True)
+    py_compile.compile(str(CONFORMANCE_BENCH.parent / "conformance_loop.py"), doraise=True)
     shim = shim_library()
     launchers = [" ".join(launcher(n)) for n in ("elasticft-run", "torchrun")]
     broken: list[str] = []
@@ -485,7 +501,7 @@ def dry_run(reason: str, parts: list[str] | None = None) -> int:
 
 
 PARTS = ("ops", "overhead", "gloo", "hang", "restart", "ckpt", "recovery", "inprocess",
-         "torchtitan", "persist", "tests")
+         "conformance", "torchtitan", "persist", "tests")
 CPU_PARTS = ("gloo", "restart", "persist")
 """Parts that need no GPU: asked for alone (``--parts gloo,restart``), they run on a CPU machine
 too (gloo)."""
@@ -531,6 +547,7 @@ def main() -> int:
                   "restart": lambda: check_restart(tmp, rows),
                   "ckpt": lambda: check_ckpt(rows), "recovery": lambda: check_recovery(rows),
                   "inprocess": lambda: check_inprocess(rows),
+                  "conformance": lambda: check_conformance(rows),
                   "torchtitan": lambda: check_torchtitan(rows),
                   "persist": lambda: check_persist(rows),
                   "tests": lambda: check_gpu_tests(rows)}

@@ -5,7 +5,7 @@
 # torchrun, bench/ckpt_gpu.py's GPU checkpoint figures, the `gpu`-marked tests).
 #
 #   bash bench/gpu_check.sh [--torchrun-hang-s 90]
-#                           [--parts ops,overhead,hang,ckpt,recovery,inprocess,torchtitan,persist,tests]
+#                           [--parts ops,overhead,hang,ckpt,recovery,inprocess,conformance,torchtitan,persist,tests]
 #                                                         (PYTHON=... to pick the interpreter)
 #
 # Without a CUDA device it installs nothing, checks the set-up and says so in one line.

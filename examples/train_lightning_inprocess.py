@@ -14,8 +14,9 @@ instead in the write of step N's Lightning checkpoint, on the rank that writes i
 ``--fault-rank 0``): half its bytes are written, then the SIGKILL. ``--early-stopping`` adds
 Lightning's ``EarlyStopping`` on the epoch's mean loss (patience 1), ``--lr-monitor`` a
 ``LearningRateMonitor`` (with a CSV logger into ``--log-dir``), ``--accumulate N`` the Trainer's
-gradient accumulation. ``--restart-mode`` trains with Lightning's own DDP strategy instead
-(the restart mode, for comparison). ``--pytorch-lightning`` imports the
+gradient accumulation, ``--resume-last`` calls ``fit(ckpt_path="last")`` as a script restarted by
+a launcher does. ``--restart-mode`` trains with Lightning's own DDP strategy instead (the restart
+mode, for comparison). ``--pytorch-lightning`` imports the
 standalone ``pytorch_lightning`` package instead of ``lightning.pytorch``; the script is the same.
 ``--model-parallel`` shards the model with FSDP2 (``fully_shard`` in ``configure_model``) under
 ``InProcessModelParallelStrategy`` (Lightning's ``ModelParallelStrategy`` with
@@ -185,6 +186,9 @@ def main() -> None:
                         help="FSDP2 under the model-parallel strategy instead of DDP")
     parser.add_argument("--tensor-parallel", action="store_true",
                         help="with --model-parallel: tensor parallel over every rank, not FSDP2")
+    parser.add_argument("--resume-last", action="store_true",
+                        help='fit(ckpt_path="last"): resume from the newest checkpoint '
+                             "ModelCheckpoint wrote, as a script restarted by a launcher does")
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
@@ -220,7 +224,8 @@ def main() -> None:
                         else False, accumulate_grad_batches=args.accumulate,
                         enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[batches, *checkpoints])
-    trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
+    trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True),
+                ckpt_path="last" if args.resume_last else None)
     # Whole tensors: a sharded parameter is gathered (a collective, on every rank).
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
               for k, v in model.state_dict().items()}

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from elasticft.ckpt.restoring.loaders import loader_generators
 from elasticft.ckpt.restoring.state import rng_state, set_rng_state
 from elasticft.extras import require
 from elasticft.integrations.fit import EntryRuleBroken, FitRecovery
@@ -259,32 +260,16 @@ def _epoch_rng(loader: Any) -> dict[str, torch.Tensor]:
     data loader and its samplers (``accelerate``'s sampler without ``use_seedable_sampler``
     keeps one that advances every epoch; its seedable one is seeded again every epoch)."""
     state = {"torch": torch.get_rng_state()}
-    for n, generator in enumerate(_loader_generators(loader)):
+    for n, generator in enumerate(loader_generators(loader)):
         state[f"generator {n}"] = generator.get_state()
     return state
 
 
 def _set_epoch_rng(state: dict[str, torch.Tensor], loader: Any) -> None:
     torch.set_rng_state(state["torch"])
-    for n, generator in enumerate(_loader_generators(loader)):
+    for n, generator in enumerate(loader_generators(loader)):
         if f"generator {n}" in state:
             generator.set_state(state[f"generator {n}"])
-
-
-def _loader_generators(loader: Any) -> list[torch.Generator]:
-    """The generators of a data loader (``accelerate``'s ``DataLoaderShard`` or torch's), its
-    sampler and batch sampler and those they wrap, each once, in the order the same loader
-    made again lists them."""
-    found: dict[int, torch.Generator] = {}
-    batches = getattr(loader, "batch_sampler", None)
-    inner = getattr(batches, "batch_sampler", None)
-    for owner in (loader, getattr(loader, "sampler", None), batches,
-                  getattr(batches, "sampler", None), inner, getattr(inner, "sampler", None)):
-        for name in ("generator", "synchronized_generator"):
-            generator = getattr(owner, name, None)
-            if isinstance(generator, torch.Generator):
-                found.setdefault(id(generator), generator)
-    return list(found.values())
 
 
 def _callback_states(callbacks: list[Any]) -> dict[str, list[dict[str, Any]]]:

@@ -64,3 +64,15 @@ def test_a_cell_is_judged_by_its_recoveries_and_its_results(
 
     judged = conformance.judge(run(ran, events), run(reference, []), "plain")
     assert judged.startswith(result), judged
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--device", "cuda", "--only", "hf"], "the framework examples train on CPU with gloo only"),
+    (["--backend", "nccl", "--only", "plain"], "--backend nccl needs --device cuda"),
+], ids=["framework-on-cuda", "nccl-on-cpu"])
+def test_a_placement_the_matrix_cannot_run_is_refused_in_one_line(argv: list[str],
+                                                                   said: str) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "conformance.py"), *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert said in done.stderr.splitlines()[-1], done.stderr

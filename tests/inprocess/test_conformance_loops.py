@@ -32,10 +32,12 @@ CRASH_AT = 7
 PATTERNS = {
     # nanoGPT's order (zero_grad after the step), 2 micro-batches under no_sync, clipping, a
     # LambdaLR warm-up, dropout, augmentation from torch's, numpy's and Python's RNGs, a
-    # DataLoader with 2 worker processes over a shuffling DistributedSampler, the forward
-    # under CPU autocast to bfloat16, and an EMA of the weights outside the optimizer
+    # DataLoader (no generator of its own) with 2 worker processes over a shuffling
+    # DistributedSampler, augmentation drawn in those workers, the forward under CPU autocast
+    # to bfloat16, and an EMA of the weights outside the optimizer
     "all": ("--zero-grad", "after", "--accum", "2", "--clip", "--warmup", "--dropout",
-            "--augment", "--loader", "--loader-workers", "2", "--autocast", "--ema"),
+            "--augment", "--loader", "--loader-workers", "2", "--worker-augment", "--autocast",
+            "--ema"),
     # zero_grad before the backward, one batch per step, the model under torch.compile
     "zero-grad-before+compile": ("--zero-grad", "before", "--clip", "--warmup", "--dropout",
                                  "--augment", "--loader", "--compile"),

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from elasticft.ckpt.hostcopy import copy_bytes
 from elasticft.ckpt.memory.device import restore_copy
+from elasticft.ckpt.restoring.loaders import resume_loaders, snapshot_entry, watch
 from elasticft.ckpt.restoring.shards import into_live, is_dtensor, like_param, local_of, storage_key
 from elasticft.ckpt.snapshot import (
     decode_json,
@@ -95,7 +96,8 @@ def _cuda_rng_in_use() -> bool:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Puts back what :func:`rng_state` took; a generator the snapshot does not hold (numpy's,
-    in snapshots of earlier versions) is left as it is."""
+    in snapshots of earlier versions) is left as it is. The data loaders' entries of a
+    :class:`StateCapture` arm its loaders (:mod:`elasticft.ckpt.restoring.loaders`)."""
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -108,6 +110,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         random.setstate((py["version"], tuple(words), py["gauss"]))
     if "numpy" in state:
         _set_numpy_state(state["numpy"])
+    resume_loaders(state)
 
 
 def capture(
@@ -142,13 +145,20 @@ class StateCapture:
     so it stays right as long as those are the same tensor objects: this keeps it and only
     refreshes the optimizer's hyperparameters (a scheduler changes ``lr``), the extras and the
     RNG states. Any change of the tensor objects (the first optimizer step, a reload) rebuilds.
+
+    ``loaders``: the data loaders whose iterator the loop makes again at the restored step
+    (skipping the epoch's first batches). Each snapshot holds the RNG states their current
+    iterator drew from, and a restore has the iterator made again draw the same (the workers'
+    seeds, a shuffle from torch's RNG) without moving torch's RNG
+    (:mod:`elasticft.ckpt.restoring.loaders`). Part of the RNG states: nothing with ``rng=False``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 *, rng: bool = True) -> None:
+                 *, rng: bool = True, loaders: Iterable[Any] = ()) -> None:
         self.model = model
         self.optimizer = optimizer
         self.rng = rng
+        self._loaders = watch(loaders) if rng else []
         self._key: tuple[int, ...] | None = None
         self._dicts: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._rng_buffers: dict[str, torch.Tensor] = {}
@@ -213,6 +223,8 @@ class StateCapture:
         if (numpy := _numpy_state()) is not None:
             words, rest = numpy
             state["numpy"] = {"state": self._stable("numpy", words), **rest}
+        for n, draws in enumerate(self._loaders):
+            state[f"loader {n}"] = snapshot_entry(draws, self._stable, f"loader {n}")
         return state
 
     def _stable(self, name: str, value: torch.Tensor) -> torch.Tensor:
