@@ -85,6 +85,9 @@ class Pattern:
     faults: tuple[tuple[str, tuple[str, ...]], ...]
     """(fault point, the script's options that put the SIGKILL there)."""
     ranks: int = 2
+    before: tuple[str, ...] | None = None
+    """The options of an uninterrupted launch of the same script run first in each run's
+    directory (``{run}`` is that run's), whose checkpoints this one resumes from."""
 
 
 def plain_faults() -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -150,6 +153,14 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("ddp+dropout+checkpoint+fit(ckpt_path=last)", "lightning",
             (*LIGHTNING_CHECKPOINTED, "--resume-last"),
             at_step(7, (10, " (a ModelCheckpoint step)")) + in_checkpoint_write(10)),
+    Pattern("relaunch+fit(ckpt_path=last)", "lightning",
+            ("--epochs", "4", "--checkpoint-every", "5", "--save-last", "--dropout", "0.25",
+             "--checkpoint-dir", "{run}/own", "--resume-last"),
+            at_step((11, " (the relaunch's first)"),
+                    (12, " (mid-epoch, its iterator from the start)"),
+                    (13, " (the next epoch's first)")),
+            before=("--epochs", "2", "--checkpoint-every", "5", "--save-last", "--dropout",
+                    "0.25", "--checkpoint-dir", "{run}/own")),
     Pattern("callbacks+accumulate-2", "lightning", LIGHTNING_CALLBACKS,
             at_step(5, (4, " (a ModelCheckpoint step)")) + in_checkpoint_write(4)),
     Pattern("ddp+epoch-end-checkpoint", "lightning",
@@ -228,18 +239,29 @@ def command(pattern: Pattern, run_dir: Path, extra: tuple[str, ...],
 def run_job(pattern: Pattern, run_dir: Path, extra: tuple[str, ...],
             placement: tuple[str, ...] = ()) -> Run:
     run_dir.mkdir(parents=True)
-    out = run_dir / "launcher.out"
-    with out.open("wb") as log:
-        proc = subprocess.Popen(command(pattern, run_dir, extra, placement), env=clean_job_env(),
-                                cwd=run_dir, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    if pattern.before is not None:
+        first = dataclasses.replace(
+            pattern, args=tuple(a.replace("{run}", str(run_dir)) for a in pattern.before))
+        returncode = launch(command(first, run_dir / "before", (), placement),
+                            run_dir / "before")
+        if returncode != 0:
+            run = read_run(run_dir / "before", returncode)
+            return dataclasses.replace(run, text="the launch before this one:\n" + run.text)
+    return read_run(run_dir, launch(command(pattern, run_dir, extra, placement), run_dir))
+
+
+def launch(cmd: list[str], run_dir: Path) -> int | None:
+    """Runs one job to its end; None: still running at :data:`RUN_LIMIT_S`, killed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "launcher.out").open("wb") as log:
+        proc = subprocess.Popen(cmd, env=clean_job_env(), cwd=run_dir, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            returncode: int | None = proc.wait(timeout=RUN_LIMIT_S)
+            return proc.wait(timeout=RUN_LIMIT_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            returncode = None
-    return read_run(run_dir, returncode)
+            return None
 
 
 def read_run(run_dir: Path, returncode: int | None) -> Run:

@@ -36,7 +36,10 @@ framework's position is loaded from the snapshot's extras: the fit loop's counte
 ``fit_loop.load_state_dict``, Lightning's own resume path, which also makes
 ``trainer.global_step`` right), the schedulers' states, the callbacks' states, and the data
 position, which Lightning cannot resume for a plain ``DataLoader``: the training sampler skips
-the batches of the epoch already done, once.
+the batches the epoch's iterator had yielded, once. That is the epoch's count of batches done
+less the batches its iterator never yielded: a fit resumed mid-epoch from Lightning's own
+checkpoint (``ckpt_path``) iterates a plain loader from its start while its counters go on
+from the checkpoint's, so a step of that epoch redone must draw what the iterator drew then.
 
 The callbacks' states are what Lightning puts in its checkpoints' ``"callbacks"`` entry (each
 callback's ``state_dict()`` under its ``state_key``, put back with ``load_state_dict``), and
@@ -143,6 +146,11 @@ class _InProcessFit:
         self._snapshot_step: int | None = None
         """The step of this entry's last snapshot: the batches of one step (gradient
         accumulation) take one, at the first of them."""
+        self._skipped = 0
+        """The batches the restore of this entry had the training loader's iterator leave out."""
+        self._unyielded: tuple[int, int] | None = None
+        """(epoch, the batches that epoch counts as done that its iterator never yielded),
+        known at the epoch's first batch in this entry (:meth:`_data_position`)."""
         self._snapshots = self._snapshots_class(self)
 
     def kept_modules(self, model: Any) -> tuple[Any, ...]:
@@ -166,6 +174,7 @@ class _InProcessFit:
                                          keep_start=False)
         callbacks = [c for c in trainer.callbacks if c is not self._snapshots]
         self._snapshot_step = None
+        self._skipped, self._unyielded = 0, None
         if restored is None:  # nothing saved yet, or the start put back: so are the counters
             if self._loop_at_start is None:
                 self._loop_at_start = json.dumps(trainer.fit_loop.state_dict())
@@ -185,9 +194,9 @@ class _InProcessFit:
         load_callback_states(callbacks, extra["callbacks"])
         self._rng_to_put_back = _rng_state()
         self._results_to_put_back = extra.get("results")
-        # The batches of this epoch done by the restored step (its counters, now loaded).
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
-        self._skip_batches(trainer.train_dataloader, done)
+        # The batches of this epoch the iterator had yielded before the restored step.
+        self._skipped = extra["data_position"]
+        self._skip_batches(trainer.train_dataloader, self._skipped)
 
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
@@ -221,6 +230,7 @@ class _InProcessFit:
             # After Lightning reset them at the entry's epoch start.
             put_back_logged_results(results, self._results_to_put_back)
             self._results_to_put_back = None
+        position = self._data_position(trainer)
         step = trainer.global_step
         module, optimizer = self.lightning_module, self.optimizers[0]
         if step == 0:  # the start, once Lightning loaded its own checkpoint if it had one
@@ -237,7 +247,20 @@ class _InProcessFit:
             "callbacks": callback_states(c for c in trainer.callbacks
                                          if c is not self._snapshots),
             "results": logged_results(results),
+            "data_position": position,
         }}, record=False)
+
+    def _data_position(self, trainer: Any) -> int:
+        """The batches the training loader's iterator yielded this epoch before this batch:
+        the epoch's batches done (Lightning's counter) less those its iterator never yielded,
+        which the epoch's first batch in an entry tells (a plain loader's iterator starts at
+        the epoch's start, or as many batches in as the restore had it skip)."""
+        epoch = trainer.current_epoch
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        if self._unyielded is None or self._unyielded[0] != epoch:
+            self._unyielded = (epoch, done - self._skipped)
+            self._skipped = 0  # the next epoch's iterator starts at its start
+        return done - self._unyielded[1]
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's optimizer step, recorded for the report as it ends: its snapshot waits

@@ -11,6 +11,7 @@ exact, with a fault at a step's end and in the middle of Lightning's checkpoint 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -95,7 +96,7 @@ def checkpointed_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run = run_job(tmp, SCRIPT, "reference", clean_job_env(), *CHECKPOINTED, "--checkpoint-dir",
                   str(tmp / "own"))
     assert checkpoint_steps(tmp / "own") == [5, 10, 15, 20], list((tmp / "own").iterdir())
-    return run
+    return {**run, "own": tmp / "own"}
 
 
 @pytest.mark.slow
@@ -123,6 +124,27 @@ def test_model_checkpoint_every_5_steps_decides_alike_on_every_rank_after_a_roll
     assert f"Lightning entry 2 resumes from step {crash - 1}" in run["text"], run["text"][-5000:]
     assert checkpoint_steps(own) == [5, 10, 15, 20], list(own.iterdir())
     assert (own / "last.ckpt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_relaunch_resumed_mid_epoch_from_last_ckpt_redoes_a_step_of_that_epoch_exactly(
+        tmp_path: Path, job_env: dict[str, str], checkpointed_reference: dict) -> None:
+    """A relaunch with one more epoch and ``fit(ckpt_path="last")`` from the checkpointed run's
+    ``last.ckpt`` (step 20, two batches into the fourth epoch): Lightning iterates that epoch's
+    plain loader from its start while its counters go on from 2, so a step of that epoch redone
+    in process (rank 1 killed at the end of step 22) must draw the iterator's second batch, not
+    the epoch's fourth."""
+    runs = {}
+    for name, fault in (("reference", ()), ("fault", ("--crash-at-step", "22"))):
+        own = tmp_path / name / "own"
+        shutil.copytree(checkpointed_reference["own"], own)
+        runs[name] = run_job(tmp_path / name, SCRIPT, name, clean_job_env() if not fault
+                             else job_env, "--epochs", "5", *CHECKPOINTED[2:], "--resume-last",
+                             "--checkpoint-dir", str(own), *fault)
+    assert runs["reference"]["report"]["last_step"] == 30
+    assert_recovered_in_process(runs["fault"], runs["reference"])
+    assert "Lightning entry 2 resumes from step 21" in runs["fault"]["text"]
 
 
 @pytest.mark.parametrize(("imported", "installed", "expected"), [
