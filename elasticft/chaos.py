@@ -169,9 +169,12 @@ def node_agent_pid(run_dir: Path, node: str) -> int:
 
 def kill_process_tree(pid: int) -> list[int]:
     """SIGKILLs a process and all its descendants (workers run in their own sessions, so a
-    process-group kill would miss them); returns the pids killed."""
+    process-group kill would miss them); returns the pids killed. The process is stopped
+    first: a node that dies takes everything at once, and an agent that saw its workers die
+    before it would report their failure to the other nodes, which a lost node never does."""
     try:
         root = psutil.Process(pid)
+        root.send_signal(signal.SIGSTOP)
         victims = [*root.children(recursive=True), root]
     except psutil.NoSuchProcess:
         raise ChaosError(f"process {pid} is not running") from None

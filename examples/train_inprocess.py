@@ -151,6 +151,10 @@ def main() -> None:
     parser.add_argument("--own-store", type=int, help="port of a TCPStore hosted outside the job")
     parser.add_argument("--own-echo", type=int, help="port of an echo server outside the job")
     parser.add_argument("--own-clients-log", type=Path)
+    parser.add_argument("--rank-seeded-noise", action="store_true",
+                        help="seed torch's RNG by rank after the model is built (nanoGPT's "
+                        "1337 + rank) and scale each step's loss by a draw from it: every "
+                        "rank's RNG state is its own")
     parser.add_argument("--no-step-records", action="store_true",
                         help="write no step records: the report numbers the steps by the "
                         "optimizer's own count (elasticft's automatic records)")
@@ -168,6 +172,8 @@ def main() -> None:
     optim = None if args.manual_sgd else torch.optim.AdamW(net.parameters(), lr=args.lr)
     ckpt = Checkpointer.from_env(optimizers=[optim] if optim is not None else [])
     snapshot = StateCapture(net, optim)
+    if args.rank_seeded_noise:
+        torch.manual_seed(1337 + rank)
     first_attempt = os.environ.get("ELASTICFT_ATTEMPT", "0") == "0"
     faults = {"armed": first_attempt and rank == args.fault_rank,
               "gil": first_attempt and rank == args.gil_hold_rank}
@@ -246,6 +252,8 @@ def main() -> None:
             raise ConnectionResetError("injected: connection reset by peer (NIC flap)")
         x, y = (t.to(device) for t in batch(step, rank, args.batch_size))
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        if args.rank_seeded_noise:
+            loss = loss * (1 + 1e-2 * torch.rand((), device=device))
         if extra is not None:
             dist.all_reduce(torch.ones(1), group=extra)
         if optim is None:

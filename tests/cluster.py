@@ -175,14 +175,14 @@ def losses_of(path: Path) -> Losses:
     return Losses(values, logged)
 
 
-def reference_losses(tmp: Path, env: dict[str, str], script: Path, steps: int, nproc: int = 2
-                     ) -> Losses:
+def reference_losses(tmp: Path, env: dict[str, str], script: Path, steps: int, nproc: int = 2,
+                     extra_train: tuple[str, ...] = ()) -> Losses:
     """An uninterrupted run of ``script`` on ``nproc`` workers (the world size of the faulty
-    runs)."""
+    runs), with the script's options ``extra_train`` besides the usual ones."""
     loss_log = tmp / "loss.log"
     cmd = [str(BIN / "elasticft-run"), "--standalone", "--nproc-per-node", str(nproc),
            "--run-dir", str(tmp / "run"), str(script), "--steps", str(steps),
-           "--batch-size", "4", "--loss-log", str(loss_log)]
+           "--batch-size", "4", "--loss-log", str(loss_log), *extra_train]
     if script == PLAIN:
         cmd += ["--ckpt-dir", str(tmp / "plain-ckpt"), "--ckpt-every", "3"]
     done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)

@@ -33,7 +33,7 @@ def test_an_unknown_part_is_a_usage_error_that_names_the_choices():
                            "ops,bogus"], capture_output=True, text=True, timeout=50)
     assert done.returncode == 2
     assert ("unknown --parts ['bogus']; choose from ops, overhead, gloo, hang, restart, ckpt, "
-            "recovery, inprocess, torchtitan, persist, tests") in done.stderr
+            "recovery, inprocess, conformance, torchtitan, persist, tests") in done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from elasticft.report.status import recoveries
 from elasticft.report.tor import analyze
 from elasticft.steps import read_steps
 from tests.cluster import Job, Losses, losses_of, reference_losses
-from tests.conftest import BIN, EXAMPLES, made_once, pids_by_rank
+from tests.conftest import BIN, EXAMPLES, clean_job_env, made_once, pids_by_rank
 from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
     LONG,
     STEPS,
@@ -190,6 +190,33 @@ def test_a_second_worker_killed_after_the_survivors_joined_is_replaced_too(
     replaced = {rank for e in read_events(job.tmp) if e["kind"] == "worker_replaced"
                 for rank in e["replaced"]}
     assert replaced == {"1", "3"}, replaced
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_whose_own_step_is_missing_is_not_given_its_replicas_random_state(
+        etcd_server: EtcdServer, make_job, tmp_path: Path) -> None:  # noqa: F811
+    """One worker per node, each rank's RNG seeded apart (nanoGPT's ``1337 + rank``) and drawn
+    every step. Rank 1 is SIGKILLed after its step 6, before its save: the newest step it holds
+    is 5, while rank 0's step 6 (the same model and optimizer) is in the other node's memory,
+    a replica the peer channel serves. Its RNG state is rank 0's though: restored as rank 1's,
+    rank 1 would draw rank 0's numbers from then on. The losses are an uninterrupted run's."""
+    noise = ("--rank-seeded-noise",)
+    (tmp_path / "reference").mkdir()
+    reference = reference_losses(tmp_path / "reference", clean_job_env(), INPROCESS, STEPS,
+                                 extra_train=noise)
+    job = make_job(etcd_server.endpoint, INPROCESS, steps=STEPS,
+                   extra_train=[*noise, "--fault-rank", "1", "--crash-at-step", str(CRASH_AT),
+                                "--crash-mode", "before-save"])
+    job.start("a")
+    job.start("b")
+    for name in ("a", "b"):
+        code = job.nodes[name].wait(150)
+        assert code == 0, f"node {name} exited {code}\n{job.outputs()}"
+    _bit_exact(losses_of(job.loss_log), reference)
+    said = [p for p in job.tmp.glob("run-*/logs/**/stderr.log")
+            if "step 6 of rank 1 is only rank 0's replica" in p.read_text()]
+    assert said, job.outputs()
+    assert not any(node.events("restart") for node in job.nodes.values()), job.outputs()
 
 
 @pytest.mark.timeout(300)

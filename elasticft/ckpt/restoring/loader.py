@@ -107,7 +107,9 @@ class SnapshotLoader:
             with contextlib.ExitStack() as stack:
                 snapshot, source = self._read_step(step, tiers, held, stack,
                                                    in_place=live is not None)
-                if self._ranks.all_ok(snapshot is not None):
+                usable = snapshot is not None and not self._replica_not_own(
+                    step, snapshot, tiers, held)
+                if self._ranks.all_ok(usable):
                     assert snapshot is not None
                     if live is not None:
                         live.prepare(snapshot.manifest)
@@ -128,6 +130,24 @@ class SnapshotLoader:
                                 f"cannot restore the checkpoint of step {step} "
                                 f"({self.last_where}) into this model: {e}") from None
             excluded.add(step)
+
+    def _replica_not_own(self, step: int, snapshot: Snapshot, tiers: list[Tier],
+                         held: Mapping[str, list[int]]) -> bool:
+        """Whether ``snapshot`` must not stand for this rank (:func:`older_own_step`)."""
+        donor = snapshot.manifest.get("replica_of")
+        own = [s for tier in tiers if not isinstance(tier, PeerTier)
+               for s in held.get(tier.name, ())]
+        older = older_own_step(self.rank, step, snapshot.manifest, own)
+        if older is not None:
+            logger.warning("step %d of rank %d is only rank %s's replica, whose RNG states and "
+                           "extras are that rank's: an older step of its own (step %d) is "
+                           "restored instead", step, self.rank, donor, older)
+            return True
+        if donor is not None and int(donor) != self.rank:
+            logger.warning("rank %d takes step %d from rank %s's replica, with that rank's RNG "
+                           "states and extras: it holds no older step of its own", self.rank,
+                           step, donor)
+        return False
 
     def heal(self, live: Any, group: Any) -> Any:
         """``(step, extras)`` when a member of this rank's replica ``group`` held nothing and
@@ -210,3 +230,21 @@ def _where(tier: Tier) -> str:
         return "shared memory"
     return {"node": "this node's agent", "replica": "a replica's node"}.get(tier.name,
                                                                            "the backup node")
+
+
+def older_own_step(rank: int, step: int, manifest: Mapping[str, Any],
+                   own_steps: list[int]) -> int | None:
+    """The step of ``rank``'s own to restore instead of ``manifest``'s, or None to take it
+    (pure). A replica's node serves another rank's snapshot as this rank's (``replica_of``):
+    the same model and optimizer, but that rank's RNG states and extras. A script that seeds
+    each rank apart (nanoGPT's ``1337 + rank``) draws its dropout and augmentation from states
+    that differ, so the replica would have this rank draw what the other drew, and the run go
+    on with numbers the job never had. Where the rank holds an older step of its own
+    (``own_steps``: its memory, its disks), that one is restored by every rank, one step more
+    redone; with none (a node lost with its memory and no backup) the replica is taken."""
+    donor = manifest.get("replica_of")
+    if donor is None or int(donor) == rank:
+        return None
+    if not any(item["path"][0] in ("rng", "extra") for item in manifest["items"]):
+        return None
+    return max((s for s in own_steps if s < step), default=None)
