@@ -54,6 +54,8 @@ class EtcdServer:
         self.peer_port = _free_port()
         self.initial_cluster = f"{name}={self.peer_url}"
         self.process: subprocess.Popen[bytes] | None = None
+        self._served = False
+        """Whether it has answered once: its ports are known to its clients from then on."""
 
     @property
     def endpoint(self) -> str:
@@ -64,6 +66,31 @@ class EtcdServer:
         return f"http://127.0.0.1:{self.peer_port}"
 
     def start(self, timeout_s: float = 30.0, wait: bool = True) -> None:
+        """Starts etcd and waits until it answers. A first start of a one-member server whose
+        port another process took since :func:`_free_port` found it free (etcd exits with
+        "address already in use") tries again on other ports, on an empty data directory."""
+        for attempt in range(3):
+            self._launch()
+            if not wait:
+                return
+            try:
+                self.wait_ready(timeout_s)
+                self._served = True
+                return
+            except RuntimeError:
+                if attempt == 2 or not self._port_taken_before_first_serve():
+                    raise
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.data_dir.mkdir(mode=0o700)
+            self.client_port, self.peer_port = _free_port(), _free_port()
+            self.initial_cluster = f"{self.name}={self.peer_url}"
+
+    def _port_taken_before_first_serve(self) -> bool:
+        alone = self.initial_cluster == f"{self.name}={self.peer_url}"
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return alone and not self._served and "address already in use" in log[-2000:]
+
+    def _launch(self) -> None:
         client_url = f"http://{self.endpoint}"
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
@@ -82,8 +109,6 @@ class EtcdServer:
             stderr=subprocess.STDOUT,
         )
         log.close()
-        if wait:
-            self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:
         import pyetcd
