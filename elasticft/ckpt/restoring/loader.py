@@ -143,7 +143,7 @@ class SnapshotLoader:
                            "extras are that rank's: an older step of its own (step %d) is "
                            "restored instead", step, self.rank, donor, older)
             return True
-        if donor is not None and int(donor) != self.rank:
+        if another_ranks_side_state(self.rank, snapshot.manifest):
             logger.warning("rank %d takes step %d from rank %s's replica, with that rank's RNG "
                            "states and extras: it holds no older step of its own", self.rank,
                            step, donor)
@@ -242,9 +242,13 @@ def older_own_step(rank: int, step: int, manifest: Mapping[str, Any],
     on with numbers the job never had. Where the rank holds an older step of its own
     (``own_steps``: its memory, its disks), that one is restored by every rank, one step more
     redone; with none (a node lost with its memory and no backup) the replica is taken."""
-    donor = manifest.get("replica_of")
-    if donor is None or int(donor) == rank:
-        return None
-    if not any(item["path"][0] in ("rng", "extra") for item in manifest["items"]):
+    if not another_ranks_side_state(rank, manifest):
         return None
     return max((s for s in own_steps if s < step), default=None)
+
+
+def another_ranks_side_state(rank: int, manifest: Mapping[str, Any]) -> bool:
+    """Whether ``manifest`` is another rank's replica that holds RNG states or extras (pure)."""
+    donor = manifest.get("replica_of")
+    return donor is not None and int(donor) != rank and any(
+        item["path"][0] in ("rng", "extra") for item in manifest["items"])
