@@ -20,7 +20,7 @@ save. Printed per launcher:
 * restore: seconds the restarted worker spent in ``restore()`` (or torch.load + load_state_dict);
 * first saves: the save calls of the restarted worker, first ones apart from the later ones;
 * resumed: the step the restarted worker resumed from, against the newest save issued before
-  the kill (and whether that save's copy had landed);
+  the kill and the newest one whose copy every rank was seen to land before it;
 * kill -> first step split into the restarted script's own start-up (process start to model
   built), its first step, and the rest: what the launcher and the restore cost;
 * on CPU, the copy floor: the same bytes copied out of /dev/shm by plain numpy in the

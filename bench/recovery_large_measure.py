@@ -104,6 +104,20 @@ def _run(name: str, args: argparse.Namespace, tmp: Path
     return proc.returncode, killed_at, victim
 
 
+def _newest_landed_on_every_rank(survivors: list[dict[str, Any]], killed_at: float | None,
+                                 victim_landed: list[int]) -> int | None:
+    """The newest step whose copy was seen landed in memory before the kill on the victim and
+    on every other rank (the survivors' records logged before the kill)."""
+    if not victim_landed or killed_at is None:
+        return None
+    newest = [victim_landed[-1]]
+    for rank in {r.get("rank", 0) for r in survivors}:
+        landed = [r["step"] for r in survivors if r.get("rank", 0) == rank
+                  and r["event"] == "landed" and r["status"] == "memory" and r["t"] <= killed_at]
+        newest.append(landed[-1] if landed else 0)
+    return min(newest)
+
+
 def _row(name: str, args: argparse.Namespace, tmp: Path, killed_at: float | None,
          victim: int | None) -> dict[str, Any]:
     """The figures of one launcher's run, from the workers' log and the agent's event log."""
@@ -120,6 +134,9 @@ def _row(name: str, args: argparse.Namespace, tmp: Path, killed_at: float | None
     # never landed: only a snapshot whole in memory is one the restart must resume from.
     landed_before = [r["step"] for r in before if r["event"] == "landed"
                      and r["status"] == "memory"]
+    # The restart resumes from the newest step whole on every rank: a survivor torn down
+    # in its own copy of the victim's newest landed step leaves the step before.
+    landed_everywhere = _newest_landed_on_every_rank(survivor, killed_at, landed_before)
     skipped_before = [r["step"] for r in before if r["event"] == "landed"
                       and r["status"] != "memory"]
     start_after = next((r for r in after if r["event"] == "start"), None)
@@ -134,7 +151,7 @@ def _row(name: str, args: argparse.Namespace, tmp: Path, killed_at: float | None
         "restore_s": start_after.get("restore_s") if start_after else None,
         "resumed": start_after["resumed"] if start_after else None,
         "last_save": saves_before[-1] if saves_before else None,
-        "last_landed": landed_before[-1] if landed_before else None,
+        "last_landed": landed_everywhere,
         "not_landed": skipped_before,
         "first_saves_s": (first_run_saves[:2], save_after[:2]),
         "later_save_s": statistics.median(first_run_saves[2:] + save_after[2:])
