@@ -249,37 +249,39 @@ def _main(argv: Sequence[str] | None,
     if argv is None:  # the console script
         procs.skip_final_collection()
     logs.configure(os.environ.get("LOGLEVEL", "INFO"))
-    problem = torch_version_problem(installed_torch_version())
-    if problem is not None:
-        print(f"{PROG}: error: {problem}", file=sys.stderr)
-        return USAGE_ERROR
-    created: list[Path] = []
-    try:
-        args, options, given = _parse(argv)
-        if tune is not None:
-            options = tune(options)
-        allocation = _slurm_allocation(options)
-        if allocation is not None:
-            slurm.node_defaults(args, given, os.environ, allocation)
-        _apply_torchrun_defaults(args)
-        if allocation is not None:
-            slurm.run_id_default(args, given, os.environ, allocation)
-        _check_extras(args, options)
-        options, created = _logs_in_run_dir(args, options)
-        torch_run_logger = logging.getLogger("torch.distributed.run")
-        level = torch_run_logger.level
-        # Its INFO lines ("Using nproc_per_node=...") would precede our one-line errors.
-        torch_run_logger.setLevel(logging.WARNING)
+    # Parsing imports torch's launcher and the agent's modules: seconds of CPU, no garbage.
+    with procs.no_collection_while_importing():
+        problem = torch_version_problem(installed_torch_version())
+        if problem is not None:
+            print(f"{PROG}: error: {problem}", file=sys.stderr)
+            return USAGE_ERROR
+        created: list[Path] = []
         try:
-            launch_config, cmd, cmd_args = _torch_launch_config(args)
-        finally:
-            torch_run_logger.setLevel(level)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        _remove_empty(created)
-        return USAGE_ERROR
+            args, options, given = _parse(argv)
+            if tune is not None:
+                options = tune(options)
+            allocation = _slurm_allocation(options)
+            if allocation is not None:
+                slurm.node_defaults(args, given, os.environ, allocation)
+            _apply_torchrun_defaults(args)
+            if allocation is not None:
+                slurm.run_id_default(args, given, os.environ, allocation)
+            _check_extras(args, options)
+            options, created = _logs_in_run_dir(args, options)
+            torch_run_logger = logging.getLogger("torch.distributed.run")
+            level = torch_run_logger.level
+            # Its INFO lines ("Using nproc_per_node=...") would precede our one-line errors.
+            torch_run_logger.setLevel(logging.WARNING)
+            try:
+                launch_config, cmd, cmd_args = _torch_launch_config(args)
+            finally:
+                torch_run_logger.setLevel(level)
+        except UsageError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            _remove_empty(created)
+            return USAGE_ERROR
 
-    from elasticft.launcher import launch
+        from elasticft.launcher import launch
 
     try:
         # launch() builds the default add-ons, as it does for any caller of the Python API.

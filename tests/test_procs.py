@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -108,3 +109,14 @@ def test_a_kill_cuts_one_wait_short_and_only_one() -> None:
         for child in (running, dying, failing):
             child.kill()
             child.wait()
+
+
+def test_imports_run_without_collections_and_the_collector_comes_back_as_it_was() -> None:
+    try:
+        for enabled_before in (True, False):
+            (gc.enable if enabled_before else gc.disable)()
+            with procs.no_collection_while_importing():
+                assert not gc.isenabled()
+            assert gc.isenabled() == enabled_before
+    finally:
+        gc.enable()
