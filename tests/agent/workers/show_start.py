@@ -4,7 +4,8 @@
 
 Writes OUT_DIR/<tag>.json (tag: $SHOW_START_TAG, else attempt<ELASTICFT_ATTEMPT>-rank<RANK>)
 with argv, sys.path, cwd, environment, __main__'s attributes, the sitecustomize that ran,
-interpreter flags, process group and signal state. MODE: ``ok`` (exit 0, the default),
+interpreter flags, process group, signal and garbage collector state.
+MODE: ``ok`` (exit 0, the default),
 ``exit3``, ``raise`` (ValueError), ``sysexit-msg``, ``sleep`` (wait for a signal),
 ``kill-first`` (SIGKILL itself on attempt 0 once every local rank has written, exit 0
 later). With $SHOW_START_IMPORT it first
@@ -13,6 +14,7 @@ imports that module (e.g. torch, so diagnostics install as in a training script)
 
 MAIN_NAMES = sorted(globals())
 
+import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -52,6 +54,7 @@ state = {
     "torch_imported": "torch" in sys.modules,
     "threads": sorted(t.name for t in threading.enumerate()),
     "nice": os.getpriority(os.PRIO_PROCESS, 0),  # the warm imports run at nice 19, apart
+    "gc_enabled": gc.isenabled(),  # the warm imports run without collections, apart
 }
 tag = os.environ.get("SHOW_START_TAG") or (
     f"attempt{os.environ.get('ELASTICFT_ATTEMPT', '0')}-rank{os.environ.get('RANK', '0')}"
