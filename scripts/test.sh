@@ -4,9 +4,9 @@
 # Extra arguments go to the full suite's pytest runs, e.g. `scripts/test.sh -m "not slow"`.
 # ELASTICFT_COMPAT_TORCH picks the second release (default 2.14.1, from the local pip index);
 # set it to "none" to leave that run out (it is then reported as left out, never passed).
-# TEST_WORKERS sets how many pytest-xdist workers share the full suite's run (default 4; each
+# TEST_WORKERS sets how many pytest-xdist workers share the full suite's run (default 5; each
 # takes whole test files; 0 runs everything in one process). The multi-process tests wait on real
-# processes part of the time, so four at a time keep 2 cores busy; the smoke subset on the second
+# processes part of the time, so five at a time keep 2 cores busy; the smoke subset on the second
 # torch runs beside them (one worker), and the tests marked `serial` run alone at the end. (Not an
 # ELASTICFT_* variable: elasticft-run refuses ELASTICFT_* names it does not know, and the tests
 # launch it.)
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 # each) and each launched interpreter compile what it imports from the checkout.
 unset PYTHONDONTWRITEBYTECODE
 COMPAT_TORCH=${ELASTICFT_COMPAT_TORCH:-2.14.1}
-TEST_WORKERS=${TEST_WORKERS:-4}
+TEST_WORKERS=${TEST_WORKERS:-5}
 # The smoke subset on the second torch starts first: its environment's install uses the core
 # that this one's (single-threaded pip) leaves idle, and its tests run beside the full suite's
 # parallel phase. Its output is kept until that phase is over; both are over before the serial
