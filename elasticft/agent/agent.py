@@ -72,7 +72,7 @@ from elasticft.config import ElasticftConfig
 from elasticft.diag import workerenv as diag_workerenv
 from elasticft.diag.health import GPU_DEVICE_GLOB, gpu_devices_present
 from elasticft.events import EventLog
-from elasticft.inprocess import ncclenv, protocol, spare
+from elasticft.inprocess import ncclenv, protocol, reconfigure, spare
 from elasticft.inprocess.agent_side import InProcessRecovery
 from elasticft.inprocess.failure_news import FailureNews
 from elasticft.inprocess.generations import InProcessCoordinator
@@ -281,10 +281,17 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         # Only a node with GPUs runs NCCL, and only a job under InProcess wants its settings:
         # elsewhere the workers' environment stays torchrun's.
         gpus = gpu_devices_present()
-        in_process = self.in_process.in_use or (gpus and ncclenv.entry_script_arms(
-            self._worker_group.spec.args))
-        return ncclenv.worker_env(os.environ, self.in_process.teardown_limit_s, gpus=gpus,
-                                  in_process=in_process)
+        names_it = ncclenv.entry_script_arms(self._worker_group.spec.args)
+        env = ncclenv.worker_env(os.environ, self.in_process.teardown_limit_s, gpus=gpus,
+                                 in_process=self.in_process.in_use or names_it)
+        # From the script alone, the same for every start and node: a replacement's group
+        # must be made the way the survivors' was.
+        if names_it:
+            env[reconfigure.REGIME_ENV] = "1"
+            if not getattr(self, "_regroup_path_said", False):
+                logger.info("%s", reconfigure.path_line())
+                self._regroup_path_said = True
+        return env
 
     def worker_pythonpath(self, existing: str | None) -> str | None:
         """The workers' ``PYTHONPATH``: what the collaborators declare first

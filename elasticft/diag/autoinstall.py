@@ -99,6 +99,10 @@ def arm(env: Mapping[str, str]) -> bool:
         # Every group's sockets, from the script's first group on: in-process recovery ends a
         # pending gloo wait through them (recording costs a look at /proc per group made).
         groupsockets.install()
+        # After the recording's wrapper: the regime's reconfigure records its own connections.
+        from elasticft.inprocess import reconfigure
+
+        reconfigure.install()
         if files is not None:
             from elasticft.diag import recorder, shimcheck
 

@@ -95,12 +95,14 @@ def snapshot(pid: int | str = "self") -> dict[int, TcpSocket]:
     return found
 
 
-def made_by_group(before: Mapping[int, TcpSocket], after: Mapping[int, TcpSocket]
-                  ) -> list[TcpSocket]:
+def made_by_group(before: Mapping[int, TcpSocket], after: Mapping[int, TcpSocket],
+                  own_listeners: Iterable[int] = ()) -> list[TcpSocket]:
     """The connections a group made between two snapshots (pure): established, new, and not
-    accepted by a server that listened before (those are that server's clients)."""
+    accepted by a server that listened before (those are that server's clients), unless that
+    server is the group's own (``own_listeners``, ports: a group reconnected in place accepts
+    on the listener it made at its creation)."""
     old = {s.inode for s in before.values()}
-    servers = {s.local_port for s in before.values() if s.listening}
+    servers = {s.local_port for s in before.values() if s.listening} - set(own_listeners)
     return sorted((s for s in after.values()
                    if s.state == _ESTABLISHED and s.inode not in old
                    and s.local_port not in servers), key=lambda s: s.fd)

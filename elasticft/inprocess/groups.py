@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from elasticft.diag import groupsockets
+from elasticft.inprocess import reconfigure
 from elasticft.inprocess.device import ArmedDevice, device_health
 from elasticft.inprocess.protocol import Generation
 
@@ -243,7 +244,8 @@ def end_all(abort: Callable[[Any], None] = abort_backends,
     configs = [backend_config(group) for group in groups]
     _ended.extend(groups)
     aborts = abort_concurrently(groups, abort, limit_s)
-    if aborts.finished and groups and dist.is_initialized():
+    # A default group in the reconfigure regime is kept in the table: rebuilt in place.
+    if aborts.finished and groups and dist.is_initialized() and reconfigure.active() is None:
         try:
             dist.distributed_c10d._abort_process_group(groups[-1])
         except Exception as e:
@@ -307,16 +309,14 @@ def end_groups(backend: str, waiting: Callable[[], bool] = lambda: True,
 # ------------------------------------------------------------------------------------------------
 # Tearing the groups down and making the generation's group (the seam the tests drive).
 
-_STORE_PREFIX = "default_pg"
-"""The prefix torch's ``init_process_group`` puts before the keys of an ``env://`` group: a
-survivor's regroup uses the same one, so it meets the replacement's unchanged call."""
-
-
 
 def destroy_registered() -> None:
     """Destroys the process groups still in torch's table (none after an abort of the default
-    group, which cleared it)."""
-    if dist.is_available() and dist.is_initialized():
+    group, which cleared it); a default group in the reconfigure regime stays, the others go."""
+    regime = reconfigure.active()
+    if regime is not None:
+        reconfigure.end_subgroups(regime)
+    elif dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -378,9 +378,15 @@ def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
     store an agent hosts, every rank a client of it."""
     os.environ["MASTER_ADDR"] = generation.master_addr
     os.environ["MASTER_PORT"] = str(generation.master_port)
+    regime = reconfigure.active()
+    if regime is not None:
+        took = reconfigure.regroup_in_place(regime, generation, rank, timeout_s)
+        logger.info("rank %d reconfigured in place into generation %d (%d ranks, %.3f s)", rank,
+                    generation.generation, generation.world_size, took)
+        return
     store = dist.TCPStore(generation.master_addr, generation.master_port,
                           world_size=generation.world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
     kwargs = settings.init_kwargs() if settings is not None else {}
-    ops.init(backend, store=dist.PrefixStore(_STORE_PREFIX, store), rank=rank,
+    ops.init(backend, store=dist.PrefixStore(reconfigure.STORE_PREFIX, store), rank=rank,
              world_size=generation.world_size, **kwargs)

@@ -149,11 +149,12 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
     replacement's start-up (its process start, or the fork for a pre-started interpreter →
     the script's ``InProcess()``: its imports, its model, its ``init_process_group``, which
     meets the survivors); join: from there to its ``InProcess.run`` armed; regroup: decision →
-    the last worker in the new group; restore: from there to the last worker's end of its
-    restore (``restored``, in the records of the workers that report one); redo: from there to
-    the last worker's first step (the step in flight at the failure, done again); where no
-    worker reports its restore's end, the two are one phase, restore_redo; total: failure
-    seen → the last first step.
+    the last worker in the new group; rebuild (a group rebuilt in place by torch's
+    reconfigure): from every rank's handle in to the group formed, the slowest rank's;
+    restore: from the regroup to the last worker's end of its restore (``restored``, in the
+    records of the workers that report one); redo: from there to the last worker's first step
+    (the step in flight at the failure, done again); where no worker reports its restore's
+    end, the two are one phase, restore_redo; total: failure seen → the last first step.
     """
     def latest(key: str) -> float | None:
         values = [float(r[key]) for r in records.values() if key in r]
@@ -181,6 +182,9 @@ def phases(recovery: Recovery, records: Mapping[int, Mapping[str, Any]]) -> dict
         out["join_s"] = max(j for _, j in starts)
     if joined is not None:
         out["regroup_s"] = joined - recovery.decided_at
+    rebuilt = [float(r["rebuild_s"]) for r in records.values() if "rebuild_s" in r]
+    if rebuilt:  # in place (torch's reconfigure): every rank ready → the group formed
+        out["rebuild_s"] = max(rebuilt)
     if joined is not None and restored is not None:
         out["restore_s"] = restored - joined
     if restored is not None and resumed is not None:

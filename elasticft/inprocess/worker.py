@@ -77,6 +77,7 @@ from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.diag import groupsockets
 from elasticft.diag import recorder as diag_recorder
+from elasticft.inprocess import reconfigure
 from elasticft.inprocess.certify import Replicated, certify
 from elasticft.inprocess.ddp_buckets import BucketLayouts
 from elasticft.inprocess.device import ArmedDevice, within
@@ -246,7 +247,7 @@ class InProcess:
                               "sharded_over": self._kept.sharded_over() if self._kept else []})
         if self.generation > 0:  # a replacement: the script's own init joined the generation
             now = time.time()
-            self._phases = {"joined": now}
+            self._phases = {"joined": now, **_rebuild()}
             if not was_spare:  # a new process: its start-up is part of the recovery
                 self._phases.update(reached=self._reached, started=_started_at())
             self._write("joined", self._phases)
@@ -399,7 +400,8 @@ class InProcess:
         self.generation = generation.generation
         self.recoveries += 1
         self._phases = {"failed": failed_at, "aborted": aborted_at, "joined": time.time(),
-                        **({"interrupted": interrupted_at} if interrupted_at else {})}
+                        **({"interrupted": interrupted_at} if interrupted_at else {}),
+                        **_rebuild()}
         logger.warning("rank %d rejoined in generation %d (%s %.3f s, regroup %.3f s, %s "
                        "%.3f s)", rank, self.generation, how, aborted_at - failed_at,
                        regrouped_at - aborted_at, rebound, self._phases["joined"] - regrouped_at)
@@ -523,6 +525,12 @@ class InProcess:
                          record).write(self.settings.directory)
         except OSError as e:  # the agent then falls back to a restart after its timeout
             logger.warning("could not write the in-process %s record: %s", kind, e)
+
+
+def _rebuild() -> dict[str, float]:
+    """The group's rebuild in place, for the ``joined`` record (nothing on a new group)."""
+    regime = reconfigure.active()
+    return regime.joined_record() if regime is not None else {}
 
 
 def _release(error: BaseException) -> None:

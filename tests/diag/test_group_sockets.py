@@ -34,24 +34,31 @@ STORE_CLIENT = _s(6, 600, 51000)  # the script's own client, made before the gro
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("before", "after", "made"), [
+@pytest.mark.parametrize(("before", "after", "made", "own"), [
     # The group's connection is the one established during its creation.
-    ([STORE_CLIENT], [STORE_CLIENT, _s(7, 700)], [7]),
+    ([STORE_CLIENT], [STORE_CLIENT, _s(7, 700)], [7], ()),
     # Connections the process had before are not the group's.
-    ([STORE_CLIENT, _s(7, 700)], [STORE_CLIENT, _s(7, 700)], []),
+    ([STORE_CLIENT, _s(7, 700)], [STORE_CLIENT, _s(7, 700)], [], ()),
     # gloo's own listener is never recorded (its shutdown aborts gloo's accept loop); the
     # connection it accepted is the group's.
-    ([], [_s(7, 700, 41000, LISTEN), _s(8, 800, 41000)], [8]),
+    ([], [_s(7, 700, 41000, LISTEN), _s(8, 800, 41000)], [8], ()),
     # A peer that joined the store this process hosts meanwhile is the store's client.
-    ([STORE_SERVER], [STORE_SERVER, _s(7, 700, 29500), _s(8, 800, 41000)], [8]),
+    ([STORE_SERVER], [STORE_SERVER, _s(7, 700, 29500), _s(8, 800, 41000)], [8], ()),
+    # A group reconnected in place (torch's reconfigure) accepts on the listener it made at
+    # its creation: those connections are its own, the store's clients still are not.
+    ([STORE_SERVER, _s(7, 700, 41000, LISTEN)],
+     [STORE_SERVER, _s(7, 700, 41000, LISTEN), _s(8, 800, 41000), _s(9, 900, 29500)], [8],
+     (41000,)),
+    ([STORE_SERVER, _s(7, 700, 41000, LISTEN)],
+     [STORE_SERVER, _s(7, 700, 41000, LISTEN), _s(8, 800, 41000)], [], ()),
     # A descriptor number reused by a new socket during the creation: the new one is the group's.
-    ([_s(7, 700)], [_s(7, 701)], [7]),
+    ([_s(7, 700)], [_s(7, 701)], [7], ()),
     # Closing connections (not established any more) are not recorded.
-    ([], [_s(7, 700, state="06")], []),
+    ([], [_s(7, 700, state="06")], [], ()),
 ])
 def test_which_sockets_a_group_made(before: list[TcpSocket], after: list[TcpSocket],
-                                    made: list[int]) -> None:
-    found = made_by_group({s.fd: s for s in before}, {s.fd: s for s in after})
+                                    made: list[int], own: tuple[int, ...]) -> None:
+    found = made_by_group({s.fd: s for s in before}, {s.fd: s for s in after}, own)
     assert [s.fd for s in found] == made
 
 

@@ -165,6 +165,21 @@ def test_phases_of_a_recovery_from_the_workers_records(
 
 
 @pytest.mark.timeout(30)
+def test_a_group_rebuilt_in_place_has_its_rebuild_as_a_phase_the_slowest_ranks() -> None:
+    """torch's reconfigure: each worker's ``joined`` record says how long its rebuild took
+    (every rank's handle in → the group formed); the phase is the slowest, after the regroup."""
+    recovery = Recovery(1, "crash", seen_at=100.0, decided_at=100.05, published_at=100.1,
+                        replaced={1: 4242}, deadline=0.0)
+    recovery.times.update(reaped=100.3, fork=100.06, forked=100.08)
+    records = {0: {**_SURVIVOR, "rebuild_s": 0.004}, 1: {**_REPLACEMENT, "rebuild_s": 0.011}}
+    found = phases(recovery, records)
+    assert found["rebuild_s"] == 0.011
+    assert list(found)[list(found).index("regroup_s") + 1] == "rebuild_s"
+    # A new group (torch without reconfigure): no such phase.
+    assert "rebuild_s" not in phases(recovery, {0: dict(_SURVIVOR), 1: dict(_REPLACEMENT)})
+
+
+@pytest.mark.timeout(30)
 def test_the_coordinator_reads_only_records_of_the_current_workers(tmp_path: Path) -> None:
     coordinator = InProcessCoordinator(tmp_path / "ip", timeout_s=5.0)
     coordinator.reset()

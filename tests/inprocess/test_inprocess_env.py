@@ -13,8 +13,9 @@ import pytest
 from elasticft.devicehealth import ArmedDevice, CudaCalls, NvmlAnswers, RankDevice
 from elasticft.inprocess.device import within
 from elasticft.inprocess.interrupt import Monitor, PeerInterrupted
-from elasticft.inprocess.ncclenv import abort_warning, missing, worker_env
+from elasticft.inprocess.ncclenv import abort_warning, missing, script_arms, worker_env
 from elasticft.inprocess.protocol import INTERRUPT_FILE
+from elasticft.inprocess.reconfigure import REGIME_ENV
 from elasticft.jsonfile import read_json, write_json
 
 IN_PROCESS_NCCL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
@@ -183,4 +184,6 @@ def test_an_agent_on_a_gpu_node_gives_the_nccl_settings_only_to_a_job_under_inpr
     agent = SimpleNamespace(in_process=SimpleNamespace(in_use=in_use, teardown_limit_s=30.0),
                             _worker_group=SimpleNamespace(spec=SimpleNamespace(args=args)))
     found = agent_module.ElasticftAgent.startup_env(agent)  # type: ignore[arg-type]
-    assert found == (IN_PROCESS_NCCL if given else {})
+    # The reconfigure regime from the script alone: the same for every start of the job.
+    regime = {REGIME_ENV: "1"} if script is not None and script_arms(script) else {}
+    assert found == ({**IN_PROCESS_NCCL, **regime} if given else {})
