@@ -38,7 +38,8 @@ import functools
 import logging
 import os
 import random
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -51,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 REGIME_ENV = "ELASTICFT_INPROCESS_RECONFIGURE"
 """``1``: this worker's job runs under ``InProcess``, so its default group is made in the
-reconfigure regime where torch allows it. Set by the agent (:mod:`elasticft.inprocess.ncclenv`)."""
+reconfigure regime where torch allows it. Set by the agent for a job whose entry script names
+in-process recovery (``ElasticftAgent.startup_env``), the same for every start and node."""
 
 STORE_PREFIX = "default_pg"
 """The prefix torch puts before an ``env://`` default group's keys: the regroup's store has the
@@ -146,7 +148,6 @@ class Regime:
     store: SwitchableStore
     group_count: int
     """torch's count of groups right after the default group was made."""
-    timeout: timedelta
     name: str
     rebuild_s: float
     """The latest reconfigure's own seconds: every rank's handle in, to the group formed."""
@@ -185,12 +186,10 @@ def connect(store: dist.Store, group: Any, rank: int, world_size: int,
             own_listeners: set[int] | None = None) -> float:
     """Puts this rank's handle in ``store`` (a generation's own), waits for every rank's, and
     reconfigures ``group`` with them in rank order and the uuid the ranks agreed on there;
-    returns the reconfigure's own seconds. The
-    connections it makes are recorded for the gloo release (:mod:`elasticft.diag.groupsockets`):
-    those new since ``before`` (default: the reconfigure's start), counting the ones accepted
-    on the group's own listeners (``own_listeners``, ports)."""
-    import time
-
+    returns the reconfigure's own seconds. The connections it makes are recorded under
+    ``name`` for the gloo release (:mod:`elasticft.diag.groupsockets`): those new since
+    ``before`` (default: the reconfigure's start), counting the ones accepted on the group's
+    own listeners (``own_listeners``, ports)."""
     uuid = agreed_uuid(store)
     store.set(f"{_KEY}/{rank}", group.get_reconfigure_handle())
     keys = [f"{_KEY}/{r}" for r in range(world_size)]
@@ -251,9 +250,9 @@ def install(c10d: Any = None, env: Mapping[str, str] = os.environ) -> bool:
                       **{**kwargs, "enable_reconfigure": True})
         group = made[0]
         timeout = kwargs.get("timeout") or DEFAULT_TIMEOUT
-        took = connect(switchable, group, rank, world_size, timeout, before=before)
+        took = connect(switchable, group, rank, world_size, timeout, str(name), before=before)
         global _regime
-        _regime = Regime(group, switchable, c10d._world.group_count, timeout, str(name), took,
+        _regime = Regime(group, switchable, c10d._world.group_count, str(name), took,
                          new_listeners(before))
         logger.info("in-process regroup by torch's reconfigure (%s, rank %d of %d, connected in "
                     "%.3f s)", backend, rank, world_size, took)
@@ -278,16 +277,16 @@ def end_subgroups(regime: Regime) -> int:
     return len(others)
 
 
-def regroup_in_place(regime: Regime, generation: Generation, rank: int, timeout_s: float,
-                     store_of: Callable[[Generation, float], dist.Store] | None = None) -> float:
+def regroup_in_place(regime: Regime, generation: Generation, rank: int,
+                     timeout_s: float) -> float:
     """Rebuilds the default group with ``generation``'s members, this process as ``rank``:
     its store switched to the generation's, the handles exchanged there; returns the
     reconfigure's own seconds."""
     timeout = timedelta(seconds=timeout_s)
-    store = (store_of or _generation_store)(generation, timeout_s)
+    store = _generation_store(generation, timeout_s)
     regime.store.target = dist.PrefixStore(STORE_PREFIX, store)
     took = connect(regime.store, regime.group, rank, generation.world_size, timeout,
-                   own_listeners=regime.listeners)
+                   regime.name, own_listeners=regime.listeners)
     c10d = dist.distributed_c10d
     # torch's own map of the default group's ranks, which it writes only at init.
     c10d._world.pg_group_ranks[regime.group] = {i: i for i in range(generation.world_size)}
