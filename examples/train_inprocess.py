@@ -15,7 +15,8 @@ costs the survivors no process either: the standby's worker takes the lost rank.
 
 Faults for tests and demos, injected once by --fault-rank in the first attempt:
 --crash-at-step N (SIGKILL right after the save of step N; --crash-mode after-save waits for
-it to complete, before-save kills before it, so the others redo step N; keep-sockets waits too,
+it to complete, before-save kills before it, so the others redo step N; before-save-after-peers
+kills before it once the other ranks' saves of step N are whole; keep-sockets waits too,
 and first forks a child outside the job that keeps the rank's sockets open, so the survivors'
 collective never fails by itself: the child writes its pid to --keeper-pid and lives 300 s),
 --hang-at-step N (SIGSTOP), --corrupt-restore (the failed rank's replacement changes one bit of
@@ -124,7 +125,8 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-mode",
-                        choices=("mid-save", "after-save", "before-save", "keep-sockets"),
+                        choices=("mid-save", "after-save", "before-save",
+                                 "before-save-after-peers", "keep-sockets"),
                         default="mid-save")
     parser.add_argument("--crash-again-after-recovery", action="store_true")
     parser.add_argument("--corrupt-restore", action="store_true")
@@ -277,8 +279,12 @@ def main() -> None:
         if args.pid_log:
             with open(args.pid_log, "a") as f:
                 f.write(f"{rank} {os.getpid()} {done}\n")
+        peers_first = (args.crash_mode == "before-save-after-peers"
+                       and done == args.crash_at_step and recovery.generation == 0)
         if faults["armed"] and done == args.crash_at_step \
-                and args.crash_mode == "before-save":
+                and args.crash_mode in ("before-save", "before-save-after-peers"):
+            if peers_first:
+                dist.barrier()  # the others enter once their step-N snapshot is whole
             os.kill(os.getpid(), signal.SIGKILL)
         if args.crash_again_after_recovery and recovery.recoveries and done == args.crash_at_step:
             run_dir = Path(os.environ["ELASTICFT_RUN_DIR"])
@@ -287,6 +293,9 @@ def main() -> None:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGSTOP)
         request = ckpt.save(done, snapshot(extra={"step": done}))
+        if peers_first:  # not the failing rank: its step N is whole before the failure
+            request.wait()
+            dist.barrier()
         if not args.no_step_records:
             record_step(done, 0.0)
         if faults["armed"] and done == args.crash_at_step:

@@ -196,7 +196,8 @@ def test_a_second_worker_killed_after_the_survivors_joined_is_replaced_too(
 def test_a_rank_whose_own_step_is_missing_is_not_given_its_replicas_random_state(
         etcd_server: EtcdServer, make_job, tmp_path: Path) -> None:  # noqa: F811
     """One worker per node, each rank's RNG seeded apart (nanoGPT's ``1337 + rank``) and drawn
-    every step. Rank 1 is SIGKILLed after its step 6, before its save: the newest step it holds
+    every step. Rank 1 is SIGKILLed after its step 6, before its save (once rank 0's save of
+    step 6 is whole, so the failure cannot end it first): the newest step it holds
     is 5, while rank 0's step 6 (the same model and optimizer) is in the other node's memory,
     a replica the peer channel serves. Its RNG state is rank 0's though: restored as rank 1's,
     rank 1 would draw rank 0's numbers from then on. The losses are an uninterrupted run's."""
@@ -206,7 +207,7 @@ def test_a_rank_whose_own_step_is_missing_is_not_given_its_replicas_random_state
                                  extra_train=noise)
     job = make_job(etcd_server.endpoint, INPROCESS, steps=STEPS,
                    extra_train=[*noise, "--fault-rank", "1", "--crash-at-step", str(CRASH_AT),
-                                "--crash-mode", "before-save"])
+                                "--crash-mode", "before-save-after-peers"])
     job.start("a")
     job.start("b")
     for name in ("a", "b"):
