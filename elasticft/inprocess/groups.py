@@ -378,15 +378,16 @@ def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
     store an agent hosts, every rank a client of it."""
     os.environ["MASTER_ADDR"] = generation.master_addr
     os.environ["MASTER_PORT"] = str(generation.master_port)
-    regime = reconfigure.active()
-    if regime is not None:
-        took = reconfigure.regroup_in_place(regime, generation, rank, timeout_s)
-        logger.info("rank %d reconfigured in place into generation %d (%d ranks, %.3f s)", rank,
-                    generation.generation, generation.world_size, took)
-        return
     store = dist.TCPStore(generation.master_addr, generation.master_port,
                           world_size=generation.world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
+    regime = reconfigure.active()
+    if regime is not None:
+        took = reconfigure.regroup_in_place(regime, store, rank, generation.world_size,
+                                            timeout_s)
+        logger.info("rank %d reconfigured in place into generation %d (%d ranks, %.3f s)", rank,
+                    generation.generation, generation.world_size, took)
+        return
     kwargs = settings.init_kwargs() if settings is not None else {}
     ops.init(backend, store=dist.PrefixStore(reconfigure.STORE_PREFIX, store), rank=rank,
              world_size=generation.world_size, **kwargs)

@@ -46,7 +46,6 @@ from typing import Any
 import torch.distributed as dist
 
 from elasticft.diag import groupsockets
-from elasticft.inprocess.protocol import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -277,24 +276,16 @@ def end_subgroups(regime: Regime) -> int:
     return len(others)
 
 
-def regroup_in_place(regime: Regime, generation: Generation, rank: int,
+def regroup_in_place(regime: Regime, store: dist.Store, rank: int, world_size: int,
                      timeout_s: float) -> float:
-    """Rebuilds the default group with ``generation``'s members, this process as ``rank``:
-    its store switched to the generation's, the handles exchanged there; returns the
-    reconfigure's own seconds."""
-    timeout = timedelta(seconds=timeout_s)
-    store = _generation_store(generation, timeout_s)
+    """Rebuilds the default group with the generation's members (``world_size`` of them), this
+    process as ``rank``: its store switched to the generation's (``store``), the handles
+    exchanged there; returns the reconfigure's own seconds."""
     regime.store.target = dist.PrefixStore(STORE_PREFIX, store)
-    took = connect(regime.store, regime.group, rank, generation.world_size, timeout,
+    took = connect(regime.store, regime.group, rank, world_size, timedelta(seconds=timeout_s),
                    regime.name, own_listeners=regime.listeners)
     c10d = dist.distributed_c10d
     # torch's own map of the default group's ranks, which it writes only at init.
-    c10d._world.pg_group_ranks[regime.group] = {i: i for i in range(generation.world_size)}
+    c10d._world.pg_group_ranks[regime.group] = {i: i for i in range(world_size)}
     regime.rebuild_s = took
     return took
-
-
-def _generation_store(generation: Generation, timeout_s: float) -> dist.Store:
-    return dist.TCPStore(generation.master_addr, generation.master_port,
-                         world_size=generation.world_size, is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
