@@ -9,7 +9,9 @@ on ``--device`` (4.8 GB on CUDA by default, the size of docs/benchmarks.md's H10
 ``--nproc 2`` or more the workers form a gloo (CUDA: NCCL) group and all-reduce one number per
 step, the collective a survivor meets a dead peer in; the launcher ``elasticft-inprocess`` is
 ``elasticft-run`` with the loop under ``elasticft.inprocess.worker.InProcess``: the survivors
-keep their processes, and ``elasticft-spare`` is that with ``--recovery-inprocess-spare``: a
+keep their processes (their group rebuilt in place by torch's reconfigure where the installed
+torch has it; ``elasticft-newgroup`` makes a new group there, as an older torch does), and
+``elasticft-spare`` is that with ``--recovery-inprocess-spare``: a
 pre-started spare (its model built, its AdamW state made by one step of its own) takes the
 killed rank; its workers wait for the spare to be ready before their first step, so the kill
 finds it waiting. The last rank is SIGKILLed two steps after its ``--kill-after-saves``-th
@@ -35,6 +37,8 @@ save. Printed per launcher:
         --launchers torchrun,elasticft-run,elasticft-inprocess  # the three modes
     python bench/recovery_large.py --device cpu --gb 1 --nproc 2 \
         --launchers elasticft-run,elasticft-inprocess,elasticft-spare  # and with the spare
+    python bench/recovery_large.py --device cpu --gb 1 --nproc 2 \
+        --launchers elasticft-run,elasticft-inprocess,elasticft-newgroup  # both regroup paths
 
 With ``--fsdp`` the model is sharded with FSDP2 over all ranks (``fully_shard`` on each layer and
 on the root), ``--gb`` stays the state per rank (the model is ``--nproc`` times larger), the
@@ -72,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from fresh_memory import page_reporting  # bench/ is the path when run as a script
-from recovery_large_measure import MODES, WORKER_SPEC, measure
+from recovery_large_measure import IN_PROCESS, MODES, WORKER_SPEC, measure
 from recovery_large_phases import phase_table
 
 
@@ -144,7 +148,7 @@ def main() -> int:
     unknown = sorted(set(args.launchers.split(",")) - set(MODES))
     if unknown:
         parser.error(f"--launchers {','.join(unknown)}: unknown; choose from {', '.join(MODES)}")
-    in_process = {"elasticft-inprocess", "elasticft-spare"} & set(args.launchers.split(","))
+    in_process = set(IN_PROCESS) & set(args.launchers.split(","))
     if in_process and args.nproc < 2:
         parser.error(f"--launchers {','.join(sorted(in_process))} needs --nproc 2 or more (a "
                      "survivor that keeps its process)")

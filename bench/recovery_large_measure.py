@@ -25,8 +25,17 @@ SCRIPT = Path(__file__).resolve().parent / "recovery_large.py"
 
 
 MODES = {"elasticft-run": "elasticft", "elasticft-inprocess": "inprocess",
-         "elasticft-spare": "spare", "torchrun": "torch"}
+         "elasticft-newgroup": "inprocess", "elasticft-spare": "spare", "torchrun": "torch"}
 """Launcher name in the table → how the worker checkpoints and recovers."""
+
+IN_PROCESS = ("elasticft-inprocess", "elasticft-newgroup", "elasticft-spare")
+"""The launchers whose survivors keep their processes."""
+
+LAUNCHER_FLAGS = {"elasticft-spare": ["--recovery-inprocess-spare"],
+                  "elasticft-newgroup": ["--recovery-inprocess-regroup", "new-group"]}
+"""elasticft-run's own flags per launcher: ``elasticft-newgroup`` is the in-process mode on a
+new group where the installed torch would rebuild the old one in place (the same path as
+``elasticft-inprocess`` on a torch without reconfigure)."""
 
 
 def _launcher(name: str) -> list[str]:
@@ -70,9 +79,8 @@ def _run(name: str, args: argparse.Namespace, tmp: Path
     worker_args = [str(SCRIPT)]
     nproc = str(args.nproc)
     if mode != "torch":
-        spare = ["--recovery-inprocess-spare"] if mode == "spare" else []
         command = [*_launcher(name), "--nproc-per-node", nproc, "--max-restarts", "1",
-                   "--run-dir", str(run_dir), *spare, *worker_args]
+                   "--run-dir", str(run_dir), *LAUNCHER_FLAGS.get(name, []), *worker_args]
     else:
         command = [*_launcher("torchrun"), "--nproc-per-node", nproc, "--max-restarts", "1",
                    "--standalone", "--log-dir", str(tmp / "torchrun-logs"), *worker_args]

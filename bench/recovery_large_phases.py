@@ -15,12 +15,14 @@ restore    its checkpoint loaded into the model and optimizer
 1st step   its first step
 =========  ===================================================================================
 
-The in-process modes (``elasticft-inprocess``, ``elasticft-spare``) keep the survivors and
-start one replacement; their columns are the phases of the agent's ``recover_in_process`` event
-(:func:`elasticft.inprocess.recovery_timing.phases`): ``out`` (survivors out of their training
-call), ``abort``, ``reap``, ``fork``, ``start-up`` (the replacement's, from its fork to its
-``InProcess()``; the spare, started before the failure, has none), ``join``,
-``regroup`` (decision → every worker in the new group: it spans reap, fork, start-up and join),
+The in-process modes (``elasticft-inprocess``, ``elasticft-newgroup``, ``elasticft-spare``)
+keep the survivors and start one replacement; their columns are the phases of the agent's
+``recover_in_process`` event (:func:`elasticft.inprocess.recovery_timing.phases`): ``out``
+(survivors out of their training call), ``abort``, ``reap``, ``fork``, ``start-up`` (the
+replacement's, from its fork to its ``InProcess()``; the spare, started before the failure, has
+none), ``join``, ``regroup`` (decision → every worker in the new group: it spans reap, fork,
+start-up and join), ``rebuild`` (the group's rebuild in place by torch's reconfigure, within
+the regroup: from every worker ready to the group formed; ``-`` where a new group is made),
 ``restore`` and ``redo`` (the step in flight, done again), and ``total`` (failure seen → the
 last first step). The in-process phases overlap (the survivors restore while the replacement
 starts), so a row does not add up; ``kill->step``, the SIGKILL → the restarted rank's first
@@ -44,6 +46,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("start-up", "startup_s", "start_s"),
     ("join", "", "join_s"),
     ("regroup", "", "regroup_s"),
+    ("rebuild", "", "rebuild_s"),
     ("restore", "restore_s", "restore_s"),
     ("redo", "", "redo_s"),
     ("1st step", "first_step_s", ""),

@@ -459,6 +459,11 @@ class RecoveryConfig:
         False, "Keep one pre-started spare process per node for in-process recovery: it runs "
         "the script's set-up before any failure and takes a failed rank's place, so recovery "
         "does not wait for a new process's start-up (costs one rank's memory more per node).")
+    recovery_inprocess_regroup: Literal["auto", "new-group"] = option(
+        "auto", "How an in-process recovery rebuilds the default process group: auto rebuilds "
+        "it in place with torch's reconfigure where the installed torch has it (torch >= 2.14: "
+        "the script's default group is made for it, nothing added to the script), else makes a "
+        "new group; new-group always makes a new group, as on an older torch.")
     recovery_departed_grace_s: float = tuning(
         6.0, "How long the leader waits for a node missing from a new round to show a live "
         "membership record before it counts as vanished.")

@@ -287,9 +287,11 @@ class ElasticftAgent(WarmStartMixin, LocalElasticAgent):
         # From the script alone, the same for every start and node: a replacement's group
         # must be made the way the survivors' was.
         if names_it:
-            env[reconfigure.REGIME_ENV] = "1"
+            chosen = self.options.recovery.recovery_inprocess_regroup
+            if chosen == "auto":
+                env[reconfigure.REGIME_ENV] = "1"
             if not getattr(self, "_regroup_path_said", False):
-                logger.info("%s", reconfigure.path_line())
+                logger.info("%s", reconfigure.path_line(chosen))
                 self._regroup_path_said = True
         return env
 

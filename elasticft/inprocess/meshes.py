@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -234,6 +235,26 @@ class KeptModules:
                                   f"{', '.join(stale)}; update elasticft.inprocess.meshes")
         return f"{len(meshes)} meshes, {repointed} FSDP2 group references"
 
+
+    def held_elsewhere(self) -> list[str]:
+        """The kept modules' tensor-subclass parameters (DTensors) that something besides the
+        module still holds: a weak reference, or a reference from C++ (an autograd graph, a
+        pending collective). A move of the module (``.to()``, ``.cpu()``: a framework's
+        re-entry makes one) swaps such a parameter in place, which torch refuses while another
+        holds it; the number after the name is torch's count of holders (the module's, and an
+        autograd gradient accumulator's, are expected)."""
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        held = []
+        for module in self.modules:
+            for name, parameter in module.named_parameters():
+                if not is_traceable_wrapper_subclass(parameter):
+                    continue
+                if weakref.getweakrefs(parameter):
+                    held.append(f"{name} (a weak reference)")
+                elif (count := parameter._use_count()) > 2:
+                    held.append(f"{name} ({count})")
+        return held
 
     def sharded_over(self) -> list[str]:
         """The mesh dimensions FSDP2 shards the kept modules' state over (``"fsdp"`` for a mesh

@@ -81,8 +81,11 @@ def backend_refusal(backend: str) -> str | None:
     return f"a default group on {backend!r} (reconfigure takes one backend, gloo or nccl)"
 
 
-def path_line() -> str:
-    """The one line that says how this job's in-process recovery will rebuild its group."""
+def path_line(chosen: str = "auto") -> str:
+    """The one line that says how this job's in-process recovery will rebuild its group, under
+    ``--recovery-inprocess-regroup chosen``."""
+    if chosen != "auto":
+        return f"in-process regroup: a new group (--recovery-inprocess-regroup {chosen})"
     reason = unsupported()
     if reason is None:
         return ("in-process regroup: the default group rebuilt in place by torch's reconfigure "

@@ -370,6 +370,10 @@ class InProcess:
         backend, rank, world = self.group.backend, self.group.rank, self.group.world_size
         self._replicated.clear()  # the ended DDPs' groups: released in the bounded teardown
         _release(error)
+        if self._kept is not None and (held := self._kept.held_elsewhere()):
+            logger.warning("parameters still held after the failed call was released: %s (a "
+                           "move of the module at the re-entry cannot swap them)",
+                           ", ".join(held))
         # The device the teardown synchronizes and the health check judges: the rank's now.
         self.device = self.device.at_failure(self.group.settings.device_id)
         how = self._bounded_teardown(backend)
@@ -540,14 +544,26 @@ def _release(error: BaseException) -> None:
     A gloo group closes its connections only once nothing holds it, and its peers' collectives
     with this process end only then; ``destroy_process_group`` alone unregisters it.
     """
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
+    for carried in exceptions_carried(error):
+        traceback.clear_frames(carried.__traceback__)
     gc.collect()
     release_ended()  # the groups the monitor ended: their last holder, without the GIL
+
+
+def exceptions_carried(error: BaseException) -> list[BaseException]:
+    """``error`` and every exception it carries, each once: its cause *and* its context (one
+    raised ``from`` another while a third was handled has both, each with a traceback of its
+    own), an exception group's members, and theirs."""
+    found: dict[int, BaseException] = {}
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in found:
+            continue
+        found[id(current)] = current
+        pending += [current.__cause__, current.__context__,
+                    *getattr(current, "exceptions", ())]
+    return list(found.values())
 
 
 def run(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:

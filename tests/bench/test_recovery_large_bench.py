@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from elasticft.inprocess import reconfigure
 from tests.conftest import ROOT
 
 
@@ -51,7 +52,8 @@ def test_the_large_recovery_bench_runs_fsdp2_under_torchrun_from_dcp() -> None:
 
 
 PHASE_HEADERS = ["detect", "decide", "out", "abort", "reap", "fork", "restart", "start-up",
-                 "join", "regroup", "restore", "redo", "1st step", "total", "kill->step"]
+                 "join", "regroup", "rebuild", "restore", "redo", "1st step", "total",
+                 "kill->step"]
 
 
 def measured_phases(cells: list[str]) -> list[str]:
@@ -78,6 +80,11 @@ def measured_phases(cells: list[str]) -> list[str]:
                      "restore_s": 0.2, "redo_s": 0.27, "total_s": 0.78}},
      ["detect", "decide", "out", "abort", "reap", "fork", "start-up", "join", "regroup",
       "restore", "redo", "total", "kill->step"]),
+    # On a torch with reconfigure: the group's rebuild in place, within the regroup.
+    ({"launcher": "elasticft-inprocess", "kill_to_first_step_s": 0.7,
+      "in_process": {"detect_s": 0.0, "survivors_out_s": 0.1, "regroup_s": 0.2,
+                     "rebuild_s": 0.01, "total_s": 0.6}},
+     ["decide", "out", "regroup", "rebuild", "total", "kill->step"]),
     # The spare: no fork; and a phase the event left out is not measured.
     ({"launcher": "elasticft-spare", "kill_to_first_step_s": 0.6,
       "in_process": {"detect_s": 0.0, "survivors_out_s": 0.03, "reap_s": 0.01,
@@ -138,7 +145,7 @@ def test_the_large_recovery_bench_runs_both_elasticft_modes_on_two_ranks() -> No
     header = lines.index(next(line for line in lines if line.startswith("phases (s):"))) + 1
     assert lines[header].split() == ["launcher", "detect", "decide", "out", "abort", "reap",
                                      "fork", "restart", "start-up", "join", "regroup",
-                                     "restore", "redo", "1st", "step", "total",
+                                     "rebuild", "restore", "redo", "1st", "step", "total",
                                      "kill->step"], lines
     table = {line.split()[0]: line.split()[1:] for line in lines[header + 1:header + 3]}
     assert list(table) == ["elasticft-run", "elasticft-inprocess"], lines
@@ -148,6 +155,9 @@ def test_the_large_recovery_bench_runs_both_elasticft_modes_on_two_ranks() -> No
     assert {"out", "reap", "regroup", "total", "kill->step"} <= set(
         measured["elasticft-inprocess"]), lines
     assert not {"restart", "1st step"} & set(measured["elasticft-inprocess"]), lines
+    # The group rebuilt in place where this torch has reconfigure, else a new group.
+    in_place = reconfigure.unsupported() is None
+    assert ("rebuild" in measured["elasticft-inprocess"]) == in_place, lines
 
 
 @pytest.mark.slow

@@ -170,8 +170,6 @@ def test_an_agent_on_a_gpu_node_gives_the_nccl_settings_only_to_a_job_under_inpr
     not name it is empty, on a node with GPUs too; a script that names it gets them from its
     first start, and once the workers armed (``InProcessRecovery.in_use``) every later start
     does."""
-    from types import SimpleNamespace
-
     from elasticft.agent import agent as agent_module
 
     monkeypatch.setattr(agent_module, "gpu_devices_present", lambda: True)
@@ -181,9 +179,34 @@ def test_an_agent_on_a_gpu_node_gives_the_nccl_settings_only_to_a_job_under_inpr
     if script is not None:
         (tmp_path / "train.py").write_text(script)
         args = ("-u", str(tmp_path / "train.py"), "--steps", "3")
-    agent = SimpleNamespace(in_process=SimpleNamespace(in_use=in_use, teardown_limit_s=30.0),
-                            _worker_group=SimpleNamespace(spec=SimpleNamespace(args=args)))
-    found = agent_module.ElasticftAgent.startup_env(agent)  # type: ignore[arg-type]
+    found = agent_module.ElasticftAgent.startup_env(_agent(in_use, args))  # type: ignore[arg-type]
     # The reconfigure regime from the script alone: the same for every start of the job.
     regime = {REGIME_ENV: "1"} if script is not None and script_arms(script) else {}
     assert found == ({**IN_PROCESS_NCCL, **regime} if given else {})
+
+
+def _agent(in_use: bool, args: tuple[str, ...], regroup: str = "auto") -> object:
+    """What ``startup_env`` reads of an agent."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        in_process=SimpleNamespace(in_use=in_use, teardown_limit_s=30.0),
+        options=SimpleNamespace(recovery=SimpleNamespace(recovery_inprocess_regroup=regroup)),
+        _worker_group=SimpleNamespace(spec=SimpleNamespace(args=args)))
+
+
+@pytest.mark.timeout(30)
+def test_a_job_told_to_make_new_groups_is_not_put_in_the_reconfigure_regime(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--recovery-inprocess-regroup new-group``: a script under ``InProcess`` gets the NCCL
+    settings and no regime, on any torch."""
+    from elasticft.agent import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "gpu_devices_present", lambda: True)
+    for name in IN_PROCESS_NCCL:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "train.py").write_text("from elasticft.inprocess import InProcess\n")
+    args = (str(tmp_path / "train.py"),)
+    found = agent_module.ElasticftAgent.startup_env(
+        _agent(False, args, "new-group"))  # type: ignore[arg-type]
+    assert found == IN_PROCESS_NCCL

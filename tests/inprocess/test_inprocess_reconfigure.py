@@ -62,6 +62,8 @@ def test_the_path_line_follows_what_this_torch_has() -> None:
     has = callable(getattr(dist, "_reconfigure", None))
     assert (reconfigure.unsupported() is None) == has
     assert ("in place" in reconfigure.path_line()) == has
+    assert reconfigure.path_line("new-group") == (
+        "in-process regroup: a new group (--recovery-inprocess-regroup new-group)")
 
 
 @pytest.mark.timeout(30)

@@ -5,6 +5,7 @@ SIGKILL and a replacement: tests/inprocess/test_inprocess_sharded.py."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -215,3 +216,27 @@ def test_a_dimension_with_a_backend_of_its_own_keeps_it_through_the_rebind(world
     configs = [str(dist.get_backend_config(dist.distributed_c10d._resolve_process_group(n)))
                for n in names]
     assert configs == [str(dist.get_backend_config()), "cpu:gloo"]
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_a_graph_or_a_weak_reference_still_holds_is_named(world: None) -> None:
+    """A tensor parallel module whose step was cut short between its forward and backward: the
+    graph holds its DTensor weights, and the move a framework's re-entry makes (``.to()``) fails
+    to swap them; the release names them first. Once the graph is gone, nothing is named."""
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                       src_data_rank=None)
+    kept = KeptModules.arm([model])
+    assert kept.held_elsewhere() == []
+    loss = model(torch.randn(4, 8)).pow(2).mean()  # the step cut short before its backward
+    assert [name.split()[0] for name in kept.held_elsewhere()] == ["2.weight"]  # for dx
+    with pytest.raises(RuntimeError, match="Couldn't swap"):
+        model.to("cpu")
+    del loss
+    assert kept.held_elsewhere() == []
+    model.to("cpu")
+    reference = weakref.ref(model[0].weight)
+    assert kept.held_elsewhere() == ["0.weight (a weak reference)"]
+    del reference
+    assert kept.held_elsewhere() == []

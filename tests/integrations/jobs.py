@@ -42,6 +42,14 @@ def run_job(tmp: Path, script: str, name: str, env: dict[str, str], *extra: str)
                              if line.split()[0] == str(rank)] for rank in (0, 1)}}
 
 
+def first_traceback(text: str) -> str:
+    """The run's first traceback with what led to it (where a recovery went wrong; the run's
+    end is a later attempt's), then the run's end."""
+    at = text.find("Traceback (most recent call last)")
+    head = text[max(0, at - 3000):at + 6000] if at >= 0 else ""
+    return f"{head}\n[...]\n{text[-3000:]}"
+
+
 def assert_recovered_in_process(run: dict, reference: dict, replaced: int = 1) -> None:
     """Rank ``replaced`` (1) was replaced in process, the other kept its process, the run took
     the reference's steps to the reference's parameters bit for bit, and the report counts the
@@ -51,8 +59,8 @@ def assert_recovered_in_process(run: dict, reference: dict, replaced: int = 1) -
     between the two (a loaded machine) makes them differ by that step, so each is bounded on its
     own."""
     kinds = [e["kind"] for e in run["events"]]
-    assert "restart" not in kinds, run["text"][-5000:]
-    assert kinds.count("recover_in_process") == 1, run["text"][-5000:]
+    assert "restart" not in kinds, first_traceback(run["text"])
+    assert kinds.count("recover_in_process") == 1, first_traceback(run["text"])
     survivor = 1 - replaced
     assert len(run["pids"][survivor]) == 1, run["pids"]
     assert len(run["pids"][replaced]) == 2, run["pids"]
