@@ -15,6 +15,8 @@ InProcess``):
 - ``groups``: the process groups' teardown and regroup (:class:`GroupOps`, the seam tests replace);
 - ``meshes``: the sharded modules (FSDP2, tensor parallel) a survivor keeps (:class:`KeptModules`);
 - ``device``: whether a survivor's device is fit to rejoin; ``ncclenv``: NCCL's environment;
+- ``cuda_graphs``: the CUDA graphs a survivor drops before its groups' abort
+  (:func:`drop_on_failure`);
 - ``spare``: a pre-started process that takes a failed rank (:func:`take_rank`).
 
 **The agent's half** (held by the agent, :class:`elasticft.inprocess.agent_side.InProcessRecovery`):
@@ -44,14 +46,15 @@ from typing import TYPE_CHECKING
 from elasticft.lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from elasticft.inprocess.cuda_graphs import drop_on_failure
     from elasticft.inprocess.groups import GroupOps
     from elasticft.inprocess.interrupt import PeerInterrupted
     from elasticft.inprocess.meshes import KeptModules
     from elasticft.inprocess.spare import take_rank
     from elasticft.inprocess.worker import InProcess, peer_failure, run
 
-__all__ = ["GroupOps", "InProcess", "KeptModules", "PeerInterrupted", "peer_failure", "run",
-           "take_rank"]
+__all__ = ["GroupOps", "InProcess", "KeptModules", "PeerInterrupted", "drop_on_failure",
+           "peer_failure", "run", "take_rank"]
 
 __getattr__ = lazy_getattr(__name__, {
     "InProcess": "elasticft.inprocess.worker",
@@ -61,4 +64,5 @@ __getattr__ = lazy_getattr(__name__, {
     "GroupOps": "elasticft.inprocess.groups",
     "KeptModules": "elasticft.inprocess.meshes",
     "take_rank": "elasticft.inprocess.spare",
+    "drop_on_failure": "elasticft.inprocess.cuda_graphs",
 })

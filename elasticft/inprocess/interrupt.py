@@ -268,13 +268,16 @@ class Monitor:
                 raise PeerInterrupted(f"generation {self._generation} ended by the agent "
                                       "(raised at the end of a protected section)")
 
-    def left(self, limit_s: float | None = None) -> bool:
+    def left(self, limit_s: float | None = None,
+             before_wait: Callable[[], object] = lambda: None) -> bool:
         """The main thread has left the training function: no asynchronous exception lands
-        after this, and an end of the groups under way is waited for (at most ``limit_s``);
-        returns whether it is over."""
+        after this, ``before_wait()`` runs (what the end may be waiting for: CUDA graphs that
+        captured a communicator, :mod:`elasticft.inprocess.cuda_graphs`), and an end of the
+        groups under way is waited for (at most ``limit_s``); returns whether it is over."""
         with self._lock:
             self._state = "outside"
             _take_back(self._main)
+        before_wait()
         return self._quiet.wait(limit_s)
 
     def _ended(self) -> int:

@@ -77,7 +77,7 @@ from elasticft.ckpt.control import restored_path
 from elasticft.ckpt.settings import ENV_CONTROL
 from elasticft.diag import groupsockets
 from elasticft.diag import recorder as diag_recorder
-from elasticft.inprocess import reconfigure
+from elasticft.inprocess import cuda_graphs, reconfigure
 from elasticft.inprocess.certify import Replicated, certify
 from elasticft.inprocess.ddp_buckets import BucketLayouts
 from elasticft.inprocess.device import ArmedDevice, within
@@ -340,10 +340,12 @@ class InProcess:
         if monitor is None:
             return outcome
         limit = self.settings.teardown_limit_s
+        # A failed call's CUDA graphs go before the wait: the abort may be waiting for them.
+        drop = _drop_graphs if not outcome[0] else (lambda: None)
         try:
-            over = monitor.left(limit)
+            over = monitor.left(limit, drop)
         except PeerInterrupted:  # raised just before the monitor heard that fn ended: absorbed
-            over = monitor.left(limit)  # (the monitor raises again only grace_s later)
+            over = monitor.left(limit, drop)  # (the monitor raises again only grace_s later)
         if not over:
             self._leave(f"the end of its process groups did not finish within {limit:.0f} s")
         return outcome
@@ -529,6 +531,14 @@ class InProcess:
                          record).write(self.settings.directory)
         except OSError as e:  # the agent then falls back to a restart after its timeout
             logger.warning("could not write the in-process %s record: %s", kind, e)
+
+
+def _drop_graphs() -> None:
+    """The CUDA graphs that captured the failed generation's communicators
+    (:mod:`elasticft.inprocess.cuda_graphs`), dropped before the main thread waits for their
+    abort."""
+    if dropped := cuda_graphs.drop_all():
+        logger.info("CUDA graphs dropped before the groups' abort: %s", ", ".join(dropped))
 
 
 def _rebuild() -> dict[str, float]:

@@ -316,6 +316,21 @@ class _InProcessModelParallel(_InProcessFit):
     def kept_modules(self, model: Any) -> tuple[Any, ...]:
         return (model,)
 
+    def model_to_device(self) -> None:
+        # A later entry's module is the kept one, placed by the first entry. Lightning's move
+        # would swap each DTensor parameter in place for no change (torch's ``_apply``), which
+        # torch refuses while anything else still holds one; InProcess's release names such a
+        # parameter (the failed step's graph kept by something, seen once under load).
+        if self.recovery.entries > 1 and _all_on(self.model, self.root_device):
+            return
+        super().model_to_device()
+
+
+def _all_on(module: Any, device: Any) -> bool:
+    """Whether every parameter and buffer of ``module`` is on ``device`` (a DTensor: its local
+    shard)."""
+    return all(t.device == device for t in [*module.parameters(), *module.buffers()])
+
 
 def callback_states(callbacks: Any) -> str:
     """What Lightning's checkpoint keeps of ``callbacks`` (each one's non-empty

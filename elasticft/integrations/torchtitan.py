@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elasticft.extras import require
+from elasticft.inprocess.cuda_graphs import drop_on_failure
 from elasticft.inprocess.worker import InProcess
 from elasticft.integrations.fit import EntryRuleBroken, FitRecovery
 from elasticft.integrations.torchtitan_checks import (
@@ -140,20 +141,34 @@ class _Recovered:
         def train() -> Any:
             if self.problems and self.recovery.inprocess.settings.directory is not None:
                 raise EntryRuleBroken(self.problems[0])
-            return self.recovery.run(entry)
+            undrop = self._drop_graphs_on_failure()
+            try:
+                return self.recovery.run(entry)
+            finally:
+                undrop()
 
         trainer.train = train  # main() calls trainer.train(): entered again after a regroup
 
+    def _drop_graphs_on_failure(self) -> Callable[[], None]:
+        """torchtitan's CUDA graphs are dropped as soon as a training call failed, before the
+        survivor waits for its groups' abort, which may wait for them
+        (:mod:`elasticft.inprocess.cuda_graphs`); returns what unregisters that."""
+        if self.trainer.config.training.disable_cuda_graphs:
+            return lambda: None
+        from torchtitan.distributed.cudagraph import cudagraph_teardown
+
+        return drop_on_failure(cudagraph_teardown, "torchtitan's cudagraph_teardown")
+
     def _capture_graphs_again(self) -> None:
-        """CUDA graphs captured before the regroup replay the old group's communicators: they
-        are dropped and the step is wrapped again, so the first step of this entry captures
-        them on the new group (torchtitan's own teardown and wrapper; eager on a CPU)."""
+        """CUDA graphs captured before the regroup replayed the old group's communicators
+        (dropped when the call failed): the step is wrapped again, so the first step of this
+        entry captures them on the new group (torchtitan's own wrapper; eager on a CPU)."""
         trainer = self.trainer
         if trainer.config.training.disable_cuda_graphs:
             return
         from torchtitan.distributed.cudagraph import cudagraph_teardown, wrap_with_cuda_graph
 
-        cudagraph_teardown()
+        cudagraph_teardown()  # nothing left by now, unless the failure came outside a call
         trainer.fwd_bwd_fn = wrap_with_cuda_graph(trainer._forward_backward_body)
 
     def save(self, step: int) -> None:

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticft.diag import groupsockets
-from elasticft.inprocess import InProcess
+from elasticft.inprocess import InProcess, cuda_graphs
 from elasticft.inprocess.generations import InProcessCoordinator
 from elasticft.inprocess.groups import GroupOps, destroy_registered, end_groups
 from elasticft.inprocess.interrupt import PeerInterrupted, _raise_in
@@ -103,6 +103,53 @@ def test_the_teardown_and_regroup_wait_for_the_monitors_end(tmp_path: Path, grou
         assert order == ["end", "end over", "destroy", "init"]
         assert entries == [0, 1] and recovery.recoveries == 1
     finally:
+        coordinator.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_failed_calls_cuda_graphs_are_dropped_before_the_wait_for_the_abort(
+        tmp_path: Path, group_of_one) -> None:
+    """NCCL 2.26 on: a communicator's abort returns only once every CUDA graph that captured
+    it is destroyed. The monitor's end here is such an abort: it waits until the graphs are
+    dropped (it gives up after 10 s). Dropped at the next entry, after the survivor waited for
+    that end, each would wait for the other until the teardown's limit; dropped as soon as the
+    call failed, the end is over at once and the survivor regroups."""
+    directory = tmp_path / "ip"
+    coordinator = InProcessCoordinator(directory, timeout_s=30)
+    coordinator.reset()
+    order: list[str] = []
+    ending, dropped = threading.Event(), threading.Event()
+
+    def graph_bound_end(backend: str, waiting) -> str:
+        order.append("end")
+        ending.set()
+        order.append("end over" if dropped.wait(10) else "end gave up")
+        return end_groups(backend, waiting)
+
+    def drop() -> None:
+        order.append("graphs dropped")
+        dropped.set()
+
+    undrop = cuda_graphs.drop_on_failure(drop, "the step's graphs")
+    recovery = InProcess(InProcessSettings(directory=directory, timeout_s=30),
+                         ops=GroupOps(end=graph_bound_end))
+    entries: list[int] = []
+
+    def train() -> str:
+        entries.append(recovery.generation)
+        if len(entries) == 1:
+            _agent(directory, coordinator)
+            write_json(directory / INTERRUPT_FILE, {"ended": 0})  # the agent's notice
+            assert ending.wait(20)
+            raise RuntimeError(GLOO_CLOSED)  # the step's collective failed
+        return "regrouped"
+
+    try:
+        assert recovery.run(train) == "regrouped"
+        assert order == ["end", "graphs dropped", "end over"]
+        assert entries == [0, 1] and recovery.recoveries == 1
+    finally:
+        undrop()
         coordinator.close()
 
 
