@@ -37,7 +37,8 @@ from tests.recovery.test_faults import (  # noqa: F401  (fixtures)
 )
 from tests.servers import EtcdServer
 
-pytestmark = pytest.mark.slow
+# Also on the second torch (scripts/compat.sh): there the reconfigure path, here a new group.
+pytestmark = [pytest.mark.slow, pytest.mark.smoke]
 INPROCESS = EXAMPLES / "train_inprocess.py"
 FAILED_RANK = 3
 """A rank of the second node (group rank 1 holds ranks 2 and 3)."""

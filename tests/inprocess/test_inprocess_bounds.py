@@ -18,6 +18,9 @@ from elasticft.jsonfile import write_json
 from tests.conftest import made_once
 from tests.inprocess.test_inprocess import _run
 
+# Also on the second torch (scripts/compat.sh): there the reconfigure path, here a new group.
+pytestmark = pytest.mark.smoke
+
 STEPS = 10
 LIMIT = 10.0
 NOTICE = 1000.0

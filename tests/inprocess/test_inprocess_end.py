@@ -20,6 +20,9 @@ import torch.distributed as dist
 from elasticft.inprocess import reconfigure
 from tests.inprocess.test_inprocess import STEPS, _recovered_in_process, _run
 
+# Also on the second torch (scripts/compat.sh): there the reconfigure path, here a new group.
+pytestmark = pytest.mark.smoke
+
 ABORTED_LIVE_GROUPS = ("abort(2 of 2 groups at once; is_initialized() "
                        f"{reconfigure.unsupported() is None} after)")
 """The survivor's log of its end of the groups: both groups (the default one and the script's

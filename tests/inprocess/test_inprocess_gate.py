@@ -21,6 +21,9 @@ import pytest
 
 from tests.inprocess.test_inprocess import STEPS, _recovered_in_process, _run
 
+# Also on the second torch (scripts/compat.sh): there the reconfigure path, here a new group.
+pytestmark = pytest.mark.smoke
+
 
 @pytest.fixture(scope="module")
 def reference(inprocess_reference: dict[int, str]) -> dict[int, str]:

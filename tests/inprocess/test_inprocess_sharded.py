@@ -17,6 +17,9 @@ import pytest
 from elasticft.events import read_events
 from tests.conftest import BIN, EXAMPLES, pids_by_rank
 
+# Also on the second torch (scripts/compat.sh): there the reconfigure path, here a new group.
+pytestmark = pytest.mark.smoke
+
 STEPS = 8
 CRASH_AT = 4
 
