@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch.distributed as dist
@@ -47,6 +48,16 @@ def _agent(directory: Path, coordinator: InProcessCoordinator) -> threading.Thre
     thread = threading.Thread(target=publish, daemon=True)
     thread.start()
     return thread
+
+
+def _fail_once_the_end_began(directory: Path, coordinator: InProcessCoordinator,
+                             ending: threading.Event) -> NoReturn:
+    """A first entry's failure: the agent's notice, the monitor's end begun, then the step's
+    collective raises by itself (its dead peer's connection closed meanwhile)."""
+    _agent(directory, coordinator)
+    write_json(directory / INTERRUPT_FILE, {"ended": 0})  # the agent's notice
+    assert ending.wait(20)
+    raise RuntimeError(GLOO_CLOSED)
 
 
 @pytest.mark.timeout(60)
@@ -84,10 +95,7 @@ def test_the_teardown_and_regroup_wait_for_the_monitors_end(tmp_path: Path, grou
     def train() -> str:
         entries.append(recovery.generation)
         if len(entries) == 1:
-            _agent(directory, coordinator)
-            write_json(directory / INTERRUPT_FILE, {"ended": 0})  # the agent's notice
-            assert ending.wait(20)
-            raise RuntimeError(GLOO_CLOSED)  # the collective raised by itself meanwhile
+            _fail_once_the_end_began(directory, coordinator, ending)
         # Once the end is over, the next generation's store still answers: the end did not
         # shut its connection down.
         assert ended.wait(5)
@@ -138,10 +146,7 @@ def test_the_failed_calls_cuda_graphs_are_dropped_before_the_wait_for_the_abort(
     def train() -> str:
         entries.append(recovery.generation)
         if len(entries) == 1:
-            _agent(directory, coordinator)
-            write_json(directory / INTERRUPT_FILE, {"ended": 0})  # the agent's notice
-            assert ending.wait(20)
-            raise RuntimeError(GLOO_CLOSED)  # the step's collective failed
+            _fail_once_the_end_began(directory, coordinator, ending)
         return "regrouped"
 
     try:
