@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -371,6 +372,26 @@ def tear_down(backend: str, ops: GroupOps, device: int | None = None) -> str:
     return how
 
 
+TORCH_RANK_HOOK = "_distributed_excepthook"
+"""The name of the ``sys.excepthook`` torch's ``init_process_group`` puts on: it writes every
+line of a traceback with ``[rank<r>]: `` before it, and calls the hook it found (``old_hook``)."""
+
+
+def unwrap_rank_excepthook() -> None:
+    """Takes torch's rank prefix off ``sys.excepthook``: every ``init_process_group`` wraps the
+    hook it finds, so a regroup's would print ``[rank0]: [rank0]:`` (and an old rank after a
+    reshape). The hook torch wrapped first is put back."""
+    hook = sys.excepthook
+    while getattr(hook, "__name__", "") == TORCH_RANK_HOOK:
+        code = getattr(hook, "__code__", None)
+        cells = dict(zip(code.co_freevars, getattr(hook, "__closure__", None) or (),
+                         strict=False)) if code is not None else {}
+        if "old_hook" not in cells:
+            break
+        hook = cells["old_hook"].cell_contents
+    sys.excepthook = hook
+
+
 def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
             ops: GroupOps, settings: GroupSettings | None = None) -> None:
     """Joins the generation's group (same backend, rank and world size, and the ``timeout``,
@@ -389,5 +410,6 @@ def regroup(backend: str, rank: int, generation: Generation, timeout_s: float,
                     generation.generation, generation.world_size, took)
         return
     kwargs = settings.init_kwargs() if settings is not None else {}
+    unwrap_rank_excepthook()  # the new group's init puts on one with this rank
     ops.init(backend, store=dist.PrefixStore(reconfigure.STORE_PREFIX, store), rank=rank,
              world_size=generation.world_size, **kwargs)

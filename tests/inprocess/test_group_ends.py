@@ -126,3 +126,37 @@ def test_gloo_waits_are_released_from_the_groups_own_backends(
     how = end_groups(armed, lambda: False)
     assert not dist.is_initialized()
     assert how.endswith("+nothing shut down (the call returned by itself)"), how
+
+
+@pytest.mark.timeout(60)
+def test_a_regroups_init_leaves_one_rank_prefix_on_a_traceback(store) -> None:
+    """torch's ``init_process_group`` wraps ``sys.excepthook`` in one that writes ``[rank<r>]: ``
+    before each line; the regroup takes it off before its own init, so a survivor's traceback
+    after two groups says its rank once, the new one."""
+    import io
+    import sys
+
+    before = sys.excepthook
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("first", store), rank=0,
+                                world_size=1)
+        dist.destroy_process_group()
+        groups.unwrap_rank_excepthook()  # what the regroup does before its init
+        dist.init_process_group("gloo", store=dist.PrefixStore("second", store), rank=0,
+                                world_size=1)
+        written = io.StringIO()
+        sys.stderr, stderr = written, sys.stderr
+        try:
+            try:
+                raise ValueError("after the regroup")
+            except ValueError as e:
+                sys.excepthook(type(e), e, e.__traceback__)
+        finally:
+            sys.stderr = stderr
+        lines = [line for line in written.getvalue().splitlines() if line]
+        assert lines and all(line.startswith("[rank0]: ") for line in lines), lines
+        assert not any(line.startswith("[rank0]: [rank0]:") for line in lines), lines
+        groups.unwrap_rank_excepthook()
+        assert getattr(sys.excepthook, "__name__", "") != groups.TORCH_RANK_HOOK
+    finally:
+        sys.excepthook = before
