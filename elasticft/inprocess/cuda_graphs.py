@@ -40,7 +40,10 @@ def drop_on_failure(drop: Callable[[], Any], name: str | None = None) -> Callabl
     global _next_id
     key, _next_id = _next_id, _next_id + 1
     _droppers[key] = (name or getattr(drop, "__qualname__", repr(drop)), drop)
-    return lambda: _droppers.pop(key, None) and None
+
+    def unregister() -> None:
+        _droppers.pop(key, None)
+    return unregister
 
 
 def drop_all(modules: Mapping[str, Any] | None = None) -> list[str]:

@@ -571,8 +571,10 @@ def exceptions_carried(error: BaseException) -> list[BaseException]:
         if current is None or id(current) in found:
             continue
         found[id(current)] = current
-        pending += [current.__cause__, current.__context__,
-                    *getattr(current, "exceptions", ())]
+        pending += [current.__cause__, current.__context__]
+        members = getattr(current, "exceptions", ())  # an exception group's (3.11 on)
+        if isinstance(members, (list, tuple)):
+            pending += [m for m in members if isinstance(m, BaseException)]
     return list(found.values())
 
 

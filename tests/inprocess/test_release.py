@@ -67,6 +67,19 @@ def test_every_exception_a_failure_carries_is_found_once(make: str, carried: lis
     assert len({id(e) for e in found}) == len(found)
 
 
+class _Carrying(Exception):
+    """A library's error with an ``exceptions`` attribute of its own (not a group's)."""
+
+    exceptions = ("retries", 3)
+
+
+def test_an_exceptions_attribute_that_is_not_a_groups_is_left_alone() -> None:
+    try:
+        raise _Carrying("not a group")
+    except _Carrying as error:
+        assert exceptions_carried(error) == [error]
+
+
 @pytest.mark.parametrize("make", ["plain", "handled", "from-another",
                                   pytest.param("group", marks=NEEDS_GROUPS)])
 def test_the_release_frees_what_every_carried_exceptions_frames_held(make: str) -> None:
