@@ -19,6 +19,7 @@ are loaded and CUDA is initialized; and whatever the script or an integration re
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _droppers: dict[int, tuple[str, Callable[[], Any]]] = {}
-_next_id = 0
+_keys = itertools.count()
 
 COMPILE_TREES = "torch._inductor.cudagraph_trees"
 """torch.compile's CUDA graph trees (``reset_cudagraph_trees`` frees every graph they hold)."""
@@ -37,8 +38,7 @@ def drop_on_failure(drop: Callable[[], Any], name: str | None = None) -> Callabl
     """Registers ``drop`` (it destroys CUDA graphs that captured a process group's
     communicators), called by a survivor as soon as its training call failed. Returns what
     unregisters it."""
-    global _next_id
-    key, _next_id = _next_id, _next_id + 1
+    key = next(_keys)
     _droppers[key] = (name or getattr(drop, "__qualname__", repr(drop)), drop)
 
     def unregister() -> None:

@@ -168,7 +168,7 @@ class _Recovered:
             return
         from torchtitan.distributed.cudagraph import cudagraph_teardown, wrap_with_cuda_graph
 
-        cudagraph_teardown()  # nothing left by now, unless the failure came outside a call
+        cudagraph_teardown()  # again: the drop at the failure may have raised (it is logged)
         trainer.fwd_bwd_fn = wrap_with_cuda_graph(trainer._forward_backward_body)
 
     def save(self, step: int) -> None:
